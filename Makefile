@@ -1,0 +1,49 @@
+# hisparse-jax: `make demo` and `make test` set everything up on a fresh machine.
+SHELL := /bin/bash
+VENV := .venv
+ORACLE_VENV := .venv-oracle
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+# The transformers oracle (test-only) runs on CPU torch 2.13.0 in its own Python 3.11 venv.
+ORACLE_PKGS := torch==2.13.0 transformers==5.24.0 safetensors numpy
+
+.PHONY: demo test test-fast oracle proto clean
+
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
+	@py=""; for c in python3.12 python3.13 python3.14 python3; do \
+	  if command -v $$c >/dev/null 2>&1 && $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then py=$$c; break; fi; \
+	done; \
+	if [ -z "$$py" ] && command -v pyenv >/dev/null 2>&1 && [ -x "$$(pyenv prefix 3.12 2>/dev/null)/bin/python3.12" ]; then py="$$(pyenv prefix 3.12)/bin/python3.12"; fi; \
+	if [ -z "$$py" ]; then echo "error: hisparse-jax needs Python >= 3.12 (jax >= 0.12 requires it); none found. Install one (e.g. 'pyenv install 3.12') and run make again." >&2; exit 1; fi; \
+	if [ ! -x $(PY) ]; then echo "creating $(VENV) with $$($$py --version)"; $$py -m venv $(VENV); fi
+	$(PIP) install -U pip
+	$(PIP) install "scikit-build-core>=0.10" "nanobind>=2.4" "jaxlib>=0.11.2" "cmake>=3.24" ninja
+	$(PIP) install --no-build-isolation -e '.[test]'
+	@touch $@
+
+$(ORACLE_VENV)/.installed:
+	@py=""; if command -v pyenv >/dev/null 2>&1 && [ -x "$$(pyenv prefix 3.11 2>/dev/null)/bin/python3.11" ]; then py="$$(pyenv prefix 3.11)/bin/python3.11"; \
+	elif command -v python3.11 >/dev/null 2>&1; then py=python3.11; fi; \
+	if [ -z "$$py" ]; then echo "error: the transformers oracle needs Python 3.11 (the machine's CPU torch 2.13.0 wheel is for 3.11)" >&2; exit 1; fi; \
+	rm -rf $(ORACLE_VENV); $$py -m venv $(ORACLE_VENV)
+	$(ORACLE_VENV)/bin/pip -q --disable-pip-version-check install $(ORACLE_PKGS)
+	@touch $@
+
+oracle: $(ORACLE_VENV)/.installed
+
+demo: $(VENV)/.installed
+	@bash scripts/demo.sh
+
+test: $(VENV)/.installed $(ORACLE_VENV)/.installed
+	$(PY) -m pytest -q tests
+
+# Everything but the transformers oracle comparison.
+test-fast: $(VENV)/.installed
+	HISPARSE_ORACLE_PYTHON=/nonexistent $(PY) -m pytest -q tests
+
+proto: $(VENV)/.installed
+	$(PIP) install 'grpcio-tools==1.85.1'
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. hisparse_jax/proto/hisparse.proto
+
+clean:
+	rm -rf build $(VENV) $(ORACLE_VENV)

@@ -1,0 +1,87 @@
+r"""Command-line client for the hisparse-jax server: streams one request and prints it.
+
+  python -m hisparse_jax.client [--target 127.0.0.1:50051] (--text "..." | --input-ids 1,2,3) \
+      [--max-new-tokens 32]
+
+Prints the text as it streams, then a summary line with the finish reason and
+the swap-in hits/misses. Exits 1 with the server's status on an RPC error.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import grpc
+from absl import app, flags
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "127.0.0.1:50051", "Server address.")
+flags.DEFINE_string("text", None, "Prompt text.")
+flags.DEFINE_list("input-ids", None, "Prompt token ids, comma separated.")
+flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate.")
+flags.DEFINE_float("timeout-s", 300.0, "RPC deadline.")
+flags.DEFINE_float("wait-for-ready-s", 0.0, "Wait up to this long for the server's health service to report SERVING.")
+
+
+def wait_for_serving(channel, timeout_s: float) -> None:
+  """Polls grpc.health.v1 until SERVING; raises TimeoutError after timeout_s seconds."""
+  stub = health_pb2_grpc.HealthStub(channel)
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+        return
+    except grpc.RpcError:
+      pass
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"server not SERVING after {timeout_s:.0f} s")
+    time.sleep(0.2)
+
+
+def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None):
+  """Yields the server's GenerateResponse messages for one request."""
+  req = hisparse_pb2.GenerateRequest(max_new_tokens=max_new_tokens)
+  if text is not None:
+    req.text = text
+  elif input_ids is not None:
+    req.input_ids.ids.extend(input_ids)
+  yield from stub.Generate(req, timeout=timeout)
+
+
+def main(argv):
+  del argv
+  if (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
+    sys.exit("error: give exactly one of --text or --input-ids")
+  ids = None
+  if FLAGS["input-ids"].value is not None:
+    try:
+      ids = [int(x) for x in FLAGS["input-ids"].value]
+    except ValueError:
+      sys.exit("error: --input-ids must be integers")
+  with grpc.insecure_channel(FLAGS.target) as channel:
+    stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+    if FLAGS["wait-for-ready-s"].value > 0:
+      try:
+        wait_for_serving(channel, FLAGS["wait-for-ready-s"].value)
+      except TimeoutError as e:
+        sys.exit(f"error: {FLAGS.target}: {e}")
+    try:
+      for msg in generate(stub, text=FLAGS.text, input_ids=ids,
+                          max_new_tokens=FLAGS["max-new-tokens"].value, timeout=FLAGS["timeout-s"].value):
+        sys.stdout.write(msg.text)
+        sys.stdout.flush()
+        if msg.finished:
+          reason = hisparse_pb2.FinishReason.Name(msg.finish_reason)
+          print(f"\n[client] finish={reason} prompt_tokens={msg.prompt_tokens} "
+                f"completion_tokens={msg.completion_tokens} swap_in_hits={msg.swap_in_hits} "
+                f"swap_in_misses={msg.swap_in_misses}")
+    except grpc.RpcError as e:
+      sys.exit(f"\nerror: {e.code().name}: {e.details()}")
+
+
+if __name__ == "__main__":
+  app.run(main)

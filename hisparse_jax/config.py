@@ -1,0 +1,83 @@
+"""HiSparse configuration: the ``--hisparse-config`` JSON, parsed and validated.
+
+The keys follow SGLang's HiSparse flag (``--hisparse-config '{"top_k": 2048,
+"device_buffer_size": 4096, "host_to_device_ratio": 8}'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+# SGLang's HiSparse default: hot buffer = 2 x top_k, host pool = 8 x device.
+DEFAULT_BUFFER_PER_TOP_K = 2
+DEFAULT_HOST_TO_DEVICE_RATIO = 8
+
+
+class ConfigError(ValueError):
+  """An invalid configuration; the message names the offending key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparseConfig:
+  """Sizes of the hierarchical KV cache.
+
+  Attributes:
+    top_k: tokens attended per decode step and layer (the indexer's
+      ``index_topk``); must equal the model's value.
+    device_buffer_size: D, hot-buffer slots per request and layer on device
+      (one more reserved slot holds the newest token). D >= top_k.
+    host_to_device_ratio: host-pool rows per hot-buffer row (>= 1). The host
+      pool holds ratio x (requests x (D + 1)) latent rows per layer.
+  """
+
+  top_k: int
+  device_buffer_size: int
+  host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
+
+  def __post_init__(self):
+    for key in ("top_k", "device_buffer_size", "host_to_device_ratio"):
+      value = getattr(self, key)
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"hisparse config: {key} must be an integer, got {value!r}")
+    if self.top_k < 1:
+      raise ConfigError(f"hisparse config: top_k must be >= 1, got {self.top_k}")
+    if self.device_buffer_size < self.top_k:
+      raise ConfigError(
+          f"hisparse config: device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k})")
+    if self.host_to_device_ratio < 1:
+      raise ConfigError(
+          f"hisparse config: host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
+
+  @classmethod
+  def from_json(cls, text: str | None, model_top_k: int) -> "HiSparseConfig":
+    """Parses the ``--hisparse-config`` JSON against the model's ``index_topk``.
+
+    Missing keys default to: top_k = model_top_k, device_buffer_size =
+    2 x top_k, host_to_device_ratio = 8.
+
+    Raises:
+      ConfigError: malformed JSON, not an object, unknown key, wrong type,
+        invalid value, or a top_k different from the model's index_topk.
+    """
+    raw: Any = {}
+    if text:
+      try:
+        raw = json.loads(text)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"hisparse config is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+      raise ConfigError(f"hisparse config must be a JSON object, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+      raise ConfigError(f"hisparse config: unknown key(s) {unknown}; known keys: {sorted(known)}")
+    config = cls(
+        top_k=raw.get("top_k", model_top_k),
+        device_buffer_size=raw.get("device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * model_top_k),
+        host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO))
+    if config.top_k != model_top_k:
+      raise ConfigError(
+          f"hisparse config: top_k ({config.top_k}) differs from the model's index_topk ({model_top_k})")
+    return config

@@ -1,0 +1,160 @@
+"""gRPC inference server: a streaming ``Generate`` RPC over one continuous-batching engine.
+
+Threads: gRPC's worker pool runs the RPC handlers; one ``EngineLoop`` thread
+owns the engine and runs the decode loop. They talk through queues: a handler
+validates its request (bad input fails alone with INVALID_ARGUMENT or
+RESOURCE_EXHAUSTED), hands it to the loop, and streams the events the loop
+puts on the request's own queue. A cancelled RPC aborts its request at the
+next step boundary. The standard ``grpc.health.v1`` service reports SERVING
+while the loop runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import uuid
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hisparse_jax.engine import Engine, Request, RequestError
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.text import TextStream, encode_prompt
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "hisparse.HiSparseInference"
+_FINISH = {"stop": hisparse_pb2.STOP, "length": hisparse_pb2.LENGTH, "abort": hisparse_pb2.ABORT}
+
+
+@dataclasses.dataclass
+class _Event:
+  token: int | None = None      # a new token
+  done: Request | None = None   # the request finished
+  error: str | None = None      # the engine failed this request
+
+
+class EngineLoop(threading.Thread):
+  """Runs ``engine.step()`` while there is work; accepts submissions and aborts from any thread."""
+
+  def __init__(self, engine: Engine):
+    super().__init__(name="engine-loop", daemon=True)
+    self.engine = engine
+    self._inbox: queue.Queue = queue.Queue()
+    self._stopped = threading.Event()
+
+  def submit(self, req: Request, events: queue.Queue) -> None:
+    req.on_token = lambda t: events.put(_Event(token=t))
+    self._inbox.put(("submit", req, events))
+
+  def abort(self, request_id: str) -> None:
+    self._inbox.put(("abort", request_id, None))
+
+  def stop(self) -> None:
+    self._stopped.set()
+    self._inbox.put(("wake", None, None))
+
+  def run(self) -> None:
+    listeners: dict[str, queue.Queue] = {}
+    while not self._stopped.is_set():
+      block = not self.engine.has_work()
+      while True:
+        try:
+          kind, item, events = self._inbox.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+          break
+        block = False
+        if kind == "submit":
+          try:
+            self.engine.submit(item)
+            listeners[item.request_id] = events
+          except RequestError as e:  # raced with a state change; report like a validation error
+            events.put(_Event(error=str(e)))
+        elif kind == "abort" and item in listeners:
+          self.engine.abort(item)
+          listeners.pop(item).put(_Event(done=None))
+      if not self.engine.has_work():
+        continue
+      try:
+        finished = self.engine.step()
+      except Exception as e:  # noqa: BLE001 - keep serving: fail the affected requests
+        log.exception("decode step failed; failing running requests")
+        for rid in list(listeners):
+          listeners.pop(rid).put(_Event(error=f"internal error: {e}"))
+        self.engine.reset()
+        continue
+      for req in finished:
+        q = listeners.pop(req.request_id, None)
+        if q is not None:
+          q.put(_Event(done=req))
+
+
+class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
+
+  def __init__(self, loop: EngineLoop, tokenizer):
+    self.loop = loop
+    self.engine = loop.engine
+    self.tokenizer = tokenizer
+
+  def _prompt_ids(self, request, context) -> list[int]:
+    which = request.WhichOneof("prompt")
+    if which == "text":
+      if self.tokenizer is None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text prompt given but the model has no tokenizer")
+      return encode_prompt(self.tokenizer, request.text, self.engine.config.bos_token_id)
+    if which == "input_ids":
+      return list(request.input_ids.ids)
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: set text or input_ids")
+
+  def Generate(self, request, context):
+    ids = self._prompt_ids(request, context)
+    rid = request.request_id or uuid.uuid4().hex
+    req = Request(request_id=rid, prompt_ids=ids, max_new_tokens=request.max_new_tokens)
+    try:
+      self.engine.validate(req)
+    except RequestError as e:
+      context.abort(grpc.StatusCode[e.code], str(e))
+    events: queue.Queue = queue.Queue()
+    context.add_callback(lambda: self.loop.abort(rid))
+    self.loop.submit(req, events)
+    stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+    while True:
+      ev = events.get()
+      if ev.error is not None:
+        context.abort(grpc.StatusCode.INTERNAL if ev.error.startswith("internal") else
+                      grpc.StatusCode.INVALID_ARGUMENT, ev.error)
+      if ev.token is not None:
+        text = stream.push(ev.token) if stream is not None else ""
+        yield hisparse_pb2.GenerateResponse(request_id=rid, token_ids=[ev.token], text=text)
+        continue
+      done = ev.done
+      if done is None:  # aborted by the client: nobody is listening any more
+        return
+      yield hisparse_pb2.GenerateResponse(
+          request_id=rid, finished=True, finish_reason=_FINISH[done.finish_reason],
+          text=stream.flush() if stream is not None else "",
+          prompt_tokens=len(done.prompt_ids), completion_tokens=len(done.output_ids),
+          swap_in_hits=done.hits, swap_in_misses=done.misses)
+      return
+
+
+def serve(engine: Engine, tokenizer, host: str, port: int, max_workers: int = 64):
+  """Starts the server; returns (grpc.Server, EngineLoop, bound port)."""
+  loop = EngineLoop(engine)
+  loop.start()
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+  hisparse_pb2_grpc.add_HiSparseInferenceServicer_to_server(InferenceServicer(loop, tokenizer), server)
+  health_servicer = health.HealthServicer()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  bound = server.add_insecure_port(f"{host}:{port}")
+  if bound == 0:
+    loop.stop()
+    raise OSError(f"cannot bind {host}:{port}")
+  server.start()
+  for name in ("", SERVICE_NAME):
+    health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+  return server, loop, bound

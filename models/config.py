@@ -1,0 +1,346 @@
+"""Model configuration for DeepSeek-V3.2 (DeepSeek Sparse Attention) checkpoints.
+
+`DSAConfig` is built from a HuggingFace ``config.json`` of ``model_type == "deepseek_v32"``
+(``architectures == ["DeepseekV32ForCausalLM"]``).  Field names follow the HF config
+(transformers ``DeepseekV32Config``); see
+``transformers/models/deepseek_v32/configuration_deepseek_v32.py``.
+
+RoPE parameters are accepted in both forms found in the wild:
+
+* DeepSeek's own ``config.json``: top-level ``rope_theta`` plus
+  ``rope_scaling = {"type": "yarn", "factor", "original_max_position_embeddings",
+  "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}``;
+* transformers 5: ``rope_parameters = {"rope_type": "yarn" | "default", "rope_theta", ...}``.
+
+Resolution mirrors transformers 5.24 (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`` /
+``standardize_rope_params`` and ``_compute_yarn_parameters``): ``rope_scaling`` wins over
+``rope_parameters`` when both are present; a top-level ``original_max_position_embeddings`` wins over
+the one inside the rope dict; ``factor=None`` means ``max_position_embeddings / original``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
+SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+)
+
+# Optional keys and their defaults (the transformers DeepseekV32Config defaults).
+_DEFAULTS: dict[str, Any] = {
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 3,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+}
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """0.1 * mscale * ln(scale) + 1 for scale > 1, else 1 (DeepSeek / transformers ``yarn_get_mscale``)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE / YaRN parameters (shared by MLA's rope slice and the indexer's rope slice).
+
+    rope_type: "default" or "yarn".
+    theta: RoPE base.
+    factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim,
+    attention_factor, truncate: YaRN parameters (ignored for "default"); names as in HF.
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def inv_freq(self, dim: int) -> np.ndarray:
+        """float32[dim // 2] inverse frequencies (transformers ``_compute_yarn_parameters`` / default)."""
+        pos_freqs = (np.float32(self.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(
+            np.float32
+        )
+        inv_extra = (np.float32(1.0) / pos_freqs).astype(np.float32)
+        if self.rope_type == "default":
+            return inv_extra
+        inv_inter = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
+        orig = self.original_max_position_embeddings
+
+        def corr_dim(n_rot: float) -> float:
+            return (dim * math.log(orig / (n_rot * 2 * math.pi))) / (2 * math.log(self.theta))
+
+        low, high = corr_dim(self.beta_fast), corr_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        extra_factor = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+        return (inv_inter * (1 - extra_factor) + inv_extra * extra_factor).astype(np.float32)
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Factor multiplied into cos/sin (transformers' ``attention_scaling``; 1 for default RoPE)."""
+        if self.rope_type == "default":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(_yarn_get_mscale(self.factor, self.mscale) / _yarn_get_mscale(self.factor, self.mscale_all_dim))
+        return float(_yarn_get_mscale(self.factor))
+
+    def softmax_scale(self, qk_head_dim: int) -> float:
+        """MLA softmax scale: qk_head_dim**-0.5 times mscale(factor, mscale_all_dim)**2 for YaRN
+        (transformers ``yarn_apply_mscale``)."""
+        scale = qk_head_dim**-0.5
+        if self.rope_type != "default" and self.mscale_all_dim:
+            m = _yarn_get_mscale(self.factor, self.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+
+def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
+    rp = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rp, dict):
+        raise ValueError(f"rope_scaling / rope_parameters must be a dict, got {rp!r}")
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})")
+    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return RopeConfig(rope_type="default", theta=float(theta))
+    if "original_max_position_embeddings" in cfg:
+        orig = cfg["original_max_position_embeddings"]
+    else:
+        orig = rp.get("original_max_position_embeddings", max_pos)
+    factor = rp.get("factor")
+    if factor is None:
+        factor = max_pos / orig
+    return RopeConfig(
+        rope_type="yarn",
+        theta=float(theta),
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(rp.get("beta_fast") or 32),
+        beta_slow=float(rp.get("beta_slow") or 1),
+        mscale=rp.get("mscale"),
+        mscale_all_dim=rp.get("mscale_all_dim"),
+        attention_factor=rp.get("attention_factor"),
+        truncate=bool(rp.get("truncate", True)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DSAConfig:
+    """Hyper-parameters of a DeepSeek-V3.2 (DSA) causal LM.
+
+    Shapes implied (H = hidden_size, nH = num_attention_heads):
+      * MLA: q_a_proj H -> q_lora_rank; q_b_proj q_lora_rank -> nH * (qk_nope_head_dim + qk_rope_head_dim);
+        kv_a_proj_with_mqa H -> kv_lora_rank + qk_rope_head_dim; kv_b_proj kv_lora_rank ->
+        nH * (qk_nope_head_dim + v_head_dim); o_proj nH * v_head_dim -> H.
+      * KV-cache latent row: ``latent_dim = kv_lora_rank + qk_rope_head_dim`` values of ``dtype``.
+      * Indexer: wq_b q_lora_rank -> index_n_heads * index_head_dim; wk H -> index_head_dim
+        (float32 keys of ``index_head_dim`` in the cache); top-k ``index_topk``.
+      * MoE: n_routed_experts experts of width moe_intermediate_size, n_shared_experts shared ones
+        (one MLP of width moe_intermediate_size * n_shared_experts); layers < first_k_dense_replace
+        use a dense MLP of width intermediate_size.
+    ``dtype`` is the parameter / activation dtype name ("float32", "bfloat16", "float16").
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+    dtype: str = "float32"
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def latent_dim(self) -> int:
+        """W: width of one KV-cache latent row = kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA attention scale (includes the YaRN mscale**2 correction)."""
+        return self.rope.softmax_scale(self.qk_head_dim)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids as a tuple (empty if none)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, tuple):
+            return self.eos_token_id
+        return (int(self.eos_token_id),)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "DSAConfig":
+        """Build from a parsed HF config.json dict. Raises ValueError on unsupported model_type /
+        architecture / activation / rope type or a missing required key (the message names it)."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+        archs = cfg.get("architectures")
+        if archs is not None:
+            bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+            if bad:
+                raise ValueError(f"unsupported architecture {bad[0]!r} (supported: {SUPPORTED_ARCHITECTURES})")
+        for key in _REQUIRED_KEYS:
+            if key not in cfg:
+                raise ValueError(f"config is missing required key {key!r}")
+            if cfg[key] is None:
+                raise ValueError(f"config key {key!r} is None (unsupported; it must be an integer)")
+        def get(key: str) -> Any:
+            value = cfg.get(key)
+            return _DEFAULTS[key] if value is None else value
+
+        hidden_act = get("hidden_act")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu')")
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        if str(dtype_name) not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype_name!r}")
+        max_pos = int(get("max_position_embeddings"))
+        eos = cfg.get("eos_token_id", _DEFAULTS["eos_token_id"])
+        if isinstance(eos, list):
+            eos = tuple(int(e) for e in eos)
+        n_experts = int(cfg["n_routed_experts"])
+        n_group = int(get("n_group"))
+        if n_experts % n_group:
+            raise ValueError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
+        if int(cfg["index_head_dim"]) < int(cfg["qk_rope_head_dim"]):
+            raise ValueError("index_head_dim must be >= qk_rope_head_dim")
+        nkv = cfg.get("num_key_value_heads")
+        if nkv is not None and int(nkv) != int(cfg["num_attention_heads"]):
+            raise ValueError("num_key_value_heads != num_attention_heads is not supported for MLA")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            q_lora_rank=int(cfg["q_lora_rank"]),
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+            n_routed_experts=n_experts,
+            n_shared_experts=int(get("n_shared_experts")),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            n_group=n_group,
+            topk_group=int(get("topk_group")),
+            routed_scaling_factor=float(get("routed_scaling_factor")),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            first_k_dense_replace=int(get("first_k_dense_replace")),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            max_position_embeddings=max_pos,
+            rope=_parse_rope(cfg, max_pos),
+            index_n_heads=int(cfg["index_n_heads"]),
+            index_head_dim=int(cfg["index_head_dim"]),
+            index_topk=int(cfg["index_topk"]),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            bos_token_id=cfg.get("bos_token_id", _DEFAULTS["bos_token_id"]),
+            eos_token_id=eos,
+            dtype=_DTYPES[str(dtype_name)],
+            hidden_act=hidden_act,
+            initializer_range=float(get("initializer_range")),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> "DSAConfig":
+        """Read ``<model_dir>/config.json`` and build the config."""
+        path = os.path.join(os.fspath(model_dir), "config.json")
+        with open(path) as f:
+            return cls.from_hf_config(json.load(f))
+
+    def replace(self, **changes) -> "DSAConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,66 @@
+r"""Starts the hisparse-jax gRPC inference server.
+
+  python run_server.py [--model-path DIR] [--host 127.0.0.1] [--port 50051] \
+      [--enable-hisparse [--hisparse-config JSON]] [--max-running-requests 8] [--dtype ...]
+
+Serves ``hisparse.HiSparseInference/Generate`` (server streaming) and
+``grpc.health.v1.Health``. Stops cleanly on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model-path", None, "HF-format model directory (default: the embedded model).")
+flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+flags.DEFINE_integer("port", 50051, "Port to bind (0: pick a free one; the chosen port is printed).")
+flags.DEFINE_string("dtype", None, "float32 or bfloat16 (default: the checkpoint's dtype).")
+flags.DEFINE_boolean("enable-hisparse", False, "Keep the latent KV in a host pool with per-request hot buffers.")
+flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.")
+flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (requests decoded concurrently).")
+flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finish on SIGTERM.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from hisparse_jax import launch
+  try:
+    launch.check_dtype(FLAGS.dtype)
+    if FLAGS["max-running-requests"].value < 1:
+      raise launch.StartupError("--max-running-requests must be >= 1")
+    model_dir = launch.resolve_model_path(FLAGS["model-path"].value)
+    model_cfg = launch.read_model_config(model_dir)
+    hisparse = launch.resolve_hisparse(FLAGS["enable-hisparse"].value, FLAGS["hisparse-config"].value,
+                                       model_dir, model_cfg)
+  except launch.StartupError as e:
+    sys.exit(f"error: {e}")
+
+  from hisparse_jax.engine import Engine
+  from hisparse_jax.server import serve
+  from hisparse_jax.text import load_tokenizer
+
+  engine = Engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
+                  max_running_requests=FLAGS["max-running-requests"].value)
+  try:
+    server, loop, port = serve(engine, load_tokenizer(model_dir), FLAGS.host, FLAGS.port)
+  except OSError as e:
+    sys.exit(f"error: --host/--port: {e}")
+  mode = f"hisparse {hisparse}" if hisparse else "dense"
+  print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir})", flush=True)
+  stopping = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: stopping.set())
+  stopping.wait()
+  print("[server] shutting down", flush=True)
+  server.stop(FLAGS["shutdown-grace-s"].value).wait()
+  loop.stop()
+
+
+if __name__ == "__main__":
+  app.run(main)

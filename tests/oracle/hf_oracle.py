@@ -1,0 +1,174 @@
+"""HuggingFace transformers oracle for the DeepSeek-V3.2 model tests.
+
+Runs in the *oracle* environment (torch + transformers), never in the main venv.  The
+pytest suite calls it in a subprocess (see tests/test_model_oracle.py).
+
+Usage:
+    python hf_oracle.py --make-checkpoint DIR --seed N [--config-json '{...}']
+        Build ``DeepseekV32ForCausalLM`` (fp32) from a tiny config (``TINY_CONFIG`` updated by the
+        JSON overrides), initialise it with ``torch.manual_seed(N)`` (the zero-initialised router
+        ``e_score_correction_bias`` is then drawn from N(0, 0.05) so selection-only bias is exercised)
+        and ``save_pretrained(DIR)``.  With a ``rope_scaling`` override, config.json is rewritten in
+        DeepSeek's legacy form (``rope_scaling`` + top-level ``rope_theta``, no ``rope_parameters``).
+
+    python hf_oracle.py --run DIR --prompts prompts.json --max-new-tokens 16 --out out.npz
+        ``prompts.json`` is a list of token-id lists.  For prompt i the npz holds
+        ``logits_{i}``: float32[S_i, V] (prefill logits at every position) and
+        ``greedy_{i}``: int64[max_new_tokens] (greedy continuation computed by repeated full
+        forward passes without a cache, so it exercises the same code path as prefill).
+        Also ``cached_{i}``: int64[max_new_tokens], greedy through transformers' own KV cache
+        (its indexer-key cache / decode path).
+
+The two modes can be combined in one invocation (make, then run) to save interpreter start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+import numpy as np
+import torch
+
+TINY_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+
+def _build_config(overrides: dict):
+    from transformers import DeepseekV32Config
+
+    cfg = dict(TINY_CONFIG)
+    cfg.update(overrides)
+    if "rope_scaling" in overrides:
+        # Legacy DeepSeek form: rope_scaling + rope_theta at the top level.
+        cfg.pop("rope_parameters", None)
+    cfg.pop("architectures", None)
+    cfg.pop("model_type", None)
+    return DeepseekV32Config(**cfg)
+
+
+def make_checkpoint(out_dir: str, seed: int, overrides: dict) -> None:
+    from transformers import DeepseekV32ForCausalLM
+
+    config = _build_config(copy.deepcopy(overrides))  # transformers mutates rope dicts in place
+    torch.manual_seed(seed)
+    model = DeepseekV32ForCausalLM(config).to(torch.float32).eval()
+    # Give the (zero-initialised) routing correction bias some signal so that the test covers
+    # "bias used for selection only".
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.normal_(0.0, 0.05)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if "rope_scaling" in overrides:
+        # Rewrite config.json in DeepSeek's own legacy form (rope_scaling + rope_theta) so the
+        # JAX side has to parse it; transformers reads it back identically.
+        with open(f"{out_dir}/config.json") as f:
+            saved = json.load(f)
+        saved.pop("rope_parameters", None)
+        saved["rope_scaling"] = overrides["rope_scaling"]
+        if "rope_theta" in overrides:
+            saved["rope_theta"] = overrides["rope_theta"]
+        with open(f"{out_dir}/config.json", "w") as f:
+            json.dump(saved, f, indent=2)
+
+
+@torch.no_grad()
+def run(model_dir: str, prompts_path: str, max_new_tokens: int, out_path: str) -> None:
+    from transformers import DeepseekV32ForCausalLM
+
+    torch.set_num_threads(2)
+    model = DeepseekV32ForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with open(prompts_path) as f:
+        prompts = json.load(f)
+    result: dict[str, np.ndarray] = {}
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], dtype=torch.long)
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        result[f"logits_{i}"] = logits.float().numpy()
+        # Greedy by repeated full (uncached) forward passes.
+        seq = list(prompt)
+        nxt = int(logits[-1].argmax())
+        out = []
+        for step in range(max_new_tokens):
+            out.append(nxt)
+            seq.append(nxt)
+            if step + 1 < max_new_tokens:
+                lg = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+                nxt = int(lg.argmax())
+        result[f"greedy_{i}"] = np.asarray(out, dtype=np.int64)
+        # Greedy through transformers' own cache (decode path of the reference).
+        outc = model(input_ids=ids, use_cache=True)
+        cache = outc.cache if hasattr(outc, "cache") else outc.past_key_values
+        nxt = int(outc.logits[0, -1].argmax())
+        cached = []
+        for step in range(max_new_tokens):
+            cached.append(nxt)
+            if step + 1 < max_new_tokens:
+                o = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True)
+                cache = o.cache if hasattr(o, "cache") else o.past_key_values
+                nxt = int(o.logits[0, -1].argmax())
+        result[f"cached_{i}"] = np.asarray(cached, dtype=np.int64)
+    np.savez(out_path, **result)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--make-checkpoint", metavar="DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-json", default="{}", help="JSON dict of config overrides")
+    p.add_argument("--run", metavar="DIR")
+    p.add_argument("--prompts")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if not args.make_checkpoint and not args.run:
+        p.error("nothing to do: pass --make-checkpoint and/or --run")
+    if args.make_checkpoint:
+        make_checkpoint(args.make_checkpoint, args.seed, json.loads(args.config_json))
+    if args.run:
+        if not (args.prompts and args.out):
+            p.error("--run needs --prompts and --out")
+        run(args.run, args.prompts, args.max_new_tokens, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""--hisparse-config parsing: defaults from the model, errors that name the key."""
+
+import pytest
+
+from hisparse_jax.config import ConfigError, HiSparseConfig
+
+
+def test_defaults_from_model_top_k():
+  c = HiSparseConfig.from_json(None, model_top_k=2048)
+  assert (c.top_k, c.device_buffer_size, c.host_to_device_ratio) == (2048, 4096, 8)
+
+
+def test_full_sglang_config():
+  c = HiSparseConfig.from_json('{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}', 2048)
+  assert c == HiSparseConfig(2048, 4096, 8)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"top_k": 32, "device_buffer_size": 16}', r"device_buffer_size \(16\) must be >= top_k \(32\)"),
+    ('{"host_to_device_ratio": 0}', "host_to_device_ratio must be >= 1"),
+    ('{"top_k": 64}', r"top_k \(64\) differs from the model's index_topk \(32\)"),
+    ('{"buffer": 1}', r"unknown key\(s\) \['buffer'\]"),
+    ('{"device_buffer_size": "64"}', "device_buffer_size must be an integer"),
+    ('{"device_buffer_size": 64.0}', "device_buffer_size must be an integer"),
+    ('{"top_k": true}', "top_k must be an integer"),
+    ('[1, 2]', "must be a JSON object"),
+    ('{top_k: 1}', "not valid JSON"),
+])
+def test_errors_name_the_key(text, message):
+  with pytest.raises(ConfigError, match=message):
+    HiSparseConfig.from_json(text, model_top_k=32)

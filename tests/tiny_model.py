@@ -1,0 +1,30 @@
+"""A tiny fp32 DeepSeek-V3.2-architecture checkpoint for fast tests (written once per session)."""
+
+import functools
+import os
+import tempfile
+
+from models.random_checkpoint import default_model_config, write_random_checkpoint
+
+TINY_TOP_K = 8
+# Hot buffer of 16 slots: prompts of 20+ tokens exceed it and exercise real misses.
+TINY_HISPARSE = {"top_k": TINY_TOP_K, "device_buffer_size": 16, "host_to_device_ratio": 4}
+
+
+def tiny_config(**overrides) -> dict:
+  cfg = default_model_config()
+  cfg.update(
+      vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+      num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+      n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, index_n_heads=2,
+      index_head_dim=16, index_topk=TINY_TOP_K, max_position_embeddings=512, dtype="float32",
+      initializer_range=0.2)
+  cfg.update(overrides)
+  return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_dir(seed: int = 7) -> str:
+  path = os.path.join(tempfile.mkdtemp(prefix="hisparse-tiny-"), f"seed{seed}")
+  return write_random_checkpoint(path, tiny_config(), seed=seed)

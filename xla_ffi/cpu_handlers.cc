@@ -1,0 +1,209 @@
+// CPU XLA FFI handlers: HiSparse swap-in and host-pool backup.
+//
+// Buffers (shapes as the Python wrappers in hisparse_jax/ops.py build them):
+//   layer        s32[]              layer index l
+//   top_k        s32[B, K]          top-k token positions, -1 = padding
+//   seq_lens     s32[B]             tokens of each request, newest at seq_len-1
+//   host_rows    s32[B, S]          position -> host-pool row
+//   host_pool    T[L, H, W]         latent KV rows in host memory
+//   hot          T[L, B, D+1, W]    hot buffers; slot D is the reserved slot
+//   slot_tokens  s32[L, B, D]       slot -> token position (-1 empty)
+//   lru          s32[L, B, D]       slot ids, least recently used first
+//   stats        s32[L, B, 2]       cumulative (hits, misses) per request
+// Results: rows s32[B, K] (device row b*(D+1)+slot, -1 for padding), then
+// host_pool, hot, slot_tokens, lru, stats aliased to their inputs.
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "swap_in_core.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hisparse {
+namespace {
+
+// Copies src into dst unless XLA already aliased them (the donated case).
+void CopyIfDistinct(ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
+  if (src.untyped_data() != dst->untyped_data())
+    std::memcpy(dst->untyped_data(), src.untyped_data(), src.size_bytes());
+}
+
+template <typename Buf>
+bool SameDims(const Buf& a, std::initializer_list<int64_t> dims) {
+  auto d = a.dimensions();
+  if (d.size() != dims.size()) return false;
+  size_t i = 0;
+  for (int64_t v : dims)
+    if (d[i++] != v) return false;
+  return true;
+}
+
+// Per-thread scratch, grown once and reused: no heap allocation per call on
+// the steady-state hot path.
+struct Workspace {
+  std::vector<int32_t> hash_keys, hash_values, need_token, need_slot, new_lru,
+      miss_tokens, miss_slots;
+  std::vector<uint8_t> slot_state;
+  SwapInScratch Get(int32_t K, int32_t D) {
+    const int32_t cap = HashCapacity(K);
+    if (static_cast<int32_t>(hash_keys.size()) < cap) {
+      hash_keys.resize(cap);
+      hash_values.resize(cap);
+    }
+    if (static_cast<int32_t>(need_token.size()) < K) {
+      need_token.resize(K);
+      need_slot.resize(K);
+      miss_tokens.resize(K);
+      miss_slots.resize(K);
+    }
+    if (static_cast<int32_t>(new_lru.size()) < D) {
+      new_lru.resize(D);
+      slot_state.resize(D);
+    }
+    return SwapInScratch{PositionHash{hash_keys.data(), hash_values.data(), cap - 1},
+                         need_token.data(), need_slot.data(), slot_state.data(),
+                         new_lru.data()};
+  }
+};
+
+ffi::Error SwapInImpl(ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
+                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
+                      ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
+                      ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                      ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                      ffi::Result<ffi::AnyBuffer> host_pool_out,
+                      ffi::Result<ffi::AnyBuffer> hot_out,
+                      ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                      ffi::Result<ffi::AnyBuffer> lru_out,
+                      ffi::Result<ffi::AnyBuffer> stats_out) {
+  // ---- shapes --------------------------------------------------------------
+  auto kd = top_k.dimensions();
+  auto pd = host_pool.dimensions();
+  auto hd = hot.dimensions();
+  if (kd.size() != 2 || pd.size() != 3 || hd.size() != 4)
+    return ffi::Error::InvalidArgument(
+        "swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,B,D+1,W]");
+  const int64_t B = kd[0], K = kd[1];
+  const int64_t L = pd[0], H = pd[1], W = pd[2];
+  const int64_t D = hd[2] - 1;
+  if (hd[0] != L || hd[1] != B || hd[3] != W || D < 1)
+    return ffi::Error::InvalidArgument("swap_in: hot must be [L, B, D+1, W] matching host_pool [L, H, W] and top_k [B, K]");
+  if (host_pool.element_type() != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: host_pool and hot dtypes differ");
+  if (K > D)
+    return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(K) +
+                                       ") > device_buffer_size (" + std::to_string(D) + ")");
+  auto sd = host_rows.dimensions();
+  if (!SameDims(seq_lens, {B}) || sd.size() != 2 || sd[0] != B ||
+      !SameDims(slot_tokens, {L, B, D}) || !SameDims(lru, {L, B, D}) ||
+      !SameDims(stats, {L, B, 2}) || slot_tokens.element_type() != ffi::S32 ||
+      lru.element_type() != ffi::S32 || stats.element_type() != ffi::S32 ||
+      layer_buf.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "swap_in: expected seq_lens [B], host_rows [B,S], slot_tokens/lru s32[L,B,D], stats s32[L,B,2], layer s32[]");
+  const int64_t S = sd[1];
+  const int32_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= L)
+    return ffi::Error::InvalidArgument(std::string("swap_in: ") + StatusMessage(kLayerOutOfRange));
+
+  CopyIfDistinct(host_pool, host_pool_out);
+  CopyIfDistinct(hot, hot_out);
+  CopyIfDistinct(slot_tokens, slot_tokens_out);
+  CopyIfDistinct(lru, lru_out);
+  CopyIfDistinct(stats, stats_out);
+
+  const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(hot.element_type());
+  const char* pool = static_cast<const char*>(host_pool_out->untyped_data()) +
+                     static_cast<size_t>(layer) * H * row_bytes;
+  char* dev = static_cast<char*>(hot_out->untyped_data()) +
+              static_cast<size_t>(layer) * B * (D + 1) * row_bytes;
+  int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data()) + layer * B * D;
+  int32_t* order = static_cast<int32_t*>(lru_out->untyped_data()) + layer * B * D;
+  int32_t* counts = static_cast<int32_t*>(stats_out->untyped_data()) + layer * B * 2;
+
+  auto request = [&](int64_t b) {
+    return RequestLayer{top_k.typed_data() + b * K, static_cast<int32_t>(K),
+                        seq_lens.typed_data()[b], static_cast<int32_t>(D),
+                        host_rows.typed_data() + b * S, static_cast<int32_t>(S),
+                        static_cast<int32_t>(H), slots + b * D, order + b * D,
+                        static_cast<int32_t>(b * (D + 1))};
+  };
+
+  thread_local Workspace ws;
+  SwapInScratch scratch = ws.Get(static_cast<int32_t>(K), static_cast<int32_t>(D));
+
+  // Validate every request before touching any state, so a bad call loses nothing.
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t status = ValidateRequest(request(b), scratch.slot_state);
+    if (status != kOk)
+      return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(b) + ", layer " +
+                                         std::to_string(layer) + ": " + StatusMessage(status));
+  }
+
+  int32_t* out = rows->typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    const RequestLayer r = request(b);
+    int32_t hits = 0;
+    const int32_t misses = PlanSwapIn(r, scratch, out + b * K, ws.miss_tokens.data(),
+                                      ws.miss_slots.data(), &hits);
+    for (int32_t i = 0; i < misses; ++i) {
+      const int64_t src = r.host_rows[ws.miss_tokens[i]];
+      std::memcpy(dev + (r.row_base + ws.miss_slots[i]) * row_bytes, pool + src * row_bytes,
+                  row_bytes);
+    }
+    counts[b * 2] += hits;
+    counts[b * 2 + 1] += misses;
+  }
+  return ffi::Error::Success();
+}
+
+// Backup: host_pool[layer + i, dst[n]] = rows[i, n] for every n with dst[n] >= 0.
+//   layer s32[], rows T[Lr, N, W], dst s32[N], host_pool T[L, H, W] (aliased to the result).
+ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer_buf, ffi::AnyBuffer rows,
+                      ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer host_pool,
+                      ffi::Result<ffi::AnyBuffer> host_pool_out) {
+  auto rd = rows.dimensions();
+  auto pd = host_pool.dimensions();
+  if (rd.size() != 3 || pd.size() != 3 || layer_buf.element_count() != 1)
+    return ffi::Error::InvalidArgument("backup: expected layer s32[], rows [Lr,N,W], host_pool [L,H,W]");
+  const int64_t Lr = rd[0], N = rd[1], W = rd[2];
+  const int64_t L = pd[0], H = pd[1];
+  if (pd[2] != W || rows.element_type() != host_pool.element_type())
+    return ffi::Error::InvalidArgument("backup: rows and host_pool differ in row width or dtype");
+  if (!SameDims(dst, {N}))
+    return ffi::Error::InvalidArgument("backup: dst must be s32[N] with N = rows.shape[1]");
+  const int32_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer + Lr > L)
+    return ffi::Error::InvalidArgument("backup: layers [" + std::to_string(layer) + ", " +
+                                       std::to_string(layer + Lr) + ") outside [0, " +
+                                       std::to_string(L) + ")");
+  const int32_t* d = dst.typed_data();
+  for (int64_t n = 0; n < N; ++n)
+    if (d[n] < -1 || d[n] >= H)
+      return ffi::Error::InvalidArgument("backup: dst[" + std::to_string(n) + "] = " +
+                                         std::to_string(d[n]) + " outside [-1, " +
+                                         std::to_string(H) + ")");
+  CopyIfDistinct(host_pool, host_pool_out);
+  const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(rows.element_type());
+  const char* src = static_cast<const char*>(rows.untyped_data());
+  char* pool = static_cast<char*>(host_pool_out->untyped_data());
+  for (int64_t i = 0; i < Lr; ++i)
+    for (int64_t n = 0; n < N; ++n)
+      if (d[n] >= 0)
+        std::memcpy(pool + ((layer + i) * H + d[n]) * row_bytes, src + (i * N + n) * row_bytes,
+                    row_bytes);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace hisparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCpu, hisparse::SwapInImpl,
+                              hisparse::BindSwapIn(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCpu, hisparse::BackupImpl,
+                              hisparse::BindBackup(ffi::Ffi::Bind()));

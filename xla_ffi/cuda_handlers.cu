@@ -1,0 +1,256 @@
+// CUDA XLA FFI handlers: HiSparse swap-in and host-pool backup.
+//
+// Same buffers and semantics as cpu_handlers.cc (see that file's header); the
+// planning runs the shared core (swap_in_core.h) and the copies read the host
+// pool directly over PCIe/NVLink-C2C (zero-copy from pinned host memory).
+//
+// Launch shape: one thread block per request. A first kernel validates every
+// request and reports the first error; the handler reads it back and returns
+// an FFI error before any state changes (so a bad call loses nothing). The
+// second kernel plans in thread 0 with the scratch in shared memory, then the
+// whole block copies the missing rows with 16-byte loads where aligned.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "bindings.h"
+#include "swap_in_core.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hisparse {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct SwapInArgs {
+  const int32_t* layer;
+  const int32_t* top_k;
+  const int32_t* seq_lens;
+  const int32_t* host_rows;
+  const char* pool;
+  char* hot;
+  int32_t* slot_tokens;
+  int32_t* lru;
+  int32_t* stats;
+  int32_t* rows;
+  int32_t B, K, D, S, L, H;
+  int64_t row_bytes;
+};
+
+__device__ RequestLayer MakeRequest(const SwapInArgs& a, int32_t b, int32_t layer) {
+  const int64_t table = (static_cast<int64_t>(layer) * a.B + b) * a.D;
+  return RequestLayer{a.top_k + static_cast<int64_t>(b) * a.K, a.K, a.seq_lens[b], a.D,
+                      a.host_rows + static_cast<int64_t>(b) * a.S, a.S, a.H,
+                      a.slot_tokens + table, a.lru + table, b * (a.D + 1)};
+}
+
+// error[0] = first failing status, error[1] = its request index.
+__global__ void ValidateKernel(SwapInArgs a, int32_t* error) {
+  extern __shared__ uint8_t seen[];
+  if (threadIdx.x != 0) return;
+  const int32_t layer = *a.layer;
+  int32_t status = (layer < 0 || layer >= a.L) ? kLayerOutOfRange
+                                               : ValidateRequest(MakeRequest(a, blockIdx.x, layer), seen);
+  if (status != kOk && atomicCAS(&error[0], 0, status) == 0) error[1] = blockIdx.x;
+}
+
+__device__ void CopyRow(const char* src, char* dst, int64_t bytes) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | bytes) & 15) == 0;
+  if (aligned) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = threadIdx.x % 32; i < bytes / 16; i += 32) d[i] = s[i];
+  } else {
+    for (int64_t i = threadIdx.x % 32; i < bytes; i += 32) dst[i] = src[i];
+  }
+}
+
+__global__ void SwapInKernel(SwapInArgs a) {
+  extern __shared__ int32_t smem[];
+  const int32_t b = blockIdx.x;
+  const int32_t layer = *a.layer;
+  const int32_t cap = HashCapacity(a.K);
+  int32_t* hash_keys = smem;
+  int32_t* hash_values = hash_keys + cap;
+  int32_t* need_token = hash_values + cap;
+  int32_t* need_slot = need_token + a.K;
+  int32_t* miss_tokens = need_slot + a.K;
+  int32_t* miss_slots = miss_tokens + a.K;
+  int32_t* new_lru = miss_slots + a.K;
+  __shared__ int32_t num_misses;
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(new_lru + a.D);
+
+  const RequestLayer r = MakeRequest(a, b, layer);
+  if (threadIdx.x == 0) {
+    SwapInScratch w{PositionHash{hash_keys, hash_values, cap - 1}, need_token, need_slot,
+                    slot_state, new_lru};
+    int32_t hits = 0;
+    num_misses = PlanSwapIn(r, w, a.rows + static_cast<int64_t>(b) * a.K, miss_tokens,
+                            miss_slots, &hits);
+    int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.B + b) * 2;
+    counts[0] += hits;
+    counts[1] += num_misses;
+  }
+  __syncthreads();
+  const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
+  char* dev = a.hot + static_cast<int64_t>(layer) * a.B * (a.D + 1) * a.row_bytes;
+  for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
+    const int64_t src = r.host_rows[miss_tokens[i]];
+    CopyRow(pool + src * a.row_bytes, dev + (r.row_base + miss_slots[i]) * a.row_bytes, a.row_bytes);
+  }
+}
+
+size_t SwapInSharedBytes(int32_t K, int32_t D) {
+  return (2 * static_cast<size_t>(HashCapacity(K)) + 4 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
+}
+
+ffi::Error CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+ffi::Error CopyIfDistinct(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
+  if (src.untyped_data() == dst->untyped_data()) return ffi::Error::Success();
+  return CudaStatus(cudaMemcpyAsync(dst->untyped_data(), src.untyped_data(), src.size_bytes(),
+                                    cudaMemcpyDefault, stream),
+                    "swap_in copy");
+}
+
+ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
+                      ffi::AnyBuffer host_pool, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                      ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                      ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                      ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
+                      ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                      ffi::Result<ffi::AnyBuffer> stats_out) {
+  auto kd = top_k.dimensions();
+  auto pd = host_pool.dimensions();
+  auto hd = hot.dimensions();
+  auto sd = host_rows.dimensions();
+  if (kd.size() != 2 || pd.size() != 3 || hd.size() != 4 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,B,D+1,W]");
+  SwapInArgs a{};
+  a.B = static_cast<int32_t>(kd[0]);
+  a.K = static_cast<int32_t>(kd[1]);
+  a.L = static_cast<int32_t>(pd[0]);
+  a.H = static_cast<int32_t>(pd[1]);
+  a.D = static_cast<int32_t>(hd[2] - 1);
+  a.S = static_cast<int32_t>(sd[1]);
+  if (hd[0] != pd[0] || hd[1] != kd[0] || hd[3] != pd[2] || a.D < 1 || sd[0] != kd[0] ||
+      host_pool.element_type() != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: hot must be [L, B, D+1, W] matching host_pool and top_k");
+  if (a.K > a.D)
+    return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(a.K) +
+                                       ") > device_buffer_size (" + std::to_string(a.D) + ")");
+  if (slot_tokens.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
+      lru.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
+      stats.element_count() != static_cast<size_t>(a.L) * a.B * 2 || seq_lens.element_count() != static_cast<size_t>(a.B))
+    return ffi::Error::InvalidArgument("swap_in: expected slot_tokens/lru s32[L,B,D], stats s32[L,B,2], seq_lens s32[B]");
+  if (a.B == 0) return ffi::Error::Success();
+  for (auto [src, dst] : {std::pair{host_pool, host_pool_out}, std::pair{hot, hot_out},
+                          std::pair{slot_tokens, slot_tokens_out}, std::pair{lru, lru_out},
+                          std::pair{stats, stats_out}}) {
+    if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
+  }
+  a.layer = layer.typed_data();
+  a.top_k = top_k.typed_data();
+  a.seq_lens = seq_lens.typed_data();
+  a.host_rows = host_rows.typed_data();
+  a.pool = static_cast<const char*>(host_pool_out->untyped_data());
+  a.hot = static_cast<char*>(hot_out->untyped_data());
+  a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
+  a.lru = static_cast<int32_t*>(lru_out->untyped_data());
+  a.stats = static_cast<int32_t*>(stats_out->untyped_data());
+  a.rows = rows->typed_data();
+  a.row_bytes = static_cast<int64_t>(pd[2]) * ffi::ByteWidth(hot.element_type());
+
+  // Validate first; the error word lives in pinned host memory read after a sync.
+  static thread_local int32_t* error = nullptr;
+  if (error == nullptr) {
+    if (auto e = CudaStatus(cudaHostAlloc(&error, 2 * sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc");
+        e.failure())
+      return e;
+  }
+  error[0] = error[1] = 0;
+  int32_t* error_dev = nullptr;
+  if (auto e = CudaStatus(cudaHostGetDevicePointer(&error_dev, error, 0), "cudaHostGetDevicePointer"); e.failure())
+    return e;
+  ValidateKernel<<<a.B, 1, a.D, stream>>>(a, error_dev);
+  if (auto e = CudaStatus(cudaStreamSynchronize(stream), "swap_in validate"); e.failure()) return e;
+  if (error[0] != kOk)
+    return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(error[1]) + ": " +
+                                       StatusMessage(error[0]));
+
+  const size_t smem = SwapInSharedBytes(a.K, a.D);
+  if (auto e = CudaStatus(cudaFuncSetAttribute(SwapInKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)),
+                          "cudaFuncSetAttribute");
+      e.failure())
+    return e;
+  SwapInKernel<<<a.B, kThreads, smem, stream>>>(a);
+  return CudaStatus(cudaGetLastError(), "swap_in launch");
+}
+
+__global__ void BackupKernel(const int32_t* layer, const char* rows, const int32_t* dst, char* pool,
+                             int32_t Lr, int32_t N, int32_t H, int64_t row_bytes) {
+  const int32_t n = blockIdx.x, i = blockIdx.y;
+  const int32_t h = dst[n];
+  if (h < 0) return;
+  CopyRow(rows + (static_cast<int64_t>(i) * N + n) * row_bytes,
+          pool + ((static_cast<int64_t>(*layer) + i) * H + h) * row_bytes, row_bytes);
+}
+
+__global__ void ValidateBackupKernel(const int32_t* layer, const int32_t* dst, int32_t Lr, int32_t L,
+                                     int32_t N, int32_t H, int32_t* error) {
+  for (int32_t n = threadIdx.x; n < N; n += blockDim.x)
+    if (dst[n] < -1 || dst[n] >= H) atomicCAS(&error[0], 0, 1);
+  if (threadIdx.x == 0 && (*layer < 0 || *layer + Lr > L)) atomicCAS(&error[0], 0, 2);
+}
+
+ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
+                      ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer host_pool,
+                      ffi::Result<ffi::AnyBuffer> host_pool_out) {
+  auto rd = rows.dimensions();
+  auto pd = host_pool.dimensions();
+  if (rd.size() != 3 || pd.size() != 3 || pd[2] != rd[2] || rows.element_type() != host_pool.element_type() ||
+      dst.element_count() != static_cast<size_t>(rd[1]))
+    return ffi::Error::InvalidArgument("backup: expected rows [Lr,N,W], dst s32[N], host_pool [L,H,W] of one dtype");
+  if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
+  const int32_t Lr = static_cast<int32_t>(rd[0]), N = static_cast<int32_t>(rd[1]);
+  if (Lr == 0 || N == 0) return ffi::Error::Success();
+  static thread_local int32_t* error = nullptr;
+  if (error == nullptr) {
+    if (auto e = CudaStatus(cudaHostAlloc(&error, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc");
+        e.failure())
+      return e;
+  }
+  error[0] = 0;
+  int32_t* error_dev = nullptr;
+  if (auto e = CudaStatus(cudaHostGetDevicePointer(&error_dev, error, 0), "cudaHostGetDevicePointer"); e.failure())
+    return e;
+  ValidateBackupKernel<<<1, kThreads, 0, stream>>>(layer.typed_data(), dst.typed_data(), Lr,
+                                                   static_cast<int32_t>(pd[0]), N,
+                                                   static_cast<int32_t>(pd[1]), error_dev);
+  if (auto e = CudaStatus(cudaStreamSynchronize(stream), "backup validate"); e.failure()) return e;
+  if (error[0] == 1) return ffi::Error::InvalidArgument("backup: a dst row is outside [-1, H)");
+  if (error[0] == 2) return ffi::Error::InvalidArgument("backup: layer range outside [0, L)");
+  BackupKernel<<<dim3(N, Lr), 32, 0, stream>>>(layer.typed_data(),
+                                               static_cast<const char*>(rows.untyped_data()),
+                                               dst.typed_data(), static_cast<char*>(host_pool_out->untyped_data()),
+                                               Lr, N, static_cast<int32_t>(pd[1]),
+                                               static_cast<int64_t>(pd[2]) * ffi::ByteWidth(rows.element_type()));
+  return CudaStatus(cudaGetLastError(), "backup launch");
+}
+
+}  // namespace
+}  // namespace hisparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCuda, hisparse::SwapInImpl,
+                              hisparse::BindSwapIn(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCuda, hisparse::BackupImpl,
+                              hisparse::BindBackup(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -130,9 +130,9 @@ class Engine:
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def prefill(state, tokens, length, cache, lane, host_rows):
-      logits, latents, index_keys = nnx.merge(graphdef, state).prefill(tokens, length[None])
+      logits, latents, index_keys = nnx.merge(graphdef, state).prefill(tokens, length[None], last_only=True)
       cache = cache.insert(lane, latents[:, 0], index_keys[:, 0], host_rows)
-      return jnp.argmax(logits[0, length - 1]).astype(jnp.int32), cache
+      return jnp.argmax(logits[0]).astype(jnp.int32), cache
 
     self._decode, self._prefill = decode, prefill
 

@@ -417,14 +417,15 @@ class DeepseekV32ForCausalLM(nnx.Module):
             return jnp.matmul(x, w.T, precision=_precision(x, w)).astype(_F32)
         return self.lm_head(x).astype(_F32)
 
-    def prefill(self, tokens: jax.Array, lengths: jax.Array):
+    def prefill(self, tokens: jax.Array, lengths: jax.Array, *, last_only: bool = False):
         """Full causal forward.
 
         tokens: int32[B, S]; lengths: int32[B] (positions >= lengths[b] are padding: their outputs are
         don't-care and, being after every real position, never influence real positions).
-        Returns logits float32[B, S, V], latents dtype[L, B, S, W], index_keys float32[L, B, S, Di].
+        Returns logits float32[B, S, V] (float32[B, V] at position lengths-1 when last_only: the
+        lm_head then runs on one row per sequence), latents dtype[L, B, S, W], index_keys
+        float32[L, B, S, Di].
         """
-        del lengths  # causality alone keeps right-padding from reaching real positions
         S = tokens.shape[1]
         cfg = self.config
         x = self._embed(tokens)  # [B, S, H]
@@ -435,6 +436,8 @@ class DeepseekV32ForCausalLM(nnx.Module):
             x, lat, ik = layer.prefill(x, cos, sin, causal)
             lats.append(lat)
             iks.append(ik)
+        if last_only:  # causality alone keeps right-padding from reaching real positions
+            x = jnp.take_along_axis(x, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)[:, 0]
         return self._logits(x), jnp.stack(lats), jnp.stack(iks)
 
     def decode(self, tokens: jax.Array, seq_lens: jax.Array, cache: Any):

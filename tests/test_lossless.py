@@ -103,3 +103,19 @@ def test_greedy_tokens_equal_and_independent_of_batching(engines):
     assert run(hs, [p])[0].output_ids == r.output_ids
   # Everything was released.
   assert len(hs._free_pages) == hs.num_pages and len(hs._free_lanes) == hs.num_lanes
+
+
+def test_prefill_last_only_equals_full_logits_at_last_position():
+  cfg, model = load_hf(tiny_model_dir())
+  ps = prompts(4)[:3]
+  S = max(map(len, ps))
+  tokens = np.zeros((3, S), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  lengths = jnp.asarray([len(p) for p in ps], jnp.int32)
+  full, lat_full, _ = model.prefill(jnp.asarray(tokens), lengths)
+  last, lat_last, _ = model.prefill(jnp.asarray(tokens), lengths, last_only=True)
+  assert last.shape == (3, cfg.vocab_size)
+  np.testing.assert_allclose(np.asarray(last), np.asarray(full)[np.arange(3), np.asarray(lengths) - 1],
+                             rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(lat_last), np.asarray(lat_full))

@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # The transformers oracle (test-only) runs on CPU torch 2.13.0 in its own Python 3.11 venv.
 ORACLE_PKGS := torch==2.13.0 transformers==5.24.0 safetensors numpy
 
-.PHONY: demo test test-fast oracle proto clean
+.PHONY: demo test test-fast test-asan oracle proto clean
 
 $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
 	@py=""; for c in python3.12 python3.13 python3.14 python3; do \
@@ -47,3 +47,15 @@ proto: $(VENV)/.installed
 
 clean:
 	rm -rf build $(VENV) $(ORACLE_VENV)
+
+# The CPU handlers built with AddressSanitizer + UBSan, run under the kernel tests
+# (reference comparison, bad input, out-of-range positions). Any report aborts the run.
+ASAN_BUILD := build/asan
+test-asan: $(VENV)/.installed
+	$(VENV)/bin/cmake -S . -B $(ASAN_BUILD) -G Ninja -DHISPARSE_ASAN=ON -DHISPARSE_CUDA=OFF \
+	  -DCMAKE_BUILD_TYPE=Debug -DPython_EXECUTABLE=$(abspath $(PY)) > $(ASAN_BUILD).log
+	$(VENV)/bin/cmake --build $(ASAN_BUILD) --target _ffi_cpu >> $(ASAN_BUILD).log
+	HISPARSE_FFI_CPU_LIB=$$(ls $(ASAN_BUILD)/_ffi_cpu*.so) \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_swap_in_kernel.py

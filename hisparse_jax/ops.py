@@ -9,10 +9,29 @@ stats) is aliased input -> output, so donated arguments are updated in place.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax import _ffi_cpu
+
+def _load_cpu_module():
+  # HISPARSE_FFI_CPU_LIB points at another build of the same module (e.g. the
+  # AddressSanitizer build of `make test-asan`); the default is the installed one.
+  path = os.environ.get("HISPARSE_FFI_CPU_LIB")
+  if not path:
+    from hisparse_jax import _ffi_cpu
+    return _ffi_cpu
+  spec = importlib.util.spec_from_file_location("_ffi_cpu", path)
+  if spec is None:
+    raise ImportError(f"HISPARSE_FFI_CPU_LIB={path!r} is not a loadable extension module")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+_ffi_cpu = _load_cpu_module()
 
 try:  # Built only where nvcc was found at install time.
   from hisparse_jax import _ffi_cuda
@@ -45,7 +64,8 @@ def _like(x: jax.Array):
   return jax.typeof(x)
 
 
-def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru, stats):
+def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru, stats, *,
+            target: str = SWAP_IN_TARGET):
   """Make the latent rows of each request's top-k positions resident on device.
 
   Args:
@@ -67,16 +87,20 @@ def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru,
     padding); the rest are the updated state (aliased to the inputs).
 
   Raises:
-    jax.errors.JaxRuntimeError (INVALID_ARGUMENT) when K > D, a position is
+    jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the
+    failed result is first read through NumPy) when K > D, a position is
     >= seq_len or < -1, a needed position has no host row in [0, H), an LRU
     row is not a permutation, or the layer is out of range. Nothing is
     modified in that case.
+
+  ``target`` names another registration of the same handler (e.g. the Bazel
+  build's library).
 
   Semantics: ``hisparse_jax.reference.swap_in`` (HiSparse, SGLang).
   """
   B, K = top_k.shape
   call = jax.ffi.ffi_call(
-      SWAP_IN_TARGET,
+      target,
       (
           jax.ShapeDtypeStruct((B, K), jnp.int32),
           _like(host_pool),

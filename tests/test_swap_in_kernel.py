@@ -20,8 +20,8 @@ def to_host(x):
   return jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))(jnp.asarray(x))
 
 
-def run_kernel(layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats):
-  out = swap_in_jit(layer, jnp.asarray(top_k), jnp.asarray(seq_lens), jnp.asarray(host_rows),
+def run_kernel(layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats, fn=swap_in_jit):
+  out = fn(layer, jnp.asarray(top_k), jnp.asarray(seq_lens), jnp.asarray(host_rows),
                     to_host(pool), jnp.asarray(hot), jnp.asarray(slot_tokens), jnp.asarray(lru),
                     jnp.asarray(stats))
   return [np.asarray(x) for x in out]
@@ -251,3 +251,14 @@ def test_in_place_inside_a_jitted_step_has_no_pool_copy():
   rows, pool, _ = step(*args)
   np.testing.assert_array_equal(np.asarray(rows)[4], [21, 24, 20, -1])
   np.testing.assert_array_equal(np.asarray(pool)[0, case[3][4, 15]], np.ones(W))
+
+
+def test_loaded_handler_is_the_requested_build():
+  """Under `make test-asan` the instrumented module must really be the one registered."""
+  import os
+  path = os.environ.get("HISPARSE_FFI_CPU_LIB")
+  if path:
+    assert os.path.samefile(ops._ffi_cpu.__file__, path)
+    assert b"__asan_report" in open(path, "rb").read()
+  else:
+    assert ops._ffi_cpu.__name__ == "hisparse_jax._ffi_cpu"

@@ -12,9 +12,13 @@
 //   stats        s32[L, B, 2]       cumulative (hits, misses) per request
 // Results: rows s32[B, K] (device row b*(D+1)+slot, -1 for padding), then
 // host_pool, hot, slot_tokens, lru, stats aliased to their inputs.
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bindings.h"
@@ -45,34 +49,62 @@ bool SameDims(const Buf& a, std::initializer_list<int64_t> dims) {
 // Per-thread scratch, grown once and reused: no heap allocation per call on
 // the steady-state hot path.
 struct Workspace {
-  std::vector<int32_t> hash_keys, hash_values, need_token, need_slot, new_lru,
-      miss_tokens, miss_slots;
+  std::vector<int32_t> need_token, new_lru, miss_tokens, miss_slots, slot_of;
   std::vector<uint8_t> slot_state;
-  SwapInScratch Get(int32_t K, int32_t D) {
-    const int32_t cap = HashCapacity(K);
-    if (static_cast<int32_t>(hash_keys.size()) < cap) {
-      hash_keys.resize(cap);
-      hash_values.resize(cap);
-    }
-    if (static_cast<int32_t>(need_token.size()) < K) {
+  std::vector<uint64_t> bits;  // all zero between plans
+
+  void Reserve(int64_t K, int64_t D, int64_t S) {
+    if (static_cast<int64_t>(need_token.size()) < K) {
       need_token.resize(K);
-      need_slot.resize(K);
       miss_tokens.resize(K);
       miss_slots.resize(K);
     }
-    if (static_cast<int32_t>(new_lru.size()) < D) {
+    if (static_cast<int64_t>(new_lru.size()) < D) {
       new_lru.resize(D);
       slot_state.resize(D);
     }
-    return SwapInScratch{PositionHash{hash_keys.data(), hash_values.data(), cap - 1},
-                         need_token.data(), need_slot.data(), slot_state.data(),
-                         new_lru.data()};
+    if (static_cast<int64_t>(slot_of.size()) < S) {
+      slot_of.resize(S);
+      bits.resize((S + 63) / 64, 0);
+    }
   }
+  SwapInScratch Scratch() { return SwapInScratch{need_token.data(), slot_state.data(), new_lru.data()}; }
+  DirectPositionMap Map() { return DirectPositionMap{bits.data(), slot_of.data()}; }
 };
 
-ffi::Error SwapInImpl(ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
-                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
-                      ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
+Workspace& ThreadWorkspace() {
+  thread_local Workspace ws;
+  return ws;
+}
+
+// Runs f(0..n-1) on the calling thread plus up to num_threads - 1 tasks of
+// XLA's intra-op thread pool; items are handed out one at a time (requests
+// differ in work). Returns after every scheduled task has finished.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t min_items_per_task, F&& f) {
+  const int64_t workers = std::min<int64_t>(pool.num_threads(), n / std::max<int64_t>(min_items_per_task, 1));
+  if (workers <= 1) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+  auto work = [&] {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(i);
+    finished.fetch_add(1, std::memory_order_acq_rel);
+  };
+  for (int64_t w = 1; w < workers; ++w) pool.Schedule([&work] { work(); });
+  work();
+  while (finished.load(std::memory_order_acquire) < workers) std::this_thread::yield();
+}
+
+// Requests per pool task: below this a request's O(K + D) plan is cheaper
+// than waking another thread.
+constexpr int64_t kMinRequestsPerTask = 4;
+
+ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer_buf,
+                      ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                      ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
                       ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
                       ffi::Result<ffi::Buffer<ffi::S32>> rows,
                       ffi::Result<ffi::AnyBuffer> host_pool_out,
@@ -106,58 +138,70 @@ ffi::Error SwapInImpl(ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top
     return ffi::Error::InvalidArgument(
         "swap_in: expected seq_lens [B], host_rows [B,S], slot_tokens/lru s32[L,B,D], stats s32[L,B,2], layer s32[]");
   const int64_t S = sd[1];
+  if (std::max({B * (D + 1), H, S, K}) > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("swap_in: a dimension exceeds int32 indexing");
   const int32_t layer = layer_buf.typed_data()[0];
   if (layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument(std::string("swap_in: ") + StatusMessage(kLayerOutOfRange));
+
+  const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(hot.element_type());
+  auto request = [&](int64_t b, int32_t* slots, int32_t* order) {
+    return RequestLayer{top_k.typed_data() + b * K, static_cast<int32_t>(K),
+                        seq_lens.typed_data()[b], static_cast<int32_t>(D),
+                        host_rows.typed_data() + b * S, static_cast<int32_t>(S),
+                        static_cast<int32_t>(H), slots + (layer * B + b) * D,
+                        order + (layer * B + b) * D, static_cast<int32_t>(b * (D + 1))};
+  };
+
+  // Validate every request before touching any state, so a bad call loses nothing.
+  std::atomic<bool> any_bad{false};
+  int32_t* in_slots = static_cast<int32_t*>(slot_tokens.untyped_data());
+  int32_t* in_order = static_cast<int32_t*>(lru.untyped_data());
+  ParallelFor(thread_pool, B, kMinRequestsPerTask * 4, [&](int64_t b) {
+    Workspace& ws = ThreadWorkspace();
+    ws.Reserve(K, D, S);
+    if (ValidateRequest(request(b, in_slots, in_order), ws.slot_state.data()) != kOk)
+      any_bad.store(true, std::memory_order_relaxed);
+  });
+  if (any_bad.load()) {  // Report the first bad request (serially: the rare path).
+    for (int64_t b = 0; b < B; ++b) {
+      const int32_t status = ValidateRequest(request(b, in_slots, in_order), ThreadWorkspace().slot_state.data());
+      if (status != kOk)
+        return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(b) + ", layer " +
+                                           std::to_string(layer) + ": " + StatusMessage(status));
+    }
+  }
 
   CopyIfDistinct(host_pool, host_pool_out);
   CopyIfDistinct(hot, hot_out);
   CopyIfDistinct(slot_tokens, slot_tokens_out);
   CopyIfDistinct(lru, lru_out);
   CopyIfDistinct(stats, stats_out);
-
-  const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(hot.element_type());
   const char* pool = static_cast<const char*>(host_pool_out->untyped_data()) +
                      static_cast<size_t>(layer) * H * row_bytes;
   char* dev = static_cast<char*>(hot_out->untyped_data()) +
               static_cast<size_t>(layer) * B * (D + 1) * row_bytes;
-  int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data()) + layer * B * D;
-  int32_t* order = static_cast<int32_t*>(lru_out->untyped_data()) + layer * B * D;
+  int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
+  int32_t* order = static_cast<int32_t*>(lru_out->untyped_data());
   int32_t* counts = static_cast<int32_t*>(stats_out->untyped_data()) + layer * B * 2;
-
-  auto request = [&](int64_t b) {
-    return RequestLayer{top_k.typed_data() + b * K, static_cast<int32_t>(K),
-                        seq_lens.typed_data()[b], static_cast<int32_t>(D),
-                        host_rows.typed_data() + b * S, static_cast<int32_t>(S),
-                        static_cast<int32_t>(H), slots + b * D, order + b * D,
-                        static_cast<int32_t>(b * (D + 1))};
-  };
-
-  thread_local Workspace ws;
-  SwapInScratch scratch = ws.Get(static_cast<int32_t>(K), static_cast<int32_t>(D));
-
-  // Validate every request before touching any state, so a bad call loses nothing.
-  for (int64_t b = 0; b < B; ++b) {
-    const int32_t status = ValidateRequest(request(b), scratch.slot_state);
-    if (status != kOk)
-      return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(b) + ", layer " +
-                                         std::to_string(layer) + ": " + StatusMessage(status));
-  }
-
   int32_t* out = rows->typed_data();
-  for (int64_t b = 0; b < B; ++b) {
-    const RequestLayer r = request(b);
+
+  ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
+    Workspace& ws = ThreadWorkspace();
+    ws.Reserve(K, D, S);
+    const RequestLayer r = request(b, slots, order);
+    SwapInScratch scratch = ws.Scratch();
+    DirectPositionMap map = ws.Map();
     int32_t hits = 0;
-    const int32_t misses = PlanSwapIn(r, scratch, out + b * K, ws.miss_tokens.data(),
+    const int32_t misses = PlanSwapIn(r, map, scratch, out + b * K, ws.miss_tokens.data(),
                                       ws.miss_slots.data(), &hits);
     for (int32_t i = 0; i < misses; ++i) {
       const int64_t src = r.host_rows[ws.miss_tokens[i]];
-      std::memcpy(dev + (r.row_base + ws.miss_slots[i]) * row_bytes, pool + src * row_bytes,
-                  row_bytes);
+      std::memcpy(dev + (r.row_base + ws.miss_slots[i]) * row_bytes, pool + src * row_bytes, row_bytes);
     }
     counts[b * 2] += hits;
     counts[b * 2 + 1] += misses;
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -203,7 +247,7 @@ ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer_buf, ffi::AnyBuffer rows,
 }  // namespace hisparse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCpu, hisparse::SwapInImpl,
-                              hisparse::BindSwapIn(ffi::Ffi::Bind()));
+                              hisparse::BindSwapIn(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCpu, hisparse::BackupImpl,
                               hisparse::BindBackup(ffi::Ffi::Bind()));

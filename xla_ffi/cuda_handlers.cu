@@ -74,22 +74,27 @@ __global__ void SwapInKernel(SwapInArgs a) {
   const int32_t layer = *a.layer;
   const int32_t cap = HashCapacity(a.K);
   int32_t* hash_keys = smem;
-  int32_t* hash_values = hash_keys + cap;
-  int32_t* need_token = hash_values + cap;
-  int32_t* need_slot = need_token + a.K;
-  int32_t* miss_tokens = need_slot + a.K;
+  int32_t* hash_slots = hash_keys + cap;
+  int32_t* need_token = hash_slots + cap;
+  int32_t* miss_tokens = need_token + a.K;
   int32_t* miss_slots = miss_tokens + a.K;
   int32_t* new_lru = miss_slots + a.K;
-  __shared__ int32_t num_misses;
   uint8_t* slot_state = reinterpret_cast<uint8_t*>(new_lru + a.D);
+  __shared__ int32_t num_misses;
 
   const RequestLayer r = MakeRequest(a, b, layer);
+  // An idle lane (seq_len 0: all padding) costs one block that exits at once.
+  if (r.seq_len == 0) {
+    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) a.rows[static_cast<int64_t>(b) * a.K + k] = -1;
+    return;
+  }
+  for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) hash_keys[i] = -1;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    SwapInScratch w{PositionHash{hash_keys, hash_values, cap - 1}, need_token, need_slot,
-                    slot_state, new_lru};
+    HashPositionMap map{hash_keys, hash_slots, cap - 1};
+    SwapInScratch w{need_token, slot_state, new_lru};
     int32_t hits = 0;
-    num_misses = PlanSwapIn(r, w, a.rows + static_cast<int64_t>(b) * a.K, miss_tokens,
-                            miss_slots, &hits);
+    num_misses = PlanSwapIn(r, map, w, a.rows + static_cast<int64_t>(b) * a.K, miss_tokens, miss_slots, &hits);
     int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.B + b) * 2;
     counts[0] += hits;
     counts[1] += num_misses;
@@ -104,7 +109,7 @@ __global__ void SwapInKernel(SwapInArgs a) {
 }
 
 size_t SwapInSharedBytes(int32_t K, int32_t D) {
-  return (2 * static_cast<size_t>(HashCapacity(K)) + 4 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
+  return (2 * static_cast<size_t>(HashCapacity(K)) + 3 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
 }
 
 ffi::Error CudaStatus(cudaError_t e, const char* what) {

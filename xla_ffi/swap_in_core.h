@@ -53,39 +53,62 @@ inline const char* StatusMessage(int32_t status) {
   }
 }
 
-// Open-addressing hash of the distinct non-padding top-k positions.
-// capacity is a power of two >= 2 * K; keys == -1 mark empty entries.
-struct PositionHash {
-  int32_t* keys;    // [capacity]
-  int32_t* values;  // [capacity], index into the distinct-position list
-  int32_t mask;     // capacity - 1
+// The set of positions needed this step, each with the slot serving it.
+// Two implementations with one interface, chosen per device:
+//   DirectPositionMap: a bitmap + an array indexed by position (CPU: O(1)
+//     with no probing; memory grows with max_seq_len, kept per thread).
+//   HashPositionMap: open addressing over 2K entries (CUDA: fits shared
+//     memory whatever the context length).
+// Insert(t) returns true the first time t is seen and sets its slot to -1.
+struct DirectPositionMap {
+  uint64_t* bits;    // [ceil(max_seq_len / 64)], all zero between plans
+  int32_t* slot_of;  // [max_seq_len], valid where the bit is set
 
-  HISPARSE_HD void Clear() {
-    for (int32_t i = 0; i <= mask; ++i) keys[i] = -1;
+  HISPARSE_HD bool Insert(int32_t t) {
+    const uint64_t m = uint64_t{1} << (t & 63);
+    if (bits[t >> 6] & m) return false;
+    bits[t >> 6] |= m;
+    slot_of[t] = -1;
+    return true;
   }
-  HISPARSE_HD static uint32_t Mix(int32_t key) {
-    // Fibonacci hashing: multiply by 2^32 / golden ratio.
-    return static_cast<uint32_t>(key) * 2654435769u;
+  HISPARSE_HD bool Contains(int32_t t) const { return (bits[t >> 6] >> (t & 63)) & 1; }
+  HISPARSE_HD int32_t Slot(int32_t t) const { return slot_of[t]; }
+  HISPARSE_HD void SetSlot(int32_t t, int32_t s) { slot_of[t] = s; }
+  // Returns the bitmap to all zero: O(distinct), not O(max_seq_len).
+  HISPARSE_HD void Clear(const int32_t* members, int32_t n) {
+    for (int32_t i = 0; i < n; ++i) bits[members[i] >> 6] = 0;
   }
-  // Returns the value stored for key, inserting `fresh` if absent. *inserted
-  // tells which happened.
-  HISPARSE_HD int32_t FindOrInsert(int32_t key, int32_t fresh, bool* inserted) {
-    uint32_t i = Mix(key) & static_cast<uint32_t>(mask);
-    while (true) {
-      if (keys[i] == key) { *inserted = false; return values[i]; }
-      if (keys[i] == -1) {
-        keys[i] = key; values[i] = fresh; *inserted = true; return fresh;
-      }
-      i = (i + 1) & static_cast<uint32_t>(mask);
-    }
+};
+
+struct HashPositionMap {
+  int32_t* keys;   // [capacity], -1 = empty
+  int32_t* slots;  // [capacity]
+  int32_t mask;    // capacity - 1, capacity a power of two >= 2K
+
+  HISPARSE_HD uint32_t Home(int32_t t) const {
+    return (static_cast<uint32_t>(t) * 2654435769u) & static_cast<uint32_t>(mask);  // Fibonacci hashing
   }
-  HISPARSE_HD int32_t Find(int32_t key) const {
-    uint32_t i = Mix(key) & static_cast<uint32_t>(mask);
-    while (true) {
-      if (keys[i] == key) return values[i];
+  HISPARSE_HD int32_t Find(int32_t t) const {
+    for (uint32_t i = Home(t);; i = (i + 1) & static_cast<uint32_t>(mask)) {
+      if (keys[i] == t) return static_cast<int32_t>(i);
       if (keys[i] == -1) return -1;
-      i = (i + 1) & static_cast<uint32_t>(mask);
     }
+  }
+  HISPARSE_HD bool Insert(int32_t t) {
+    for (uint32_t i = Home(t);; i = (i + 1) & static_cast<uint32_t>(mask)) {
+      if (keys[i] == t) return false;
+      if (keys[i] == -1) {
+        keys[i] = t;
+        slots[i] = -1;
+        return true;
+      }
+    }
+  }
+  HISPARSE_HD bool Contains(int32_t t) const { return Find(t) >= 0; }
+  HISPARSE_HD int32_t Slot(int32_t t) const { return slots[Find(t)]; }
+  HISPARSE_HD void SetSlot(int32_t t, int32_t s) { slots[Find(t)] = s; }
+  HISPARSE_HD void Clear(const int32_t*, int32_t) {
+    for (int32_t i = 0; i <= mask; ++i) keys[i] = -1;
   }
 };
 
@@ -97,9 +120,7 @@ HISPARSE_HD inline int32_t HashCapacity(int32_t top_k) {
 
 // Per-request scratch for one plan; sizes in elements.
 struct SwapInScratch {
-  PositionHash hash;      // capacity HashCapacity(K)
   int32_t* need_token;    // [K] distinct needed positions, first-appearance order
-  int32_t* need_slot;     // [K] slot serving each, -1 until assigned
   uint8_t* slot_state;    // [D] 0 untouched, 1 hit, 2 filled this step
   int32_t* new_lru;       // [D]
 };
@@ -145,23 +166,16 @@ HISPARSE_HD inline int32_t ValidateRequest(const RequestLayer& r, uint8_t* seen 
 // [K], updates slot_tokens and lru in place, and lists the misses as
 // (miss_tokens[i], miss_slots[i]) for the caller to copy. Returns the number
 // of misses; *hits gets the number of distinct positions served from the
-// device (the newest token included).
-HISPARSE_HD inline int32_t PlanSwapIn(const RequestLayer& r, SwapInScratch& w,
-                                      int32_t* out_rows, int32_t* miss_tokens,
-                                      int32_t* miss_slots, int32_t* hits) {
-  w.hash.Clear();
+// device (the newest token included). `map` must be empty on entry and is
+// empty again on return. O(K + D) map operations.
+template <typename PositionMap>
+HISPARSE_HD int32_t PlanSwapIn(const RequestLayer& r, PositionMap& map, SwapInScratch& w,
+                               int32_t* out_rows, int32_t* miss_tokens, int32_t* miss_slots,
+                               int32_t* hits) {
   int32_t distinct = 0;
-  const int32_t newest = r.seq_len - 1;
   for (int32_t k = 0; k < r.K; ++k) {
     const int32_t t = r.top_k[k];
-    if (t < 0) continue;
-    bool inserted;
-    w.hash.FindOrInsert(t, distinct, &inserted);
-    if (inserted) {
-      w.need_token[distinct] = t;
-      w.need_slot[distinct] = -1;
-      ++distinct;
-    }
+    if (t >= 0 && map.Insert(t)) w.need_token[distinct++] = t;
   }
 
   if (r.seq_len <= r.D) {  // Fast path: every token sits in its own slot.
@@ -169,59 +183,59 @@ HISPARSE_HD inline int32_t PlanSwapIn(const RequestLayer& r, SwapInScratch& w,
       const int32_t t = r.top_k[k];
       out_rows[k] = t < 0 ? -1 : r.row_base + t;
     }
+    map.Clear(w.need_token, distinct);
     *hits = distinct;
     return 0;
   }
 
-  // Hits: slots whose token is needed.
+  // Hits: slots whose token is needed (a duplicated slot entry counts once).
+  const int32_t newest = r.seq_len - 1;
   int32_t num_hits = 0;
   for (int32_t s = 0; s < r.D; ++s) {
-    w.slot_state[s] = 0;
     const int32_t t = r.slot_tokens[s];
-    if (t < 0 || t == newest) continue;
-    const int32_t idx = w.hash.Find(t);
-    if (idx >= 0 && w.need_slot[idx] < 0) {
-      w.need_slot[idx] = s;
-      w.slot_state[s] = 1;
+    uint8_t state = 0;
+    if (t >= 0 && t < newest && map.Contains(t) && map.Slot(t) < 0) {
+      map.SetSlot(t, s);
+      state = 1;
       ++num_hits;
     }
+    w.slot_state[s] = state;
   }
 
-  // Misses take the least-recently-used slots that are not hits.
+  // Misses take the least-recently-used slots that are not hits. At most
+  // distinct - num_hits <= K - num_hits <= D - num_hits misses, so the scan
+  // never runs past the end of the LRU order.
   int32_t num_misses = 0;
   int32_t lru_pos = 0;
   for (int32_t i = 0; i < distinct; ++i) {
     const int32_t t = w.need_token[i];
-    if (t == newest || w.need_slot[i] >= 0) continue;
-    while (w.slot_state[r.lru[lru_pos]] != 0) ++lru_pos;  // never runs past D: distinct - 1 <= K - 1 < D
+    if (t == newest || map.Slot(t) >= 0) continue;
+    while (w.slot_state[r.lru[lru_pos]] != 0) ++lru_pos;
     const int32_t s = r.lru[lru_pos++];
     w.slot_state[s] = 2;
-    w.need_slot[i] = s;
+    map.SetSlot(t, s);
     r.slot_tokens[s] = t;
     miss_tokens[num_misses] = t;
     miss_slots[num_misses] = s;
     ++num_misses;
   }
 
-  // New LRU order: untouched (old order) + filled (victim order) + hits (old order).
-  int32_t n = 0;
-  for (int32_t i = 0; i < r.D; ++i)
-    if (w.slot_state[r.lru[i]] == 0) w.new_lru[n++] = r.lru[i];
-  for (int32_t i = 0; i < num_misses; ++i) w.new_lru[n++] = miss_slots[i];
-  for (int32_t i = 0; i < r.D; ++i)
-    if (w.slot_state[r.lru[i]] == 1) w.new_lru[n++] = r.lru[i];
+  // New LRU order in one pass: untouched (old order) | filled (victim order) | hits (old order).
+  int32_t untouched = 0, hit_pos = r.D - num_hits;
+  for (int32_t i = 0; i < r.D; ++i) {
+    const int32_t s = r.lru[i];
+    const uint8_t state = w.slot_state[s];
+    if (state == 0) w.new_lru[untouched++] = s;
+    else if (state == 1) w.new_lru[hit_pos++] = s;
+  }
+  for (int32_t i = 0; i < num_misses; ++i) w.new_lru[untouched + i] = miss_slots[i];
   for (int32_t i = 0; i < r.D; ++i) r.lru[i] = w.new_lru[i];
 
   for (int32_t k = 0; k < r.K; ++k) {
     const int32_t t = r.top_k[k];
-    if (t < 0) {
-      out_rows[k] = -1;
-    } else if (t == newest) {
-      out_rows[k] = r.row_base + r.D;
-    } else {
-      out_rows[k] = r.row_base + w.need_slot[w.hash.Find(t)];
-    }
+    out_rows[k] = t < 0 ? -1 : t == newest ? r.row_base + r.D : r.row_base + map.Slot(t);
   }
+  map.Clear(w.need_token, distinct);
   *hits = distinct - num_misses;
   return num_misses;
 }

@@ -1,0 +1,158 @@
+r"""Swap-in kernel benchmark: time per call, bookkeeping per request-layer, miss-copy bandwidth vs memcpy.
+
+  python benchmarks/swap_in.py [--quick] [--batch 1,64,256] [--buffer 2048,4096] \
+      [--row-bytes 656,1152] [--miss 0.001,0.05,0.2,1.0] [--layers 2] [--repeats 5] [--json out.json]
+
+For every (B, D, W, miss fraction) point, one jitted call runs the swap-in FFI
+on ``--layers`` layers in a row (a Python loop inside jit, as a decode step
+does), over a host pool in ``pinned_host`` memory. Rows are opaque bytes of
+width W: 656 B is a DeepSeek-V3.2 FP8 latent row (512 e4m3 + 4 fp32 scales +
+64 bf16 rope), 1152 B its bf16 row (576 bf16). Each request has a sequence of
+D + K + 1 tokens, D resident; its top-k (K = 2048) takes round(f K) positions
+that are not resident (misses) and the rest from resident ones (hits).
+
+Reported per point (median of --repeats calls, fresh slot tables each call):
+  call_ms          wall time of the call (all layers)
+  bookkeeping_us   the same call with zero misses, per request-layer
+  miss_GBps        bytes of missing rows / (call time - zero-miss time)
+  memcpy_GBps      one memcpy of the same number of bytes between two buffers of
+                   the pool's and hot buffer's sizes, measured in the same run
+  ratio            miss_GBps / memcpy_GBps
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax import ops
+
+TOP_K = 2048
+
+
+def make_case(B, D, K, W, L, miss_fraction, rng):
+  """Host pool, hot buffer and tables for B requests of seq_len D + K + 1 with f*K misses each."""
+  S = D + K + 1
+  n_miss = int(round(miss_fraction * K))
+  slot_tokens = np.empty((L, B, D), np.int32)
+  top_k = np.empty((L, B, K), np.int32)
+  for l in range(L):
+    for b in range(B):
+      order = rng.permutation(S - 1).astype(np.int32)  # positions older than the newest
+      resident, absent = order[:D], order[D:]
+      slot_tokens[l, b] = resident
+      top_k[l, b] = np.concatenate([rng.choice(absent, n_miss, replace=False),
+                                    rng.choice(resident, K - n_miss, replace=False)])
+  lru = np.broadcast_to(np.arange(D, dtype=np.int32), (L, B, D)).copy()
+  host_rows = (np.arange(B, dtype=np.int32)[:, None] * S + np.arange(S, dtype=np.int32)).astype(np.int32)
+  return top_k, slot_tokens, lru, host_rows, S
+
+
+def memcpy_gbps(nbytes: int, src: np.ndarray, dst: np.ndarray, repeats: int) -> float:
+  """Bandwidth of one plain memcpy of nbytes from src to dst (libc memcpy via ctypes)."""
+  libc = ctypes.CDLL(None)
+  libc.memcpy.restype = ctypes.c_void_p
+  libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+  nbytes = min(nbytes, src.nbytes, dst.nbytes)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    libc.memcpy(dst.ctypes.data, src.ctypes.data, nbytes)
+    times.append(time.perf_counter() - t0)
+  return nbytes / statistics.median(times) / 1e9
+
+
+def run_point(B, D, W, L, miss_fraction, repeats, rng):
+  K = TOP_K
+  top_k, slot_tokens, lru, host_rows, S = make_case(B, D, K, W, L, miss_fraction, rng)
+  H = B * S
+  pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
+  hot = jnp.zeros((L, B, D + 1, W), jnp.uint8)
+  stats = jnp.zeros((L, B, 2), jnp.int32)
+  seq_lens = jnp.full((B,), S, jnp.int32)
+  host_rows_d = jnp.asarray(host_rows)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
+  def step(pool, hot, slots, order, stats, top_k):
+    for l in range(L):
+      _, pool, hot, slots, order, stats = ops.swap_in(l, top_k[l], seq_lens, host_rows_d, pool, hot,
+                                                      slots, order, stats)
+    return pool, hot, slots, order, stats
+
+  def timed(tk):
+    nonlocal pool, hot, stats
+    times = []
+    tk = jnp.asarray(tk)
+    for _ in range(repeats + 1):  # the first call compiles
+      slots, order = jnp.asarray(slot_tokens), jnp.asarray(lru)
+      jax.block_until_ready((slots, order))
+      t0 = time.perf_counter()
+      pool, hot, slots, order, stats = step(pool, hot, slots, order, stats, tk)
+      jax.block_until_ready(hot)
+      times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+  # Zero misses: the same shapes, every top-k position resident.
+  hits_only = np.take_along_axis(slot_tokens, np.argsort(rng.random(slot_tokens.shape), -1)[..., :K], -1)
+  t_book = timed(hits_only)
+  t_call = timed(top_k)
+  n_miss = int(round(miss_fraction * K))
+  miss_bytes = L * B * n_miss * W
+  copy_s = max(t_call - t_book, 1e-9)
+  src = np.ones(L * H * W, np.uint8)
+  dst = np.zeros(L * B * (D + 1) * W, np.uint8)
+  mem = memcpy_gbps(miss_bytes, src, dst, repeats)
+  del src, dst, pool, hot
+  return dict(batch=B, buffer=D, row_bytes=W, layers=L, top_k=K, miss_fraction=miss_fraction,
+              misses_per_request_layer=n_miss, call_ms=t_call * 1e3,
+              bookkeeping_us=t_book / (B * L) * 1e6, miss_GBps=miss_bytes / copy_s / 1e9,
+              memcpy_GBps=mem, ratio=miss_bytes / copy_s / 1e9 / mem)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ints = lambda s: [int(x) for x in s.split(",")]
+  floats = lambda s: [float(x) for x in s.split(",")]
+  ap.add_argument("--batch", type=ints, default=[1, 64, 256])
+  ap.add_argument("--buffer", type=ints, default=[2048, 4096])
+  ap.add_argument("--row-bytes", type=ints, default=[656, 1152])
+  ap.add_argument("--miss", type=floats, default=[0.001, 0.05, 0.2, 1.0])
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--quick", action="store_true", help="one small point per axis (CI smoke)")
+  ap.add_argument("--json", help="write the results here")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.batch, args.buffer, args.row_bytes, args.miss, args.repeats = [4], [2048], [656], [0.05, 1.0], 2
+  rng = np.random.default_rng(0)
+  print(f"# swap-in benchmark: {platform.processor() or platform.machine()}, "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, K={TOP_K}, layers/call={args.layers}")
+  header = f"{'B':>4} {'D':>5} {'W':>5} {'miss':>6} {'call_ms':>9} {'book_us':>8} {'miss_GBps':>9} {'memcpy_GBps':>11} {'ratio':>6}"
+  print(header)
+  results = []
+  for B in args.batch:
+    for D in args.buffer:
+      for W in args.row_bytes:
+        for f in args.miss:
+          r = run_point(B, D, W, args.layers, f, args.repeats, rng)
+          results.append(r)
+          print(f"{B:>4} {D:>5} {W:>5} {f:>6.3f} {r['call_ms']:>9.3f} {r['bookkeeping_us']:>8.2f} "
+                f"{r['miss_GBps']:>9.2f} {r['memcpy_GBps']:>11.2f} {r['ratio']:>6.2f}", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  return results
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main() else 1)

@@ -1,0 +1,49 @@
+"""The top-level Bazel BUILD really builds the CPU handler library, and JAX can run it."""
+
+import ctypes
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from hisparse_jax import ops
+from tests.test_swap_in_kernel import run_kernel, worked_example
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bazel_library():
+  if shutil.which("bazel") is None:
+    reason = "bazel not found (Debian: apt-get install bazel-bootstrap)"
+    if os.environ.get("CI"):
+      pytest.fail(f"{reason}; .ci/run installs it")
+    pytest.skip(reason)
+  env = dict(os.environ, HISPARSE_PYTHON=sys.executable)
+  r = subprocess.run(["bazel", "build", "//:hisparse_ffi_cpu"], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, env=env, capture_output=True, text=True,
+                       check=True).stdout.strip()
+  return pathlib.Path(out) / "libhisparse_ffi_cpu.so"
+
+
+def test_bazel_library_runs_the_worked_example(bazel_library):
+  lib = ctypes.cdll.LoadLibrary(str(bazel_library))
+  jax.ffi.register_ffi_target("hisparse_swap_in_bazel", jax.ffi.pycapsule(lib.HisparseSwapInCpu), platform="cpu")
+  case = worked_example()
+  target_call = lambda *a: ops.swap_in(*a, target="hisparse_swap_in_bazel")
+  rows, _, hot, slot_tokens, lru, stats = run_kernel(*case, fn=jax.jit(target_call))
+  np.testing.assert_array_equal(rows[4], [21, 24, 20, -1])
+  np.testing.assert_array_equal(slot_tokens[0, 4], [8, 3, 7, 12])
+  np.testing.assert_array_equal(lru[0, 4], [2, 3, 0, 1])
+  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], case[4][0, case[3][4, 8]])
+  # Same error contract as the pip-built module.
+  case[1][4, 0] = 16
+  with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="top-k position is >= seq_len"):
+    run_kernel(*case, fn=jax.jit(target_call))

@@ -1,7 +1,8 @@
 r"""Starts the hisparse-jax gRPC inference server.
 
   python run_server.py [--model-path DIR] [--host 127.0.0.1] [--port 50051] \
-      [--enable-hisparse [--hisparse-config JSON]] [--max-running-requests 8] [--dtype ...]
+      [--enable-hisparse [--hisparse-config JSON] [--host-pool jax|extension]] \
+      [--max-running-requests 8] [--dtype ...] [--shutdown-grace-s 5]
 
 Serves ``hisparse.HiSparseInference/Generate`` (server streaming) and
 ``grpc.health.v1.Health``. Stops cleanly on SIGINT/SIGTERM.
@@ -23,7 +24,10 @@ flags.DEFINE_string("dtype", None, "float32 or bfloat16 (default: the checkpoint
 flags.DEFINE_boolean("enable-hisparse", False, "Keep the latent KV in a host pool with per-request hot buffers.")
 flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.")
 flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (requests decoded concurrently).")
-flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finish on SIGTERM.")
+flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finish on SIGTERM; "
+                   "streams still open then end with UNAVAILABLE.")
+flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
+                    "(memory owned by the FFI extension).")
 
 
 def main(argv):
@@ -32,23 +36,25 @@ def main(argv):
   from hisparse_jax import launch
   try:
     launch.check_dtype(FLAGS.dtype)
-    if FLAGS["max-running-requests"].value < 1:
-      raise launch.StartupError("--max-running-requests must be >= 1")
+    launch.check_host_pool(FLAGS["host-pool"].value)
+    if not 0 <= FLAGS.port <= 65535:
+      raise launch.StartupError(f"--port {FLAGS.port}: expected 0..65535")
     model_dir = launch.resolve_model_path(FLAGS["model-path"].value)
     model_cfg = launch.read_model_config(model_dir)
     hisparse = launch.resolve_hisparse(FLAGS["enable-hisparse"].value, FLAGS["hisparse-config"].value,
                                        model_dir, model_cfg)
+    launch.check_memory(model_cfg, hisparse, FLAGS["max-running-requests"].value, FLAGS.dtype)
+    tokenizer = launch.load_tokenizer_or_fail(model_dir)
+    engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
+                                 max_running_requests=FLAGS["max-running-requests"].value,
+                                 host_pool=FLAGS["host-pool"].value)
   except launch.StartupError as e:
     sys.exit(f"error: {e}")
 
-  from hisparse_jax.engine import Engine
   from hisparse_jax.server import serve
-  from hisparse_jax.text import load_tokenizer
 
-  engine = Engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
-                  max_running_requests=FLAGS["max-running-requests"].value)
   try:
-    server, loop, port = serve(engine, load_tokenizer(model_dir), FLAGS.host, FLAGS.port)
+    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port)
   except OSError as e:
     sys.exit(f"error: --host/--port: {e}")
   mode = f"hisparse {hisparse}" if hisparse else "dense"
@@ -59,7 +65,8 @@ def main(argv):
   stopping.wait()
   print("[server] shutting down", flush=True)
   server.stop(FLAGS["shutdown-grace-s"].value).wait()
-  loop.stop()
+  loop.stop(timeout=FLAGS["shutdown-grace-s"].value + 30)
+  print("[server] stopped", flush=True)
 
 
 if __name__ == "__main__":

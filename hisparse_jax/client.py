@@ -69,18 +69,20 @@ def main(argv):
         wait_for_serving(channel, FLAGS["wait-for-ready-s"].value)
       except TimeoutError as e:
         sys.exit(f"error: {FLAGS.target}: {e}")
+    streamed = False
     try:
       for msg in generate(stub, text=FLAGS.text, input_ids=ids,
                           max_new_tokens=FLAGS["max-new-tokens"].value, timeout=FLAGS["timeout-s"].value):
         sys.stdout.write(msg.text)
         sys.stdout.flush()
+        streamed = streamed or bool(msg.text)
         if msg.finished:
           reason = hisparse_pb2.FinishReason.Name(msg.finish_reason)
           print(f"\n[client] finish={reason} prompt_tokens={msg.prompt_tokens} "
                 f"completion_tokens={msg.completion_tokens} swap_in_hits={msg.swap_in_hits} "
                 f"swap_in_misses={msg.swap_in_misses}")
     except grpc.RpcError as e:
-      sys.exit(f"\nerror: {e.code().name}: {e.details()}")
+      sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")
 
 
 if __name__ == "__main__":

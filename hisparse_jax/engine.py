@@ -35,6 +35,7 @@ from flax import nnx
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.kv_cache import DenseKVCache, HiSparseKVCache
+from hisparse_jax.ops import ExtensionHostPool
 from models.loader import load_hf
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ MIN_PREFILL_BUCKET = 16
 DEFAULT_MAX_SEQ_LEN = 4096
 # Host-pool allocation granularity (tokens per page).
 HOST_PAGE_SIZE = 16
+HOST_POOL_KINDS = ("jax", "extension")
 
 
 class RequestError(ValueError):
@@ -95,15 +97,22 @@ class Engine:
     max_running_requests: decode lanes (the fixed decode batch).
     max_seq_len: longest prompt + output per request (tokens); defaults to
       min(max_position_embeddings, 4096).
+    host_pool: where HiSparse keeps the host pool: "jax" (a ``pinned_host``
+      JAX array, the default) or "extension" (``ops.ExtensionHostPool``,
+      memory owned by the FFI extension; the fallback for GPUs where XLA does
+      not pass ``pinned_host`` operands to custom calls as host pointers).
 
   Raises:
     FileNotFoundError / ValueError: unreadable model directory or config.
   """
 
   def __init__(self, model_dir, *, dtype: str | None = None, hisparse: HiSparseConfig | None = None,
-               max_running_requests: int = 8, max_seq_len: int | None = None):
+               max_running_requests: int = 8, max_seq_len: int | None = None, host_pool: str = "jax"):
     if max_running_requests < 1:
       raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+    if host_pool not in HOST_POOL_KINDS:
+      raise ValueError(f"host_pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
+    self.host_pool_kind = host_pool
     self.config, model = load_hf(model_dir, dtype=dtype)
     cfg = self.config
     self.hisparse = hisparse
@@ -144,8 +153,11 @@ class Engine:
     if self.hisparse is None:
       self.cache = DenseKVCache.create(**shape)
     else:
+      rows = self.num_pages * HOST_PAGE_SIZE
+      self.external_pool = (ExtensionHostPool(cfg.num_hidden_layers, rows, cfg.latent_dim, self.dtype)
+                            if self.host_pool_kind == "extension" else None)
       self.cache = HiSparseKVCache.create(**shape, device_buffer_size=self.hisparse.device_buffer_size,
-                                          host_pool_rows=self.num_pages * HOST_PAGE_SIZE)
+                                          host_pool_rows=rows, external_pool=self.external_pool)
     self._free_pages = collections.deque(range(self.num_pages))
     self._free_lanes = collections.deque(range(self.num_lanes))
     self._lanes: list[Request | None] = [None] * self.num_lanes

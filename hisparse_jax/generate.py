@@ -1,14 +1,14 @@
 r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs out.
 
   python -m hisparse_jax.generate --prompts prompts.jsonl [--model-path DIR] \
-      [--max-new-tokens 32] [--dtype float32|bfloat16] \
-      [--enable-hisparse [--hisparse-config '{"top_k": 32, "device_buffer_size": 64}']] \
-      [--output out.jsonl]
+      [--max-new-tokens 32] [--dtype float32|bfloat16] [--max-running-requests 8] \
+      [--enable-hisparse [--hisparse-config '{"top_k": 32, "device_buffer_size": 64}'] \
+      [--host-pool jax|extension]] [--output out.jsonl]
 
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
-``"max_new_tokens"``. Output: one line per input line, in order, with
+``"max_new_tokens"``. Output: one line per non-blank input line, in order, with
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
-``finish_reason``, ``hits``/``misses`` (swap-in counts, HiSparse only) — or
+``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served; the others
 are decoded anyway. All requests run through one continuous-batching engine.
 """
@@ -30,6 +30,8 @@ flags.DEFINE_string("dtype", None, "float32 or bfloat16 (default: the checkpoint
 flags.DEFINE_boolean("enable-hisparse", False, "Keep the latent KV in a host pool with per-request hot buffers.")
 flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.")
 flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (concurrent requests).")
+flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
+                    "(memory owned by the FFI extension).")
 
 
 def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_new: int):
@@ -67,33 +69,45 @@ def main(argv):
   from hisparse_jax import launch
   try:
     launch.check_dtype(FLAGS.dtype)
+    launch.check_host_pool(FLAGS["host-pool"].value)
     model_dir = launch.resolve_model_path(FLAGS["model-path"].value)
     model_cfg = launch.read_model_config(model_dir)
     hisparse = launch.resolve_hisparse(FLAGS["enable-hisparse"].value, FLAGS["hisparse-config"].value,
                                        model_dir, model_cfg)
-    with open(FLAGS.prompts) as f:
-      lines = [l for l in f.read().splitlines() if l.strip()]
-  except (launch.StartupError, OSError) as e:
+    launch.check_memory(model_cfg, hisparse, FLAGS["max-running-requests"].value, FLAGS.dtype)
+    try:
+      with open(FLAGS.prompts, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+      raise launch.StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
+    try:  # Fail now, not after decoding everything.
+      dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
+    except OSError as e:
+      raise launch.StartupError(f"--output {FLAGS.output!r}: {e}") from None
+    tokenizer = launch.load_tokenizer_or_fail(model_dir)
+    engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
+                                 max_running_requests=FLAGS["max-running-requests"].value,
+                                 host_pool=FLAGS["host-pool"].value)
+  except launch.StartupError as e:
     sys.exit(f"error: {e}")
 
-  from hisparse_jax.engine import Engine, Request, RequestError
-  from hisparse_jax.text import load_tokenizer
+  from hisparse_jax.engine import Request, RequestError
 
-  tokenizer = load_tokenizer(model_dir)
-  engine = Engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
-                  max_running_requests=FLAGS["max-running-requests"].value)
-  results: list[dict] = [{} for _ in lines]
+  # Blank lines are skipped; numbers in messages are the file's own line numbers.
+  numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+  results: list[dict] = [{} for _ in numbered]
   requests: list[tuple[int, Request]] = []
-  for i, line in enumerate(lines):
+  for i, (lineno, line) in enumerate(numbered):
     try:
-      ids, max_new = _parse_line(line, i + 1, tokenizer, model_cfg.bos_token_id, FLAGS["max-new-tokens"].value)
-      req = Request(request_id=str(i), prompt_ids=ids, max_new_tokens=max_new)
+      ids, max_new = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id, FLAGS["max-new-tokens"].value)
+      req = Request(request_id=str(lineno), prompt_ids=ids, max_new_tokens=max_new)
       engine.submit(req)
       requests.append((i, req))
     except RequestError as e:
-      results[i] = {"error": f"line {i + 1}: {e}", "code": e.code}
-    except ValueError as e:
-      results[i] = {"error": str(e), "code": "INVALID_ARGUMENT"}
+      results[i] = {"error": f"line {lineno}: {e}", "code": e.code}
+    except Exception as e:  # noqa: BLE001 - one bad line must not sink the batch
+      msg = str(e) if str(e).startswith(f"line {lineno}:") else f"line {lineno}: {type(e).__name__}: {e}"
+      results[i] = {"error": msg, "code": "INVALID_ARGUMENT"}
 
   start = time.perf_counter()
   engine.run()
@@ -107,7 +121,6 @@ def main(argv):
       out["hits"], out["misses"] = req.hits, req.misses
     results[i] = out
 
-  dest = open(FLAGS.output, "w") if FLAGS.output else sys.stdout
   try:
     for r in results:
       dest.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -116,7 +129,7 @@ def main(argv):
       dest.close()
   n_tokens = sum(len(r.output_ids) for _, r in requests)
   mode = "hisparse" if hisparse else "dense"
-  print(f"[generate] {len(requests)} requests ({len(lines) - len(requests)} rejected), {n_tokens} new tokens "
+  print(f"[generate] {len(requests)} requests ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if hisparse is not None:
     hits = sum(r.hits for _, r in requests)

@@ -92,7 +92,8 @@ class DenseKVCache:
         index_k=jax.lax.dynamic_update_slice(self.index_k, index_keys[:, None], (0, lane, 0, 0)))
 
 
-@_pytree(data=("hot", "slot_tokens", "lru", "stats", "host_pool", "host_rows", "index_k"))
+@_pytree(data=("hot", "slot_tokens", "lru", "stats", "host_pool", "host_rows", "index_k"),
+         meta=("external_pool",))
 @dataclasses.dataclass
 class HiSparseKVCache:
   """Hierarchical KV: full latent KV in a host pool, a hot buffer per request on device.
@@ -102,9 +103,13 @@ class HiSparseKVCache:
     slot_tokens: int32[L, B, D] token position in each slot.
     lru: int32[L, B, D] slot ids, least recently used first.
     stats: int32[L, B, 2] cumulative swap-in (hits, misses) per lane.
-    host_pool: T[L, H, W] latent rows of every token (``pinned_host`` memory).
+    host_pool: T[L, H, W] latent rows of every token (``pinned_host`` memory);
+      with ``external_pool`` set, the int32[1] ordering token of that pool.
     host_rows: int32[B, S] position -> host-pool row (page table), -1 if none.
     index_k: float32[L, B, S, Di] indexer keys (device).
+    external_pool: static reference to an ``ops.ExtensionHostPool`` holding
+      the rows instead of a JAX array (the fallback where XLA cannot hand a
+      ``pinned_host`` operand to the kernel as a host pointer).
   """
 
   hot: jax.Array
@@ -114,14 +119,22 @@ class HiSparseKVCache:
   host_pool: jax.Array
   host_rows: jax.Array
   index_k: jax.Array
+  external_pool: ops.ExternalPoolRef | None = None
 
   @classmethod
   def create(cls, *, num_layers, batch, max_seq_len, latent_dim, index_dim, dtype,
-             device_buffer_size, host_pool_rows):
-    """Empty cache; the host pool is allocated directly in ``pinned_host`` memory."""
+             device_buffer_size, host_pool_rows, external_pool: ops.ExtensionHostPool | None = None):
+    """Empty cache. The host pool is allocated directly in ``pinned_host`` memory, or is
+    ``external_pool`` (shape [L, host_pool_rows, latent_dim]; the caller keeps it alive)."""
     L, B, D = num_layers, batch, device_buffer_size
-    host_pool = jax.jit(lambda: jax.device_put(
-        jnp.zeros((L, host_pool_rows, latent_dim), dtype), jax.memory.Space.Host))()
+    if external_pool is not None:
+      if external_pool.shape != (L, host_pool_rows, latent_dim) or external_pool.dtype != jnp.dtype(dtype):
+        raise ValueError(f"external pool {external_pool.shape} {external_pool.dtype} does not match "
+                         f"{(L, host_pool_rows, latent_dim)} {jnp.dtype(dtype)}")
+      host_pool = external_pool.token()
+    else:
+      host_pool = jax.jit(lambda: jax.device_put(
+          jnp.zeros((L, host_pool_rows, latent_dim), dtype), jax.memory.Space.Host))()
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
     return cls(
         hot=jnp.zeros((L, B, D + 1, latent_dim), dtype),
@@ -130,7 +143,8 @@ class HiSparseKVCache:
         stats=jnp.zeros((L, B, 2), jnp.int32),
         host_pool=host_pool,
         host_rows=jnp.full((B, max_seq_len), -1, jnp.int32),
-        index_k=jnp.zeros((L, B, max_seq_len, index_dim), jnp.float32))
+        index_k=jnp.zeros((L, B, max_seq_len, index_dim), jnp.float32),
+        external_pool=None if external_pool is None else external_pool.ref)
 
   @property
   def device_buffer_size(self) -> int:
@@ -141,7 +155,8 @@ class HiSparseKVCache:
     B, D = latent.shape[0], self.device_buffer_size
     pos = jnp.maximum(seq_lens - 1, 0)
     dst = jnp.where(seq_lens > 0, self.host_rows[jnp.arange(B), pos], -1)
-    host_pool = ops.backup(layer, latent[None].astype(self.host_pool.dtype), dst, self.host_pool)
+    host_pool = ops.backup(layer, latent[None].astype(self.hot.dtype), dst, self.host_pool,
+                           external=self.external_pool)
     # Device copy: slot p while p < D (fast path), else the reserved slot D.
     slot = jnp.where(seq_lens > 0, jnp.minimum(pos, D), D + 1)  # D + 1: dropped
     hot = self.hot.at[layer, jnp.arange(B), slot].set(latent.astype(self.hot.dtype), mode="drop")
@@ -154,7 +169,7 @@ class HiSparseKVCache:
   def gather(self, layer, top_k, seq_lens):
     rows, host_pool, hot, slot_tokens, lru, stats = ops.swap_in(
         layer, top_k, seq_lens, self.host_rows, self.host_pool, self.hot, self.slot_tokens,
-        self.lru, self.stats)
+        self.lru, self.stats, external=self.external_pool)
     D1 = hot.shape[2]
     safe = jnp.maximum(rows, 0)
     out = hot[layer, safe // D1, safe % D1]
@@ -173,7 +188,8 @@ class HiSparseKVCache:
     """
     L, P, _ = latents.shape
     D = self.device_buffer_size
-    host_pool = ops.backup(0, latents.astype(self.host_pool.dtype), host_rows[:P], self.host_pool)
+    host_pool = ops.backup(0, latents.astype(self.hot.dtype), host_rows[:P], self.host_pool,
+                           external=self.external_pool)
     n = min(P, D)
     hot = jax.lax.dynamic_update_slice(self.hot, latents[:, None, :n].astype(self.hot.dtype),
                                        (0, lane, 0, 0))

@@ -9,11 +9,13 @@ stats) is aliased input -> output, so donated arguments are updated in place.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _load_cpu_module():
@@ -40,6 +42,9 @@ except ImportError:  # pragma: no cover - depends on the build machine
 
 SWAP_IN_TARGET = "hisparse_swap_in"
 BACKUP_TARGET = "hisparse_backup"
+# Variants over a host pool owned by the extension (ExtensionHostPool).
+SWAP_IN_EXT_TARGET = "hisparse_swap_in_ext"
+BACKUP_EXT_TARGET = "hisparse_backup_ext"
 
 
 def _register() -> None:
@@ -64,8 +69,115 @@ def _like(x: jax.Array):
   return jax.typeof(x)
 
 
+def _layer(layer) -> jax.Array:
+  """The layer index as int32; a float or bool is a TypeError, not a silent truncation."""
+  dtype = getattr(layer, "dtype", None)
+  if isinstance(layer, (bool, float)) or (dtype is not None and not jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"layer must be an integer, got {layer!r}")
+  if isinstance(layer, int) and not 0 <= layer < 2**31:
+    raise ValueError(f"layer {layer} is outside the int32 range")
+  return jnp.asarray(layer, jnp.int32)
+
+
+def _int32(name: str, x):
+  """Integer indices as int32; concrete values outside the int32 range are an error, not a wrap."""
+  if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and x.dtype == jnp.int32):
+    if x.dtype != jnp.int32:
+      raise TypeError(f"{name} must be int32, got {x.dtype}")
+    return x
+  a = np.asarray(x)
+  if not (np.issubdtype(a.dtype, np.integer) and not np.issubdtype(a.dtype, np.bool_)):
+    raise TypeError(f"{name} must be an integer array, got {a.dtype}")
+  if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+    raise ValueError(f"{name} has values outside the int32 range")
+  return jnp.asarray(a, jnp.int32)
+
+
+def byte_addressable(dtype) -> bool:
+  """Whether XLA stores dtype in whole bytes (int4, fp4 and the like are packed)."""
+  d = jnp.dtype(dtype)
+  if jnp.issubdtype(d, jnp.floating):
+    return jnp.finfo(d).bits >= 8
+  if jnp.issubdtype(d, jnp.integer):
+    return jnp.iinfo(d).bits >= 8
+  return d.itemsize >= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ExternalPoolRef:
+  """Static description of an ExtensionHostPool, passed to the "_ext" handlers as attributes."""
+
+  address: int
+  layers: int
+  rows: int
+
+  def attrs(self) -> dict:
+    return dict(pool_address=np.uint64(self.address), pool_layers=np.int64(self.layers),
+                pool_rows=np.int64(self.rows))
+
+
+class ExtensionHostPool:
+  """A host pool owned by the extension: the fallback to a ``pinned_host`` JAX array.
+
+  On CPU it is page-aligned host memory; on a GPU it is pinned, mapped host
+  memory (``cudaHostAlloc``) that the CUDA kernels read directly. JAX sees only
+  ``token()``, an int32[1] array threaded through the swap-in and backup calls
+  to order them; the handlers accept only live pools of this registry with
+  enough bytes for the rows they touch.
+
+  Args:
+    layers, rows, width: L, H, W of the pool (rows of W elements).
+    dtype: element dtype (must be whole bytes: not int4 / fp4).
+    platform: "cpu" or "gpu" (default: JAX's default backend).
+
+  Raises:
+    RuntimeError: the CUDA handlers are not built but a GPU pool is asked for.
+    MemoryError: the allocation failed.
+  """
+
+  def __init__(self, layers: int, rows: int, width: int, dtype, platform: str | None = None):
+    platform = platform or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+    if platform == "gpu" and _ffi_cuda is None:
+      raise RuntimeError("a GPU host pool needs the CUDA handlers, which this build lacks")
+    self._module = _ffi_cuda if platform == "gpu" else _ffi_cpu
+    self.dtype = np.dtype(dtype)
+    if not byte_addressable(self.dtype):
+      raise TypeError(f"host pool dtype {self.dtype} packs below one byte per element (unsupported)")
+    self.shape = (int(layers), int(rows), int(width))
+    self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+    self.address = self._module.alloc_host_pool(self.nbytes)
+    self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1])
+
+  def token(self) -> jax.Array:
+    """A fresh int32[1] ordering token for a cache that uses this pool."""
+    return jnp.zeros((1,), jnp.int32)
+
+  def read(self) -> np.ndarray:
+    """A copy of the whole pool as a NumPy array [L, H, W] (tests, debugging)."""
+    raw = self._module.read_host_pool(self.address, 0, self.nbytes)
+    return np.frombuffer(raw, self.dtype).reshape(self.shape).copy()
+
+  def write(self, array) -> None:
+    """Overwrites the whole pool from an array of its shape and dtype."""
+    a = np.ascontiguousarray(array, self.dtype)
+    if a.shape != self.shape:
+      raise ValueError(f"expected shape {self.shape}, got {a.shape}")
+    self._module.write_host_pool(self.address, 0, a.tobytes())
+
+  def close(self) -> None:
+    if self.address:
+      self._module.free_host_pool(self.address)
+      self.address = 0
+
+  def __del__(self):
+    try:
+      self.close()
+    except Exception:  # noqa: BLE001 - interpreter shutdown
+      pass
+
+
 def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru, stats, *,
-            target: str = SWAP_IN_TARGET):
+            external: ExternalPoolRef | None = None, target: str | None = None):
   """Make the latent rows of each request's top-k positions resident on device.
 
   Args:
@@ -73,7 +185,8 @@ def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru,
     top_k: int32[B, K] token positions chosen by the indexer, -1 = padding.
     seq_lens: int32[B] tokens per request; the newest token is at seq_len - 1.
     host_rows: int32[B, S] position -> row of the host pool (page table).
-    host_pool: T[L, H, W] latent KV of all tokens (``pinned_host`` memory).
+    host_pool: T[L, H, W] latent KV of all tokens (``pinned_host`` memory),
+      or with ``external`` the int32[1] ordering token of an ExtensionHostPool.
     hot: T[L, B, D+1, W] hot buffers; slot D of each request is reserved for
       its newest token.
     slot_tokens: int32[L, B, D] token position held by each slot (-1 empty).
@@ -93,14 +206,16 @@ def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru,
     row is not a permutation, or the layer is out of range. Nothing is
     modified in that case.
 
-  ``target`` names another registration of the same handler (e.g. the Bazel
-  build's library).
+  ``external`` selects the handler over an ExtensionHostPool; ``target``
+  names another registration of the same handler (e.g. the Bazel build's).
 
   Semantics: ``hisparse_jax.reference.swap_in`` (HiSparse, SGLang).
   """
+  top_k, seq_lens, host_rows = (_int32(n, x) for n, x in
+                                (("top_k", top_k), ("seq_lens", seq_lens), ("host_rows", host_rows)))
   B, K = top_k.shape
   call = jax.ffi.ffi_call(
-      target,
+      target or (SWAP_IN_EXT_TARGET if external else SWAP_IN_TARGET),
       (
           jax.ShapeDtypeStruct((B, K), jnp.int32),
           _like(host_pool),
@@ -111,34 +226,29 @@ def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru,
       ),
       input_output_aliases={4: 1, 5: 2, 6: 3, 7: 4, 8: 5},
   )
-  return call(
-      jnp.asarray(layer, jnp.int32),
-      top_k,
-      seq_lens,
-      host_rows,
-      host_pool,
-      hot,
-      slot_tokens,
-      lru,
-      stats,
-  )
+  attrs = external.attrs() if external else {}
+  return call(_layer(layer), top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru, stats, **attrs)
 
 
-def backup(layer, rows, dst, host_pool):
+def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = None):
   """Write latent rows into the host pool: ``pool[layer + i, dst[n]] = rows[i, n]``.
 
   Args:
     layer: int32 scalar, first layer written.
     rows: T[Lr, N, W] rows on device (Lr consecutive layers).
     dst: int32[N] host-pool row of each column; -1 skips it.
-    host_pool: T[L, H, W] (``pinned_host``), aliased to the result.
+    host_pool: T[L, H, W] (``pinned_host``), aliased to the result; or with
+      ``external`` the int32[1] ordering token of an ExtensionHostPool.
 
   Returns:
-    The updated host pool.
+    The updated host pool (or token).
 
   Raises:
     jax.errors.JaxRuntimeError (INVALID_ARGUMENT) on a dst outside [-1, H), a
-    layer range outside [0, L), or mismatched dtype / row width.
+    layer range outside [0, L), mismatched dtype / row width, or a dtype packed
+    below one byte per element; TypeError for a non-integer layer.
   """
-  call = jax.ffi.ffi_call(BACKUP_TARGET, _like(host_pool), input_output_aliases={3: 0})
-  return call(jnp.asarray(layer, jnp.int32), rows, dst, host_pool)
+  call = jax.ffi.ffi_call(BACKUP_EXT_TARGET if external else BACKUP_TARGET, _like(host_pool),
+                          input_output_aliases={3: 0})
+  attrs = external.attrs() if external else {}
+  return call(_layer(layer), rows, _int32("dst", dst), host_pool, **attrs)

@@ -28,6 +28,7 @@ from hisparse_jax.text import TextStream, encode_prompt
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "hisparse.HiSparseInference"
+SHUTTING_DOWN = "server shutting down"
 _FINISH = {"stop": hisparse_pb2.STOP, "length": hisparse_pb2.LENGTH, "abort": hisparse_pb2.ABORT}
 
 
@@ -54,9 +55,13 @@ class EngineLoop(threading.Thread):
   def abort(self, request_id: str) -> None:
     self._inbox.put(("abort", request_id, None))
 
-  def stop(self) -> None:
+  def stop(self, timeout: float | None = None) -> None:
+    """Stops the loop after the current step and waits for it (a daemon thread still
+    running at interpreter exit can abort the process inside XLA)."""
     self._stopped.set()
     self._inbox.put(("wake", None, None))
+    if self.is_alive() and threading.current_thread() is not self:
+      self.join(timeout)
 
   def run(self) -> None:
     listeners: dict[str, queue.Queue] = {}
@@ -91,6 +96,8 @@ class EngineLoop(threading.Thread):
         q = listeners.pop(req.request_id, None)
         if q is not None:
           q.put(_Event(done=req))
+    for q in listeners.values():  # stopped with requests in flight
+      q.put(_Event(error=SHUTTING_DOWN))
 
 
 class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
@@ -112,21 +119,23 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
 
   def Generate(self, request, context):
     ids = self._prompt_ids(request, context)
+    # The engine keys requests by a server-side id: client ids need not be unique.
     rid = request.request_id or uuid.uuid4().hex
-    req = Request(request_id=rid, prompt_ids=ids, max_new_tokens=request.max_new_tokens)
+    req = Request(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=request.max_new_tokens)
     try:
       self.engine.validate(req)
     except RequestError as e:
       context.abort(grpc.StatusCode[e.code], str(e))
     events: queue.Queue = queue.Queue()
-    context.add_callback(lambda: self.loop.abort(rid))
+    context.add_callback(lambda: self.loop.abort(req.request_id))
     self.loop.submit(req, events)
     stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
     while True:
       ev = events.get()
       if ev.error is not None:
-        context.abort(grpc.StatusCode.INTERNAL if ev.error.startswith("internal") else
-                      grpc.StatusCode.INVALID_ARGUMENT, ev.error)
+        code = (grpc.StatusCode.INTERNAL if ev.error.startswith("internal") else
+                grpc.StatusCode.UNAVAILABLE if ev.error == SHUTTING_DOWN else grpc.StatusCode.INVALID_ARGUMENT)
+        context.abort(code, ev.error)
       if ev.token is not None:
         text = stream.push(ev.token) if stream is not None else ""
         yield hisparse_pb2.GenerateResponse(request_id=rid, token_ids=[ev.token], text=text)
@@ -146,14 +155,20 @@ def serve(engine: Engine, tokenizer, host: str, port: int, max_workers: int = 64
   """Starts the server; returns (grpc.Server, EngineLoop, bound port)."""
   loop = EngineLoop(engine)
   loop.start()
-  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+  # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
   hisparse_pb2_grpc.add_HiSparseInferenceServicer_to_server(InferenceServicer(loop, tokenizer), server)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-  bound = server.add_insecure_port(f"{host}:{port}")
+  try:
+    bound = server.add_insecure_port(f"{host}:{port}")
+  except RuntimeError as e:  # grpc raises RuntimeError for a port in use or a bad address
+    bound, reason = 0, str(e)
+  else:
+    reason = "bind failed"
   if bound == 0:
     loop.stop()
-    raise OSError(f"cannot bind {host}:{port}")
+    raise OSError(f"cannot bind {host}:{port}: {reason}")
   server.start()
   for name in ("", SERVICE_NAME):
     health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -184,6 +184,17 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
     )
 
 
+
+# Integer config keys and their smallest valid value.
+_INTEGER_KEYS = {
+    "vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "moe_intermediate_size": 1,
+    "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "q_lora_rank": 1,
+    "kv_lora_rank": 1, "qk_nope_head_dim": 1, "qk_rope_head_dim": 2, "v_head_dim": 1,
+    "n_routed_experts": 1, "n_shared_experts": 0, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 0, "max_position_embeddings": 1, "index_n_heads": 1, "index_head_dim": 1,
+    "index_topk": 1,
+}
+
 @dataclasses.dataclass(frozen=True)
 class DSAConfig:
     """Hyper-parameters of a DeepSeek-V3.2 (DSA) causal LM.
@@ -265,6 +276,8 @@ class DSAConfig:
     def from_hf_config(cls, cfg: dict) -> "DSAConfig":
         """Build from a parsed HF config.json dict. Raises ValueError on unsupported model_type /
         architecture / activation / rope type or a missing required key (the message names it)."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
@@ -278,6 +291,15 @@ class DSAConfig:
                 raise ValueError(f"config is missing required key {key!r}")
             if cfg[key] is None:
                 raise ValueError(f"config key {key!r} is None (unsupported; it must be an integer)")
+        for key, minimum in _INTEGER_KEYS.items():  # no silent truncation of 2.5 -> 2, True -> 1
+            value = cfg.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
+            if value < minimum:
+                raise ValueError(f"config key {key!r} must be >= {minimum}, got {value}")
+
         def get(key: str) -> Any:
             value = cfg.get(key)
             return _DEFAULTS[key] if value is None else value

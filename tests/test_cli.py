@@ -57,6 +57,10 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--enable-hisparse", "--hisparse-config", '{"slots": 4}'], "unknown key(s) ['slots']"),
     (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model': no such directory"),
     (["--dtype", "float16"], "--dtype 'float16'"),
+    (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+    (["--host-pool", "gpu"], "--host-pool 'gpu': expected one of jax, extension"),
+    (["--enable-hisparse", "--hisparse-config", ""], "--hisparse-config: empty"),
+    (["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 2000000000}'], "more than 80%"),
 ])
 def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message):
   if "--model-path" not in flags:
@@ -72,3 +76,73 @@ def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message)
 def test_model_path_without_config(tmp_path):
   r = run("-m", "hisparse_jax.generate", "--prompts", os.devnull, "--model-path", str(tmp_path))
   assert r.returncode != 0 and "no config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("no_weights", "cannot load the model"),
+    ("garbage_weights", "cannot load the model"),
+    ("float_layers", "'num_hidden_layers' must be an integer, got 2.5"),
+    ("config_list", "config.json must hold a JSON object"),
+    ("bad_tokenizer", "tokenizer.json"),
+])
+def test_broken_model_dirs_exit_with_a_message(tmp_path, breakage, message):
+  import shutil
+  d = tmp_path / "model"
+  shutil.copytree(tiny_model_dir(), d)
+  cfg = json.loads((d / "config.json").read_text())
+  if breakage == "no_weights":
+    (d / "model.safetensors").unlink()
+  elif breakage == "garbage_weights":
+    (d / "model.safetensors").write_bytes(b"\x00" * 100)
+  elif breakage == "float_layers":
+    cfg["num_hidden_layers"] = 2.5
+  elif breakage == "config_list":
+    cfg = []
+  elif breakage == "bad_tokenizer":
+    (d / "tokenizer.json").write_text("{not a tokenizer")
+  (d / "config.json").write_text(json.dumps(cfg))
+  r = run("-m", "hisparse_jax.generate", "--prompts", os.devnull, "--model-path", str(d), timeout=120)
+  assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_generate_line_numbers_blank_lines_and_early_output_error(tmp_path):
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("\n".join([json.dumps({"input_ids": [3, 4]}), "", "  ", json.dumps({"input_ids": []}),
+                                 "[" * 100000 + "]" * 100000, json.dumps({"input_ids": [5]})]) + "\n")
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+          "--output", str(tmp_path / "missing-dir" / "o.jsonl"))
+  assert r.returncode != 0 and "--output" in r.stderr and "Traceback" not in r.stderr
+  out = tmp_path / "o.jsonl"
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+          "--output", str(out), "--max-new-tokens", "2")
+  assert r.returncode == 0, r.stderr[-2000:]
+  res = [json.loads(l) for l in out.read_text().splitlines()]
+  assert len(res) == 4  # one per non-blank line
+  assert len(res[0]["output_ids"]) == 2 and len(res[3]["output_ids"]) == 2
+  assert res[1]["error"].startswith("line 4: empty prompt")
+  assert res[2]["error"].startswith("line 5:") and res[2]["code"] == "INVALID_ARGUMENT"
+
+
+def test_server_bad_port_and_sigterm_exit_cleanly():
+  import signal
+  r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", "70000", timeout=120)
+  assert r.returncode != 0 and "--port 70000" in r.stderr and "Traceback" not in r.stderr
+  proc = subprocess.Popen([sys.executable, "run_server.py", "--model-path", tiny_model_dir(), "--port", "0",
+                           "--enable-hisparse", "--hisparse-config", json.dumps(TINY_HISPARSE)],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    line = proc.stdout.readline()
+    while line and "listening on" not in line:
+      line = proc.stdout.readline()
+    assert "listening on" in line
+    port = int(line.split("127.0.0.1:")[1].split()[0])
+    # A second server on the same port fails with a message, not a traceback.
+    r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", str(port), timeout=120)
+    assert r.returncode != 0 and "cannot bind" in r.stderr and "Traceback" not in r.stderr
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, rest
+    assert "[server] stopped" in rest
+  finally:
+    if proc.poll() is None:
+      proc.kill()

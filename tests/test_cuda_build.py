@@ -27,6 +27,7 @@ def test_cuda_handler_built_for_sm90a():
   assert ops.cuda_handler_built(), "nvcc is on PATH but hisparse_jax._ffi_cuda was not built"
   from hisparse_jax import _ffi_cuda
   assert _ffi_cuda.cuda_arch == "sm_90a"
-  assert set(_ffi_cuda.registrations()) == {ops.SWAP_IN_TARGET, ops.BACKUP_TARGET}
+  assert set(_ffi_cuda.registrations()) == {ops.SWAP_IN_TARGET, ops.BACKUP_TARGET, ops.SWAP_IN_EXT_TARGET,
+                                           ops.BACKUP_EXT_TARGET}
   fatbin = _section(pathlib.Path(_ffi_cuda.__file__), ".nv_fatbin")
   assert len(fatbin) > 1000 and b"sm_90a" in fatbin

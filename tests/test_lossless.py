@@ -119,3 +119,19 @@ def test_prefill_last_only_equals_full_logits_at_last_position():
   np.testing.assert_allclose(np.asarray(last), np.asarray(full)[np.arange(3), np.asarray(lengths) - 1],
                              rtol=0, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(lat_last), np.asarray(lat_full))
+
+
+def test_extension_owned_host_pool_gives_the_same_tokens(engines):
+  """The fallback host pool (memory owned by the FFI extension) decodes exactly like the JAX pool."""
+  _, hs = engines
+  ext = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=4,
+               max_seq_len=S_MAX, host_pool="extension")
+  ps = prompts(6)
+  got = run(ext, ps)
+  want = run(hs, ps)
+  assert [r.output_ids for r in got] == [r.output_ids for r in want]
+  assert [(r.hits, r.misses) for r in got] == [(r.hits, r.misses) for r in want]
+  assert sum(r.misses for r in got) > 0
+  # The rows really live in the extension's pool.
+  pool = ext.external_pool.read()
+  assert pool.shape == (3, ext.num_pages * 16, 48) and np.abs(pool).sum() > 0

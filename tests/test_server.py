@@ -97,3 +97,20 @@ def test_text_stream_never_splits_utf8():
   deltas = [stream.push(i) for i in ids] + [stream.flush()]
   assert "".join(deltas) == tok.decode(ids) == text
   assert all("\ufffd" not in d for d in deltas)
+
+
+def test_duplicate_client_request_ids_are_independent(server):
+  _, stub, _ = server
+  rng = np.random.default_rng(9)
+  prompts = [rng.integers(2, 512, n).tolist() for n in (12, 30, 7, 25)]
+  solo = [collect(stub, p, 8)[0] for p in prompts]
+
+  def same_id(p):
+    req = hisparse_pb2.GenerateRequest(request_id="same", input_ids=hisparse_pb2.TokenIds(ids=p), max_new_tokens=8)
+    msgs = list(stub.Generate(req, timeout=60))
+    return [t for m in msgs for t in m.token_ids], msgs[-1]
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(same_id, prompts))
+  for (tokens, final), want in zip(results, solo):
+    assert final.finished and final.request_id == "same" and tokens == want

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from hisparse_jax import ops, reference
 
+# An FFI INVALID_ARGUMENT surfaces as JaxRuntimeError, or ValueError when the call is dispatched eagerly.
+FFI_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
 swap_in_jit = jax.jit(ops.swap_in, donate_argnums=(4, 5, 6, 7, 8))
 backup_jit = jax.jit(ops.backup, donate_argnums=(3,))
 
@@ -187,7 +189,7 @@ def test_bad_input_is_an_error_and_changes_nothing(mutate, message):
   mutate(case)
   pool, hot = to_host(case[4]), jnp.asarray(case[5])
   state = [jnp.asarray(x) for x in case[6:]]
-  with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+  with pytest.raises(FFI_ERRORS, match=message):
     jax.block_until_ready(ops.swap_in(case[0], *map(jnp.asarray, case[1:4]), pool, hot, *state))
   # Not donated here: the inputs are intact and a correct call still works afterwards.
   np.testing.assert_array_equal(np.asarray(hot), case[5])
@@ -201,7 +203,7 @@ def test_bad_input_is_an_error_and_changes_nothing(mutate, message):
 def test_top_k_larger_than_buffer_is_an_error():
   case = worked_example()
   case[1] = np.full((5, 5), -1, np.int32)  # K = 5 > D = 4
-  with pytest.raises(jax.errors.JaxRuntimeError, match=r"top_k \(5\) > device_buffer_size \(4\)"):
+  with pytest.raises(FFI_ERRORS, match=r"top_k \(5\) > device_buffer_size \(4\)"):
     run_kernel(*case)
   with pytest.raises(reference.SwapInError):
     reference.swap_in(*case)
@@ -227,7 +229,7 @@ def test_backup_writes_rows_in_place():
 ])
 def test_backup_bad_input(layer, dst, message):
   pool = to_host(np.zeros((3, 10, 4), np.float32))
-  with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+  with pytest.raises(FFI_ERRORS, match=message):
     jax.block_until_ready(ops.backup(layer, jnp.ones((2, 3, 4)), jnp.array(dst, jnp.int32), pool))
 
 
@@ -262,3 +264,57 @@ def test_loaded_handler_is_the_requested_build():
     assert b"__asan_report" in open(path, "rb").read()
   else:
     assert ops._ffi_cpu.__name__ == "hisparse_jax._ffi_cpu"
+
+
+def test_extension_pool_matches_reference_and_rejects_unknown_pools():
+  case = worked_example()
+  pool = ops.ExtensionHostPool(*case[4].shape, np.float32)
+  pool.write(case[4])
+  out = jax.jit(functools.partial(ops.swap_in, external=pool.ref), donate_argnums=(4, 5, 6, 7, 8))(
+      0, *map(jnp.asarray, case[1:4]), pool.token(), *map(jnp.asarray, case[5:]))
+  want = reference.swap_in(*case)
+  for i in (0, 2, 3, 4, 5):
+    np.testing.assert_array_equal(np.asarray(out[i]), want[i])
+  new_rows = jnp.full((1, 1, 3), 7.0, jnp.float32)
+  jax.block_until_ready(ops.backup(0, new_rows, jnp.array([5], jnp.int32), pool.token(), external=pool.ref))
+  assert (pool.read()[0, 5] == 7).all()
+  # A forged or freed address is an error, never a wild access.
+  forged = ops.ExternalPoolRef(pool.address + 64, 1, 32)
+  with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
+    jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), pool.token(), external=forged))
+  too_big = ops.ExternalPoolRef(pool.address, 1, 10**6)
+  with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
+    jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), pool.token(), external=too_big))
+  ref = pool.ref
+  pool.close()
+  with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
+    jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), jnp.zeros((1,), jnp.int32),
+                                     external=ref))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.float4_e2m1fn])
+def test_sub_byte_dtypes_are_rejected(dtype):
+  pool = to_host(jnp.zeros((1, 64, 256), dtype))
+  with pytest.raises(FFI_ERRORS, match="below one byte"):
+    jax.block_until_ready(ops.backup(0, jnp.ones((1, 1, 256), dtype), jnp.array([63], jnp.int32), pool))
+  case = worked_example()
+  with pytest.raises(FFI_ERRORS, match="below one byte"):
+    jax.block_until_ready(ops.swap_in(0, *map(jnp.asarray, case[1:4]), to_host(jnp.zeros((1, 32, 4), dtype)),
+                                      jnp.zeros((1, 5, 5, 4), dtype), *map(jnp.asarray, case[6:])))
+  with pytest.raises(TypeError, match="below one byte"):
+    ops.ExtensionHostPool(1, 4, 4, dtype)
+
+
+def test_indices_are_never_silently_truncated():
+  case = worked_example()
+  args = list(case)
+  with pytest.raises(TypeError, match="layer must be an integer"):
+    ops.swap_in(0.9, *args[1:])
+  with pytest.raises(TypeError, match="layer must be an integer"):
+    ops.backup(True, jnp.ones((1, 1, 3)), jnp.array([0], jnp.int32), to_host(case[4]))
+  seq = np.array(case[2], np.int64)
+  seq[4] = 2**32 + 16  # would wrap to 16 in int32
+  with pytest.raises(ValueError, match="seq_lens has values outside the int32 range"):
+    ops.swap_in(0, case[1], seq, *args[3:])
+  with pytest.raises(TypeError, match="top_k must be an integer array"):
+    ops.swap_in(0, case[1].astype(np.float32), *args[2:])

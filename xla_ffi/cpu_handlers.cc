@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "host_pool.h"
 #include "swap_in_core.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -102,29 +103,32 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t min_items_per_task, F
 // than waking another thread.
 constexpr int64_t kMinRequestsPerTask = 4;
 
-ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer_buf,
-                      ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
-                      ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
-                      ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
-                      ffi::Result<ffi::Buffer<ffi::S32>> rows,
-                      ffi::Result<ffi::AnyBuffer> host_pool_out,
-                      ffi::Result<ffi::AnyBuffer> hot_out,
-                      ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                      ffi::Result<ffi::AnyBuffer> lru_out,
-                      ffi::Result<ffi::AnyBuffer> stats_out) {
+// The host pool as the kernels see it: rows of row_bytes bytes, [L, H].
+struct PoolView {
+  char* base;
+  int64_t L, H;
+  ffi::DataType dtype;
+  int64_t W;  // elements per row
+};
+
+ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf,
+                  ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                  ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                  ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                  ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
   // ---- shapes --------------------------------------------------------------
   auto kd = top_k.dimensions();
-  auto pd = host_pool.dimensions();
   auto hd = hot.dimensions();
-  if (kd.size() != 2 || pd.size() != 3 || hd.size() != 4)
+  if (kd.size() != 2 || hd.size() != 4)
     return ffi::Error::InvalidArgument(
         "swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,B,D+1,W]");
   const int64_t B = kd[0], K = kd[1];
-  const int64_t L = pd[0], H = pd[1], W = pd[2];
+  const int64_t L = pool_view.L, H = pool_view.H, W = pool_view.W;
   const int64_t D = hd[2] - 1;
   if (hd[0] != L || hd[1] != B || hd[3] != W || D < 1)
     return ffi::Error::InvalidArgument("swap_in: hot must be [L, B, D+1, W] matching host_pool [L, H, W] and top_k [B, K]");
-  if (host_pool.element_type() != hot.element_type())
+  if (pool_view.dtype != hot.element_type())
     return ffi::Error::InvalidArgument("swap_in: host_pool and hot dtypes differ");
   if (K > D)
     return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(K) +
@@ -172,13 +176,11 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer_b
     }
   }
 
-  CopyIfDistinct(host_pool, host_pool_out);
   CopyIfDistinct(hot, hot_out);
   CopyIfDistinct(slot_tokens, slot_tokens_out);
   CopyIfDistinct(lru, lru_out);
   CopyIfDistinct(stats, stats_out);
-  const char* pool = static_cast<const char*>(host_pool_out->untyped_data()) +
-                     static_cast<size_t>(layer) * H * row_bytes;
+  const char* pool = pool_view.base + static_cast<size_t>(layer) * H * row_bytes;
   char* dev = static_cast<char*>(hot_out->untyped_data()) +
               static_cast<size_t>(layer) * B * (D + 1) * row_bytes;
   int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
@@ -205,18 +207,66 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer_b
   return ffi::Error::Success();
 }
 
+// Host pool as an XLA operand (a `pinned_host` JAX array), aliased to a result.
+ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
+                      ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                      ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
+                      ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                      ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> host_pool_out,
+                      ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                      ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
+  auto pd = host_pool.dimensions();
+  if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
+  if (!IsByteAddressable(host_pool.element_type()))
+    return ffi::Error::InvalidArgument("swap_in: host_pool dtype packs below one byte per element (unsupported)");
+  CopyIfDistinct(host_pool, host_pool_out);
+  PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
+                host_pool.element_type(), pd[2]};
+  return SwapIn(thread_pool, view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows,
+                hot_out, slot_tokens_out, lru_out, stats_out);
+}
+
+// Checks an extension-owned pool (host_pool.h) and views it as [L, H] rows of `hot`'s dtype and width.
+ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, int64_t layers, int64_t rows, ffi::AnyBuffer like) {
+  auto hd = like.dimensions();
+  const int64_t W = hd.size() ? hd[hd.size() - 1] : 0;
+  if (!IsByteAddressable(like.element_type()))
+    return ffi::Error::InvalidArgument("host pool rows: dtype packs below one byte per element (unsupported)");
+  const size_t need = static_cast<size_t>(layers) * rows * W * ffi::ByteWidth(like.element_type());
+  const size_t have = HostPoolRegistry::Get().Size(static_cast<uintptr_t>(address));
+  if (layers < 1 || rows < 0 || have == 0 || need > have)
+    return ffi::Error::InvalidArgument("host pool at " + std::to_string(address) +
+                                       " is not a live extension pool of at least " + std::to_string(need) +
+                                       " bytes");
+  return PoolView{reinterpret_cast<char*>(address), layers, rows, like.element_type(), W};
+}
+
+// Host pool owned by the extension; `pool_token` (s32[1], aliased) orders the calls that touch it.
+ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                         ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
+                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                         ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> pool_token_out,
+                         ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                         ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
+                         uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+  auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
+  if (view.has_error()) return view.error();
+  CopyIfDistinct(pool_token, pool_token_out);
+  return SwapIn(thread_pool, *view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows,
+                hot_out, slot_tokens_out, lru_out, stats_out);
+}
+
 // Backup: host_pool[layer + i, dst[n]] = rows[i, n] for every n with dst[n] >= 0.
 //   layer s32[], rows T[Lr, N, W], dst s32[N], host_pool T[L, H, W] (aliased to the result).
-ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer_buf, ffi::AnyBuffer rows,
-                      ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer host_pool,
-                      ffi::Result<ffi::AnyBuffer> host_pool_out) {
+ffi::Error Backup(PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf, ffi::AnyBuffer rows,
+                  ffi::Buffer<ffi::S32> dst) {
   auto rd = rows.dimensions();
-  auto pd = host_pool.dimensions();
-  if (rd.size() != 3 || pd.size() != 3 || layer_buf.element_count() != 1)
+  if (rd.size() != 3 || layer_buf.element_count() != 1)
     return ffi::Error::InvalidArgument("backup: expected layer s32[], rows [Lr,N,W], host_pool [L,H,W]");
   const int64_t Lr = rd[0], N = rd[1], W = rd[2];
-  const int64_t L = pd[0], H = pd[1];
-  if (pd[2] != W || rows.element_type() != host_pool.element_type())
+  const int64_t L = pool_view.L, H = pool_view.H;
+  if (pool_view.W != W || rows.element_type() != pool_view.dtype)
     return ffi::Error::InvalidArgument("backup: rows and host_pool differ in row width or dtype");
   if (!SameDims(dst, {N}))
     return ffi::Error::InvalidArgument("backup: dst must be s32[N] with N = rows.shape[1]");
@@ -231,16 +281,37 @@ ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer_buf, ffi::AnyBuffer rows,
       return ffi::Error::InvalidArgument("backup: dst[" + std::to_string(n) + "] = " +
                                          std::to_string(d[n]) + " outside [-1, " +
                                          std::to_string(H) + ")");
-  CopyIfDistinct(host_pool, host_pool_out);
   const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(rows.element_type());
   const char* src = static_cast<const char*>(rows.untyped_data());
-  char* pool = static_cast<char*>(host_pool_out->untyped_data());
   for (int64_t i = 0; i < Lr; ++i)
     for (int64_t n = 0; n < N; ++n)
       if (d[n] >= 0)
-        std::memcpy(pool + ((layer + i) * H + d[n]) * row_bytes, src + (i * N + n) * row_bytes,
+        std::memcpy(pool_view.base + ((layer + i) * H + d[n]) * row_bytes, src + (i * N + n) * row_bytes,
                     row_bytes);
   return ffi::Error::Success();
+}
+
+// Backup into a host pool passed as an XLA operand, aliased to the result.
+ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
+                      ffi::AnyBuffer host_pool, ffi::Result<ffi::AnyBuffer> host_pool_out) {
+  auto pd = host_pool.dimensions();
+  if (pd.size() != 3) return ffi::Error::InvalidArgument("backup: host_pool must be [L, H, W]");
+  if (!IsByteAddressable(host_pool.element_type()))
+    return ffi::Error::InvalidArgument("backup: host_pool dtype packs below one byte per element (unsupported)");
+  CopyIfDistinct(host_pool, host_pool_out);
+  return Backup(PoolView{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
+                         host_pool.element_type(), pd[2]},
+                layer, rows, dst);
+}
+
+// Backup into an extension-owned host pool; pool_token (s32[1]) is aliased to the result.
+ffi::Error BackupExtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
+                         ffi::AnyBuffer pool_token, ffi::Result<ffi::AnyBuffer> pool_token_out,
+                         uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+  auto view = ExternalPool(pool_address, pool_layers, pool_rows, rows);
+  if (view.has_error()) return view.error();
+  CopyIfDistinct(pool_token, pool_token_out);
+  return Backup(*view, layer, rows, dst);
 }
 
 }  // namespace
@@ -251,3 +322,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCpu, hisparse::SwapInImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCpu, hisparse::BackupImpl,
                               hisparse::BindBackup(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInExtCpu, hisparse::SwapInExtImpl,
+                              hisparse::BindExternalPool(
+                                  hisparse::BindSwapIn(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupExtCpu, hisparse::BackupExtImpl,
+                              hisparse::BindExternalPool(hisparse::BindBackup(ffi::Ffi::Bind())));

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "host_pool.h"
 #include "swap_in_core.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -124,56 +125,35 @@ ffi::Error CopyIfDistinct(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<f
                     "swap_in copy");
 }
 
-ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
-                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
-                      ffi::AnyBuffer host_pool, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                      ffi::AnyBuffer lru, ffi::AnyBuffer stats,
-                      ffi::Result<ffi::Buffer<ffi::S32>> rows,
-                      ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
-                      ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                      ffi::Result<ffi::AnyBuffer> stats_out) {
-  auto kd = top_k.dimensions();
-  auto pd = host_pool.dimensions();
-  auto hd = hot.dimensions();
-  auto sd = host_rows.dimensions();
-  if (kd.size() != 2 || pd.size() != 3 || hd.size() != 4 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,B,D+1,W]");
-  SwapInArgs a{};
-  a.B = static_cast<int32_t>(kd[0]);
-  a.K = static_cast<int32_t>(kd[1]);
-  a.L = static_cast<int32_t>(pd[0]);
-  a.H = static_cast<int32_t>(pd[1]);
-  a.D = static_cast<int32_t>(hd[2] - 1);
-  a.S = static_cast<int32_t>(sd[1]);
-  if (hd[0] != pd[0] || hd[1] != kd[0] || hd[3] != pd[2] || a.D < 1 || sd[0] != kd[0] ||
-      host_pool.element_type() != hot.element_type())
-    return ffi::Error::InvalidArgument("swap_in: hot must be [L, B, D+1, W] matching host_pool and top_k");
-  if (a.K > a.D)
-    return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(a.K) +
-                                       ") > device_buffer_size (" + std::to_string(a.D) + ")");
-  if (slot_tokens.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
-      lru.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
-      stats.element_count() != static_cast<size_t>(a.L) * a.B * 2 || seq_lens.element_count() != static_cast<size_t>(a.B))
-    return ffi::Error::InvalidArgument("swap_in: expected slot_tokens/lru s32[L,B,D], stats s32[L,B,2], seq_lens s32[B]");
-  if (a.B == 0) return ffi::Error::Success();
-  for (auto [src, dst] : {std::pair{host_pool, host_pool_out}, std::pair{hot, hot_out},
-                          std::pair{slot_tokens, slot_tokens_out}, std::pair{lru, lru_out},
-                          std::pair{stats, stats_out}}) {
-    if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
-  }
-  a.layer = layer.typed_data();
-  a.top_k = top_k.typed_data();
-  a.seq_lens = seq_lens.typed_data();
-  a.host_rows = host_rows.typed_data();
-  a.pool = static_cast<const char*>(host_pool_out->untyped_data());
-  a.hot = static_cast<char*>(hot_out->untyped_data());
-  a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
-  a.lru = static_cast<int32_t*>(lru_out->untyped_data());
-  a.stats = static_cast<int32_t*>(stats_out->untyped_data());
-  a.rows = rows->typed_data();
-  a.row_bytes = static_cast<int64_t>(pd[2]) * ffi::ByteWidth(hot.element_type());
+struct PoolView {
+  char* base;
+  int64_t L, H;
+  ffi::DataType dtype;
+  int64_t W;  // elements per row
+};
 
-  // Validate first; the error word lives in pinned host memory read after a sync.
+// The device pointer of a pool allocated by alloc_pinned_host_pool (host_pool.h registry).
+ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, int64_t layers, int64_t rows, ffi::AnyBuffer like) {
+  auto hd = like.dimensions();
+  const int64_t W = hd.size() ? hd[hd.size() - 1] : 0;
+  if (!IsByteAddressable(like.element_type()))
+    return ffi::Error::InvalidArgument("host pool rows: dtype packs below one byte per element (unsupported)");
+  const size_t need = static_cast<size_t>(layers) * rows * W * ffi::ByteWidth(like.element_type());
+  const size_t have = HostPoolRegistry::Get().Size(static_cast<uintptr_t>(address));
+  if (layers < 1 || rows < 0 || have == 0 || need > have)
+    return ffi::Error::InvalidArgument("host pool at " + std::to_string(address) +
+                                       " is not a live pinned extension pool of at least " +
+                                       std::to_string(need) + " bytes");
+  void* device = nullptr;
+  if (auto e = CudaStatus(cudaHostGetDevicePointer(&device, reinterpret_cast<void*>(address), 0),
+                          "cudaHostGetDevicePointer");
+      e.failure())
+    return e;
+  return PoolView{static_cast<char*>(device), layers, rows, like.element_type(), W};
+}
+
+// A mapped pinned word the kernels report errors through, read after a sync.
+ffi::ErrorOr<int32_t*> ErrorWord(int32_t** host) {
   static thread_local int32_t* error = nullptr;
   if (error == nullptr) {
     if (auto e = CudaStatus(cudaHostAlloc(&error, 2 * sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc");
@@ -181,15 +161,72 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
       return e;
   }
   error[0] = error[1] = 0;
-  int32_t* error_dev = nullptr;
-  if (auto e = CudaStatus(cudaHostGetDevicePointer(&error_dev, error, 0), "cudaHostGetDevicePointer"); e.failure())
+  int32_t* device = nullptr;
+  if (auto e = CudaStatus(cudaHostGetDevicePointer(&device, error, 0), "cudaHostGetDevicePointer"); e.failure())
     return e;
-  ValidateKernel<<<a.B, 1, a.D, stream>>>(a, error_dev);
+  *host = error;
+  return device;
+}
+
+ffi::Error SwapIn(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer hot,
+                  ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                  ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> hot_out,
+                  ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                  ffi::Result<ffi::AnyBuffer> stats_out) {
+  auto kd = top_k.dimensions();
+  auto hd = hot.dimensions();
+  auto sd = host_rows.dimensions();
+  if (kd.size() != 2 || hd.size() != 4 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,B,D+1,W]");
+  SwapInArgs a{};
+  a.B = static_cast<int32_t>(kd[0]);
+  a.K = static_cast<int32_t>(kd[1]);
+  a.L = static_cast<int32_t>(pool.L);
+  a.H = static_cast<int32_t>(pool.H);
+  a.D = static_cast<int32_t>(hd[2] - 1);
+  a.S = static_cast<int32_t>(sd[1]);
+  if (hd[0] != pool.L || hd[1] != kd[0] || hd[3] != pool.W || a.D < 1 || sd[0] != kd[0] ||
+      pool.dtype != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: hot must be [L, B, D+1, W] matching host_pool and top_k");
+  if (a.K > a.D)
+    return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(a.K) +
+                                       ") > device_buffer_size (" + std::to_string(a.D) + ")");
+  if (slot_tokens.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
+      lru.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
+      stats.element_count() != static_cast<size_t>(a.L) * a.B * 2 ||
+      seq_lens.element_count() != static_cast<size_t>(a.B) || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "swap_in: expected slot_tokens/lru s32[L,B,D], stats s32[L,B,2], seq_lens s32[B], layer s32[]");
+  if (a.B == 0) return ffi::Error::Success();
+  a.layer = layer.typed_data();
+  a.top_k = top_k.typed_data();
+  a.seq_lens = seq_lens.typed_data();
+  a.host_rows = host_rows.typed_data();
+  a.pool = pool.base;
+  a.row_bytes = pool.W * ffi::ByteWidth(hot.element_type());
+  a.slot_tokens = static_cast<int32_t*>(slot_tokens.untyped_data());
+  a.lru = static_cast<int32_t*>(lru.untyped_data());
+
+  // Validate the inputs first; nothing is modified when they are bad.
+  int32_t* error = nullptr;
+  auto error_dev = ErrorWord(&error);
+  if (error_dev.has_error()) return error_dev.error();
+  ValidateKernel<<<a.B, 1, a.D, stream>>>(a, *error_dev);
   if (auto e = CudaStatus(cudaStreamSynchronize(stream), "swap_in validate"); e.failure()) return e;
   if (error[0] != kOk)
     return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(error[1]) + ": " +
                                        StatusMessage(error[0]));
 
+  for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out},
+                          std::pair{lru, lru_out}, std::pair{stats, stats_out}}) {
+    if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
+  }
+  a.hot = static_cast<char*>(hot_out->untyped_data());
+  a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
+  a.lru = static_cast<int32_t*>(lru_out->untyped_data());
+  a.stats = static_cast<int32_t*>(stats_out->untyped_data());
+  a.rows = rows->typed_data();
   const size_t smem = SwapInSharedBytes(a.K, a.D);
   if (auto e = CudaStatus(cudaFuncSetAttribute(SwapInKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem)),
@@ -198,6 +235,40 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
     return e;
   SwapInKernel<<<a.B, kThreads, smem, stream>>>(a);
   return CudaStatus(cudaGetLastError(), "swap_in launch");
+}
+
+// Host pool as an XLA operand (`pinned_host` memory), aliased to a result.
+ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
+                      ffi::AnyBuffer host_pool, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                      ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                      ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
+                      ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                      ffi::Result<ffi::AnyBuffer> stats_out) {
+  auto pd = host_pool.dimensions();
+  if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
+  if (!IsByteAddressable(host_pool.element_type()))
+    return ffi::Error::InvalidArgument("swap_in: host_pool dtype packs below one byte per element (unsupported)");
+  if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
+  PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]};
+  return SwapIn(stream, view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows, hot_out,
+                slot_tokens_out, lru_out, stats_out);
+}
+
+// Host pool owned by the extension (cudaHostAlloc, mapped); pool_token (s32[1]) orders the calls.
+ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                         ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
+                         ffi::AnyBuffer pool_token, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                         ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                         ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
+                         ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                         ffi::Result<ffi::AnyBuffer> stats_out, uint64_t pool_address, int64_t pool_layers,
+                         int64_t pool_rows) {
+  auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
+  if (view.has_error()) return view.error();
+  if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
+  return SwapIn(stream, *view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows, hot_out,
+                slot_tokens_out, lru_out, stats_out);
 }
 
 __global__ void BackupKernel(const int32_t* layer, const char* rows, const int32_t* dst, char* pool,
@@ -216,46 +287,60 @@ __global__ void ValidateBackupKernel(const int32_t* layer, const int32_t* dst, i
   if (threadIdx.x == 0 && (*layer < 0 || *layer + Lr > L)) atomicCAS(&error[0], 0, 2);
 }
 
-ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
-                      ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer host_pool,
-                      ffi::Result<ffi::AnyBuffer> host_pool_out) {
+ffi::Error Backup(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
+                  ffi::Buffer<ffi::S32> dst) {
   auto rd = rows.dimensions();
-  auto pd = host_pool.dimensions();
-  if (rd.size() != 3 || pd.size() != 3 || pd[2] != rd[2] || rows.element_type() != host_pool.element_type() ||
-      dst.element_count() != static_cast<size_t>(rd[1]))
+  if (rd.size() != 3 || pool.W != rd[2] || rows.element_type() != pool.dtype ||
+      dst.element_count() != static_cast<size_t>(rd[1]) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("backup: expected rows [Lr,N,W], dst s32[N], host_pool [L,H,W] of one dtype");
-  if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   const int32_t Lr = static_cast<int32_t>(rd[0]), N = static_cast<int32_t>(rd[1]);
   if (Lr == 0 || N == 0) return ffi::Error::Success();
-  static thread_local int32_t* error = nullptr;
-  if (error == nullptr) {
-    if (auto e = CudaStatus(cudaHostAlloc(&error, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc");
-        e.failure())
-      return e;
-  }
-  error[0] = 0;
-  int32_t* error_dev = nullptr;
-  if (auto e = CudaStatus(cudaHostGetDevicePointer(&error_dev, error, 0), "cudaHostGetDevicePointer"); e.failure())
-    return e;
+  int32_t* error = nullptr;
+  auto error_dev = ErrorWord(&error);
+  if (error_dev.has_error()) return error_dev.error();
   ValidateBackupKernel<<<1, kThreads, 0, stream>>>(layer.typed_data(), dst.typed_data(), Lr,
-                                                   static_cast<int32_t>(pd[0]), N,
-                                                   static_cast<int32_t>(pd[1]), error_dev);
+                                                   static_cast<int32_t>(pool.L), N,
+                                                   static_cast<int32_t>(pool.H), *error_dev);
   if (auto e = CudaStatus(cudaStreamSynchronize(stream), "backup validate"); e.failure()) return e;
   if (error[0] == 1) return ffi::Error::InvalidArgument("backup: a dst row is outside [-1, H)");
   if (error[0] == 2) return ffi::Error::InvalidArgument("backup: layer range outside [0, L)");
-  BackupKernel<<<dim3(N, Lr), 32, 0, stream>>>(layer.typed_data(),
-                                               static_cast<const char*>(rows.untyped_data()),
-                                               dst.typed_data(), static_cast<char*>(host_pool_out->untyped_data()),
-                                               Lr, N, static_cast<int32_t>(pd[1]),
-                                               static_cast<int64_t>(pd[2]) * ffi::ByteWidth(rows.element_type()));
+  BackupKernel<<<dim3(N, Lr), 32, 0, stream>>>(layer.typed_data(), static_cast<const char*>(rows.untyped_data()),
+                                               dst.typed_data(), pool.base, Lr, N, static_cast<int32_t>(pool.H),
+                                               pool.W * ffi::ByteWidth(rows.element_type()));
   return CudaStatus(cudaGetLastError(), "backup launch");
+}
+
+ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
+                      ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer host_pool,
+                      ffi::Result<ffi::AnyBuffer> host_pool_out) {
+  auto pd = host_pool.dimensions();
+  if (pd.size() != 3) return ffi::Error::InvalidArgument("backup: host_pool must be [L, H, W]");
+  if (!IsByteAddressable(host_pool.element_type()))
+    return ffi::Error::InvalidArgument("backup: host_pool dtype packs below one byte per element (unsupported)");
+  if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
+  return Backup(stream,
+                PoolView{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]},
+                layer, rows, dst);
+}
+
+ffi::Error BackupExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
+                         ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_token,
+                         ffi::Result<ffi::AnyBuffer> pool_token_out, uint64_t pool_address, int64_t pool_layers,
+                         int64_t pool_rows) {
+  auto view = ExternalPool(pool_address, pool_layers, pool_rows, rows);
+  if (view.has_error()) return view.error();
+  if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
+  return Backup(stream, *view, layer, rows, dst);
 }
 
 }  // namespace
 }  // namespace hisparse
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCuda, hisparse::SwapInImpl,
-                              hisparse::BindSwapIn(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+#define HISPARSE_CUDA_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCuda, hisparse::BackupImpl,
-                              hisparse::BindBackup(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCuda, hisparse::SwapInImpl, hisparse::BindSwapIn(HISPARSE_CUDA_BIND));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCuda, hisparse::BackupImpl, hisparse::BindBackup(HISPARSE_CUDA_BIND));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInExtCuda, hisparse::SwapInExtImpl,
+                              hisparse::BindExternalPool(hisparse::BindSwapIn(HISPARSE_CUDA_BIND)));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupExtCuda, hisparse::BackupExtImpl,
+                              hisparse::BindExternalPool(hisparse::BindBackup(HISPARSE_CUDA_BIND)));

@@ -1,12 +1,59 @@
-// Python module exporting the CUDA handlers as capsules (built only where nvcc is found).
+// Python module exporting the CUDA handlers as capsules (built only where nvcc is found),
+// and the allocator of extension-owned pinned host pools (host_pool.h): the fallback for
+// GPUs where XLA does not hand a `pinned_host` operand to a custom call as a host pointer.
+#include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "host_pool.h"
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* HisparseSwapInCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparseSwapInExtCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparseBackupExtCuda(XLA_FFI_CallFrame*);
 
 namespace nb = nanobind;
+using hisparse::HostPoolRegistry;
+
+namespace {
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Pinned, mapped (device-readable over PCIe / NVLink-C2C), portable across contexts.
+uintptr_t AllocPinnedHostPool(size_t bytes) {
+  void* p = nullptr;
+  Check(cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  std::memset(p, 0, bytes);
+  HostPoolRegistry::Get().Add(reinterpret_cast<uintptr_t>(p), bytes);
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+void FreePinnedHostPool(uintptr_t address) {
+  if (HostPoolRegistry::Get().Remove(address) == 0)
+    throw std::invalid_argument("free_host_pool: " + std::to_string(address) + " is not a live host pool");
+  Check(cudaFreeHost(reinterpret_cast<void*>(address)), "cudaFreeHost");
+}
+
+nb::bytes ReadHostPool(uintptr_t address, size_t offset, size_t size) {
+  const size_t have = HostPoolRegistry::Get().Size(address);
+  if (have == 0 || offset + size > have) throw std::out_of_range("read_host_pool: outside the pool");
+  return nb::bytes(reinterpret_cast<const char*>(address) + offset, size);
+}
+
+void WriteHostPool(uintptr_t address, size_t offset, nb::bytes data) {
+  const size_t have = HostPoolRegistry::Get().Size(address);
+  if (have == 0 || offset + data.size() > have) throw std::out_of_range("write_host_pool: outside the pool");
+  std::memcpy(reinterpret_cast<char*>(address) + offset, data.c_str(), data.size());
+}
+
+}  // namespace
 
 NB_MODULE(_ffi_cuda, m) {
   m.attr("cuda_arch") = HISPARSE_CUDA_ARCH;
@@ -14,6 +61,13 @@ NB_MODULE(_ffi_cuda, m) {
     nb::dict d;
     d["hisparse_swap_in"] = nb::capsule(reinterpret_cast<void*>(&HisparseSwapInCuda));
     d["hisparse_backup"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupCuda));
+    d["hisparse_swap_in_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseSwapInExtCuda));
+    d["hisparse_backup_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupExtCuda));
     return d;
   });
+  m.def("alloc_host_pool", &AllocPinnedHostPool, nb::arg("bytes"),
+        "Allocates a zeroed pinned, mapped host pool (cudaHostAlloc); returns its address.");
+  m.def("free_host_pool", &FreePinnedHostPool, nb::arg("address"));
+  m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
+  m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));
 }

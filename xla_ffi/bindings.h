@@ -3,8 +3,11 @@
 // Buffer meanings: see the header of cpu_handlers.cc.
 #pragma once
 
+#include <cstdint>
+#include <string>
 #include <utility>
 
+#include "host_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace hisparse {
@@ -27,6 +30,33 @@ inline bool IsByteAddressable(xla::ffi::DataType t) {
     default:
       return true;
   }
+}
+
+// The host pool as the kernels see it: [L, H] rows of W elements of dtype.
+struct PoolView {
+  char* base;
+  int64_t L, H;
+  xla::ffi::DataType dtype;
+  int64_t W;
+};
+
+// An extension-owned pool (host_pool.h) named by its address, viewed with the
+// dtype and row width of `like` (the hot buffer or the rows written); an error
+// unless the address is a live pool covering [L, H] such rows.
+inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, int64_t layers, int64_t rows,
+                                                  xla::ffi::AnyBuffer like) {
+  namespace ffi = xla::ffi;
+  auto dims = like.dimensions();
+  const int64_t W = dims.size() ? dims[dims.size() - 1] : 0;
+  if (!IsByteAddressable(like.element_type()))
+    return ffi::Error::InvalidArgument("host pool rows: dtype packs below one byte per element (unsupported)");
+  const size_t need = static_cast<size_t>(layers) * rows * W * ffi::ByteWidth(like.element_type());
+  const size_t have = HostPoolRegistry::Get().Size(static_cast<uintptr_t>(address));
+  if (layers < 1 || rows < 0 || have == 0 || need > have)
+    return ffi::Error::InvalidArgument("host pool at " + std::to_string(address) +
+                                       " is not a live extension pool of at least " + std::to_string(need) +
+                                       " bytes");
+  return PoolView{reinterpret_cast<char*>(address), layers, rows, like.element_type(), W};
 }
 
 template <typename Binding>

@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "bindings.h"
-#include "host_pool.h"
 #include "swap_in_core.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -102,14 +101,6 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t min_items_per_task, F
 // Requests per pool task: below this a request's O(K + D) plan is cheaper
 // than waking another thread.
 constexpr int64_t kMinRequestsPerTask = 4;
-
-// The host pool as the kernels see it: rows of row_bytes bytes, [L, H].
-struct PoolView {
-  char* base;
-  int64_t L, H;
-  ffi::DataType dtype;
-  int64_t W;  // elements per row
-};
 
 ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf,
                   ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
@@ -226,21 +217,6 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                 hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
-// Checks an extension-owned pool (host_pool.h) and views it as [L, H] rows of `hot`'s dtype and width.
-ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, int64_t layers, int64_t rows, ffi::AnyBuffer like) {
-  auto hd = like.dimensions();
-  const int64_t W = hd.size() ? hd[hd.size() - 1] : 0;
-  if (!IsByteAddressable(like.element_type()))
-    return ffi::Error::InvalidArgument("host pool rows: dtype packs below one byte per element (unsupported)");
-  const size_t need = static_cast<size_t>(layers) * rows * W * ffi::ByteWidth(like.element_type());
-  const size_t have = HostPoolRegistry::Get().Size(static_cast<uintptr_t>(address));
-  if (layers < 1 || rows < 0 || have == 0 || need > have)
-    return ffi::Error::InvalidArgument("host pool at " + std::to_string(address) +
-                                       " is not a live extension pool of at least " + std::to_string(need) +
-                                       " bytes");
-  return PoolView{reinterpret_cast<char*>(address), layers, rows, like.element_type(), W};
-}
-
 // Host pool owned by the extension; `pool_token` (s32[1], aliased) orders the calls that touch it.
 ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
@@ -250,7 +226,7 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
                          ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                          ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
                          uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
+  auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return SwapIn(thread_pool, *view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows,
@@ -308,7 +284,7 @@ ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buf
 ffi::Error BackupExtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
                          ffi::AnyBuffer pool_token, ffi::Result<ffi::AnyBuffer> pool_token_out,
                          uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_layers, pool_rows, rows);
+  auto view = RegisteredPool(pool_address, pool_layers, pool_rows, rows);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return Backup(*view, layer, rows, dst);

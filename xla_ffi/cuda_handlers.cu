@@ -15,7 +15,6 @@
 #include <string>
 
 #include "bindings.h"
-#include "host_pool.h"
 #include "swap_in_core.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -125,31 +124,16 @@ ffi::Error CopyIfDistinct(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<f
                     "swap_in copy");
 }
 
-struct PoolView {
-  char* base;
-  int64_t L, H;
-  ffi::DataType dtype;
-  int64_t W;  // elements per row
-};
-
-// The device pointer of a pool allocated by alloc_pinned_host_pool (host_pool.h registry).
+// An extension-owned pinned pool (alloc_host_pool), viewed through its device pointer.
 ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, int64_t layers, int64_t rows, ffi::AnyBuffer like) {
-  auto hd = like.dimensions();
-  const int64_t W = hd.size() ? hd[hd.size() - 1] : 0;
-  if (!IsByteAddressable(like.element_type()))
-    return ffi::Error::InvalidArgument("host pool rows: dtype packs below one byte per element (unsupported)");
-  const size_t need = static_cast<size_t>(layers) * rows * W * ffi::ByteWidth(like.element_type());
-  const size_t have = HostPoolRegistry::Get().Size(static_cast<uintptr_t>(address));
-  if (layers < 1 || rows < 0 || have == 0 || need > have)
-    return ffi::Error::InvalidArgument("host pool at " + std::to_string(address) +
-                                       " is not a live pinned extension pool of at least " +
-                                       std::to_string(need) + " bytes");
+  auto view = RegisteredPool(address, layers, rows, like);
+  if (view.has_error()) return view;
   void* device = nullptr;
-  if (auto e = CudaStatus(cudaHostGetDevicePointer(&device, reinterpret_cast<void*>(address), 0),
-                          "cudaHostGetDevicePointer");
+  if (auto e = CudaStatus(cudaHostGetDevicePointer(&device, view->base, 0), "cudaHostGetDevicePointer");
       e.failure())
     return e;
-  return PoolView{static_cast<char*>(device), layers, rows, like.element_type(), W};
+  view->base = static_cast<char*>(device);
+  return view;
 }
 
 // A mapped pinned word the kernels report errors through, read after a sync.

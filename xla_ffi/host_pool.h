@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 
 namespace hisparse {
@@ -43,5 +45,14 @@ class HostPoolRegistry {
   std::mutex mu_;
   std::unordered_map<uintptr_t, size_t> pools_;
 };
+
+// [offset, offset + size) of a live pool, for the modules' read/write helpers;
+// throws std::out_of_range (a Python IndexError) otherwise.
+inline char* PoolRange(uintptr_t address, size_t offset, size_t size, const char* what) {
+  const size_t have = HostPoolRegistry::Get().Size(address);
+  if (have == 0 || offset > have || size > have - offset)
+    throw std::out_of_range(std::string(what) + ": outside the pool");
+  return reinterpret_cast<char*>(address) + offset;
+}
 
 }  // namespace hisparse

@@ -38,17 +38,12 @@ void FreeHostPool(uintptr_t address) {
   std::free(reinterpret_cast<void*>(address));
 }
 
-// Copies [offset, offset + size) of a pool into bytes / from bytes (tests, debugging).
 nb::bytes ReadHostPool(uintptr_t address, size_t offset, size_t size) {
-  const size_t have = HostPoolRegistry::Get().Size(address);
-  if (have == 0 || offset + size > have) throw std::out_of_range("read_host_pool: outside the pool");
-  return nb::bytes(reinterpret_cast<const char*>(address) + offset, size);
+  return nb::bytes(hisparse::PoolRange(address, offset, size, "read_host_pool"), size);
 }
 
 void WriteHostPool(uintptr_t address, size_t offset, nb::bytes data) {
-  const size_t have = HostPoolRegistry::Get().Size(address);
-  if (have == 0 || offset + data.size() > have) throw std::out_of_range("write_host_pool: outside the pool");
-  std::memcpy(reinterpret_cast<char*>(address) + offset, data.c_str(), data.size());
+  std::memcpy(hisparse::PoolRange(address, offset, data.size(), "write_host_pool"), data.c_str(), data.size());
 }
 
 }  // namespace

@@ -14,6 +14,9 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
     order they were taken) + hit slots (old order).
   * Padding (-1) maps to row -1. Hits and misses count distinct positions; the
     newest token counts as a hit.
+  * Errors (nothing is modified): a position >= seq_len or < -1, K > D, a
+    seq_len outside [0, S], a MISSING position whose page-table row is outside
+    [0, H), an LRU order that is not a permutation (slow path only).
 """
 
 from __future__ import annotations
@@ -59,9 +62,6 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
 
   newest = seq_len - 1
   H = host_pool_l.shape[0]
-  for t in distinct:
-    if t != newest and not 0 <= host_rows[t] < H:
-      raise SwapInError(f"position {t} has host row {host_rows[t]} outside [0, {H})")
   if sorted(int(s) for s in lru) != list(range(D)):
     raise SwapInError("LRU order is not a permutation of the slots")
 
@@ -72,6 +72,9 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
       slot_of[t] = s
   hit_slots = set(slot_of.values())
   misses = [t for t in distinct if t != newest and t not in slot_of]
+  for t in misses:  # only rows that are read need a valid page-table entry
+    if not 0 <= host_rows[t] < H:
+      raise SwapInError(f"position {t} has host row {host_rows[t]} outside [0, {H})")
   old_lru = [int(s) for s in lru]
   victims = [s for s in old_lru if s not in hit_slots][: len(misses)]
   for t, s in zip(misses, victims):
@@ -116,3 +119,64 @@ def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru,
         hot_l, slot_tokens[layer, b], lru[layer, b], b * D1, D)
     stats[layer, b] += (hits, misses)
   return rows, host_pool, hot, slot_tokens, lru, stats
+
+
+def random_case(rng: np.random.Generator, *, L=2, B=3, D=8, K=6, S=40, W=4, dtype=np.float32):
+  """A random valid swap-in input (the argument list of ``swap_in``) for cross-checks.
+
+  Each lane gets a random seq_len in [0, S], distinct resident tokens (some
+  empty slots) consistent with its KV, a random LRU permutation, a random page
+  table into a shared pool, and top-k positions with padding and duplicates.
+  """
+  H = B * S + 3
+  layer = int(rng.integers(L))
+  seq_lens = rng.integers(0, S + 1, B).astype(np.int32)
+  host_rows = rng.permutation(H)[: B * S].astype(np.int32).reshape(B, S)
+  pool = (rng.standard_normal((L, H, W)) * 10).astype(dtype)
+  hot = np.zeros((L, B, D + 1, W), dtype)
+  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
+  lru = np.stack([np.stack([rng.permutation(D) for _ in range(B)]) for _ in range(L)]).astype(np.int32)
+  top_k = np.full((B, K), -1, np.int32)
+  for b in range(B):
+    n = int(seq_lens[b])
+    for l in range(L):
+      if n > D:
+        resident = rng.choice(n - 1, size=min(D, n - 1), replace=False)
+        tokens = np.full(D, -1, np.int32)
+        tokens[: len(resident)] = resident
+        tokens[rng.random(D) < 0.1] = -1
+        slot_tokens[l, b] = rng.permutation(tokens)
+        for s, t in enumerate(slot_tokens[l, b]):
+          if t >= 0:
+            hot[l, b, s] = pool[l, host_rows[b, t]]
+        hot[l, b, D] = pool[l, host_rows[b, n - 1]]
+      else:
+        for t in range(n):
+          hot[l, b, t] = pool[l, host_rows[b, t]]
+    if n:
+      top_k[b] = np.where(rng.random(K) < 0.2, -1, rng.integers(0, n, K))
+  stats = np.zeros((L, B, 2), np.int32)
+  return [layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats]
+
+
+def worked_example():
+  """The issue's worked example as ``swap_in`` arguments (request 4 of 5; the others idle).
+
+  D=4; slots 0..3 of request 4 hold tokens [10, 3, 7, 12] in device rows
+  20..23; the newest token 15 sits in the reserved row 24; seq_len 16; LRU
+  oldest-first [0, 1, 2, 3]. Top-k [3, 15, 8, -1] -> rows [21, 24, 20, -1];
+  slot 0 then holds token 8, device row 20 its host row, LRU [2, 3, 0, 1].
+  """
+  L, B, D, W, S, H = 1, 5, 4, 3, 16, 32
+  hot = np.arange(L * B * (D + 1) * W, dtype=np.float32).reshape(L, B, D + 1, W) + 1000
+  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
+  slot_tokens[0, 4] = [10, 3, 7, 12]
+  lru = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
+  pool = np.arange(L * H * W, dtype=np.float32).reshape(L, H, W)
+  host_rows = np.tile(np.arange(S, dtype=np.int32)[::-1] + 2, (B, 1))  # a non-identity page table
+  top_k = np.full((B, 4), -1, np.int32)
+  top_k[4] = [3, 15, 8, -1]
+  seq_lens = np.zeros(B, np.int32)
+  seq_lens[4] = 16
+  stats = np.zeros((L, B, 2), np.int32)
+  return [0, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats]

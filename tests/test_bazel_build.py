@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from hisparse_jax import ops
-from tests.test_swap_in_kernel import run_kernel, worked_example
+from hisparse_jax.reference import worked_example
+from tests.test_swap_in_kernel import run_kernel
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

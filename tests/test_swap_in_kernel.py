@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse_jax import ops, reference
+from hisparse_jax.reference import worked_example
 
 # An FFI INVALID_ARGUMENT surfaces as JaxRuntimeError, or ValueError when the call is dispatched eagerly.
 FFI_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
@@ -27,23 +28,6 @@ def run_kernel(layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, s
                     to_host(pool), jnp.asarray(hot), jnp.asarray(slot_tokens), jnp.asarray(lru),
                     jnp.asarray(stats))
   return [np.asarray(x) for x in out]
-
-
-def worked_example():
-  """D=4; lane 4 holds tokens [10, 3, 7, 12] in device rows 20..23; newest token 15 in row 24."""
-  L, B, D, W, S, H = 1, 5, 4, 3, 16, 32
-  hot = np.arange(L * B * (D + 1) * W, dtype=np.float32).reshape(L, B, D + 1, W) + 1000
-  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
-  slot_tokens[0, 4] = [10, 3, 7, 12]
-  lru = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
-  pool = np.arange(L * H * W, dtype=np.float32).reshape(L, H, W)
-  host_rows = np.tile(np.arange(S, dtype=np.int32)[::-1] + 2, (B, 1))  # a non-identity page table
-  top_k = np.full((B, 4), -1, np.int32)
-  top_k[4] = [3, 15, 8, -1]
-  seq_lens = np.zeros(B, np.int32)
-  seq_lens[4] = 16
-  stats = np.zeros((L, B, 2), np.int32)
-  return [0, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats]
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
@@ -318,3 +302,33 @@ def test_indices_are_never_silently_truncated():
     ops.swap_in(0, case[1], seq, *args[3:])
   with pytest.raises(TypeError, match="top_k must be an integer array"):
     ops.swap_in(0, case[1].astype(np.float32), *args[2:])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(swap_in_cases(), st.data())
+def test_kernel_and_reference_agree_on_corrupt_state(case, data):
+  """Corrupt a page-table row or an LRU entry: both reject it (changing nothing) or both accept it."""
+  case = [c.copy() if isinstance(c, np.ndarray) else c for c in case]
+  layer = case[0]
+  B, S = case[3].shape
+  D = case[6].shape[2]
+  if data.draw(st.booleans()):
+    b, t = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, S - 1))
+    case[3][b, t] = data.draw(st.sampled_from([-1, case[4].shape[1], 2**31 - 1]))
+  else:
+    b, i = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, D - 1))
+    case[7][layer, b, i] = data.draw(st.sampled_from([-1, D, int(case[7][layer, b, (i + 1) % D])]))
+  try:
+    want = reference.swap_in(*case)
+  except reference.SwapInError:
+    want = None
+  if want is None:
+    hot, slots, order = jnp.asarray(case[5]), jnp.asarray(case[6]), jnp.asarray(case[7])
+    with pytest.raises(FFI_ERRORS):
+      jax.block_until_ready(ops.swap_in(layer, *map(jnp.asarray, case[1:4]), to_host(case[4]), hot, slots, order,
+                                        jnp.asarray(case[8])))
+    np.testing.assert_array_equal(np.asarray(slots), case[6])
+    np.testing.assert_array_equal(np.asarray(order), case[7])
+  else:
+    for g, w in zip(run_kernel(*case), want):
+      np.testing.assert_array_equal(g, w)

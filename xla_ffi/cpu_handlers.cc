@@ -49,26 +49,32 @@ bool SameDims(const Buf& a, std::initializer_list<int64_t> dims) {
 // Per-thread scratch, grown once and reused: no heap allocation per call on
 // the steady-state hot path.
 struct Workspace {
-  std::vector<int32_t> need_token, new_lru, miss_tokens, miss_slots, slot_of;
+  // Per thread: the scratch of the plan being computed.
+  std::vector<int32_t> need_token, slot_of;
   std::vector<uint8_t> slot_state;
   std::vector<uint64_t> bits;  // all zero between plans
+  // Per request of the call (owned by the calling thread): plans kept until commit.
+  std::vector<int32_t> new_lru, miss_tokens, miss_slots, misses, hits;
 
-  void Reserve(int64_t K, int64_t D, int64_t S) {
-    if (static_cast<int64_t>(need_token.size()) < K) {
-      need_token.resize(K);
-      miss_tokens.resize(K);
-      miss_slots.resize(K);
-    }
-    if (static_cast<int64_t>(new_lru.size()) < D) {
-      new_lru.resize(D);
-      slot_state.resize(D);
-    }
+  void ReservePlan(int64_t K, int64_t D, int64_t S) {
+    if (static_cast<int64_t>(need_token.size()) < K) need_token.resize(K);
+    if (static_cast<int64_t>(slot_state.size()) < D) slot_state.resize(D);
     if (static_cast<int64_t>(slot_of.size()) < S) {
       slot_of.resize(S);
       bits.resize((S + 63) / 64, 0);
     }
   }
-  SwapInScratch Scratch() { return SwapInScratch{need_token.data(), slot_state.data(), new_lru.data()}; }
+  void ReserveBatch(int64_t B, int64_t K, int64_t D) {
+    if (static_cast<int64_t>(misses.size()) < B) {
+      misses.resize(B);
+      hits.resize(B);
+    }
+    if (static_cast<int64_t>(new_lru.size()) < B * D) new_lru.resize(B * D);
+    if (static_cast<int64_t>(miss_tokens.size()) < B * K) {
+      miss_tokens.resize(B * K);
+      miss_slots.resize(B * K);
+    }
+  }
   DirectPositionMap Map() { return DirectPositionMap{bits.data(), slot_of.data()}; }
 };
 
@@ -148,25 +154,28 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<
                         order + (layer * B + b) * D, static_cast<int32_t>(b * (D + 1))};
   };
 
-  // Validate every request before touching any state, so a bad call loses nothing.
-  std::atomic<bool> any_bad{false};
+  // Phase 1: plan every request without touching any state (each plan validates
+  // what it reads), so a bad call loses nothing.
+  Workspace& batch = ThreadWorkspace();
+  batch.ReserveBatch(B, K, D);
   int32_t* in_slots = static_cast<int32_t*>(slot_tokens.untyped_data());
   int32_t* in_order = static_cast<int32_t*>(lru.untyped_data());
-  ParallelFor(thread_pool, B, kMinRequestsPerTask * 4, [&](int64_t b) {
+  int32_t* out = rows->typed_data();
+  ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
     Workspace& ws = ThreadWorkspace();
-    ws.Reserve(K, D, S);
-    if (ValidateRequest(request(b, in_slots, in_order), ws.slot_state.data()) != kOk)
-      any_bad.store(true, std::memory_order_relaxed);
+    ws.ReservePlan(K, D, S);
+    SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D};
+    DirectPositionMap map = ws.Map();
+    batch.misses[b] = PlanSwapIn(request(b, in_slots, in_order), map, scratch, out + b * K,
+                                 batch.miss_tokens.data() + b * K, batch.miss_slots.data() + b * K,
+                                 &batch.hits[b]);
   });
-  if (any_bad.load()) {  // Report the first bad request (serially: the rare path).
-    for (int64_t b = 0; b < B; ++b) {
-      const int32_t status = ValidateRequest(request(b, in_slots, in_order), ThreadWorkspace().slot_state.data());
-      if (status != kOk)
-        return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(b) + ", layer " +
-                                           std::to_string(layer) + ": " + StatusMessage(status));
-    }
-  }
+  for (int64_t b = 0; b < B; ++b)
+    if (batch.misses[b] < 0)
+      return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(b) + ", layer " +
+                                         std::to_string(layer) + ": " + StatusMessage(-batch.misses[b]));
 
+  // Phase 2: commit the plans and copy the missing rows host -> device.
   CopyIfDistinct(hot, hot_out);
   CopyIfDistinct(slot_tokens, slot_tokens_out);
   CopyIfDistinct(lru, lru_out);
@@ -177,22 +186,17 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<
   int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
   int32_t* order = static_cast<int32_t*>(lru_out->untyped_data());
   int32_t* counts = static_cast<int32_t*>(stats_out->untyped_data()) + layer * B * 2;
-  int32_t* out = rows->typed_data();
-
   ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
-    Workspace& ws = ThreadWorkspace();
-    ws.Reserve(K, D, S);
     const RequestLayer r = request(b, slots, order);
-    SwapInScratch scratch = ws.Scratch();
-    DirectPositionMap map = ws.Map();
-    int32_t hits = 0;
-    const int32_t misses = PlanSwapIn(r, map, scratch, out + b * K, ws.miss_tokens.data(),
-                                      ws.miss_slots.data(), &hits);
+    const int32_t misses = batch.misses[b];
+    const int32_t* miss_tokens = batch.miss_tokens.data() + b * K;
+    const int32_t* miss_slots = batch.miss_slots.data() + b * K;
+    CommitSwapIn(r, batch.new_lru.data() + b * D, miss_tokens, miss_slots, misses);
     for (int32_t i = 0; i < misses; ++i) {
-      const int64_t src = r.host_rows[ws.miss_tokens[i]];
-      std::memcpy(dev + (r.row_base + ws.miss_slots[i]) * row_bytes, pool + src * row_bytes, row_bytes);
+      const int64_t src = r.host_rows[miss_tokens[i]];
+      std::memcpy(dev + (r.row_base + miss_slots[i]) * row_bytes, pool + src * row_bytes, row_bytes);
     }
-    counts[b * 2] += hits;
+    counts[b * 2] += batch.hits[b];
     counts[b * 2 + 1] += misses;
   });
   return ffi::Error::Success();

@@ -47,16 +47,6 @@ __device__ RequestLayer MakeRequest(const SwapInArgs& a, int32_t b, int32_t laye
                       a.slot_tokens + table, a.lru + table, b * (a.D + 1)};
 }
 
-// error[0] = first failing status, error[1] = its request index.
-__global__ void ValidateKernel(SwapInArgs a, int32_t* error) {
-  extern __shared__ uint8_t seen[];
-  if (threadIdx.x != 0) return;
-  const int32_t layer = *a.layer;
-  int32_t status = (layer < 0 || layer >= a.L) ? kLayerOutOfRange
-                                               : ValidateRequest(MakeRequest(a, blockIdx.x, layer), seen);
-  if (status != kOk && atomicCAS(&error[0], 0, status) == 0) error[1] = blockIdx.x;
-}
-
 __device__ void CopyRow(const char* src, char* dst, int64_t bytes) {
   const bool aligned = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | bytes) & 15) == 0;
   if (aligned) {
@@ -68,33 +58,66 @@ __device__ void CopyRow(const char* src, char* dst, int64_t bytes) {
   }
 }
 
-__global__ void SwapInKernel(SwapInArgs a) {
-  extern __shared__ int32_t smem[];
-  const int32_t b = blockIdx.x;
-  const int32_t layer = *a.layer;
-  const int32_t cap = HashCapacity(a.K);
+// Shared-memory layout of one block's plan (see SwapInSharedBytes).
+struct BlockPlan {
+  HashPositionMap map;
+  SwapInScratch scratch;
+  int32_t* miss_tokens;
+  int32_t* miss_slots;
+};
+
+__device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
+  const int32_t cap = HashCapacity(K);
   int32_t* hash_keys = smem;
   int32_t* hash_slots = hash_keys + cap;
   int32_t* need_token = hash_slots + cap;
-  int32_t* miss_tokens = need_token + a.K;
-  int32_t* miss_slots = miss_tokens + a.K;
-  int32_t* new_lru = miss_slots + a.K;
-  uint8_t* slot_state = reinterpret_cast<uint8_t*>(new_lru + a.D);
-  __shared__ int32_t num_misses;
+  int32_t* miss_tokens = need_token + K;
+  int32_t* miss_slots = miss_tokens + K;
+  int32_t* new_lru = miss_slots + K;
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(new_lru + D);
+  for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) hash_keys[i] = -1;
+  __syncthreads();
+  return BlockPlan{HashPositionMap{hash_keys, hash_slots, cap - 1}, SwapInScratch{need_token, slot_state, new_lru},
+                   miss_tokens, miss_slots};
+}
 
+// Dry run of every request's plan (plans change nothing): error[0] = first
+// failing status, error[1] = its request index.
+__global__ void ValidateKernel(SwapInArgs a, int32_t* error) {
+  extern __shared__ int32_t smem[];
+  const int32_t layer = *a.layer;
+  if (layer < 0 || layer >= a.L) {
+    if (threadIdx.x == 0 && atomicCAS(&error[0], 0, kLayerOutOfRange) == 0) error[1] = blockIdx.x;
+    return;
+  }
+  BlockPlan p = CarveShared(smem, a.K, a.D);
+  if (threadIdx.x != 0) return;
+  int32_t hits = 0;
+  const int32_t misses = PlanSwapIn(MakeRequest(a, blockIdx.x, layer), p.map, p.scratch,
+                                    a.rows + static_cast<int64_t>(blockIdx.x) * a.K, p.miss_tokens,
+                                    p.miss_slots, &hits);
+  if (misses < 0 && atomicCAS(&error[0], 0, -misses) == 0) error[1] = blockIdx.x;
+}
+
+// One block per request: thread 0 plans and commits (the shared core), then the
+// block's warps copy the missing rows, 16 bytes per lane per load.
+__global__ void SwapInKernel(SwapInArgs a) {
+  extern __shared__ int32_t smem[];
+  __shared__ int32_t num_misses;
+  const int32_t b = blockIdx.x;
+  const int32_t layer = *a.layer;
   const RequestLayer r = MakeRequest(a, b, layer);
   // An idle lane (seq_len 0: all padding) costs one block that exits at once.
   if (r.seq_len == 0) {
     for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) a.rows[static_cast<int64_t>(b) * a.K + k] = -1;
     return;
   }
-  for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) hash_keys[i] = -1;
-  __syncthreads();
+  BlockPlan p = CarveShared(smem, a.K, a.D);
   if (threadIdx.x == 0) {
-    HashPositionMap map{hash_keys, hash_slots, cap - 1};
-    SwapInScratch w{need_token, slot_state, new_lru};
     int32_t hits = 0;
-    num_misses = PlanSwapIn(r, map, w, a.rows + static_cast<int64_t>(b) * a.K, miss_tokens, miss_slots, &hits);
+    num_misses = PlanSwapIn(r, p.map, p.scratch, a.rows + static_cast<int64_t>(b) * a.K, p.miss_tokens,
+                            p.miss_slots, &hits);
+    CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
     int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.B + b) * 2;
     counts[0] += hits;
     counts[1] += num_misses;
@@ -103,8 +126,8 @@ __global__ void SwapInKernel(SwapInArgs a) {
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   char* dev = a.hot + static_cast<int64_t>(layer) * a.B * (a.D + 1) * a.row_bytes;
   for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
-    const int64_t src = r.host_rows[miss_tokens[i]];
-    CopyRow(pool + src * a.row_bytes, dev + (r.row_base + miss_slots[i]) * a.row_bytes, a.row_bytes);
+    const int64_t src = r.host_rows[p.miss_tokens[i]];
+    CopyRow(pool + src * a.row_bytes, dev + (r.row_base + p.miss_slots[i]) * a.row_bytes, a.row_bytes);
   }
 }
 
@@ -196,7 +219,16 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> laye
   int32_t* error = nullptr;
   auto error_dev = ErrorWord(&error);
   if (error_dev.has_error()) return error_dev.error();
-  ValidateKernel<<<a.B, 1, a.D, stream>>>(a, *error_dev);
+  const size_t smem = SwapInSharedBytes(a.K, a.D);
+  for (const void* kernel : {reinterpret_cast<const void*>(ValidateKernel), reinterpret_cast<const void*>(SwapInKernel)}) {
+    if (auto e = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(smem)),
+                            "cudaFuncSetAttribute");
+        e.failure())
+      return e;
+  }
+  a.rows = rows->typed_data();  // the dry run already writes the (output) rows
+  ValidateKernel<<<a.B, kThreads, smem, stream>>>(a, *error_dev);
   if (auto e = CudaStatus(cudaStreamSynchronize(stream), "swap_in validate"); e.failure()) return e;
   if (error[0] != kOk)
     return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(error[1]) + ": " +
@@ -210,13 +242,6 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> laye
   a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
   a.lru = static_cast<int32_t*>(lru_out->untyped_data());
   a.stats = static_cast<int32_t*>(stats_out->untyped_data());
-  a.rows = rows->typed_data();
-  const size_t smem = SwapInSharedBytes(a.K, a.D);
-  if (auto e = CudaStatus(cudaFuncSetAttribute(SwapInKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem)),
-                          "cudaFuncSetAttribute");
-      e.failure())
-    return e;
   SwapInKernel<<<a.B, kThreads, smem, stream>>>(a);
   return CudaStatus(cudaGetLastError(), "swap_in launch");
 }

@@ -1,6 +1,9 @@
 // Python module exporting the CPU handlers as capsules for jax.ffi.register_ffi_target,
 // and the allocator of extension-owned host pools (host_pool.h).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <chrono>
 
 #include <cstdint>
 #include <cstdlib>
@@ -46,6 +49,23 @@ void WriteHostPool(uintptr_t address, size_t offset, nb::bytes data) {
   std::memcpy(hisparse::PoolRange(address, offset, data.size(), "write_host_pool"), data.c_str(), data.size());
 }
 
+// Benchmark reference: the same row copies the swap-in makes, as a bare memcpy
+// loop between two raw buffers (e.g. a pool's and a hot buffer's
+// unsafe_buffer_pointer()). Returns seconds. No bounds checks: benchmarks only.
+double CopyRowsSeconds(uintptr_t src, uintptr_t dst, size_t row_bytes,
+                       nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> src_rows,
+                       nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> dst_rows) {
+  if (src_rows.shape(0) != dst_rows.shape(0)) throw std::invalid_argument("copy_rows: length mismatch");
+  const int64_t* s = src_rows.data();
+  const int64_t* d = dst_rows.data();
+  const size_t n = src_rows.shape(0);
+  auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < n; ++i)
+    std::memcpy(reinterpret_cast<char*>(dst) + d[i] * row_bytes, reinterpret_cast<const char*>(src) + s[i] * row_bytes,
+                row_bytes);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace
 
 NB_MODULE(_ffi_cpu, m) {
@@ -62,4 +82,6 @@ NB_MODULE(_ffi_cpu, m) {
   m.def("free_host_pool", &FreeHostPool, nb::arg("address"));
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));
+  m.def("copy_rows_seconds", &CopyRowsSeconds, nb::arg("src"), nb::arg("dst"), nb::arg("row_bytes"),
+        nb::arg("src_rows"), nb::arg("dst_rows"), "Benchmark reference: a bare memcpy loop over rows.");
 }

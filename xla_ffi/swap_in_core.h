@@ -46,7 +46,7 @@ inline const char* StatusMessage(int32_t status) {
   switch (status) {
     case kBadSeqLen: return "seq_len is < 0 or > the host-row table width (max_seq_len)";
     case kPositionOutOfRange: return "a top-k position is >= seq_len or < -1";
-    case kHostRowOutOfRange: return "a needed position has no valid host-pool row (host row outside [0, H))";
+    case kHostRowOutOfRange: return "a position to swap in has no valid host-pool row (host row outside [0, H))";
     case kLruNotPermutation: return "the LRU order is not a permutation of the D slot ids";
     case kLayerOutOfRange: return "layer index is outside [0, num_layers)";
     default: return "ok";
@@ -121,8 +121,8 @@ HISPARSE_HD inline int32_t HashCapacity(int32_t top_k) {
 // Per-request scratch for one plan; sizes in elements.
 struct SwapInScratch {
   int32_t* need_token;    // [K] distinct needed positions, first-appearance order
-  uint8_t* slot_state;    // [D] 0 untouched, 1 hit, 2 filled this step
-  int32_t* new_lru;       // [D]
+  uint8_t* slot_state;    // [D] 0 untouched, 1 hit, 2 filled this step (| 4 once seen in the LRU)
+  int32_t* new_lru;       // [D] the LRU order to commit (slow path only)
 };
 
 // Per-request view of the state of one layer.
@@ -139,105 +139,140 @@ struct RequestLayer {
   int32_t row_base;           // device row of slot 0; reserved slot = row_base + D
 };
 
-// Checks one request before anything is modified. Returns kOk or an error.
-HISPARSE_HD inline int32_t ValidateRequest(const RequestLayer& r, uint8_t* seen /*[D]*/) {
-  if (r.seq_len < 0 || r.seq_len > r.max_seq_len) return kBadSeqLen;
-  const bool slow = r.seq_len > r.D;
-  for (int32_t k = 0; k < r.K; ++k) {
-    const int32_t t = r.top_k[k];
-    if (t < -1 || t >= r.seq_len) return kPositionOutOfRange;
-    if (slow && t >= 0 && t != r.seq_len - 1) {
-      const int32_t h = r.host_rows[t];
-      if (h < 0 || h >= r.num_host_rows) return kHostRowOutOfRange;
-    }
-  }
-  if (slow) {
-    for (int32_t s = 0; s < r.D; ++s) seen[s] = 0;
-    for (int32_t i = 0; i < r.D; ++i) {
-      const int32_t s = r.lru[i];
-      if (s < 0 || s >= r.D || seen[s]) return kLruNotPermutation;
-      seen[s] = 1;
-    }
-  }
-  return kOk;
-}
-
-// Plans the swap-in of one validated request at one layer: writes out_rows
-// [K], updates slot_tokens and lru in place, and lists the misses as
-// (miss_tokens[i], miss_slots[i]) for the caller to copy. Returns the number
-// of misses; *hits gets the number of distinct positions served from the
-// device (the newest token included). `map` must be empty on entry and is
-// empty again on return. O(K + D) map operations.
+// Plans the swap-in of one request at one layer WITHOUT modifying its state,
+// validating everything it reads, so that a batch can be checked whole before
+// any request is changed. Writes out_rows [K], the misses as (miss_tokens[i],
+// miss_slots[i]) and, on the slow path, the new LRU order in w.new_lru.
+// Returns the number of misses (>= 0) or -status for invalid input; *hits gets
+// the distinct positions served from the device (the newest token included).
+// `map` must be empty on entry and is empty again on return. O(K + D).
 template <typename PositionMap>
-HISPARSE_HD int32_t PlanSwapIn(const RequestLayer& r, PositionMap& map, SwapInScratch& w,
+HISPARSE_HD int32_t PlanSwapIn(const RequestLayer& r, PositionMap& map_ref, SwapInScratch& w,
                                int32_t* out_rows, int32_t* miss_tokens, int32_t* miss_slots,
                                int32_t* hits) {
+  // Locals, not fields read through references: the byte stores to slot_state
+  // may alias anything, which would otherwise force a reload of every field in
+  // every loop iteration.
+  PositionMap map = map_ref;
+  const int32_t K = r.K, D = r.D, seq_len = r.seq_len, row_base = r.row_base, H = r.num_host_rows;
+  const int32_t* top_k = r.top_k;
+  const int32_t* host_rows = r.host_rows;
+  const int32_t* slot_tokens = r.slot_tokens;
+  const int32_t* lru = r.lru;
+  int32_t* need_token = w.need_token;
+  uint8_t* slot_state = w.slot_state;
+  int32_t* new_lru = w.new_lru;
+
+  if (seq_len < 0 || seq_len > r.max_seq_len) return -kBadSeqLen;
   int32_t distinct = 0;
-  for (int32_t k = 0; k < r.K; ++k) {
-    const int32_t t = r.top_k[k];
-    if (t >= 0 && map.Insert(t)) w.need_token[distinct++] = t;
+  int32_t status = kOk;
+  for (int32_t k = 0; k < K; ++k) {
+    const int32_t t = top_k[k];
+    if (t < -1 || t >= seq_len) {
+      status = kPositionOutOfRange;
+      break;
+    }
+    if (t >= 0 && map.Insert(t)) need_token[distinct++] = t;
+  }
+  if (status != kOk) {
+    map.Clear(need_token, distinct);
+    return -status;
   }
 
-  if (r.seq_len <= r.D) {  // Fast path: every token sits in its own slot.
-    for (int32_t k = 0; k < r.K; ++k) {
-      const int32_t t = r.top_k[k];
-      out_rows[k] = t < 0 ? -1 : r.row_base + t;
+  if (seq_len <= D) {  // Fast path: every token sits in its own slot.
+    for (int32_t k = 0; k < K; ++k) {
+      const int32_t t = top_k[k];
+      out_rows[k] = t < 0 ? -1 : row_base + t;
     }
-    map.Clear(w.need_token, distinct);
+    map.Clear(need_token, distinct);
     *hits = distinct;
     return 0;
   }
 
   // Hits: slots whose token is needed (a duplicated slot entry counts once).
-  const int32_t newest = r.seq_len - 1;
+  const int32_t newest = seq_len - 1;
   int32_t num_hits = 0;
-  for (int32_t s = 0; s < r.D; ++s) {
-    const int32_t t = r.slot_tokens[s];
+  for (int32_t s = 0; s < D; ++s) {
+    const int32_t t = slot_tokens[s];
     uint8_t state = 0;
     if (t >= 0 && t < newest && map.Contains(t) && map.Slot(t) < 0) {
       map.SetSlot(t, s);
       state = 1;
       ++num_hits;
     }
-    w.slot_state[s] = state;
+    slot_state[s] = state;
   }
 
-  // Misses take the least-recently-used slots that are not hits. At most
-  // distinct - num_hits <= K - num_hits <= D - num_hits misses, so the scan
-  // never runs past the end of the LRU order.
+  // Misses take the least-recently-used slots that are not hits. A valid LRU
+  // order has D - num_hits >= misses non-hit entries, so running off its end
+  // (or meeting an id outside [0, D)) means the order is corrupt.
   int32_t num_misses = 0;
   int32_t lru_pos = 0;
   for (int32_t i = 0; i < distinct; ++i) {
-    const int32_t t = w.need_token[i];
+    const int32_t t = need_token[i];
     if (t == newest || map.Slot(t) >= 0) continue;
-    while (w.slot_state[r.lru[lru_pos]] != 0) ++lru_pos;
-    const int32_t s = r.lru[lru_pos++];
-    w.slot_state[s] = 2;
+    const int32_t h = host_rows[t];
+    if (h < 0 || h >= H) {
+      status = kHostRowOutOfRange;
+      break;
+    }
+    int32_t s = -1;
+    while (lru_pos < D) {
+      const int32_t c = lru[lru_pos++];
+      if (c < 0 || c >= D) break;
+      if (slot_state[c] == 0) {
+        s = c;
+        break;
+      }
+    }
+    if (s < 0) {
+      status = kLruNotPermutation;
+      break;
+    }
+    slot_state[s] = 2;
     map.SetSlot(t, s);
-    r.slot_tokens[s] = t;
     miss_tokens[num_misses] = t;
     miss_slots[num_misses] = s;
     ++num_misses;
   }
 
-  // New LRU order in one pass: untouched (old order) | filled (victim order) | hits (old order).
-  int32_t untouched = 0, hit_pos = r.D - num_hits;
-  for (int32_t i = 0; i < r.D; ++i) {
-    const int32_t s = r.lru[i];
-    const uint8_t state = w.slot_state[s];
-    if (state == 0) w.new_lru[untouched++] = s;
-    else if (state == 1) w.new_lru[hit_pos++] = s;
+  // New LRU order in one pass: untouched (old order) | filled (victim order) | hits
+  // (old order); the same pass checks that the old order is a permutation.
+  if (status == kOk) {
+    int32_t untouched = 0, hit_pos = D - num_hits;
+    for (int32_t i = 0; i < D; ++i) {
+      const int32_t s = lru[i];
+      if (s < 0 || s >= D || (slot_state[s] & 4)) {
+        status = kLruNotPermutation;
+        break;
+      }
+      const uint8_t state = slot_state[s];
+      slot_state[s] = state | 4;
+      if (state == 0) new_lru[untouched++] = s;
+      else if (state == 1) new_lru[hit_pos++] = s;
+    }
+    if (status == kOk) {
+      for (int32_t i = 0; i < num_misses; ++i) new_lru[untouched + i] = miss_slots[i];
+      for (int32_t k = 0; k < K; ++k) {
+        const int32_t t = top_k[k];
+        out_rows[k] = t < 0 ? -1 : t == newest ? row_base + D : row_base + map.Slot(t);
+      }
+    }
   }
-  for (int32_t i = 0; i < num_misses; ++i) w.new_lru[untouched + i] = miss_slots[i];
-  for (int32_t i = 0; i < r.D; ++i) r.lru[i] = w.new_lru[i];
-
-  for (int32_t k = 0; k < r.K; ++k) {
-    const int32_t t = r.top_k[k];
-    out_rows[k] = t < 0 ? -1 : t == newest ? r.row_base + r.D : r.row_base + map.Slot(t);
-  }
-  map.Clear(w.need_token, distinct);
+  map.Clear(need_token, distinct);
+  if (status != kOk) return -status;
   *hits = distinct - num_misses;
   return num_misses;
+}
+
+// Applies a successful slow-path plan: the filled slots take their tokens and
+// the LRU order is replaced. (The fast path has nothing to commit.)
+HISPARSE_HD inline void CommitSwapIn(const RequestLayer& r, const int32_t* new_lru,
+                                     const int32_t* miss_tokens, const int32_t* miss_slots,
+                                     int32_t num_misses) {
+  if (r.seq_len <= r.D) return;
+  for (int32_t i = 0; i < num_misses; ++i) r.slot_tokens[miss_slots[i]] = miss_tokens[i];
+  for (int32_t i = 0; i < r.D; ++i) r.lru[i] = new_lru[i];
 }
 
 }  // namespace hisparse

@@ -1,0 +1,242 @@
+r"""One prepared run on a lent GPU: which host-pool path works, CUDA == reference, timings.
+
+  python scripts/gpu_check.py [--out gpu_check.json] [--quick] [--platform gpu|cpu]
+
+Run by scripts/gpu_check.sh after it has built the extension with CUDA. Needs
+only jax and numpy (the lent image has no flax / orbax / network). Steps:
+
+  1. Host-pool paths, each probed in its own subprocess (a bad path may crash):
+     "pinned_host": the pool is a JAX array in pinned_host memory passed to the
+     CUDA handler as an operand; "extension": ops.ExtensionHostPool (cudaHostAlloc,
+     mapped) named by attributes. A path works if the worked example gives the
+     reference's rows, slot table, LRU and hot-buffer contents.
+  2. Correctness: the worked example and random cases (reference.random_case)
+     through every working path, compared with reference.swap_in bit for bit;
+     plus one bad input that must come back as an error.
+  3. Timing: the benchmarks/swap_in.py sweep (B in {1, 64, 256}, K 2048,
+     D in {2048, 4096}, W in {656, 1152} B, miss fraction in {0.001, 0.05, 0.2,
+     1.0}, 2 layers per call) on the first working path, next to the measured
+     pinned host -> device bandwidth of the same number of bytes.
+
+Writes one JSON with everything and prints a summary. ``--platform cpu`` runs
+the same script on the CPU handlers (a dry run for CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+PATHS = ("pinned_host", "extension")
+
+
+def _jax(platform):
+  if platform == "cpu":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  return jax
+
+
+def _run_path(path, case, jax, platform):
+  """Runs ops.swap_in on `case` through host-pool path `path`; returns numpy results."""
+  import jax.numpy as jnp
+  from hisparse_jax import ops
+  layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats = case
+  dev = jax.devices()[0]
+  put = lambda x: jax.device_put(jnp.asarray(x), dev)
+  args = [put(top_k), put(seq_lens), put(host_rows)]
+  state = [put(hot), put(slot_tokens), put(lru), put(stats)]
+  if path == "pinned_host":
+    host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))(put(pool))
+    out = jax.jit(ops.swap_in, donate_argnums=(4, 5, 6, 7, 8))(layer, *args, host, *state)
+    return [np.asarray(x) for x in out]
+  ext = ops.ExtensionHostPool(*pool.shape, pool.dtype, platform="gpu" if platform == "gpu" else "cpu")
+  ext.write(pool)
+  fn = jax.jit(functools.partial(ops.swap_in, external=ext.ref), donate_argnums=(4, 5, 6, 7, 8))
+  out = [np.asarray(x) for x in fn(layer, *args, ext.token(), *state)]
+  out[1] = ext.read()
+  ext.close()
+  return out
+
+
+def _compare(got, want) -> str | None:
+  for name, g, w in zip(("rows", "pool", "hot", "slot_tokens", "lru", "stats"), got, want):
+    if not np.array_equal(g, w):
+      return f"{name} differs"
+  return None
+
+
+def probe(path, platform) -> dict:
+  """Worked example through one path (run in a subprocess by the parent)."""
+  jax = _jax(platform)
+  from hisparse_jax import reference
+  from hisparse_jax.reference import worked_example
+  case = worked_example()
+  got = _run_path(path, case, jax, platform)
+  err = _compare(got, reference.swap_in(*case))
+  return {"path": path, "ok": err is None, "error": err, "device": str(jax.devices()[0])}
+
+
+def correctness(paths, platform, n_random) -> dict:
+  jax = _jax(platform)
+  from hisparse_jax import reference
+  from hisparse_jax.reference import worked_example
+  rng = np.random.default_rng(0)
+  report = {}
+  for path in paths:
+    failures = []
+    cases = [worked_example()] + [
+        reference.random_case(rng, L=2, B=int(rng.integers(1, 9)), D=int(rng.integers(4, 64)), K=4,
+                              S=int(rng.integers(1, 200)), W=int(rng.choice([1, 3, 8, 288])))
+        for _ in range(n_random)]
+    for i, case in enumerate(cases):
+      case[1] = case[1][:, : min(case[1].shape[1], case[5].shape[2] - 1)]
+      err = _compare(_run_path(path, case, jax, platform), reference.swap_in(*case))
+      if err:
+        failures.append({"case": i, "error": err})
+    bad = worked_example()
+    bad[1][4, 0] = 16  # position >= seq_len
+    try:
+      _run_path(path, bad, jax, platform)
+      error_ok = False
+    except Exception as e:  # noqa: BLE001
+      error_ok = "top-k position" in str(e)
+    report[path] = {"cases": len(cases), "failures": failures, "bad_input_is_error": error_ok}
+  return report
+
+
+def h2d_gbps(jax, nbytes, repeats=5) -> float:
+  """Pinned host -> device bandwidth for nbytes (jax.device_put of a pinned_host array)."""
+  import jax.numpy as jnp
+  nbytes = max(int(nbytes), 1 << 16)
+  host = jax.jit(lambda: jax.device_put(jnp.ones((nbytes,), jnp.uint8), jax.memory.Space.Host))()
+  dev = jax.devices()[0]
+  times = []
+  for _ in range(repeats + 1):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(host, jax.memory.Space.Device))
+    times.append(time.perf_counter() - t0)
+  del dev
+  return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def sweep(path, platform, quick) -> list[dict]:
+  jax = _jax(platform)
+  import jax.numpy as jnp
+  from hisparse_jax import ops
+  from swap_in import TOP_K, make_case
+  rng = np.random.default_rng(0)
+  grid = ([(4, 2048, 656, f) for f in (0.05, 1.0)] if quick else
+          [(B, D, W, f) for B in (1, 64, 256) for D in (2048, 4096) for W in (656, 1152)
+           for f in (0.001, 0.05, 0.2, 1.0)])
+  L, K, repeats = 2, TOP_K, 3 if quick else 7
+  results = []
+  for B, D, W, f in grid:
+    top_k, slot_tokens, lru, host_rows, S = make_case(B, D, K, W, L, f, rng)
+    H = B * S
+    ext = None
+    if path == "pinned_host":
+      pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
+      external = None
+    else:
+      ext = ops.ExtensionHostPool(L, H, W, np.uint8, platform="gpu" if platform == "gpu" else "cpu")
+      pool, external = ext.token(), ext.ref
+    hot = jnp.zeros((L, B, D + 1, W), jnp.uint8)
+    stats = jnp.zeros((L, B, 2), jnp.int32)
+    hr, sl = jnp.asarray(host_rows), jnp.full((B,), S, jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
+    def step(pool, hot, slots, order, stats, tk):
+      for l in range(L):
+        _, pool, hot, slots, order, stats = ops.swap_in(l, tk[l], sl, hr, pool, hot, slots, order, stats,
+                                                        external=external)
+      return pool, hot, slots, order, stats
+
+    def timed(tk):
+      nonlocal pool, hot, stats
+      tk, times = jnp.asarray(tk), []
+      for _ in range(repeats + 1):
+        slots, order = jnp.asarray(slot_tokens), jnp.asarray(lru)
+        jax.block_until_ready((slots, order))
+        t0 = time.perf_counter()
+        pool, hot, slots, order, stats = step(pool, hot, slots, order, stats, tk)
+        jax.block_until_ready(hot)
+        times.append(time.perf_counter() - t0)
+      return statistics.median(times[1:])
+
+    hits_only = np.take_along_axis(slot_tokens, np.argsort(rng.random(slot_tokens.shape), -1)[..., :K], -1)
+    t_book, t_call = timed(hits_only), timed(top_k)
+    miss_bytes = L * B * int(round(f * K)) * W
+    copy_s = max(t_call - t_book, 1e-9)
+    bw = h2d_gbps(jax, miss_bytes)
+    results.append(dict(batch=B, buffer=D, row_bytes=W, miss_fraction=f, layers=L, call_ms=t_call * 1e3,
+                        bookkeeping_us=t_book / (B * L) * 1e6, miss_GBps=miss_bytes / copy_s / 1e9,
+                        h2d_GBps=bw, ratio=miss_bytes / copy_s / 1e9 / bw))
+    r = results[-1]
+    print(f"  B={B:>3} D={D} W={W:>4} miss={f:<5} call {r['call_ms']:8.3f} ms  book {r['bookkeeping_us']:7.2f} us"
+          f"  miss {r['miss_GBps']:7.2f} GB/s  h2d {bw:7.2f} GB/s  ratio {r['ratio']:.2f}", flush=True)
+    if ext is not None:
+      del pool
+      ext.close()
+  return results
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default="gpu_check.json")
+  ap.add_argument("--quick", action="store_true", help="a few points only (dry runs)")
+  ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
+  ap.add_argument("--probe", choices=PATHS, help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.probe:
+    print(json.dumps(probe(args.probe, args.platform)))
+    return 0
+
+  start = time.time()
+  report = {"platform": args.platform, "probes": {}}
+  print("== 1. host-pool paths")
+  for path in PATHS:
+    try:
+      r = subprocess.run([sys.executable, __file__, "--probe", path, "--platform", args.platform],
+                         capture_output=True, text=True, timeout=240)
+      line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+      res = json.loads(line) if line.startswith("{") else {
+          "path": path, "ok": False, "error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"}
+    except subprocess.TimeoutExpired:
+      res = {"path": path, "ok": False, "error": "timed out"}
+    report["probes"][path] = res
+    print(f"  {path:12s} {'works' if res['ok'] else 'FAILS: ' + str(res['error'])}")
+  working = [p for p in PATHS if report["probes"][p]["ok"]]
+  report["working_paths"] = working
+  report["chosen_path"] = working[0] if working else None
+  if working:
+    print("== 2. CUDA handler vs reference")
+    report["correctness"] = correctness(working, args.platform, 10 if args.quick else 60)
+    for path, c in report["correctness"].items():
+      print(f"  {path:12s} {c['cases']} cases, {len(c['failures'])} failures, bad input is an error: "
+            f"{c['bad_input_is_error']}")
+    print(f"== 3. timing sweep on the {working[0]} path")
+    report["sweep"] = sweep(working[0], args.platform, args.quick)
+  report["seconds"] = time.time() - start
+  with open(args.out, "w") as f:
+    json.dump(report, f, indent=1)
+  ok = bool(working) and all(not c["failures"] and c["bad_input_is_error"]
+                             for c in report.get("correctness", {}).values())
+  print(f"== {'PASS' if ok else 'FAIL'} in {report['seconds']:.0f} s; results in {args.out}")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

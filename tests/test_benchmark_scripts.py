@@ -1,0 +1,34 @@
+"""The benchmark and GPU-check scripts run end to end (quick modes) and produce sane numbers."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_swap_in_benchmark_quick(tmp_path):
+  out = tmp_path / "b.json"
+  r = subprocess.run([sys.executable, "benchmarks/swap_in.py", "--quick", "--json", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = json.loads(out.read_text())
+  assert len(rows) == 2
+  for row in rows:
+    assert row["call_ms"] > 0 and row["bookkeeping_us"] >= 0 and row["memcpy_GBps"] > 0
+  full = rows[-1]  # every top-k position a miss: the copy dominates and is measurable
+  assert full["miss_fraction"] == 1.0 and full["miss_GBps"] and full["miss_GBps"] > 0.05
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+  out = tmp_path / "g.json"
+  r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--platform", "cpu", "--quick", "--out", str(out)],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  report = json.loads(out.read_text())
+  assert report["working_paths"] == ["pinned_host", "extension"]
+  for path in report["working_paths"]:
+    c = report["correctness"][path]
+    assert c["cases"] == 11 and not c["failures"] and c["bad_input_is_error"]
+  assert len(report["sweep"]) == 2

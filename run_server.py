@@ -36,7 +36,7 @@ def main(argv):
   from hisparse_jax import launch
   try:
     launch.check_dtype(FLAGS.dtype)
-    launch.check_host_pool(FLAGS["host-pool"].value)
+    launch.check_host_pool(FLAGS["host-pool"].value, FLAGS["enable-hisparse"].value)
     if not 0 <= FLAGS.port <= 65535:
       raise launch.StartupError(f"--port {FLAGS.port}: expected 0..65535")
     model_dir = launch.resolve_model_path(FLAGS["model-path"].value)
@@ -57,7 +57,7 @@ def main(argv):
     server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port)
   except OSError as e:
     sys.exit(f"error: --host/--port: {e}")
-  mode = f"hisparse {hisparse}" if hisparse else "dense"
+  mode = f"hisparse {hisparse}, host pool: {FLAGS['host-pool'].value}" if hisparse else "dense"
   print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir})", flush=True)
   stopping = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):

@@ -5,6 +5,9 @@ The Python interpreter that has jaxlib installed is $HISPARSE_PYTHON, else pytho
 
 def _jaxlib_headers_impl(ctx):
     python = ctx.os.environ.get("HISPARSE_PYTHON", "python3")
+    if "/" in python and not python.startswith("/"):
+        # A relative path means relative to the workspace root, where the user typed it.
+        python = str(ctx.path(Label("//:WORKSPACE")).dirname) + "/" + python
     result = ctx.execute([python, "-c", "import jaxlib, os; print(os.path.join(os.path.dirname(jaxlib.__file__), 'include'))"])
     if result.return_code != 0:
         fail("cannot locate jaxlib's include dir with %s (set HISPARSE_PYTHON to a python with jaxlib): %s" % (python, result.stderr))

@@ -36,7 +36,7 @@ from flax import nnx
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.kv_cache import DenseKVCache, HiSparseKVCache
 from hisparse_jax.ops import ExtensionHostPool
-from models.loader import load_hf
+from models.convert import load_model
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class Engine:
   """Greedy continuous-batching decoder.
 
   Args:
-    model_dir: HF-format model directory (config.json + safetensors).
+    model_dir: HF-format model directory (config.json + safetensors) or an orbax
+      directory written by `python -m models.convert`.
     dtype: compute/KV dtype name ("float32", "bfloat16"); None = the
       checkpoint's own dtype.
     hisparse: HiSparse sizes, or None for the dense (all KV on device) mode.
@@ -113,7 +114,7 @@ class Engine:
     if host_pool not in HOST_POOL_KINDS:
       raise ValueError(f"host_pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
     self.host_pool_kind = host_pool
-    self.config, model = load_hf(model_dir, dtype=dtype)
+    self.config, model = load_model(model_dir, dtype=dtype)
     cfg = self.config
     self.hisparse = hisparse
     if hisparse is not None and hisparse.top_k != cfg.index_topk:

@@ -69,7 +69,7 @@ def main(argv):
   from hisparse_jax import launch
   try:
     launch.check_dtype(FLAGS.dtype)
-    launch.check_host_pool(FLAGS["host-pool"].value)
+    launch.check_host_pool(FLAGS["host-pool"].value, FLAGS["enable-hisparse"].value)
     model_dir = launch.resolve_model_path(FLAGS["model-path"].value)
     model_cfg = launch.read_model_config(model_dir)
     hisparse = launch.resolve_hisparse(FLAGS["enable-hisparse"].value, FLAGS["hisparse-config"].value,
@@ -128,7 +128,7 @@ def main(argv):
     if dest is not sys.stdout:
       dest.close()
   n_tokens = sum(len(r.output_ids) for _, r in requests)
-  mode = "hisparse" if hisparse else "dense"
+  mode = f"hisparse, host pool: {FLAGS['host-pool'].value}" if hisparse else "dense"
   print(f"[generate] {len(requests)} requests ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if hisparse is not None:

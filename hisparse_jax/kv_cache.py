@@ -35,6 +35,12 @@ def _pytree(data, meta=()):
                            meta_fields=list(meta))
 
 
+def _committed(tree):
+  """Arrays committed to the default device, like the outputs of the jitted steps that will
+  replace them (an uncommitted first cache would cost every jitted function a second compile)."""
+  return jax.device_put(tree, jax.devices()[0])
+
+
 def _zeros_at_padding(rows, top_k):
   return jnp.where((top_k >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
 
@@ -62,9 +68,9 @@ class DenseKVCache:
   @classmethod
   def create(cls, *, num_layers, batch, max_seq_len, latent_dim, index_dim, dtype):
     """Zero cache of L layers x B lanes x S positions (device memory)."""
-    return cls(
+    return cls(**_committed(dict(
         kv=jnp.zeros((num_layers, batch, max_seq_len, latent_dim), dtype),
-        index_k=jnp.zeros((num_layers, batch, max_seq_len, index_dim), jnp.float32))
+        index_k=jnp.zeros((num_layers, batch, max_seq_len, index_dim), jnp.float32))))
 
   def append(self, layer, seq_lens, latent, index_key):
     return dataclasses.replace(
@@ -131,20 +137,20 @@ class HiSparseKVCache:
       if external_pool.shape != (L, host_pool_rows, latent_dim) or external_pool.dtype != jnp.dtype(dtype):
         raise ValueError(f"external pool {external_pool.shape} {external_pool.dtype} does not match "
                          f"{(L, host_pool_rows, latent_dim)} {jnp.dtype(dtype)}")
-      host_pool = external_pool.token()
+      host_pool = _committed(external_pool.token())
     else:
       host_pool = jax.jit(lambda: jax.device_put(
           jnp.zeros((L, host_pool_rows, latent_dim), dtype), jax.memory.Space.Host))()
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
-    return cls(
+    device = _committed(dict(
         hot=jnp.zeros((L, B, D + 1, latent_dim), dtype),
         slot_tokens=slots,
         lru=jnp.array(slots),
         stats=jnp.zeros((L, B, 2), jnp.int32),
-        host_pool=host_pool,
         host_rows=jnp.full((B, max_seq_len), -1, jnp.int32),
-        index_k=jnp.zeros((L, B, max_seq_len, index_dim), jnp.float32),
-        external_pool=None if external_pool is None else external_pool.ref)
+        index_k=jnp.zeros((L, B, max_seq_len, index_dim), jnp.float32)))
+    return cls(**device, host_pool=host_pool,
+               external_pool=None if external_pool is None else external_pool.ref)
 
   @property
   def device_buffer_size(self) -> int:

@@ -115,7 +115,9 @@ def load_tokenizer_or_fail(model_dir: str):
     raise StartupError(f"--model-path {model_dir!r}: tokenizer.json: {e}") from None
 
 
-def check_host_pool(kind: str) -> None:
+def check_host_pool(kind: str, hisparse_enabled: bool) -> None:
   from hisparse_jax.engine import HOST_POOL_KINDS
   if kind not in HOST_POOL_KINDS:
     raise StartupError(f"--host-pool {kind!r}: expected one of {', '.join(HOST_POOL_KINDS)}")
+  if kind != HOST_POOL_KINDS[0] and not hisparse_enabled:
+    raise StartupError(f"--host-pool {kind} was given without --enable-hisparse (dense mode has no host pool)")

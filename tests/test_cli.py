@@ -59,6 +59,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--dtype", "float16"], "--dtype 'float16'"),
     (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
     (["--host-pool", "gpu"], "--host-pool 'gpu': expected one of jax, extension"),
+    (["--host-pool", "extension"], "--host-pool extension was given without --enable-hisparse"),
     (["--enable-hisparse", "--hisparse-config", ""], "--hisparse-config: empty"),
     (["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 2000000000}'], "more than 80%"),
 ])

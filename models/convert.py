@@ -1,0 +1,125 @@
+r"""HF checkpoint -> native orbax checkpoint, and loading either kind.
+
+  python -m models.convert --model-path HF_DIR --output ORBAX_DIR [--dtype bfloat16|float32]
+
+writes ORBAX_DIR/params (an orbax StandardCheckpointer save of the Flax NNX
+parameter state, already in the target dtype), ORBAX_DIR/config.json (the HF
+config with ``dtype`` set to the converted dtype), the tokenizer and
+``hisparse_config.json`` when the HF dir has them, and the marker file
+``hisparse_orbax.json``. ``load_model(path)`` accepts either kind of directory;
+an orbax one restores straight into device memory of the default device
+without reading any safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import DSAConfig
+from models.deepseek_v32 import DeepseekV32ForCausalLM
+from models.loader import load_hf
+
+ORBAX_MARKER = "hisparse_orbax.json"
+PARAMS_DIR = "params"
+# Files copied from the HF directory next to the orbax parameters when present.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "hisparse_config.json", "generation_config.json")
+
+
+def is_orbax_dir(path: str | os.PathLike) -> bool:
+  return os.path.exists(os.path.join(os.fspath(path), ORBAX_MARKER))
+
+
+def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
+  """Converts an HF-format directory into an orbax directory; returns ``output``.
+
+  Raises:
+    ValueError: unsupported config or missing tensor (from ``load_hf``), or
+      ``output`` already exists and is not empty.
+  """
+  import orbax.checkpoint as ocp
+
+  if os.path.exists(output) and os.listdir(output):
+    raise ValueError(f"--output {output!r} exists and is not empty")
+  cfg, model = load_hf(hf_dir, dtype=dtype)
+  _, state = nnx.split(model)
+  os.makedirs(output, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(os.path.abspath(os.path.join(output, PARAMS_DIR)), state)
+    ckpt.wait_until_finished()
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    hf_config = json.load(f)
+  hf_config["dtype"] = cfg.dtype
+  hf_config.pop("torch_dtype", None)
+  hf_config.pop("quantization_config", None)  # the orbax params are already dequantized
+  with open(os.path.join(output, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
+  for name in SIDE_FILES:
+    if os.path.exists(os.path.join(hf_dir, name)):
+      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(output, name))
+  with open(os.path.join(output, ORBAX_MARKER), "w") as f:
+    json.dump({"format": "orbax", "params": PARAMS_DIR, "dtype": cfg.dtype, "source": os.path.abspath(hf_dir)}, f)
+  return output
+
+
+def load_orbax(path: str, dtype=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+  """Restores an orbax directory written by ``convert``.
+
+  The parameters are restored straight into their final shardings (the default
+  device) with the stored dtype; a different ``dtype`` casts after restoring.
+  """
+  import orbax.checkpoint as ocp
+
+  cfg = DSAConfig.from_pretrained(path)
+  stored = jnp.dtype(cfg.dtype)
+  abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored))
+  graphdef, abstract_state = nnx.split(abstract)
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_state)
+  with ocp.StandardCheckpointer() as ckpt:
+    state = ckpt.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
+  model = nnx.merge(graphdef, state)
+  if dtype is not None and jnp.dtype(dtype) != stored:
+    # Re-load through the HF-equivalent cast rules: float32 stays float32 for the fp32 modules.
+    cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
+    graphdef2, state2 = nnx.split(nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0),
+                                                                                dtype=jnp.dtype(dtype))))
+    casted = jax.tree.map(lambda want, have: jnp.asarray(have, want.dtype), state2, state)
+    model = nnx.merge(graphdef2, casted)
+  return cfg, model
+
+
+def load_model(path: str, dtype=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+  """(config, model) from an HF-format directory or an orbax directory written by ``convert``."""
+  return load_orbax(path, dtype) if is_orbax_dir(path) else load_hf(path, dtype=dtype)
+
+
+def main(argv=None) -> int:
+  import argparse
+
+  ap = argparse.ArgumentParser(description="Convert an HF-format DSA checkpoint into a native orbax checkpoint.")
+  ap.add_argument("--model-path", required=True, help="HF directory (config.json + *.safetensors)")
+  ap.add_argument("--output", required=True, help="new orbax directory")
+  ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                  help="parameter dtype (default: the checkpoint's)")
+  args = ap.parse_args(argv)
+  if not os.path.exists(os.path.join(args.model_path, "config.json")):
+    print(f"error: --model-path {args.model_path!r}: no config.json", file=sys.stderr)
+    return 2
+  try:
+    convert(args.model_path, args.output, args.dtype)
+  except (ValueError, KeyError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"wrote {args.output} ({', '.join(sorted(os.listdir(args.output)))})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

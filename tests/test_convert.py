@@ -1,0 +1,71 @@
+"""HF -> orbax conversion: the converted directory decodes exactly like the HF one, everywhere a model path is taken."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, Request
+from models.convert import is_orbax_dir, load_model
+from models.loader import load_hf
+from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def orbax_dir(tmp_path_factory):
+  out = tmp_path_factory.mktemp("conv") / "orbax"
+  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", str(out)],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return str(out)
+
+
+def test_orbax_logits_identical_to_hf(orbax_dir):
+  assert is_orbax_dir(orbax_dir) and not is_orbax_dir(tiny_model_dir())
+  _, hf = load_hf(tiny_model_dir())
+  _, ob = load_model(orbax_dir)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(2, 512, (2, 40)), jnp.int32)
+  lengths = jnp.asarray([40, 23], jnp.int32)
+  a, la, ka = hf.prefill(tokens, lengths)
+  b, lb, kb = ob.prefill(tokens, lengths)
+  for x, y in ((a, b), (la, lb), (ka, kb)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_engine_and_cli_accept_orbax_dirs(orbax_dir, tmp_path):
+  ps = [list(range(2, 30)), [5, 6, 7]]
+  outs = []
+  for d in (tiny_model_dir(), orbax_dir):
+    eng = Engine(d, hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2, max_seq_len=128)
+    reqs = [Request(str(i), p, 8) for i, p in enumerate(ps)]
+    for r in reqs:
+      eng.submit(r)
+    eng.run()
+    outs.append([r.output_ids for r in reqs])
+  assert outs[0] == outs[1]
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text(json.dumps({"input_ids": ps[0]}) + "\n")
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--model-path", orbax_dir, "--prompts",
+                      str(prompts), "--max-new-tokens", "8", "--output", str(tmp_path / "o.jsonl")],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert json.loads((tmp_path / "o.jsonl").read_text())["output_ids"] == outs[0][0]
+
+
+def test_convert_to_bfloat16_and_refuses_non_empty_output(orbax_dir, tmp_path):
+  out = tmp_path / "bf16"
+  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", str(out),
+                      "--dtype", "bfloat16"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  cfg, model = load_model(str(out))
+  assert cfg.dtype == "bfloat16" and model.embed_tokens[...].dtype == jnp.bfloat16
+  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", orbax_dir],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode != 0 and "exists and is not empty" in r.stderr and "Traceback" not in r.stderr

@@ -1,7 +1,9 @@
-"""DeepSeek-V3.2 (DSA) model: config, Flax NNX modules, HF checkpoint loader, random checkpoints."""
+"""DSA models (DeepSeek-V3.2, GLM-5 / GLM-5.1): config, Flax NNX modules, HF checkpoint loader (incl. FP8
+block-quantized checkpoints), random checkpoints."""
 
 from .config import DSAConfig, RopeConfig
-from .deepseek_v32 import DeepseekV32ForCausalLM, decode_step, prefill_step, split_model
+from .deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM, decode_step, prefill_step, split_model
+from .fp8 import dequantize_block_fp8
 from .loader import hf_param_table, load_hf
 from .random_checkpoint import default_model_config, write_random_checkpoint
 
@@ -9,6 +11,8 @@ __all__ = [
     "DSAConfig",
     "RopeConfig",
     "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "dequantize_block_fp8",
     "decode_step",
     "prefill_step",
     "split_model",

@@ -1,9 +1,28 @@
-"""Model configuration for DeepSeek-V3.2 (DeepSeek Sparse Attention) checkpoints.
+"""Model configuration for DeepSeek-Sparse-Attention checkpoints: DeepSeek-V3.2 and GLM-5 / GLM-5.1.
 
 `DSAConfig` is built from a HuggingFace ``config.json`` of ``model_type == "deepseek_v32"``
-(``architectures == ["DeepseekV32ForCausalLM"]``).  Field names follow the HF config
-(transformers ``DeepseekV32Config``); see
-``transformers/models/deepseek_v32/configuration_deepseek_v32.py``.
+(``architectures == ["DeepseekV32ForCausalLM"]``) or ``model_type == "glm_moe_dsa"``
+(``["GlmMoeDsaForCausalLM"]``).  Field names follow the HF configs (transformers ``DeepseekV32Config`` /
+``GlmMoeDsaConfig``).  The two families differ only in conventions, all read from config.json and
+checked against what transformers 5.24 implements for the model type:
+
+==========================  ======================  ==========================================
+convention                  deepseek_v32            glm_moe_dsa
+==========================  ======================  ==========================================
+MLA RoPE                    interleaved             interleaved  (``rope_interleave``)
+indexer RoPE                rotate-half             interleaved  (``indexer_rope_interleave``)
+rms_norm_eps default        1e-6                    1e-5
+q_a / kv_a RMSNorm eps      1e-6 (fixed)            1e-6 (fixed, whatever rms_norm_eps is)
+cross-layer top-k sharing   no (every layer full)   ``indexer_types`` ("full" / "shared"), else
+                                                    ``index_topk_pattern`` or ``index_topk_freq``
+                                                    + ``index_skip_topk_offset``
+==========================  ======================  ==========================================
+
+transformers 5.24 ignores ``rope_interleave`` / ``indexer_rope_interleave`` (the layouts are fixed per
+model type), so a config asking for the other layout is refused rather than silently mis-run.
+
+FP8 block-quantized checkpoints: ``quantization_config = {"quant_method": "fp8",
+"weight_block_size": [128, 128], ...}`` is accepted (``fp8_block_size``); the loader dequantizes.
 
 RoPE parameters are accepted in both forms found in the wild:
 
@@ -28,8 +47,19 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v32",)
-SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+# model_type -> its causal-LM architecture name
+ARCHITECTURE_OF = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURE_OF)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OF.values())
+# What transformers 5.24 implements per model type (it reads neither key from the config).
+_ROPE_LAYOUT = {  # model_type -> (MLA rope_interleave, indexer_rope_interleave)
+    "deepseek_v32": (True, False),
+    "glm_moe_dsa": (True, True),
+}
+# Per-model-type defaults that differ from _DEFAULTS (the transformers config class defaults).
+_MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"glm_moe_dsa": {"rms_norm_eps": 1e-5}}
+SUPPORTED_QUANT_METHODS = ("fp8",)
+SUPPORTED_FP8_BLOCK_SIZES = ((128, 128),)
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 _REQUIRED_KEYS = (
@@ -160,6 +190,10 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})")
+    for where, d in (("rope_parameters", rp), ("config", cfg)):
+        prf = d.get("partial_rotary_factor")
+        if prf is not None and float(prf) != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {prf!r} in {where} (only 1.0)")
     theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if rope_type == "default":
         return RopeConfig(rope_type="default", theta=float(theta))
@@ -183,6 +217,82 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
         truncate=bool(rp.get("truncate", True)),
     )
 
+
+
+def _layer_list(cfg: dict, key: str, n_layers: int, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != n_layers:
+        raise ValueError(f"config key {key!r} must be a list of num_hidden_layers={n_layers} entries, got {value!r}")
+    bad = [v for v in value if v not in allowed]
+    if bad:
+        raise ValueError(f"unsupported {key} entry {bad[0]!r} (supported: {allowed})")
+    return tuple(value)
+
+
+def _indexer_types(cfg: dict, model_type: str, n_layers: int) -> tuple[str, ...] | None:
+    """Per-layer "full" / "shared" indexer kinds, resolved as transformers 5.24 ``GlmMoeDsaConfig`` does:
+    ``indexer_types`` wins, else ``index_topk_pattern`` ("F"/"S" string or list), else layer i is full
+    iff ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 2 and 1).
+    DeepSeek-V3.2 has no sharing: any of these keys asking for a shared layer is refused."""
+    keys = ("indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
+    if cfg.get("indexer_types") is not None:
+        types = _layer_list(cfg, "indexer_types", n_layers, ("full", "shared"))
+        source = "indexer_types"
+    elif cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        if isinstance(pattern, str):
+            if any(c not in "FS" for c in pattern):
+                raise ValueError(f"unsupported index_topk_pattern {pattern!r} (letters F and S only)")
+            pattern = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        types = _layer_list({"index_topk_pattern": list(pattern)}, "index_topk_pattern", n_layers,
+                            ("full", "shared"))
+        source = "index_topk_pattern"
+    else:
+        freq, offset = cfg.get("index_topk_freq"), cfg.get("index_skip_topk_offset")
+        for key, v in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"config key {key!r} must be an integer, got {v!r}")
+        freq = max(1 if freq is None else freq, 1)
+        offset = 2 if offset is None else offset
+        types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers))
+        source = "index_topk_freq"
+    if all(t == "full" for t in types):
+        return None
+    if model_type != "glm_moe_dsa":
+        raise ValueError(f"unsupported {source} with shared indexer layers for model_type {model_type!r} "
+                         f"(cross-layer top-k sharing is a glm_moe_dsa feature; keys: {keys})")
+    if types[0] != "full":
+        raise ValueError(f"unsupported {source}: layer 0 is 'shared' but no earlier layer has an indexer")
+    return types
+
+
+def _parse_quantization(cfg: dict) -> tuple[int, int] | None:
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"quantization_config must be a dict, got {q!r}")
+    method = q.get("quant_method")
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise ValueError(f"unsupported quantization_config.quant_method {method!r} "
+                         f"(supported: {SUPPORTED_QUANT_METHODS})")
+    block = q.get("weight_block_size")
+    if block is None or tuple(block) not in SUPPORTED_FP8_BLOCK_SIZES:
+        raise ValueError(f"unsupported quantization_config.weight_block_size {block!r} "
+                         f"(supported: {[list(b) for b in SUPPORTED_FP8_BLOCK_SIZES]})")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"unsupported quantization_config.fmt {fmt!r} (only 'e4m3')")
+    scale_fmt = q.get("scale_fmt")  # DeepSeek-V3.1+/V3.2: power-of-two scales, stored as float32 all the same
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"unsupported quantization_config.scale_fmt {scale_fmt!r} (only 'ue8m0' or absent)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"unsupported quantization_config.activation_scheme {scheme!r} (only 'dynamic': "
+                         "weights are dequantized at load, activations are not quantized)")
+    return tuple(int(b) for b in block)
 
 
 # Integer config keys and their smallest valid value.
@@ -243,6 +353,19 @@ class DSAConfig:
     dtype: str = "float32"
     hidden_act: str = "silu"
     initializer_range: float = 0.02
+    model_type: str = "deepseek_v32"
+    # Per-layer MLP kind, "dense" | "sparse" (None: first_k_dense_replace dense layers, then MoE).
+    mlp_layer_types: tuple[str, ...] | None = None
+    # Per-layer indexer kind, "full" (own indexer) | "shared" (reuses the top-k of the nearest full layer
+    # before it; such a layer has no indexer weights).  None: every layer full.
+    indexer_types: tuple[str, ...] | None = None
+    rope_interleave: bool = True  # MLA rope slice: interleaved pairs (else rotate-half)
+    indexer_rope_interleave: bool = False  # indexer rope slice: interleaved pairs (else rotate-half)
+    # Eps of q_a_layernorm / kv_a_layernorm: transformers 5.24 builds them with the RMSNorm default
+    # 1e-6 for both model types, independent of rms_norm_eps.
+    latent_norm_eps: float = 1e-6
+    # (rows, cols) of the FP8 weight-quantization block when the checkpoint is FP8 block-quantized.
+    fp8_block_size: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -269,7 +392,19 @@ class DSAConfig:
         return (int(self.eos_token_id),)
 
     def is_moe_layer(self, layer: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer] == "sparse"
         return layer >= self.first_k_dense_replace
+
+    def has_indexer(self, layer: int) -> bool:
+        """True when ``layer`` runs its own indexer (False: it reuses an earlier layer's top-k)."""
+        return self.indexer_types is None or self.indexer_types[layer] == "full"
+
+    def topk_source(self, layer: int) -> int:
+        """The layer whose indexer picks ``layer``'s top-k (itself, or the nearest full layer before it)."""
+        while not self.has_indexer(layer):
+            layer -= 1
+        return layer
 
     # ------------------------------------------------------------ constructors
     @classmethod
@@ -283,9 +418,10 @@ class DSAConfig:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
         archs = cfg.get("architectures")
         if archs is not None:
-            bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+            bad = [a for a in archs if a != ARCHITECTURE_OF[model_type]]
             if bad:
-                raise ValueError(f"unsupported architecture {bad[0]!r} (supported: {SUPPORTED_ARCHITECTURES})")
+                raise ValueError(f"unsupported architecture {bad[0]!r} for model_type {model_type!r} "
+                                 f"(supported: {ARCHITECTURE_OF[model_type]!r})")
         for key in _REQUIRED_KEYS:
             if key not in cfg:
                 raise ValueError(f"config is missing required key {key!r}")
@@ -300,9 +436,23 @@ class DSAConfig:
             if value < minimum:
                 raise ValueError(f"config key {key!r} must be >= {minimum}, got {value}")
 
+        defaults = {**_DEFAULTS, **_MODEL_DEFAULTS.get(model_type, {})}
+
         def get(key: str) -> Any:
             value = cfg.get(key)
-            return _DEFAULTS[key] if value is None else value
+            return defaults[key] if value is None else value
+
+        n_layers = int(cfg["num_hidden_layers"])
+        if cfg.get("attention_bias"):
+            raise ValueError("unsupported attention_bias=True (MLA projections without bias only)")
+        want_mla, want_idx = _ROPE_LAYOUT[model_type]
+        for key, want in (("rope_interleave", want_mla), ("indexer_rope_interleave", want_idx)):
+            if key in cfg and cfg[key] is not None and bool(cfg[key]) != want:
+                raise ValueError(f"unsupported {key}={cfg[key]!r} for model_type {model_type!r} "
+                                 f"(transformers 5.24 always uses {want})")
+        mlp_layer_types = _layer_list(cfg, "mlp_layer_types", n_layers, ("dense", "sparse"))
+        indexer_types = _indexer_types(cfg, model_type, n_layers)
+        fp8_block = _parse_quantization(cfg)
 
         hidden_act = get("hidden_act")
         if hidden_act != "silu":
@@ -355,6 +505,12 @@ class DSAConfig:
             dtype=_DTYPES[str(dtype_name)],
             hidden_act=hidden_act,
             initializer_range=float(get("initializer_range")),
+            model_type=model_type,
+            mlp_layer_types=mlp_layer_types,
+            indexer_types=indexer_types,
+            rope_interleave=want_mla,
+            indexer_rope_interleave=want_idx,
+            fp8_block_size=fp8_block,
         )
 
     @classmethod

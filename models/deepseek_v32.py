@@ -1,6 +1,8 @@
-"""DeepSeek-V3.2 (DeepSeek Sparse Attention) causal LM in Flax NNX.
+"""DeepSeek-Sparse-Attention causal LMs in Flax NNX: DeepSeek-V3.2 and GLM-5 / GLM-5.1.
 
-Numerically follows transformers 5.24 ``models/deepseek_v32/modeling_deepseek_v32.py``:
+Numerically follows transformers 5.24 ``models/deepseek_v32/modeling_deepseek_v32.py`` and
+``models/glm_moe_dsa/modeling_glm_moe_dsa.py`` (one implementation; the differences are conventions in
+:class:`~models.config.DSAConfig`, see models/config.py):
 
 * RMSNorm computes in float32 and casts back to the input dtype before the weight multiply.
 * MLA: q_a_proj -> q_a_layernorm -> q_b_proj (heads split nope-first); kv_a_proj_with_mqa ->
@@ -8,9 +10,14 @@ Numerically follows transformers 5.24 ``models/deepseek_v32/modeling_deepseek_v3
   DeepSeek variant, written (as transformers does) as ``cat(x_even*cos - x_odd*sin, x_odd*cos + x_even*sin)``,
   i.e. the rotated rope slice comes out de-interleaved.  The same layout is stored in the KV cache,
   and q/k use the same layout, so dot products equal the reference.
-* Indexer (lightning indexer): rope-first head split with *non-interleaved* (rotate-half) RoPE;
+* Indexer (lightning indexer): rope-first head split; RoPE *non-interleaved* (rotate-half) for
+  DeepSeek-V3.2, interleaved (same layout as MLA) for GLM (``cfg.indexer_rope_interleave``);
   ``score[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * index_head_dim**-0.5)`` with
   ``w = weights_proj(x) * index_n_heads**-0.5``; causal top-k with k = min(index_topk, visible).
+* Cross-layer top-k sharing (GLM ``indexer_types``): a "shared" layer has no indexer and attends to
+  the top-k positions chosen by the nearest "full" layer before it, in prefill and in decode.  In decode
+  it still goes through the same cache calls: ``append`` (with an all-zero indexer key, never read)
+  and ``gather`` with the borrowed top-k; it skips ``index_keys``.
 * MoE: sigmoid router in float32, ``e_score_correction_bias`` for selection only, group-limited
   routing (group score = sum of the group's top-2), norm_topk_prob, routed_scaling_factor, shared
   experts.  Experts are evaluated *densely* (every expert on every token, combined with a
@@ -162,10 +169,12 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(self.head_dim, 1e-6, dtype=dtype)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=_F32, std=std, rngs=rngs)
         self.softmax_scale = self.head_dim**-0.5
+        self.interleave = cfg.indexer_rope_interleave
 
     def _rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         r = self.rope_dim
-        return jnp.concatenate([apply_rope_half(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+        rope = apply_rope_interleaved if self.interleave else apply_rope_half
+        return jnp.concatenate([rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
     def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """x: [..., H]; cos/sin: [..., r/2] -> float32[..., Di] (normed, roped)."""
@@ -230,20 +239,23 @@ class MLAttention(nnx.Module):
     o_proj [nH*dv, H].  (C = kv_lora_rank, dn/dr/dv = nope/rope/v head dims.)
     """
 
-    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs, has_indexer: bool = True):
         std = cfg.initializer_range
         self.n_heads = cfg.num_attention_heads
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora = cfg.kv_lora_rank
+        self.index_dim = cfg.index_head_dim
         self.scale = cfg.softmax_scale
+        self.rope = apply_rope_interleaved if cfg.rope_interleave else apply_rope_half
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, std=std, rngs=rngs)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype=dtype)
         self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * (self.dn + self.dr), dtype=dtype, std=std, rngs=rngs)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.kv_lora + self.dr, dtype=dtype, std=std, rngs=rngs)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora, 1e-6, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.latent_norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(self.kv_lora, self.n_heads * (self.dn + self.dv), dtype=dtype, std=std, rngs=rngs)
         self.o_proj = Linear(self.n_heads * self.dv, cfg.hidden_size, dtype=dtype, std=std, rngs=rngs)
-        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs)
+        # None on a "shared" layer (GLM cross-layer top-k sharing): it borrows an earlier layer's top-k.
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if has_indexer else None
 
     def _queries(self, x, cos, sin):
         """x: [..., H] -> q_resid [..., q_lora], q_nope [..., nH, dn], q_pe [..., nH, dr] (roped)."""
@@ -251,23 +263,31 @@ class MLAttention(nnx.Module):
         q = self.q_b_proj(q_resid)
         q = q.reshape(*q.shape[:-1], self.n_heads, self.dn + self.dr)
         q_nope, q_pe = q[..., : self.dn], q[..., self.dn :]
-        q_pe = apply_rope_interleaved(q_pe, cos[..., None, :], sin[..., None, :])
+        q_pe = self.rope(q_pe, cos[..., None, :], sin[..., None, :])
         return q_resid, q_nope, q_pe
 
     def latent(self, x, cos, sin) -> jax.Array:
         """x: [..., H] -> dtype[..., C + dr] = cat(kv_a_layernorm(c_kv), rope(k_pe)) (the KV-cache row)."""
         ckv = self.kv_a_proj_with_mqa(x)
         c, k_pe = ckv[..., : self.kv_lora], ckv[..., self.kv_lora :]
-        return jnp.concatenate([self.kv_a_layernorm(c), apply_rope_interleaved(k_pe, cos, sin)], axis=-1)
+        return jnp.concatenate([self.kv_a_layernorm(c), self.rope(k_pe, cos, sin)], axis=-1)
 
-    def prefill(self, x, cos, sin, causal):
-        """x: [B, S, H]; cos/sin: [S, dr/2]; causal: bool[S, S].
-        Returns out [B, S, H], latents dtype[B, S, C+dr], index keys float32[B, S, Di]."""
+    def prefill(self, x, cos, sin, causal, prev_mask=None):
+        """x: [B, S, H]; cos/sin: [S, dr/2]; causal: bool[S, S]; prev_mask: bool[B, S, S], the selection
+        of the previous layer (used, and required, only when this layer has no indexer).
+        Returns out [B, S, H], latents dtype[B, S, C+dr], index keys float32[B, S, Di] (zeros without
+        an indexer), selection mask bool[B, S, S]."""
         B, S, _ = x.shape
         q_resid, q_nope, q_pe = self._queries(x, cos, sin)
         lat = self.latent(x, cos, sin)  # [B, S, W]
-        ikeys = self.indexer.keys(x, cos, sin)  # [B, S, Di]
-        mask = self.indexer.prefill_mask(x, q_resid, cos, sin, ikeys, causal)  # [B, S, S]
+        if self.indexer is not None:
+            ikeys = self.indexer.keys(x, cos, sin)  # [B, S, Di]
+            mask = self.indexer.prefill_mask(x, q_resid, cos, sin, ikeys, causal)  # [B, S, S]
+        else:
+            if prev_mask is None:
+                raise ValueError("a layer without an indexer needs the previous layer's top-k selection")
+            ikeys = jnp.zeros((B, S, self.index_dim), _F32)
+            mask = prev_mask
 
         c, k_pe = lat[..., : self.kv_lora], lat[..., self.kv_lora :]
         kv = self.kv_b_proj(c).reshape(B, S, self.n_heads, self.dn + self.dv)
@@ -278,19 +298,26 @@ class MLAttention(nnx.Module):
         scores = jnp.where(mask[:, None], scores.astype(_F32), _NEG)
         p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         o = _einsum("bhst,bthd->bshd", p, v).reshape(B, S, self.n_heads * self.dv)
-        return self.o_proj(o), lat, ikeys
+        return self.o_proj(o), lat, ikeys, mask
 
-    def decode(self, x, cos, sin, layer: int, seq_lens, cache):
-        """x: [B, H] (one new token per lane at position seq_lens-1); cos/sin: [B, dr/2].
+    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None):
+        """x: [B, H] (one new token per lane at position seq_lens-1); cos/sin: [B, dr/2]; prev_topk:
+        int32[B, K], the previous layer's top-k (used, and required, only when this layer has no indexer).
         Uses the KV-cache protocol (append -> index_keys -> indexer top-k -> gather) and absorbed MLA.
-        Returns out [B, H], cache."""
+        Returns out [B, H], cache, this layer's top-k int32[B, K]."""
         B = x.shape[0]
         q_resid, q_nope, q_pe = self._queries(x, cos, sin)  # [B, q_lora], [B, nH, dn], [B, nH, dr]
         lat = self.latent(x, cos, sin)  # [B, W]
-        ikey = self.indexer.keys(x, cos, sin)  # [B, Di]
-        cache = cache.append(layer, seq_lens, lat, ikey)
-        keys = cache.index_keys(layer)  # float32[B, T, Di]
-        topk = self.indexer.decode_topk(x, q_resid, cos, sin, keys, seq_lens)  # int32[B, K]
+        if self.indexer is not None:
+            ikey = self.indexer.keys(x, cos, sin)  # [B, Di]
+            cache = cache.append(layer, seq_lens, lat, ikey)
+            keys = cache.index_keys(layer)  # float32[B, T, Di]
+            topk = self.indexer.decode_topk(x, q_resid, cos, sin, keys, seq_lens)  # int32[B, K]
+        else:
+            if prev_topk is None:
+                raise ValueError("a layer without an indexer needs the previous layer's top-k")
+            cache = cache.append(layer, seq_lens, lat, jnp.zeros((B, self.index_dim), _F32))
+            topk = prev_topk
         rows, cache = cache.gather(layer, topk, seq_lens)  # [B, K, W]
         rows = rows.astype(lat.dtype)
         c_kv, k_pe = rows[..., : self.kv_lora], rows[..., self.kv_lora :]
@@ -304,7 +331,7 @@ class MLAttention(nnx.Module):
         p = jax.nn.softmax(scores, axis=-1).astype(c_kv.dtype)
         o_lat = _einsum("bhk,bkc->bhc", p, c_kv)  # [B, nH, C]
         o = _einsum("bhc,chv->bhv", o_lat, w_uv).reshape(B, self.n_heads * self.dv)
-        return self.o_proj(o), cache
+        return self.o_proj(o), cache, topk
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -371,29 +398,29 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: DSAConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLAttention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = MLAttention(cfg, dtype=dtype, rngs=rngs, has_indexer=cfg.has_indexer(layer))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, std=cfg.initializer_range, rngs=rngs)
 
-    def prefill(self, x, cos, sin, causal):
-        a, lat, ik = self.self_attn.prefill(self.input_layernorm(x), cos, sin, causal)
+    def prefill(self, x, cos, sin, causal, prev_mask=None):
+        a, lat, ik, mask = self.self_attn.prefill(self.input_layernorm(x), cos, sin, causal, prev_mask)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, lat, ik
+        return x, lat, ik, mask
 
-    def decode(self, x, cos, sin, layer: int, seq_lens, cache):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, layer, seq_lens, cache)
+    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None):
+        a, cache, topk = self.self_attn.decode(self.input_layernorm(x), cos, sin, layer, seq_lens, cache, prev_topk)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
+        return x, cache, topk
 
 
 class DeepseekV32ForCausalLM(nnx.Module):
-    """DeepSeek-V3.2 causal LM: embed_tokens dtype[V, H] -> layers -> norm -> lm_head [H, V]
-    (lm_head is None when tie_word_embeddings: logits use embed_tokens^T)."""
+    """DSA causal LM (DeepSeek-V3.2 or GLM-5, per ``cfg.model_type``): embed_tokens dtype[V, H] -> layers ->
+    norm -> lm_head [H, V] (lm_head is None when tie_word_embeddings: logits use embed_tokens^T)."""
 
     def __init__(self, cfg: DSAConfig, *, rngs: nnx.Rngs, dtype=None):
         dtype = jnp.dtype(dtype if dtype is not None else cfg.dtype)
@@ -432,8 +459,9 @@ class DeepseekV32ForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, jnp.arange(S))  # [S, dr/2]
         causal = jnp.tril(jnp.ones((S, S), bool))
         lats, iks = [], []
+        mask = None  # the selection of the last layer with an indexer (GLM shared layers reuse it)
         for layer in self.layers:
-            x, lat, ik = layer.prefill(x, cos, sin, causal)
+            x, lat, ik, mask = layer.prefill(x, cos, sin, causal, mask)
             lats.append(lat)
             iks.append(ik)
         if last_only:  # causality alone keeps right-padding from reaching real positions
@@ -448,12 +476,18 @@ class DeepseekV32ForCausalLM(nnx.Module):
         pos = jnp.maximum(seq_lens - 1, 0)
         x = self._embed(tokens)  # [B, H]
         cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, pos)  # [B, dr/2]
+        topk = None  # the top-k of the last layer with an indexer (GLM shared layers reuse it)
         for l, layer in enumerate(self.layers):
-            x, cache = layer.decode(x, cos, sin, l, seq_lens, cache)
+            x, cache, topk = layer.decode(x, cos, sin, l, seq_lens, cache, topk)
         return self._logits(x), cache
 
 
 # ----------------------------------------------------------------------------- jit helpers
+# The same module serves GLM-5 / GLM-5.1 (``GlmMoeDsaForCausalLM``): conventions come from the config.
+GlmMoeDsaForCausalLM = DeepseekV32ForCausalLM
+DSAForCausalLM = DeepseekV32ForCausalLM
+
+
 def split_model(model: DeepseekV32ForCausalLM):
     """(graphdef, state) for use with :func:`prefill_step` / :func:`decode_step`."""
     return nnx.split(model)

@@ -1,19 +1,31 @@
-"""Load HuggingFace-format DeepSeek-V3.2 checkpoints (config.json + safetensors) into the JAX model.
+"""Load HuggingFace-format DSA checkpoints (DeepSeek-V3.2, GLM-5 / GLM-5.1) into the JAX model.
 
 Only ``safetensors`` (numpy) is used; no torch.  Weights come from ``model.safetensors`` or from the
 shards listed in ``model.safetensors.index.json``.
 
-The HF -> parameter mapping lives in :func:`hf_param_table` (kept apart from the modules).  Routed
+The HF -> parameter mapping lives in :func:`hf_param_table` (kept apart from the modules).  Both model
+types use the same key names (transformers 5.24 maps both through the same weight conversion); GLM
+layers whose indexer is "shared" (``indexer_types``) have no ``self_attn.indexer.*`` tensors.  Routed
 experts are accepted in both layouts:
 
 * per-expert keys, which is what transformers 5.24 ``save_pretrained`` writes (it converts its fused
-  in-memory ``experts.gate_up_proj`` back) and what DeepSeek's own checkpoints use:
+  in-memory ``experts.gate_up_proj`` back) and what DeepSeek's / GLM's own checkpoints use:
   ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``;
 * fused keys (transformers' in-memory layout): ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows
   first) and ``mlp.experts.down_proj`` [E, H, I].
 
-Keys of layer index ``num_hidden_layers`` (DeepSeek's multi-token-prediction layer) are ignored, as are
-other unknown keys.  FP8 checkpoints (``weight_scale_inv``) are not supported.
+Keys of layer index ``num_hidden_layers`` and above (multi-token-prediction layers) are ignored, as are
+other unknown keys.
+
+FP8 block-quantized checkpoints (``quantization_config.quant_method == "fp8"``, 128x128 blocks): every
+tensor ``X`` that has an ``X_scale_inv`` companion is float8_e4m3fn and is dequantized at load
+(:func:`models.fp8.dequantize_block_fp8`) and then cast to the parameter dtype; other tensors load as
+they are.
+
+Loading streams: tensors are read one at a time from the memory-mapped files, converted, and put into
+the model before the next one is read, so host memory peaks near the converted parameters (plus one
+parameter's worth of temporaries), never at a second full copy of the checkpoint.  A tqdm progress bar
+counts parameters and bytes read (``progress=None``: shown only when stderr is a TTY).
 """
 
 from __future__ import annotations
@@ -21,13 +33,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import struct
+import sys
 from typing import Callable
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from . import fp8
 from .config import DSAConfig
 from .deepseek_v32 import DeepseekV32ForCausalLM
 
@@ -84,11 +100,12 @@ def hf_param_table(cfg: DSAConfig) -> list[ParamSpec]:
             lin(a + (name,), f"self_attn.{name}")
         vec(a + ("q_a_layernorm", "weight"), "self_attn.q_a_layernorm.weight")
         vec(a + ("kv_a_layernorm", "weight"), "self_attn.kv_a_layernorm.weight")
-        ix = a + ("indexer",)
-        for name in ("wq_b", "wk", "weights_proj"):
-            lin(ix + (name,), f"self_attn.indexer.{name}")
-        vec(ix + ("k_norm", "weight"), "self_attn.indexer.k_norm.weight")
-        vec(ix + ("k_norm", "bias"), "self_attn.indexer.k_norm.bias")
+        if cfg.has_indexer(i):  # GLM "shared" layers have no indexer weights
+            ix = a + ("indexer",)
+            for name in ("wq_b", "wk", "weights_proj"):
+                lin(ix + (name,), f"self_attn.indexer.{name}")
+            vec(ix + ("k_norm", "weight"), "self_attn.indexer.k_norm.weight")
+            vec(ix + ("k_norm", "bias"), "self_attn.indexer.k_norm.bias")
         if cfg.is_moe_layer(i):
             m = ("mlp",)
             specs.append(ParamSpec(L + m + ("gate_kernel",), (p + "mlp.gate.weight",), _t))
@@ -116,10 +133,20 @@ def hf_param_table(cfg: DSAConfig) -> list[ParamSpec]:
     return specs
 
 
-class _TensorStore:
-    """Lazy name -> numpy array access over one or several safetensors files."""
+# safetensors dtypes that safetensors' numpy backend cannot return (it looks for them on the numpy
+# module); they are read through a memory map of the file instead.
+_MMAP_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
 
-    def __init__(self, model_dir: str):
+
+class _TensorStore:
+    """Lazy name -> numpy array access over one or several safetensors files.
+
+    Files are opened with ``safe_open`` (memory-mapped) and tensors are read one at a time.  A tensor
+    with a ``*_scale_inv`` companion is FP8 block-quantized and comes back dequantized to float32
+    (``fp8_block_size`` must then be set, i.e. the config must declare ``quantization_config``).
+    """
+
+    def __init__(self, model_dir: str, fp8_block_size: tuple[int, int] | None = None):
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
         self._where: dict[str, str] = {}
@@ -139,6 +166,15 @@ class _TensorStore:
                     for k in f.keys():
                         self._where[k] = fn
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
+        self._maps: dict[str, np.memmap] = {}
+        self.fp8_block_size = fp8_block_size
+        self.bytes_read = 0
+        if fp8_block_size is None:
+            scaled = next((k for k in self._where if k.endswith(fp8.SCALE_SUFFIX)), None)
+            if scaled is not None:
+                raise ValueError(f"checkpoint holds FP8 block scales ({scaled!r}) but config.json has no "
+                                 "quantization_config")
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -146,11 +182,46 @@ class _TensorStore:
     def keys(self):
         return self._where.keys()
 
-    def get(self, key: str) -> np.ndarray:
-        fn = self._where[key]
+    def _handle(self, fn: str):
         if fn not in self._handles:
             self._handles[fn] = safe_open(fn, framework="numpy")
-        return self._handles[fn].get_tensor(key)
+        return self._handles[fn]
+
+    def _mmap_tensor(self, fn: str, key: str) -> np.ndarray:
+        """Read-only view of ``key`` straight from a memory map of the file (safetensors layout:
+        u64 little-endian header length, JSON header with data_offsets relative to the data start)."""
+        if fn not in self._headers:
+            with open(fn, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self._headers[fn] = (8 + n, json.loads(f.read(n)))
+            self._maps[fn] = np.memmap(fn, dtype=np.uint8, mode="r")
+        start, header = self._headers[fn]
+        info = header[key]
+        dt = _MMAP_DTYPES[info["dtype"]]
+        b0, b1 = info["data_offsets"]
+        return self._maps[fn][start + b0 : start + b1].view(dt).reshape(info["shape"])
+
+    def _raw(self, key: str) -> np.ndarray:
+        fn = self._where[key]
+        h = self._handle(fn)
+        if h.get_slice(key).get_dtype() in _MMAP_DTYPES:
+            arr = self._mmap_tensor(fn, key)
+        else:
+            arr = h.get_tensor(key)
+        self.bytes_read += arr.nbytes
+        return arr
+
+    def get(self, key: str) -> np.ndarray:
+        """The tensor ``key`` (dequantized to float32 when it is FP8 with block scales)."""
+        skey = fp8.scale_key(key)
+        if skey in self._where:
+            if self.fp8_block_size is None:  # pragma: no cover - refused in __init__
+                raise ValueError(f"{skey!r} present but config.json has no quantization_config")
+            return fp8.dequantize_block_fp8(self._raw(key), self._raw(skey), self.fp8_block_size, name=key)
+        arr = self._raw(key)
+        if arr.dtype in _MMAP_DTYPES.values():
+            raise ValueError(f"tensor {key!r} is {arr.dtype} but has no {skey!r} block scales")
+        return arr
 
 
 def _is_fp32_param(path: tuple) -> bool:
@@ -158,47 +229,66 @@ def _is_fp32_param(path: tuple) -> bool:
     return any(names[-len(s):] == s for s in _FP32_SUFFIXES)
 
 
-def load_hf(model_dir: str | os.PathLike, dtype=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+def _progress_bar(enabled: bool | None, total: int, desc: str):
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit="param", disable=not enabled, leave=True, dynamic_ncols=True)
+
+
+def load_hf(
+    model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None
+) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
     """Load ``model_dir`` (HF layout) -> (config, model).
 
     dtype: parameter dtype (default: the config's ``dtype``).  Router weight/bias and the indexer's
-    weights_proj are always float32.  Raises ValueError for an unsupported config or a missing tensor
-    (the message names the missing HF key).
+    weights_proj are always float32.  FP8 block-quantized weights are dequantized to ``dtype``.
+    progress: tqdm progress bar over the parameters with the bytes read so far in the postfix
+    (None: only when stderr is a TTY; False: never).
+    Tensors are streamed: each is read from the memory-mapped safetensors file, converted and placed
+    into the model before the next is read.  Raises ValueError for an unsupported config, a missing
+    tensor (the message names the missing HF key) or a tensor of the wrong shape.
     """
     model_dir = os.fspath(model_dir)
     cfg = DSAConfig.from_pretrained(model_dir)
     dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
     cfg = cfg.replace(dtype=dt.name)
-    store = _TensorStore(model_dir)
+    store = _TensorStore(model_dir, cfg.fp8_block_size)
 
     abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
 
-    filled: dict[tuple, np.ndarray] = {}
-    for spec in hf_param_table(cfg):
+    table = hf_param_table(cfg)
+    # Resolve every parameter's keys first, so a missing tensor fails before any loading work.
+    plan = []
+    for spec in table:
         groups = ((spec.hf_keys, spec.build),) + spec.alternatives
         chosen = next((g for g in groups if all(k in store for k in g[0])), None)
         if chosen is None:
             missing = next(k for k in spec.hf_keys if k not in store)
             raise ValueError(f"checkpoint {model_dir} is missing tensor {missing!r}")
-        keys, build = chosen
-        value = build(*[store.get(k) for k in keys])
         if spec.path not in flat:
             raise KeyError(f"internal: no model parameter at {spec.path}")
-        want = flat[spec.path].get_value()
-        if tuple(value.shape) != tuple(want.shape):
-            raise ValueError(
-                f"tensor for {keys[0]!r} has shape {tuple(value.shape)}, expected {tuple(want.shape)}"
-            )
-        filled[spec.path] = value
-    missing_params = [p for p in flat if p not in filled]
+        plan.append((spec.path, chosen))
+    missing_params = sorted(set(flat) - {path for path, _ in plan}, key=str)
     if missing_params:
         raise KeyError(f"internal: parameters without a checkpoint mapping: {missing_params}")
 
-    for path, var in flat.items():
-        target = _F32 if _is_fp32_param(path) else dt
-        var.set_value(jnp.asarray(filled[path]).astype(target))
+    with _progress_bar(progress, len(plan), f"loading {os.path.basename(model_dir.rstrip(os.sep))}") as bar:
+        for path, (keys, build) in plan:
+            value = build(*[store.get(k) for k in keys])
+            var = flat[path]
+            want = var.get_value()
+            if tuple(value.shape) != tuple(want.shape):
+                raise ValueError(
+                    f"tensor for {keys[0]!r} has shape {tuple(value.shape)}, expected {tuple(want.shape)}"
+                )
+            target = _F32 if _is_fp32_param(path) else dt
+            var.set_value(jnp.asarray(value).astype(target))
+            del value
+            bar.update(1)
+            bar.set_postfix_str(f"{store.bytes_read / 2**20:.1f} MiB read", refresh=False)
     state = nnx.from_flat_state(flat)
     return cfg, nnx.merge(graphdef, state)
-

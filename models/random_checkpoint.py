@@ -1,8 +1,8 @@
-"""Deterministic random DeepSeek-V3.2 checkpoints in HuggingFace format (numpy + safetensors only).
+"""Deterministic random DSA (DeepSeek-V3.2 / GLM-5) checkpoints in HuggingFace format (numpy + safetensors only).
 
 ``write_random_checkpoint(out_dir, config_dict, seed)`` writes ``config.json`` and ``model.safetensors``
 with exactly the tensor names transformers 5.24 ``save_pretrained`` uses for
-``DeepseekV32ForCausalLM`` (per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` keys), so the
+``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM`` (per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` keys), so the
 result loads both with :func:`models.loader.load_hf` and with transformers.
 
 Init: Linear / embedding weights ~ N(0, initializer_range) (numpy ``default_rng(seed)``, tensors drawn
@@ -92,13 +92,16 @@ def _hf_shapes(cfg: DSAConfig) -> list[tuple[str, tuple[int, ...], str]]:
             (a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,), "ones"),
             (a + "kv_b_proj.weight", (nH * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "normal"),
             (a + "o_proj.weight", (H, nH * cfg.v_head_dim), "normal"),
-            (a + "indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "normal"),
-            (a + "indexer.wk.weight", (cfg.index_head_dim, H), "normal"),
-            (a + "indexer.k_norm.weight", (cfg.index_head_dim,), "ones"),
-            (a + "indexer.k_norm.bias", (cfg.index_head_dim,), "zeros"),
-            (a + "indexer.weights_proj.weight", (cfg.index_n_heads, H), "normal32"),
-            (p + "post_attention_layernorm.weight", (H,), "ones"),
         ]
+        if cfg.has_indexer(i):  # GLM "shared" layers have no indexer
+            out += [
+                (a + "indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "normal"),
+                (a + "indexer.wk.weight", (cfg.index_head_dim, H), "normal"),
+                (a + "indexer.k_norm.weight", (cfg.index_head_dim,), "ones"),
+                (a + "indexer.k_norm.bias", (cfg.index_head_dim,), "zeros"),
+                (a + "indexer.weights_proj.weight", (cfg.index_n_heads, H), "normal32"),
+            ]
+        out.append((p + "post_attention_layernorm.weight", (H,), "ones"))
         if cfg.is_moe_layer(i):
             m, E, I = p + "mlp.", cfg.n_routed_experts, cfg.moe_intermediate_size
             out += [(m + "gate.weight", (E, H), "normal32"), (m + "gate.e_score_correction_bias", (E,), "zeros32")]

@@ -288,3 +288,39 @@ def _dense_cache(cfg, batch, max_seq):
         from tests.test_model_oracle import _TestDenseCache as DenseKVCache  # noqa: PLC0415
     return DenseKVCache.create(num_layers=cfg.num_hidden_layers, batch=batch, max_seq_len=max_seq,
                                latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim, dtype=jnp.dtype(cfg.dtype))
+
+
+# ----------------------------------------------------------------------------- streaming load
+def test_progress_bar_flag(ckpt, capfd):
+    load_hf(ckpt, progress=True)
+    err = capfd.readouterr().err
+    assert "MiB read" in err and "param" in err, err[-500:]
+    load_hf(ckpt, progress=False)
+    assert capfd.readouterr().err == ""
+    load_hf(ckpt)  # default: only on a TTY (pytest's stderr is not one)
+    assert capfd.readouterr().err == ""
+
+
+def test_streaming_load_peak_host_memory(tmp_path):
+    """Tensors are read one at a time: numpy's peak allocation while loading stays far below the size
+    of the checkpoint (bf16 on disk, float32 parameters, so no numpy buffer is aliased by a parameter)."""
+    import tracemalloc
+
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "vocab_size": 2048,
+           "num_hidden_layers": 8, "q_lora_rank": 128, "kv_lora_rank": 128, "n_routed_experts": 8, "dtype": "bfloat16"}
+    ck = write_random_checkpoint(tmp_path / "big", cfg, seed=0)
+    load_hf(ck, dtype=jnp.float32)  # warm up (compilation caches etc.)
+    import os
+
+    file_bytes = os.path.getsize(f"{ck}/model.safetensors")
+    tracemalloc.start()
+    try:
+        _, model = load_hf(ck, dtype=jnp.float32)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    largest = max(np.asarray(v.get_value()).nbytes for _, v in nnx.to_flat_state(nnx.state(model)))
+    print(f"checkpoint {file_bytes / 2**20:.2f} MiB, largest parameter {largest / 2**20:.2f} MiB, "
+          f"numpy peak during load {peak / 2**20:.2f} MiB")
+    assert peak < file_bytes / 4, (peak, file_bytes)
+    assert peak < 3 * largest + 4 * 2**20, (peak, largest)

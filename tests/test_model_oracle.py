@@ -14,10 +14,7 @@ the tests are skipped only when it does not exist.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -27,11 +24,10 @@ import pytest
 
 from models.deepseek_v32 import decode_step, prefill_step, split_model
 from models.loader import load_hf
-from models.random_checkpoint import write_random_checkpoint
+from tests.oracle.tiny_configs import TINY_CONFIG
+from tests.oracle_runner import require_oracle, run_oracle
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ORACLE_SCRIPT = REPO / "tests" / "oracle" / "hf_oracle.py"
-ORACLE_PYTHON = os.environ.get("HISPARSE_ORACLE_PYTHON", str(REPO / ".venv-oracle" / "bin" / "python"))
 
 MAX_NEW = 16
 PROMPT_LENS = (5, 40)  # index_topk = 8: shorter than it, and 5x longer
@@ -79,35 +75,13 @@ CONFIGS = {
 
 # A checkpoint written by our numpy writer, read by transformers (checks key names / config form).
 OURS_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
+    **{k: v for k, v in TINY_CONFIG.items()
+       if k not in ("rms_norm_eps", "norm_topk_prob", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+                    "rope_parameters")},  # left to their defaults
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 16,
-    "v_head_dim": 16,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 4,
-    "topk_group": 2,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
-    "max_position_embeddings": 256,
     "rope_theta": 10000.0,
     # no mscale / mscale_all_dim: cos/sin scaled by 0.1*ln(factor)+1, softmax scale unchanged
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    "index_n_heads": 16,
-    "index_head_dim": 32,
-    "index_topk": 8,
-    "initializer_range": 0.1,
     "dtype": "float32",
 }
 
@@ -175,36 +149,10 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    """{name: (checkpoint dir, prompts, npz results)} for every config, oracle runs in parallel."""
-    if not os.path.exists(ORACLE_PYTHON):
-        reason = f"oracle python {ORACLE_PYTHON} does not exist (set HISPARSE_ORACLE_PYTHON)"
-        if os.environ.get("CI"):  # CI must run the live oracle comparison
-            pytest.fail(f"{reason}; `make test` creates it")
-        print(f"SKIP: {reason}")
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("oracle")
-    prompts = _prompts(512)
-    ppath = root / "prompts.json"
-    ppath.write_text(json.dumps(prompts))
-    jobs = {}
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    for name, (seed, overrides) in list(CONFIGS.items()) + [("ours", (7, None))]:
-        ck = root / name
-        out = root / f"{name}.npz"
-        if overrides is None:  # our writer, transformers reader
-            write_random_checkpoint(ck, OURS_CONFIG, seed=seed)
-            cmd = [ORACLE_PYTHON, str(ORACLE_SCRIPT)]
-        else:
-            cmd = [ORACLE_PYTHON, str(ORACLE_SCRIPT), "--make-checkpoint", str(ck), "--seed", str(seed),
-                   "--config-json", json.dumps(overrides)]
-        cmd += ["--run", str(ck), "--prompts", str(ppath), "--max-new-tokens", str(MAX_NEW), "--out", str(out)]
-        jobs[name] = (ck, out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
-    results = {}
-    for name, (ck, out, proc) in jobs.items():
-        log, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"oracle {name} failed:\n{log.decode()[-4000:]}"
-        results[name] = (ck, prompts, dict(np.load(out)))
-    return results
+    """{name: (checkpoint dir, prompts, npz results)}; the oracle runs in parallel subprocesses."""
+    require_oracle()
+    return run_oracle(tmp_path_factory.mktemp("oracle"), _prompts(512), MAX_NEW, CONFIGS, (7, OURS_CONFIG),
+                      model_type=None)
 
 
 # ----------------------------------------------------------------------------- helpers

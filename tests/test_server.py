@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hisparse_jax.client import generate
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, Request
+from hisparse_jax.engine import Engine
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.server import serve
 from hisparse_jax.text import TextStream, load_tokenizer

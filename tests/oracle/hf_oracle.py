@@ -1,17 +1,19 @@
-"""HuggingFace transformers oracle for the DeepSeek-V3.2 model tests.
+"""HuggingFace transformers oracle for the DSA model tests (DeepSeek-V3.2 and GLM-5 / GlmMoeDsa).
 
 Runs in the *oracle* environment (torch + transformers), never in the main venv.  The
 pytest suite calls it in a subprocess (see tests/test_model_oracle.py).
 
 Usage:
-    python hf_oracle.py --make-checkpoint DIR --seed N [--config-json '{...}']
-        Build ``DeepseekV32ForCausalLM`` (fp32) from a tiny config (``TINY_CONFIG`` updated by the
-        JSON overrides), initialise it with ``torch.manual_seed(N)`` (the zero-initialised router
+    python hf_oracle.py --make-checkpoint DIR --seed N [--model-type deepseek_v32|glm_moe_dsa]
+                        [--config-json '{...}']
+        Build ``DeepseekV32ForCausalLM`` (``TINY_CONFIG``) or ``GlmMoeDsaForCausalLM``
+        (``TINY_GLM_CONFIG``) in fp32 from a tiny config updated by the JSON overrides, initialise it with ``torch.manual_seed(N)`` (the zero-initialised router
         ``e_score_correction_bias`` is then drawn from N(0, 0.05) so selection-only bias is exercised)
         and ``save_pretrained(DIR)``.  With a ``rope_scaling`` override, config.json is rewritten in
         DeepSeek's legacy form (``rope_scaling`` + top-level ``rope_theta``, no ``rope_parameters``).
 
     python hf_oracle.py --run DIR --prompts prompts.json --max-new-tokens 16 --out out.npz
+        The model class comes from config.json (``AutoModelForCausalLM``).
         ``prompts.json`` is a list of token-id lists.  For prompt i the npz holds
         ``logits_{i}``: float32[S_i, V] (prefill logits at every position) and
         ``greedy_{i}``: int64[max_new_tokens] (greedy continuation computed by repeated full
@@ -27,50 +29,33 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 
 import numpy as np
 import torch
 
-TINY_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 16,
-    "v_head_dim": 16,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 4,
-    "topk_group": 2,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "first_k_dense_replace": 1,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 256,
-    "index_n_heads": 16,
-    "index_head_dim": 32,
-    "index_topk": 8,
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-}
+# The tiny configs live in a dependency-free module shared with the tests.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_configs import TINY_CONFIG, TINY_GLM_CONFIG  # noqa: E402
 
 
-def _build_config(overrides: dict):
-    from transformers import DeepseekV32Config
+def _model_class(model_type: str):
+    import transformers
 
+    return {"deepseek_v32": transformers.DeepseekV32ForCausalLM,
+            "glm_moe_dsa": transformers.GlmMoeDsaForCausalLM}[model_type]
+
+
+def _build_config(overrides: dict, model_type: str = "deepseek_v32"):
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+    if model_type == "glm_moe_dsa":
+        cfg = dict(TINY_GLM_CONFIG)
+        cfg.update(overrides)
+        cfg.pop("architectures", None)
+        cfg.pop("model_type", None)
+        return GlmMoeDsaConfig(**cfg)
     cfg = dict(TINY_CONFIG)
     cfg.update(overrides)
     if "rope_scaling" in overrides:
@@ -81,12 +66,10 @@ def _build_config(overrides: dict):
     return DeepseekV32Config(**cfg)
 
 
-def make_checkpoint(out_dir: str, seed: int, overrides: dict) -> None:
-    from transformers import DeepseekV32ForCausalLM
-
-    config = _build_config(copy.deepcopy(overrides))  # transformers mutates rope dicts in place
+def make_checkpoint(out_dir: str, seed: int, overrides: dict, model_type: str = "deepseek_v32") -> None:
+    config = _build_config(copy.deepcopy(overrides), model_type)  # transformers mutates rope dicts in place
     torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(config).to(torch.float32).eval()
+    model = _model_class(model_type)(config).to(torch.float32).eval()
     # Give the (zero-initialised) routing correction bias some signal so that the test covers
     # "bias used for selection only".
     with torch.no_grad():
@@ -110,10 +93,10 @@ def make_checkpoint(out_dir: str, seed: int, overrides: dict) -> None:
 
 @torch.no_grad()
 def run(model_dir: str, prompts_path: str, max_new_tokens: int, out_path: str) -> None:
-    from transformers import DeepseekV32ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    model = DeepseekV32ForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     with open(prompts_path) as f:
@@ -154,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--make-checkpoint", metavar="DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config-json", default="{}", help="JSON dict of config overrides")
+    p.add_argument("--model-type", default="deepseek_v32", choices=("deepseek_v32", "glm_moe_dsa"))
     p.add_argument("--run", metavar="DIR")
     p.add_argument("--prompts")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -162,7 +146,7 @@ def main(argv=None) -> int:
     if not args.make_checkpoint and not args.run:
         p.error("nothing to do: pass --make-checkpoint and/or --run")
     if args.make_checkpoint:
-        make_checkpoint(args.make_checkpoint, args.seed, json.loads(args.config_json))
+        make_checkpoint(args.make_checkpoint, args.seed, json.loads(args.config_json), args.model_type)
     if args.run:
         if not (args.prompts and args.out):
             p.error("--run needs --prompts and --out")

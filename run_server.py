@@ -26,6 +26,8 @@ flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, dev
 flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (requests decoded concurrently).")
 flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finish on SIGTERM; "
                    "streams still open then end with UNAVAILABLE.")
+flags.DEFINE_boolean("fp8-numerics", False, "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 "
+                     "indexer q/k and an e4m3 latent KV cache (fake-quantized).")
 flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
                     "(memory owned by the FFI extension).")
 
@@ -47,7 +49,8 @@ def main(argv):
     tokenizer = launch.load_tokenizer_or_fail(model_dir)
     engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
                                  max_running_requests=FLAGS["max-running-requests"].value,
-                                 host_pool=FLAGS["host-pool"].value)
+                                 host_pool=FLAGS["host-pool"].value,
+                                 fp8_numerics=FLAGS["fp8-numerics"].value)
   except launch.StartupError as e:
     sys.exit(f"error: {e}")
 

@@ -102,19 +102,22 @@ class Engine:
       JAX array, the default) or "extension" (``ops.ExtensionHostPool``,
       memory owned by the FFI extension; the fallback for GPUs where XLA does
       not pass ``pinned_host`` operands to custom calls as host pointers).
+    fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics for the indexer and
+      the latent KV (``models/fp8_numerics.py``); off by default.
 
   Raises:
     FileNotFoundError / ValueError: unreadable model directory or config.
   """
 
   def __init__(self, model_dir, *, dtype: str | None = None, hisparse: HiSparseConfig | None = None,
-               max_running_requests: int = 8, max_seq_len: int | None = None, host_pool: str = "jax"):
+               max_running_requests: int = 8, max_seq_len: int | None = None, host_pool: str = "jax",
+               fp8_numerics: bool = False):
     if max_running_requests < 1:
       raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
     if host_pool not in HOST_POOL_KINDS:
       raise ValueError(f"host_pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
     self.host_pool_kind = host_pool
-    self.config, model = load_model(model_dir, dtype=dtype)
+    self.config, model = load_model(model_dir, dtype=dtype, fp8_numerics=fp8_numerics)
     cfg = self.config
     self.hisparse = hisparse
     if hisparse is not None and hisparse.top_k != cfg.index_topk:

@@ -30,6 +30,8 @@ flags.DEFINE_string("dtype", None, "float32 or bfloat16 (default: the checkpoint
 flags.DEFINE_boolean("enable-hisparse", False, "Keep the latent KV in a host pool with per-request hot buffers.")
 flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.")
 flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (concurrent requests).")
+flags.DEFINE_boolean("fp8-numerics", False, "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 "
+                     "indexer q/k and an e4m3 latent KV cache (fake-quantized).")
 flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
                     "(memory owned by the FFI extension).")
 
@@ -87,7 +89,8 @@ def main(argv):
     tokenizer = launch.load_tokenizer_or_fail(model_dir)
     engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
                                  max_running_requests=FLAGS["max-running-requests"].value,
-                                 host_pool=FLAGS["host-pool"].value)
+                                 host_pool=FLAGS["host-pool"].value,
+                                 fp8_numerics=FLAGS["fp8-numerics"].value)
   except launch.StartupError as e:
     sys.exit(f"error: {e}")
 

@@ -85,14 +85,15 @@ def check_memory(model_cfg: DSAConfig, hisparse: HiSparseConfig | None, max_runn
         f"--max-running-requests")
 
 
-def build_engine(model_dir: str, *, dtype, hisparse, max_running_requests: int, host_pool: str):
+def build_engine(model_dir: str, *, dtype, hisparse, max_running_requests: int, host_pool: str,
+                 fp8_numerics: bool = False):
   """The engine, or StartupError naming what could not be loaded (no traceback for bad files)."""
   if max_running_requests < 1:
     raise StartupError(f"--max-running-requests must be >= 1, got {max_running_requests}")
   from hisparse_jax.engine import Engine
   try:
     return Engine(model_dir, dtype=dtype, hisparse=hisparse, max_running_requests=max_running_requests,
-                  host_pool=host_pool)
+                  host_pool=host_pool, fp8_numerics=fp8_numerics)
   except MemoryError as e:
     raise StartupError(f"out of memory building the engine: {e}") from None
   except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error

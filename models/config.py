@@ -366,6 +366,9 @@ class DSAConfig:
     latent_norm_eps: float = 1e-6
     # (rows, cols) of the FP8 weight-quantization block when the checkpoint is FP8 block-quantized.
     fp8_block_size: tuple[int, int] | None = None
+    # FP8 deployment numerics (models/fp8_numerics.py): not a config.json key; set by the
+    # runtime (--fp8-numerics) through load_hf / load_model.
+    fp8_numerics: bool = False
 
     # ------------------------------------------------------------------ derived
     @property

@@ -68,7 +68,7 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   return output
 
 
-def load_orbax(path: str, dtype=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """Restores an orbax directory written by ``convert``.
 
   The parameters are restored straight into their final shardings (the default
@@ -76,7 +76,7 @@ def load_orbax(path: str, dtype=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM
   """
   import orbax.checkpoint as ocp
 
-  cfg = DSAConfig.from_pretrained(path)
+  cfg = DSAConfig.from_pretrained(path).replace(fp8_numerics=fp8_numerics)
   stored = jnp.dtype(cfg.dtype)
   abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored))
   graphdef, abstract_state = nnx.split(abstract)
@@ -95,9 +95,11 @@ def load_orbax(path: str, dtype=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM
   return cfg, model
 
 
-def load_model(path: str, dtype=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+def load_model(path: str, dtype=None, *, fp8_numerics: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """(config, model) from an HF-format directory or an orbax directory written by ``convert``."""
-  return load_orbax(path, dtype) if is_orbax_dir(path) else load_hf(path, dtype=dtype)
+  if is_orbax_dir(path):
+    return load_orbax(path, dtype, fp8_numerics=fp8_numerics)
+  return load_hf(path, dtype=dtype, fp8_numerics=fp8_numerics)
 
 
 def main(argv=None) -> int:

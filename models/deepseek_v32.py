@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from .config import DSAConfig, RopeConfig
+from .fp8_numerics import fake_quant_e4m3, indexer_fp8
 
 _F32 = jnp.float32
 _NEG = float(np.finfo(np.float32).min)
@@ -170,6 +171,7 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=_F32, std=std, rngs=rngs)
         self.softmax_scale = self.head_dim**-0.5
         self.interleave = cfg.indexer_rope_interleave
+        self.fp8 = cfg.fp8_numerics  # Hadamard + e4m3 fake-quant of q and k (models/fp8_numerics.py)
 
     def _rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         r = self.rope_dim
@@ -178,13 +180,15 @@ class Indexer(nnx.Module):
 
     def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """x: [..., H]; cos/sin: [..., r/2] -> float32[..., Di] (normed, roped)."""
-        return self._rope(self.k_norm(self.wk(x)), cos, sin).astype(_F32)
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        return (indexer_fp8(k) if self.fp8 else k).astype(_F32)
 
     def queries(self, q_resid: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """q_resid: [..., q_lora]; cos/sin: [..., r/2] -> float32[..., nI, Di]."""
         q = self.wq_b(q_resid)
         q = q.reshape(*q.shape[:-1], self.n_heads, self.head_dim)
-        return self._rope(q, cos[..., None, :], sin[..., None, :]).astype(_F32)
+        q = self._rope(q, cos[..., None, :], sin[..., None, :])
+        return (indexer_fp8(q) if self.fp8 else q).astype(_F32)
 
     def head_weights(self, x: jax.Array) -> jax.Array:
         """x: [..., H] -> float32[..., nI]."""
@@ -246,6 +250,7 @@ class MLAttention(nnx.Module):
         self.kv_lora = cfg.kv_lora_rank
         self.index_dim = cfg.index_head_dim
         self.scale = cfg.softmax_scale
+        self.fp8 = cfg.fp8_numerics  # e4m3 fake-quant of the cached latent KV (models/fp8_numerics.py)
         self.rope = apply_rope_interleaved if cfg.rope_interleave else apply_rope_half
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, std=std, rngs=rngs)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype=dtype)
@@ -270,7 +275,10 @@ class MLAttention(nnx.Module):
         """x: [..., H] -> dtype[..., C + dr] = cat(kv_a_layernorm(c_kv), rope(k_pe)) (the KV-cache row)."""
         ckv = self.kv_a_proj_with_mqa(x)
         c, k_pe = ckv[..., : self.kv_lora], ckv[..., self.kv_lora :]
-        return jnp.concatenate([self.kv_a_layernorm(c), self.rope(k_pe, cos, sin)], axis=-1)
+        c = self.kv_a_layernorm(c)
+        if self.fp8:  # DeepSeek-V3.2 deployment keeps this part of the KV cache in FP8
+            c = fake_quant_e4m3(c)
+        return jnp.concatenate([c, self.rope(k_pe, cos, sin)], axis=-1)
 
     def prefill(self, x, cos, sin, causal, prev_mask=None):
         """x: [B, S, H]; cos/sin: [S, dr/2]; causal: bool[S, S]; prev_mask: bool[B, S, S], the selection

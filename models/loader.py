@@ -238,7 +238,7 @@ def _progress_bar(enabled: bool | None, total: int, desc: str):
 
 
 def load_hf(
-    model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None
+    model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None, fp8_numerics: bool = False
 ) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
     """Load ``model_dir`` (HF layout) -> (config, model).
 
@@ -246,6 +246,8 @@ def load_hf(
     weights_proj are always float32.  FP8 block-quantized weights are dequantized to ``dtype``.
     progress: tqdm progress bar over the parameters with the bytes read so far in the postfix
     (None: only when stderr is a TTY; False: never).
+    fp8_numerics: run the indexer and the latent KV with DeepSeek's FP8 deployment numerics
+    (models/fp8_numerics.py).
     Tensors are streamed: each is read from the memory-mapped safetensors file, converted and placed
     into the model before the next is read.  Raises ValueError for an unsupported config, a missing
     tensor (the message names the missing HF key) or a tensor of the wrong shape.
@@ -253,7 +255,7 @@ def load_hf(
     model_dir = os.fspath(model_dir)
     cfg = DSAConfig.from_pretrained(model_dir)
     dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
-    cfg = cfg.replace(dtype=dt.name)
+    cfg = cfg.replace(dtype=dt.name, fp8_numerics=fp8_numerics)
     store = _TensorStore(model_dir, cfg.fp8_block_size)
 
     abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))

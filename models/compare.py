@@ -1,0 +1,121 @@
+r"""Compare our port of a checkpoint with transformers on a prompt: a porting experiment in one command.
+
+  python -m models.compare --model-path DIR (--text "..." | --input-ids 1,2,3) [--max-new-tokens 16] \
+      [--dtype float32] [--oracle-python .venv-oracle/bin/python]
+
+Runs our Flax model (prefill logits at every prompt position, then a greedy
+continuation through the decode path and a KV cache) and transformers'
+reference (``tests/oracle/hf_oracle.py --run`` in the Python that has torch +
+transformers: ``$HISPARSE_ORACLE_PYTHON``, else ``.venv-oracle/bin/python``
+that ``make test`` creates), then prints the max abs prefill-logit error and
+how many greedy tokens agree. Exit status 0 when both ran (whatever the
+numbers), 2 when the oracle is missing or fails.
+
+Compare in float32: in bfloat16 both sides drift from their own fp32 results
+within a few tokens on small random models. Exact ties between indexer scores
+are broken differently by jax.lax.top_k and torch.topk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.convert import load_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracle", "hf_oracle.py")
+
+
+def default_oracle_python() -> str:
+  return os.environ.get("HISPARSE_ORACLE_PYTHON", os.path.join(REPO, ".venv-oracle", "bin", "python"))
+
+
+def ours(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str | None):
+  """(prefill logits float32[S, V], greedy continuation list[int]) from our model and a dense KV cache."""
+  from hisparse_jax.kv_cache import DenseKVCache
+
+  cfg, model = load_model(model_dir, dtype=dtype)
+  graphdef, state = nnx.split(model)
+  S = len(prompt)
+  logits, latents, keys = model.prefill(jnp.asarray([prompt], jnp.int32), jnp.asarray([S], jnp.int32))
+  cache = DenseKVCache.create(num_layers=cfg.num_hidden_layers, batch=1, max_seq_len=S + max_new_tokens,
+                              latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim, dtype=jnp.dtype(cfg.dtype))
+  cache = cache.insert(0, latents[:, 0], keys[:, 0])
+  out = [int(jnp.argmax(logits[0, -1]))]
+  for n in range(S + 1, S + max_new_tokens):
+    step, cache = nnx.merge(graphdef, state).decode(jnp.asarray([out[-1]], jnp.int32), jnp.asarray([n]), cache)
+    out.append(int(jnp.argmax(step[0])))
+  return np.asarray(logits[0], np.float32), out
+
+
+def reference(model_dir: str, prompt: list[int], max_new_tokens: int, python: str):
+  """transformers' (prefill logits, greedy continuation), run in the oracle interpreter."""
+  with tempfile.TemporaryDirectory() as tmp:
+    prompts = os.path.join(tmp, "prompts.json")
+    out = os.path.join(tmp, "out.npz")
+    with open(prompts, "w") as f:
+      json.dump([prompt], f)
+    r = subprocess.run([python, ORACLE_SCRIPT, "--run", model_dir, "--prompts", prompts, "--max-new-tokens",
+                        str(max_new_tokens), "--out", out], capture_output=True, text=True)
+    if r.returncode != 0:
+      raise RuntimeError(f"transformers reference failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    data = np.load(out)
+    return data["logits_0"], [int(t) for t in data["greedy_0"]]
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model-path", required=True, help="HF-format checkpoint directory")
+  src = ap.add_mutually_exclusive_group(required=True)
+  src.add_argument("--text", help="prompt text (needs tokenizer.json in the model dir; BOS prepended)")
+  src.add_argument("--input-ids", help="comma-separated prompt token ids")
+  ap.add_argument("--max-new-tokens", type=int, default=16)
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  ap.add_argument("--oracle-python", default=None, help="python with torch + transformers")
+  args = ap.parse_args(argv)
+
+  python = args.oracle_python or default_oracle_python()
+  if not os.path.exists(python):
+    print(f"error: no transformers oracle at {python} (run `make oracle`, or pass --oracle-python)", file=sys.stderr)
+    return 2
+  if args.text is not None:
+    from hisparse_jax.text import encode_prompt, load_tokenizer
+    from models.config import DSAConfig
+    tok = load_tokenizer(args.model_path)
+    if tok is None:
+      print("error: --text needs tokenizer.json in the model directory", file=sys.stderr)
+      return 2
+    prompt = encode_prompt(tok, args.text, DSAConfig.from_pretrained(args.model_path).bos_token_id)
+  else:
+    prompt = [int(x) for x in args.input_ids.split(",") if x.strip()]
+  if not prompt or args.max_new_tokens < 1:
+    print("error: need a non-empty prompt and --max-new-tokens >= 1", file=sys.stderr)
+    return 2
+
+  our_logits, our_tokens = ours(args.model_path, prompt, args.max_new_tokens, args.dtype)
+  try:
+    ref_logits, ref_tokens = reference(args.model_path, prompt, args.max_new_tokens, python)
+  except RuntimeError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  err = float(np.abs(our_logits - ref_logits).max())
+  agree = next((i for i, (a, b) in enumerate(zip(our_tokens, ref_tokens)) if a != b), len(our_tokens))
+  print(f"prompt tokens: {len(prompt)}   dtype: {args.dtype}")
+  print(f"prefill logits: max abs error {err:.3e} (over {our_logits.size} values)")
+  print(f"greedy: first {agree} of {args.max_new_tokens} tokens agree"
+        + ("" if agree == args.max_new_tokens else f" (ours {our_tokens[agree]}, transformers {ref_tokens[agree]})"))
+  print(f"  ours:         {our_tokens}\n  transformers: {ref_tokens}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,30 @@
+"""`python -m models.compare` (the porting guide's check) against a transformers-made checkpoint."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.oracle_runner import ORACLE_PYTHON, ORACLE_SCRIPT, REPO, require_oracle
+
+
+def test_compare_reports_error_and_greedy_agreement(tmp_path):
+  require_oracle()
+  ck = tmp_path / "ck"
+  r = subprocess.run([ORACLE_PYTHON, str(ORACLE_SCRIPT), "--make-checkpoint", str(ck), "--seed", "5"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  r = subprocess.run([sys.executable, "-m", "models.compare", "--model-path", str(ck), "--input-ids",
+                      ",".join(str(t) for t in [0] + list(range(3, 40))), "--max-new-tokens", "8"],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  err = float(re.search(r"max abs error ([0-9.e+-]+)", r.stdout).group(1))
+  assert err <= 1e-4
+  assert "first 8 of 8 tokens agree" in r.stdout
+
+
+def test_compare_without_oracle_says_how_to_get_it(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "models.compare", "--model-path", str(tmp_path), "--input-ids", "1,2",
+                      "--oracle-python", os.path.join(str(tmp_path), "nope")], cwd=REPO, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 2 and "make oracle" in r.stderr

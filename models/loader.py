@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import struct
 import sys
 from typing import Callable
@@ -237,6 +239,18 @@ def _progress_bar(enabled: bool | None, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="param", disable=not enabled, leave=True, dynamic_ncols=True)
 
 
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+log = logging.getLogger(__name__)
+
+
+def _log_skipped_mtp(store, num_layers: int) -> None:
+    """One log line naming the multi-token-prediction layers (index >= num_hidden_layers) left out."""
+    skipped = sorted({int(m.group(1)) for k in store.keys() if (m := _LAYER_KEY.match(k))
+                      and int(m.group(1)) >= num_layers})
+    if skipped:
+        log.info("skipping the multi-token-prediction layer(s) %s: not used for decoding", skipped)
+
+
 def load_hf(
     model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None, fp8_numerics: bool = False
 ) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
@@ -257,6 +271,7 @@ def load_hf(
     dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
     cfg = cfg.replace(dtype=dt.name, fp8_numerics=fp8_numerics)
     store = _TensorStore(model_dir, cfg.fp8_block_size)
+    _log_skipped_mtp(store, cfg.num_hidden_layers)
 
     abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))
     graphdef, state = nnx.split(abstract)

@@ -177,7 +177,7 @@ def test_sharded_index_loading(tmp_path, ckpt):
     _assert_same_params(model, ref)
 
 
-def test_mtp_layer_keys_skipped(ckpt):
+def test_mtp_layer_keys_skipped(ckpt, caplog):
     _, ref = load_hf(ckpt)
     tensors = load_file(f"{ckpt}/model.safetensors")
     n = TINY["num_hidden_layers"]
@@ -186,8 +186,10 @@ def test_mtp_layer_keys_skipped(ckpt):
                           ("shared_head.head.weight", (300, 32))]:
         tensors[f"model.layers.{n}.{suffix}"] = np.ones(shape, np.float32)
     save_file(tensors, f"{ckpt}/model.safetensors")
-    _, model = load_hf(ckpt)
+    with caplog.at_level("INFO", logger="models.loader"):
+        _, model = load_hf(ckpt)
     _assert_same_params(model, ref)
+    assert f"skipping the multi-token-prediction layer(s) [{n}]" in caplog.text
 
 
 def test_fused_expert_layout(ckpt):

@@ -26,6 +26,10 @@ flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, dev
 flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (requests decoded concurrently).")
 flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finish on SIGTERM; "
                    "streams still open then end with UNAVAILABLE.")
+flags.DEFINE_integer("max-device-kv-bytes", None, "Device KV budget in bytes: requests are admitted while the KV "
+                     "they hold on device fits (dense: full KV; HiSparse: hot buffer + indexer keys).")
+flags.DEFINE_float("mem-fraction-static", None, "Device KV budget as a fraction of the device memory limit (GPU).")
+flags.DEFINE_integer("max-queued-requests", 1024, "Requests waiting beyond this fail with RESOURCE_EXHAUSTED.")
 flags.DEFINE_boolean("fp8-numerics", False, "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 "
                      "indexer q/k and an e4m3 latent KV cache (fake-quantized).")
 flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
@@ -47,10 +51,14 @@ def main(argv):
                                        model_dir, model_cfg)
     launch.check_memory(model_cfg, hisparse, FLAGS["max-running-requests"].value, FLAGS.dtype)
     tokenizer = launch.load_tokenizer_or_fail(model_dir)
+    budget = launch.device_kv_budget(FLAGS["max-device-kv-bytes"].value, FLAGS["mem-fraction-static"].value)
+    if FLAGS["max-queued-requests"].value < 0:
+      raise launch.StartupError("--max-queued-requests must be >= 0")
     engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
                                  max_running_requests=FLAGS["max-running-requests"].value,
                                  host_pool=FLAGS["host-pool"].value,
-                                 fp8_numerics=FLAGS["fp8-numerics"].value)
+                                 fp8_numerics=FLAGS["fp8-numerics"].value, max_device_kv_bytes=budget,
+                                 max_queued_requests=FLAGS["max-queued-requests"].value, tokenizer=tokenizer)
   except launch.StartupError as e:
     sys.exit(f"error: {e}")
 

@@ -23,6 +23,12 @@ flags.DEFINE_string("target", "127.0.0.1:50051", "Server address.")
 flags.DEFINE_string("text", None, "Prompt text.")
 flags.DEFINE_list("input-ids", None, "Prompt token ids, comma separated.")
 flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
+flags.DEFINE_float("top-p", 1.0, "Nucleus sampling mass (1: off).")
+flags.DEFINE_integer("top-k", 0, "Sample among the k most likely tokens (0: off).")
+flags.DEFINE_integer("seed", None, "Sampling seed (default: random).")
+flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string (repeatable).")
+flags.DEFINE_list("stop-token-ids", [], "Stop after any of these token ids.")
 flags.DEFINE_float("timeout-s", 300.0, "RPC deadline.")
 flags.DEFINE_float("wait-for-ready-s", 0.0, "Wait up to this long for the server's health service to report SERVING.")
 
@@ -42,9 +48,12 @@ def wait_for_serving(channel, timeout_s: float) -> None:
     time.sleep(0.2)
 
 
-def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None):
-  """Yields the server's GenerateResponse messages for one request."""
-  req = hisparse_pb2.GenerateRequest(max_new_tokens=max_new_tokens)
+def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None, **sampling):
+  """Yields the server's GenerateResponse messages for one request.
+
+  sampling: GenerateRequest fields (temperature, top_p, top_k, seed, stop, stop_token_ids, request_id).
+  """
+  req = hisparse_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **sampling)
   if text is not None:
     req.text = text
   elif input_ids is not None:
@@ -71,8 +80,12 @@ def main(argv):
         sys.exit(f"error: {FLAGS.target}: {e}")
     streamed = False
     try:
-      for msg in generate(stub, text=FLAGS.text, input_ids=ids,
-                          max_new_tokens=FLAGS["max-new-tokens"].value, timeout=FLAGS["timeout-s"].value):
+      sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS["top-p"].value, top_k=FLAGS["top-k"].value,
+                      stop=FLAGS.stop, stop_token_ids=[int(x) for x in FLAGS["stop-token-ids"].value])
+      if FLAGS.seed is not None:
+        sampling["seed"] = FLAGS.seed
+      for msg in generate(stub, text=FLAGS.text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
+                          timeout=FLAGS["timeout-s"].value, **sampling):
         sys.stdout.write(msg.text)
         sys.stdout.flush()
         streamed = streamed or bool(msg.text)
@@ -80,7 +93,8 @@ def main(argv):
           reason = hisparse_pb2.FinishReason.Name(msg.finish_reason)
           print(f"\n[client] finish={reason} prompt_tokens={msg.prompt_tokens} "
                 f"completion_tokens={msg.completion_tokens} swap_in_hits={msg.swap_in_hits} "
-                f"swap_in_misses={msg.swap_in_misses}")
+                f"swap_in_misses={msg.swap_in_misses}"
+                + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else ""))
     except grpc.RpcError as e:
       sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")
 

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from typing import Callable
 
 import jax
@@ -36,6 +37,7 @@ from flax import nnx
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.kv_cache import DenseKVCache, HiSparseKVCache
 from hisparse_jax.ops import ExtensionHostPool
+from hisparse_jax.sampling import sample
 from models.convert import load_model
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,15 @@ class Request:
     prompt_ids: prompt token ids.
     max_new_tokens: tokens to generate at most (>= 1).
     on_token: called from the engine's thread with each new token id.
+    temperature / top_k / top_p / seed: sampling (``hisparse_jax.sampling``);
+      temperature 0 (default) is greedy; seed None draws one at random.
+    stop_token_ids: tokens that end the request besides the model's EOS ids.
+    stop: strings that end the request once the output text contains one
+      (needs the engine's tokenizer).
     output_ids: generated ids (new tokens only).
-    finish_reason: None while running, then "stop" (EOS) or "length".
+    finish_reason: None while running, then "stop" (EOS), "stop_token",
+      "stop_string", "length" or "abort".
+    matched_stop: the stop token id (as text) or stop string that matched.
     hits / misses: swap-in hits and misses summed over layers and steps
       (distinct positions per step and layer; 0 in dense mode).
   """
@@ -74,8 +83,15 @@ class Request:
   prompt_ids: list[int]
   max_new_tokens: int
   on_token: Callable[[int], None] | None = None
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_token_ids: tuple[int, ...] = ()
+  stop: tuple[str, ...] = ()
   output_ids: list[int] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
+  matched_stop: str = ""
   hits: int = 0
   misses: int = 0
   lane: int = -1
@@ -87,7 +103,7 @@ class Request:
 
 
 class Engine:
-  """Greedy continuous-batching decoder.
+  """Continuous-batching decoder (greedy by default, per-request sampling).
 
   Args:
     model_dir: HF-format model directory (config.json + safetensors) or an orbax
@@ -104,6 +120,12 @@ class Engine:
       not pass ``pinned_host`` operands to custom calls as host pointers).
     fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics for the indexer and
       the latent KV (``models/fp8_numerics.py``); off by default.
+    max_device_kv_bytes: device KV budget (bytes) for admission: a request is
+      admitted only while the sum of ``device_kv_bytes(request)`` of running
+      requests fits (None: no budget beyond the lanes).
+    max_queued_requests: bound on waiting requests; submit() beyond it raises
+      RESOURCE_EXHAUSTED (None: unbounded).
+    tokenizer: a ``tokenizers.Tokenizer``, needed for stop strings.
 
   Raises:
     FileNotFoundError / ValueError: unreadable model directory or config.
@@ -111,12 +133,16 @@ class Engine:
 
   def __init__(self, model_dir, *, dtype: str | None = None, hisparse: HiSparseConfig | None = None,
                max_running_requests: int = 8, max_seq_len: int | None = None, host_pool: str = "jax",
-               fp8_numerics: bool = False):
+               fp8_numerics: bool = False, max_device_kv_bytes: int | None = None,
+               max_queued_requests: int | None = None, tokenizer=None):
     if max_running_requests < 1:
       raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
     if host_pool not in HOST_POOL_KINDS:
       raise ValueError(f"host_pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
     self.host_pool_kind = host_pool
+    self.max_device_kv_bytes = max_device_kv_bytes
+    self.max_queued_requests = max_queued_requests
+    self.tokenizer = tokenizer
     self.config, model = load_model(model_dir, dtype=dtype, fp8_numerics=fp8_numerics)
     cfg = self.config
     self.hisparse = hisparse
@@ -137,15 +163,15 @@ class Engine:
     self.reset()
 
     @functools.partial(jax.jit, donate_argnums=(3,))
-    def decode(state, tokens, seq_lens, cache):
+    def decode(state, tokens, seq_lens, cache, params):
       logits, cache = nnx.merge(graphdef, state).decode(tokens, seq_lens, cache)
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+      return sample(logits, *params, seq_lens), cache
 
     @functools.partial(jax.jit, donate_argnums=(3,))
-    def prefill(state, tokens, length, cache, lane, host_rows):
+    def prefill(state, tokens, length, cache, lane, host_rows, params):
       logits, latents, index_keys = nnx.merge(graphdef, state).prefill(tokens, length[None], last_only=True)
       cache = cache.insert(lane, latents[:, 0], index_keys[:, 0], host_rows)
-      return jnp.argmax(logits[0]).astype(jnp.int32), cache
+      return sample(logits, *params, length[None])[0], cache
 
     self._decode, self._prefill = decode, prefill
 
@@ -167,6 +193,12 @@ class Engine:
     self._lanes: list[Request | None] = [None] * self.num_lanes
     self._seq_lens = np.zeros(self.num_lanes, np.int32)
     self._next = np.zeros(self.num_lanes, np.int32)
+    # Per-lane sampling parameters (temperature, top_k, top_p, seed), fed to every decode step.
+    self._temperature = np.zeros(self.num_lanes, np.float32)
+    self._top_k = np.zeros(self.num_lanes, np.int32)
+    self._top_p = np.ones(self.num_lanes, np.float32)
+    self._seed = np.zeros(self.num_lanes, np.uint32)
+    self.device_kv_bytes_used = 0
     self.waiting: collections.deque[Request] = collections.deque()
 
   # ----------------------------------------------------------------- requests
@@ -189,10 +221,54 @@ class Engine:
       raise RequestError("RESOURCE_EXHAUSTED",
                          f"request needs {self._pages_needed(req) * HOST_PAGE_SIZE} host-pool rows; "
                          f"the host pool holds {self.num_pages * HOST_PAGE_SIZE}")
+    if self.max_device_kv_bytes is not None and self.device_kv_bytes(req) > self.max_device_kv_bytes:
+      raise RequestError("RESOURCE_EXHAUSTED",
+                         f"request needs {self.device_kv_bytes(req)} bytes of device KV memory; the "
+                         f"budget is {self.max_device_kv_bytes}")
+    if not (math.isfinite(req.temperature) and req.temperature >= 0):
+      raise RequestError("INVALID_ARGUMENT", f"temperature must be >= 0, got {req.temperature}")
+    if not (math.isfinite(req.top_p) and 0 <= req.top_p <= 1):
+      raise RequestError("INVALID_ARGUMENT", f"top_p must be in [0, 1], got {req.top_p}")
+    if req.top_k < 0:
+      raise RequestError("INVALID_ARGUMENT", f"top_k must be >= 0, got {req.top_k}")
+    if req.seed is not None and not 0 <= req.seed < 2**32:
+      raise RequestError("INVALID_ARGUMENT", f"seed must be in [0, 2**32), got {req.seed}")
+    bad = [t for t in req.stop_token_ids if not 0 <= t < self.config.vocab_size]
+    if bad:
+      raise RequestError("INVALID_ARGUMENT", f"stop token id {bad[0]} outside the vocabulary")
+    if any(not isinstance(x, str) or not x for x in req.stop):
+      raise RequestError("INVALID_ARGUMENT", "stop strings must be non-empty")
+    if req.stop and self.tokenizer is None:
+      raise RequestError("INVALID_ARGUMENT", "stop strings need a model with a tokenizer")
+
+  def device_kv_bytes(self, req: Request) -> int:
+    """Device KV memory a request holds while running (bytes): dense mode its full latent KV and
+    indexer keys; HiSparse its hot buffer ((D+1) slots x layers) and indexer keys; both for
+    prompt + max_new_tokens positions. Source: the cache layouts in kv_cache.py."""
+    cfg = self.config
+    positions = len(req.prompt_ids) + req.max_new_tokens
+    index = positions * cfg.index_head_dim * 4
+    if self.hisparse is None:
+      latent = positions * cfg.latent_dim * self.dtype.itemsize
+    else:
+      latent = (self.hisparse.device_buffer_size + 1) * cfg.latent_dim * self.dtype.itemsize
+    return cfg.num_hidden_layers * (latent + index)
+
+  def loads(self) -> dict:
+    """Current load (the GetLoads RPC): running, queued, free lanes, device budget, host rows."""
+    return dict(running=len(self.running), queued=len(self.waiting), free_lanes=len(self._free_lanes),
+                device_kv_bytes_used=self.device_kv_bytes_used,
+                device_kv_bytes_budget=self.max_device_kv_bytes or 0,
+                free_host_rows=len(self._free_pages) * HOST_PAGE_SIZE,
+                host_rows_total=self.num_pages * HOST_PAGE_SIZE)
 
   def submit(self, req: Request) -> None:
     """Validates and queues a request (RequestError if it can never be served)."""
     self.validate(req)
+    if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
+      raise RequestError("RESOURCE_EXHAUSTED", f"queue full ({self.max_queued_requests} requests waiting)")
+    if req.seed is None:
+      req.seed = int.from_bytes(os.urandom(4), "little")
     self.waiting.append(req)
 
   @property
@@ -215,7 +291,7 @@ class Engine:
     self._admit(finished)
     if any(r is not None for r in self._lanes):
       tokens, self.cache = self._decode(self._state, jnp.asarray(self._next), jnp.asarray(self._seq_lens),
-                                        self.cache)
+                                        self.cache, self._sampling_params())
       tokens = np.asarray(tokens)
       for lane, req in enumerate(self._lanes):
         if req is not None:
@@ -227,19 +303,24 @@ class Engine:
     while self.has_work():
       self.step()
 
-  def abort(self, request_id: str) -> bool:
-    """Stops a waiting or running request (finish_reason "abort"). Returns whether it was found."""
+  def abort(self, request_id: str) -> Request | None:
+    """Stops a waiting or running request (finish_reason "abort") and returns it (None if unknown).
+
+    Called between steps, so no kernel of this engine is still writing the request's slots or
+    host rows; whatever reuses them later is ordered after every earlier step by the cache's
+    data dependencies (it is one donated value threaded through all jitted calls).
+    """
     for req in list(self.waiting):
       if req.request_id == request_id:
         self.waiting.remove(req)
         req.finish_reason = "abort"
-        return True
+        return req
     for req in self._lanes:
       if req is not None and req.request_id == request_id:
         req.finish_reason = "abort"
         self._release(req)
-        return True
-    return False
+        return req
+    return None
 
   def _admit(self, finished: list[Request]) -> None:
     while self.waiting and self._free_lanes:
@@ -247,15 +328,23 @@ class Engine:
       pages_needed = self._pages_needed(req) if self.hisparse is not None else 0
       if pages_needed > len(self._free_pages):
         return  # waits for running requests to free host-pool pages
+      need = self.device_kv_bytes(req)
+      if self.max_device_kv_bytes is not None and self.device_kv_bytes_used + need > self.max_device_kv_bytes:
+        return  # waits for running requests to free device KV memory
       self.waiting.popleft()
+      self.device_kv_bytes_used += need
       req.lane = self._free_lanes.popleft()
+      lane = req.lane
+      self._temperature[lane], self._top_k[lane], self._top_p[lane] = req.temperature, req.top_k, req.top_p
+      self._seed[lane] = req.seed
       req.pages = [self._free_pages.popleft() for _ in range(pages_needed)]
       n = len(req.prompt_ids)
       bucket = self._bucket(n)
       tokens = np.zeros((1, bucket), np.int32)
       tokens[0, :n] = req.prompt_ids
+      params = tuple(a[lane:lane + 1] for a in self._sampling_params())
       first, self.cache = self._prefill(self._state, jnp.asarray(tokens), jnp.int32(n), self.cache,
-                                        jnp.int32(req.lane), jnp.asarray(self._page_table(req)))
+                                        jnp.int32(lane), jnp.asarray(self._page_table(req)), params)
       self._lanes[req.lane] = req
       self._seq_lens[req.lane] = n
       self._emit(req, int(first), finished)
@@ -270,12 +359,20 @@ class Engine:
       table[:m] = rows[:m]
     return table
 
+  def _sampling_params(self):
+    return (jnp.asarray(self._temperature), jnp.asarray(self._top_k), jnp.asarray(self._top_p),
+            jnp.asarray(self._seed))
+
   def _emit(self, req: Request, token: int, finished: list[Request]) -> None:
     req.output_ids.append(token)
     if req.on_token is not None:
       req.on_token(token)
     if token in self.eos_ids:
       req.finish_reason = "stop"
+    elif token in req.stop_token_ids:
+      req.finish_reason, req.matched_stop = "stop_token", str(token)
+    elif req.stop and (hit := self._stop_string(req)) is not None:
+      req.finish_reason, req.matched_stop = "stop_string", hit
     elif len(req.output_ids) >= req.max_new_tokens:
       req.finish_reason = "length"
     if req.done:
@@ -286,6 +383,12 @@ class Engine:
       self._next[req.lane] = token
       self._seq_lens[req.lane] += 1
 
+  def _stop_string(self, req: Request) -> str | None:
+    """The first stop string the decoded output contains, looking only at its newest characters."""
+    text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    tail = text[-(max(map(len, req.stop)) + 64):]
+    return next((s for s in req.stop if s in tail), None)
+
   def _release(self, req: Request) -> None:
     if self.hisparse is not None:
       stats = np.asarray(self.cache.stats[:, req.lane]).sum(axis=0)
@@ -293,6 +396,8 @@ class Engine:
     self._lanes[req.lane] = None
     self._seq_lens[req.lane] = 0
     self._next[req.lane] = 0
+    self._temperature[req.lane] = 0.0
     self._free_lanes.append(req.lane)
     self._free_pages.extend(req.pages)
+    self.device_kv_bytes_used -= self.device_kv_bytes(req)
     req.pages = []

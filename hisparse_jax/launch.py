@@ -86,14 +86,14 @@ def check_memory(model_cfg: DSAConfig, hisparse: HiSparseConfig | None, max_runn
 
 
 def build_engine(model_dir: str, *, dtype, hisparse, max_running_requests: int, host_pool: str,
-                 fp8_numerics: bool = False):
+                 fp8_numerics: bool = False, **engine_args):
   """The engine, or StartupError naming what could not be loaded (no traceback for bad files)."""
   if max_running_requests < 1:
     raise StartupError(f"--max-running-requests must be >= 1, got {max_running_requests}")
   from hisparse_jax.engine import Engine
   try:
     return Engine(model_dir, dtype=dtype, hisparse=hisparse, max_running_requests=max_running_requests,
-                  host_pool=host_pool, fp8_numerics=fp8_numerics)
+                  host_pool=host_pool, fp8_numerics=fp8_numerics, **engine_args)
   except MemoryError as e:
     raise StartupError(f"out of memory building the engine: {e}") from None
   except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
@@ -122,3 +122,23 @@ def check_host_pool(kind: str, hisparse_enabled: bool) -> None:
     raise StartupError(f"--host-pool {kind!r}: expected one of {', '.join(HOST_POOL_KINDS)}")
   if kind != HOST_POOL_KINDS[0] and not hisparse_enabled:
     raise StartupError(f"--host-pool {kind} was given without --enable-hisparse (dense mode has no host pool)")
+
+
+def device_kv_budget(max_device_kv_bytes: int | None, mem_fraction_static: float | None) -> int | None:
+  """The device KV budget in bytes from --max-device-kv-bytes and/or --mem-fraction-static (the
+  smaller when both; the fraction applies to the device's memory limit, as SGLang's flag does)."""
+  budgets = []
+  if max_device_kv_bytes is not None:
+    if max_device_kv_bytes <= 0:
+      raise StartupError(f"--max-device-kv-bytes must be > 0, got {max_device_kv_bytes}")
+    budgets.append(max_device_kv_bytes)
+  if mem_fraction_static is not None:
+    if not 0 < mem_fraction_static <= 1:
+      raise StartupError(f"--mem-fraction-static must be in (0, 1], got {mem_fraction_static}")
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+      raise StartupError("--mem-fraction-static: this device reports no memory limit (CPU); use "
+                         "--max-device-kv-bytes")
+    budgets.append(int(mem_fraction_static * stats["bytes_limit"]))
+  return min(budgets) if budgets else None

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "hisparse.HiSparseInference"
 SHUTTING_DOWN = "server shutting down"
-_FINISH = {"stop": hisparse_pb2.STOP, "length": hisparse_pb2.LENGTH, "abort": hisparse_pb2.ABORT}
+_FINISH = {"stop": hisparse_pb2.STOP, "length": hisparse_pb2.LENGTH, "abort": hisparse_pb2.ABORT,
+           "stop_token": hisparse_pb2.STOP_TOKEN, "stop_string": hisparse_pb2.STOP_STRING}
 
 
 @dataclasses.dataclass
@@ -37,6 +38,7 @@ class _Event:
   token: int | None = None      # a new token
   done: Request | None = None   # the request finished
   error: str | None = None      # the engine failed this request
+  code: str | None = None       # its gRPC status code name (default INVALID_ARGUMENT)
 
 
 class EngineLoop(threading.Thread):
@@ -77,11 +79,11 @@ class EngineLoop(threading.Thread):
           try:
             self.engine.submit(item)
             listeners[item.request_id] = events
-          except RequestError as e:  # raced with a state change; report like a validation error
-            events.put(_Event(error=str(e)))
+          except RequestError as e:  # e.g. the queue is full: fails this request alone
+            events.put(_Event(error=str(e), code=e.code))
         elif kind == "abort" and item in listeners:
-          self.engine.abort(item)
-          listeners.pop(item).put(_Event(done=None))
+          req = self.engine.abort(item)
+          listeners.pop(item).put(_Event(done=req))
       if not self.engine.has_work():
         continue
       try:
@@ -106,6 +108,8 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     self.loop = loop
     self.engine = loop.engine
     self.tokenizer = tokenizer
+    self._lock = threading.Lock()
+    self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
 
   def _prompt_ids(self, request, context) -> list[int]:
     which = request.WhichOneof("prompt")
@@ -121,19 +125,47 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     ids = self._prompt_ids(request, context)
     # The engine keys requests by a server-side id: client ids need not be unique.
     rid = request.request_id or uuid.uuid4().hex
-    req = Request(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=request.max_new_tokens)
+    req = Request(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
+                  temperature=request.temperature, top_k=request.top_k,
+                  top_p=request.top_p if request.top_p > 0 else 1.0,
+                  seed=request.seed if request.HasField("seed") else None,
+                  stop_token_ids=tuple(request.stop_token_ids), stop=tuple(request.stop))
     try:
       self.engine.validate(req)
     except RequestError as e:
       context.abort(grpc.StatusCode[e.code], str(e))
     events: queue.Queue = queue.Queue()
+    with self._lock:
+      self._by_client_id.setdefault(rid, set()).add(req.request_id)
     context.add_callback(lambda: self.loop.abort(req.request_id))
     self.loop.submit(req, events)
+    try:
+      yield from self._stream(req, rid, events, context)
+    finally:
+      with self._lock:
+        ids = self._by_client_id.get(rid)
+        if ids is not None:
+          ids.discard(req.request_id)
+          if not ids:
+            del self._by_client_id[rid]
+
+  def Abort(self, request, context):
+    with self._lock:
+      ids = list(self._by_client_id.get(request.request_id, ()))
+    for engine_id in ids:
+      self.loop.abort(engine_id)
+    return hisparse_pb2.AbortResponse(aborted=len(ids))
+
+  def GetLoads(self, request, context):
+    return hisparse_pb2.Loads(**self.engine.loads())
+
+  def _stream(self, req, rid, events, context):
     stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
     while True:
       ev = events.get()
       if ev.error is not None:
-        code = (grpc.StatusCode.INTERNAL if ev.error.startswith("internal") else
+        code = (grpc.StatusCode[ev.code] if ev.code else
+                grpc.StatusCode.INTERNAL if ev.error.startswith("internal") else
                 grpc.StatusCode.UNAVAILABLE if ev.error == SHUTTING_DOWN else grpc.StatusCode.INVALID_ARGUMENT)
         context.abort(code, ev.error)
       if ev.token is not None:
@@ -141,13 +173,13 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
         yield hisparse_pb2.GenerateResponse(request_id=rid, token_ids=[ev.token], text=text)
         continue
       done = ev.done
-      if done is None:  # aborted by the client: nobody is listening any more
+      if done is None:  # already gone from the engine (finished as the abort arrived)
         return
       yield hisparse_pb2.GenerateResponse(
           request_id=rid, finished=True, finish_reason=_FINISH[done.finish_reason],
           text=stream.flush() if stream is not None else "",
           prompt_tokens=len(done.prompt_ids), completion_tokens=len(done.output_ids),
-          swap_in_hits=done.hits, swap_in_misses=done.misses)
+          swap_in_hits=done.hits, swap_in_misses=done.misses, matched_stop=done.matched_stop)
       return
 
 

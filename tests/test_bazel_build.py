@@ -26,10 +26,12 @@ def bazel_library():
       pytest.fail(f"{reason}; .ci/run installs it")
     pytest.skip(reason)
   env = dict(os.environ, HISPARSE_PYTHON=sys.executable)
-  r = subprocess.run(["bazel", "build", "//:hisparse_ffi_cpu"], cwd=REPO, env=env, capture_output=True,
+  # A short idle timeout: the Bazel server must not outlive the test run by hours.
+  bazel = ["bazel", "--max_idle_secs=60"]
+  r = subprocess.run([*bazel, "build", "//:hisparse_ffi_cpu"], cwd=REPO, env=env, capture_output=True,
                      text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
-  out = subprocess.run(["bazel", "info", "bazel-bin"], cwd=REPO, env=env, capture_output=True, text=True,
+  out = subprocess.run([*bazel, "info", "bazel-bin"], cwd=REPO, env=env, capture_output=True, text=True,
                        check=True).stdout.strip()
   return pathlib.Path(out) / "libhisparse_ffi_cpu.so"
 

@@ -13,10 +13,14 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP: _ClassVar[FinishReason]
     LENGTH: _ClassVar[FinishReason]
     ABORT: _ClassVar[FinishReason]
+    STOP_TOKEN: _ClassVar[FinishReason]
+    STOP_STRING: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 STOP: FinishReason
 LENGTH: FinishReason
 ABORT: FinishReason
+STOP_TOKEN: FinishReason
+STOP_STRING: FinishReason
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -25,19 +29,31 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "max_new_tokens")
+    __slots__ = ("request_id", "text", "input_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: TokenIds
     max_new_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses", "matched_stop")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +63,7 @@ class GenerateResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_HITS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_MISSES_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -56,4 +73,39 @@ class GenerateResponse(_message.Message):
     completion_tokens: int
     swap_in_hits: int
     swap_in_misses: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ...) -> None: ...
+    matched_stop: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ..., matched_stop: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
+class GetLoadsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Loads(_message.Message):
+    __slots__ = ("running", "queued", "free_lanes", "device_kv_bytes_used", "device_kv_bytes_budget", "free_host_rows", "host_rows_total")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    FREE_LANES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KV_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KV_BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FREE_HOST_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    queued: int
+    free_lanes: int
+    device_kv_bytes_used: int
+    device_kv_bytes_budget: int
+    free_host_rows: int
+    host_rows_total: int
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., free_lanes: _Optional[int] = ..., device_kv_bytes_used: _Optional[int] = ..., device_kv_bytes_budget: _Optional[int] = ..., free_host_rows: _Optional[int] = ..., host_rows_total: _Optional[int] = ...) -> None: ...

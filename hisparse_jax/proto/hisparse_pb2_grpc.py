@@ -39,6 +39,16 @@ class HiSparseInferenceStub:
                 request_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/hisparse.HiSparseInference/Abort',
+                request_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.AbortRequest.SerializeToString,
+                response_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetLoads = channel.unary_unary(
+                '/hisparse.HiSparseInference/GetLoads',
+                request_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.GetLoadsRequest.SerializeToString,
+                response_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.Loads.FromString,
+                _registered_method=True)
 
 
 class HiSparseInferenceServicer:
@@ -51,6 +61,20 @@ class HiSparseInferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Stops every running or queued request with this (client) request_id within one decode step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoads(self, request, context):
+        """Current load: running / queued requests, free decode lanes, device KV budget, free host-pool rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HiSparseInferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +82,16 @@ def add_HiSparseInferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.GenerateRequest.FromString,
                     response_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.AbortRequest.FromString,
+                    response_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetLoads': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoads,
+                    request_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.GetLoadsRequest.FromString,
+                    response_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.Loads.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +121,60 @@ class HiSparseInference:
             '/hisparse.HiSparseInference/Generate',
             hisparse__jax_dot_proto_dot_hisparse__pb2.GenerateRequest.SerializeToString,
             hisparse__jax_dot_proto_dot_hisparse__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hisparse.HiSparseInference/Abort',
+            hisparse__jax_dot_proto_dot_hisparse__pb2.AbortRequest.SerializeToString,
+            hisparse__jax_dot_proto_dot_hisparse__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hisparse.HiSparseInference/GetLoads',
+            hisparse__jax_dot_proto_dot_hisparse__pb2.GetLoadsRequest.SerializeToString,
+            hisparse__jax_dot_proto_dot_hisparse__pb2.Loads.FromString,
             options,
             channel_credentials,
             insecure,

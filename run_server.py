@@ -30,6 +30,7 @@ flags.DEFINE_integer("max-device-kv-bytes", None, "Device KV budget in bytes: re
                      "they hold on device fits (dense: full KV; HiSparse: hot buffer + indexer keys).")
 flags.DEFINE_float("mem-fraction-static", None, "Device KV budget as a fraction of the device memory limit (GPU).")
 flags.DEFINE_integer("max-queued-requests", 1024, "Requests waiting beyond this fail with RESOURCE_EXHAUSTED.")
+flags.DEFINE_integer("metrics-port", None, "Serve Prometheus metrics at http://HOST:PORT/metrics.")
 flags.DEFINE_boolean("fp8-numerics", False, "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 "
                      "indexer q/k and an e4m3 latent KV cache (fake-quantized).")
 flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
@@ -62,10 +63,17 @@ def main(argv):
   except launch.StartupError as e:
     sys.exit(f"error: {e}")
 
+  from hisparse_jax.metrics import ServerMetrics
   from hisparse_jax.server import serve
 
+  metrics = ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize)
+  if FLAGS["metrics-port"].value is not None:
+    try:
+      metrics.serve(FLAGS["metrics-port"].value, FLAGS.host)
+    except OSError as e:
+      sys.exit(f"error: --metrics-port {FLAGS['metrics-port'].value}: {e}")
   try:
-    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port)
+    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics)
   except OSError as e:
     sys.exit(f"error: --host/--port: {e}")
   mode = f"hisparse {hisparse}, host pool: {FLAGS['host-pool'].value}" if hisparse else "dense"

@@ -76,7 +76,8 @@ class Request:
       "stop_string", "length" or "abort".
     matched_stop: the stop token id (as text) or stop string that matched.
     hits / misses: swap-in hits and misses summed over layers and steps
-      (distinct positions per step and layer; 0 in dense mode).
+      (distinct positions per step and layer; 0 in dense mode); layer_hits /
+      layer_misses the same per layer.
   """
 
   request_id: str
@@ -94,6 +95,8 @@ class Request:
   matched_stop: str = ""
   hits: int = 0
   misses: int = 0
+  layer_hits: tuple[int, ...] = ()
+  layer_misses: tuple[int, ...] = ()
   lane: int = -1
   pages: list[int] = dataclasses.field(default_factory=list)
 
@@ -391,8 +394,9 @@ class Engine:
 
   def _release(self, req: Request) -> None:
     if self.hisparse is not None:
-      stats = np.asarray(self.cache.stats[:, req.lane]).sum(axis=0)
-      req.hits, req.misses = int(stats[0]), int(stats[1])
+      per_layer = np.asarray(self.cache.stats[:, req.lane])  # [L, 2]
+      req.layer_hits, req.layer_misses = tuple(per_layer[:, 0].tolist()), tuple(per_layer[:, 1].tolist())
+      req.hits, req.misses = int(per_layer[:, 0].sum()), int(per_layer[:, 1].sum())
     self._lanes[req.lane] = None
     self._seq_lens[req.lane] = 0
     self._next[req.lane] = 0

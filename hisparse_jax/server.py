@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hisparse_jax.engine import Engine, Request, RequestError
+from hisparse_jax.metrics import ServerMetrics
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.text import TextStream, encode_prompt
 
@@ -44,14 +45,24 @@ class _Event:
 class EngineLoop(threading.Thread):
   """Runs ``engine.step()`` while there is work; accepts submissions and aborts from any thread."""
 
-  def __init__(self, engine: Engine):
+  def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
     super().__init__(name="engine-loop", daemon=True)
     self.engine = engine
+    self.metrics = metrics
     self._inbox: queue.Queue = queue.Queue()
     self._stopped = threading.Event()
 
   def submit(self, req: Request, events: queue.Queue) -> None:
-    req.on_token = lambda t: events.put(_Event(token=t))
+    metrics = self.metrics
+
+    def on_token(token: int) -> None:
+      if metrics is not None:
+        metrics.on_token(req.request_id)
+      events.put(_Event(token=token))
+
+    req.on_token = on_token
+    if metrics is not None:
+      metrics.on_submit(req.request_id)
     self._inbox.put(("submit", req, events))
 
   def abort(self, request_id: str) -> None:
@@ -95,9 +106,13 @@ class EngineLoop(threading.Thread):
         self.engine.reset()
         continue
       for req in finished:
+        if self.metrics is not None:
+          self.metrics.on_finish(req)
         q = listeners.pop(req.request_id, None)
         if q is not None:
           q.put(_Event(done=req))
+      if self.metrics is not None:
+        self.metrics.update(self.engine.loads())
     for q in listeners.values():  # stopped with requests in flight
       q.put(_Event(error=SHUTTING_DOWN))
 
@@ -183,9 +198,13 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       return
 
 
-def serve(engine: Engine, tokenizer, host: str, port: int, max_workers: int = 64):
-  """Starts the server; returns (grpc.Server, EngineLoop, bound port)."""
-  loop = EngineLoop(engine)
+def serve(engine: Engine, tokenizer, host: str, port: int, max_workers: int = 512,
+          metrics: ServerMetrics | None = None):
+  """Starts the server; returns (grpc.Server, EngineLoop, bound port).
+
+  max_workers bounds the concurrent RPCs (each open stream holds a worker thread while it waits).
+  """
+  loop = EngineLoop(engine, metrics)
   loop.start()
   # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])

@@ -135,3 +135,19 @@ def test_extension_owned_host_pool_gives_the_same_tokens(engines):
   # The rows really live in the extension's pool.
   pool = ext.external_pool.read()
   assert pool.shape == (3, ext.num_pages * 16, 48) and np.abs(pool).sum() > 0
+
+
+@pytest.mark.parametrize("device_buffer_size", [16, 32])
+def test_edge_lengths_equal_dense(engines, device_buffer_size):
+  """Prompts of exactly the host-pool page size (16) and the hot-buffer size, +-1: same tokens as dense."""
+  dense, _ = engines
+  hs = Engine(tiny_model_dir(), hisparse=HiSparseConfig(top_k=8, device_buffer_size=device_buffer_size,
+                                                        host_to_device_ratio=4),
+              max_running_requests=4, max_seq_len=S_MAX)
+  rng = np.random.default_rng(device_buffer_size)
+  lengths = sorted({15, 16, 17, device_buffer_size - 1, device_buffer_size, device_buffer_size + 1})
+  ps = [rng.integers(2, 512, n).tolist() for n in lengths]
+  want = [r.output_ids for r in run(dense, ps, max_new=4)]
+  got = run(hs, ps, max_new=4)
+  assert [r.output_ids for r in got] == want
+  assert any(r.misses > 0 for r in got)

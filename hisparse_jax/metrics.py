@@ -1,0 +1,83 @@
+"""Prometheus metrics of the server (prometheus-client), on their own registry.
+
+Exposed at http://HOST:--metrics-port/metrics by run_server.py:
+
+  hisparse_running_requests, hisparse_queued_requests           gauges
+  hisparse_generated_tokens_total                                counter
+  hisparse_time_to_first_token_seconds                           histogram (arrival -> first token)
+  hisparse_inter_token_latency_seconds                           histogram (between a request's tokens)
+  hisparse_swap_in_hits_total{layer}, hisparse_swap_in_misses_total{layer}
+                                                                 counters (distinct positions per step)
+  hisparse_swap_in_bytes_total{layer}                            counter (misses x latent row bytes)
+  hisparse_host_pool_rows{state="used"|"free"}                   gauge
+  hisparse_device_kv_bytes{state="used"|"budget"}                gauge
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ServerMetrics:
+  """Metrics of one engine; call the on_* hooks from the engine loop thread."""
+
+  def __init__(self, row_bytes: int):
+    self.registry = CollectorRegistry()
+    r = self.registry
+    self.row_bytes = row_bytes
+    self.running = Gauge("hisparse_running_requests", "Requests in decode lanes", registry=r)
+    self.queued = Gauge("hisparse_queued_requests", "Requests waiting for admission", registry=r)
+    self.tokens = Counter("hisparse_generated_tokens", "Tokens generated", registry=r)
+    self.ttft = Histogram("hisparse_time_to_first_token_seconds", "Arrival to first token",
+                          buckets=_LATENCY_BUCKETS, registry=r)
+    self.itl = Histogram("hisparse_inter_token_latency_seconds", "Time between a request's tokens",
+                         buckets=_LATENCY_BUCKETS, registry=r)
+    self.hits = Counter("hisparse_swap_in_hits", "Swap-in hits (distinct positions)", ["layer"], registry=r)
+    self.misses = Counter("hisparse_swap_in_misses", "Swap-in misses (rows copied host->device)", ["layer"],
+                          registry=r)
+    self.miss_bytes = Counter("hisparse_swap_in_bytes", "Bytes copied host->device by the swap-in", ["layer"],
+                              registry=r)
+    self.host_rows = Gauge("hisparse_host_pool_rows", "HiSparse host-pool rows", ["state"], registry=r)
+    self.device_kv = Gauge("hisparse_device_kv_bytes", "Device KV memory accounted for admission", ["state"],
+                           registry=r)
+    self._last_token: dict[str, float] = {}
+    self._arrival: dict[str, float] = {}
+
+  def serve(self, port: int, host: str = "127.0.0.1") -> None:
+    start_http_server(port, addr=host, registry=self.registry)
+
+  def on_submit(self, request_id: str) -> None:
+    self._arrival[request_id] = time.monotonic()
+
+  def on_token(self, request_id: str) -> None:
+    now = time.monotonic()
+    self.tokens.inc()
+    last = self._last_token.get(request_id)
+    if last is None:
+      arrival = self._arrival.pop(request_id, None)
+      if arrival is not None:
+        self.ttft.observe(now - arrival)
+    else:
+      self.itl.observe(now - last)
+    self._last_token[request_id] = now
+
+  def on_finish(self, req) -> None:
+    self._last_token.pop(req.request_id, None)
+    self._arrival.pop(req.request_id, None)
+    for layer, (h, m) in enumerate(zip(req.layer_hits, req.layer_misses)):
+      self.hits.labels(layer=str(layer)).inc(int(h))
+      self.misses.labels(layer=str(layer)).inc(int(m))
+      self.miss_bytes.labels(layer=str(layer)).inc(int(m) * self.row_bytes)
+
+  def update(self, loads: dict) -> None:
+    self.running.set(loads["running"])
+    self.queued.set(loads["queued"])
+    total, free = loads["host_rows_total"], loads["free_host_rows"]
+    self.host_rows.labels(state="used").set(total - free)
+    self.host_rows.labels(state="free").set(free)
+    self.device_kv.labels(state="used").set(loads["device_kv_bytes_used"])
+    self.device_kv.labels(state="budget").set(loads["device_kv_bytes_budget"])

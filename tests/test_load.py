@@ -1,0 +1,143 @@
+"""Bounded loopback load and fault tests: 256 concurrent streams, an abort storm, metrics."""
+
+import concurrent.futures
+import random
+import socket
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from hisparse_jax.client import generate
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, Request
+from hisparse_jax.metrics import ServerMetrics
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.server import serve
+from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+
+N_STREAMS = 256
+N_PROMPTS = 32
+MAX_NEW = 6
+
+
+def prompts():
+  rng = np.random.default_rng(11)
+  return [rng.integers(2, 512, int(n)).tolist() for n in rng.integers(12, 60, N_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def solo():
+  """Each prompt decoded alone (one lane): the reference every concurrent stream must equal."""
+  roomy = dict(TINY_HISPARSE, host_to_device_ratio=16)  # pool sizes do not change the numerics
+  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**roomy), max_running_requests=1, max_seq_len=128)
+  out = []
+  for i, p in enumerate(prompts()):
+    r = Request(str(i), p, MAX_NEW)
+    eng.submit(r)
+    eng.run()
+    out.append(r.output_ids)
+  return out
+
+
+@pytest.fixture(scope="module")
+def server():
+  # 16 lanes and a device-KV budget of 10 requests' hot buffers: most of the 256 streams queue.
+  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=16,
+                  max_seq_len=128, max_queued_requests=N_STREAMS)
+  engine.max_device_kv_bytes = 10 * engine.device_kv_bytes(Request("x", [1] * 60, MAX_NEW))
+  metrics = ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    metrics_port = s.getsockname()[1]
+  metrics.serve(metrics_port)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics=metrics)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+  yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), metrics, metrics_port
+  channel.close()
+  srv.stop(0).wait()
+  loop.stop()
+
+
+def stream(stub, prompt, rid, timeout=120):
+  msgs = list(generate(stub, input_ids=prompt, max_new_tokens=MAX_NEW, request_id=rid, timeout=timeout))
+  return [t for m in msgs for t in m.token_ids], msgs[-1]
+
+
+def test_256_concurrent_streams_equal_solo_and_release_everything(server, solo):
+  engine, stub, metrics, metrics_port = server
+  base = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  ps = prompts()
+  start = time.monotonic()
+  with concurrent.futures.ThreadPoolExecutor(N_STREAMS) as pool:
+    futures = [pool.submit(stream, stub, ps[i % N_PROMPTS], f"r{i}") for i in range(N_STREAMS)]
+    results = [f.result() for f in futures]
+  elapsed = time.monotonic() - start
+  assert elapsed < 240, f"256 streams took {elapsed:.0f} s"
+  lost = [i for i, (_, final) in enumerate(results) if not final.finished]
+  assert not lost
+  for i, (tokens, final) in enumerate(results):
+    assert tokens == solo[i % N_PROMPTS], f"stream {i} differs from its solo decode"
+    assert final.finish_reason in (hisparse_pb2.LENGTH, hisparse_pb2.STOP)
+  loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  assert (loads.running, loads.queued, loads.free_lanes, loads.free_host_rows, loads.device_kv_bytes_used) == \
+      (0, 0, base.free_lanes, base.free_host_rows, 0)
+  # Metrics saw every token and the swap-in traffic.
+  total = sum(len(t) for t, _ in results)
+  assert metrics.registry.get_sample_value("hisparse_generated_tokens_total") >= total
+  assert metrics.registry.get_sample_value("hisparse_time_to_first_token_seconds_count") >= N_STREAMS
+  assert metrics.registry.get_sample_value("hisparse_swap_in_misses_total", {"layer": "0"}) > 0
+  page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+  assert "hisparse_inter_token_latency_seconds_bucket" in page and 'hisparse_host_pool_rows{state="free"}' in page
+
+
+def test_abort_storm_leaves_the_rest_unchanged(server, solo):
+  engine, stub, _, _ = server
+  base = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  ps = prompts()
+  rng = random.Random(5)
+  n = 96
+  victims = set(rng.sample(range(n), n // 2))
+  with concurrent.futures.ThreadPoolExecutor(n + 8) as pool:
+    futures = {i: pool.submit(stream, stub, ps[i % N_PROMPTS], f"s{i}") for i in range(n)}
+
+    def storm():
+      for i in sorted(victims, key=lambda _: rng.random()):
+        time.sleep(rng.random() * 0.01)  # some land before admission, some mid-decode
+        stub.Abort(hisparse_pb2.AbortRequest(request_id=f"s{i}"), timeout=10)
+
+    pool.submit(storm).result()
+    results = {i: f.result() for i, f in futures.items()}
+  for i, (tokens, final) in results.items():
+    assert final.finished
+    if final.finish_reason == hisparse_pb2.ABORT:
+      assert i in victims and tokens == solo[i % N_PROMPTS][: len(tokens)]
+    else:
+      assert tokens == solo[i % N_PROMPTS]
+  loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  assert (loads.running, loads.queued, loads.free_host_rows, loads.device_kv_bytes_used) == \
+      (0, 0, base.free_host_rows, 0)
+
+
+def test_tiny_host_pool_under_a_burst_queues_or_refuses_then_recovers():
+  # Host pool of 4 x 1 lane x 17 rows = 64 rows: a 100-token request can never fit.
+  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4),
+               max_running_requests=1, max_seq_len=128)
+  srv, loop, port = serve(eng, None, "127.0.0.1", 0)
+  stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+  try:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      big = [pool.submit(stream, stub, list(range(2, 102)), f"b{i}") for i in range(3)]
+      small = [pool.submit(stream, stub, list(range(2, 30)), f"m{i}") for i in range(5)]
+      for f in big:
+        with pytest.raises(grpc.RpcError) as e:
+          f.result()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+      outs = [f.result()[0] for f in small]
+    assert all(o == outs[0] and len(o) == MAX_NEW for o in outs)
+    assert stream(stub, list(range(2, 30)), "after")[0] == outs[0]
+  finally:
+    srv.stop(0).wait()
+    loop.stop()

@@ -133,10 +133,12 @@ def test_generate_line_numbers_blank_lines_and_early_output_error(tmp_path):
 
 def test_server_bad_port_and_sigterm_exit_cleanly():
   import signal
+  import time
   r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", "70000", timeout=120)
   assert r.returncode != 0 and "--port 70000" in r.stderr and "Traceback" not in r.stderr
   proc = subprocess.Popen([sys.executable, "run_server.py", "--model-path", tiny_model_dir(), "--port", "0",
-                           "--enable-hisparse", "--hisparse-config", json.dumps(TINY_HISPARSE)],
+                           "--enable-hisparse", "--hisparse-config", json.dumps(dict(TINY_HISPARSE, host_to_device_ratio=32)),
+                           "--max-running-requests", "1", "--shutdown-grace-s", "2"],
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     line = proc.stdout.readline()
@@ -147,10 +149,36 @@ def test_server_bad_port_and_sigterm_exit_cleanly():
     # A second server on the same port fails with a message, not a traceback.
     r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", str(port), timeout=120)
     assert r.returncode != 0 and "cannot bind" in r.stderr and "Traceback" not in r.stderr
+    # SIGTERM with a long stream in flight: the server stops within the grace period, exits 0, and
+    # the stream ends (finished, or UNAVAILABLE once the grace period is over) instead of hanging.
+    import threading
+
+    import grpc
+
+    from hisparse_jax.client import generate
+    from hisparse_jax.proto import hisparse_pb2_grpc
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+    outcome = {}
+
+    def long_stream():
+      try:
+        outcome["msgs"] = list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=400, timeout=120))
+      except grpc.RpcError as e:
+        outcome["code"] = e.code()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    time.sleep(2.0)
+    start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     rest = proc.communicate(timeout=60)[0]
+    t.join(timeout=30)
+    channel.close()
     assert proc.returncode == 0, rest
-    assert "[server] stopped" in rest
+    assert "[server] stopped" in rest and time.monotonic() - start < 40
+    assert not t.is_alive()
+    assert outcome.get("code") in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or outcome["msgs"][-1].finished
   finally:
     if proc.poll() is None:
       proc.kill()

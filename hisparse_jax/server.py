@@ -117,6 +117,26 @@ class EngineLoop(threading.Thread):
       q.put(_Event(error=SHUTTING_DOWN))
 
 
+@dataclasses.dataclass
+class _Malformed:
+  """A request whose bytes did not parse (gRPC would otherwise answer INTERNAL)."""
+  error: str
+
+
+def _tolerant(message_cls):
+  def parse(data: bytes):
+    try:
+      return message_cls.FromString(data)
+    except Exception as e:  # noqa: BLE001 - google.protobuf.message.DecodeError and friends
+      return _Malformed(f"malformed {message_cls.DESCRIPTOR.name}: {e}")
+  return parse
+
+
+def _reject_malformed(context, request) -> None:
+  if isinstance(request, _Malformed):
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+
+
 class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
 
   def __init__(self, loop: EngineLoop, tokenizer):
@@ -137,6 +157,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: set text or input_ids")
 
   def Generate(self, request, context):
+    _reject_malformed(context, request)
     ids = self._prompt_ids(request, context)
     # The engine keys requests by a server-side id: client ids need not be unique.
     rid = request.request_id or uuid.uuid4().hex
@@ -165,6 +186,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
             del self._by_client_id[rid]
 
   def Abort(self, request, context):
+    _reject_malformed(context, request)
     with self._lock:
       ids = list(self._by_client_id.get(request.request_id, ()))
     for engine_id in ids:
@@ -172,6 +194,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     return hisparse_pb2.AbortResponse(aborted=len(ids))
 
   def GetLoads(self, request, context):
+    _reject_malformed(context, request)
     return hisparse_pb2.Loads(**self.engine.loads())
 
   def _stream(self, req, rid, events, context):
@@ -198,6 +221,25 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       return
 
 
+def _add_servicer(servicer: InferenceServicer, server) -> None:
+  """Like the generated add_HiSparseInferenceServicer_to_server, but unparsable request bytes reach
+  the method (which answers INVALID_ARGUMENT) instead of failing inside gRPC as INTERNAL."""
+  pb = hisparse_pb2
+  handlers = {
+      "Generate": grpc.unary_stream_rpc_method_handler(
+          servicer.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
+          response_serializer=pb.GenerateResponse.SerializeToString),
+      "Abort": grpc.unary_unary_rpc_method_handler(
+          servicer.Abort, request_deserializer=_tolerant(pb.AbortRequest),
+          response_serializer=pb.AbortResponse.SerializeToString),
+      "GetLoads": grpc.unary_unary_rpc_method_handler(
+          servicer.GetLoads, request_deserializer=_tolerant(pb.GetLoadsRequest),
+          response_serializer=pb.Loads.SerializeToString),
+  }
+  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+  server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def serve(engine: Engine, tokenizer, host: str, port: int, max_workers: int = 512,
           metrics: ServerMetrics | None = None):
   """Starts the server; returns (grpc.Server, EngineLoop, bound port).
@@ -208,7 +250,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, max_workers: int = 51
   loop.start()
   # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
-  hisparse_pb2_grpc.add_HiSparseInferenceServicer_to_server(InferenceServicer(loop, tokenizer), server)
+  _add_servicer(InferenceServicer(loop, tokenizer), server)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
   try:

@@ -114,3 +114,19 @@ def test_duplicate_client_request_ids_are_independent(server):
     results = list(pool.map(same_id, prompts))
   for (tokens, final), want in zip(results, solo):
     assert final.finished and final.request_id == "same" and tokens == want
+
+
+def test_malformed_request_bytes_are_invalid_argument(server):
+  _, _, channel = server
+  raw = channel.unary_stream("/hisparse.HiSparseInference/Generate", request_serializer=lambda b: b,
+                             response_deserializer=hisparse_pb2.GenerateResponse.FromString)
+  with pytest.raises(grpc.RpcError) as e:
+    list(raw(b"\x22\xff\xff\xff\xff", timeout=10))  # a length-delimited field running past the end
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed GenerateRequest" in e.value.details()
+  # Unknown fields are ignored (proto3) and the request is served.
+  stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+  good = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[5, 6, 7]), max_new_tokens=2)
+  unknown_field = b"\xa0\x06\x01"  # field 100, varint 1
+  msgs = list(raw(good.SerializeToString() + unknown_field, timeout=30))
+  assert msgs[-1].finished and msgs[-1].completion_tokens == 2
+  assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10).running == 0

@@ -149,3 +149,20 @@ def test_abort_rpc_getloads_and_stop_over_grpc(server):
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
   loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
   assert loads.running == 0 and loads.free_host_rows == base.free_host_rows and loads.free_lanes == 2
+
+
+def test_abort_right_after_admission_restores_baseline():
+  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2, max_seq_len=128)
+  base = eng.loads()
+  keep, victim = Request("keep", list(range(2, 30)), 8), Request("victim", list(range(3, 40)), 8)
+  eng.submit(keep)
+  eng.submit(victim)
+  eng.step()  # both admitted: prefill + first decode step
+  assert eng.loads()["running"] == 2
+  assert eng.abort("victim") is victim and victim.finish_reason == "abort"
+  eng.run()
+  alone = Request("alone", list(range(2, 30)), 8)
+  eng.submit(alone)
+  eng.run()
+  assert keep.output_ids == alone.output_ids
+  assert eng.loads() == base

@@ -77,7 +77,9 @@ def main(argv):
   except OSError as e:
     sys.exit(f"error: --host/--port: {e}")
   mode = f"hisparse {hisparse}, host pool: {FLAGS['host-pool'].value}" if hisparse else "dense"
-  print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir})", flush=True)
+  metrics_at = (f", metrics at http://{FLAGS.host}:{FLAGS['metrics-port'].value}/metrics"
+                if FLAGS["metrics-port"].value is not None else "")
+  print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir}){metrics_at}", flush=True)
   stopping = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stopping.set())

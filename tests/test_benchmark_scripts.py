@@ -32,3 +32,18 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     c = report["correctness"][path]
     assert c["cases"] == 11 and not c["failures"] and c["bad_input_is_error"]
   assert len(report["sweep"]) == 2
+
+
+def test_miss_rate_quick(tmp_path):
+  out = tmp_path / "mr"
+  r = subprocess.run([sys.executable, "benchmarks/miss_rate.py", "--quick", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1 if Python LRU != the kernel
+  data = json.loads((tmp_path / "mr.json").read_text())["misses"]
+  for D in (128, 256):
+    assert data[f"lru@{D}"] == data[f"lru-kernel@{D}"]
+    # Belady is the lower bound of every policy; a bigger buffer never misses more under it.
+    for p in ("lru", "fifo", "clock", "lfu"):
+      assert sum(data[f"belady@{D}"]) <= sum(data[f"{p}@{D}"])
+  assert sum(data["belady@256"]) <= sum(data["belady@128"])
+  assert (tmp_path / "mr.png").stat().st_size > 10_000 and "| 256 |" in (tmp_path / "mr.md").read_text()

@@ -1,0 +1,281 @@
+r"""Swap-in miss rates by eviction policy and hot-buffer size, replayed on the same top-k traces.
+
+  python benchmarks/miss_rate.py [--quick] [--context 16384] [--steps 1000] [--top-k 2048] \
+      [--buffers 2048,4096,6144] [--out benchmarks/results/miss_rate]
+
+Trace (synthetic, parameterised; documented in ``synthetic_trace``): a decode of
+``--steps`` tokens after a ``--context``-token prompt; at each step the top-k
+positions mix attention sinks, a recent window, drifting recurring clusters
+and uniform noise. Policies, replayed per step with the same semantics as the
+kernel (D slots + a reserved slot for the newest token; the tokens needed this
+step are never evicted; each distinct missing position costs one copy):
+
+  lru-kernel  the real CPU swap-in handler (hisparse_jax.ops.swap_in)
+  lru         the same policy in Python (must match lru-kernel exactly)
+  fifo        evict the slot filled longest ago
+  clock       second-chance clock over the slots
+  lfu         evict the least frequently used slot (ties: least recently used)
+  belady      offline optimum: evict the slot whose token is needed furthest in the future
+
+Writes OUT.json (per-step misses), OUT.md (table) and OUT.png (misses per step,
+rolling mean over 100 steps, one line per policy x size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sinks: int = 16,
+                    window: int | None = None, clusters: int = 24, cluster_width: int | None = None,
+                    drift: float = 2.0, revisit: float = 0.35, noise: float = 0.1):
+  """Top-k positions per decode step: list of int32 arrays (distinct, < seq_len).
+
+  Locality model (fractions of top_k; parameters are keyword args):
+    * the first ``sinks`` positions (attention sinks) and the last ``window``
+      positions (recent window, default top_k / 8) every step;
+    * ``clusters`` recurring clusters of ``cluster_width`` (default top_k / 21) positions whose
+      centres random-walk by N(0, drift) positions per step; each step visits
+      a random ``revisit`` share of them (so a cluster leaves the top-k and
+      comes back, the case an LRU hot buffer has to hold);
+    * a ``noise`` share of uniformly random older positions;
+    * the rest filled with more positions drawn near the visited clusters.
+  """
+  window = top_k // 8 if window is None else window  # 256 at top_k 2048
+  cluster_width = max(4, top_k // 21) if cluster_width is None else cluster_width  # 97 at top_k 2048
+  rng = np.random.default_rng(seed)
+  centres = rng.uniform(sinks, context, clusters)
+  trace = []
+  for t in range(steps):
+    seq_len = context + t + 1
+    centres = np.clip(centres + rng.normal(0, drift, clusters), sinks, seq_len - window - 1)
+    picked = set(range(min(sinks, seq_len)))
+    picked.update(range(max(0, seq_len - window), seq_len))
+    visit = centres[rng.random(clusters) < revisit]
+    for c in visit:
+      lo = int(c) - cluster_width // 2
+      picked.update(range(max(0, lo), min(seq_len, lo + cluster_width)))
+    n_noise = int(noise * top_k)
+    picked.update(rng.integers(0, seq_len, n_noise).tolist())
+    while len(picked) < min(top_k, seq_len):
+      c = visit[rng.integers(len(visit))] if len(visit) else rng.uniform(0, seq_len)
+      picked.add(int(np.clip(c + rng.normal(0, cluster_width), 0, seq_len - 1)))
+    arr = np.fromiter(picked, np.int32)
+    if len(arr) > top_k:  # keep sinks + window, drop a random part of the rest
+      fixed = arr[(arr < sinks) | (arr >= seq_len - window)]
+      rest = rng.permutation(arr[(arr >= sinks) & (arr < seq_len - window)])[: max(0, top_k - len(fixed))]
+      arr = np.concatenate([fixed[-top_k:], rest])
+    trace.append(np.sort(arr).astype(np.int32))
+  return trace
+
+
+def _replay(trace, context, D, choose_victims, on_hit=None, on_fill=None):
+  """Generic replay: slots hold tokens 0..D-1 after prefill; returns misses per step."""
+  slot_of = {t: t for t in range(D)}  # token -> slot
+  token_in = list(range(D))           # slot -> token
+  misses = []
+  for step, topk in enumerate(trace):
+    newest = context + step
+    needed = [int(t) for t in topk if t != newest]
+    need_set = set(needed)
+    hit_slots = {slot_of[t] for t in needed if t in slot_of}
+    for s in hit_slots:
+      if on_hit:
+        on_hit(s, step)
+    missing = [t for t in needed if t not in slot_of]
+    victims = choose_victims(len(missing), hit_slots, token_in, step, need_set)
+    for t, s in zip(missing, victims):
+      del slot_of[token_in[s]]
+      slot_of[t], token_in[s] = s, t
+      if on_fill:
+        on_fill(s, step)
+    misses.append(len(missing))
+  return misses
+
+
+def replay_lru(trace, context, D):
+  order = collections.OrderedDict((s, None) for s in range(D))  # oldest first
+
+  def choose(n, hits, token_in, step, need):
+    victims = [s for s in order if s not in hits][:n]
+    for s in victims:
+      order.move_to_end(s)
+    for s in [s for s in order if s in hits]:
+      order.move_to_end(s)
+    return victims
+
+  return _replay(trace, context, D, choose)
+
+
+def replay_fifo(trace, context, D):
+  filled = collections.OrderedDict((s, None) for s in range(D))
+
+  def choose(n, hits, token_in, step, need):
+    victims = [s for s in filled if s not in hits][:n]
+    for s in victims:
+      filled.move_to_end(s)
+    return victims
+
+  return _replay(trace, context, D, choose)
+
+
+def replay_clock(trace, context, D):
+  ref = np.zeros(D, bool)
+  hand = [0]
+
+  def choose(n, hits, token_in, step, need):
+    for s in hits:
+      ref[s] = True
+    victims = []
+    while len(victims) < n:
+      s = hand[0]
+      hand[0] = (s + 1) % D
+      if s in hits or s in victims:
+        continue
+      if ref[s]:
+        ref[s] = False
+      else:
+        victims.append(s)
+    return victims
+
+  return _replay(trace, context, D, choose)
+
+
+def replay_lfu(trace, context, D):
+  freq = np.zeros(D, np.int64)
+  last = np.zeros(D, np.int64)
+
+  def choose(n, hits, token_in, step, need):
+    for s in hits:
+      freq[s] += 1
+      last[s] = step
+    cand = [s for s in range(D) if s not in hits]
+    cand.sort(key=lambda s: (freq[s], last[s]))
+    victims = cand[:n]
+    for s in victims:
+      freq[s], last[s] = 1, step
+    return victims
+
+  return _replay(trace, context, D, choose)
+
+
+def replay_belady(trace, context, D):
+  # next_use[step][token] = next step > step that needs token (inf if none)
+  INF = 1 << 60
+  nxt = {}
+  next_use = [None] * len(trace)
+  for step in range(len(trace) - 1, -1, -1):
+    next_use[step] = nxt
+    nxt = dict(nxt)
+    for t in trace[step]:
+      nxt[int(t)] = step
+
+  def choose(n, hits, token_in, step, need):
+    fut = next_use[step]
+    cand = [s for s in range(D) if s not in hits]
+    cand.sort(key=lambda s: -fut.get(token_in[s], INF))
+    return cand[:n]
+
+  return _replay(trace, context, D, choose)
+
+
+def replay_kernel_lru(trace, context, D):
+  """The real CPU swap-in handler, one request, one layer, 1-element rows."""
+  import jax
+  import jax.numpy as jnp
+  from hisparse_jax import ops
+
+  K = max(len(t) for t in trace)
+  S = context + len(trace) + 1
+  pool = jax.jit(lambda: jax.device_put(jnp.zeros((1, S, 1), jnp.float32), jax.memory.Space.Host))()
+  hot = jnp.zeros((1, 1, D + 1, 1), jnp.float32)
+  slots = jnp.arange(D, dtype=jnp.int32)[None, None] + 0
+  lru = slots + 0
+  stats = jnp.zeros((1, 1, 2), jnp.int32)
+  host_rows = jnp.arange(S, dtype=jnp.int32)[None]
+  fn = jax.jit(ops.swap_in, donate_argnums=(4, 5, 6, 7, 8))
+  misses, prev = [], 0
+  for step, topk in enumerate(trace):
+    tk = np.full((1, K), -1, np.int32)
+    tk[0, : len(topk)] = topk
+    _, pool, hot, slots, lru, stats = fn(0, jnp.asarray(tk), jnp.asarray([context + step + 1], jnp.int32),
+                                         host_rows, pool, hot, slots, lru, stats)
+    total = int(np.asarray(stats)[0, 0, 1])
+    misses.append(total - prev)
+    prev = total
+  return misses
+
+
+POLICIES = {"lru-kernel": replay_kernel_lru, "lru": replay_lru, "fifo": replay_fifo, "clock": replay_clock,
+            "lfu": replay_lfu, "belady": replay_belady}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--context", type=int, default=16384)
+  ap.add_argument("--steps", type=int, default=1000)
+  ap.add_argument("--top-k", type=int, default=2048)
+  ap.add_argument("--buffers", default="2048,4096,6144")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "miss_rate"))
+  ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.context, args.steps, args.top_k, args.buffers = 1024, 40, 128, "128,256"
+  buffers = [int(x) for x in args.buffers.split(",")]
+  t0 = time.perf_counter()
+  trace = synthetic_trace(args.context, args.steps, args.top_k)
+  results = {}
+  for D in buffers:
+    for name, fn in POLICIES.items():
+      results[f"{name}@{D}"] = fn(trace, args.context, D)
+  # The Python LRU is the kernel's policy: they must agree step by step.
+  for D in buffers:
+    if results[f"lru@{D}"] != results[f"lru-kernel@{D}"]:
+      print(f"error: Python LRU and the kernel disagree at D={D}", file=sys.stderr)
+      return 1
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  lines = [f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k} "
+           f"({time.perf_counter() - t0:.1f} s).", "",
+           "| D | " + " | ".join(POLICIES) + " | LRU vs Belady |", "|---" * (len(POLICIES) + 2) + "|"]
+  for D in buffers:
+    means = {p: float(np.mean(results[f"{p}@{D}"])) for p in POLICIES}
+    gap = 100.0 * (means["lru"] - means["belady"]) / max(means["belady"], 1e-9)
+    lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in POLICIES) + f" | +{gap:.0f}% |")
+  table = "\n".join(lines)
+  print(table)
+  with open(args.out + ".md", "w") as f:
+    f.write("Mean misses per decode step (one request, one layer).\n\n" + table + "\n")
+  with open(args.out + ".json", "w") as f:
+    json.dump({"args": vars(args), "misses": results}, f)
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(10, 5))
+  w = min(100, args.steps)
+  colors = dict(zip([p for p in POLICIES if p != "lru-kernel"], plt.get_cmap("tab10").colors))
+  styles = dict(zip(buffers, ["-", "--", ":", "-."]))
+  for key, m in results.items():
+    policy, D = key.split("@")
+    if policy == "lru-kernel":  # identical to lru (checked above)
+      continue
+    roll = np.convolve(m, np.ones(w) / w, mode="valid")
+    ax.plot(np.arange(len(roll)) + w - 1, roll, label=key, color=colors[policy], linestyle=styles[int(D)])
+  ax.set_xlabel("decode step")
+  ax.set_ylabel(f"misses per step (rolling mean, {w} steps)")
+  ax.set_title(f"Swap-in misses by policy and hot-buffer size (top_k {args.top_k}, context {args.context})")
+  ax.legend(ncol=3, fontsize=8)
+  fig.tight_layout()
+  fig.savefig(args.out + ".png", dpi=110)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -94,6 +94,8 @@ class EngineLoop(threading.Thread):
             events.put(_Event(error=str(e), code=e.code))
         elif kind == "abort" and item in listeners:
           req = self.engine.abort(item)
+          if req is not None and self.metrics is not None:
+            self.metrics.on_finish(req)
           listeners.pop(item).put(_Event(done=req))
       if not self.engine.has_work():
         continue

@@ -63,11 +63,24 @@ def make_case(B, D, K, W, L, miss_fraction, rng):
   return top_k, slot_tokens, lru, host_rows, S
 
 
-def run_point(B, D, W, L, miss_fraction, repeats, rng):
+def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", platform="cpu"):
+  """Times the swap-in of one sweep point through one host-pool kind ("jax": a pinned_host array;
+  "extension": ops.ExtensionHostPool on `platform`). Used by run_point and scripts/gpu_check.py.
+
+  Returns a dict with the idle / zero-miss / full call times (seconds, medians of `repeats` after
+  WARMUP untimed calls), the output rows of the full call, the case (top_k, host_rows, H), the bytes
+  of missing rows, and the live `pool` / `hot` arrays (and `ext`, the extension pool, or None);
+  the caller drops them (and closes `ext`) when done.
+  """
   K = TOP_K
   top_k, slot_tokens, lru, host_rows, S = make_case(B, D, K, W, L, miss_fraction, rng)
   H = B * S
-  pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
+  ext, external = None, None
+  if host_pool == "jax":
+    pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
+  else:
+    ext = ops.ExtensionHostPool(L, H, W, np.uint8, platform=platform)
+    pool, external = ext.token(), ext.ref
   dev = jax.devices()[0]
   hot = jax.device_put(jnp.zeros((L, B, D + 1, W), jnp.uint8), dev)
   stats = jax.device_put(jnp.zeros((L, B, 2), jnp.int32), dev)
@@ -78,11 +91,11 @@ def run_point(B, D, W, L, miss_fraction, repeats, rng):
     rows = []
     for l in range(L):
       r, pool, hot, slots, order, stats = ops.swap_in(l, top_k[l], seq_lens, host_rows, pool, hot,
-                                                      slots, order, stats)
+                                                      slots, order, stats, external=external)
       rows.append(r)
     return jnp.stack(rows), pool, hot, slots, order, stats
 
-  slots0, order0 = jnp.asarray(slot_tokens), jnp.asarray(lru)
+  slots0, order0 = jax.device_put((jnp.asarray(slot_tokens), jnp.asarray(lru)), dev)
   fresh = jax.jit(lambda a, b: (a + 0, b + 0))  # new jnp buffers (donation of numpy-born ones is unreliable)
 
   def timed(tk, seq_len):
@@ -105,23 +118,34 @@ def run_point(B, D, W, L, miss_fraction, repeats, rng):
   t_book, _ = timed(hits_only, S)
   t_call, rows = timed(top_k, S)
   n_miss = int(round(miss_fraction * K))
-  miss_bytes = L * B * n_miss * W
-  copy_s = t_call - t_book
+  return dict(t_idle=t_idle, t_book=t_book, t_call=t_call, rows=rows, top_k=top_k, host_rows=host_rows, H=H,
+              n_miss=n_miss, miss_bytes=L * B * n_miss * W, pool=pool, hot=hot, ext=ext)
+
+
+def summarize(B, D, W, L, miss_fraction, t, ref_seconds: float, ref_name: str) -> dict:
+  """The reported numbers of one point (see the module docstring), against a reference copy time."""
+  copy_s = t["t_call"] - t["t_book"]
   # Below ~10% of the call (or under 1 MiB) the copy time drowns in run-to-run noise: not reported.
-  measurable = copy_s > 0.1 * t_call and miss_bytes >= 1 << 20
+  measurable = copy_s > 0.1 * t["t_call"] and t["miss_bytes"] >= 1 << 20
+  return dict(batch=B, buffer=D, row_bytes=W, layers=L, top_k=TOP_K, miss_fraction=miss_fraction,
+              misses_per_request_layer=t["n_miss"], call_ms=t["t_call"] * 1e3, idle_ms=t["t_idle"] * 1e3,
+              bookkeeping_us=max(t["t_book"] - t["t_idle"], 0) / (B * L) * 1e6,
+              miss_GBps=t["miss_bytes"] / copy_s / 1e9 if measurable else None,
+              **{ref_name: t["miss_bytes"] / max(ref_seconds, 1e-9) / 1e9},
+              ratio=ref_seconds / copy_s if measurable else None)
+
+
+def run_point(B, D, W, L, miss_fraction, repeats, rng):
+  t = time_point(B, D, W, L, miss_fraction, repeats, rng)
+  top_k, host_rows, rows, n, H = t["top_k"], t["host_rows"], t["rows"], t["n_miss"], t["H"]
   # Reference: a bare memcpy loop over exactly these rows between the same two buffers.
-  src = np.concatenate([l * H + host_rows[b, top_k[l, b, :n_miss]] for l in range(L) for b in range(B)])
-  dst = np.concatenate([l * B * (D + 1) + rows[l, b, :n_miss] for l in range(L) for b in range(B)])
-  ref = statistics.median(_ffi_cpu.copy_rows_seconds(pool.unsafe_buffer_pointer(), hot.unsafe_buffer_pointer(), W,
+  src = np.concatenate([l * H + host_rows[b, top_k[l, b, :n]] for l in range(L) for b in range(B)])
+  dst = np.concatenate([l * B * (D + 1) + rows[l, b, :n] for l in range(L) for b in range(B)])
+  ref = statistics.median(_ffi_cpu.copy_rows_seconds(t["pool"].unsafe_buffer_pointer(),
+                                                     t["hot"].unsafe_buffer_pointer(), W,
                                                      src.astype(np.int64), dst.astype(np.int64))
                           for _ in range(repeats))
-  del pool, hot
-  return dict(batch=B, buffer=D, row_bytes=W, layers=L, top_k=K, miss_fraction=miss_fraction,
-              misses_per_request_layer=n_miss, call_ms=t_call * 1e3, idle_ms=t_idle * 1e3,
-              bookkeeping_us=max(t_book - t_idle, 0) / (B * L) * 1e6,
-              miss_GBps=miss_bytes / copy_s / 1e9 if measurable else None,
-              memcpy_GBps=miss_bytes / max(ref, 1e-9) / 1e9,
-              ratio=ref / copy_s if measurable else None)
+  return summarize(B, D, W, L, miss_fraction, t, ref, "memcpy_GBps")
 
 
 def main(argv=None):

@@ -50,6 +50,11 @@ class HiSparseConfig:
       raise ConfigError(
           f"hisparse config: host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
 
+  def host_pool_rows(self, num_requests: int) -> int:
+    """Latent rows per layer the host pool holds for num_requests decode lanes:
+    host_to_device_ratio x the hot-buffer rows, num_requests x (D + 1) (SGLang's sizing)."""
+    return self.host_to_device_ratio * num_requests * (self.device_buffer_size + 1)
+
   @classmethod
   def from_json(cls, text: str | None, model_top_k: int) -> "HiSparseConfig":
     """Parses the ``--hisparse-config`` JSON against the model's ``index_topk``.

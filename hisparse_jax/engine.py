@@ -160,9 +160,7 @@ class Engine:
     self.eos_ids = frozenset(cfg.eos_token_ids)
     graphdef, self._state = nnx.split(model)
 
-    # Host pool = host_to_device_ratio x the device hot-buffer rows (SGLang's sizing).
-    self.num_pages = 0 if hisparse is None else (
-        hisparse.host_to_device_ratio * self.num_lanes * (hisparse.device_buffer_size + 1) // HOST_PAGE_SIZE)
+    self.num_pages = 0 if hisparse is None else hisparse.host_pool_rows(self.num_lanes) // HOST_PAGE_SIZE
     self.reset()
 
     @functools.partial(jax.jit, donate_argnums=(3,))

@@ -74,7 +74,7 @@ def check_memory(model_cfg: DSAConfig, hisparse: HiSparseConfig | None, max_runn
   itemsize = jnp.dtype(dtype or model_cfg.dtype).itemsize
   row = model_cfg.num_hidden_layers * model_cfg.latent_dim * itemsize  # bytes per token, all layers
   hot_rows = max_running_requests * (hisparse.device_buffer_size + 1)
-  need = row * hot_rows * (1 + hisparse.host_to_device_ratio)
+  need = row * (hot_rows + hisparse.host_pool_rows(max_running_requests))
   have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   if need > MAX_MEMORY_FRACTION * have:
     raise StartupError(

@@ -133,63 +133,28 @@ def h2d_gbps(jax, nbytes, repeats=5) -> float:
 
 
 def sweep(path, platform, quick) -> list[dict]:
+  """benchmarks/swap_in.py's timing on `path`, next to the pinned H2D bandwidth of the same bytes."""
   jax = _jax(platform)
-  import jax.numpy as jnp
-  from hisparse_jax import ops
-  from swap_in import TOP_K, make_case
+  from swap_in import summarize, time_point
   rng = np.random.default_rng(0)
   grid = ([(4, 2048, 656, f) for f in (0.05, 1.0)] if quick else
           [(B, D, W, f) for B in (1, 64, 256) for D in (2048, 4096) for W in (656, 1152)
            for f in (0.001, 0.05, 0.2, 1.0)])
-  L, K, repeats = 2, TOP_K, 3 if quick else 7
+  L, repeats = 2, 3 if quick else 7
   results = []
   for B, D, W, f in grid:
-    top_k, slot_tokens, lru, host_rows, S = make_case(B, D, K, W, L, f, rng)
-    H = B * S
-    ext = None
-    if path == "pinned_host":
-      pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
-      external = None
-    else:
-      ext = ops.ExtensionHostPool(L, H, W, np.uint8, platform="gpu" if platform == "gpu" else "cpu")
-      pool, external = ext.token(), ext.ref
-    hot = jnp.zeros((L, B, D + 1, W), jnp.uint8)
-    stats = jnp.zeros((L, B, 2), jnp.int32)
-    hr, sl = jnp.asarray(host_rows), jnp.full((B,), S, jnp.int32)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
-    def step(pool, hot, slots, order, stats, tk):
-      for l in range(L):
-        _, pool, hot, slots, order, stats = ops.swap_in(l, tk[l], sl, hr, pool, hot, slots, order, stats,
-                                                        external=external)
-      return pool, hot, slots, order, stats
-
-    def timed(tk):
-      nonlocal pool, hot, stats
-      tk, times = jnp.asarray(tk), []
-      for _ in range(repeats + 2):  # two untimed calls: compile (and a possible re-compile)
-        slots, order = jnp.asarray(slot_tokens), jnp.asarray(lru)
-        jax.block_until_ready((slots, order))
-        t0 = time.perf_counter()
-        pool, hot, slots, order, stats = step(pool, hot, slots, order, stats, tk)
-        jax.block_until_ready(hot)
-        times.append(time.perf_counter() - t0)
-      return statistics.median(times[2:])
-
-    hits_only = np.take_along_axis(slot_tokens, np.argsort(rng.random(slot_tokens.shape), -1)[..., :K], -1)
-    t_book, t_call = timed(hits_only), timed(top_k)
-    miss_bytes = L * B * int(round(f * K)) * W
-    copy_s = max(t_call - t_book, 1e-9)
-    bw = h2d_gbps(jax, miss_bytes)
-    results.append(dict(batch=B, buffer=D, row_bytes=W, miss_fraction=f, layers=L, call_ms=t_call * 1e3,
-                        bookkeeping_us=t_book / (B * L) * 1e6, miss_GBps=miss_bytes / copy_s / 1e9,
-                        h2d_GBps=bw, ratio=miss_bytes / copy_s / 1e9 / bw))
-    r = results[-1]
-    print(f"  B={B:>3} D={D} W={W:>4} miss={f:<5} call {r['call_ms']:8.3f} ms  book {r['bookkeeping_us']:7.2f} us"
-          f"  miss {r['miss_GBps']:7.2f} GB/s  h2d {bw:7.2f} GB/s  ratio {r['ratio']:.2f}", flush=True)
+    t = time_point(B, D, W, L, f, repeats, rng, host_pool="jax" if path == "pinned_host" else "extension",
+                   platform=platform)
+    ext = t.pop("ext")
+    t.pop("pool"), t.pop("hot")
     if ext is not None:
-      del pool
       ext.close()
+    bw = h2d_gbps(jax, t["miss_bytes"])
+    r = summarize(B, D, W, L, f, t, t["miss_bytes"] / (bw * 1e9), "h2d_GBps")
+    results.append(r)
+    fmt = lambda v: f"{v:7.2f}" if v is not None else f"{'-':>7}"
+    print(f"  B={B:>3} D={D} W={W:>4} miss={f:<5} call {r['call_ms']:8.3f} ms  book {r['bookkeeping_us']:7.2f} us"
+          f"  miss {fmt(r['miss_GBps'])} GB/s  h2d {bw:7.2f} GB/s  ratio {fmt(r['ratio'])}", flush=True)
   return results
 
 

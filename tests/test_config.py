@@ -29,3 +29,7 @@ def test_full_sglang_config():
 def test_errors_name_the_key(text, message):
   with pytest.raises(ConfigError, match=message):
     HiSparseConfig.from_json(text, model_top_k=32)
+
+
+def test_host_pool_rows_is_ratio_times_hot_rows():
+  assert HiSparseConfig(2048, 4096, 8).host_pool_rows(3) == 8 * 3 * 4097

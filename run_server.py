@@ -24,6 +24,8 @@ flags.DEFINE_string("dtype", None, "float32 or bfloat16 (default: the checkpoint
 flags.DEFINE_boolean("enable-hisparse", False, "Keep the latent KV in a host pool with per-request hot buffers.")
 flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.")
 flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (requests decoded concurrently).")
+flags.DEFINE_integer("max-seq-len", None, "Longest prompt + output per request, in tokens (default: "
+                     "min(the model's max_position_embeddings, 4096)).")
 flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finish on SIGTERM; "
                    "streams still open then end with UNAVAILABLE.")
 flags.DEFINE_integer("max-device-kv-bytes", None, "Device KV budget in bytes: requests are admitted while the KV "
@@ -51,6 +53,7 @@ def main(argv):
     hisparse = launch.resolve_hisparse(FLAGS["enable-hisparse"].value, FLAGS["hisparse-config"].value,
                                        model_dir, model_cfg)
     launch.check_memory(model_cfg, hisparse, FLAGS["max-running-requests"].value, FLAGS.dtype)
+    launch.check_max_seq_len(FLAGS["max-seq-len"].value, model_cfg)
     tokenizer = launch.load_tokenizer_or_fail(model_dir)
     budget = launch.device_kv_budget(FLAGS["max-device-kv-bytes"].value, FLAGS["mem-fraction-static"].value)
     if FLAGS["max-queued-requests"].value < 0:
@@ -59,7 +62,8 @@ def main(argv):
                                  max_running_requests=FLAGS["max-running-requests"].value,
                                  host_pool=FLAGS["host-pool"].value,
                                  fp8_numerics=FLAGS["fp8-numerics"].value, max_device_kv_bytes=budget,
-                                 max_queued_requests=FLAGS["max-queued-requests"].value, tokenizer=tokenizer)
+                                 max_queued_requests=FLAGS["max-queued-requests"].value, tokenizer=tokenizer,
+                                 max_seq_len=FLAGS["max-seq-len"].value)
   except launch.StartupError as e:
     sys.exit(f"error: {e}")
 

@@ -2,6 +2,12 @@ r"""Swap-in miss rates by eviction policy and hot-buffer size, replayed on the s
 
   python benchmarks/miss_rate.py [--quick] [--context 16384] [--steps 1000] [--top-k 2048] \
       [--buffers 2048,4096,6144] [--out benchmarks/results/miss_rate]
+  python benchmarks/miss_rate.py --trace trace.npz --buffers 2048,4096 --out ...
+
+Traces: ``--trace`` replays the top-k positions recorded from a model's own
+indexer (``python -m hisparse_jax.generate --dump-topk trace.npz``): every
+(request, layer) is one stream, replayed separately; tables and plots average
+over streams. Without it, a synthetic trace (below).
 
 Trace (synthetic, parameterised; documented in ``synthetic_trace``): a decode of
 ``--steps`` tokens after a ``--context``-token prompt; at each step the top-k
@@ -76,6 +82,22 @@ def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sink
   return trace
 
 
+def load_recorded(path: str):
+  """Streams of a ``--dump-topk`` file: list of (name, context, trace), one per (request, layer);
+  trace = list of int32 arrays (the step's top-k positions without the -1 padding)."""
+  z = np.load(path)
+  streams = []
+  for key in sorted((k for k in z.files if k.startswith("topk_")), key=lambda k: int(k[5:])):
+    line = key[5:]
+    steps = z[key]  # [steps, L, K]
+    context = int(z[f"prompt_tokens_{line}"])
+    for layer in range(steps.shape[1]):
+      streams.append((f"line {line} layer {layer}", context, [t[t >= 0] for t in steps[:, layer]]))
+  if not streams:
+    raise ValueError(f"{path}: no topk_<line> arrays")
+  return streams
+
+
 def _replay(trace, context, D, choose_victims, on_hit=None, on_fill=None):
   """Generic replay: slots hold tokens 0..D-1 after prefill; returns misses per step."""
   slot_of = {t: t for t in range(D)}  # token -> slot
@@ -83,7 +105,7 @@ def _replay(trace, context, D, choose_victims, on_hit=None, on_fill=None):
   misses = []
   for step, topk in enumerate(trace):
     newest = context + step
-    needed = [int(t) for t in topk if t != newest]
+    needed = [int(t) for t in topk if t != newest and t >= 0]
     need_set = set(needed)
     hit_slots = {slot_of[t] for t in needed if t in slot_of}
     for s in hit_slots:
@@ -192,7 +214,7 @@ def replay_kernel_lru(trace, context, D):
   import jax.numpy as jnp
   from hisparse_jax import ops
 
-  K = max(len(t) for t in trace)
+  K = max(1, max(len(t) for t in trace))
   S = context + len(trace) + 1
   pool = jax.jit(lambda: jax.device_put(jnp.zeros((1, S, 1), jnp.float32), jax.memory.Space.Host))()
   hot = jnp.zeros((1, 1, D + 1, 1), jnp.float32)
@@ -217,48 +239,70 @@ POLICIES = {"lru-kernel": replay_kernel_lru, "lru": replay_lru, "fifo": replay_f
             "lfu": replay_lfu, "belady": replay_belady}
 
 
+def _mean_curve(per_stream):
+  """Per-step mean over streams (streams may differ in length: each step averages those that have it)."""
+  n = max(len(m) for m in per_stream)
+  total, count = np.zeros(n), np.zeros(n)
+  for m in per_stream:
+    total[:len(m)] += m
+    count[:len(m)] += 1
+  return total / np.maximum(count, 1)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--context", type=int, default=16384)
   ap.add_argument("--steps", type=int, default=1000)
   ap.add_argument("--top-k", type=int, default=2048)
   ap.add_argument("--buffers", default="2048,4096,6144")
+  ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead of the synthetic trace")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "miss_rate"))
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   args = ap.parse_args(argv)
-  if args.quick:
+  if args.quick and args.trace is None:
     args.context, args.steps, args.top_k, args.buffers = 1024, 40, 128, "128,256"
   buffers = [int(x) for x in args.buffers.split(",")]
   t0 = time.perf_counter()
-  trace = synthetic_trace(args.context, args.steps, args.top_k)
-  results = {}
+  if args.trace is not None:
+    streams = load_recorded(args.trace)
+    top_k = max(max((len(t) for t in tr), default=0) for _, _, tr in streams)
+    contexts = sorted({c for _, c, _ in streams})
+    steps = max(len(tr) for _, _, tr in streams)
+    source = (f"Recorded trace {os.path.basename(args.trace)}: {len(streams)} streams (request x layer), "
+              f"prompts of {contexts[0]}..{contexts[-1]} tokens, up to {steps} decode steps, top_k {top_k}")
+  else:
+    streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]
+    top_k, steps = args.top_k, args.steps
+    source = f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k}"
+  per_stream = {}  # "policy@D" -> list over streams of misses per step
   for D in buffers:
     for name, fn in POLICIES.items():
-      results[f"{name}@{D}"] = fn(trace, args.context, D)
-  # The Python LRU is the kernel's policy: they must agree step by step.
+      per_stream[f"{name}@{D}"] = [fn(trace, context, D) for _, context, trace in streams]
+  # The Python LRU is the kernel's policy: they must agree step by step on every stream.
   for D in buffers:
-    if results[f"lru@{D}"] != results[f"lru-kernel@{D}"]:
+    if per_stream[f"lru@{D}"] != per_stream[f"lru-kernel@{D}"]:
       print(f"error: Python LRU and the kernel disagree at D={D}", file=sys.stderr)
       return 1
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  lines = [f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k} "
-           f"({time.perf_counter() - t0:.1f} s).", "",
+  results = {k: _mean_curve(v).tolist() for k, v in per_stream.items()}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  lines = [f"{source} ({time.perf_counter() - t0:.1f} s).", "",
            "| D | " + " | ".join(POLICIES) + " | LRU vs Belady |", "|---" * (len(POLICIES) + 2) + "|"]
   for D in buffers:
-    means = {p: float(np.mean(results[f"{p}@{D}"])) for p in POLICIES}
+    means = {p: float(np.mean(np.concatenate(per_stream[f"{p}@{D}"]))) for p in POLICIES}
     gap = 100.0 * (means["lru"] - means["belady"]) / max(means["belady"], 1e-9)
     lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in POLICIES) + f" | +{gap:.0f}% |")
   table = "\n".join(lines)
   print(table)
+  what = "one request, one layer" if args.trace is None else "mean over request x layer streams"
   with open(args.out + ".md", "w") as f:
-    f.write("Mean misses per decode step (one request, one layer).\n\n" + table + "\n")
+    f.write(f"Mean misses per decode step ({what}).\n\n" + table + "\n")
   with open(args.out + ".json", "w") as f:
-    json.dump({"args": vars(args), "misses": results}, f)
+    json.dump({"args": vars(args), "streams": len(streams), "misses": results}, f)
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(10, 5))
-  w = min(100, args.steps)
+  w = max(1, min(100, steps))
   colors = dict(zip([p for p in POLICIES if p != "lru-kernel"], plt.get_cmap("tab10").colors))
   styles = dict(zip(buffers, ["-", "--", ":", "-."]))
   for key, m in results.items():
@@ -269,7 +313,7 @@ def main(argv=None) -> int:
     ax.plot(np.arange(len(roll)) + w - 1, roll, label=key, color=colors[policy], linestyle=styles[int(D)])
   ax.set_xlabel("decode step")
   ax.set_ylabel(f"misses per step (rolling mean, {w} steps)")
-  ax.set_title(f"Swap-in misses by policy and hot-buffer size (top_k {args.top_k}, context {args.context})")
+  ax.set_title(f"Swap-in misses by policy and hot-buffer size ({source.split(':')[0].lower()}, top_k {top_k})")
   ax.legend(ncol=3, fontsize=8)
   fig.tight_layout()
   fig.savefig(args.out + ".png", dpi=110)

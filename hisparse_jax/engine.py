@@ -27,6 +27,7 @@ import functools
 import logging
 import math
 import os
+import time
 from typing import Callable
 
 import jax
@@ -71,10 +72,14 @@ class Request:
     stop_token_ids: tokens that end the request besides the model's EOS ids.
     stop: strings that end the request once the output text contains one
       (needs the engine's tokenizer).
+    ignore_eos: keep generating past the model's EOS ids (benchmarks: every request produces
+      exactly max_new_tokens unless a stop token/string matches).
     output_ids: generated ids (new tokens only).
     finish_reason: None while running, then "stop" (EOS), "stop_token",
       "stop_string", "length" or "abort".
     matched_stop: the stop token id (as text) or stop string that matched.
+    topk_trace: with ``Engine(record_topk=True)``, int32[L, K] top-k positions per decode step
+      (the first token comes from prefill and has none).
     hits / misses: swap-in hits and misses summed over layers and steps
       (distinct positions per step and layer; 0 in dense mode); layer_hits /
       layer_misses the same per layer.
@@ -90,6 +95,7 @@ class Request:
   seed: int | None = None
   stop_token_ids: tuple[int, ...] = ()
   stop: tuple[str, ...] = ()
+  ignore_eos: bool = False
   output_ids: list[int] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
   matched_stop: str = ""
@@ -97,6 +103,7 @@ class Request:
   misses: int = 0
   layer_hits: tuple[int, ...] = ()
   layer_misses: tuple[int, ...] = ()
+  topk_trace: list[np.ndarray] = dataclasses.field(default_factory=list)
   lane: int = -1
   pages: list[int] = dataclasses.field(default_factory=list)
 
@@ -129,6 +136,9 @@ class Engine:
     max_queued_requests: bound on waiting requests; submit() beyond it raises
       RESOURCE_EXHAUSTED (None: unbounded).
     tokenizer: a ``tokenizers.Tokenizer``, needed for stop strings.
+    record_topk: keep, in each ``Request.topk_trace``, the top-k positions of every layer at every
+      decode step (int32[L, index_topk] per step; -1 padding) — the indexer's real access trace,
+      replayed by ``benchmarks/miss_rate.py --trace``. Costs a device->host copy per step.
 
   Raises:
     FileNotFoundError / ValueError: unreadable model directory or config.
@@ -137,7 +147,7 @@ class Engine:
   def __init__(self, model_dir, *, dtype: str | None = None, hisparse: HiSparseConfig | None = None,
                max_running_requests: int = 8, max_seq_len: int | None = None, host_pool: str = "jax",
                fp8_numerics: bool = False, max_device_kv_bytes: int | None = None,
-               max_queued_requests: int | None = None, tokenizer=None):
+               max_queued_requests: int | None = None, tokenizer=None, record_topk: bool = False):
     if max_running_requests < 1:
       raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
     if host_pool not in HOST_POOL_KINDS:
@@ -162,11 +172,15 @@ class Engine:
 
     self.num_pages = 0 if hisparse is None else hisparse.host_pool_rows(self.num_lanes) // HOST_PAGE_SIZE
     self.reset()
+    # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
+    self.prefill_seconds = 0.0
+    self.decode_seconds = 0.0
+    self.decode_steps = 0
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def decode(state, tokens, seq_lens, cache, params):
-      logits, cache = nnx.merge(graphdef, state).decode(tokens, seq_lens, cache)
-      return sample(logits, *params, seq_lens), cache
+      out = nnx.merge(graphdef, state).decode(tokens, seq_lens, cache, return_topk=record_topk)
+      return sample(out[0], *params, seq_lens), *out[1:]
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def prefill(state, tokens, length, cache, lane, host_rows, params):
@@ -289,14 +303,24 @@ class Engine:
   def step(self) -> list[Request]:
     """Admit, prefill, decode one token for every running request. Returns requests finished."""
     finished = []
+    t0 = time.perf_counter()
     self._admit(finished)
+    t1 = time.perf_counter()
+    self.prefill_seconds += t1 - t0
     if any(r is not None for r in self._lanes):
-      tokens, self.cache = self._decode(self._state, jnp.asarray(self._next), jnp.asarray(self._seq_lens),
-                                        self.cache, self._sampling_params())
+      self.decode_steps += 1
+      tokens, self.cache, *topk = self._decode(self._state, jnp.asarray(self._next),
+                                               jnp.asarray(self._seq_lens), self.cache, self._sampling_params())
       tokens = np.asarray(tokens)
+      if topk:
+        topk = np.asarray(topk[0])  # [L, B, K]
+        for lane, req in enumerate(self._lanes):
+          if req is not None:
+            req.topk_trace.append(topk[:, lane])
       for lane, req in enumerate(self._lanes):
         if req is not None:
           self._emit(req, int(tokens[lane]), finished)
+      self.decode_seconds += time.perf_counter() - t1
     return finished
 
   def run(self) -> None:
@@ -368,7 +392,7 @@ class Engine:
     req.output_ids.append(token)
     if req.on_token is not None:
       req.on_token(token)
-    if token in self.eos_ids:
+    if token in self.eos_ids and not req.ignore_eos:
       req.finish_reason = "stop"
     elif token in req.stop_token_ids:
       req.finish_reason, req.matched_stop = "stop_token", str(token)

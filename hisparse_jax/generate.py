@@ -3,7 +3,7 @@ r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs o
   python -m hisparse_jax.generate --prompts prompts.jsonl [--model-path DIR] \
       [--max-new-tokens 32] [--dtype float32|bfloat16] [--max-running-requests 8] \
       [--enable-hisparse [--hisparse-config '{"top_k": 32, "device_buffer_size": 64}'] \
-      [--host-pool jax|extension]] [--output out.jsonl]
+      [--host-pool jax|extension]] [--output out.jsonl] [--dump-topk trace.npz]
 
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``"max_new_tokens"``. Output: one line per non-blank input line, in order, with
@@ -11,6 +11,11 @@ Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served; the others
 are decoded anyway. All requests run through one continuous-batching engine.
+
+``--dump-topk FILE.npz`` records the indexer's top-k positions at every decode
+step of every layer: for input line N, ``topk_N`` int32[steps, layers, index_topk]
+(-1 = padding, step t attends at seq_len = prompt_tokens + t + 1) and
+``prompt_tokens_N`` (int). ``benchmarks/miss_rate.py --trace FILE.npz`` replays it.
 """
 
 from __future__ import annotations
@@ -30,8 +35,12 @@ flags.DEFINE_string("dtype", None, "float32 or bfloat16 (default: the checkpoint
 flags.DEFINE_boolean("enable-hisparse", False, "Keep the latent KV in a host pool with per-request hot buffers.")
 flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.")
 flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (concurrent requests).")
+flags.DEFINE_integer("max-seq-len", None, "Longest prompt + output per request, in tokens (default: "
+                     "min(the model's max_position_embeddings, 4096)).")
 flags.DEFINE_boolean("fp8-numerics", False, "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 "
                      "indexer q/k and an e4m3 latent KV cache (fake-quantized).")
+flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-layer top-k positions to this .npz "
+                    "(keys topk_<line>, prompt_tokens_<line>) for benchmarks/miss_rate.py --trace.")
 flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
                     "(memory owned by the FFI extension).")
 
@@ -77,6 +86,7 @@ def main(argv):
     hisparse = launch.resolve_hisparse(FLAGS["enable-hisparse"].value, FLAGS["hisparse-config"].value,
                                        model_dir, model_cfg)
     launch.check_memory(model_cfg, hisparse, FLAGS["max-running-requests"].value, FLAGS.dtype)
+    launch.check_max_seq_len(FLAGS["max-seq-len"].value, model_cfg)
     try:
       with open(FLAGS.prompts, encoding="utf-8") as f:
         lines = f.read().splitlines()
@@ -86,11 +96,20 @@ def main(argv):
       dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
     except OSError as e:
       raise launch.StartupError(f"--output {FLAGS.output!r}: {e}") from None
+    dump = FLAGS["dump-topk"].value
+    if dump is not None:
+      if not dump.endswith(".npz"):
+        raise launch.StartupError(f"--dump-topk {dump!r}: the file name must end in .npz")
+      try:
+        open(dump, "wb").close()
+      except OSError as e:
+        raise launch.StartupError(f"--dump-topk {dump!r}: {e}") from None
     tokenizer = launch.load_tokenizer_or_fail(model_dir)
     engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
                                  max_running_requests=FLAGS["max-running-requests"].value,
                                  host_pool=FLAGS["host-pool"].value,
-                                 fp8_numerics=FLAGS["fp8-numerics"].value)
+                                 fp8_numerics=FLAGS["fp8-numerics"].value, record_topk=dump is not None,
+                                 max_seq_len=FLAGS["max-seq-len"].value)
   except launch.StartupError as e:
     sys.exit(f"error: {e}")
 
@@ -130,6 +149,17 @@ def main(argv):
   finally:
     if dest is not sys.stdout:
       dest.close()
+  if dump is not None:
+    import numpy as np
+    L, K = model_cfg.num_hidden_layers, model_cfg.index_topk
+    arrays = {}
+    for i, req in requests:
+      lineno = numbered[i][0]
+      steps = np.stack(req.topk_trace) if req.topk_trace else np.zeros((0, L, K), np.int32)
+      arrays[f"topk_{lineno}"] = steps.astype(np.int32)
+      arrays[f"prompt_tokens_{lineno}"] = np.int64(len(req.prompt_ids))
+    np.savez_compressed(dump, **arrays)
+    print(f"[generate] top-k trace of {len(requests)} requests written to {dump}", file=sys.stderr)
   n_tokens = sum(len(r.output_ids) for _, r in requests)
   mode = f"hisparse, host pool: {FLAGS['host-pool'].value}" if hisparse else "dense"
   print(f"[generate] {len(requests)} requests ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "

@@ -102,6 +102,13 @@ def build_engine(model_dir: str, *, dtype, hisparse, max_running_requests: int, 
     raise StartupError(f"--model-path {model_dir!r}: cannot load the model: {type(e).__name__}: {e}") from None
 
 
+def check_max_seq_len(max_seq_len: int | None, model_cfg: DSAConfig) -> None:
+  """StartupError unless --max-seq-len is unset or in [1, the model's max_position_embeddings]."""
+  if max_seq_len is not None and not 1 <= max_seq_len <= model_cfg.max_position_embeddings:
+    raise StartupError(f"--max-seq-len {max_seq_len}: must be in [1, {model_cfg.max_position_embeddings}] "
+                       "(the model's max_position_embeddings)")
+
+
 def check_dtype(dtype: str | None) -> None:
   if dtype not in (None, "float32", "bfloat16"):
     raise StartupError(f"--dtype {dtype!r}: expected float32 or bfloat16")

@@ -167,7 +167,8 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
                   temperature=request.temperature, top_k=request.top_k,
                   top_p=request.top_p if request.top_p > 0 else 1.0,
                   seed=request.seed if request.HasField("seed") else None,
-                  stop_token_ids=tuple(request.stop_token_ids), stop=tuple(request.stop))
+                  stop_token_ids=tuple(request.stop_token_ids), stop=tuple(request.stop),
+                  ignore_eos=request.ignore_eos)
     try:
       self.engine.validate(req)
     except RequestError as e:

@@ -476,17 +476,23 @@ class DeepseekV32ForCausalLM(nnx.Module):
             x = jnp.take_along_axis(x, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)[:, 0]
         return self._logits(x), jnp.stack(lats), jnp.stack(iks)
 
-    def decode(self, tokens: jax.Array, seq_lens: jax.Array, cache: Any):
+    def decode(self, tokens: jax.Array, seq_lens: jax.Array, cache: Any, *, return_topk: bool = False):
         """One decode step. tokens: int32[B] (the newest token of each lane, at position seq_lens-1);
-        seq_lens: int32[B] (0 = inactive lane). Returns logits float32[B, V] and the updated cache."""
+        seq_lens: int32[B] (0 = inactive lane). Returns logits float32[B, V] and the updated cache;
+        with ``return_topk`` also the top-k positions every layer attended to, int32[L, B, index_topk]
+        (-1 = padding; a GLM shared layer repeats the top-k it borrowed)."""
         cfg = self.config
         seq_lens = seq_lens.astype(jnp.int32)
         pos = jnp.maximum(seq_lens - 1, 0)
         x = self._embed(tokens)  # [B, H]
         cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, pos)  # [B, dr/2]
         topk = None  # the top-k of the last layer with an indexer (GLM shared layers reuse it)
+        per_layer = []
         for l, layer in enumerate(self.layers):
             x, cache, topk = layer.decode(x, cos, sin, l, seq_lens, cache, topk)
+            per_layer.append(topk)
+        if return_topk:
+            return self._logits(x), cache, jnp.stack(per_layer)
         return self._logits(x), cache
 
 

@@ -12,6 +12,14 @@ from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _load_script(path):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], os.path.join(REPO, path))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
 def run(*args, timeout=300):
   return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
@@ -31,11 +39,25 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   out = tmp_path / "out.jsonl"
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(out), "--max-new-tokens", "6", "--enable-hisparse",
-          "--hisparse-config", json.dumps(TINY_HISPARSE))
+          "--hisparse-config", json.dumps(TINY_HISPARSE), "--dump-topk", str(tmp_path / "trace.npz"))
   assert r.returncode == 0, r.stderr
   res = [json.loads(l) for l in out.read_text().splitlines()]
   assert len(res) == 8
   assert len(res[0]["output_ids"]) == 6 and res[0]["misses"] > 0 and res[0]["hits"] > 0
+  # The recorded top-k trace, replayed through the real kernel and the Python LRU, gives exactly the
+  # misses the engine counted while decoding (same policy, same hot-buffer size, same accesses).
+  miss_rate = _load_script("benchmarks/miss_rate.py")
+  streams = miss_rate.load_recorded(str(tmp_path / "trace.npz"))
+  line1 = [s for s in streams if s[0].startswith("line 1 ")]
+  assert len(line1) == 3 and all(len(trace) == 5 and c == 38 for _, c, trace in line1)  # 3 layers, 5 decode steps
+  D = TINY_HISPARSE["device_buffer_size"]
+  replayed = sum(sum(miss_rate.replay_kernel_lru(trace, c, D)) for _, c, trace in line1)
+  assert replayed == res[0]["misses"]
+  assert sum(sum(miss_rate.replay_lru(trace, c, D)) for _, c, trace in line1) == replayed
+  # Every top-k of line 1 is distinct, in range and causal.
+  for _, c, trace in line1:
+    for t, topk in enumerate(trace):
+      assert len(set(topk.tolist())) == len(topk) and topk.min() >= 0 and topk.max() < c + t + 1
   assert res[5]["output_ids"] and len(res[5]["output_ids"]) <= 4
   assert "empty prompt" in res[1]["error"] and res[1]["code"] == "INVALID_ARGUMENT"
   assert "max_new_tokens must be >= 1" in res[2]["error"]
@@ -69,6 +91,8 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--host-pool", "extension"], "--host-pool extension was given without --enable-hisparse"),
     (["--enable-hisparse", "--hisparse-config", ""], "--hisparse-config: empty"),
     (["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 2000000000}'], "more than 80%"),
+    (["--max-seq-len", "513"], "--max-seq-len 513: must be in [1, 512]"),
+    (["--max-seq-len", "0"], "--max-seq-len 0: must be in [1, 512]"),
 ])
 def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message):
   if "--model-path" not in flags:
@@ -182,3 +206,11 @@ def test_server_bad_port_and_sigterm_exit_cleanly():
   finally:
     if proc.poll() is None:
       proc.kill()
+
+
+def test_generate_dump_topk_bad_path(tmp_path):
+  for path, message in ((str(tmp_path / "t.json"), "must end in .npz"),
+                        (str(tmp_path / "no" / "t.npz"), "No such file or directory")):
+    r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", os.devnull,
+            "--dump-topk", path, timeout=120)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr

@@ -166,3 +166,22 @@ def test_abort_right_after_admission_restores_baseline():
   eng.run()
   assert keep.output_ids == alone.output_ids
   assert eng.loads() == base
+
+
+def test_ignore_eos_generates_past_eos_and_engine_timings():
+  engine = Engine(tiny_model_dir(), max_running_requests=2)
+  first = Request("a", list(range(3, 20)), 6)
+  engine.submit(first)
+  engine.run()
+  assert len(first.output_ids) == 6 and first.finish_reason == "length"
+  # Make the model's 2nd generated token an EOS id: the same prompt now stops there, unless ignore_eos.
+  engine.eos_ids = frozenset({first.output_ids[1]})
+  stopped = Request("b", list(range(3, 20)), 6)
+  kept = Request("c", list(range(3, 20)), 6, ignore_eos=True)
+  engine.submit(stopped)
+  engine.submit(kept)
+  engine.run()
+  assert stopped.finish_reason == "stop" and stopped.output_ids == first.output_ids[:2]
+  assert kept.finish_reason == "length" and kept.output_ids == first.output_ids
+  # The engine's time split counts every decode step it ran (5 + 5, with requests b and c sharing them).
+  assert engine.decode_steps == 5 + 5 and engine.decode_seconds > 0 and engine.prefill_seconds > 0

@@ -1,0 +1,68 @@
+r"""Records the indexer's own top-k trace at the real HiSparse sizes, for ``miss_rate.py --trace``.
+
+  python benchmarks/record_trace.py [--prompt-tokens 8192] [--new-tokens 500] \
+      [--out benchmarks/results/topk_trace.npz]
+
+Model: ``bench_models.trace_model()`` (the default model's architecture with index_topk 2048 and 16k
+positions). Prompt: this repository's own text (README, then the Python sources), tokenized with the
+model's DeepSeek-V3 tokenizer and cut to --prompt-tokens. It runs the batch script as a user would
+(``python -m hisparse_jax.generate --dump-topk``), dense mode (the top-k does not depend on the KV
+cache mode: decoding is lossless), greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+
+def repo_text_ids(tokenizer, n: int) -> list[int]:
+  """The first n token ids of README.md followed by the repository's Python files (sorted)."""
+  files = [os.path.join(REPO, "README.md")] + sorted(
+      glob.glob(os.path.join(REPO, "hisparse_jax", "*.py")) + glob.glob(os.path.join(REPO, "models", "*.py")))
+  ids: list[int] = []
+  for path in files:
+    with open(path, encoding="utf-8") as f:
+      ids += tokenizer.encode(f.read(), add_special_tokens=False).ids
+    if len(ids) >= n:
+      return ids[:n]
+  raise ValueError(f"the repository text has only {len(ids)} tokens, fewer than {n}")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--prompt-tokens", type=int, default=8192)
+  ap.add_argument("--new-tokens", type=int, default=500)
+  ap.add_argument("--out", default=os.path.join(HERE, "results", "topk_trace.npz"))
+  args = ap.parse_args(argv)
+  import bench_models
+  from tokenizers import Tokenizer
+  model_dir = bench_models.trace_model()
+  tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+  ids = [0] + repo_text_ids(tok, args.prompt_tokens - 1)  # BOS + text
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with tempfile.TemporaryDirectory() as tmp:
+    prompts = os.path.join(tmp, "prompts.jsonl")
+    with open(prompts, "w") as f:
+      f.write(json.dumps({"input_ids": ids}) + "\n")
+    cmd = [sys.executable, "-m", "hisparse_jax.generate", "--model-path", model_dir, "--prompts", prompts,
+           "--max-new-tokens", str(args.new_tokens), "--max-running-requests", "1",
+           "--max-seq-len", str(args.prompt_tokens + args.new_tokens), "--dump-topk", args.out,
+           "--output", os.path.join(tmp, "out.jsonl")]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,58 @@
+"""The throughput benchmark and the recorded top-k trace run end to end in their quick modes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=600):
+  r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return r
+
+
+def test_throughput_quick(tmp_path):
+  out = tmp_path / "tp"
+  _run("benchmarks/throughput.py", "--quick", "--out", str(out))
+  res = json.loads((tmp_path / "tp.json").read_text())
+  new = res["new_tokens"]
+  for section in ("concurrency", "grpc", "context"):
+    points = res[section]
+    assert {p["mode"] for p in points} == {"dense", "hisparse"}
+    for p in points:
+      assert p["tokens"] == p["concurrency"] * new and p["tokens_per_s"] > 0 and p["decode_tokens_per_s"] > 0
+      assert 1 <= p["admitted"] <= p["lanes"] and p["ttft_mean_ms"] > 0
+  # The budget binds the dense baseline (4 requests of the sweep's context) but not HiSparse at 8.
+  at8 = {p["mode"]: p for p in res["concurrency"] if p["concurrency"] == 8}
+  assert at8["dense"]["admitted"] == 4 and at8["hisparse"]["admitted"] == 8
+  grpc8 = {p["mode"]: p for p in res["grpc"]}
+  assert grpc8["dense"]["admitted"] <= 4 < grpc8["hisparse"]["admitted"]
+  for row in res["overhead"]:
+    assert row["dense_step_ms"] > 0 and row["hisparse_step_ms"] > 0
+  assert (tmp_path / "tp.png").stat().st_size > 10_000 and "HiSparse/dense" in (tmp_path / "tp.md").read_text()
+
+
+def test_recorded_trace_replay(tmp_path):
+  """A real-size trace (top_k 2048) from the model's own indexer, replayed by the miss-rate script."""
+  trace = tmp_path / "trace.npz"
+  _run("benchmarks/record_trace.py", "--prompt-tokens", "2600", "--new-tokens", "4", "--out", str(trace))
+  z = np.load(trace)
+  steps = z["topk_1"]
+  assert steps.shape == (3, 4, 2048) and int(z["prompt_tokens_1"]) == 2600
+  for t in range(3):  # 2048 distinct causal positions per layer (the context is longer than top_k)
+    for layer in range(4):
+      row = steps[t, layer]
+      assert len(np.unique(row)) == 2048 and row.min() >= 0 and row.max() <= 2600 + t
+  _run("benchmarks/miss_rate.py", "--trace", str(trace), "--buffers", "2048,2560", "--out", str(tmp_path / "mr"))
+  data = json.loads((tmp_path / "mr.json").read_text())
+  assert data["streams"] == 4
+  m = data["misses"]
+  for D in (2048, 2560):
+    assert m[f"lru@{D}"] == m[f"lru-kernel@{D}"]
+    assert sum(m[f"belady@{D}"]) <= sum(m[f"lru@{D}"])
+  assert sum(m["lru@2560"]) <= sum(m["lru@2048"]) and sum(m["lru@2048"]) > 0

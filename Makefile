@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # The transformers oracle (test-only) runs on CPU torch 2.13.0 in its own Python 3.11 venv.
 ORACLE_PKGS := torch==2.13.0 transformers==5.24.0 safetensors numpy
 
-.PHONY: demo test test-fast test-asan oracle proto clean
+.PHONY: demo test test-fast test-asan oracle proto bench clean
 
 $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
 	@py=""; for c in python3.12 python3.13 python3.14 python3; do \
@@ -40,6 +40,19 @@ test: $(VENV)/.installed $(ORACLE_VENV)/.installed
 # Everything but the transformers oracle comparison.
 test-fast: $(VENV)/.installed
 	env -u CI HISPARSE_ORACLE_PYTHON=/nonexistent $(PY) -m pytest -q tests
+
+# Every benchmark of BENCHMARKS.md, results in benchmarks/results/ (about 20 minutes on 2 cores).
+RESULTS := benchmarks/results
+bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
+	@start=$$(date +%s); set -e; \
+	$(PY) benchmarks/swap_in.py --json $(RESULTS)/swap_in_cpu.json; \
+	$(PY) benchmarks/miss_rate.py --out $(RESULTS)/miss_rate; \
+	$(PY) benchmarks/miss_rate.py --context 65536 --steps 500 --out $(RESULTS)/miss_rate_64k; \
+	$(PY) benchmarks/record_trace.py --out $(RESULTS)/topk_trace.npz; \
+	$(PY) benchmarks/miss_rate.py --trace $(RESULTS)/topk_trace.npz --out $(RESULTS)/miss_rate_recorded; \
+	$(PY) benchmarks/throughput.py --out $(RESULTS)/throughput; \
+	$(PY) benchmarks/vs_transformers.py --out $(RESULTS)/vs_transformers; \
+	echo "make bench: $$(( $$(date +%s) - start )) s"
 
 proto: $(VENV)/.installed
 	$(PIP) install 'grpcio-tools==1.85.1'

@@ -4,8 +4,9 @@ r"""Throughput of dense vs HiSparse decoding under one fixed device KV budget.
       [--out benchmarks/results/throughput]
 
 Model: ``bench_models.serving_model()`` (DeepSeek-V3.2 architecture, float32, latent row 8.25x its
-indexer key as in the real model) with HiSparse top_k 32, hot buffer D = 64, host ratio 8: the
-HiSparse configuration (2048 / 4096 / 8) scaled by 1/64, so a context of 512 tokens stands for 32k.
+indexer key as in the real model) with ``bench_models.SERVING_HISPARSE``: top_k 32, hot buffer
+D = 64, the HiSparse configuration (2048 / 4096) scaled by 1/64, so a context of 512 tokens stands
+for 32k; host ratio 16 so the host pool never caps admission.
 
 Device KV budget: 4 x the device KV bytes of one dense request of the concurrency sweep's full
 context (prompt 480 + 32 new tokens), i.e. the dense baseline fits only 4 such requests. A request's
@@ -49,19 +50,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MODES = ("dense", "hisparse")
 PROMPT, NEW = 480, 32  # the concurrency sweep's request: context 512 = 8 x D
 DENSE_FITS = 4
+MAX_ENGINES = 12
 
 
 class Bench:
   """Engines of both modes on one model and budget, built once per lane count and warmed up."""
 
-  def __init__(self, hisparse: dict, max_seq_len: int):
+  def __init__(self, hisparse: dict):
     import bench_models
     from hisparse_jax.config import HiSparseConfig
     self.model_dir = bench_models.serving_model()
     self.hisparse = HiSparseConfig(**hisparse)
-    self.max_seq_len = max_seq_len
     self._engines = {}
-    self.budget = DENSE_FITS * self.engine("dense", 1).device_kv_bytes(self.request(PROMPT, NEW))
+    self.budget = None
+    self.budget = DENSE_FITS * self.engine("dense", 1, PROMPT + NEW).device_kv_bytes(self.request(PROMPT, NEW))
     self._engines.clear()  # that probe engine had no budget
 
   def request(self, prompt_len: int, new: int, rid: str = "r", seed: int = 0):
@@ -71,17 +73,21 @@ class Bench:
 
   def fits(self, mode: str, prompt_len: int, new: int) -> int:
     """How many requests of this size the budget admits in this mode."""
-    need = self.engine(mode, 1).device_kv_bytes(self.request(prompt_len, new))
+    # device_kv_bytes depends on the request, not on the engine's lanes or max_seq_len.
+    need = self.engine(mode, 1, PROMPT + NEW).device_kv_bytes(self.request(prompt_len, new))
     return self.budget // need
 
-  def engine(self, mode: str, lanes: int):
+  def engine(self, mode: str, lanes: int, max_seq_len: int):
+    """The engine of this mode with `lanes` decode lanes sized for `max_seq_len`-token requests (every
+    decode step scores max_seq_len indexer positions: fixed shapes), built on first use."""
     from hisparse_jax.engine import Engine
-    key = (mode, lanes)
+    key = (mode, lanes, max_seq_len)
     if key not in self._engines:
-      budget = getattr(self, "budget", None)
+      if len(self._engines) >= MAX_ENGINES:  # each holds its own copy of the weights (~0.3 GB)
+        self._engines.pop(next(iter(self._engines)))
       self._engines[key] = Engine(self.model_dir, hisparse=self.hisparse if mode == "hisparse" else None,
-                                  max_running_requests=lanes, max_seq_len=self.max_seq_len,
-                                  max_device_kv_bytes=budget)
+                                  max_running_requests=lanes, max_seq_len=max_seq_len,
+                                  max_device_kv_bytes=self.budget)
     return self._engines[key]
 
   def warm(self, engine, prompt_len: int, new: int) -> None:
@@ -104,7 +110,7 @@ def _summary(wall, ttft, tokens, peak, engine) -> dict:
 def run_engine_point(bench: Bench, mode: str, concurrency: int, prompt_len: int, new: int) -> dict:
   """C requests submitted at once straight to the engine; returns the point's numbers."""
   lanes = max(1, min(concurrency, bench.fits(mode, prompt_len, new)))
-  engine = bench.engine(mode, lanes)
+  engine = bench.engine(mode, lanes, prompt_len + new)
   bench.warm(engine, prompt_len, new)
   first = {}
   reqs = []
@@ -130,7 +136,7 @@ def run_grpc_point(bench: Bench, mode: str, concurrency: int, prompt_len: int, n
   """C concurrent streaming Generate calls from a load-generator subprocess to a server in this process."""
   from hisparse_jax import server as srv
   lanes = max(1, min(concurrency, bench.fits(mode, prompt_len, new)))
-  engine = bench.engine(mode, lanes)
+  engine = bench.engine(mode, lanes, prompt_len + new)
   bench.warm(engine, prompt_len, new)
   peak = [0]
   stop = threading.Event()
@@ -194,7 +200,7 @@ def run_overhead(bench: Bench, prompts: list[int], new: int) -> list[dict]:
   for prompt_len in prompts:
     steps = {}
     for mode in MODES:
-      engine = bench.engine(mode, 1)
+      engine = bench.engine(mode, 1, prompt_len + new)
       bench.warm(engine, prompt_len, new)
       times = []
       for rep in range(3):
@@ -281,7 +287,7 @@ def main(argv=None) -> int:
     args.concurrency, args.grpc_concurrency, args.contexts, new = "1,8", "8", "128,512", 4
   sections = args.sections.split(",")
   t_start = time.perf_counter()
-  bench = Bench(hisparse, max_seq_len=max(int(c) for c in args.contexts.split(",")))
+  bench = Bench(hisparse)
   results = dict(machine=dict(cpus=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend()),
                  hisparse=hisparse, budget_bytes=bench.budget, prompt=PROMPT, new_tokens=new)
   if "concurrency" in sections:

@@ -47,3 +47,20 @@ def test_miss_rate_quick(tmp_path):
       assert sum(data[f"belady@{D}"]) <= sum(data[f"{p}@{D}"])
   assert sum(data["belady@256"]) <= sum(data["belady@128"])
   assert (tmp_path / "mr.png").stat().st_size > 10_000 and "| 256 |" in (tmp_path / "mr.md").read_text()
+
+
+def test_vs_transformers_quick(tmp_path):
+  from tests.oracle_runner import require_oracle
+
+  require_oracle()
+  out = tmp_path / "vs"
+  r = subprocess.run([sys.executable, "benchmarks/vs_transformers.py", "--quick", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1: first tokens differ
+  report = json.loads((tmp_path / "vs.json").read_text())
+  assert report["first_token_ok"] and set(report["rows"]) == {"1", "2"}
+  for b, row in report["rows"].items():
+    assert row["ours_tok_s"] > 0 and row["transformers_tok_s"] > 0
+    assert row["first_token_agree"] == int(b)  # against transformers with our top-k tie-break
+    assert all(len(ids) == 8 for ids in report["ours"][b]["ids"] + report["transformers"]["batches"][b]["ids"])
+  assert "| 2 |" in (tmp_path / "vs.md").read_text()

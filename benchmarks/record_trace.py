@@ -4,8 +4,9 @@ r"""Records the indexer's own top-k trace at the real HiSparse sizes, for ``miss
       [--out benchmarks/results/topk_trace.npz]
 
 Model: ``bench_models.trace_model()`` (the default model's architecture with index_topk 2048 and 16k
-positions). Prompt: this repository's own text (README, then the Python sources), tokenized with the
-model's DeepSeek-V3 tokenizer and cut to --prompt-tokens. It runs the batch script as a user would
+positions). Prompt: text that does not change with this repository: the running interpreter's
+standard-library ``argparse.py`` then ``textwrap.py``, tokenized with the model's DeepSeek-V3
+tokenizer and cut to --prompt-tokens, after the BOS id. It runs the batch script as a user would
 (``python -m hisparse_jax.generate --dump-topk``), dense mode (the top-k does not depend on the KV
 cache mode: decoding is lossless), greedy.
 """
@@ -13,11 +14,11 @@ cache mode: decoding is lossless), greedy.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
 import sys
+import sysconfig
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,17 +27,17 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 
-def repo_text_ids(tokenizer, n: int) -> list[int]:
-  """The first n token ids of README.md followed by the repository's Python files (sorted)."""
-  files = [os.path.join(REPO, "README.md")] + sorted(
-      glob.glob(os.path.join(REPO, "hisparse_jax", "*.py")) + glob.glob(os.path.join(REPO, "models", "*.py")))
+def prompt_text_ids(tokenizer, n: int) -> list[int]:
+  """The first n token ids of the standard library's argparse.py followed by textwrap.py."""
+  stdlib = sysconfig.get_paths()["stdlib"]
+  files = [os.path.join(stdlib, name) for name in ("argparse.py", "textwrap.py")]
   ids: list[int] = []
   for path in files:
     with open(path, encoding="utf-8") as f:
       ids += tokenizer.encode(f.read(), add_special_tokens=False).ids
     if len(ids) >= n:
       return ids[:n]
-  raise ValueError(f"the repository text has only {len(ids)} tokens, fewer than {n}")
+  raise ValueError(f"the prompt text has only {len(ids)} tokens, fewer than {n}")
 
 
 def main(argv=None) -> int:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
   from tokenizers import Tokenizer
   model_dir = bench_models.trace_model()
   tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-  ids = [0] + repo_text_ids(tok, args.prompt_tokens - 1)  # BOS + text
+  ids = [0] + prompt_text_ids(tok, args.prompt_tokens - 1)  # BOS + text
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with tempfile.TemporaryDirectory() as tmp:
     prompts = os.path.join(tmp, "prompts.jsonl")

@@ -84,17 +84,37 @@ def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sink
 
 def load_recorded(path: str):
   """Streams of a ``--dump-topk`` file: list of (name, context, trace), one per (request, layer);
-  trace = list of int32 arrays (the step's top-k positions without the -1 padding)."""
-  z = np.load(path)
+  trace = list of int32 arrays (the step's top-k positions without the -1 padding).
+
+  Requests without decode steps (max_new_tokens 1, or EOS at once) have nothing to replay and are
+  skipped. Raises ValueError for a file that is not such a trace.
+  """
+  try:
+    with open(path, "rb") as f:
+      magic = f.read(4)
+  except OSError as e:
+    raise ValueError(f"{path}: {e.strerror}") from None
+  if magic != b"PK\x03\x04":  # .npz files are zip archives
+    raise ValueError(f"{path}: not an .npz archive (write one with --dump-topk)")
+  try:
+    z = np.load(path, allow_pickle=False)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{path}: not a readable .npz trace ({e})") from None
   streams = []
-  for key in sorted((k for k in z.files if k.startswith("topk_")), key=lambda k: int(k[5:])):
+  keys = [k for k in z.files if k.startswith("topk_")]
+  if not keys or not all(k[5:].isdigit() and f"prompt_tokens_{k[5:]}" in z.files for k in keys):
+    raise ValueError(f"{path}: expected topk_<line> and prompt_tokens_<line> arrays (from --dump-topk), "
+                     f"found {sorted(z.files)[:6]}")
+  for key in sorted(keys, key=lambda k: int(k[5:])):
     line = key[5:]
     steps = z[key]  # [steps, L, K]
+    if steps.ndim != 3 or not np.issubdtype(steps.dtype, np.integer):
+      raise ValueError(f"{path}: {key} must be an integer array [steps, layers, top_k], got {steps.dtype}{steps.shape}")
     context = int(z[f"prompt_tokens_{line}"])
-    for layer in range(steps.shape[1]):
+    for layer in range(steps.shape[1] if len(steps) else 0):
       streams.append((f"line {line} layer {layer}", context, [t[t >= 0] for t in steps[:, layer]]))
   if not streams:
-    raise ValueError(f"{path}: no topk_<line> arrays")
+    raise ValueError(f"{path}: no request has a decode step to replay")
   return streams
 
 
@@ -239,6 +259,17 @@ POLICIES = {"lru-kernel": replay_kernel_lru, "lru": replay_lru, "fifo": replay_f
             "lfu": replay_lfu, "belady": replay_belady}
 
 
+def _positive_ints(text: str) -> list[int]:
+  """argparse type: "2048,4096" -> [2048, 4096] (distinct positive integers, sorted)."""
+  try:
+    values = sorted({int(x) for x in text.split(",")})
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if not values or values[0] <= 0:
+    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+  return values
+
+
 def _mean_curve(per_stream):
   """Per-step mean over streams (streams may differ in length: each step averages those that have it)."""
   n = max(len(m) for m in per_stream)
@@ -254,17 +285,22 @@ def main(argv=None) -> int:
   ap.add_argument("--context", type=int, default=16384)
   ap.add_argument("--steps", type=int, default=1000)
   ap.add_argument("--top-k", type=int, default=2048)
-  ap.add_argument("--buffers", default="2048,4096,6144")
+  ap.add_argument("--buffers", default="2048,4096,6144", type=_positive_ints,
+                  help="hot-buffer sizes D (comma-separated, each >= top_k)")
   ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead of the synthetic trace")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "miss_rate"))
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   args = ap.parse_args(argv)
   if args.quick and args.trace is None:
-    args.context, args.steps, args.top_k, args.buffers = 1024, 40, 128, "128,256"
-  buffers = [int(x) for x in args.buffers.split(",")]
+    args.context, args.steps, args.top_k, args.buffers = 1024, 40, 128, [128, 256]
+  buffers = args.buffers
   t0 = time.perf_counter()
   if args.trace is not None:
-    streams = load_recorded(args.trace)
+    try:
+      streams = load_recorded(args.trace)
+    except ValueError as e:
+      print(f"error: --trace {e}", file=sys.stderr)
+      return 2
     top_k = max(max((len(t) for t in tr), default=0) for _, _, tr in streams)
     contexts = sorted({c for _, c, _ in streams})
     steps = max(len(tr) for _, _, tr in streams)
@@ -274,6 +310,10 @@ def main(argv=None) -> int:
     streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]
     top_k, steps = args.top_k, args.steps
     source = f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k}"
+  if min(buffers) < top_k:
+    print(f"error: --buffers: every hot-buffer size must be >= top_k ({top_k}); got {min(buffers)}",
+          file=sys.stderr)
+    return 2
   per_stream = {}  # "policy@D" -> list over streams of misses per step
   for D in buffers:
     for name, fn in POLICIES.items():
@@ -304,7 +344,7 @@ def main(argv=None) -> int:
   fig, ax = plt.subplots(figsize=(10, 5))
   w = max(1, min(100, steps))
   colors = dict(zip([p for p in POLICIES if p != "lru-kernel"], plt.get_cmap("tab10").colors))
-  styles = dict(zip(buffers, ["-", "--", ":", "-."]))
+  styles = {D: ["-", "--", ":", "-."][i % 4] for i, D in enumerate(buffers)}
   for key, m in results.items():
     policy, D = key.split("@")
     if policy == "lru-kernel":  # identical to lru (checked above)

@@ -265,13 +265,37 @@ def _plot(results: dict, path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+SECTIONS = ("concurrency", "grpc", "context", "overhead")
+
+
+def _positive_ints(text: str) -> list[int]:
+  """argparse type: "1,4,16" -> [1, 4, 16] (positive integers, in the given order)."""
+  try:
+    values = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if min(values) <= 0:
+    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+  return values
+
+
+def _sections(text: str) -> list[str]:
+  names = [x.strip() for x in text.split(",") if x.strip()]
+  bad = [x for x in names if x not in SECTIONS]
+  if bad or not names:
+    raise argparse.ArgumentTypeError(f"unknown section(s) {bad or [text]}; choose from {','.join(SECTIONS)}")
+  return names
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="a few small points (CI smoke)")
-  ap.add_argument("--sections", default="concurrency,grpc,context,overhead")
-  ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
-  ap.add_argument("--grpc-concurrency", default="1,4,16,64,256")
-  ap.add_argument("--contexts", default="128,256,512,1024")
+  ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections,
+                  help=f"comma-separated subset of {','.join(SECTIONS)}")
+  ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", type=_positive_ints)
+  ap.add_argument("--grpc-concurrency", default="1,4,16,64,256", type=_positive_ints)
+  ap.add_argument("--contexts", default="128,256,512,1024", type=_positive_ints,
+                  help=f"request contexts in tokens (each > {NEW}, the new tokens per request)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "throughput"))
   ap.add_argument("--load-generator", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--new", type=int, default=NEW, help=argparse.SUPPRESS)
@@ -284,27 +308,29 @@ def main(argv=None) -> int:
   hisparse = bench_models.SERVING_HISPARSE
   new = NEW
   if args.quick:
-    args.concurrency, args.grpc_concurrency, args.contexts, new = "1,8", "8", "128,512", 4
-  sections = args.sections.split(",")
+    args.concurrency, args.grpc_concurrency, args.contexts, new = [1, 8], [8], [128, 512], 4
+  if min(args.contexts) <= NEW:
+    ap.error(f"--contexts: each context must be > {NEW} (prompt + {NEW} new tokens)")
+  sections = args.sections
   t_start = time.perf_counter()
   bench = Bench(hisparse)
   results = dict(machine=dict(cpus=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend()),
                  hisparse=hisparse, budget_bytes=bench.budget, prompt=PROMPT, new_tokens=new)
   if "concurrency" in sections:
     results["concurrency"] = []
-    for c in map(int, args.concurrency.split(",")):
+    for c in args.concurrency:
       for mode in MODES:
         results["concurrency"].append(run_engine_point(bench, mode, c, PROMPT, new))
         print(f"engine C={c} {mode}: {results['concurrency'][-1]['tokens_per_s']:.1f} tok/s", flush=True)
   if "grpc" in sections:
     results["grpc"] = []
-    for c in map(int, args.grpc_concurrency.split(",")):
+    for c in args.grpc_concurrency:
       for mode in MODES:
         results["grpc"].append(run_grpc_point(bench, mode, c, PROMPT, new))
         print(f"grpc C={c} {mode}: {results['grpc'][-1]['tokens_per_s']:.1f} tok/s", flush=True)
   if "context" in sections:
     results["context"] = []
-    for ctx in map(int, args.contexts.split(",")):
+    for ctx in args.contexts:
       for mode in MODES:
         results["context"].append(run_engine_point(bench, mode, 8 if args.quick else 32, ctx - new, new))
         print(f"context {ctx} {mode}: {results['context'][-1]['tokens_per_s']:.1f} tok/s", flush=True)

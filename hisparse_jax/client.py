@@ -67,6 +67,10 @@ def main(argv):
   del argv
   if (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
     sys.exit("error: give exactly one of --text or --input-ids")
+  try:
+    stop_token_ids = [int(x) for x in FLAGS["stop-token-ids"].value]
+  except ValueError:
+    sys.exit("error: --stop-token-ids must be integers")
   ids = None
   if FLAGS["input-ids"].value is not None:
     try:
@@ -83,7 +87,7 @@ def main(argv):
     streamed = False
     try:
       sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS["top-p"].value, top_k=FLAGS["top-k"].value,
-                      stop=FLAGS.stop, stop_token_ids=[int(x) for x in FLAGS["stop-token-ids"].value],
+                      stop=FLAGS.stop, stop_token_ids=stop_token_ids,
                       ignore_eos=FLAGS["ignore-eos"].value)
       if FLAGS.seed is not None:
         sampling["seed"] = FLAGS.seed

@@ -21,7 +21,9 @@ step of every layer: for input line N, ``topk_N`` int32[steps, layers, index_top
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
 
 from absl import app, flags, logging
@@ -74,6 +76,21 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
   return ids, max_new
 
 
+def _check_dump_path(dump: str) -> None:
+  """StartupError unless --dump-topk names a new or replaceable .npz file in a writable folder
+  (checked with a scratch file: an existing trace is left untouched until the new one is written)."""
+  from hisparse_jax import launch
+  if not dump.endswith(".npz") or os.path.basename(dump) == ".npz":
+    raise launch.StartupError(f"--dump-topk {dump!r}: the file name must end in .npz")
+  if os.path.isdir(dump):
+    raise launch.StartupError(f"--dump-topk {dump!r}: is a directory")
+  try:
+    with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(dump))):
+      pass
+  except OSError as e:
+    raise launch.StartupError(f"--dump-topk {dump!r}: {e.strerror}") from None
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -98,12 +115,7 @@ def main(argv):
       raise launch.StartupError(f"--output {FLAGS.output!r}: {e}") from None
     dump = FLAGS["dump-topk"].value
     if dump is not None:
-      if not dump.endswith(".npz"):
-        raise launch.StartupError(f"--dump-topk {dump!r}: the file name must end in .npz")
-      try:
-        open(dump, "wb").close()
-      except OSError as e:
-        raise launch.StartupError(f"--dump-topk {dump!r}: {e}") from None
+      _check_dump_path(dump)
     tokenizer = launch.load_tokenizer_or_fail(model_dir)
     engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
                                  max_running_requests=FLAGS["max-running-requests"].value,
@@ -158,7 +170,15 @@ def main(argv):
       steps = np.stack(req.topk_trace) if req.topk_trace else np.zeros((0, L, K), np.int32)
       arrays[f"topk_{lineno}"] = steps.astype(np.int32)
       arrays[f"prompt_tokens_{lineno}"] = np.int64(len(req.prompt_ids))
-    np.savez_compressed(dump, **arrays)
+    # Written next to the target, then renamed: an existing trace is replaced whole or not at all.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dump)), suffix=".npz")
+    try:
+      with os.fdopen(fd, "wb") as f:
+        np.savez_compressed(f, **arrays)
+      os.replace(tmp, dump)
+    except BaseException:
+      os.unlink(tmp)
+      raise
     print(f"[generate] top-k trace of {len(requests)} requests written to {dump}", file=sys.stderr)
   n_tokens = sum(len(r.output_ids) for _, r in requests)
   mode = f"hisparse, host pool: {FLAGS['host-pool'].value}" if hisparse else "dense"

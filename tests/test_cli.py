@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -209,8 +210,21 @@ def test_server_bad_port_and_sigterm_exit_cleanly():
 
 
 def test_generate_dump_topk_bad_path(tmp_path):
+  (tmp_path / "d.npz").mkdir()
   for path, message in ((str(tmp_path / "t.json"), "must end in .npz"),
-                        (str(tmp_path / "no" / "t.npz"), "No such file or directory")):
+                        (str(tmp_path / "no" / "t.npz"), "No such file or directory"),
+                        (str(tmp_path / "d.npz"), "is a directory")):
     r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", os.devnull,
             "--dump-topk", path, timeout=120)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+  # A start-up that fails (here: a model that cannot be loaded) leaves an existing trace as it was.
+  keep = tmp_path / "keep.npz"
+  keep.write_bytes(b"PK\x03\x04 an earlier trace")
+  bad_model = tmp_path / "model"
+  bad_model.mkdir()
+  (bad_model / "config.json").write_text((pathlib.Path(tiny_model_dir()) / "config.json").read_text())
+  (bad_model / "model.safetensors").write_bytes(b"truncated")
+  r = run("-m", "hisparse_jax.generate", "--model-path", str(bad_model), "--prompts", os.devnull,
+          "--dump-topk", str(keep), timeout=120)
+  assert r.returncode != 0 and "Traceback" not in r.stderr
+  assert keep.read_bytes() == b"PK\x03\x04 an earlier trace"

@@ -56,3 +56,22 @@ def test_recorded_trace_replay(tmp_path):
     assert m[f"lru@{D}"] == m[f"lru-kernel@{D}"]
     assert sum(m[f"belady@{D}"]) <= sum(m[f"lru@{D}"])
   assert sum(m["lru@2560"]) <= sum(m["lru@2048"]) and sum(m["lru@2048"]) > 0
+
+
+def test_benchmark_scripts_refuse_bad_input(tmp_path):
+  def fails(args, message):
+    r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+  np.savez(tmp_path / "none.npz", topk_1=np.zeros((0, 3, 8), np.int32), prompt_tokens_1=np.int64(5))
+  np.savez(tmp_path / "other.npz", x=np.zeros(3))
+  (tmp_path / "text.npz").write_text("not a trace")
+  mr = "benchmarks/miss_rate.py"
+  fails([mr, "--trace", str(tmp_path / "none.npz")], "no request has a decode step to replay")
+  fails([mr, "--trace", str(tmp_path / "other.npz")], "expected topk_<line> and prompt_tokens_<line>")
+  fails([mr, "--trace", str(tmp_path / "text.npz")], "not an .npz archive")
+  fails([mr, "--trace", str(tmp_path / "missing.npz")], "No such file or directory")
+  fails([mr, "--buffers", "8,abc"], "expected comma-separated integers")
+  fails([mr, "--top-k", "128", "--buffers", "64"], "must be >= top_k (128)")
+  fails(["benchmarks/throughput.py", "--sections", "foo"], "unknown section(s) ['foo']")
+  fails(["benchmarks/throughput.py", "--concurrency", "0"], "expected positive integers")

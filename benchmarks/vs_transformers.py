@@ -13,9 +13,9 @@ ignored on both sides).
   ours          ``Engine(model_dir, dtype="float32", max_running_requests=B)`` (dense KV cache),
                 B ``Request(..., ignore_eos=True)`` submitted, then the engine stepped until done
                 (what ``Engine.run`` does; each step is timed too). Its KV cache and indexer keys
-                span ``--max-seq-len`` positions (default: prompt + new tokens, the context this
-                job needs, as a user sets ``--max-seq-len``); every decode step scores all of them
-                (fixed shapes), while transformers' cache grows with the tokens so far.
+                span ``--max-seq-len`` positions (default: the engine's own, 4096 for this model); a
+                decode step's indexer scores a power-of-two window covering the longest request
+                (at least 256 positions), while transformers' cache grows with the tokens so far.
   transformers  ``benchmarks/hf_generate_timing.py`` in the oracle env (``.venv-oracle``, or
                 ``$HISPARSE_ORACLE_PYTHON``): ``AutoModelForCausalLM.from_pretrained(dtype=float32)``,
                 eval, ``torch.inference_mode()``, ``generate(do_sample=False, max_new_tokens=N,
@@ -172,14 +172,12 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
   ap.add_argument("--max-seq-len", type=int, default=None,
-                  help="our Engine's max_seq_len (default: prompt length + new tokens)")
+                  help="our Engine's max_seq_len (default: the engine's own)")
   ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "vs_transformers"))
   ap.add_argument("--quick", action="store_true", help="batches 1,2, 8 new tokens, 1 repeat (CI smoke)")
   args = ap.parse_args(argv)
   if args.quick:
     args.batches, args.new_tokens, args.repeats = "1,2", 8, 1
-  if args.max_seq_len is None:
-    args.max_seq_len = args.prompt_len + args.new_tokens
   if not os.path.exists(ORACLE_PYTHON):
     print(f"error: oracle python {ORACLE_PYTHON} does not exist (set HISPARSE_ORACLE_PYTHON; "
           "`make test` creates .venv-oracle)", file=sys.stderr)

@@ -9,7 +9,8 @@ One engine owns the model, the KV cache (``kv_cache.DenseKVCache`` or
      power-of-two bucket), which also yields its first token;
   2. runs one jitted decode step for all lanes at a fixed batch shape (idle
      lanes have seq_len 0 and cost no swap-in I/O), so a request's numerics do
-     not depend on its neighbours;
+     not depend on its neighbours; the indexer scores only a power-of-two window
+     covering the longest running sequence, not all max_seq_len positions;
   3. finishes requests on an EOS id or at max_new_tokens and frees their lane
      and pages. The freed pages are reused only by later calls, which XLA
      orders after every call that could still write them (the cache is one
@@ -44,6 +45,8 @@ from models.convert import load_model
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_BUCKET = 16
+# Smallest indexer window of a decode step (tokens); see Engine._index_window.
+MIN_INDEX_WINDOW = 256
 DEFAULT_MAX_SEQ_LEN = 4096
 # Host-pool allocation granularity (tokens per page).
 HOST_PAGE_SIZE = 16
@@ -177,9 +180,10 @@ class Engine:
     self.decode_seconds = 0.0
     self.decode_steps = 0
 
-    @functools.partial(jax.jit, donate_argnums=(3,))
-    def decode(state, tokens, seq_lens, cache, params):
-      out = nnx.merge(graphdef, state).decode(tokens, seq_lens, cache, return_topk=record_topk)
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("index_len",))
+    def decode(state, tokens, seq_lens, cache, params, index_len):
+      out = nnx.merge(graphdef, state).decode(tokens, seq_lens, cache, return_topk=record_topk,
+                                              index_len=index_len)
       return sample(out[0], *params, seq_lens), *out[1:]
 
     @functools.partial(jax.jit, donate_argnums=(3,))
@@ -296,6 +300,13 @@ class Engine:
   def _pages_needed(self, req: Request) -> int:
     return math.ceil((len(req.prompt_ids) + req.max_new_tokens) / HOST_PAGE_SIZE)
 
+  def _index_window(self) -> int:
+    """Indexer positions this decode step scores: the longest running sequence rounded up to a power
+    of two, at least MIN_INDEX_WINDOW, at most max_seq_len (one compiled decode step per window;
+    the top-k does not depend on it, so neither do the tokens)."""
+    n = int(self._seq_lens.max())
+    return min(self.max_seq_len, max(MIN_INDEX_WINDOW, 1 << max(n - 1, 0).bit_length()))
+
   def _bucket(self, n: int) -> int:
     return min(max(MIN_PREFILL_BUCKET, 1 << (n - 1).bit_length()), self.max_seq_len)
 
@@ -310,7 +321,8 @@ class Engine:
     if any(r is not None for r in self._lanes):
       self.decode_steps += 1
       tokens, self.cache, *topk = self._decode(self._state, jnp.asarray(self._next),
-                                               jnp.asarray(self._seq_lens), self.cache, self._sampling_params())
+                                               jnp.asarray(self._seq_lens), self.cache, self._sampling_params(),
+                                               index_len=self._index_window())
       tokens = np.asarray(tokens)
       if topk:
         topk = np.asarray(topk[0])  # [L, B, K]

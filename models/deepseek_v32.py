@@ -308,9 +308,10 @@ class MLAttention(nnx.Module):
         o = _einsum("bhst,bthd->bshd", p, v).reshape(B, S, self.n_heads * self.dv)
         return self.o_proj(o), lat, ikeys, mask
 
-    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None):
+    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None, index_len=None):
         """x: [B, H] (one new token per lane at position seq_lens-1); cos/sin: [B, dr/2]; prev_topk:
-        int32[B, K], the previous layer's top-k (used, and required, only when this layer has no indexer).
+        int32[B, K], the previous layer's top-k (used, and required, only when this layer has no indexer);
+        index_len: static, score only the first index_len cached indexer keys (>= every seq_len; None: all).
         Uses the KV-cache protocol (append -> index_keys -> indexer top-k -> gather) and absorbed MLA.
         Returns out [B, H], cache, this layer's top-k int32[B, K]."""
         B = x.shape[0]
@@ -320,6 +321,8 @@ class MLAttention(nnx.Module):
             ikey = self.indexer.keys(x, cos, sin)  # [B, Di]
             cache = cache.append(layer, seq_lens, lat, ikey)
             keys = cache.index_keys(layer)  # float32[B, T, Di]
+            if index_len is not None:
+                keys = keys[:, :index_len]
             topk = self.indexer.decode_topk(x, q_resid, cos, sin, keys, seq_lens)  # int32[B, K]
         else:
             if prev_topk is None:
@@ -419,8 +422,9 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, lat, ik, mask
 
-    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None):
-        a, cache, topk = self.self_attn.decode(self.input_layernorm(x), cos, sin, layer, seq_lens, cache, prev_topk)
+    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None, index_len=None):
+        a, cache, topk = self.self_attn.decode(self.input_layernorm(x), cos, sin, layer, seq_lens, cache, prev_topk,
+                                               index_len)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache, topk
@@ -476,11 +480,14 @@ class DeepseekV32ForCausalLM(nnx.Module):
             x = jnp.take_along_axis(x, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)[:, 0]
         return self._logits(x), jnp.stack(lats), jnp.stack(iks)
 
-    def decode(self, tokens: jax.Array, seq_lens: jax.Array, cache: Any, *, return_topk: bool = False):
+    def decode(self, tokens: jax.Array, seq_lens: jax.Array, cache: Any, *, return_topk: bool = False,
+               index_len: int | None = None):
         """One decode step. tokens: int32[B] (the newest token of each lane, at position seq_lens-1);
         seq_lens: int32[B] (0 = inactive lane). Returns logits float32[B, V] and the updated cache;
         with ``return_topk`` also the top-k positions every layer attended to, int32[L, B, index_topk]
-        (-1 = padding; a GLM shared layer repeats the top-k it borrowed)."""
+        (-1 = padding; a GLM shared layer repeats the top-k it borrowed). ``index_len`` (static): the
+        indexer scores only the first index_len cached positions, which must cover every seq_len; the
+        top-k, and so the logits, are the same as with all positions (masked positions never win)."""
         cfg = self.config
         seq_lens = seq_lens.astype(jnp.int32)
         pos = jnp.maximum(seq_lens - 1, 0)
@@ -489,7 +496,7 @@ class DeepseekV32ForCausalLM(nnx.Module):
         topk = None  # the top-k of the last layer with an indexer (GLM shared layers reuse it)
         per_layer = []
         for l, layer in enumerate(self.layers):
-            x, cache, topk = layer.decode(x, cos, sin, l, seq_lens, cache, topk)
+            x, cache, topk = layer.decode(x, cos, sin, l, seq_lens, cache, topk, index_len)
             per_layer.append(topk)
         if return_topk:
             return self._logits(x), cache, jnp.stack(per_layer)

@@ -151,3 +151,47 @@ def test_edge_lengths_equal_dense(engines, device_buffer_size):
   got = run(hs, ps, max_new=4)
   assert [r.output_ids for r in got] == want
   assert any(r.misses > 0 for r in got)
+
+
+def test_indexer_window_gives_bitwise_equal_logits():
+  """Scoring only a window of the cached indexer keys (index_len) changes nothing: same top-k, same logits."""
+  cfg, model = load_hf(tiny_model_dir())
+  graphdef, state = nnx.split(model)
+  B = len(PROMPT_LENS)
+  dense, _ = make_caches(cfg, B)
+  dense_w, _ = make_caches(cfg, B)
+
+  @functools.partial(jax.jit, donate_argnums=(2,))
+  def prefill(state, tokens, cache, lane):
+    _, latents, keys = nnx.merge(graphdef, state).prefill(tokens, jnp.array([tokens.shape[1]]))
+    return cache.insert(lane, latents[:, 0], keys[:, 0])
+
+  @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("index_len",))
+  def decode(state, tokens, seq_lens, cache, index_len=None):
+    return nnx.merge(graphdef, state).decode(tokens, seq_lens, cache, return_topk=True, index_len=index_len)
+
+  for lane, p in enumerate(prompts(7)):
+    dense = prefill(state, jnp.asarray([p], jnp.int32), dense, lane)
+    dense_w = prefill(state, jnp.asarray([p], jnp.int32), dense_w, lane)
+  seq_lens = np.array(PROMPT_LENS, np.int32)
+  rng = np.random.default_rng(8)
+  for step in range(6):
+    seq_lens += 1
+    tokens = jnp.asarray(rng.integers(2, 512, B), jnp.int32)
+    window = 1 << int(seq_lens.max() - 1).bit_length()  # 128 < S_MAX = 160
+    full, dense, topk_full = decode(state, tokens, jnp.asarray(seq_lens), dense)
+    part, dense_w, topk_part = decode(state, tokens, jnp.asarray(seq_lens), dense_w, index_len=window)
+    np.testing.assert_array_equal(np.asarray(topk_part), np.asarray(topk_full), err_msg=f"step {step}")
+    np.testing.assert_array_equal(np.asarray(part), np.asarray(full), err_msg=f"step {step}")
+
+
+def test_engine_windows_keep_tokens_independent_of_batching(engines, monkeypatch):
+  """With small indexer windows (so solo and batched decodes use different windows), tokens are unchanged."""
+  import hisparse_jax.engine as engine_mod
+  dense_full, _ = engines  # max_seq_len 160 < MIN_INDEX_WINDOW: always the full window
+  monkeypatch.setattr(engine_mod, "MIN_INDEX_WINDOW", 16)
+  hs = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=4, max_seq_len=S_MAX)
+  ps = prompts(9)
+  want = [r.output_ids for r in run(dense_full, ps)]
+  assert [r.output_ids for r in run(hs, ps)] == want
+  assert [run(hs, [p])[0].output_ids for p in ps[:2]] == want[:2]  # a 5- and a 12-token prompt, alone

@@ -41,7 +41,7 @@ test: $(VENV)/.installed $(ORACLE_VENV)/.installed
 test-fast: $(VENV)/.installed
 	env -u CI HISPARSE_ORACLE_PYTHON=/nonexistent $(PY) -m pytest -q tests
 
-# Every benchmark of BENCHMARKS.md, results in benchmarks/results/ (about 20 minutes on 2 cores).
+# Every benchmark of BENCHMARKS.md, results in benchmarks/results/ (about 13 minutes on 2 cores).
 RESULTS := benchmarks/results
 bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	@start=$$(date +%s); set -e; \

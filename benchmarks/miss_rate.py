@@ -259,7 +259,7 @@ POLICIES = {"lru-kernel": replay_kernel_lru, "lru": replay_lru, "fifo": replay_f
             "lfu": replay_lfu, "belady": replay_belady}
 
 
-def _positive_ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
   """argparse type: "2048,4096" -> [2048, 4096] (distinct positive integers, sorted)."""
   try:
     values = sorted({int(x) for x in text.split(",")})
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
   ap.add_argument("--context", type=int, default=16384)
   ap.add_argument("--steps", type=int, default=1000)
   ap.add_argument("--top-k", type=int, default=2048)
-  ap.add_argument("--buffers", default="2048,4096,6144", type=_positive_ints,
+  ap.add_argument("--buffers", default="2048,4096,6144", type=positive_ints,
                   help="hot-buffer sizes D (comma-separated, each >= top_k)")
   ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead of the synthetic trace")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "miss_rate"))

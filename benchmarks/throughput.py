@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from miss_rate import positive_ints  # noqa: E402  (argparse type shared by the benchmark scripts)
 
 MODES = ("dense", "hisparse")
 PROMPT, NEW = 480, 32  # the concurrency sweep's request: context 512 = 8 x D
@@ -268,17 +269,6 @@ def _plot(results: dict, path: str) -> None:
 SECTIONS = ("concurrency", "grpc", "context", "overhead")
 
 
-def _positive_ints(text: str) -> list[int]:
-  """argparse type: "1,4,16" -> [1, 4, 16] (positive integers, in the given order)."""
-  try:
-    values = [int(x) for x in text.split(",")]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-  if min(values) <= 0:
-    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-  return values
-
-
 def _sections(text: str) -> list[str]:
   names = [x.strip() for x in text.split(",") if x.strip()]
   bad = [x for x in names if x not in SECTIONS]
@@ -292,9 +282,9 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="a few small points (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections,
                   help=f"comma-separated subset of {','.join(SECTIONS)}")
-  ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", type=_positive_ints)
-  ap.add_argument("--grpc-concurrency", default="1,4,16,64,256", type=_positive_ints)
-  ap.add_argument("--contexts", default="128,256,512,1024", type=_positive_ints,
+  ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", type=positive_ints)
+  ap.add_argument("--grpc-concurrency", default="1,4,16,64,256", type=positive_ints)
+  ap.add_argument("--contexts", default="128,256,512,1024", type=positive_ints,
                   help=f"request contexts in tokens (each > {NEW}, the new tokens per request)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "throughput"))
   ap.add_argument("--load-generator", default=None, help=argparse.SUPPRESS)
@@ -316,24 +306,20 @@ def main(argv=None) -> int:
   bench = Bench(hisparse)
   results = dict(machine=dict(cpus=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend()),
                  hisparse=hisparse, budget_bytes=bench.budget, prompt=PROMPT, new_tokens=new)
-  if "concurrency" in sections:
-    results["concurrency"] = []
-    for c in args.concurrency:
-      for mode in MODES:
-        results["concurrency"].append(run_engine_point(bench, mode, c, PROMPT, new))
-        print(f"engine C={c} {mode}: {results['concurrency'][-1]['tokens_per_s']:.1f} tok/s", flush=True)
-  if "grpc" in sections:
-    results["grpc"] = []
-    for c in args.grpc_concurrency:
-      for mode in MODES:
-        results["grpc"].append(run_grpc_point(bench, mode, c, PROMPT, new))
-        print(f"grpc C={c} {mode}: {results['grpc'][-1]['tokens_per_s']:.1f} tok/s", flush=True)
-  if "context" in sections:
-    results["context"] = []
-    for ctx in args.contexts:
-      for mode in MODES:
-        results["context"].append(run_engine_point(bench, mode, 8 if args.quick else 32, ctx - new, new))
-        print(f"context {ctx} {mode}: {results['context'][-1]['tokens_per_s']:.1f} tok/s", flush=True)
+  context_concurrency = 8 if args.quick else 32
+  sweeps = {  # section: (points, run one point in one mode)
+      "concurrency": (args.concurrency, lambda c, mode: run_engine_point(bench, mode, c, PROMPT, new)),
+      "grpc": (args.grpc_concurrency, lambda c, mode: run_grpc_point(bench, mode, c, PROMPT, new)),
+      "context": (args.contexts,
+                  lambda ctx, mode: run_engine_point(bench, mode, context_concurrency, ctx - new, new)),
+  }
+  for section, (points, run_point) in sweeps.items():
+    if section in sections:
+      results[section] = []
+      for x in points:
+        for mode in MODES:
+          results[section].append(run_point(x, mode))
+          print(f"{section} {x} {mode}: {results[section][-1]['tokens_per_s']:.1f} tok/s", flush=True)
   if "overhead" in sections:
     D = hisparse["device_buffer_size"]
     results["overhead"] = run_overhead(bench, [D // 2, 4 * D] if args.quick else [D // 2, 4 * D, 16 * D - new],
@@ -350,7 +336,7 @@ def main(argv=None) -> int:
   if results.get("grpc"):
     lines += _table("gRPC server + loopback load generator:", results["grpc"], "concurrency")
   if results.get("context"):
-    lines += _table(f"Context sweep at concurrency {8 if args.quick else 32}:", results["context"], "context")
+    lines += _table(f"Context sweep at concurrency {context_concurrency}:", results["context"], "context")
   if results.get("overhead"):
     lines += ["Low concurrency (1 lane): mean decode step", "", "| prompt | dense ms | HiSparse ms | ratio |",
               "|---|---|---|---|"]

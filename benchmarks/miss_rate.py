@@ -16,7 +16,7 @@ and uniform noise. Policies, replayed per step with the same semantics as the
 kernel (D slots + a reserved slot for the newest token; the tokens needed this
 step are never evicted; each distinct missing position costs one copy):
 
-  lru-kernel  the real CPU swap-in handler (hisparse_jax.ops.swap_in)
+  lru-kernel  the real CPU swap-in handler (hisparse_jax.kernels.ops.swap_in)
   lru         the same policy in Python (must match lru-kernel exactly)
   fifo        evict the slot filled longest ago
   clock       second-chance clock over the slots
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import sys
@@ -232,7 +233,7 @@ def replay_kernel_lru(trace, context, D):
   """The real CPU swap-in handler, one request, one layer, 1-element rows."""
   import jax
   import jax.numpy as jnp
-  from hisparse_jax import ops
+  from hisparse_jax.kernels import ops
 
   K = max(1, max(len(t) for t in trace))
   S = context + len(trace) + 1
@@ -241,14 +242,15 @@ def replay_kernel_lru(trace, context, D):
   slots = jnp.arange(D, dtype=jnp.int32)[None, None] + 0
   lru = slots + 0
   stats = jnp.zeros((1, 1, 2), jnp.int32)
-  host_rows = jnp.arange(S, dtype=jnp.int32)[None]
-  fn = jax.jit(ops.swap_in, donate_argnums=(4, 5, 6, 7, 8))
+  host_pages = jnp.arange(S, dtype=jnp.int32)[None]  # page size 1: the page table is the host-row table
+  req_ids = jnp.zeros((1,), jnp.int32)
+  fn = jax.jit(functools.partial(ops.swap_in, page_size=1), donate_argnums=(5, 6, 7, 8, 9))
   misses, prev = [], 0
   for step, topk in enumerate(trace):
     tk = np.full((1, K), -1, np.int32)
     tk[0, : len(topk)] = topk
     _, pool, hot, slots, lru, stats = fn(0, jnp.asarray(tk), jnp.asarray([context + step + 1], jnp.int32),
-                                         host_rows, pool, hot, slots, lru, stats)
+                                         req_ids, host_pages, pool, hot, slots, lru, stats)
     total = int(np.asarray(stats)[0, 0, 1])
     misses.append(total - prev)
     prev = total

@@ -1,9 +1,13 @@
 r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs out.
 
   python -m hisparse_jax.generate --prompts prompts.jsonl [--model-path DIR] \
-      [--max-new-tokens 32] [--dtype float32|bfloat16] [--max-running-requests 8] \
+      [--max-new-tokens 32] [--dtype float32|bfloat16] [--max-running-requests 64] \
       [--enable-hisparse [--hisparse-config '{"top_k": 32, "device_buffer_size": 64}'] \
-      [--host-pool jax|extension]] [--output out.jsonl] [--dump-topk trace.npz]
+      [--host-pool jax|extension]] [--max-seq-len N] [--chunked-prefill-size 2048] \
+      [--page-size 64] [--max-device-kv-bytes N] [--deterministic] \
+      [--output out.jsonl] [--dump-topk trace.npz]
+
+Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server).
 
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``"max_new_tokens"``. Output: one line per non-blank input line, in order, with
@@ -29,22 +33,19 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model-path", None, "HF-format model directory (default: the embedded model).")
 flags.DEFINE_string("prompts", None, "JSONL file of prompts.", required=True)
 flags.DEFINE_string("output", None, "JSONL output file (default: stdout).")
 flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate per prompt unless the line says otherwise.")
-flags.DEFINE_string("dtype", None, "float32 or bfloat16 (default: the checkpoint's dtype).")
-flags.DEFINE_boolean("enable-hisparse", False, "Keep the latent KV in a host pool with per-request hot buffers.")
-flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.")
-flags.DEFINE_integer("max-running-requests", 8, "Decode lanes (concurrent requests).")
-flags.DEFINE_integer("max-seq-len", None, "Longest prompt + output per request, in tokens (default: "
-                     "min(the model's max_position_embeddings, 4096)).")
-flags.DEFINE_boolean("fp8-numerics", False, "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 "
-                     "indexer q/k and an e4m3 latent KV cache (fake-quantized).")
 flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-layer top-k positions to this .npz "
                     "(keys topk_<line>, prompt_tokens_<line>) for benchmarks/miss_rate.py --trace.")
-flags.DEFINE_string("host-pool", "jax", "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' "
-                    "(memory owned by the FFI extension).")
+
+
+def _define_engine_flags():
+  from hisparse_jax.engine.args import EngineArgs
+  EngineArgs.define_flags()
+
+
+_define_engine_flags()
 
 
 def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_new: int):
@@ -68,7 +69,7 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
       raise ValueError(f"line {lineno}: 'text' must be a string")
     if tokenizer is None:
       raise ValueError(f"line {lineno}: 'text' given but the model directory has no tokenizer.json")
-    from hisparse_jax.text import encode_prompt
+    from hisparse_jax.engine.detokenizer import encode_prompt
     return encode_prompt(tokenizer, obj["text"], bos), max_new
   ids = obj["input_ids"]
   if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -79,51 +80,45 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
 def _check_dump_path(dump: str) -> None:
   """StartupError unless --dump-topk names a new or replaceable .npz file in a writable folder
   (checked with a scratch file: an existing trace is left untouched until the new one is written)."""
-  from hisparse_jax import launch
+  from hisparse_jax.engine.args import StartupError
   if not dump.endswith(".npz") or os.path.basename(dump) == ".npz":
-    raise launch.StartupError(f"--dump-topk {dump!r}: the file name must end in .npz")
+    raise StartupError(f"--dump-topk {dump!r}: the file name must end in .npz")
   if os.path.isdir(dump):
-    raise launch.StartupError(f"--dump-topk {dump!r}: is a directory")
+    raise StartupError(f"--dump-topk {dump!r}: is a directory")
   try:
     with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(dump))):
       pass
   except OSError as e:
-    raise launch.StartupError(f"--dump-topk {dump!r}: {e.strerror}") from None
+    raise StartupError(f"--dump-topk {dump!r}: {e.strerror}") from None
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from hisparse_jax import launch
+  from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail
   try:
-    launch.check_dtype(FLAGS.dtype)
-    launch.check_host_pool(FLAGS["host-pool"].value, FLAGS["enable-hisparse"].value)
-    model_dir = launch.resolve_model_path(FLAGS["model-path"].value)
-    model_cfg = launch.read_model_config(model_dir)
-    hisparse = launch.resolve_hisparse(FLAGS["enable-hisparse"].value, FLAGS["hisparse-config"].value,
-                                       model_dir, model_cfg)
-    launch.check_memory(model_cfg, hisparse, FLAGS["max-running-requests"].value, FLAGS.dtype)
-    launch.check_max_seq_len(FLAGS["max-seq-len"].value, model_cfg)
+    args = EngineArgs.from_flags()
+    args.validate()
+    model_dir = args.model_dir()
+    model_cfg = args.model_config(model_dir)
     try:
       with open(FLAGS.prompts, encoding="utf-8") as f:
         lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-      raise launch.StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
+      raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
     try:  # Fail now, not after decoding everything.
       dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
     except OSError as e:
-      raise launch.StartupError(f"--output {FLAGS.output!r}: {e}") from None
+      raise StartupError(f"--output {FLAGS.output!r}: {e}") from None
     dump = FLAGS["dump-topk"].value
     if dump is not None:
       _check_dump_path(dump)
-    tokenizer = launch.load_tokenizer_or_fail(model_dir)
-    engine = launch.build_engine(model_dir, dtype=FLAGS.dtype, hisparse=hisparse,
-                                 max_running_requests=FLAGS["max-running-requests"].value,
-                                 host_pool=FLAGS["host-pool"].value,
-                                 fp8_numerics=FLAGS["fp8-numerics"].value, record_topk=dump is not None,
-                                 max_seq_len=FLAGS["max-seq-len"].value)
-  except launch.StartupError as e:
+    tokenizer = load_tokenizer_or_fail(model_dir)
+    from hisparse_jax.engine import Engine
+    engine = Engine(args, tokenizer=tokenizer, record_topk=dump is not None)
+  except StartupError as e:
     sys.exit(f"error: {e}")
+  hisparse = engine.hisparse
 
   from hisparse_jax.engine import Request, RequestError
 
@@ -150,7 +145,7 @@ def main(argv):
     out = {"output_ids": req.output_ids, "finish_reason": req.finish_reason,
            "prompt_tokens": len(req.prompt_ids)}
     if tokenizer is not None:
-      out["text"] = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+      out["text"] = req.text
     if hisparse is not None:
       out["hits"], out["misses"] = req.hits, req.misses
     results[i] = out
@@ -181,7 +176,7 @@ def main(argv):
       raise
     print(f"[generate] top-k trace of {len(requests)} requests written to {dump}", file=sys.stderr)
   n_tokens = sum(len(r.output_ids) for _, r in requests)
-  mode = f"hisparse, host pool: {FLAGS['host-pool'].value}" if hisparse else "dense"
+  mode = f"hisparse, host pool: {args.host_pool}" if hisparse else "dense"
   print(f"[generate] {len(requests)} requests ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if hisparse is not None:

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from models.convert import load_model
+from models.deepseek_v32 import decode_step, prefill_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracle", "hf_oracle.py")
@@ -40,19 +41,15 @@ def default_oracle_python() -> str:
 
 
 def ours(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str | None):
-  """(prefill logits float32[S, V], greedy continuation list[int]) from our model and a dense KV cache."""
-  from hisparse_jax.kv_cache import DenseKVCache
-
-  cfg, model = load_model(model_dir, dtype=dtype)
+  """(prefill logits float32[S, V], greedy continuation list[int]) from our model and a contiguous KV cache."""
+  _, model = load_model(model_dir, dtype=dtype)
   graphdef, state = nnx.split(model)
   S = len(prompt)
-  logits, latents, keys = model.prefill(jnp.asarray([prompt], jnp.int32), jnp.asarray([S], jnp.int32))
-  cache = DenseKVCache.create(num_layers=cfg.num_hidden_layers, batch=1, max_seq_len=S + max_new_tokens,
-                              latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim, dtype=jnp.dtype(cfg.dtype))
-  cache = cache.insert(0, latents[:, 0], keys[:, 0])
+  logits, cache = prefill_prompts(model, [prompt], [S], max_len=S + max_new_tokens)
   out = [int(jnp.argmax(logits[0, -1]))]
-  for n in range(S + 1, S + max_new_tokens):
-    step, cache = nnx.merge(graphdef, state).decode(jnp.asarray([out[-1]], jnp.int32), jnp.asarray([n]), cache)
+  for pos in range(S, S + max_new_tokens - 1):
+    step, cache = decode_step(graphdef, state, jnp.asarray([out[-1]], jnp.int32), jnp.asarray([pos], jnp.int32),
+                              cache)
     out.append(int(jnp.argmax(step[0])))
   return np.asarray(logits[0], np.float32), out
 
@@ -88,7 +85,7 @@ def main(argv=None) -> int:
     print(f"error: no transformers oracle at {python} (run `make oracle`, or pass --oracle-python)", file=sys.stderr)
     return 2
   if args.text is not None:
-    from hisparse_jax.text import encode_prompt, load_tokenizer
+    from hisparse_jax.engine.detokenizer import encode_prompt, load_tokenizer
     from models.config import DSAConfig
     tok = load_tokenizer(args.model_path)
     if tok is None:

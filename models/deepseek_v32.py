@@ -15,9 +15,9 @@ Numerically follows transformers 5.24 ``models/deepseek_v32/modeling_deepseek_v3
   ``score[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * index_head_dim**-0.5)`` with
   ``w = weights_proj(x) * index_n_heads**-0.5``; causal top-k with k = min(index_topk, visible).
 * Cross-layer top-k sharing (GLM ``indexer_types``): a "shared" layer has no indexer and attends to
-  the top-k positions chosen by the nearest "full" layer before it, in prefill and in decode.  In decode
-  it still goes through the same cache calls: ``append`` (with an all-zero indexer key, never read)
-  and ``gather`` with the borrowed top-k; it skips ``index_keys``.
+  the top-k positions chosen by the nearest "full" layer before it.  It still goes through the same
+  cache calls: ``append`` (with an all-zero indexer key, never read) and ``gather`` with the borrowed
+  top-k; it skips the indexer.
 * MoE: sigmoid router in float32, ``e_score_correction_bias`` for selection only, group-limited
   routing (group score = sum of the group's top-2), norm_topk_prob, routed_scaling_factor, shared
   experts.  Experts are evaluated *densely* (every expert on every token, combined with a
@@ -29,15 +29,19 @@ Linear weights are stored as ``kernel`` with shape [in, out] (HF stores [out, in
 transposes).  Router weight and bias and the indexer's ``weights_proj`` stay float32 whatever the
 model dtype (transformers' ``_keep_in_fp32_modules``).
 
-Two entry points on :class:`DeepseekV32ForCausalLM`: ``prefill`` (full causal forward; expanded,
-non-absorbed MLA as in transformers) and ``decode`` (one token per lane through the KV-cache
-protocol of ``hisparse_jax/kv_protocol.md``; absorbed MLA over gathered latent rows).
+One forward path serves prefill and decode (``DeepseekV32ForCausalLM.forward``): Q tokens per batch row at
+given positions, through the KV-cache protocol of ``models/kv_protocol.py``.  Attention is sparse in both:
+every query attends only to its indexer top-k (``min(index_topk, position + 1)`` keys), with the MLA
+queries absorbed into the latent space (DeepSeek's sparse MLA), so a prefill chunk of C tokens costs
+O(C * index_topk) attention and O(C * context) indexer scoring (blockwise, running top-k) -- nothing is
+quadratic in memory.  transformers computes the same selection with a dense causal mask and expanded
+(non-absorbed) heads; the results agree to float32 rounding.  ``prefill`` runs a chunk (logits at each
+row's last token), ``decode`` one token per row.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +50,7 @@ from flax import nnx
 
 from .config import DSAConfig, RopeConfig
 from .fp8_numerics import fake_quant_e4m3, indexer_fp8
+from .kv_protocol import ContiguousKVCache, KVCache
 
 _F32 = jnp.float32
 _NEG = float(np.finfo(np.float32).min)
@@ -164,7 +169,7 @@ class Indexer(nnx.Module):
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
-        self.topk = cfg.index_topk
+        self.k = cfg.index_topk
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, std=std, rngs=rngs)
         self.wk = Linear(cfg.hidden_size, self.head_dim, dtype=dtype, std=std, rngs=rngs)
         self.k_norm = LayerNorm(self.head_dim, 1e-6, dtype=dtype)
@@ -194,44 +199,39 @@ class Indexer(nnx.Module):
         """x: [..., H] -> float32[..., nI]."""
         return self.weights_proj(x).astype(_F32) * (self.n_heads**-0.5)
 
-    def prefill_mask(self, x, q_resid, cos, sin, keys, causal) -> jax.Array:
-        """Selection mask for a full causal forward.
+    def select(self, x, q_resid, cos, sin, positions, layer: int, cache: KVCache, key_block: int) -> jax.Array:
+        """Causal top-k key positions of every query, scored blockwise over the cached keys.
 
-        x: [B, S, H]; q_resid: [B, S, q_lora]; cos/sin: [S, r/2]; keys: float32[B, S, Di];
-        causal: bool[S, S]. Returns bool[B, S, S] = causal & (t in top-min(K, S) of row s).
+        x: [B, Q, H]; q_resid: [B, Q, q_lora]; cos/sin: [B, Q, r/2]; positions: int32[B, Q] (-1 padding);
+        key_block: static, keys scored per step (a multiple of the cache's page size).
+        ``score[q, t] = sum_h w[q, h] * relu(q_h . k_t * Di**-0.5)`` for t <= position(q); the key blocks
+        up to the newest position are scored in turn and merged into a running top-k, so memory is
+        O(B * Q * (K + nI * key_block)) whatever the context length. Returns int32[B, Q, K]: the top
+        min(K, position + 1) positions by score, ties to the lower position (``jax.lax.top_k``'s order
+        on a whole row, which the merge reproduces exactly), -1 after them and for padding.
         """
-        S = x.shape[1]
-        if S <= self.topk:  # every position is selected (transformers: topk = min(K, T) = T)
-            return jnp.broadcast_to(causal, (x.shape[0], S, S))
-        q = self.queries(q_resid, cos, sin)  # [B, S, nI, Di]
-        w = self.head_weights(x)  # [B, S, nI]
-        s = _einsum("bshd,btd->bsht", q, keys) * self.softmax_scale
-        scores = _einsum("bsht,bsh->bst", jax.nn.relu(s), w)  # [B, S, S]
-        scores = jnp.where(causal, scores, -jnp.inf)
-        _, idx = jax.lax.top_k(scores, self.topk)  # [B, S, K]
-        sel = jax.vmap(jax.vmap(lambda i: jnp.zeros((S,), bool).at[i].set(True)))(idx)
-        return sel & causal
+        q = self.queries(q_resid, cos, sin)  # [B, Q, nI, Di]
+        w = self.head_weights(x)  # [B, Q, nI]
+        B, Q = positions.shape
+        K = self.k
+        num_blocks = (jnp.max(positions) + key_block) // key_block  # blocks up to the newest position
 
-    def decode_topk(self, x, q_resid, cos, sin, keys, seq_lens) -> jax.Array:
-        """Top-k for one new token per lane.
+        def step(j, carry):
+            vals, idx = carry
+            start = j * key_block
+            keys = cache.index_keys(layer, start, key_block)  # float32[B, T, Di]
+            s = _einsum("bqhd,btd->bqht", q, keys) * self.softmax_scale
+            scores = _einsum("bqht,bqh->bqt", jax.nn.relu(s), w)  # [B, Q, T]
+            kpos = start + jnp.arange(key_block, dtype=jnp.int32)
+            scores = jnp.where(kpos[None, None, :] <= positions[..., None], scores, -jnp.inf)
+            merged = jnp.concatenate([vals, scores], axis=-1)
+            merged_idx = jnp.concatenate([idx, jnp.broadcast_to(kpos, (B, Q, key_block))], axis=-1)
+            vals, pick = jax.lax.top_k(merged, K)  # earlier (lower) positions first on ties
+            return vals, jnp.take_along_axis(merged_idx, pick, axis=-1)
 
-        x: [B, H]; q_resid: [B, q_lora]; cos/sin: [B, r/2]; keys: float32[B, T, Di] (positions >= seq_lens
-        are garbage); seq_lens: int32[B]. Returns int32[B, K] positions (k = min(K, seq_len) valid, rest -1).
-        """
-        T = keys.shape[1]
-        q = self.queries(q_resid, cos, sin)  # [B, nI, Di]
-        w = self.head_weights(x)  # [B, nI]
-        s = _einsum("bhd,btd->bht", q, keys) * self.softmax_scale
-        scores = _einsum("bht,bh->bt", jax.nn.relu(s), w)  # [B, T]
-        valid = jnp.arange(T)[None, :] < seq_lens[:, None]
-        scores = jnp.where(valid, scores, -jnp.inf)
-        k = min(self.topk, T)
-        _, idx = jax.lax.top_k(scores, k)  # [B, k]
-        idx = idx.astype(jnp.int32)
-        idx = jnp.where(idx < seq_lens[:, None], idx, -1)
-        if k < self.topk:
-            idx = jnp.pad(idx, ((0, 0), (0, self.topk - k)), constant_values=-1)
-        return idx
+        init = (jnp.full((B, Q, K), -jnp.inf, _F32), jnp.full((B, Q, K), -1, jnp.int32))
+        vals, idx = jax.lax.fori_loop(0, num_blocks, step, init)
+        return jnp.where(vals > -jnp.inf, idx, -1)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -280,69 +280,64 @@ class MLAttention(nnx.Module):
             c = fake_quant_e4m3(c)
         return jnp.concatenate([c, self.rope(k_pe, cos, sin)], axis=-1)
 
-    def prefill(self, x, cos, sin, causal, prev_mask=None):
-        """x: [B, S, H]; cos/sin: [S, dr/2]; causal: bool[S, S]; prev_mask: bool[B, S, S], the selection
-        of the previous layer (used, and required, only when this layer has no indexer).
-        Returns out [B, S, H], latents dtype[B, S, C+dr], index keys float32[B, S, Di] (zeros without
-        an indexer), selection mask bool[B, S, S]."""
-        B, S, _ = x.shape
-        q_resid, q_nope, q_pe = self._queries(x, cos, sin)
-        lat = self.latent(x, cos, sin)  # [B, S, W]
-        if self.indexer is not None:
-            ikeys = self.indexer.keys(x, cos, sin)  # [B, S, Di]
-            mask = self.indexer.prefill_mask(x, q_resid, cos, sin, ikeys, causal)  # [B, S, S]
-        else:
-            if prev_mask is None:
-                raise ValueError("a layer without an indexer needs the previous layer's top-k selection")
-            ikeys = jnp.zeros((B, S, self.index_dim), _F32)
-            mask = prev_mask
+    def __call__(self, x, cos, sin, positions, layer: int, cache: KVCache, prev_topk=None, *, key_block: int,
+                 query_block: int | None = None):
+        """Sparse MLA for Q query tokens per row through the KV-cache protocol (``models/kv_protocol.py``).
 
-        c, k_pe = lat[..., : self.kv_lora], lat[..., self.kv_lora :]
-        kv = self.kv_b_proj(c).reshape(B, S, self.n_heads, self.dn + self.dv)
-        k_nope, v = kv[..., : self.dn], kv[..., self.dn :]
-        q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [B, S, nH, dn+dr]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (B, S, self.n_heads, self.dr))], -1)
-        scores = _einsum("bshd,bthd->bhst", q, k) * self.scale  # [B, nH, S, S]
-        scores = jnp.where(mask[:, None], scores.astype(_F32), _NEG)
-        p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        o = _einsum("bhst,bthd->bshd", p, v).reshape(B, S, self.n_heads * self.dv)
-        return self.o_proj(o), lat, ikeys, mask
-
-    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None, index_len=None):
-        """x: [B, H] (one new token per lane at position seq_lens-1); cos/sin: [B, dr/2]; prev_topk:
-        int32[B, K], the previous layer's top-k (used, and required, only when this layer has no indexer);
-        index_len: static, score only the first index_len cached indexer keys (>= every seq_len; None: all).
-        Uses the KV-cache protocol (append -> index_keys -> indexer top-k -> gather) and absorbed MLA.
-        Returns out [B, H], cache, this layer's top-k int32[B, K]."""
-        B = x.shape[0]
-        q_resid, q_nope, q_pe = self._queries(x, cos, sin)  # [B, q_lora], [B, nH, dn], [B, nH, dr]
-        lat = self.latent(x, cos, sin)  # [B, W]
+        x: [B, Q, H]; cos/sin: [B, Q, dr/2]; positions: int32[B, Q] (-1 padding); prev_topk: int32[B, Q, K],
+        the previous layer's top-k (used, and required, only when this layer has no indexer); key_block:
+        static indexer key block (tokens); query_block: static, attend this many queries at a time (bounds the
+        gathered rows to B * query_block * K * W; Q must be a multiple; None: all at once).
+        append -> indexer top-k over the cached keys -> gather the top-k latent rows -> absorbed MLA
+        (queries absorbed into the latent space, as DeepSeek's sparse MLA kernels compute it).
+        Returns out [B, Q, H], cache, this layer's top-k int32[B, Q, K].
+        """
+        B, Q = positions.shape
+        q_resid, q_nope, q_pe = self._queries(x, cos, sin)  # [B, Q, q_lora], [B, Q, nH, dn], [B, Q, nH, dr]
+        lat = self.latent(x, cos, sin)  # [B, Q, W]
         if self.indexer is not None:
-            ikey = self.indexer.keys(x, cos, sin)  # [B, Di]
-            cache = cache.append(layer, seq_lens, lat, ikey)
-            keys = cache.index_keys(layer)  # float32[B, T, Di]
-            if index_len is not None:
-                keys = keys[:, :index_len]
-            topk = self.indexer.decode_topk(x, q_resid, cos, sin, keys, seq_lens)  # int32[B, K]
+            cache = cache.append(layer, positions, lat, self.indexer.keys(x, cos, sin))
+            topk = self.indexer.select(x, q_resid, cos, sin, positions, layer, cache, key_block)
         else:
             if prev_topk is None:
                 raise ValueError("a layer without an indexer needs the previous layer's top-k")
-            cache = cache.append(layer, seq_lens, lat, jnp.zeros((B, self.index_dim), _F32))
+            cache = cache.append(layer, positions, lat, jnp.zeros((B, Q, self.index_dim), _F32))
             topk = prev_topk
-        rows, cache = cache.gather(layer, topk, seq_lens)  # [B, K, W]
-        rows = rows.astype(lat.dtype)
-        c_kv, k_pe = rows[..., : self.kv_lora], rows[..., self.kv_lora :]
 
         w = self.kv_b_proj.kernel[...].reshape(self.kv_lora, self.n_heads, self.dn + self.dv)
         w_uk, w_uv = w[..., : self.dn], w[..., self.dn :]  # [C, nH, dn], [C, nH, dv]
-        q_abs = _einsum("bhd,chd->bhc", q_nope, w_uk)  # [B, nH, C]
-        scores = _einsum("bhc,bkc->bhk", q_abs, c_kv) + _einsum("bhr,bkr->bhk", q_pe, k_pe)
-        scores = scores.astype(_F32) * self.scale  # [B, nH, K]
-        scores = jnp.where((topk >= 0)[:, None, :], scores, _NEG)
-        p = jax.nn.softmax(scores, axis=-1).astype(c_kv.dtype)
-        o_lat = _einsum("bhk,bkc->bhc", p, c_kv)  # [B, nH, C]
-        o = _einsum("bhc,chv->bhv", o_lat, w_uv).reshape(B, self.n_heads * self.dv)
-        return self.o_proj(o), cache, topk
+
+        def attend(cache, q_nope, q_pe, pos, tk):  # one block of queries: [B, q, ...]
+            rows, cache = cache.gather(layer, pos, tk)  # [B, q, K, W]
+            rows = rows.astype(lat.dtype)
+            c_kv, k_pe = rows[..., : self.kv_lora], rows[..., self.kv_lora :]
+            q_abs = _einsum("bqhd,chd->bqhc", q_nope, w_uk)  # [B, q, nH, C]
+            scores = _einsum("bqhc,bqkc->bqhk", q_abs, c_kv) + _einsum("bqhr,bqkr->bqhk", q_pe, k_pe)
+            scores = scores.astype(_F32) * self.scale  # [B, q, nH, K]
+            scores = jnp.where((tk >= 0)[:, :, None, :], scores, _NEG)
+            p = jax.nn.softmax(scores, axis=-1).astype(c_kv.dtype)
+            o_lat = _einsum("bqhk,bqkc->bqhc", p, c_kv)  # [B, q, nH, C]
+            return _einsum("bqhc,chv->bqhv", o_lat, w_uv), cache  # [B, q, nH, dv]
+
+        if query_block is None or query_block >= Q:
+            o, cache = attend(cache, q_nope, q_pe, positions, topk)
+        else:
+            if Q % query_block:
+                raise ValueError(f"query_block {query_block} does not divide the {Q} queries")
+            n = Q // query_block
+
+            def blocks(a):  # [B, Q, ...] -> [n, B, query_block, ...]
+                return jnp.moveaxis(a.reshape(B, n, query_block, *a.shape[2:]), 1, 0)
+
+            def one(args):
+                o, new = attend(cache, *args)
+                if new is not cache:
+                    raise TypeError("query blocks need a cache whose gather does not change it (a prefill cache)")
+                return o
+
+            o = jax.lax.map(one, tuple(map(blocks, (q_nope, q_pe, positions, topk))))
+            o = jnp.moveaxis(o, 0, 1).reshape(B, Q, self.n_heads, self.dv)
+        return self.o_proj(o.reshape(B, Q, self.n_heads * self.dv)), cache, topk
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -416,15 +411,9 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, std=cfg.initializer_range, rngs=rngs)
 
-    def prefill(self, x, cos, sin, causal, prev_mask=None):
-        a, lat, ik, mask = self.self_attn.prefill(self.input_layernorm(x), cos, sin, causal, prev_mask)
-        x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, lat, ik, mask
-
-    def decode(self, x, cos, sin, layer: int, seq_lens, cache, prev_topk=None, index_len=None):
-        a, cache, topk = self.self_attn.decode(self.input_layernorm(x), cos, sin, layer, seq_lens, cache, prev_topk,
-                                               index_len)
+    def __call__(self, x, cos, sin, positions, layer: int, cache, prev_topk=None, **blocks):
+        a, cache, topk = self.self_attn(self.input_layernorm(x), cos, sin, positions, layer, cache, prev_topk,
+                                        **blocks)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache, topk
@@ -456,51 +445,44 @@ class DeepseekV32ForCausalLM(nnx.Module):
             return jnp.matmul(x, w.T, precision=_precision(x, w)).astype(_F32)
         return self.lm_head(x).astype(_F32)
 
-    def prefill(self, tokens: jax.Array, lengths: jax.Array, *, last_only: bool = False):
-        """Full causal forward.
-
-        tokens: int32[B, S]; lengths: int32[B] (positions >= lengths[b] are padding: their outputs are
-        don't-care and, being after every real position, never influence real positions).
-        Returns logits float32[B, S, V] (float32[B, V] at position lengths-1 when last_only: the
-        lm_head then runs on one row per sequence), latents dtype[L, B, S, W], index_keys
-        float32[L, B, S, Di].
-        """
-        S = tokens.shape[1]
+    def forward(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, key_block: int,
+                query_block: int | None = None):
+        """Runs Q tokens per row through every layer. tokens, positions: int32[B, Q] (positions -1 = padding).
+        Returns the final hidden states [B, Q, H] (before the final norm), the cache and the top-k of every
+        layer int32[L, B, Q, K] (a GLM shared layer repeats the top-k it borrowed)."""
         cfg = self.config
-        x = self._embed(tokens)  # [B, S, H]
-        cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, jnp.arange(S))  # [S, dr/2]
-        causal = jnp.tril(jnp.ones((S, S), bool))
-        lats, iks = [], []
-        mask = None  # the selection of the last layer with an indexer (GLM shared layers reuse it)
-        for layer in self.layers:
-            x, lat, ik, mask = layer.prefill(x, cos, sin, causal, mask)
-            lats.append(lat)
-            iks.append(ik)
-        if last_only:  # causality alone keeps right-padding from reaching real positions
-            x = jnp.take_along_axis(x, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)[:, 0]
-        return self._logits(x), jnp.stack(lats), jnp.stack(iks)
-
-    def decode(self, tokens: jax.Array, seq_lens: jax.Array, cache: Any, *, return_topk: bool = False,
-               index_len: int | None = None):
-        """One decode step. tokens: int32[B] (the newest token of each lane, at position seq_lens-1);
-        seq_lens: int32[B] (0 = inactive lane). Returns logits float32[B, V] and the updated cache;
-        with ``return_topk`` also the top-k positions every layer attended to, int32[L, B, index_topk]
-        (-1 = padding; a GLM shared layer repeats the top-k it borrowed). ``index_len`` (static): the
-        indexer scores only the first index_len cached positions, which must cover every seq_len; the
-        top-k, and so the logits, are the same as with all positions (masked positions never win)."""
-        cfg = self.config
-        seq_lens = seq_lens.astype(jnp.int32)
-        pos = jnp.maximum(seq_lens - 1, 0)
-        x = self._embed(tokens)  # [B, H]
-        cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, pos)  # [B, dr/2]
+        positions = positions.astype(jnp.int32)
+        x = self._embed(tokens)  # [B, Q, H]
+        cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, jnp.maximum(positions, 0))  # [B, Q, dr/2]
         topk = None  # the top-k of the last layer with an indexer (GLM shared layers reuse it)
         per_layer = []
         for l, layer in enumerate(self.layers):
-            x, cache, topk = layer.decode(x, cos, sin, l, seq_lens, cache, topk, index_len)
+            x, cache, topk = layer(x, cos, sin, positions, l, cache, topk, key_block=key_block,
+                                   query_block=query_block)
             per_layer.append(topk)
-        if return_topk:
-            return self._logits(x), cache, jnp.stack(per_layer)
-        return self._logits(x), cache
+        return x, cache, jnp.stack(per_layer)
+
+    def prefill(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, all_logits: bool = False,
+                key_block: int = 256, query_block: int | None = None):
+        """A prefill chunk: tokens int32[B, C] at positions int32[B, C] (consecutive per row from where the row's
+        request stands; -1 = padding after a row's last token). Attention is sparse (each query attends to its
+        indexer top-k), so nothing is quadratic in the prompt.
+        Returns (logits, cache): logits float32[B, V] at each row's last real token (the lm_head runs on one
+        row per sequence), or float32[B, C, V] at every position with ``all_logits``."""
+        x, cache, _ = self.forward(tokens, positions, cache, key_block=key_block, query_block=query_block)
+        if all_logits:
+            return self._logits(x), cache
+        last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)  # index of each row's last real token
+        return self._logits(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]), cache
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, return_topk: bool = False,
+               key_block: int = 256):
+        """One decode step. tokens: int32[B] (the newest token of each row), positions: int32[B] (its position,
+        -1 = idle row). Returns logits float32[B, V] and the updated cache; with ``return_topk`` also the top-k
+        positions every layer attended to, int32[L, B, index_topk] (-1 = padding)."""
+        x, cache, topk = self.forward(tokens[:, None], positions[:, None], cache, key_block=key_block)
+        logits = self._logits(x[:, 0])
+        return (logits, cache, topk[:, :, 0]) if return_topk else (logits, cache)
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -514,13 +496,27 @@ def split_model(model: DeepseekV32ForCausalLM):
     return nnx.split(model)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def prefill_step(graphdef, state, tokens, lengths):
-    """Jitted ``model.prefill``; graphdef is static, state a pytree of params."""
-    return nnx.merge(graphdef, state).prefill(tokens, lengths)
+def prefill_prompts(model: DeepseekV32ForCausalLM, tokens, lengths, *, max_len: int | None = None,
+                    key_block: int = 256):
+    """Whole prompts through one prefill chunk into a fresh :class:`~models.kv_protocol.ContiguousKVCache`: the
+    porting-experiment entry point (compare logits with another implementation, then keep decoding).
+
+    tokens: int32[B, S] right-padded; lengths: int32[B]; max_len: cache positions (default S).
+    Returns (logits float32[B, S, V] at every position (don't-care past a row's length), cache)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    B, S = tokens.shape
+    positions = jnp.where(jnp.arange(S)[None] < jnp.asarray(lengths)[:, None], jnp.arange(S)[None], -1)
+    cache = ContiguousKVCache.create(model.config, B, max_len or S, dtype=model.dtype)
+    return model.prefill(tokens, positions, cache, all_logits=True, key_block=key_block)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def decode_step(graphdef, state, tokens, seq_lens, cache):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("all_logits", "key_block"), donate_argnums=(4,))
+def prefill_step(graphdef, state, tokens, positions, cache, *, all_logits=False, key_block=256):
+    """Jitted ``model.prefill`` with the cache donated; graphdef is static, state a pytree of params."""
+    return nnx.merge(graphdef, state).prefill(tokens, positions, cache, all_logits=all_logits, key_block=key_block)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("key_block",), donate_argnums=(4,))
+def decode_step(graphdef, state, tokens, positions, cache, *, key_block=256):
     """Jitted ``model.decode`` with the cache donated. Returns (logits float32[B, V], cache)."""
-    return nnx.merge(graphdef, state).decode(tokens, seq_lens, cache)
+    return nnx.merge(graphdef, state).decode(tokens, positions, cache, key_block=key_block)

@@ -25,7 +25,8 @@ from .config import DSAConfig
 
 def default_model_config() -> dict:
     """HF config.json dict of the project's small default model (DeepSeek-V3.2 architecture, real
-    DeepSeek-V3 vocabulary size 129280, YaRN RoPE in DeepSeek's own ``rope_scaling`` form, bfloat16)."""
+    DeepSeek-V3 vocabulary size 129280, DeepSeek-V3.2's 163840-token context with YaRN RoPE in DeepSeek's own
+    ``rope_scaling`` form, bfloat16)."""
     return {
         "architectures": ["DeepseekV32ForCausalLM"],
         "model_type": "deepseek_v32",
@@ -53,12 +54,13 @@ def default_model_config() -> dict:
         "first_k_dense_replace": 1,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
+        # DeepSeek-V3.2's context and RoPE: 163840 positions, YaRN x40 over 4096 (its config.json).
+        "max_position_embeddings": 163840,
         "rope_theta": 10000.0,
         "rope_scaling": {
             "type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 1024,
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
             "beta_fast": 32,
             "beta_slow": 1,
             "mscale": 1.0,

@@ -36,7 +36,7 @@ done
 [ -n "$PORT" ] || { echo "server did not start"; cat out/demo_server.log; exit 1; }
 echo "   server up on port $PORT"
 PROMPT=$(head -n 2 examples/prompts.jsonl | tail -n 1 | $PY -c 'import json,sys; print(json.load(sys.stdin)["text"])')
-$PY -m hisparse_jax.client --target 127.0.0.1:$PORT --wait-for-ready-s 60 --max-new-tokens 24 \
+$PY -m hisparse_jax.serving.client --target 127.0.0.1:$PORT --wait-for-ready-s 60 --max-new-tokens 24 \
     --text "$PROMPT" | tee out/demo_client.txt
 grep -q "swap_in_misses=[1-9]" out/demo_client.txt || { echo "expected misses > 0"; exit 1; }
 kill -TERM $SERVER

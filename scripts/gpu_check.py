@@ -49,22 +49,23 @@ def _jax(platform):
   return jax
 
 
-def _run_path(path, case, jax, platform):
+def _run_path(path, case, jax, platform, page_size):
   """Runs ops.swap_in on `case` through host-pool path `path`; returns numpy results."""
   import jax.numpy as jnp
-  from hisparse_jax import ops
-  layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats = case
+  from hisparse_jax.kernels import ops
+  layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats = case
   dev = jax.devices()[0]
   put = lambda x: jax.device_put(jnp.asarray(x), dev)
-  args = [put(top_k), put(seq_lens), put(host_rows)]
+  args = [put(top_k), put(seq_lens), put(req_ids), put(host_pages)]
   state = [put(hot), put(slot_tokens), put(lru), put(stats)]
+  donate = (5, 6, 7, 8, 9)
   if path == "pinned_host":
     host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))(put(pool))
-    out = jax.jit(ops.swap_in, donate_argnums=(4, 5, 6, 7, 8))(layer, *args, host, *state)
-    return [np.asarray(x) for x in out]
+    fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size), donate_argnums=donate)
+    return [np.asarray(x) for x in fn(layer, *args, host, *state)]
   ext = ops.ExtensionHostPool(*pool.shape, pool.dtype, platform="gpu" if platform == "gpu" else "cpu")
   ext.write(pool)
-  fn = jax.jit(functools.partial(ops.swap_in, external=ext.ref), donate_argnums=(4, 5, 6, 7, 8))
+  fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size, external=ext.ref), donate_argnums=donate)
   out = [np.asarray(x) for x in fn(layer, *args, ext.token(), *state)]
   out[1] = ext.read()
   ext.close()
@@ -81,35 +82,36 @@ def _compare(got, want) -> str | None:
 def probe(path, platform) -> dict:
   """Worked example through one path (run in a subprocess by the parent)."""
   jax = _jax(platform)
-  from hisparse_jax import reference
-  from hisparse_jax.reference import worked_example
+  from hisparse_jax.kernels import reference
+  from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE as page, worked_example
   case = worked_example()
-  got = _run_path(path, case, jax, platform)
-  err = _compare(got, reference.swap_in(*case))
+  got = _run_path(path, case, jax, platform, page)
+  err = _compare(got, reference.swap_in(*case, page_size=page))
   return {"path": path, "ok": err is None, "error": err, "device": str(jax.devices()[0])}
 
 
 def correctness(paths, platform, n_random) -> dict:
   jax = _jax(platform)
-  from hisparse_jax import reference
-  from hisparse_jax.reference import worked_example
+  from hisparse_jax.kernels import reference
+  from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE, worked_example
   rng = np.random.default_rng(0)
   report = {}
   for path in paths:
     failures = []
-    cases = [worked_example()] + [
-        reference.random_case(rng, L=2, B=int(rng.integers(1, 9)), D=int(rng.integers(4, 64)), K=4,
-                              S=int(rng.integers(1, 200)), W=int(rng.choice([1, 3, 8, 288])))
-        for _ in range(n_random)]
-    for i, case in enumerate(cases):
-      case[1] = case[1][:, : min(case[1].shape[1], case[5].shape[2] - 1)]
-      err = _compare(_run_path(path, case, jax, platform), reference.swap_in(*case))
+    cases = [(worked_example(), WORKED_EXAMPLE_PAGE_SIZE)]
+    for _ in range(n_random):
+      page, B = int(rng.choice([1, 4, 64])), int(rng.integers(1, 9))
+      cases.append((reference.random_case(rng, L=2, B=B, R=B + int(rng.integers(0, 3)), D=int(rng.integers(4, 64)),
+                                          K=4, S=int(rng.integers(1, 200)), W=int(rng.choice([1, 3, 8, 288])),
+                                          page_size=page), page))
+    for i, (case, page) in enumerate(cases):
+      err = _compare(_run_path(path, case, jax, platform, page), reference.swap_in(*case, page_size=page))
       if err:
         failures.append({"case": i, "error": err})
     bad = worked_example()
-    bad[1][4, 0] = 16  # position >= seq_len
+    bad[1][0, 0] = 16  # position >= seq_len
     try:
-      _run_path(path, bad, jax, platform)
+      _run_path(path, bad, jax, platform, WORKED_EXAMPLE_PAGE_SIZE)
       error_ok = False
     except Exception as e:  # noqa: BLE001
       error_ok = "top-k position" in str(e)

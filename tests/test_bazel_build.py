@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from hisparse_jax import ops
-from hisparse_jax.reference import worked_example
-from tests.test_swap_in_kernel import run_kernel
+from hisparse_jax.kernels import ops
+from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE, host_rows_of, worked_example
+from tests.test_swap_in_kernel import device_args
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -40,13 +40,14 @@ def test_bazel_library_runs_the_worked_example(bazel_library):
   lib = ctypes.cdll.LoadLibrary(str(bazel_library))
   jax.ffi.register_ffi_target("hisparse_swap_in_bazel", jax.ffi.pycapsule(lib.HisparseSwapInCpu), platform="cpu")
   case = worked_example()
-  target_call = lambda *a: ops.swap_in(*a, target="hisparse_swap_in_bazel")
-  rows, _, hot, slot_tokens, lru, stats = run_kernel(*case, fn=jax.jit(target_call))
-  np.testing.assert_array_equal(rows[4], [21, 24, 20, -1])
+  call = jax.jit(lambda *a: ops.swap_in(*a, page_size=WORKED_EXAMPLE_PAGE_SIZE, target="hisparse_swap_in_bazel"))
+  rows, _, hot, slot_tokens, lru, stats = (np.asarray(x) for x in call(*device_args(case)))
+  np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
   np.testing.assert_array_equal(slot_tokens[0, 4], [8, 3, 7, 12])
   np.testing.assert_array_equal(lru[0, 4], [2, 3, 0, 1])
-  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], case[4][0, case[3][4, 8]])
+  host_row_of_8 = host_rows_of(case[4][0], WORKED_EXAMPLE_PAGE_SIZE)[8]
+  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], case[5][0, host_row_of_8])
   # Same error contract as the pip-built module.
-  case[1][4, 0] = 16
+  case[1][0, 0] = 16
   with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="top-k position is >= seq_len"):
-    run_kernel(*case, fn=jax.jit(target_call))
+    jax.block_until_ready(call(*device_args(case)))

@@ -91,7 +91,13 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--host-pool", "gpu"], "--host-pool 'gpu': expected one of jax, extension"),
     (["--host-pool", "extension"], "--host-pool extension was given without --enable-hisparse"),
     (["--enable-hisparse", "--hisparse-config", ""], "--hisparse-config: empty"),
-    (["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 2000000000}'], "more than 80%"),
+    (["--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 1000000000}'], "more than 80%"),
+    (["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 2000000000}'],
+     "cannot hold HiSparse's staging pages for one --max-seq-len 512 prompt"),
+    (["--max-device-kv-bytes", "1000"], "smaller than one page of 64 tokens"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be > 0"),
+    (["--chunked-prefill-size", "100"], "--page-size 64 does not divide --chunked-prefill-size 100"),
+    (["--page-size", "0"], "--page-size must be >= 1"),
     (["--max-seq-len", "513"], "--max-seq-len 513: must be in [1, 512]"),
     (["--max-seq-len", "0"], "--max-seq-len 0: must be in [1, 512]"),
 ])
@@ -180,7 +186,7 @@ def test_server_bad_port_and_sigterm_exit_cleanly():
 
     import grpc
 
-    from hisparse_jax.client import generate
+    from hisparse_jax.serving.client import generate
     from hisparse_jax.proto import hisparse_pb2_grpc
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)

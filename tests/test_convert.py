@@ -12,6 +12,7 @@ import pytest
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, Request
 from models.convert import is_orbax_dir, load_model
+from models.deepseek_v32 import prefill_prompts
 from models.loader import load_hf
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
 
@@ -33,9 +34,9 @@ def test_orbax_logits_identical_to_hf(orbax_dir):
   _, ob = load_model(orbax_dir)
   tokens = jnp.asarray(np.random.default_rng(0).integers(2, 512, (2, 40)), jnp.int32)
   lengths = jnp.asarray([40, 23], jnp.int32)
-  a, la, ka = hf.prefill(tokens, lengths)
-  b, lb, kb = ob.prefill(tokens, lengths)
-  for x, y in ((a, b), (la, lb), (ka, kb)):
+  a, ca = prefill_prompts(hf, tokens, lengths)
+  b, cb = prefill_prompts(ob, tokens, lengths)
+  for x, y in ((a, b), (ca.latent, cb.latent), (ca.index_key, cb.index_key)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from hisparse_jax import ops
+from hisparse_jax.kernels import ops
 
 
 def _section(path: pathlib.Path, name: str) -> bytes:

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from models.deepseek_v32 import prefill_prompts
 from models.fp8 import dequantize_block_fp8
 from models.loader import load_hf
 from models.random_checkpoint import write_random_checkpoint
@@ -163,10 +164,10 @@ def test_fp8_checkpoint_equals_dequantized_checkpoint(tmp_path, config):
     assert kern.shape == (200, 160)
     tokens = jnp.asarray(np.random.default_rng(1).integers(2, 300, (2, 24)), jnp.int32)
     lengths = jnp.asarray([24, 13], jnp.int32)
-    lq, latq, ikq = model_q.prefill(tokens, lengths)
-    ld, latd, ikd = model_d.prefill(tokens, lengths)
+    lq, cq = prefill_prompts(model_q, tokens, lengths)
+    ld, cd = prefill_prompts(model_d, tokens, lengths)
     np.testing.assert_array_equal(np.asarray(lq), np.asarray(ld))
-    np.testing.assert_array_equal(np.asarray(latq), np.asarray(latd))
+    np.testing.assert_array_equal(np.asarray(cq.latent), np.asarray(cd.latent))
 
 
 def test_fp8_checkpoint_to_bfloat16(tmp_path):

@@ -1,17 +1,15 @@
 """FP8 deployment numerics: the quantizer against hand-computed values, the rotation, and the model mode."""
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
-from hisparse_jax.kv_cache import DenseKVCache, HiSparseKVCache
+from hisparse_jax.config import HiSparseConfig
 from models.fp8_numerics import E4M3_MAX, fake_quant_e4m3, hadamard_rotate, quantize_e4m3
 from models.loader import load_hf
+from tests.kv_harness import KVHarness
 from tests.tiny_model import tiny_model_dir
 
 
@@ -62,27 +60,11 @@ def test_hadamard_rotation_is_orthogonal_and_sylvester():
     hadamard_rotate(jnp.ones((2, 48)))
 
 
-def _decode_logits(model, cache, prompts, steps):
-  graphdef, state = nnx.split(model)
-
-  @functools.partial(jax.jit, donate_argnums=(2,))
-  def prefill(state, tokens, cache, lane):
-    _, lat, keys = nnx.merge(graphdef, state).prefill(tokens, jnp.array([tokens.shape[1]]))
-    return cache.insert(lane, lat[:, 0], keys[:, 0], jnp.arange(160, dtype=jnp.int32) + lane * 160)
-
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def decode(state, tokens, seq_lens, cache):
-    return nnx.merge(graphdef, state).decode(tokens, seq_lens, cache)
-
-  for lane, p in enumerate(prompts):
-    cache = prefill(state, jnp.asarray([p], jnp.int32), cache, lane)
-  seq = np.array([len(p) for p in prompts], np.int32)
-  out = []
-  for t in range(steps):
-    seq += 1
-    logits, cache = decode(state, jnp.full((len(prompts),), 7 + t, jnp.int32), jnp.asarray(seq), cache)
-    out.append(np.asarray(logits))
-  return np.stack(out), cache
+def _decode_logits(cfg, model, prompts, steps, hisparse=None):
+  h = KVHarness(cfg, model, hisparse=hisparse)
+  h.prefill(prompts)
+  out = [h.decode(np.full(len(prompts), 7 + t)) for t in range(steps)]
+  return np.stack(out), h
 
 
 def test_fp8_mode_changes_numerics_slightly_and_stays_lossless():
@@ -91,17 +73,17 @@ def test_fp8_mode_changes_numerics_slightly_and_stays_lossless():
   cfg8, on = load_hf(d, fp8_numerics=True)
   assert not cfg.fp8_numerics and cfg8.fp8_numerics
   prompts = [list(range(2, 42)), list(range(5, 25))]
-  shape = dict(num_layers=cfg.num_hidden_layers, batch=2, max_seq_len=160, latent_dim=cfg.latent_dim,
-               index_dim=cfg.index_head_dim, dtype=jnp.float32)
-  l_off, _ = _decode_logits(off, DenseKVCache.create(**shape), prompts, 6)
-  l_dense, dense = _decode_logits(on, DenseKVCache.create(**shape), prompts, 6)
-  l_hs, _ = _decode_logits(on, HiSparseKVCache.create(**shape, device_buffer_size=16, host_pool_rows=400), prompts, 6)
+  l_off, _ = _decode_logits(cfg, off, prompts, 6)
+  l_dense, dense = _decode_logits(cfg8, on, prompts, 6)
+  l_hs, _ = _decode_logits(cfg8, on, prompts, 6, hisparse=HiSparseConfig(top_k=8, device_buffer_size=16))
   np.testing.assert_array_equal(l_hs, l_dense)  # still lossless in FP8 mode
   # A different numerics, not a broken one (on a random tiny model one flipped indexer choice
   # can move a logit a lot, so no closeness bound is asserted here).
   assert np.isfinite(l_dense).all() and np.abs(l_dense - l_off).max() > 1e-6
   # The cached latent (kv_lora part) sits on the e4m3 grid times a power-of-two scale per block.
-  c = np.asarray(dense.kv)[:, 0, :40, : cfg.kv_lora_rank]
+  pages = dense.kvs[0].pages["kv"]  # the 40-token prompt's pages, in order
+  c = np.asarray(dense.backend.state.latent)[:, pages].reshape(cfg.num_hidden_layers, -1, cfg.latent_dim)
+  c = c[:, :40, : cfg.kv_lora_rank]
   amax = np.maximum(np.abs(c).max(-1, keepdims=True), 1e-4)
   scale = 2.0 ** np.ceil(np.log2(amax / 448.0))
   grid = (c / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)

@@ -2,8 +2,8 @@
 
 Tiny random fp32 checkpoints are created *by transformers* (``GlmMoeDsaForCausalLM.save_pretrained``,
 run in the oracle venv through tests/oracle/hf_oracle.py) and loaded with ``models.loader.load_hf``.
-Checked: prefill logits (max abs err <= 1e-4), 16-token greedy continuations through our prefill +
-decode over both project KV caches (``DenseKVCache`` and ``HiSparseKVCache``, prompts 5x longer than
+Checked: prefill logits (max abs err <= 1e-4), 16-token greedy continuations through our chunked prefill
++ decode over both runtime KV backends (dense and HiSparse paged pools, prompts 5x longer than
 index_topk, so the indexer really selects and HiSparse really swaps), cross-layer top-k sharing
 (``indexer_types`` with "shared" layers, consecutive ones included), plain large-theta RoPE and YaRN,
 tied embeddings, qk_nope_head_dim != v_head_dim, and a checkpoint written by
@@ -19,14 +19,15 @@ import functools
 import pathlib
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from hisparse_jax.config import HiSparseConfig
 from models.config import DSAConfig
+from models.deepseek_v32 import decode_step, prefill_prompts, split_model
 from models.loader import load_hf
+from tests.kv_harness import KVHarness
 from tests.oracle.tiny_configs import TINY_GLM_CONFIG
 from tests.oracle_runner import require_oracle, run_oracle
 from models.random_checkpoint import write_random_checkpoint
@@ -79,82 +80,33 @@ def oracle(tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def _load(ck: str):
-    cfg, model = load_hf(ck)
-    graphdef, state = nnx.split(model)
-    return cfg, graphdef, state
+    return load_hf(ck)
 
 
-@functools.lru_cache(maxsize=None)
-def _steps(graphdef):
-    @jax.jit
-    def prefill(state, tokens, lengths):
-        return nnx.merge(graphdef, state).prefill(tokens, lengths)
-
-    @functools.partial(jax.jit, donate_argnums=(3,))
-    def decode(state, tokens, seq_lens, cache):
-        return nnx.merge(graphdef, state).decode(tokens, seq_lens, cache)
-
-    return prefill, decode
-
-
-def _new_cache(kind: str, cfg: DSAConfig, batch: int):
-    from hisparse_jax.kv_cache import DenseKVCache, HiSparseKVCache  # noqa: PLC0415
-
-    shape = dict(num_layers=cfg.num_hidden_layers, batch=batch, max_seq_len=MAX_SEQ, latent_dim=cfg.latent_dim,
-                 index_dim=cfg.index_head_dim, dtype=jnp.dtype(cfg.dtype))
-    if kind == "dense":
-        return DenseKVCache.create(**shape)
-    return HiSparseKVCache.create(**shape, device_buffer_size=DEVICE_BUFFER, host_pool_rows=batch * MAX_SEQ + 5)
-
-
-def _page_table(batch: int) -> np.ndarray:
-    """A scrambled lane -> host-row table (non-contiguous rows per lane)."""
-    return np.random.default_rng(9).permutation(batch * MAX_SEQ).astype(np.int32).reshape(batch, MAX_SEQ)
-
-
-def _prefill_batch(cfg, graphdef, state, prompts):
-    prefill, _ = _steps(graphdef)
+def _prefill_batch(model, prompts):
     toks = np.zeros((len(prompts), PAD_TO), np.int32)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
-    return prefill(state, jnp.asarray(toks), jnp.asarray([len(p) for p in prompts], jnp.int32))
+    return prefill_prompts(model, jnp.asarray(toks), jnp.asarray([len(p) for p in prompts], jnp.int32))
 
 
-def _greedy(kind, cfg, graphdef, state, prompts, max_new):
-    """Batched padded prefill, insert into a `kind` cache, jitted decode loop; a trailing inactive lane."""
-    _, decode = _steps(graphdef)
-    n = len(prompts)
-    B = n + 1
-    logits, lat, ik = _prefill_batch(cfg, graphdef, state, prompts)
-    cache = _new_cache(kind, cfg, B)
-    table = _page_table(B)
-    seq_lens = np.zeros((B,), np.int32)
-    nxt = np.zeros((B,), np.int32)
-    for i, p in enumerate(prompts):
-        cache = cache.insert(i, lat[:, i, : len(p)], ik[:, i, : len(p)], jnp.asarray(table[i]))
-        seq_lens[i] = len(p)
-        nxt[i] = int(jnp.argmax(logits[i, len(p) - 1]))
-    outs = [[int(nxt[i])] for i in range(n)]
-    for _ in range(max_new - 1):
-        seq_lens[:n] += 1
-        lg, cache = decode(state, jnp.asarray(nxt), jnp.asarray(seq_lens), cache)
-        lg = np.asarray(lg)
-        assert np.isfinite(lg).all(), "non-finite decode logits (incl. inactive lane)"
-        nxt[:n] = lg[:n].argmax(-1)
-        for i in range(n):
-            outs[i].append(int(nxt[i]))
-    return outs, cache
+def _greedy(kind, cfg, model, prompts, max_new):
+    """Prefill (chunks of 16) and greedy decode over the runtime's `kind` backend, with an idle row."""
+    hisparse = None if kind == "dense" else HiSparseConfig(top_k=cfg.index_topk, device_buffer_size=DEVICE_BUFFER,
+                                                           host_to_device_ratio=4)
+    h = KVHarness(cfg, model, hisparse=hisparse, max_seq_len=MAX_SEQ, page_size=16, chunk=16)
+    return h.greedy(prompts, max_new), h
 
 
 # ----------------------------------------------------------------------------- oracle tests
 @pytest.mark.parametrize("name", list(CONFIGS) + ["ours"])
 def test_glm_prefill_logits_match_transformers(oracle, name):
     ck, prompts, ref = oracle[name]
-    cfg, graphdef, state = _load(str(ck))
+    cfg, model = _load(str(ck))
     assert cfg.model_type == "glm_moe_dsa" and cfg.indexer_rope_interleave and cfg.rope_interleave
-    logits, lat, ik = _prefill_batch(cfg, graphdef, state, prompts)
-    assert lat.shape == (cfg.num_hidden_layers, len(prompts), PAD_TO, cfg.latent_dim)
-    assert ik.shape == (cfg.num_hidden_layers, len(prompts), PAD_TO, cfg.index_head_dim)
+    logits, cache = _prefill_batch(model, prompts)
+    assert cache.latent.shape == (cfg.num_hidden_layers, len(prompts), PAD_TO, cfg.latent_dim)
+    assert cache.index_key.shape == (cfg.num_hidden_layers, len(prompts), PAD_TO, cfg.index_head_dim)
     for i, p in enumerate(prompts):
         err = float(np.abs(np.asarray(logits[i, : len(p)]) - ref[f"logits_{i}"]).max())
         print(f"{name} prompt len {len(p)}: prefill max abs err {err:.3g}")
@@ -165,30 +117,30 @@ def test_glm_prefill_logits_match_transformers(oracle, name):
 @pytest.mark.parametrize("name", list(CONFIGS) + ["ours"])
 def test_glm_greedy_continuation_matches_transformers(oracle, name, kind):
     ck, prompts, ref = oracle[name]
-    cfg, graphdef, state = _load(str(ck))
-    ours, cache = _greedy(kind, cfg, graphdef, state, prompts, MAX_NEW)
+    cfg, model = _load(str(ck))
+    ours, harness = _greedy(kind, cfg, model, prompts, MAX_NEW)
     for i, p in enumerate(prompts):
         expect = ref[f"greedy_{i}"].tolist()
         assert ours[i] == expect, (name, kind, len(p), ours[i], expect)
         assert ref[f"cached_{i}"].tolist() == expect  # transformers' own cached decode agrees
     if kind == "hisparse":  # the long prompt really went past the hot buffer and swapped rows in
-        assert int(np.asarray(cache.stats)[:, 1, 1].min()) > 0
+        assert int(harness.swap_stats()[:, 1, 1].min()) > 0
 
 
 def test_glm_decode_after_prefill_matches_extended_prefill(oracle):
     """Prefill 30 tokens, then decode 10 given tokens through the cache (shared layers included): each
     decode logit row matches transformers' prefill logits of the full 40-token sequence."""
     ck, prompts, ref = oracle["glm_shared_yarn_tied"]
-    cfg, graphdef, state = _load(str(ck))
+    cfg, model = _load(str(ck))
     assert cfg.indexer_types == ("full", "shared", "shared", "full")
-    prefill, decode = _steps(graphdef)
+    graphdef, state = split_model(model)
     full, n0 = prompts[1], 30
-    _, lat, ik = prefill(state, jnp.asarray([full[:n0]], jnp.int32), jnp.asarray([n0], jnp.int32))
-    cache = _new_cache("dense", cfg, 2).insert(0, lat[:, 0], ik[:, 0], None)
+    _, cache = prefill_prompts(model, jnp.asarray([full[:n0], [0] * n0], jnp.int32), jnp.asarray([n0, 0]),
+                               max_len=MAX_SEQ)
     errs = []
     for pos in range(n0, len(full)):
-        lg, cache = decode(state, jnp.asarray([full[pos], 0], jnp.int32), jnp.asarray([pos + 1, 0], jnp.int32),
-                           cache)
+        lg, cache = decode_step(graphdef, state, jnp.asarray([full[pos], 0], jnp.int32),
+                                jnp.asarray([pos, -1], jnp.int32), cache)
         errs.append(float(np.abs(np.asarray(lg[0]) - ref["logits_1"][pos]).max()))
     print(f"glm decode vs transformers prefill: max err {max(errs):.3g}")
     assert max(errs) <= TOL
@@ -281,17 +233,17 @@ class _SpyCache:
     def __init__(self, inner, log):
         self.inner, self.log = inner, log
 
-    def append(self, layer, seq_lens, latent, index_key):
+    def append(self, layer, positions, latent, index_key):
         self.log.append((layer, "append"))
-        return _SpyCache(self.inner.append(layer, seq_lens, latent, index_key), self.log)
+        return _SpyCache(self.inner.append(layer, positions, latent, index_key), self.log)
 
-    def index_keys(self, layer):
+    def index_keys(self, layer, start, size):
         self.log.append((layer, "index_keys"))
-        return self.inner.index_keys(layer)
+        return self.inner.index_keys(layer, start, size)
 
-    def gather(self, layer, topk, seq_lens):
+    def gather(self, layer, positions, topk):
         self.log.append((layer, "gather"))
-        rows, inner = self.inner.gather(layer, topk, seq_lens)
+        rows, inner = self.inner.gather(layer, positions, topk)
         return rows, _SpyCache(inner, self.log)
 
 
@@ -303,14 +255,14 @@ def test_shared_layers_use_only_append_and_gather(tmp_path):
     assert model.layers[1].self_attn.indexer is None and model.layers[2].self_attn.indexer is not None
     toks = np.random.default_rng(0).integers(2, 512, size=(1, 21)).astype(np.int32)
     n = 20
-    _, lat, ik = model.prefill(jnp.asarray(toks[:, :n]), jnp.asarray([n], jnp.int32))
-    assert not np.asarray(ik[1]).any()  # a shared layer has no indexer keys (zeros in the cache)
+    _, cache = prefill_prompts(model, jnp.asarray(toks[:, :n]), jnp.asarray([n], jnp.int32), max_len=32)
+    assert not np.asarray(cache.index_key[1]).any()  # a shared layer has no indexer keys (zeros in the cache)
     log: list = []
-    cache = _SpyCache(_new_cache("dense", cfg, 1).insert(0, lat[:, 0], ik[:, 0], None), log)
-    lg, _ = model.decode(jnp.asarray(toks[:, n]), jnp.asarray([n + 1], jnp.int32), cache)
+    lg, _ = model.decode(jnp.asarray(toks[:, n]), jnp.asarray([n], jnp.int32), _SpyCache(cache, log))
+    # index_keys once per key block scored (one block here: the default 256 > 21 positions)
     assert log == [(0, "append"), (0, "index_keys"), (0, "gather"), (1, "append"), (1, "gather"),
                    (2, "append"), (2, "index_keys"), (2, "gather")]
-    full, _, _ = model.prefill(jnp.asarray(toks), jnp.asarray([n + 1], jnp.int32))
+    full, _ = prefill_prompts(model, jnp.asarray(toks), jnp.asarray([n + 1], jnp.int32))
     np.testing.assert_allclose(np.asarray(lg[0]), np.asarray(full[0, n]), atol=1e-4)
 
 

@@ -10,17 +10,20 @@ import grpc
 import numpy as np
 import pytest
 
-from hisparse_jax.client import generate
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, Request
-from hisparse_jax.metrics import ServerMetrics
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
-from hisparse_jax.server import serve
+from hisparse_jax.serving.client import generate
+from hisparse_jax.serving.metrics import ServerMetrics
+from hisparse_jax.serving.server import serve
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
 
 N_STREAMS = 256
 N_PROMPTS = 32
 MAX_NEW = 6
+SLOTS = 10
+# Deterministic engines: a stream's tokens do not depend on what else runs.
+COMMON = dict(max_running_requests=SLOTS, max_seq_len=128, page_size=16, chunked_prefill_size=64, deterministic=True)
 
 
 def prompts():
@@ -30,9 +33,9 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def solo():
-  """Each prompt decoded alone (one lane): the reference every concurrent stream must equal."""
+  """Each prompt decoded alone: the reference every concurrent stream must equal."""
   roomy = dict(TINY_HISPARSE, host_to_device_ratio=16)  # pool sizes do not change the numerics
-  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**roomy), max_running_requests=1, max_seq_len=128)
+  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**roomy), **COMMON)
   out = []
   for i, p in enumerate(prompts()):
     r = Request(str(i), p, MAX_NEW)
@@ -44,10 +47,9 @@ def solo():
 
 @pytest.fixture(scope="module")
 def server():
-  # 16 lanes and a device-KV budget of 10 requests' hot buffers: most of the 256 streams queue.
-  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=16,
-                  max_seq_len=128, max_queued_requests=N_STREAMS)
-  engine.max_device_kv_bytes = 10 * engine.device_kv_bytes(Request("x", [1] * 60, MAX_NEW))
+  # 10 request slots: most of the 256 streams queue.
+  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_queued_requests=N_STREAMS,
+                  **COMMON)
   metrics = ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -91,6 +93,7 @@ def test_256_concurrent_streams_equal_solo_and_release_everything(server, solo):
   assert metrics.registry.get_sample_value("hisparse_swap_in_misses_total", {"layer": "0"}) > 0
   page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
   assert "hisparse_inter_token_latency_seconds_bucket" in page and 'hisparse_host_pool_rows{state="free"}' in page
+  assert 'hisparse_kv_pool_pages{memory="device",pool="index",state="used"} 0.0' in page
 
 
 def test_abort_storm_leaves_the_rest_unchanged(server, solo):
@@ -122,9 +125,10 @@ def test_abort_storm_leaves_the_rest_unchanged(server, solo):
 
 
 def test_tiny_host_pool_under_a_burst_queues_or_refuses_then_recovers():
-  # Host pool of 4 x 1 lane x 17 rows = 64 rows: a 100-token request can never fit.
+  # Host pool of 4 x 1 slot x 17 rows = 68 rows = 4 pages of 16: a 100-token request can never fit.
   eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4),
-               max_running_requests=1, max_seq_len=128)
+               max_running_requests=1, max_seq_len=128, page_size=16, chunked_prefill_size=64)
+  assert eng.memory_plan.pools["host"][1] == 4
   srv, loop, port = serve(eng, None, "127.0.0.1", 0)
   stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   try:
@@ -141,3 +145,28 @@ def test_tiny_host_pool_under_a_burst_queues_or_refuses_then_recovers():
   finally:
     srv.stop(0).wait()
     loop.stop()
+
+
+def test_gauges_return_to_idle_after_cancel_and_abort(server):
+  """A cancelled stream and an aborted request on an otherwise idle server: the gauges come back to their idle
+  values without another request running (as GetLoads does)."""
+  engine, stub, metrics, _ = server
+  gauge = lambda name, **labels: metrics.registry.get_sample_value(name, labels or None)
+  for how in ("cancel", "abort"):
+    call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=list(range(2, 60))),
+                                                      max_new_tokens=60, request_id=f"g-{how}"))
+    next(call)
+    deadline = time.monotonic() + 10
+    while gauge("hisparse_running_requests") != 1 and time.monotonic() < deadline:  # set after the step
+      time.sleep(0.01)
+    assert gauge("hisparse_running_requests") == 1
+    if how == "cancel":
+      call.cancel()
+    else:
+      stub.Abort(hisparse_pb2.AbortRequest(request_id=f"g-{how}"), timeout=10)
+    deadline = time.monotonic() + 10
+    while gauge("hisparse_running_requests") != 0 and time.monotonic() < deadline:
+      time.sleep(0.02)
+    assert gauge("hisparse_running_requests") == 0
+    assert gauge("hisparse_host_pool_rows", state="used") == 0
+    assert gauge("hisparse_kv_pool_pages", pool="index", memory="device", state="used") == 0

@@ -13,7 +13,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from models.config import DSAConfig
-from models.deepseek_v32 import decode_step, prefill_step, split_model
+from models.deepseek_v32 import decode_step, prefill_prompts, prefill_step, split_model
+from models.kv_protocol import ContiguousKVCache
 from models.loader import load_hf
 from models.random_checkpoint import default_model_config, write_random_checkpoint
 
@@ -214,7 +215,7 @@ def test_tied_word_embeddings(tmp_path):
     cfg, model = load_hf(ck)
     assert model.lm_head is None
     tokens = jnp.asarray([[0, 5, 9, 200]], jnp.int32)
-    logits, _, _ = model.prefill(tokens, jnp.asarray([4]))
+    logits, _ = prefill_prompts(model, tokens, jnp.asarray([4]))
     # the logits of a tied model are norm(h) @ embed^T: check via the last hidden state
     untied = dict(TINY)
     ck2 = write_random_checkpoint(tmp_path / "untied", untied, seed=5)
@@ -222,7 +223,7 @@ def test_tied_word_embeddings(tmp_path):
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     save_file(tensors, f"{ck2}/model.safetensors")
     _, model2 = load_hf(ck2)
-    logits2, _, _ = model2.prefill(tokens, jnp.asarray([4]))
+    logits2, _ = prefill_prompts(model2, tokens, jnp.asarray([4]))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(logits2), atol=1e-6)
 
 
@@ -251,45 +252,36 @@ def test_default_model_config_greedy_not_degenerate(tmp_path):
     n, steps = 40, 8
     prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, size=(1, 48)).astype(np.int32)
     prompt[0, 0] = 0
-    logits, lat, ik = prefill_step(graphdef, state, jnp.asarray(prompt), jnp.asarray([n], jnp.int32))
-    assert lat.dtype == jnp.bfloat16 and ik.dtype == jnp.float32
-    cache = _dense_cache(cfg, 1, 64).insert(0, lat[:, 0, :n], ik[:, 0, :n])
-    nxt, out, seq = int(jnp.argmax(logits[0, n - 1])), [], n
-    for _ in range(steps):
+    logits, cache = prefill_prompts(model, jnp.asarray(prompt), jnp.asarray([n], jnp.int32), max_len=64)
+    assert cache.latent.dtype == jnp.bfloat16 and cache.index_key.dtype == jnp.float32
+    nxt, out = int(jnp.argmax(logits[0, n - 1])), []
+    for pos in range(n, n + steps):
         out.append(nxt)
-        seq += 1
-        lg, cache = decode_step(graphdef, state, jnp.asarray([nxt], jnp.int32), jnp.asarray([seq], jnp.int32), cache)
+        lg, cache = decode_step(graphdef, state, jnp.asarray([nxt], jnp.int32), jnp.asarray([pos], jnp.int32), cache)
         assert np.isfinite(np.asarray(lg)).all()
         nxt = int(jnp.argmax(lg[0]))
     assert len(set(out)) >= steps // 2, out
 
 
-def test_decode_inactive_lanes_and_garbage_cache_stay_finite(tmp_path):
-    """Lanes with seq_len 0 and NaN garbage beyond seq_len must not leak NaN/inf into outputs."""
+def test_decode_inactive_rows_and_garbage_cache_stay_finite(tmp_path):
+    """Idle rows (position -1) and NaN garbage beyond a row's tokens must not leak NaN/inf into outputs."""
     ck = write_random_checkpoint(tmp_path / "ck", TINY, seed=1)
     cfg, model = load_hf(ck)
     graphdef, state = split_model(model)
-    cache = _dense_cache(cfg, 3, 32)
+    cache = ContiguousKVCache.create(cfg, 3, 32)
     cache = jax.tree_util.tree_map(lambda a: jnp.full_like(a, jnp.nan), cache)  # all garbage
-    toks = jnp.asarray([[0, 7, 8, 9, 10, 11]], jnp.int32)
-    logits, lat, ik = prefill_step(graphdef, state, toks, jnp.asarray([6], jnp.int32))
-    cache = cache.insert(1, lat[:, 0], ik[:, 0])
-    lg, cache = decode_step(graphdef, state, jnp.asarray([5, 12, 0], jnp.int32), jnp.asarray([0, 7, 0], jnp.int32),
+    toks = np.zeros((3, 6), np.int32)
+    toks[1] = [0, 7, 8, 9, 10, 11]
+    positions = np.full((3, 6), -1, np.int32)
+    positions[1] = np.arange(6)  # rows 0 and 2 are all padding: nothing of theirs is written
+    _, cache = prefill_step(graphdef, state, jnp.asarray(toks), jnp.asarray(positions), cache)
+    lg, cache = decode_step(graphdef, state, jnp.asarray([5, 12, 0], jnp.int32), jnp.asarray([-1, 6, -1], jnp.int32),
                             cache)
     assert np.isfinite(np.asarray(lg)).all()
-    # the active lane equals the prefill of the extended sequence
-    full, _, _ = prefill_step(graphdef, state, jnp.asarray([[0, 7, 8, 9, 10, 11, 12]], jnp.int32),
-                              jnp.asarray([7], jnp.int32))
+    assert np.isnan(np.asarray(cache.latent[:, 0])).all()  # idle rows wrote nothing
+    # the active row equals the prefill of the extended sequence
+    full, _ = prefill_prompts(model, jnp.asarray([[0, 7, 8, 9, 10, 11, 12]], jnp.int32), jnp.asarray([7], jnp.int32))
     np.testing.assert_allclose(np.asarray(lg[1]), np.asarray(full[0, 6]), atol=1e-4)
-
-
-def _dense_cache(cfg, batch, max_seq):
-    try:
-        from hisparse_jax.kv_cache import DenseKVCache  # noqa: PLC0415
-    except Exception:  # pragma: no cover - fall back to the test-local cache
-        from tests.test_model_oracle import _TestDenseCache as DenseKVCache  # noqa: PLC0415
-    return DenseKVCache.create(num_layers=cfg.num_hidden_layers, batch=batch, max_seq_len=max_seq,
-                               latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim, dtype=jnp.dtype(cfg.dtype))
 
 
 # ----------------------------------------------------------------------------- streaming load

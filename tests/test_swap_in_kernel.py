@@ -10,12 +10,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax import ops, reference
-from hisparse_jax.reference import worked_example
+from hisparse_jax.kernels import ops, reference
+from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE as PAGE
+from hisparse_jax.kernels.reference import host_rows_of, worked_example
 
 # An FFI INVALID_ARGUMENT surfaces as JaxRuntimeError, or ValueError when the call is dispatched eagerly.
 FFI_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
-swap_in_jit = jax.jit(ops.swap_in, donate_argnums=(4, 5, 6, 7, 8))
+# Argument positions: layer, top_k, seq_lens, req_ids, host_pages | host_pool, hot, slot_tokens, lru, stats.
+POOL = 5
+STATE = (5, 6, 7, 8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def swap_in_jit(page_size):
+  return jax.jit(functools.partial(ops.swap_in, page_size=page_size), donate_argnums=STATE)
+
+
 backup_jit = jax.jit(ops.backup, donate_argnums=(3,))
 
 
@@ -23,34 +33,42 @@ def to_host(x):
   return jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))(jnp.asarray(x))
 
 
-def run_kernel(layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats, fn=swap_in_jit):
-  out = fn(layer, jnp.asarray(top_k), jnp.asarray(seq_lens), jnp.asarray(host_rows),
-                    to_host(pool), jnp.asarray(hot), jnp.asarray(slot_tokens), jnp.asarray(lru),
-                    jnp.asarray(stats))
-  return [np.asarray(x) for x in out]
+def device_args(case):
+  """jnp arrays of a case, its host pool in pinned_host memory."""
+  return [case[0], *map(jnp.asarray, case[1:POOL]), to_host(case[POOL]), *map(jnp.asarray, case[POOL + 1:])]
+
+
+def run_kernel(*case, page_size=PAGE):
+  return [np.asarray(x) for x in swap_in_jit(page_size)(*device_args(case))]
+
+
+def run_reference(*case, page_size=PAGE):
+  return reference.swap_in(*case, page_size=page_size)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
 def test_worked_example(impl):
   args = worked_example()
-  fn = run_kernel if impl == "kernel" else reference.swap_in
+  fn = run_kernel if impl == "kernel" else run_reference
   rows, pool, hot, slot_tokens, lru, stats = fn(*args)
-  np.testing.assert_array_equal(rows[4], [21, 24, 20, -1])
+  np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
   np.testing.assert_array_equal(slot_tokens[0, 4], [8, 3, 7, 12])
   np.testing.assert_array_equal(lru[0, 4], [2, 3, 0, 1])
-  host_row_of_8 = args[3][4, 8]
-  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], args[4][0, host_row_of_8])
+  host_row_of_8 = host_rows_of(args[4][0], PAGE)[8]
+  assert host_row_of_8 == 7 * PAGE  # page 2 of the table is host page 7
+  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], args[POOL][0, host_row_of_8])
   # Only device row 20 changed.
-  changed = np.flatnonzero((hot != args[5]).any(-1).reshape(-1))
+  changed = np.flatnonzero((hot != args[6]).any(-1).reshape(-1))
   np.testing.assert_array_equal(changed, [20])
   np.testing.assert_array_equal(stats[0, 4], [2, 1])  # hits: 3 and newest 15; miss: 8
+  assert not stats[:, :4].any()  # other request slots untouched
 
 
 def test_worked_example_is_in_place():
-  args = worked_example()
-  pool, hot = to_host(args[4]), jnp.asarray(args[5])
+  args = device_args(worked_example())
+  pool, hot = args[POOL], args[6]
   pool_ptr, hot_ptr = pool.unsafe_buffer_pointer(), hot.unsafe_buffer_pointer()
-  out = swap_in_jit(0, *map(jnp.asarray, args[1:4]), pool, hot, *map(jnp.asarray, args[6:]))
+  out = swap_in_jit(PAGE)(*args)
   assert out[1].sharding.memory_kind == "pinned_host"
   assert out[1].unsafe_buffer_pointer() == pool_ptr
   assert out[2].unsafe_buffer_pointer() == hot_ptr
@@ -58,23 +76,34 @@ def test_worked_example_is_in_place():
 
 @st.composite
 def swap_in_cases(draw):
+  """(case, page_size): B batch rows over R >= B request slots (rows may be idle), random page tables."""
   L = draw(st.integers(1, 2))
   B = draw(st.integers(1, 3))
+  R = B + draw(st.integers(0, 2))
   D = draw(st.integers(1, 12))
   K = draw(st.integers(1, D))
   S = draw(st.integers(1, 40))
   W = draw(st.integers(1, 4))
-  H = S * B + draw(st.integers(0, 5))
+  page = draw(st.sampled_from([1, 3, 4, 16]))
+  P = -(-S // page)
+  H = (P * B + draw(st.integers(0, 3))) * page
   layer = draw(st.integers(0, L - 1))
+  req_ids = np.array(draw(st.permutations(range(R)))[:B], np.int32)
   seq_lens = np.array([draw(st.integers(0, S)) for _ in range(B)], np.int32)
-  # Each lane owns distinct host rows (a random page table).
-  perm = draw(st.permutations(range(H)))
-  host_rows = np.array(perm[: B * S], np.int32).reshape(B, S)
-  slot_tokens = np.zeros((L, B, D), np.int32)
-  lru = np.zeros((L, B, D), np.int32)
+  for b in range(B):
+    if seq_lens[b] == 0 and draw(st.booleans()):
+      req_ids[b] = -1  # an idle row
+  # Each row owns distinct host pages (a random page table).
+  perm = draw(st.permutations(range(H // page)))
+  host_pages = np.array(perm[: B * P], np.int32).reshape(B, P)
+  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, R, 1))
+  lru = np.stack([np.stack([np.array(draw(st.permutations(range(D)))) for _ in range(R)])
+                  for _ in range(L)]).astype(np.int32)
   top_k = np.full((B, K), -1, np.int32)
   for b in range(B):
-    n = int(seq_lens[b])
+    n, r = int(seq_lens[b]), int(req_ids[b])
+    if r < 0:
+      continue
     for l in range(L):
       if n > D:  # a consistent resident set: distinct tokens older than the newest, some empty
         tokens = draw(st.lists(st.integers(-1, n - 2), min_size=D, max_size=D))
@@ -83,114 +112,150 @@ def swap_in_cases(draw):
           if t in seen:
             tokens[i] = -1
           seen.add(t)
-        slot_tokens[l, b] = tokens
-      else:
-        slot_tokens[l, b] = np.arange(D)
-      lru[l, b] = draw(st.permutations(range(D)))
+        slot_tokens[l, r] = tokens
     if n:
       top_k[b] = draw(hnp.arrays(np.int32, K, elements=st.integers(-1, n - 1)))
   pool = np.arange(L * H * W, dtype=np.float32).reshape(L, H, W) * 0.5
-  hot = -np.arange(L * B * (D + 1) * W, dtype=np.float32).reshape(L, B, D + 1, W)
+  hot = -np.arange(L * R * (D + 1) * W, dtype=np.float32).reshape(L, R, D + 1, W)
   # Rows already resident hold their token's KV, as the engine guarantees.
-  for l in range(L):
-    for b in range(B):
+  for b in range(B):
+    r, n = int(req_ids[b]), int(seq_lens[b])
+    if r < 0 or not n:
+      continue
+    rows = host_rows_of(host_pages[b], page)
+    for l in range(L):
       for s in range(D):
-        t = slot_tokens[l, b, s]
-        if 0 <= t < seq_lens[b]:
-          hot[l, b, s] = pool[l, host_rows[b, t]]
-      if seq_lens[b]:
-        hot[l, b, D] = pool[l, host_rows[b, seq_lens[b] - 1]]
-        if seq_lens[b] <= D:
-          for t in range(seq_lens[b]):
-            hot[l, b, t] = pool[l, host_rows[b, t]]
-  stats = np.zeros((L, B, 2), np.int32)
-  return [layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats]
+        t = slot_tokens[l, r, s]
+        if 0 <= t < n:
+          hot[l, r, s] = pool[l, rows[t]]
+      hot[l, r, D] = pool[l, rows[n - 1]]
+      if n <= D:
+        for t in range(n):
+          hot[l, r, t] = pool[l, rows[t]]
+  stats = np.zeros((L, R, 2), np.int32)
+  return [layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats], page
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(swap_in_cases())
-def test_kernel_matches_reference_and_invariants(case):
-  got = run_kernel(*case)
-  want = reference.swap_in(*case)
+def test_kernel_matches_reference_and_invariants(case_page):
+  case, page = case_page
+  got = run_kernel(*case, page_size=page)
+  want = run_reference(*case, page_size=page)
   for name, g, w in zip(["rows", "pool", "hot", "slot_tokens", "lru", "stats"], got, want):
     np.testing.assert_array_equal(g, w, err_msg=name)
 
-  layer, top_k, seq_lens, host_rows, pool = case[:5]
+  layer, top_k, seq_lens, req_ids, host_pages, pool = case[:6]
   rows, _, hot, slot_tokens, lru, stats = got
-  B, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
-  flat = hot[layer].reshape(B * D1, W)
-  for b in range(B):
+  R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
+  flat = hot[layer].reshape(R * D1, W)
+  for b, r in enumerate(int(x) for x in req_ids):
+    if r < 0:
+      assert (rows[b] == -1).all()
+      continue
+    host_rows = host_rows_of(host_pages[b], page)
     needed = {int(t) for t in top_k[b] if t >= 0}
     for k, t in enumerate(top_k[b]):
       if t < 0:
         assert rows[b, k] == -1
         continue
       # Every output row is in the request's own hot buffer and holds exactly its token's KV.
-      assert b * D1 <= rows[b, k] < (b + 1) * D1
-      np.testing.assert_array_equal(flat[rows[b, k]], pool[layer, host_rows[b, t]])
+      assert r * D1 <= rows[b, k] < (r + 1) * D1
+      np.testing.assert_array_equal(flat[rows[b, k]], pool[layer, host_rows[t]])
     if seq_lens[b] > D1 - 1:
       # No needed token was evicted: each sits in exactly one slot (the newest in the reserved one).
-      resident = [int(x) for x in slot_tokens[layer, b]]
+      resident = [int(x) for x in slot_tokens[layer, r]]
       for t in needed - {int(seq_lens[b]) - 1}:
         assert resident.count(t) == 1
-      assert sorted(lru[layer, b]) == list(range(D1 - 1))
+      assert sorted(lru[layer, r]) == list(range(D1 - 1))
     # Each distinct position is counted once: hits + misses = distinct needed.
-    assert stats[layer, b].sum() == len(needed)
+    assert stats[layer, r].sum() == len(needed)
+  # Request slots without a row are untouched.
+  idle = sorted(set(range(R)) - {int(x) for x in req_ids})
+  np.testing.assert_array_equal(hot[:, idle], case[6][:, idle])
+  np.testing.assert_array_equal(lru[:, idle], case[8][:, idle])
+  assert not stats[:, idle].any()
 
 
 def test_fast_path_no_io_lru_unchanged():
   case = worked_example()
-  case[2][4] = 4  # seq_len <= D
-  case[1][4] = [0, 3, 3, -1]
+  case[2][0] = 4  # seq_len <= D
+  case[1][0] = [0, 3, 3, -1]
   rows, _, hot, slot_tokens, lru, stats = run_kernel(*case)
-  np.testing.assert_array_equal(rows[4], [20, 23, 23, -1])
-  np.testing.assert_array_equal(hot, case[5])
-  np.testing.assert_array_equal(lru, case[7])
-  np.testing.assert_array_equal(slot_tokens, case[6])
+  np.testing.assert_array_equal(rows[0], [20, 23, 23, -1])
+  np.testing.assert_array_equal(hot, case[6])
+  np.testing.assert_array_equal(lru, case[8])
+  np.testing.assert_array_equal(slot_tokens, case[7])
   np.testing.assert_array_equal(stats[0, 4], [2, 0])
 
 
 def test_duplicates_and_padding_copy_once():
   case = worked_example()
-  case[1][4] = [8, 8, -1, 8]
+  case[1][0] = [8, 8, -1, 8]
   rows, _, hot, _, _, stats = run_kernel(*case)
-  np.testing.assert_array_equal(rows[4], [20, 20, -1, 20])
+  np.testing.assert_array_equal(rows[0], [20, 20, -1, 20])
   np.testing.assert_array_equal(stats[0, 4], [0, 1])
-  assert (hot != case[5]).any(-1).sum() == 1
+  assert (hot != case[6]).any(-1).sum() == 1
+
+
+def _with_idle_row(case):
+  """The worked example with a second, idle batch row (request id -1)."""
+  case[1] = np.concatenate([case[1], np.full((1, 4), -1, np.int32)])
+  case[2] = np.append(case[2], 0).astype(np.int32)
+  case[3] = np.append(case[3], -1).astype(np.int32)
+  case[4] = np.concatenate([case[4], np.full((1, 4), -1, np.int32)])
+  return case
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda c: c[1].__setitem__((4, 0), 16), "top-k position is >= seq_len"),
-    (lambda c: c[1].__setitem__((4, 0), -2), "top-k position is >= seq_len or < -1"),
-    (lambda c: c[3].__setitem__((4, 8), 999), "host-pool row"),
-    (lambda c: c[3].__setitem__((4, 8), -1), "host-pool row"),
-    (lambda c: c[7].__setitem__((0, 4, 0), 1), "not a permutation"),
-    (lambda c: c[2].__setitem__(4, 17), "seq_len"),
+    (lambda c: c[1].__setitem__((0, 0), 16), "top-k position is >= seq_len"),
+    (lambda c: c[1].__setitem__((0, 0), -2), "top-k position is >= seq_len or < -1"),
+    (lambda c: c[4].__setitem__((0, 2), 999), "host-pool row"),
+    (lambda c: c[4].__setitem__((0, 2), -1), "host-pool row"),
+    (lambda c: c[4].__setitem__((0, 2), 2**30), "host-pool row"),  # page * page_size wraps in int32
+    (lambda c: c[8].__setitem__((0, 4, 0), 1), "not a permutation"),
+    (lambda c: c[2].__setitem__(0, 17), "seq_len"),
     (lambda c: c.__setitem__(0, 1), "layer index"),
+    (lambda c: c[3].__setitem__(0, 5), "request id"),
+    (lambda c: c[3].__setitem__(0, -2), "request id"),
+    (lambda c: c[3].__setitem__(0, -1), "request id"),  # idle row with seq_len > 0
+    (lambda c: _with_idle_row(c)[3].__setitem__(1, 4), "request id"),  # the same request twice
 ])
 def test_bad_input_is_an_error_and_changes_nothing(mutate, message):
   case = worked_example()
   mutate(case)
-  pool, hot = to_host(case[4]), jnp.asarray(case[5])
-  state = [jnp.asarray(x) for x in case[6:]]
+  args = device_args(case)  # not donated here: the inputs stay readable
   with pytest.raises(FFI_ERRORS, match=message):
-    jax.block_until_ready(ops.swap_in(case[0], *map(jnp.asarray, case[1:4]), pool, hot, *state))
-  # Not donated here: the inputs are intact and a correct call still works afterwards.
-  np.testing.assert_array_equal(np.asarray(hot), case[5])
-  good = worked_example()
-  rows = run_kernel(*good)[0]
-  np.testing.assert_array_equal(rows[4], [21, 24, 20, -1])
+    jax.block_until_ready(ops.swap_in(*args, page_size=PAGE))
+  np.testing.assert_array_equal(np.asarray(args[6]), case[6])
+  np.testing.assert_array_equal(np.asarray(args[8]), case[8])
+  # A correct call still works afterwards.
+  rows = run_kernel(*worked_example())[0]
+  np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
   with pytest.raises(reference.SwapInError):
-    reference.swap_in(*case)
+    run_reference(*case)
+
+
+def test_idle_rows_and_slot_indirection():
+  """Rows may come in any order of request slots; idle rows (-1) cost nothing and write -1."""
+  case = _with_idle_row(worked_example())
+  order = [1, 0]  # the idle row first
+  for i in (1, 2, 3, 4):
+    case[i] = case[i][order]
+  rows, *_ = got = run_kernel(*case)
+  np.testing.assert_array_equal(rows, [[-1] * 4, [21, 24, 20, -1]])
+  want = run_reference(*case)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
 
 
 def test_top_k_larger_than_buffer_is_an_error():
   case = worked_example()
-  case[1] = np.full((5, 5), -1, np.int32)  # K = 5 > D = 4
+  case[1] = np.full((1, 5), -1, np.int32)  # K = 5 > D = 4
   with pytest.raises(FFI_ERRORS, match=r"top_k \(5\) > device_buffer_size \(4\)"):
     run_kernel(*case)
   with pytest.raises(reference.SwapInError):
-    reference.swap_in(*case)
+    run_reference(*case)
 
 
 def test_backup_writes_rows_in_place():
@@ -220,23 +285,25 @@ def test_backup_bad_input(layer, dst, message):
 def test_in_place_inside_a_jitted_step_has_no_pool_copy():
   """backup then swap-in on a pinned_host pool: the compiled step holds no copy of the pool."""
   case = worked_example()
-  L, H, W = case[4].shape
+  L, H, W = case[POOL].shape
+  newest_row = host_rows_of(case[4][0], PAGE)[15]
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(pool, hot, slot_tokens, lru, stats, new_row, dst):
     pool = ops.backup(0, new_row, dst, pool)
-    rows, pool, hot, *_ = ops.swap_in(0, *map(jnp.asarray, case[1:4]), pool, hot, slot_tokens, lru, stats)
+    rows, pool, hot, *_ = ops.swap_in(0, *map(jnp.asarray, case[1:POOL]), pool, hot, slot_tokens, lru, stats,
+                                      page_size=PAGE)
     return rows, pool, hot
 
-  args = (to_host(case[4]), jnp.asarray(case[5]), *map(jnp.asarray, case[6:]),
-          jnp.ones((1, 5, W), jnp.float32), jnp.full((5,), -1, jnp.int32).at[4].set(case[3][4, 15]))
+  args = (to_host(case[POOL]), *map(jnp.asarray, case[POOL + 1:]),
+          jnp.ones((1, 1, W), jnp.float32), jnp.array([newest_row], jnp.int32))
   hlo = step.lower(*args).compile().as_text()
   pool_shape = f"f32[{L},{H},{W}]"
   copies = [l for l in hlo.splitlines() if " copy(" in l and pool_shape in l]
   assert not copies, copies
   rows, pool, _ = step(*args)
-  np.testing.assert_array_equal(np.asarray(rows)[4], [21, 24, 20, -1])
-  np.testing.assert_array_equal(np.asarray(pool)[0, case[3][4, 15]], np.ones(W))
+  np.testing.assert_array_equal(np.asarray(rows)[0], [21, 24, 20, -1])
+  np.testing.assert_array_equal(np.asarray(pool)[0, newest_row], np.ones(W))
 
 
 def test_loaded_handler_is_the_requested_build():
@@ -252,11 +319,11 @@ def test_loaded_handler_is_the_requested_build():
 
 def test_extension_pool_matches_reference_and_rejects_unknown_pools():
   case = worked_example()
-  pool = ops.ExtensionHostPool(*case[4].shape, np.float32)
-  pool.write(case[4])
-  out = jax.jit(functools.partial(ops.swap_in, external=pool.ref), donate_argnums=(4, 5, 6, 7, 8))(
-      0, *map(jnp.asarray, case[1:4]), pool.token(), *map(jnp.asarray, case[5:]))
-  want = reference.swap_in(*case)
+  pool = ops.ExtensionHostPool(*case[POOL].shape, np.float32)
+  pool.write(case[POOL])
+  fn = jax.jit(functools.partial(ops.swap_in, page_size=PAGE, external=pool.ref), donate_argnums=STATE)
+  out = fn(0, *map(jnp.asarray, case[1:POOL]), pool.token(), *map(jnp.asarray, case[POOL + 1:]))
+  want = run_reference(*case)
   for i in (0, 2, 3, 4, 5):
     np.testing.assert_array_equal(np.asarray(out[i]), want[i])
   new_rows = jnp.full((1, 1, 3), 7.0, jnp.float32)
@@ -283,8 +350,9 @@ def test_sub_byte_dtypes_are_rejected(dtype):
     jax.block_until_ready(ops.backup(0, jnp.ones((1, 1, 256), dtype), jnp.array([63], jnp.int32), pool))
   case = worked_example()
   with pytest.raises(FFI_ERRORS, match="below one byte"):
-    jax.block_until_ready(ops.swap_in(0, *map(jnp.asarray, case[1:4]), to_host(jnp.zeros((1, 32, 4), dtype)),
-                                      jnp.zeros((1, 5, 5, 4), dtype), *map(jnp.asarray, case[6:])))
+    jax.block_until_ready(ops.swap_in(0, *map(jnp.asarray, case[1:POOL]), to_host(jnp.zeros((1, 32, 4), dtype)),
+                                      jnp.zeros((1, 5, 5, 4), dtype), *map(jnp.asarray, case[POOL + 2:]),
+                                      page_size=PAGE))
   with pytest.raises(TypeError, match="below one byte"):
     ops.ExtensionHostPool(1, 4, 4, dtype)
 
@@ -293,42 +361,50 @@ def test_indices_are_never_silently_truncated():
   case = worked_example()
   args = list(case)
   with pytest.raises(TypeError, match="layer must be an integer"):
-    ops.swap_in(0.9, *args[1:])
+    ops.swap_in(0.9, *args[1:], page_size=PAGE)
   with pytest.raises(TypeError, match="layer must be an integer"):
-    ops.backup(True, jnp.ones((1, 1, 3)), jnp.array([0], jnp.int32), to_host(case[4]))
+    ops.backup(True, jnp.ones((1, 1, 3)), jnp.array([0], jnp.int32), to_host(case[POOL]))
   seq = np.array(case[2], np.int64)
-  seq[4] = 2**32 + 16  # would wrap to 16 in int32
+  seq[0] = 2**32 + 16  # would wrap to 16 in int32
   with pytest.raises(ValueError, match="seq_lens has values outside the int32 range"):
-    ops.swap_in(0, case[1], seq, *args[3:])
+    ops.swap_in(0, case[1], seq, *args[3:], page_size=PAGE)
   with pytest.raises(TypeError, match="top_k must be an integer array"):
-    ops.swap_in(0, case[1].astype(np.float32), *args[2:])
+    ops.swap_in(0, case[1].astype(np.float32), *args[2:], page_size=PAGE)
+  with pytest.raises(ValueError, match="page_size must be a positive integer"):
+    ops.swap_in(*args, page_size=0)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(swap_in_cases(), st.data())
-def test_kernel_and_reference_agree_on_corrupt_state(case, data):
-  """Corrupt a page-table row or an LRU entry: both reject it (changing nothing) or both accept it."""
+def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
+  """Corrupt a page-table entry, an LRU entry or a request id: both reject it (changing nothing) or both
+  accept it."""
+  case, page = case_page
   case = [c.copy() if isinstance(c, np.ndarray) else c for c in case]
   layer = case[0]
-  B, S = case[3].shape
-  D = case[6].shape[2]
-  if data.draw(st.booleans()):
-    b, t = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, S - 1))
-    case[3][b, t] = data.draw(st.sampled_from([-1, case[4].shape[1], 2**31 - 1]))
+  B, P = case[4].shape
+  R, D = case[7].shape[1], case[7].shape[2]
+  what = data.draw(st.sampled_from(["page", "lru", "req"]))
+  b = data.draw(st.integers(0, B - 1))
+  if what == "page":
+    case[4][b, data.draw(st.integers(0, P - 1))] = data.draw(
+        st.sampled_from([-1, case[POOL].shape[1] // page, 2**31 - 1]))
+  elif what == "lru":
+    i = data.draw(st.integers(0, D - 1))
+    r = data.draw(st.integers(0, R - 1))
+    case[8][layer, r, i] = data.draw(st.sampled_from([-1, D, int(case[8][layer, r, (i + 1) % D])]))
   else:
-    b, i = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, D - 1))
-    case[7][layer, b, i] = data.draw(st.sampled_from([-1, D, int(case[7][layer, b, (i + 1) % D])]))
+    case[3][b] = data.draw(st.sampled_from([-2, -1, R, int(case[3][(b + 1) % B])]))
   try:
-    want = reference.swap_in(*case)
+    want = run_reference(*case, page_size=page)
   except reference.SwapInError:
     want = None
   if want is None:
-    hot, slots, order = jnp.asarray(case[5]), jnp.asarray(case[6]), jnp.asarray(case[7])
+    args = device_args(case)
     with pytest.raises(FFI_ERRORS):
-      jax.block_until_ready(ops.swap_in(layer, *map(jnp.asarray, case[1:4]), to_host(case[4]), hot, slots, order,
-                                        jnp.asarray(case[8])))
-    np.testing.assert_array_equal(np.asarray(slots), case[6])
-    np.testing.assert_array_equal(np.asarray(order), case[7])
+      jax.block_until_ready(ops.swap_in(*args, page_size=page))
+    np.testing.assert_array_equal(np.asarray(args[7]), case[7])
+    np.testing.assert_array_equal(np.asarray(args[8]), case[8])
   else:
-    for g, w in zip(run_kernel(*case), want):
+    for g, w in zip(run_kernel(*case, page_size=page), want):
       np.testing.assert_array_equal(g, w)

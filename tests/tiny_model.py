@@ -28,3 +28,8 @@ def tiny_config(**overrides) -> dict:
 def tiny_model_dir(seed: int = 7) -> str:
   path = os.path.join(tempfile.mkdtemp(prefix="hisparse-tiny-"), f"seed{seed}")
   return write_random_checkpoint(path, tiny_config(), seed=seed)
+
+
+def all_kv_free(loads: dict) -> bool:
+  """Every KV pool page and request slot is free (an ``Engine.loads()`` dict or snapshot)."""
+  return loads["running"] == 0 and all(p["pages_free"] == p["pages_total"] for p in loads["pools"])

@@ -65,7 +65,8 @@ auto BindSwapIn(Binding binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // layer
       .template Arg<ffi::Buffer<ffi::S32>>()            // top_k
       .template Arg<ffi::Buffer<ffi::S32>>()            // seq_lens
-      .template Arg<ffi::Buffer<ffi::S32>>()            // host_rows
+      .template Arg<ffi::Buffer<ffi::S32>>()            // req_ids
+      .template Arg<ffi::Buffer<ffi::S32>>()            // host_pages
       .template Arg<ffi::AnyBuffer>()                   // host_pool
       .template Arg<ffi::AnyBuffer>()                   // hot
       .template Arg<ffi::AnyBuffer>()                   // slot_tokens
@@ -76,7 +77,8 @@ auto BindSwapIn(Binding binding) {
       .template Ret<ffi::AnyBuffer>()                   // hot (aliased)
       .template Ret<ffi::AnyBuffer>()                   // slot_tokens (aliased)
       .template Ret<ffi::AnyBuffer>()                   // lru (aliased)
-      .template Ret<ffi::AnyBuffer>();                  // stats (aliased)
+      .template Ret<ffi::AnyBuffer>()                   // stats (aliased)
+      .template Attr<int64_t>("page_size");             // tokens per host page
 }
 
 template <typename Binding>

@@ -1,16 +1,18 @@
 // CPU XLA FFI handlers: HiSparse swap-in and host-pool backup.
 //
-// Buffers (shapes as the Python wrappers in hisparse_jax/ops.py build them):
+// Buffers (shapes as the Python wrappers in hisparse_jax/kernels/ops.py build them):
 //   layer        s32[]              layer index l
-//   top_k        s32[B, K]          top-k token positions, -1 = padding
-//   seq_lens     s32[B]             tokens of each request, newest at seq_len-1
-//   host_rows    s32[B, S]          position -> host-pool row
-//   host_pool    T[L, H, W]         latent KV rows in host memory
-//   hot          T[L, B, D+1, W]    hot buffers; slot D is the reserved slot
-//   slot_tokens  s32[L, B, D]       slot -> token position (-1 empty)
-//   lru          s32[L, B, D]       slot ids, least recently used first
-//   stats        s32[L, B, 2]       cumulative (hits, misses) per request
-// Results: rows s32[B, K] (device row b*(D+1)+slot, -1 for padding), then
+//   top_k        s32[B, K]          top-k token positions of each batch row, -1 = padding
+//   seq_lens     s32[B]             tokens of each row's request, newest at seq_len-1
+//   req_ids      s32[B]             hot buffer (request slot) of each row in [0, R); -1 = idle row
+//   host_pages   s32[B, P]          each row's host page table: logical page -> host-pool page
+//   host_pool    T[L, H, W]         latent KV rows in host memory (H = pages x page_size)
+//   hot          T[L, R, D+1, W]    hot buffers of R request slots; slot D is the reserved slot
+//   slot_tokens  s32[L, R, D]       slot -> token position (-1 empty)
+//   lru          s32[L, R, D]       slot ids, least recently used first
+//   stats        s32[L, R, 2]       cumulative (hits, misses) per request slot
+//   page_size    attribute i64      tokens per host page
+// Results: rows s32[B, K] (device row req_id*(D+1)+slot of hot[l], -1 for padding), then
 // host_pool, hot, slot_tokens, lru, stats aliased to their inputs.
 #include <algorithm>
 #include <atomic>
@@ -55,6 +57,7 @@ struct Workspace {
   std::vector<uint64_t> bits;  // all zero between plans
   // Per request of the call (owned by the calling thread): plans kept until commit.
   std::vector<int32_t> new_lru, miss_tokens, miss_slots, misses, hits;
+  std::vector<uint64_t> seen;  // request ids seen in the batch (all zero between calls)
 
   void ReservePlan(int64_t K, int64_t D, int64_t S) {
     if (static_cast<int64_t>(need_token.size()) < K) need_token.resize(K);
@@ -64,7 +67,8 @@ struct Workspace {
       bits.resize((S + 63) / 64, 0);
     }
   }
-  void ReserveBatch(int64_t B, int64_t K, int64_t D) {
+  void ReserveBatch(int64_t B, int64_t K, int64_t D, int64_t R) {
+    if (static_cast<int64_t>(seen.size()) < (R + 63) / 64) seen.resize((R + 63) / 64, 0);
     if (static_cast<int64_t>(misses.size()) < B) {
       misses.resize(B);
       hits.resize(B);
@@ -108,9 +112,10 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t min_items_per_task, F
 // than waking another thread.
 constexpr int64_t kMinRequestsPerTask = 4;
 
-ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf,
-                  ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
-                  ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page_size,
+                  ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
+                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
                   ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
                   ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                   ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
@@ -119,51 +124,83 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<
   auto hd = hot.dimensions();
   if (kd.size() != 2 || hd.size() != 4)
     return ffi::Error::InvalidArgument(
-        "swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,B,D+1,W]");
+        "swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,R,D+1,W]");
   const int64_t B = kd[0], K = kd[1];
   const int64_t L = pool_view.L, H = pool_view.H, W = pool_view.W;
-  const int64_t D = hd[2] - 1;
-  if (hd[0] != L || hd[1] != B || hd[3] != W || D < 1)
-    return ffi::Error::InvalidArgument("swap_in: hot must be [L, B, D+1, W] matching host_pool [L, H, W] and top_k [B, K]");
+  const int64_t R = hd[1], D = hd[2] - 1;
+  if (hd[0] != L || hd[3] != W || D < 1)
+    return ffi::Error::InvalidArgument("swap_in: hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
   if (pool_view.dtype != hot.element_type())
     return ffi::Error::InvalidArgument("swap_in: host_pool and hot dtypes differ");
   if (K > D)
     return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(K) +
                                        ") > device_buffer_size (" + std::to_string(D) + ")");
-  auto sd = host_rows.dimensions();
-  if (!SameDims(seq_lens, {B}) || sd.size() != 2 || sd[0] != B ||
-      !SameDims(slot_tokens, {L, B, D}) || !SameDims(lru, {L, B, D}) ||
-      !SameDims(stats, {L, B, 2}) || slot_tokens.element_type() != ffi::S32 ||
+  if (page_size < 1 || page_size > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("swap_in: page_size must be in [1, 2^31)");
+  auto pd = host_pages.dimensions();
+  if (!SameDims(seq_lens, {B}) || !SameDims(req_ids, {B}) || pd.size() != 2 || pd[0] != B ||
+      !SameDims(slot_tokens, {L, R, D}) || !SameDims(lru, {L, R, D}) ||
+      !SameDims(stats, {L, R, 2}) || slot_tokens.element_type() != ffi::S32 ||
       lru.element_type() != ffi::S32 || stats.element_type() != ffi::S32 ||
       layer_buf.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "swap_in: expected seq_lens [B], host_rows [B,S], slot_tokens/lru s32[L,B,D], stats s32[L,B,2], layer s32[]");
-  const int64_t S = sd[1];
-  if (std::max({B * (D + 1), H, S, K}) > std::numeric_limits<int32_t>::max())
+        "swap_in: expected seq_lens/req_ids s32[B], host_pages s32[B,P], slot_tokens/lru s32[L,R,D], "
+        "stats s32[L,R,2], layer s32[]");
+  const int64_t P = pd[1];
+  if (std::max({R * (D + 1), H, P * page_size, K}) > std::numeric_limits<int32_t>::max())
     return ffi::Error::InvalidArgument("swap_in: a dimension exceeds int32 indexing");
   const int32_t layer = layer_buf.typed_data()[0];
   if (layer < 0 || layer >= L)
     return ffi::Error::InvalidArgument(std::string("swap_in: ") + StatusMessage(kLayerOutOfRange));
+  const int32_t* ids = req_ids.typed_data();
+  const int32_t* lens = seq_lens.typed_data();
+
+  // Request ids: in [-1, R), -1 only on idle rows, no id twice (rows of one request would race).
+  Workspace& batch = ThreadWorkspace();
+  batch.ReserveBatch(B, K, D, R);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t id = ids[b];
+    bool ok = id >= -1 && id < R && (id >= 0 || lens[b] == 0);
+    if (ok && id >= 0) {
+      uint64_t& word = batch.seen[id >> 6];
+      const uint64_t bit = uint64_t{1} << (id & 63);
+      ok = !(word & bit);
+      word |= bit;
+    }
+    if (!ok) {
+      for (int64_t i = 0; i < b; ++i)
+        if (ids[i] >= 0) batch.seen[ids[i] >> 6] = 0;
+      if (id >= 0 && id < R) batch.seen[id >> 6] = 0;
+      return ffi::Error::InvalidArgument("swap_in: row " + std::to_string(b) + " (request id " +
+                                         std::to_string(id) + "): " + StatusMessage(kBadRequestId));
+    }
+  }
+  for (int64_t b = 0; b < B; ++b)
+    if (ids[b] >= 0) batch.seen[ids[b] >> 6] = 0;
 
   const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(hot.element_type());
   auto request = [&](int64_t b, int32_t* slots, int32_t* order) {
-    return RequestLayer{top_k.typed_data() + b * K, static_cast<int32_t>(K),
-                        seq_lens.typed_data()[b], static_cast<int32_t>(D),
-                        host_rows.typed_data() + b * S, static_cast<int32_t>(S),
-                        static_cast<int32_t>(H), slots + (layer * B + b) * D,
-                        order + (layer * B + b) * D, static_cast<int32_t>(b * (D + 1))};
+    const int64_t table = (static_cast<int64_t>(layer) * R + ids[b]) * D;
+    return RequestLayer{top_k.typed_data() + b * K, static_cast<int32_t>(K), lens[b],
+                        static_cast<int32_t>(D), host_pages.typed_data() + b * P,
+                        static_cast<int32_t>(P), static_cast<int32_t>(page_size),
+                        static_cast<int32_t>(H), slots + table, order + table,
+                        static_cast<int32_t>(ids[b] * (D + 1))};
   };
 
   // Phase 1: plan every request without touching any state (each plan validates
   // what it reads), so a bad call loses nothing.
-  Workspace& batch = ThreadWorkspace();
-  batch.ReserveBatch(B, K, D);
   int32_t* in_slots = static_cast<int32_t*>(slot_tokens.untyped_data());
   int32_t* in_order = static_cast<int32_t*>(lru.untyped_data());
   int32_t* out = rows->typed_data();
   ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
+    if (ids[b] < 0) {  // idle row: all padding
+      std::fill(out + b * K, out + (b + 1) * K, -1);
+      batch.misses[b] = batch.hits[b] = 0;
+      return;
+    }
     Workspace& ws = ThreadWorkspace();
-    ws.ReservePlan(K, D, S);
+    ws.ReservePlan(K, D, P * page_size);
     SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D};
     DirectPositionMap map = ws.Map();
     batch.misses[b] = PlanSwapIn(request(b, in_slots, in_order), map, scratch, out + b * K,
@@ -172,8 +209,9 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<
   });
   for (int64_t b = 0; b < B; ++b)
     if (batch.misses[b] < 0)
-      return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(b) + ", layer " +
-                                         std::to_string(layer) + ": " + StatusMessage(-batch.misses[b]));
+      return ffi::Error::InvalidArgument("swap_in: row " + std::to_string(b) + " (request id " +
+                                         std::to_string(ids[b]) + "), layer " + std::to_string(layer) +
+                                         ": " + StatusMessage(-batch.misses[b]));
 
   // Phase 2: commit the plans and copy the missing rows host -> device.
   CopyIfDistinct(hot, hot_out);
@@ -182,22 +220,23 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<
   CopyIfDistinct(stats, stats_out);
   const char* pool = pool_view.base + static_cast<size_t>(layer) * H * row_bytes;
   char* dev = static_cast<char*>(hot_out->untyped_data()) +
-              static_cast<size_t>(layer) * B * (D + 1) * row_bytes;
+              static_cast<size_t>(layer) * R * (D + 1) * row_bytes;
   int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
   int32_t* order = static_cast<int32_t*>(lru_out->untyped_data());
-  int32_t* counts = static_cast<int32_t*>(stats_out->untyped_data()) + layer * B * 2;
+  int32_t* counts = static_cast<int32_t*>(stats_out->untyped_data()) + static_cast<int64_t>(layer) * R * 2;
   ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
+    if (ids[b] < 0) return;
     const RequestLayer r = request(b, slots, order);
     const int32_t misses = batch.misses[b];
     const int32_t* miss_tokens = batch.miss_tokens.data() + b * K;
     const int32_t* miss_slots = batch.miss_slots.data() + b * K;
     CommitSwapIn(r, batch.new_lru.data() + b * D, miss_tokens, miss_slots, misses);
     for (int32_t i = 0; i < misses; ++i) {
-      const int64_t src = r.host_rows[miss_tokens[i]];
+      const int64_t src = HostRow(r, miss_tokens[i]);  // validated by the plan
       std::memcpy(dev + (r.row_base + miss_slots[i]) * row_bytes, pool + src * row_bytes, row_bytes);
     }
-    counts[b * 2] += batch.hits[b];
-    counts[b * 2 + 1] += misses;
+    counts[ids[b] * 2] += batch.hits[b];
+    counts[ids[b] * 2 + 1] += misses;
   });
   return ffi::Error::Success();
 }
@@ -205,11 +244,12 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, ffi::Buffer<
 // Host pool as an XLA operand (a `pinned_host` JAX array), aliased to a result.
 ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
-                      ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
-                      ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
-                      ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> host_pool_out,
-                      ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                      ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
+                      ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages,
+                      ffi::AnyBuffer host_pool, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                      ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                      ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
+                      ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                      ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
@@ -217,24 +257,25 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
   CopyIfDistinct(host_pool, host_pool_out);
   PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
                 host_pool.element_type(), pd[2]};
-  return SwapIn(thread_pool, view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows,
-                hot_out, slot_tokens_out, lru_out, stats_out);
+  return SwapIn(thread_pool, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 // Host pool owned by the extension; `pool_token` (s32[1], aliased) orders the calls that touch it.
 ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
-                         ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
-                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
-                         ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> pool_token_out,
-                         ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                         ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                         uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+                         ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages,
+                         ffi::AnyBuffer pool_token, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                         ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                         ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
+                         ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                         ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size, uint64_t pool_address,
+                         int64_t pool_layers, int64_t pool_rows) {
   auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
-  return SwapIn(thread_pool, *view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows,
-                hot_out, slot_tokens_out, lru_out, stats_out);
+  return SwapIn(thread_pool, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 // Backup: host_pool[layer + i, dst[n]] = rows[i, n] for every n with dst[n] >= 0.

@@ -4,9 +4,10 @@
 // planning runs the shared core (swap_in_core.h) and the copies read the host
 // pool directly over PCIe/NVLink-C2C (zero-copy from pinned host memory).
 //
-// Launch shape: one thread block per request. A first kernel validates every
-// request and reports the first error; the handler reads it back and returns
-// an FFI error before any state changes (so a bad call loses nothing). The
+// Launch shape: one thread block per batch row (request). A first kernel
+// validates every row (its request id included) and reports the first error;
+// the handler reads it back and returns an FFI error before any state changes
+// (so a bad call loses nothing). The
 // second kernel plans in thread 0 with the scratch in shared memory, then the
 // whole block copies the missing rows with 16-byte loads where aligned.
 #include <cuda_runtime.h>
@@ -29,22 +30,35 @@ struct SwapInArgs {
   const int32_t* layer;
   const int32_t* top_k;
   const int32_t* seq_lens;
-  const int32_t* host_rows;
+  const int32_t* req_ids;
+  const int32_t* host_pages;
   const char* pool;
   char* hot;
   int32_t* slot_tokens;
   int32_t* lru;
   int32_t* stats;
   int32_t* rows;
-  int32_t B, K, D, S, L, H;
+  int32_t B, K, D, R, P, page_size, L, H;
   int64_t row_bytes;
 };
 
+// Row b's request; only for rows whose request id was validated as >= 0.
 __device__ RequestLayer MakeRequest(const SwapInArgs& a, int32_t b, int32_t layer) {
-  const int64_t table = (static_cast<int64_t>(layer) * a.B + b) * a.D;
+  const int32_t id = a.req_ids[b];
+  const int64_t table = (static_cast<int64_t>(layer) * a.R + id) * a.D;
   return RequestLayer{a.top_k + static_cast<int64_t>(b) * a.K, a.K, a.seq_lens[b], a.D,
-                      a.host_rows + static_cast<int64_t>(b) * a.S, a.S, a.H,
-                      a.slot_tokens + table, a.lru + table, b * (a.D + 1)};
+                      a.host_pages + static_cast<int64_t>(b) * a.P, a.P, a.page_size, a.H,
+                      a.slot_tokens + table, a.lru + table, id * (a.D + 1)};
+}
+
+// Row b's request id is in [-1, R), -1 only with seq_len 0, and no earlier row has it.
+__device__ bool RequestIdOk(const SwapInArgs& a, int32_t b) {
+  const int32_t id = a.req_ids[b];
+  if (id < -1 || id >= a.R || (id < 0 && a.seq_lens[b] != 0)) return false;
+  if (id < 0) return true;
+  for (int32_t i = 0; i < b; ++i)
+    if (a.req_ids[i] == id) return false;
+  return true;
 }
 
 __device__ void CopyRow(const char* src, char* dst, int64_t bytes) {
@@ -92,6 +106,11 @@ __global__ void ValidateKernel(SwapInArgs a, int32_t* error) {
   }
   BlockPlan p = CarveShared(smem, a.K, a.D);
   if (threadIdx.x != 0) return;
+  if (!RequestIdOk(a, blockIdx.x)) {
+    if (atomicCAS(&error[0], 0, kBadRequestId) == 0) error[1] = blockIdx.x;
+    return;
+  }
+  if (a.req_ids[blockIdx.x] < 0) return;
   int32_t hits = 0;
   const int32_t misses = PlanSwapIn(MakeRequest(a, blockIdx.x, layer), p.map, p.scratch,
                                     a.rows + static_cast<int64_t>(blockIdx.x) * a.K, p.miss_tokens,
@@ -106,27 +125,27 @@ __global__ void SwapInKernel(SwapInArgs a) {
   __shared__ int32_t num_misses;
   const int32_t b = blockIdx.x;
   const int32_t layer = *a.layer;
-  const RequestLayer r = MakeRequest(a, b, layer);
-  // An idle lane (seq_len 0: all padding) costs one block that exits at once.
-  if (r.seq_len == 0) {
+  // An idle row (no request, or seq_len 0: all padding) costs one block that exits at once.
+  if (a.req_ids[b] < 0 || a.seq_lens[b] == 0) {
     for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) a.rows[static_cast<int64_t>(b) * a.K + k] = -1;
     return;
   }
+  const RequestLayer r = MakeRequest(a, b, layer);
   BlockPlan p = CarveShared(smem, a.K, a.D);
   if (threadIdx.x == 0) {
     int32_t hits = 0;
     num_misses = PlanSwapIn(r, p.map, p.scratch, a.rows + static_cast<int64_t>(b) * a.K, p.miss_tokens,
                             p.miss_slots, &hits);
     CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
-    int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.B + b) * 2;
+    int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
     counts[0] += hits;
     counts[1] += num_misses;
   }
   __syncthreads();
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
-  char* dev = a.hot + static_cast<int64_t>(layer) * a.B * (a.D + 1) * a.row_bytes;
+  char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
   for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
-    const int64_t src = r.host_rows[p.miss_tokens[i]];
+    const int64_t src = HostRow(r, p.miss_tokens[i]);  // validated by the plan
     CopyRow(pool + src * a.row_bytes, dev + (r.row_base + p.miss_slots[i]) * a.row_bytes, a.row_bytes);
   }
 }
@@ -175,41 +194,49 @@ ffi::ErrorOr<int32_t*> ErrorWord(int32_t** host) {
   return device;
 }
 
-ffi::Error SwapIn(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
-                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows, ffi::AnyBuffer hot,
-                  ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
-                  ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> hot_out,
-                  ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                  ffi::Result<ffi::AnyBuffer> stats_out) {
+ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, ffi::Buffer<ffi::S32> layer,
+                  ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                  ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                  ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
   auto kd = top_k.dimensions();
   auto hd = hot.dimensions();
-  auto sd = host_rows.dimensions();
-  if (kd.size() != 2 || hd.size() != 4 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,B,D+1,W]");
+  auto pd = host_pages.dimensions();
+  if (kd.size() != 2 || hd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "swap_in: expected top_k [B,K], host_pages [B,P], host_pool [L,H,W], hot [L,R,D+1,W]");
+  if (page_size < 1 || page_size > INT32_MAX)
+    return ffi::Error::InvalidArgument("swap_in: page_size must be in [1, 2^31)");
+  if (hd[1] * hd[2] > INT32_MAX || pool.H > INT32_MAX || pd[1] * page_size > INT32_MAX)
+    return ffi::Error::InvalidArgument("swap_in: a dimension exceeds int32 indexing");
   SwapInArgs a{};
   a.B = static_cast<int32_t>(kd[0]);
   a.K = static_cast<int32_t>(kd[1]);
   a.L = static_cast<int32_t>(pool.L);
   a.H = static_cast<int32_t>(pool.H);
+  a.R = static_cast<int32_t>(hd[1]);
   a.D = static_cast<int32_t>(hd[2] - 1);
-  a.S = static_cast<int32_t>(sd[1]);
-  if (hd[0] != pool.L || hd[1] != kd[0] || hd[3] != pool.W || a.D < 1 || sd[0] != kd[0] ||
-      pool.dtype != hot.element_type())
-    return ffi::Error::InvalidArgument("swap_in: hot must be [L, B, D+1, W] matching host_pool and top_k");
+  a.P = static_cast<int32_t>(pd[1]);
+  a.page_size = static_cast<int32_t>(page_size);
+  if (hd[0] != pool.L || hd[3] != pool.W || a.D < 1 || pd[0] != kd[0] || pool.dtype != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
   if (a.K > a.D)
     return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(a.K) +
                                        ") > device_buffer_size (" + std::to_string(a.D) + ")");
-  if (slot_tokens.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
-      lru.element_count() != static_cast<size_t>(a.L) * a.B * a.D ||
-      stats.element_count() != static_cast<size_t>(a.L) * a.B * 2 ||
-      seq_lens.element_count() != static_cast<size_t>(a.B) || layer.element_count() != 1)
+  if (slot_tokens.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
+      lru.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
+      stats.element_count() != static_cast<size_t>(a.L) * a.R * 2 ||
+      seq_lens.element_count() != static_cast<size_t>(a.B) ||
+      req_ids.element_count() != static_cast<size_t>(a.B) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "swap_in: expected slot_tokens/lru s32[L,B,D], stats s32[L,B,2], seq_lens s32[B], layer s32[]");
+        "swap_in: expected slot_tokens/lru s32[L,R,D], stats s32[L,R,2], seq_lens/req_ids s32[B], layer s32[]");
   if (a.B == 0) return ffi::Error::Success();
   a.layer = layer.typed_data();
   a.top_k = top_k.typed_data();
   a.seq_lens = seq_lens.typed_data();
-  a.host_rows = host_rows.typed_data();
+  a.req_ids = req_ids.typed_data();
+  a.host_pages = host_pages.typed_data();
   a.pool = pool.base;
   a.row_bytes = pool.W * ffi::ByteWidth(hot.element_type());
   a.slot_tokens = static_cast<int32_t*>(slot_tokens.untyped_data());
@@ -231,7 +258,7 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> laye
   ValidateKernel<<<a.B, kThreads, smem, stream>>>(a, *error_dev);
   if (auto e = CudaStatus(cudaStreamSynchronize(stream), "swap_in validate"); e.failure()) return e;
   if (error[0] != kOk)
-    return ffi::Error::InvalidArgument("swap_in: request " + std::to_string(error[1]) + ": " +
+    return ffi::Error::InvalidArgument("swap_in: row " + std::to_string(error[1]) + ": " +
                                        StatusMessage(error[0]));
 
   for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out},
@@ -248,36 +275,37 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> laye
 
 // Host pool as an XLA operand (`pinned_host` memory), aliased to a result.
 ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
-                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
-                      ffi::AnyBuffer host_pool, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                      ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
-                      ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
-                      ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                      ffi::Result<ffi::AnyBuffer> stats_out) {
+                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                      ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
+                      ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                      ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> host_pool_out,
+                      ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                      ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
+                      int64_t page_size) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
     return ffi::Error::InvalidArgument("swap_in: host_pool dtype packs below one byte per element (unsupported)");
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]};
-  return SwapIn(stream, view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows, hot_out,
-                slot_tokens_out, lru_out, stats_out);
+  return SwapIn(stream, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens, lru,
+                stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 // Host pool owned by the extension (cudaHostAlloc, mapped); pool_token (s32[1]) orders the calls.
 ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
-                         ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> host_rows,
-                         ffi::AnyBuffer pool_token, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                         ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
-                         ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
-                         ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                         ffi::Result<ffi::AnyBuffer> stats_out, uint64_t pool_address, int64_t pool_layers,
-                         int64_t pool_rows) {
+                         ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                         ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
+                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                         ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> pool_token_out,
+                         ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                         ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
+                         int64_t page_size, uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
-  return SwapIn(stream, *view, layer, top_k, seq_lens, host_rows, hot, slot_tokens, lru, stats, rows, hot_out,
-                slot_tokens_out, lru_out, stats_out);
+  return SwapIn(stream, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens, lru,
+                stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 __global__ void BackupKernel(const int32_t* layer, const char* rows, const int32_t* dst, char* pool,

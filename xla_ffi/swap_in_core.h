@@ -40,13 +40,16 @@ enum SwapInStatus : int32_t {
   kHostRowOutOfRange,    // host row of a needed position outside [0, H)
   kLruNotPermutation,    // LRU order of the D slots is not a permutation
   kLayerOutOfRange,      // layer index outside [0, L)
+  kBadRequestId,         // request (hot-buffer) id outside [-1, R), repeated, or -1 with seq_len > 0
 };
 
 inline const char* StatusMessage(int32_t status) {
   switch (status) {
-    case kBadSeqLen: return "seq_len is < 0 or > the host-row table width (max_seq_len)";
+    case kBadSeqLen: return "seq_len is < 0 or > the host page table's span (pages x page_size)";
     case kPositionOutOfRange: return "a top-k position is >= seq_len or < -1";
     case kHostRowOutOfRange: return "a position to swap in has no valid host-pool row (host row outside [0, H))";
+    case kBadRequestId:
+      return "a request id is outside [-1, R), appears twice in the batch, or is -1 (idle row) with seq_len > 0";
     case kLruNotPermutation: return "the LRU order is not a permutation of the D slot ids";
     case kLayerOutOfRange: return "layer index is outside [0, num_layers)";
     default: return "ok";
@@ -127,17 +130,32 @@ struct SwapInScratch {
 
 // Per-request view of the state of one layer.
 struct RequestLayer {
-  const int32_t* top_k;      // [K]
+  const int32_t* top_k;       // [K]
   int32_t K;
   int32_t seq_len;
   int32_t D;                  // hot-buffer slots (reserved slot excluded)
-  const int32_t* host_rows;   // [max_seq_len] position -> host-pool row
-  int32_t max_seq_len;
+  const int32_t* host_pages;  // [num_pages] logical page -> host-pool page (the page table)
+  int32_t num_pages;
+  int32_t page_size;          // tokens per page; position t lives in page t / page_size
   int32_t num_host_rows;      // H
   int32_t* slot_tokens;       // [D] slot -> token position (-1 empty)
   int32_t* lru;               // [D] slot ids, oldest first
   int32_t row_base;           // device row of slot 0; reserved slot = row_base + D
 };
+
+// Host-pool row of position t (0 <= t < num_pages * page_size): page_table[t / page_size] *
+// page_size + t % page_size, or -1 when that row is outside [0, H). 64-bit arithmetic: a corrupt
+// page id never wraps into range.
+HISPARSE_HD inline int64_t HostRow(const RequestLayer& r, int32_t t) {
+  const int64_t page = r.host_pages[t / r.page_size];
+  const int64_t row = page * r.page_size + t % r.page_size;
+  return (page < 0 || row >= r.num_host_rows) ? -1 : row;
+}
+
+// Tokens the page table spans: the largest valid seq_len.
+HISPARSE_HD inline int64_t MaxSeqLen(const RequestLayer& r) {
+  return static_cast<int64_t>(r.num_pages) * r.page_size;
+}
 
 // Plans the swap-in of one request at one layer WITHOUT modifying its state,
 // validating everything it reads, so that a batch can be checked whole before
@@ -154,16 +172,15 @@ HISPARSE_HD int32_t PlanSwapIn(const RequestLayer& r, PositionMap& map_ref, Swap
   // may alias anything, which would otherwise force a reload of every field in
   // every loop iteration.
   PositionMap map = map_ref;
-  const int32_t K = r.K, D = r.D, seq_len = r.seq_len, row_base = r.row_base, H = r.num_host_rows;
+  const int32_t K = r.K, D = r.D, seq_len = r.seq_len, row_base = r.row_base;
   const int32_t* top_k = r.top_k;
-  const int32_t* host_rows = r.host_rows;
   const int32_t* slot_tokens = r.slot_tokens;
   const int32_t* lru = r.lru;
   int32_t* need_token = w.need_token;
   uint8_t* slot_state = w.slot_state;
   int32_t* new_lru = w.new_lru;
 
-  if (seq_len < 0 || seq_len > r.max_seq_len) return -kBadSeqLen;
+  if (seq_len < 0 || seq_len > MaxSeqLen(r)) return -kBadSeqLen;
   int32_t distinct = 0;
   int32_t status = kOk;
   for (int32_t k = 0; k < K; ++k) {
@@ -211,8 +228,7 @@ HISPARSE_HD int32_t PlanSwapIn(const RequestLayer& r, PositionMap& map_ref, Swap
   for (int32_t i = 0; i < distinct; ++i) {
     const int32_t t = need_token[i];
     if (t == newest || map.Slot(t) >= 0) continue;
-    const int32_t h = host_rows[t];
-    if (h < 0 || h >= H) {
+    if (HostRow(r, t) < 0) {
       status = kHostRowOutOfRange;
       break;
     }

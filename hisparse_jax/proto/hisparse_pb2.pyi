@@ -29,7 +29,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos")
+    __slots__ = ("request_id", "text", "input_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos", "include_stop_str_in_output")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: TokenIds
@@ -52,10 +53,11 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    include_stop_str_in_output: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses", "matched_stop")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses", "matched_stop", "num_preemptions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class GenerateResponse(_message.Message):
     SWAP_IN_HITS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_MISSES_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -76,7 +79,8 @@ class GenerateResponse(_message.Message):
     swap_in_hits: int
     swap_in_misses: int
     matched_stop: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ..., matched_stop: _Optional[str] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ..., matched_stop: _Optional[str] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -94,8 +98,24 @@ class GetLoadsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PoolUsage(_message.Message):
+    __slots__ = ("name", "memory", "page_size", "pages_total", "pages_free", "bytes_per_page")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    memory: str
+    page_size: int
+    pages_total: int
+    pages_free: int
+    bytes_per_page: int
+    def __init__(self, name: _Optional[str] = ..., memory: _Optional[str] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., bytes_per_page: _Optional[int] = ...) -> None: ...
+
 class Loads(_message.Message):
-    __slots__ = ("running", "queued", "free_lanes", "device_kv_bytes_used", "device_kv_bytes_budget", "free_host_rows", "host_rows_total")
+    __slots__ = ("running", "queued", "free_lanes", "device_kv_bytes_used", "device_kv_bytes_budget", "free_host_rows", "host_rows_total", "pools", "preemptions")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     FREE_LANES_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +123,8 @@ class Loads(_message.Message):
     DEVICE_KV_BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
     FREE_HOST_ROWS_FIELD_NUMBER: _ClassVar[int]
     HOST_ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     running: int
     queued: int
     free_lanes: int
@@ -110,4 +132,6 @@ class Loads(_message.Message):
     device_kv_bytes_budget: int
     free_host_rows: int
     host_rows_total: int
-    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., free_lanes: _Optional[int] = ..., device_kv_bytes_used: _Optional[int] = ..., device_kv_bytes_budget: _Optional[int] = ..., free_host_rows: _Optional[int] = ..., host_rows_total: _Optional[int] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolUsage]
+    preemptions: int
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., free_lanes: _Optional[int] = ..., device_kv_bytes_used: _Optional[int] = ..., device_kv_bytes_budget: _Optional[int] = ..., free_host_rows: _Optional[int] = ..., host_rows_total: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolUsage, _Mapping]]] = ..., preemptions: _Optional[int] = ...) -> None: ...

@@ -69,7 +69,7 @@ class HiSparseInferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetLoads(self, request, context):
-        """Current load: running / queued requests, free decode lanes, device KV budget, free host-pool rows.
+        """Current load: running / queued requests, free request slots, and each KV pool's pages and bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

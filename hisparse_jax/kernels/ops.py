@@ -1,6 +1,6 @@
 """JAX wrappers of the HiSparse XLA FFI kernels (swap-in and backup).
 
-The handlers live in ``xla_ffi/`` (``cpu_handlers.cc``, ``cuda_handlers.cu``)
+The handlers live in ``xla_ffi/`` (``cpu_handlers.cc``, ``cuda_handlers.cu``, sharing ``swap_in_core.h``)
 and are registered here on import: the CPU handler always, the CUDA handler
 when the extension was built with nvcc. Both wrappers are callable inside
 ``jax.jit``; the state they update (host pool, hot buffer, slot table, LRU,
@@ -176,43 +176,50 @@ class ExtensionHostPool:
       pass
 
 
-def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru, stats, *,
-            external: ExternalPoolRef | None = None, target: str | None = None):
-  """Make the latent rows of each request's top-k positions resident on device.
+def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, stats, *,
+            page_size: int, external: ExternalPoolRef | None = None, target: str | None = None):
+  """Make the latent rows of each batch row's top-k positions resident in its request's hot buffer.
 
   Args:
     layer: int32 scalar, the layer index l in [0, L).
     top_k: int32[B, K] token positions chosen by the indexer, -1 = padding.
-    seq_lens: int32[B] tokens per request; the newest token is at seq_len - 1.
-    host_rows: int32[B, S] position -> row of the host pool (page table).
-    host_pool: T[L, H, W] latent KV of all tokens (``pinned_host`` memory),
-      or with ``external`` the int32[1] ordering token of an ExtensionHostPool.
-    hot: T[L, B, D+1, W] hot buffers; slot D of each request is reserved for
-      its newest token.
-    slot_tokens: int32[L, B, D] token position held by each slot (-1 empty).
-    lru: int32[L, B, D] slot ids of each request, least recently used first.
-    stats: int32[L, B, 2] cumulative (hits, misses) per request and layer,
-      counted over distinct non-padding positions.
+    seq_lens: int32[B] tokens of each row's request; the newest token is at seq_len - 1.
+    req_ids: int32[B] hot buffer (request slot) of each row, in [0, R); -1 marks an idle row
+      (seq_len must be 0). No id may appear twice.
+    host_pages: int32[B, P] each row's host page table: logical page p (positions
+      [p * page_size, (p + 1) * page_size)) -> host-pool page; -1 = none.
+    host_pool: T[L, H, W] latent KV of all tokens (``pinned_host`` memory; H = host pages x
+      page_size), or with ``external`` the int32[1] ordering token of an ExtensionHostPool.
+    hot: T[L, R, D+1, W] hot buffers of R request slots; slot D of each is reserved for its newest
+      token.
+    slot_tokens: int32[L, R, D] token position held by each slot (-1 empty).
+    lru: int32[L, R, D] slot ids of each request, least recently used first.
+    stats: int32[L, R, 2] cumulative (hits, misses) per request slot and layer, counted over
+      distinct non-padding positions.
+    page_size: tokens per host page (static; an FFI attribute).
 
   Returns:
-    (rows, host_pool, hot, slot_tokens, lru, stats): rows is int32[B, K], the
-    row of ``hot[l].reshape(B * (D + 1), W)`` holding each top-k entry (-1 for
-    padding); the rest are the updated state (aliased to the inputs).
+    (rows, host_pool, hot, slot_tokens, lru, stats): rows is int32[B, K], the row of
+    ``hot[l].reshape(R * (D + 1), W)`` holding each top-k entry (-1 for padding); the rest are
+    the updated state (aliased to the inputs).
 
   Raises:
-    jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the
-    failed result is first read through NumPy) when K > D, a position is
-    >= seq_len or < -1, a needed position has no host row in [0, H), an LRU
-    row is not a permutation, or the layer is out of range. Nothing is
-    modified in that case.
+    jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the failed result is first
+    read through NumPy) when K > D, a position is >= seq_len or < -1, seq_len exceeds P x
+    page_size, a needed position has no host row in [0, H), an LRU row is not a permutation, a
+    request id is out of range, repeated or -1 on an active row, or the layer is out of range.
+    Nothing is modified in that case.
 
-  ``external`` selects the handler over an ExtensionHostPool; ``target``
-  names another registration of the same handler (e.g. the Bazel build's).
+  ``external`` selects the handler over an ExtensionHostPool; ``target`` names another
+  registration of the same handler (e.g. the Bazel build's).
 
-  Semantics: ``hisparse_jax.reference.swap_in`` (HiSparse, SGLang).
+  Semantics: ``hisparse_jax.kernels.reference.swap_in`` (HiSparse, SGLang).
   """
-  top_k, seq_lens, host_rows = (_int32(n, x) for n, x in
-                                (("top_k", top_k), ("seq_lens", seq_lens), ("host_rows", host_rows)))
+  top_k, seq_lens, req_ids, host_pages = (
+      _int32(n, x) for n, x in (("top_k", top_k), ("seq_lens", seq_lens), ("req_ids", req_ids),
+                                ("host_pages", host_pages)))
+  if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+    raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
   B, K = top_k.shape
   call = jax.ffi.ffi_call(
       target or (SWAP_IN_EXT_TARGET if external else SWAP_IN_TARGET),
@@ -224,10 +231,11 @@ def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru,
           _like(lru),
           _like(stats),
       ),
-      input_output_aliases={4: 1, 5: 2, 6: 3, 7: 4, 8: 5},
+      input_output_aliases={5: 1, 6: 2, 7: 3, 8: 4, 9: 5},
   )
   attrs = external.attrs() if external else {}
-  return call(_layer(layer), top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru, stats, **attrs)
+  return call(_layer(layer), top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, stats,
+              page_size=np.int64(page_size), **attrs)
 
 
 def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = None):

@@ -3,10 +3,12 @@
 Threads: gRPC's worker pool runs the RPC handlers; one ``EngineLoop`` thread
 owns the engine and runs the decode loop. They talk through queues: a handler
 validates its request (bad input fails alone with INVALID_ARGUMENT or
-RESOURCE_EXHAUSTED), hands it to the loop, and streams the events the loop
-puts on the request's own queue. A cancelled RPC aborts its request at the
-next step boundary. The standard ``grpc.health.v1`` service reports SERVING
-while the loop runs.
+RESOURCE_EXHAUSTED; ``Engine.validate`` reads only start-up sizes), hands it to
+the loop, and streams the events the loop puts on the request's own queue (each
+token with its text delta, made by the request's incremental detokenizer on the
+loop thread). A cancelled RPC aborts its request at the next step boundary.
+``GetLoads`` answers from the snapshot the loop publishes after every step. The
+standard ``grpc.health.v1`` service reports SERVING while the loop runs.
 """
 
 from __future__ import annotations
@@ -21,25 +23,24 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hisparse_jax.engine import Engine, Request, RequestError
-from hisparse_jax.metrics import ServerMetrics
+from hisparse_jax.engine import Engine, InternalError, Request, RequestError, Unavailable
+from hisparse_jax.engine.detokenizer import encode_prompt
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
-from hisparse_jax.text import TextStream, encode_prompt
+from hisparse_jax.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "hisparse.HiSparseInference"
-SHUTTING_DOWN = "server shutting down"
 _FINISH = {"stop": hisparse_pb2.STOP, "length": hisparse_pb2.LENGTH, "abort": hisparse_pb2.ABORT,
            "stop_token": hisparse_pb2.STOP_TOKEN, "stop_string": hisparse_pb2.STOP_STRING}
 
 
 @dataclasses.dataclass
 class _Event:
-  token: int | None = None      # a new token
-  done: Request | None = None   # the request finished
-  error: str | None = None      # the engine failed this request
-  code: str | None = None       # its gRPC status code name (default INVALID_ARGUMENT)
+  token: int | None = None             # a new token
+  text: str = ""                       # the text it completes
+  done: Request | None = None          # the request finished
+  error: RequestError | None = None    # the engine failed this request (error.code: its gRPC status)
 
 
 class EngineLoop(threading.Thread):
@@ -55,10 +56,10 @@ class EngineLoop(threading.Thread):
   def submit(self, req: Request, events: queue.Queue) -> None:
     metrics = self.metrics
 
-    def on_token(token: int) -> None:
+    def on_token(token: int, text: str) -> None:
       if metrics is not None:
         metrics.on_token(req.request_id)
-      events.put(_Event(token=token))
+      events.put(_Event(token=token, text=text))
 
     req.on_token = on_token
     if metrics is not None:
@@ -91,12 +92,13 @@ class EngineLoop(threading.Thread):
             self.engine.submit(item)
             listeners[item.request_id] = events
           except RequestError as e:  # e.g. the queue is full: fails this request alone
-            events.put(_Event(error=str(e), code=e.code))
+            events.put(_Event(error=e))
         elif kind == "abort" and item in listeners:
           req = self.engine.abort(item)
           if req is not None and self.metrics is not None:
             self.metrics.on_finish(req)
           listeners.pop(item).put(_Event(done=req))
+          self._update_metrics()  # gauges follow a release even when the server then sits idle
       if not self.engine.has_work():
         continue
       try:
@@ -104,8 +106,9 @@ class EngineLoop(threading.Thread):
       except Exception as e:  # noqa: BLE001 - keep serving: fail the affected requests
         log.exception("decode step failed; failing running requests")
         for rid in list(listeners):
-          listeners.pop(rid).put(_Event(error=f"internal error: {e}"))
+          listeners.pop(rid).put(_Event(error=InternalError(f"internal error: {e}")))
         self.engine.reset()
+        self._update_metrics()
         continue
       for req in finished:
         if self.metrics is not None:
@@ -113,10 +116,13 @@ class EngineLoop(threading.Thread):
         q = listeners.pop(req.request_id, None)
         if q is not None:
           q.put(_Event(done=req))
-      if self.metrics is not None:
-        self.metrics.update(self.engine.loads())
+      self._update_metrics()
     for q in listeners.values():  # stopped with requests in flight
-      q.put(_Event(error=SHUTTING_DOWN))
+      q.put(_Event(error=Unavailable("server shutting down")))
+
+  def _update_metrics(self) -> None:
+    if self.metrics is not None:
+      self.metrics.update(self.engine.loads_snapshot)
 
 
 @dataclasses.dataclass
@@ -168,6 +174,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
                   top_p=request.top_p if request.top_p > 0 else 1.0,
                   seed=request.seed if request.HasField("seed") else None,
                   stop_token_ids=tuple(request.stop_token_ids), stop=tuple(request.stop),
+                  include_stop_str_in_output=request.include_stop_str_in_output,
                   ignore_eos=request.ignore_eos)
     try:
       self.engine.validate(req)
@@ -198,30 +205,33 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
 
   def GetLoads(self, request, context):
     _reject_malformed(context, request)
-    return hisparse_pb2.Loads(**self.engine.loads())
+    return loads_message(self.engine.loads_snapshot)
 
   def _stream(self, req, rid, events, context):
-    stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+    sent = 0  # characters of the output text streamed so far
     while True:
       ev = events.get()
       if ev.error is not None:
-        code = (grpc.StatusCode[ev.code] if ev.code else
-                grpc.StatusCode.INTERNAL if ev.error.startswith("internal") else
-                grpc.StatusCode.UNAVAILABLE if ev.error == SHUTTING_DOWN else grpc.StatusCode.INVALID_ARGUMENT)
-        context.abort(code, ev.error)
+        context.abort(grpc.StatusCode[ev.error.code], str(ev.error))
       if ev.token is not None:
-        text = stream.push(ev.token) if stream is not None else ""
-        yield hisparse_pb2.GenerateResponse(request_id=rid, token_ids=[ev.token], text=text)
+        sent += len(ev.text)
+        yield hisparse_pb2.GenerateResponse(request_id=rid, token_ids=[ev.token], text=ev.text)
         continue
       done = ev.done
       if done is None:  # already gone from the engine (finished as the abort arrived)
         return
       yield hisparse_pb2.GenerateResponse(
-          request_id=rid, finished=True, finish_reason=_FINISH[done.finish_reason],
-          text=stream.flush() if stream is not None else "",
+          request_id=rid, finished=True, finish_reason=_FINISH[done.finish_reason], text=done.text[sent:],
           prompt_tokens=len(done.prompt_ids), completion_tokens=len(done.output_ids),
-          swap_in_hits=done.hits, swap_in_misses=done.misses, matched_stop=done.matched_stop)
+          swap_in_hits=done.hits, swap_in_misses=done.misses, matched_stop=done.matched_stop,
+          num_preemptions=done.num_preemptions)
       return
+
+
+def loads_message(loads: dict) -> hisparse_pb2.Loads:
+  """The GetLoads answer for an ``Engine.loads()`` dict."""
+  fields = {k: v for k, v in loads.items() if k != "pools"}
+  return hisparse_pb2.Loads(**fields, pools=[hisparse_pb2.PoolUsage(**p) for p in loads["pools"]])
 
 
 def _add_servicer(servicer: InferenceServicer, server) -> None:

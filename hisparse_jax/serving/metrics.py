@@ -9,8 +9,14 @@ Exposed at http://HOST:--metrics-port/metrics by run_server.py:
   hisparse_swap_in_hits_total{layer}, hisparse_swap_in_misses_total{layer}
                                                                  counters (distinct positions per step)
   hisparse_swap_in_bytes_total{layer}                            counter (misses x latent row bytes)
-  hisparse_host_pool_rows{state="used"|"free"}                   gauge
+  hisparse_host_pool_rows{state="used"|"free"}                   gauge (host-pool tokens)
   hisparse_device_kv_bytes{state="used"|"budget"}                gauge
+  hisparse_kv_pool_pages{pool, memory, state="used"|"free"}      gauge (every KV pool, Engine.loads()["pools"])
+  hisparse_kv_pool_bytes{pool, memory, state="used"|"free"}      gauge
+  hisparse_preemptions                                           gauge (requests preempted since start)
+
+Gauges are set from the engine's published loads after every step and after every abort or release, so an
+idle server shows its idle state.
 """
 
 from __future__ import annotations
@@ -42,8 +48,12 @@ class ServerMetrics:
     self.miss_bytes = Counter("hisparse_swap_in_bytes", "Bytes copied host->device by the swap-in", ["layer"],
                               registry=r)
     self.host_rows = Gauge("hisparse_host_pool_rows", "HiSparse host-pool rows", ["state"], registry=r)
-    self.device_kv = Gauge("hisparse_device_kv_bytes", "Device KV memory accounted for admission", ["state"],
+    self.device_kv = Gauge("hisparse_device_kv_bytes", "Device KV memory: allocated / all pools", ["state"],
                            registry=r)
+    self.pool_pages = Gauge("hisparse_kv_pool_pages", "KV pool pages", ["pool", "memory", "state"], registry=r)
+    self.pool_bytes = Gauge("hisparse_kv_pool_bytes", "KV pool bytes", ["pool", "memory", "state"], registry=r)
+    self.preemptions = Gauge("hisparse_preemptions", "Requests preempted (KV freed, recomputed) since start",
+                             registry=r)
     self._last_token: dict[str, float] = {}
     self._arrival: dict[str, float] = {}
 
@@ -81,3 +91,9 @@ class ServerMetrics:
     self.host_rows.labels(state="free").set(free)
     self.device_kv.labels(state="used").set(loads["device_kv_bytes_used"])
     self.device_kv.labels(state="budget").set(loads["device_kv_bytes_budget"])
+    for p in loads["pools"]:
+      used = p["pages_total"] - p["pages_free"]
+      for state, pages in (("used", used), ("free", p["pages_free"])):
+        self.pool_pages.labels(pool=p["name"], memory=p["memory"], state=state).set(pages)
+        self.pool_bytes.labels(pool=p["name"], memory=p["memory"], state=state).set(pages * p["bytes_per_page"])
+    self.preemptions.set(loads["preemptions"])

@@ -1,6 +1,6 @@
 r"""Command-line client for the hisparse-jax server: streams one request and prints it.
 
-  python -m hisparse_jax.client [--target 127.0.0.1:50051] (--text "..." | --input-ids 1,2,3) \
+  python -m hisparse_jax.serving.client [--target 127.0.0.1:50051] (--text "..." | --input-ids 1,2,3) \
       [--max-new-tokens 32]
 
 Prints the text as it streams, then a summary line with the finish reason and
@@ -29,6 +29,7 @@ flags.DEFINE_integer("top-k", 0, "Sample among the k most likely tokens (0: off)
 flags.DEFINE_integer("seed", None, "Sampling seed (default: random).")
 flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string (repeatable).")
 flags.DEFINE_list("stop-token-ids", [], "Stop after any of these token ids.")
+flags.DEFINE_boolean("include-stop-str-in-output", False, "Keep the matched stop string at the end of the text.")
 flags.DEFINE_boolean("ignore-eos", False, "Keep generating past the model's EOS tokens.")
 flags.DEFINE_float("timeout-s", 300.0, "RPC deadline.")
 flags.DEFINE_float("wait-for-ready-s", 0.0, "Wait up to this long for the server's health service to report SERVING.")
@@ -52,8 +53,8 @@ def wait_for_serving(channel, timeout_s: float) -> None:
 def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None, **sampling):
   """Yields the server's GenerateResponse messages for one request.
 
-  sampling: GenerateRequest fields (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
-    request_id).
+  sampling: GenerateRequest fields (temperature, top_p, top_k, seed, stop, stop_token_ids,
+    include_stop_str_in_output, ignore_eos, request_id).
   """
   req = hisparse_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **sampling)
   if text is not None:
@@ -88,6 +89,7 @@ def main(argv):
     try:
       sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS["top-p"].value, top_k=FLAGS["top-k"].value,
                       stop=FLAGS.stop, stop_token_ids=stop_token_ids,
+                      include_stop_str_in_output=FLAGS["include-stop-str-in-output"].value,
                       ignore_eos=FLAGS["ignore-eos"].value)
       if FLAGS.seed is not None:
         sampling["seed"] = FLAGS.seed

@@ -4,8 +4,10 @@ Written for clarity (Python dicts and lists, one request and one layer at a
 time), independently of the C++ core in ``xla_ffi/swap_in_core.h``.
 
 Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
+  * Batch row b serves the request in slot req_ids[b] (-1: an idle row, seq_len 0).
   * The hot buffer has D slots plus a reserved slot D for the newest token,
-    position seq_len - 1. Device row of (request b, slot s) = b * (D + 1) + s.
+    position seq_len - 1. Device row of (request slot r, slot s) = r * (D + 1) + s.
+  * Host row of position t = host_pages[b, t // page_size] * page_size + t % page_size.
   * seq_len <= D (fast path): slot i holds token i; no I/O; LRU unchanged.
   * Otherwise: hits keep their slots; misses take the least-recently-used
     slots holding no token needed this step; the newest token is served from
@@ -16,7 +18,8 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
     newest token counts as a hit.
   * Errors (nothing is modified): a position >= seq_len or < -1, K > D, a
     seq_len outside [0, S], a MISSING position whose page-table row is outside
-    [0, H), an LRU order that is not a permutation (slow path only).
+    [0, H), an LRU order that is not a permutation (slow path only), a request
+    id outside [-1, R), repeated, or -1 on a row with seq_len > 0.
 """
 
 from __future__ import annotations
@@ -95,8 +98,15 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
   return np.array(rows, np.int32), len(distinct) - len(misses), len(misses)
 
 
-def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru, stats):
-  """Batched reference with the shapes and results of ``hisparse_jax.ops.swap_in``.
+def host_rows_of(host_pages, page_size: int) -> np.ndarray:
+  """int64[P * page_size] position -> host row of one page table (-1 where the page is -1)."""
+  pages = np.asarray(host_pages, np.int64)
+  rows = pages[:, None] * page_size + np.arange(page_size)
+  return np.where(pages[:, None] < 0, -1, rows).reshape(-1)
+
+
+def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, stats, *, page_size):
+  """Batched reference with the shapes and results of ``hisparse_jax.kernels.ops.swap_in``.
 
   Works on copies; returns (rows, host_pool, hot, slot_tokens, lru, stats) as
   NumPy arrays. Raises SwapInError where the kernel returns an FFI error (the
@@ -107,76 +117,98 @@ def swap_in(layer, top_k, seq_lens, host_rows, host_pool, hot, slot_tokens, lru,
   lru = np.array(lru, copy=True)
   stats = np.array(stats, copy=True)
   host_pool = np.asarray(host_pool)
-  L, B, D1, W = hot.shape
+  L, R, D1, W = hot.shape
   D = D1 - 1
+  if np.shape(top_k)[1] > D:
+    raise SwapInError(f"top_k ({np.shape(top_k)[1]}) > device_buffer_size ({D})")
   if not 0 <= layer < L:
     raise SwapInError(f"layer {layer} outside [0, {L})")
-  hot_l = hot[layer].reshape(B * D1, W)
-  rows = np.zeros(np.shape(top_k), np.int32)
-  for b in range(B):
+  seen = set()
+  for b, r in enumerate(int(x) for x in req_ids):
+    if not -1 <= r < R or (r < 0 and seq_lens[b] != 0) or r in seen:
+      raise SwapInError(f"row {b}: bad request id {r}")
+    if r >= 0:
+      seen.add(r)
+  hot_l = hot[layer].reshape(R * D1, W)
+  rows = np.full(np.shape(top_k), -1, np.int32)
+  for b, r in enumerate(int(x) for x in req_ids):
+    if r < 0:
+      continue
     rows[b], hits, misses = swap_in_request(
-        np.asarray(top_k[b]), int(seq_lens[b]), np.asarray(host_rows[b]), host_pool[layer],
-        hot_l, slot_tokens[layer, b], lru[layer, b], b * D1, D)
-    stats[layer, b] += (hits, misses)
+        np.asarray(top_k[b]), int(seq_lens[b]), host_rows_of(host_pages[b], page_size), host_pool[layer],
+        hot_l, slot_tokens[layer, r], lru[layer, r], r * D1, D)
+    stats[layer, r] += (hits, misses)
   return rows, host_pool, hot, slot_tokens, lru, stats
 
 
-def random_case(rng: np.random.Generator, *, L=2, B=3, D=8, K=6, S=40, W=4, dtype=np.float32):
-  """A random valid swap-in input (the argument list of ``swap_in``) for cross-checks.
+def random_case(rng: np.random.Generator, *, L=2, B=3, R=5, D=8, K=6, S=40, W=4, page_size=4, dtype=np.float32):
+  """A random valid swap-in input (the argument list of ``swap_in``; pass it the same page_size).
 
-  Each lane gets a random seq_len in [0, S], distinct resident tokens (some
-  empty slots) consistent with its KV, a random LRU permutation, a random page
-  table into a shared pool, and top-k positions with padding and duplicates.
+  B batch rows serve distinct random request slots of R (one row idle when B < R allows); each
+  gets a random seq_len in [0, S], distinct resident tokens (some empty slots) consistent with its
+  KV, a random LRU permutation, a random page table into a shared pool of page_size-token pages,
+  and top-k positions with padding and duplicates.
   """
-  H = B * S + 3
+  P = -(-S // page_size)
+  H = (B * P + 3) * page_size
   layer = int(rng.integers(L))
+  req_ids = rng.permutation(R)[:B].astype(np.int32)
   seq_lens = rng.integers(0, S + 1, B).astype(np.int32)
-  host_rows = rng.permutation(H)[: B * S].astype(np.int32).reshape(B, S)
+  if B < R and B > 1:
+    req_ids[0], seq_lens[0] = -1, 0
+  host_pages = rng.permutation(H // page_size)[: B * P].astype(np.int32).reshape(B, P)
   pool = (rng.standard_normal((L, H, W)) * 10).astype(dtype)
-  hot = np.zeros((L, B, D + 1, W), dtype)
-  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
-  lru = np.stack([np.stack([rng.permutation(D) for _ in range(B)]) for _ in range(L)]).astype(np.int32)
+  hot = np.zeros((L, R, D + 1, W), dtype)
+  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, R, 1))
+  lru = np.stack([np.stack([rng.permutation(D) for _ in range(R)]) for _ in range(L)]).astype(np.int32)
   top_k = np.full((B, K), -1, np.int32)
   for b in range(B):
-    n = int(seq_lens[b])
+    n, r = int(seq_lens[b]), int(req_ids[b])
+    if r < 0:
+      continue
+    host_rows = host_rows_of(host_pages[b], page_size)
     for l in range(L):
       if n > D:
         resident = rng.choice(n - 1, size=min(D, n - 1), replace=False)
         tokens = np.full(D, -1, np.int32)
         tokens[: len(resident)] = resident
         tokens[rng.random(D) < 0.1] = -1
-        slot_tokens[l, b] = rng.permutation(tokens)
-        for s, t in enumerate(slot_tokens[l, b]):
+        slot_tokens[l, r] = rng.permutation(tokens)
+        for s, t in enumerate(slot_tokens[l, r]):
           if t >= 0:
-            hot[l, b, s] = pool[l, host_rows[b, t]]
-        hot[l, b, D] = pool[l, host_rows[b, n - 1]]
+            hot[l, r, s] = pool[l, host_rows[t]]
+        hot[l, r, D] = pool[l, host_rows[n - 1]]
       else:
         for t in range(n):
-          hot[l, b, t] = pool[l, host_rows[b, t]]
+          hot[l, r, t] = pool[l, host_rows[t]]
     if n:
       top_k[b] = np.where(rng.random(K) < 0.2, -1, rng.integers(0, n, K))
-  stats = np.zeros((L, B, 2), np.int32)
-  return [layer, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats]
+  stats = np.zeros((L, R, 2), np.int32)
+  return [layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats]
+
+
+WORKED_EXAMPLE_PAGE_SIZE = 4
 
 
 def worked_example():
-  """The issue's worked example as ``swap_in`` arguments (request 4 of 5; the others idle).
+  """The issue's worked example as ``swap_in`` arguments (page_size ``WORKED_EXAMPLE_PAGE_SIZE``).
 
-  D=4; slots 0..3 of request 4 hold tokens [10, 3, 7, 12] in device rows
-  20..23; the newest token 15 sits in the reserved row 24; seq_len 16; LRU
-  oldest-first [0, 1, 2, 3]. Top-k [3, 15, 8, -1] -> rows [21, 24, 20, -1];
+  Five request slots; the batch has one row, serving request slot 4. D=4; slots 0..3 of request 4
+  hold tokens [10, 3, 7, 12] in device rows 20..23; the newest token 15 sits in the reserved row
+  24; seq_len 16; LRU oldest-first [0, 1, 2, 3]. Top-k [3, 15, 8, -1] -> rows [21, 24, 20, -1];
   slot 0 then holds token 8, device row 20 its host row, LRU [2, 3, 0, 1].
   """
-  L, B, D, W, S, H = 1, 5, 4, 3, 16, 32
-  hot = np.arange(L * B * (D + 1) * W, dtype=np.float32).reshape(L, B, D + 1, W) + 1000
-  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
+  L, R, D, W, S, H = 1, 5, 4, 3, 16, 32
+  page = WORKED_EXAMPLE_PAGE_SIZE
+  hot = np.arange(L * R * (D + 1) * W, dtype=np.float32).reshape(L, R, D + 1, W) + 1000
+  slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, R, 1))
   slot_tokens[0, 4] = [10, 3, 7, 12]
-  lru = np.tile(np.arange(D, dtype=np.int32), (L, B, 1))
+  lru = np.tile(np.arange(D, dtype=np.int32), (L, R, 1))
   pool = np.arange(L * H * W, dtype=np.float32).reshape(L, H, W)
-  host_rows = np.tile(np.arange(S, dtype=np.int32)[::-1] + 2, (B, 1))  # a non-identity page table
-  top_k = np.full((B, 4), -1, np.int32)
-  top_k[4] = [3, 15, 8, -1]
-  seq_lens = np.zeros(B, np.int32)
-  seq_lens[4] = 16
-  stats = np.zeros((L, B, 2), np.int32)
-  return [0, top_k, seq_lens, host_rows, pool, hot, slot_tokens, lru, stats]
+  host_pages = np.array([[5, 2, 7, 0]], np.int32)  # a non-identity page table (S / page = 4 pages)
+  top_k = np.array([[3, 15, 8, -1]], np.int32)
+  seq_lens = np.array([16], np.int32)
+  req_ids = np.array([4], np.int32)
+  stats = np.zeros((L, R, 2), np.int32)
+  assert host_pages.shape[1] * page == S
+  return [0, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats]

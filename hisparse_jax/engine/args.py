@@ -1,0 +1,235 @@
+"""``EngineArgs``: every engine setting, its command-line flag and its start-up checks, in one place.
+
+The batch script (``python -m hisparse_jax.generate``) and the server (``run_server.py``) both call
+``EngineArgs.define_flags()`` and ``EngineArgs.from_flags()``; ``Engine`` runs ``resolve()``. Every
+start-up problem raises ``StartupError`` with a message naming the flag or file at fault; the entry
+points print it and exit (no traceback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from hisparse_jax.config import ConfigError, HiSparseConfig
+from hisparse_jax.default_model import ensure_default_model
+from models.config import DSAConfig
+
+MODEL_HISPARSE_FILE = "hisparse_config.json"  # per-model default HiSparse sizes (optional)
+DTYPES = ("float32", "bfloat16")
+HOST_POOL_KINDS = ("jax", "extension")
+# Device KV budget when neither --max-device-kv-bytes nor --mem-fraction-static is given: this fraction of
+# the device memory left after the weights (SGLang's mem_fraction_static is of the same order), or, on a
+# device that reports no limit (CPU), DEFAULT_CPU_KV_BYTES.
+DEFAULT_MEM_FRACTION = 0.85
+DEFAULT_CPU_KV_BYTES = 1 << 30
+# Refuse a host pool that cannot fit this machine's memory, before allocating.
+MAX_HOST_MEMORY_FRACTION = 0.8
+
+
+class StartupError(ValueError):
+  """A setting that cannot work; the message names the flag or file at fault."""
+
+
+@dataclasses.dataclass
+class EngineArgs:
+  """Engine settings (field = flag with '_' -> '-').
+
+  Attributes:
+    model_path: HF-format model directory or an orbax directory from ``python -m models.convert``; None:
+      the embedded default model.
+    dtype: compute / KV dtype ("float32", "bfloat16"); None: the checkpoint's.
+    enable_hisparse: latent KV in a host pool, a hot buffer per request on device.
+    hisparse_config: JSON with top_k, device_buffer_size, host_to_device_ratio (SGLang's flag); None: the
+      model directory's hisparse_config.json, else defaults.
+    host_pool: HiSparse host pool: "jax" (a ``pinned_host`` JAX array) or "extension" (memory owned by the
+      FFI extension).
+    max_running_requests: requests decoded at once (HiSparse may lower it to the hot buffers that fit).
+    max_seq_len: longest prompt + output per request (tokens); None: the model's max_position_embeddings.
+      Costs nothing until tokens exist (memory is paged).
+    chunked_prefill_size: prompt tokens computed per engine step (a long prompt is prefilled in chunks of
+      this size, interleaved with decode steps of the running requests).
+    page_size: tokens per KV page (device and host pools).
+    max_device_kv_bytes / mem_fraction_static: device KV budget in bytes / as a fraction of the device's
+      memory limit (the smaller wins); neither: DEFAULT_MEM_FRACTION of the memory left after the weights,
+      or DEFAULT_CPU_KV_BYTES on a device that reports no limit (CPU).
+    max_queued_requests: waiting requests beyond this fail with RESOURCE_EXHAUSTED (None: unbounded).
+    deterministic: run every decode step at the full max_running_requests batch with each request in its
+      own row, and prefill one request per call in fixed chunks, so a request's tokens never depend on its
+      neighbours (XLA's CPU matmuls are not batch-invariant). Costs a full-batch step even for one request.
+    fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``).
+  """
+
+  model_path: str | None = None
+  dtype: str | None = None
+  enable_hisparse: bool = False
+  hisparse_config: str | None = None
+  host_pool: str = "jax"
+  max_running_requests: int = 64
+  max_seq_len: int | None = None
+  chunked_prefill_size: int = 2048
+  page_size: int = 64
+  max_device_kv_bytes: int | None = None
+  mem_fraction_static: float | None = None
+  max_queued_requests: int | None = None
+  deterministic: bool = False
+  fp8_numerics: bool = False
+
+  # --------------------------------------------------------------- flags
+  _HELP = {
+      "model_path": "HF-format model directory or orbax directory (default: the embedded model).",
+      "dtype": "float32 or bfloat16 (default: the checkpoint's dtype).",
+      "enable_hisparse": "Keep the latent KV in a host pool with per-request hot buffers on device.",
+      "hisparse_config": "HiSparse sizes as JSON: top_k, device_buffer_size, host_to_device_ratio.",
+      "host_pool": "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' (memory owned by the "
+                   "FFI extension).",
+      "max_running_requests": "Requests decoded concurrently.",
+      "max_seq_len": "Longest prompt + output per request, in tokens (default: the model's "
+                     "max_position_embeddings; memory is paged, so a long limit costs nothing until used).",
+      "chunked_prefill_size": "Prompt tokens computed per engine step; long prompts are prefilled in chunks "
+                              "interleaved with decode steps.",
+      "page_size": "Tokens per KV page.",
+      "max_device_kv_bytes": "Device KV budget in bytes (pools are sized from it).",
+      "mem_fraction_static": "Device KV budget as a fraction of the device memory limit (GPU).",
+      "max_queued_requests": "Requests waiting beyond this fail with RESOURCE_EXHAUSTED.",
+      "deterministic": "Fixed full-batch decode steps and one-request prefill chunks: a request's tokens do not "
+                       "depend on its neighbours (costs a full-batch step per token).",
+      "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
+                      "latent KV cache (fake-quantized).",
+  }
+
+  @classmethod
+  def define_flags(cls, flags_module=None, **defaults) -> None:
+    """Defines one absl flag per field (``--max-seq-len`` for max_seq_len); defaults override the field's."""
+    from absl import flags as absl_flags
+    fl = flags_module or absl_flags
+    for f in dataclasses.fields(cls):
+      name, default, help_ = f.name.replace("_", "-"), defaults.get(f.name, f.default), cls._HELP[f.name]
+      kind = f.type if isinstance(f.type, str) else str(f.type)
+      if "bool" in kind:
+        fl.DEFINE_boolean(name, default, help_)
+      elif "float" in kind:
+        fl.DEFINE_float(name, default, help_)
+      elif "int" in kind:
+        fl.DEFINE_integer(name, default, help_)
+      else:
+        fl.DEFINE_string(name, default, help_)
+
+  @classmethod
+  def from_flags(cls, flag_values=None) -> "EngineArgs":
+    from absl import flags as absl_flags
+    fv = flag_values or absl_flags.FLAGS
+    return cls(**{f.name: fv[f.name.replace("_", "-")].value for f in dataclasses.fields(cls)})
+
+  # -------------------------------------------------------------- checks
+  def validate(self) -> None:
+    """Checks that need no model (StartupError naming the flag)."""
+    if self.dtype not in (None, *DTYPES):
+      raise StartupError(f"--dtype {self.dtype!r}: expected float32 or bfloat16")
+    if self.host_pool not in HOST_POOL_KINDS:
+      raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_KINDS)}")
+    if self.host_pool != HOST_POOL_KINDS[0] and not self.enable_hisparse:
+      raise StartupError(f"--host-pool {self.host_pool} was given without --enable-hisparse (dense mode has no "
+                         "host pool)")
+    if self.hisparse_config is not None and not self.enable_hisparse:
+      raise StartupError("--hisparse-config was given without --enable-hisparse")
+    if self.max_running_requests < 1:
+      raise StartupError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+    if self.page_size < 1:
+      raise StartupError(f"--page-size must be >= 1, got {self.page_size}")
+    if self.chunked_prefill_size <= 0:
+      raise StartupError(f"--chunked-prefill-size must be > 0, got {self.chunked_prefill_size}")
+    if self.chunked_prefill_size % self.page_size:
+      raise StartupError(f"--page-size {self.page_size} does not divide --chunked-prefill-size "
+                         f"{self.chunked_prefill_size}")
+    if self.max_device_kv_bytes is not None and self.max_device_kv_bytes <= 0:
+      raise StartupError(f"--max-device-kv-bytes must be > 0, got {self.max_device_kv_bytes}")
+    if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+      raise StartupError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+    if self.max_queued_requests is not None and self.max_queued_requests < 0:
+      raise StartupError("--max-queued-requests must be >= 0")
+
+  def model_dir(self) -> str:
+    """The HF / orbax model directory (the embedded default model when model_path is None)."""
+    if self.model_path is None:
+      return ensure_default_model()
+    if not os.path.isdir(self.model_path):
+      raise StartupError(f"--model-path {self.model_path!r}: no such directory")
+    if not os.path.exists(os.path.join(self.model_path, "config.json")):
+      raise StartupError(f"--model-path {self.model_path!r}: no config.json in that directory")
+    return self.model_path
+
+  def model_config(self, model_dir: str) -> DSAConfig:
+    try:
+      return DSAConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, UnicodeDecodeError) as e:
+      raise StartupError(f"--model-path {model_dir!r}: config.json: {e}") from None
+
+  def resolve_max_seq_len(self, model_cfg: DSAConfig) -> int:
+    if self.max_seq_len is None:
+      return model_cfg.max_position_embeddings
+    if not 1 <= self.max_seq_len <= model_cfg.max_position_embeddings:
+      raise StartupError(f"--max-seq-len {self.max_seq_len}: must be in [1, {model_cfg.max_position_embeddings}] "
+                         "(the model's max_position_embeddings)")
+    return self.max_seq_len
+
+  def resolve_hisparse(self, model_dir: str, model_cfg: DSAConfig) -> HiSparseConfig | None:
+    """HiSparse sizes from --hisparse-config, else the model dir's hisparse_config.json, else defaults."""
+    if not self.enable_hisparse:
+      return None
+    source, text = "--hisparse-config", self.hisparse_config
+    model_file = os.path.join(model_dir, MODEL_HISPARSE_FILE)
+    if text is None and os.path.exists(model_file):
+      source = model_file
+      try:
+        with open(model_file) as f:
+          text = f.read()
+      except (OSError, UnicodeDecodeError) as e:
+        raise StartupError(f"{model_file}: {e}") from None
+    if text is not None and not text.strip():
+      raise StartupError(f"{source}: empty (give a JSON object, e.g. '{{\"device_buffer_size\": 4096}}')")
+    try:
+      return HiSparseConfig.from_json(text, model_top_k=model_cfg.index_topk)
+    except ConfigError as e:
+      raise StartupError(f"{source}: {e}") from None
+
+  def device_kv_budget(self, weight_bytes: int = 0) -> int:
+    """The device KV budget in bytes (see the class docstring); the fraction applies to the device's memory
+    limit, as SGLang's flag does."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    budgets = []
+    if self.max_device_kv_bytes is not None:
+      budgets.append(self.max_device_kv_bytes)
+    if self.mem_fraction_static is not None:
+      if limit is None:
+        raise StartupError("--mem-fraction-static: this device reports no memory limit (CPU); use "
+                           "--max-device-kv-bytes")
+      budgets.append(int(self.mem_fraction_static * limit) - weight_bytes)
+    if not budgets:
+      budgets.append(DEFAULT_CPU_KV_BYTES if limit is None else int(DEFAULT_MEM_FRACTION * (limit - weight_bytes)))
+    budget = min(budgets)
+    if budget <= 0:
+      raise StartupError(f"--mem-fraction-static {self.mem_fraction_static}: leaves no device memory for the KV "
+                         f"cache beside the {weight_bytes} bytes of weights")
+    return budget
+
+
+def check_host_memory(host_bytes: int) -> None:
+  """StartupError if a host pool of host_bytes would not fit in MAX_HOST_MEMORY_FRACTION of physical memory."""
+  have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if host_bytes > MAX_HOST_MEMORY_FRACTION * have:
+    raise StartupError(
+        f"--hisparse-config: the host pool needs {host_bytes / 2**30:.1f} GiB, more than "
+        f"{MAX_HOST_MEMORY_FRACTION:.0%} of this machine's {have / 2**30:.1f} GiB; lower device_buffer_size, "
+        "host_to_device_ratio or --max-running-requests")
+
+
+def load_tokenizer_or_fail(model_dir: str):
+  """The model's tokenizer (None if it has none), or StartupError if tokenizer.json is unreadable."""
+  from hisparse_jax.engine.detokenizer import load_tokenizer
+  try:
+    return load_tokenizer(model_dir)
+  except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+    raise StartupError(f"--model-path {model_dir!r}: tokenizer.json: {e}") from None

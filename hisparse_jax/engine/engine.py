@@ -1,0 +1,486 @@
+"""Decode engine: a continuous-batching scheduler over a KV backend (dense or HiSparse).
+
+A request's life:
+  1. ``submit`` validates it against sizes fixed at start-up (bad input -> ``InvalidRequest``; one that
+     could never fit the pools -> ``ResourceExhausted``) and queues it (bounded queue).
+  2. Each ``step()`` admits waiting requests, first come first served, while the backend has a request
+     slot and pages for the prompt (plus one growth page per decoding request, so admission does not
+     immediately force a preemption). An admitted request holds pages only for the tokens it has.
+  3. Prefill: up to ``chunked_prefill_size`` prompt tokens per step, in chunks of the admitted prompts
+     (oldest first), batched into one jitted call; a long prompt takes several steps, so running
+     requests keep getting a token every step while it prefills. The chunk that ends a prompt samples
+     its first token (and, in HiSparse mode, fills its hot buffer and frees its staging pages).
+  4. Decode: one jitted step for the decoding requests, at a power-of-two batch bucket covering them
+     (1, 2, 4, ... max_running_requests), each row naming its request's slot and page tables. A request
+     that needs a new page grows by one; if memory ran out, the most recently admitted request is
+     preempted (its pages freed, re-queued at the front, recomputed on re-admission: vLLM's policy).
+  5. A request finishes on an EOS id, a stop token or string, or max_new_tokens; its slot and pages go
+     back to the free lists. Later calls that reuse them are ordered after every earlier call by the
+     data dependencies of the donated KV state.
+
+``deterministic=True`` runs every decode step at the full max_running_requests batch with each request
+in its own slot's row, and prefills one request per call in chunks at fixed offsets, so a request's
+tokens never depend on what else runs (XLA's CPU matmuls are not batch-invariant: row results change by
+~5e-5 between batch 1 and 2). Its cost is a full-batch step however few requests run.
+
+Not thread-safe: one thread drives the engine (the gRPC server runs it in its own loop thread).
+``validate`` reads only what is fixed at start-up, and ``loads()`` is published as a snapshot after
+every step, so other threads may call ``validate`` and read ``loads_snapshot``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine.args import EngineArgs, StartupError, check_host_memory
+from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
+from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
+from hisparse_jax.engine.sampling import sample
+from hisparse_jax.memory import backend as kvmem
+from models.convert import load_model
+
+log = logging.getLogger(__name__)
+
+MIN_PREFILL_BUCKET = 16
+# Indexer keys scored per step of the blockwise top-k in decode (tokens; rounded to whole pages).
+DECODE_KEY_BLOCK = 1024
+# Bound on the prefill indexer's per-block intermediate (float32 elements of [B, C, heads, key block]) and
+# on the rows a prefill attention block gathers (bytes of [B, query block, K, W]).
+PREFILL_SCORE_ELEMENTS = 1 << 24
+PREFILL_GATHER_BYTES = 1 << 26
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _pow2_at_most(n: int) -> int:
+  return 1 << (max(n, 1).bit_length() - 1)
+
+
+class Engine:
+  """Continuous-batching decoder over a dense or HiSparse KV backend (greedy by default, per-request sampling).
+
+  Args:
+    args: an ``EngineArgs``, or a model directory (then ``overrides`` are EngineArgs fields), or None (the
+      embedded default model).
+    hisparse: HiSparse sizes as an object (programmatic alternative to enable_hisparse + hisparse_config).
+    tokenizer: a ``tokenizers.Tokenizer``; needed for text (stop strings, streamed text).
+    record_topk: keep, in each ``Request.topk_trace``, the top-k positions of every layer at every decode
+      step (int32[L, index_topk] per step; -1 padding) -- the indexer's real access trace, replayed by
+      ``benchmarks/miss_rate.py --trace``. Costs a device->host copy per step.
+    overrides: EngineArgs fields.
+
+  Raises:
+    StartupError: a setting that cannot work (the message names the flag), an unreadable model.
+  """
+
+  def __init__(self, args: EngineArgs | str | None = None, *, hisparse: HiSparseConfig | None = None,
+               tokenizer=None, record_topk: bool = False, **overrides):
+    if not isinstance(args, EngineArgs):
+      args = EngineArgs(model_path=args, **overrides)
+    elif overrides:
+      args = dataclasses.replace(args, **overrides)
+    if hisparse is not None:
+      args = dataclasses.replace(args, enable_hisparse=True)
+    args.validate()
+    self.args = args
+    model_dir = args.model_dir()
+    model_cfg = args.model_config(model_dir)
+    self.hisparse = hisparse if hisparse is not None else args.resolve_hisparse(model_dir, model_cfg)
+    if self.hisparse is not None and self.hisparse.top_k != model_cfg.index_topk:
+      raise StartupError(f"hisparse top_k ({self.hisparse.top_k}) differs from the model's index_topk "
+                         f"({model_cfg.index_topk})")
+    self.max_seq_len = args.resolve_max_seq_len(model_cfg)
+    self.tokenizer = tokenizer
+    self._detokenizers = DetokenizerFactory(tokenizer) if tokenizer is not None else None
+    self.record_topk = record_topk
+    try:
+      self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=args.fp8_numerics)
+    except MemoryError as e:
+      raise StartupError(f"out of memory loading the model: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
+      raise StartupError(f"--model-path {model_dir!r}: cannot load the model: {type(e).__name__}: {e}") from None
+    cfg = self.config
+    self.dtype = jnp.dtype(args.dtype or cfg.dtype)
+    self.eos_ids = frozenset(cfg.eos_token_ids)
+    graphdef, self._params = nnx.split(model)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self._params))
+    self.layout = kvmem.KVLayout.of(cfg, self.dtype)
+    self.device_kv_budget = args.device_kv_budget(weight_bytes)
+    try:
+      self.memory_plan = kvmem.plan(self.layout, budget=self.device_kv_budget,
+                                    max_running_requests=args.max_running_requests, max_seq_len=self.max_seq_len,
+                                    page_size=args.page_size, hisparse=self.hisparse)
+    except kvmem.MemoryConfigError as e:
+      raise StartupError(str(e)) from None
+    if self.hisparse is not None:
+      _, pages, per_page = self.memory_plan.pools["host"]
+      check_host_memory(pages * per_page)
+      if self.memory_plan.request_slots < args.max_running_requests:
+        log.warning("HiSparse: the device KV budget holds %d hot buffers; --max-running-requests %d lowered to it",
+                    self.memory_plan.request_slots, args.max_running_requests)
+    self.page_size = args.page_size
+    self.chunked_prefill_size = args.chunked_prefill_size
+    self.deterministic = args.deterministic
+    self.max_queued_requests = args.max_queued_requests
+    self.decode_key_block = max(self.page_size, DECODE_KEY_BLOCK // self.page_size * self.page_size)
+    self.reset()
+    # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
+    self.prefill_seconds = 0.0
+    self.decode_seconds = 0.0
+    self.decode_steps = 0
+    self.prefill_calls = 0
+    self.last_decode_batch = 0  # rows of the last decode step (its batch bucket)
+
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("key_block", "query_block"))
+    def prefill(params, tokens, positions, state, tables, sampling, key_block, query_block):
+      view = state.view(tables)
+      logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, key_block=key_block,
+                                                         query_block=query_block)
+      state = state.absorb(view).finish_prefill(tables)
+      return sample(logits, *sampling, jnp.max(positions, axis=1) + 1), state
+
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("key_block",))
+    def decode(params, tokens, positions, state, tables, sampling, key_block):
+      view = state.view(tables)
+      out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
+                                               key_block=key_block)
+      return (sample(out[0], *sampling, positions + 1), state.absorb(out[1]), *out[2:])
+
+    self._prefill_fn, self._decode_fn = prefill, decode
+
+  # ----------------------------------------------------------------- state
+  def reset(self) -> None:
+    """Drops every request and starts from empty KV pools (after a failed step)."""
+    a = self.args
+    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype) if self.hisparse is None else
+                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, a.host_pool))
+    R = self.backend.request_slots
+    self.num_slots = R
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []  # admitted, oldest first (prefilling or decoding)
+    # Per-slot sampling parameters (temperature, top_k, top_p, seed).
+    self._temperature = np.zeros(R, np.float32)
+    self._top_k = np.zeros(R, np.int32)
+    self._top_p = np.ones(R, np.float32)
+    self._seed = np.zeros(R, np.uint32)
+    self.num_preemptions = 0
+    self.loads_snapshot = self.loads()
+
+  @property
+  def external_pool(self):
+    return getattr(self.backend, "external_pool", None)
+
+  # -------------------------------------------------------------- requests
+  def validate(self, req: Request) -> None:
+    """Raises InvalidRequest / ResourceExhausted if req can never be served (reads only start-up sizes:
+    callable from any thread)."""
+    n = len(req.prompt_ids)
+    if n == 0:
+      raise InvalidRequest("empty prompt")
+    if isinstance(req.max_new_tokens, bool) or req.max_new_tokens <= 0:
+      raise InvalidRequest(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+    V = self.config.vocab_size
+    bad = [t for t in req.prompt_ids if not 0 <= t < V]
+    if bad:
+      raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {V})")
+    if n + req.max_new_tokens > self.max_seq_len:
+      raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the model "
+                           f"context of {self.max_seq_len} tokens")
+    why = self.backend.never_fits(n, n + req.max_new_tokens)
+    if why is not None:
+      raise ResourceExhausted(why)
+    if not (math.isfinite(req.temperature) and req.temperature >= 0):
+      raise InvalidRequest(f"temperature must be >= 0, got {req.temperature}")
+    if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+      raise InvalidRequest(f"top_p must be in (0, 1], got {req.top_p}")
+    if req.top_k < 0:
+      raise InvalidRequest(f"top_k must be >= 0, got {req.top_k}")
+    if req.seed is not None and not 0 <= req.seed < 2**32:
+      raise InvalidRequest(f"seed must be in [0, 2**32), got {req.seed}")
+    bad = [t for t in req.stop_token_ids if not 0 <= t < V]
+    if bad:
+      raise InvalidRequest(f"stop token id {bad[0]} outside the vocabulary")
+    if any(not isinstance(x, str) or not x for x in req.stop):
+      raise InvalidRequest("stop strings must be non-empty")
+    if req.stop and self.tokenizer is None:
+      raise InvalidRequest("stop strings need a model with a tokenizer")
+
+  def submit(self, req: Request) -> None:
+    """Validates and queues a request (RequestError if it can never be served or the queue is full)."""
+    self.validate(req)
+    if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
+      raise ResourceExhausted(f"queue full ({self.max_queued_requests} requests waiting)")
+    if req.seed is None:
+      req.seed = int.from_bytes(os.urandom(4), "little")
+    req.stop_token_ids = frozenset(req.stop_token_ids)
+    req.prefill_ids = list(req.prompt_ids)
+    req.phase = Phase.WAITING
+    req.arrival = req.arrival or time.monotonic()
+    if self._detokenizers is not None:
+      req._detok = self._detokenizers()
+      req._stops = StopStringMatcher(req.stop, req.include_stop_str_in_output)
+    self.waiting.append(req)
+
+  def has_work(self) -> bool:
+    return bool(self.waiting) or bool(self.running)
+
+  def abort(self, request_id: str) -> Request | None:
+    """Stops a waiting or running request (finish_reason "abort") and returns it (None if unknown).
+
+    Called between steps, so no call of this engine is still writing the request's slot or pages;
+    whatever reuses them later is ordered after every earlier call by the KV state's data dependencies.
+    """
+    for req in list(self.waiting):
+      if req.request_id == request_id:
+        self.waiting.remove(req)
+        req.finish_reason, req.phase = "abort", Phase.FINISHED
+        self._publish()
+        return req
+    for req in self.running:
+      if req.request_id == request_id:
+        req.finish_reason = "abort"
+        self._release(req)
+        self._publish()
+        return req
+    return None
+
+  def loads(self) -> dict:
+    """Current load: requests, free request slots, and each KV pool's pages and bytes (call on the engine's
+    thread; other threads read ``loads_snapshot``)."""
+    pools = self.backend.usage()
+    device = [p for p in pools if p.memory == "device"]
+    host = [p for p in pools if p.memory == "host"]
+    return dict(
+        running=len(self.running), queued=len(self.waiting), free_lanes=self.backend.free_slots,
+        device_kv_bytes_used=sum(p.bytes_used for p in device),
+        device_kv_bytes_budget=sum(p.bytes_total for p in device),
+        free_host_rows=sum(p.pages_free * p.page_size for p in host),
+        host_rows_total=sum(p.pages_total * p.page_size for p in host),
+        pools=[dataclasses.asdict(p) for p in pools],
+        preemptions=self.num_preemptions)
+
+  def _publish(self) -> None:
+    self.loads_snapshot = self.loads()
+
+  # ------------------------------------------------------------------ loop
+  def step(self) -> list[Request]:
+    """Admit, prefill (one chunk budget), decode one token for every decoding request. Returns the requests
+    that finished."""
+    finished: list[Request] = []
+    t0 = time.perf_counter()
+    self._admit()
+    self._prefill(finished)
+    t1 = time.perf_counter()
+    self.prefill_seconds += t1 - t0
+    if self._decode(finished):
+      self.decode_seconds += time.perf_counter() - t1
+    self._publish()
+    return finished
+
+  def run(self) -> None:
+    """Steps until every submitted request has finished."""
+    while self.has_work():
+      self.step()
+
+  def _decoding(self) -> list[Request]:
+    return [r for r in self.running if r.phase is Phase.DECODING]
+
+  def _admit(self) -> None:
+    while self.waiting:
+      req = self.waiting[0]
+      reserve = len(self._decoding())  # one growth page per decoding request
+      if not self.backend.can_admit(len(req.prefill_ids), reserve_pages=reserve):
+        return  # first come, first served: it waits for memory to free
+      self.waiting.popleft()
+      req.kv = self.backend.admit(len(req.prefill_ids))
+      req.phase, req.prefilled = Phase.PREFILLING, 0
+      s = req.kv.slot
+      self._temperature[s], self._top_k[s], self._top_p[s], self._seed[s] = (
+          req.temperature, req.top_k, req.top_p, req.seed)
+      self.running.append(req)
+
+  def _sampling(self, slots) -> tuple:
+    idx = np.asarray(slots, np.int64)
+    return (jnp.asarray(self._temperature[idx]), jnp.asarray(self._top_k[idx]), jnp.asarray(self._top_p[idx]),
+            jnp.asarray(self._seed[idx]))
+
+  # --------------------------------------------------------------- prefill
+  def _prefill(self, finished: list[Request]) -> None:
+    """Computes up to chunked_prefill_size prompt tokens of the admitted prompts, oldest first: one batched
+    call, or (deterministic) one call per request with chunks at fixed offsets of its prompt."""
+    budget, rows = self.chunked_prefill_size, []
+    for req in self.running:
+      if req.phase is not Phase.PREFILLING:
+        continue
+      n = min(len(req.prefill_ids) - req.prefilled, self.chunked_prefill_size)
+      if self.deterministic and n > budget:
+        break  # a partial chunk would move its chunk boundaries: it waits for the next step
+      n = min(n, budget)
+      if n <= 0:
+        break
+      rows.append((req, n))
+      budget -= n
+    if self.deterministic:
+      for row in rows:
+        self._prefill_call([row], finished)
+    elif rows:
+      self._prefill_call(rows, finished)
+
+  def _prefill_call(self, rows, finished) -> None:
+    """One jitted prefill call over rows [(request, tokens of its prompt to compute now)]."""
+    longest = max(n for _, n in rows)
+    C = (self.chunked_prefill_size if self.deterministic else
+         min(max(MIN_PREFILL_BUCKET, _pow2_at_least(longest)), self.chunked_prefill_size))
+    B = 1 if self.deterministic else _pow2_at_least(len(rows))
+    tokens = np.zeros((B, C), np.int32)
+    positions = np.full((B, C), -1, np.int32)
+    kvs, finishing, slots = [None] * B, [False] * B, [0] * B
+    for b, (req, n) in enumerate(rows):
+      start = req.prefilled
+      tokens[b, :n] = req.prefill_ids[start:start + n]
+      positions[b, :n] = np.arange(start, start + n)
+      kvs[b], finishing[b], slots[b] = req.kv, start + n == len(req.prefill_ids), req.kv.slot
+    tables = {k: jnp.asarray(v) for k, v in self.backend.prefill_tables(kvs, finishing).items()}
+    key_block, query_block = self._prefill_blocks(B, C)
+    out, self.backend.state = self._prefill_fn(
+        self._params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, tables,
+        self._sampling(slots), key_block=key_block, query_block=query_block)
+    self.prefill_calls += 1
+    out = np.asarray(out)
+    for b, (req, n) in enumerate(rows):
+      req.prefilled += n
+      if finishing[b]:
+        self.backend.prefill_finished(req.kv)
+        req.phase = Phase.DECODING
+        self._emit(req, int(out[b]), finished)
+
+  def _prefill_blocks(self, B: int, C: int) -> tuple[int, int | None]:
+    """Static block sizes of a [B, C] prefill call: the indexer's key block (bounds its [B, C, heads, block]
+    scores) and the attention's query block (bounds its [B, block, K, W] gathered rows)."""
+    cfg, page = self.config, self.page_size
+    key_block = _pow2_at_most(PREFILL_SCORE_ELEMENTS // (B * C * cfg.index_n_heads))
+    key_block = max(page, min(key_block, 2048) // page * page)
+    row_bytes = cfg.index_topk * cfg.latent_dim * self.dtype.itemsize
+    query_block = _pow2_at_most(max(1, PREFILL_GATHER_BYTES // (B * row_bytes)))
+    if query_block >= C:
+      return key_block, None
+    while C % query_block:
+      query_block //= 2
+    return key_block, query_block
+
+  # ---------------------------------------------------------------- decode
+  def _decode(self, finished: list[Request]) -> bool:
+    """One decode step for every decoding request; False if there was none."""
+    for req in self._decoding():
+      # The token to feed sits at position seq_len - 1: its page must exist.
+      while req.phase is Phase.DECODING and not self.backend.ensure(req.kv, req.seq_len):
+        self._preempt(self.running[-1])
+    rows = self._decoding()
+    if not rows:
+      return False
+    R = self.num_slots
+    B = R if self.deterministic else min(_pow2_at_least(len(rows)), R)
+    order = [None] * B
+    for i, req in enumerate(rows):
+      order[req.kv.slot if self.deterministic else i] = req
+    tokens = np.zeros(B, np.int32)
+    positions = np.full(B, -1, np.int32)
+    slots = np.zeros(B, np.int32)
+    for b, req in enumerate(order):
+      if req is not None:
+        tokens[b], positions[b], slots[b] = req.output_ids[-1], req.seq_len - 1, req.kv.slot
+    kvs = [None if r is None else r.kv for r in order]
+    tables = {k: jnp.asarray(v) for k, v in self.backend.decode_tables(kvs).items()}
+    out, self.backend.state, *topk = self._decode_fn(
+        self._params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, tables,
+        self._sampling(slots), key_block=self.decode_key_block)
+    self.decode_steps += 1
+    self.last_decode_batch = B
+    out = np.asarray(out)
+    if topk:
+      trace = np.asarray(topk[0])  # [L, B, K]
+      for b, req in enumerate(order):
+        if req is not None:
+          req.topk_trace.append(trace[:, b])
+    for b, req in enumerate(order):
+      if req is not None:
+        self._emit(req, int(out[b]), finished)
+    return True
+
+  def _preempt(self, req: Request) -> None:
+    """Frees req's KV and re-queues it at the front; on re-admission it prefills prompt + output so far and
+    continues (its next token comes from that prefill)."""
+    log.info("preempting request %s (%d tokens) to free KV pages", req.request_id, req.seq_len)
+    if req.phase is Phase.DECODING:
+      self._collect_swap_stats(req)
+    self.backend.release(req.kv)
+    self.running.remove(req)
+    req.kv, req.phase, req.prefilled = None, Phase.WAITING, 0
+    req.prefill_ids = list(req.prompt_ids) + list(req.output_ids)
+    req.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(req)
+
+  # -------------------------------------------------------------- tokens out
+  def _emit(self, req: Request, token: int, finished: list[Request]) -> None:
+    req.output_ids.append(token)
+    if req.first_token_time is None:
+      req.first_token_time = time.monotonic()
+    delta, hit = "", None
+    if req._detok is not None:
+      delta, hit = req._stops.feed(req._detok.push(token))
+    if token in self.eos_ids and not req.ignore_eos:
+      req.finish_reason = "stop"
+    elif token in req.stop_token_ids:
+      req.finish_reason, req.matched_stop = "stop_token", str(token)
+    elif hit is not None:
+      req.finish_reason, req.matched_stop = "stop_string", hit
+    elif len(req.output_ids) >= req.max_new_tokens:
+      req.finish_reason = "length"
+    if req._detok is not None:
+      if req.done and hit is None:  # the end of the text: an incomplete trailing character comes out too
+        req._stops.feed(req._detok.flush())
+        delta += req._stops.finish()
+      req.text = req._stops.text
+    if req.on_token is not None:
+      req.on_token(token, delta)
+    req.text_sent += len(delta)
+    if req.done:
+      self._release(req)
+      finished.append(req)
+
+  def _collect_swap_stats(self, req: Request) -> None:
+    stats = self.backend.swap_stats(req.kv)
+    if stats is not None:
+      hits, misses = stats
+      if req.layer_hits:
+        hits = tuple(a + b for a, b in zip(req.layer_hits, hits))
+        misses = tuple(a + b for a, b in zip(req.layer_misses, misses))
+      req.layer_hits, req.layer_misses = hits, misses
+      req.hits, req.misses = sum(hits), sum(misses)
+
+  def _release(self, req: Request) -> None:
+    if req.kv is not None:
+      if req.phase is Phase.DECODING:  # a prefilling request's slot stats are not its own yet
+        self._collect_swap_stats(req)
+      self.backend.release(req.kv)
+      self._temperature[req.kv.slot] = 0.0
+      req.kv = None
+    if req in self.running:
+      self.running.remove(req)
+    req.phase = Phase.FINISHED
+    req.finish_time = time.monotonic()

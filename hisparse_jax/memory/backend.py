@@ -1,0 +1,390 @@
+"""KV memory on the host side: one backend object per mode owns pools, page tables and accounting.
+
+    KVBackend (abstract: the engine's whole view of KV memory)
+    ├── DenseBackend      one device page pool ("kv": latent + indexer keys of each token)
+    └── HiSparseBackend   device pools "index" (indexer keys of every token) and "staging" (a prompt's
+                          latent rows while it prefills), one hot buffer per request slot, and the
+                          "host" pool (latent rows of every token; ``pinned_host`` JAX array or the
+                          extension-owned pool)
+
+The engine is a scheduler: it asks the backend whether a request can be admitted, admits it (a request
+slot + pages for its prompt), grows it page by page as it decodes, tells it when a prefill ends, releases
+it, and builds each jitted call's page-table rows (``tables``) with it. Admission, the start-up sizing,
+``GetLoads`` and the metrics all read the same ``MemoryPlan`` and free lists, so there is no second
+formula anywhere.
+
+Memory grows with tokens held: a request holds ceil(tokens / page_size) pages of each per-token pool, so
+neither device nor host memory is reserved for ``max_seq_len`` per request. Page tables are int32[R, P]
+host arrays (R request slots, P = ceil(max_seq_len / page_size)); only the rows of a batch go to the
+device with each call.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+
+import numpy as np
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.kernels.ops import ExtensionHostPool
+from hisparse_jax.memory.allocator import FreeList, OutOfPages
+from hisparse_jax.memory.views import DenseState, HiSparseState
+
+HOST_POOL_KINDS = ("jax", "extension")
+
+
+class MemoryConfigError(ValueError):
+  """Sizes that cannot work (the message names the flag to change)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """Bytes of one token's KV, from the model config (source: models/config.py ``latent_dim``,
+  ``index_head_dim``; the latent row in the KV dtype, indexer keys in float32).
+
+  Attributes:
+    num_layers: L.
+    latent_dim: W = kv_lora_rank + qk_rope_head_dim.
+    index_dim: Di = index_head_dim.
+    itemsize: bytes per latent element (the KV dtype).
+  """
+
+  num_layers: int
+  latent_dim: int
+  index_dim: int
+  itemsize: int
+
+  @classmethod
+  def of(cls, model_cfg, dtype) -> "KVLayout":
+    return cls(model_cfg.num_hidden_layers, model_cfg.latent_dim, model_cfg.index_head_dim,
+               np.dtype(dtype).itemsize)
+
+  @property
+  def latent_bytes(self) -> int:
+    """One token's latent rows, all layers: L x W x itemsize."""
+    return self.num_layers * self.latent_dim * self.itemsize
+
+  @property
+  def index_bytes(self) -> int:
+    """One token's indexer keys, all layers: L x Di x 4."""
+    return self.num_layers * self.index_dim * 4
+
+  def hot_buffer_bytes(self, device_buffer_size: int) -> int:
+    """One request's hot buffer on device: (D + 1) latent rows + slot table and LRU (int32[D] each) +
+    stats (int32[2]), all layers."""
+    D = device_buffer_size
+    return (D + 1) * self.latent_bytes + self.num_layers * (8 * D + 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolUsage:
+  """One pool's size and use (GetLoads, metrics). memory: "device" or "host"."""
+
+  name: str
+  memory: str
+  page_size: int
+  pages_total: int
+  pages_free: int
+  bytes_per_page: int
+
+  @property
+  def bytes_total(self) -> int:
+    return self.pages_total * self.bytes_per_page
+
+  @property
+  def bytes_used(self) -> int:
+    return (self.pages_total - self.pages_free) * self.bytes_per_page
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Pool sizes of one mode, derived from the device KV budget and the model. Built by ``plan()``.
+
+  Attributes:
+    page_size: tokens per page.
+    request_slots: R, requests that can run at once (each holds a hot buffer in HiSparse mode).
+    max_pages: P, page-table width = ceil(max_seq_len / page_size).
+    pools: name -> (memory, pages, bytes per page), e.g. {"kv": ("device", 4096, 81920)}.
+    device_bytes: bytes of all device pools and hot buffers (<= the budget).
+  """
+
+  page_size: int
+  request_slots: int
+  max_pages: int
+  pools: dict
+  device_bytes: int
+
+
+def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_len: int, page_size: int,
+         hisparse: HiSparseConfig | None) -> MemoryPlan:
+  """Sizes the pools of a mode within ``budget`` bytes of device memory.
+
+  Dense: every token holds one "kv" page slot (latent + indexer key): pages = budget // (page x
+  (latent + index bytes per token)).
+  HiSparse (SGLang's layout): R = max_running_requests hot buffers of D + 1 rows; "staging" pages for
+  max_seq_len tokens (one longest prompt, or several shorter ones, can prefill at once); the rest of the
+  budget is "index" pages; the host pool holds host_to_device_ratio x R x (D + 1) rows (SGLang's sizing),
+  in pages. If the budget cannot hold R hot buffers beside the staging pages and one index page per
+  request, R is lowered to what fits.
+  A per-token pool never gets more pages than R requests of max_seq_len tokens could fill (R x P).
+
+  Raises:
+    MemoryConfigError: the budget cannot hold one page (dense) or one hot buffer + the staging pages + one
+      index page (HiSparse); page_size < 1.
+  """
+  if page_size < 1:
+    raise MemoryConfigError(f"--page-size must be >= 1, got {page_size}")
+  P = math.ceil(max_seq_len / page_size)
+  if hisparse is None:
+    per_page = page_size * (layout.latent_bytes + layout.index_bytes)
+    pages = min(budget // per_page, max_running_requests * P)
+    if pages < 1:
+      raise MemoryConfigError(
+          f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) is smaller than "
+          f"one page of {page_size} tokens ({per_page} bytes)")
+    return MemoryPlan(page_size, max_running_requests, P, {"kv": ("device", pages, per_page)}, pages * per_page)
+  index_page = page_size * layout.index_bytes
+  staging_page = page_size * layout.latent_bytes
+  staging = P * staging_page
+  hot = layout.hot_buffer_bytes(hisparse.device_buffer_size)
+  slots = min(max_running_requests, (budget - staging) // (hot + index_page)) if budget > staging else 0
+  if slots < 1:
+    raise MemoryConfigError(
+        f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) cannot hold "
+        f"HiSparse's staging pages for one --max-seq-len {max_seq_len} prompt ({staging} bytes) plus one hot buffer "
+        f"(device_buffer_size {hisparse.device_buffer_size}: {hot} bytes) and one index page ({index_page} bytes)")
+  index_pages = min((budget - staging - slots * hot) // index_page, slots * P)
+  host_pages = hisparse.host_pool_rows(slots) // page_size
+  if host_pages < 1:
+    raise MemoryConfigError(f"--page-size {page_size} is larger than the whole host pool")
+  pools = {"index": ("device", index_pages, index_page), "staging": ("device", P, staging_page),
+           "host": ("host", host_pages, staging_page)}
+  return MemoryPlan(page_size, slots, P, pools, staging + slots * hot + index_pages * index_page)
+
+
+@dataclasses.dataclass
+class RequestKV:
+  """What one request holds: its request slot, its pages per pool (logical page order) and the positions
+  they cover (``capacity`` tokens)."""
+
+  slot: int
+  pages: dict
+  capacity: int = 0
+
+
+class KVBackend(abc.ABC):
+  """The KV memory of one mode (see the module docstring). Not thread-safe: the engine's thread only.
+
+  Attributes:
+    plan: the pool sizes.
+    state: the device arrays (a pytree: ``DenseState`` / ``HiSparseState``), replaced by the engine with
+      each jitted call's output.
+  """
+
+  #: pools whose pages every token needs while the request runs (grown as it decodes)
+  token_pools: tuple[str, ...] = ()
+  #: pools holding only the prompt, while it prefills
+  prompt_pools: tuple[str, ...] = ()
+
+  def __init__(self, plan: MemoryPlan, layout: KVLayout):
+    self.plan = plan
+    self.layout = layout
+    self.page_size = plan.page_size
+    self.max_pages = plan.max_pages
+    self._lists = {name: FreeList(pages, f"{name} pages") for name, (_, pages, _) in plan.pools.items()}
+    self._slots = FreeList(plan.request_slots, "request slots")
+    R, P = plan.request_slots, plan.max_pages
+    self._tables = {name: np.full((R, P), -1, np.int32) for name in plan.pools}
+
+  # ------------------------------------------------------------------ sizes
+  @property
+  def request_slots(self) -> int:
+    return self._slots.capacity
+
+  @property
+  def free_slots(self) -> int:
+    return self._slots.num_free
+
+  def _pages(self, tokens: int) -> int:
+    return -(-tokens // self.page_size)
+
+  def never_fits(self, prompt_len: int, total_len: int) -> str | None:
+    """Why a request of prompt_len prompt tokens and total_len tokens in all could never run alone
+    (None if it can). Reads only sizes fixed at start-up: safe from any thread."""
+    for name in self.token_pools + self.prompt_pools:
+      tokens = total_len if name in self.token_pools else prompt_len
+      need, (memory, have, _) = self._pages(tokens), self.plan.pools[name]
+      if need > have:
+        return (f"request needs {need} pages of the {memory} {name} pool ({tokens} tokens of {self.page_size}), "
+                f"the pool holds {have}")
+    return None
+
+  def can_admit(self, prompt_len: int, reserve_pages: int = 0) -> bool:
+    """A slot and pages for the prompt plus its first decoded token are free now, leaving reserve_pages
+    free in each per-token pool (growth room for the running requests)."""
+    if not self._slots.num_free:
+      return False
+    for name in self.token_pools:
+      if self._pages(prompt_len + 1) + reserve_pages > self._lists[name].num_free:
+        return False
+    return all(self._pages(prompt_len) <= self._lists[name].num_free for name in self.prompt_pools)
+
+  # --------------------------------------------------------------- lifetime
+  def admit(self, prompt_len: int) -> RequestKV:
+    """A request slot and pages covering prompt_len tokens in every pool (OutOfPages, holding nothing, if
+    they are not free)."""
+    slot = self._slots.alloc(1)[0]
+    kv = RequestKV(slot, {name: [] for name in self.token_pools + self.prompt_pools})
+    try:
+      self._grow(kv, prompt_len, self.token_pools + self.prompt_pools)
+    except OutOfPages:
+      self.release(kv)
+      raise
+    return kv
+
+  def ensure(self, kv: RequestKV, tokens: int) -> bool:
+    """Grows kv's token pools to cover positions [0, tokens); False (holding what it had) if pages ran out."""
+    try:
+      self._grow(kv, tokens, self.token_pools)
+      return True
+    except OutOfPages:
+      return False
+
+  def _grow(self, kv: RequestKV, tokens: int, pools) -> None:
+    need = {name: self._pages(tokens) - len(kv.pages[name]) for name in pools}
+    for name, n in need.items():  # check all first: a failure allocates nothing
+      if n > self._lists[name].num_free:
+        raise OutOfPages(f"{name} pages: {n} needed, {self._lists[name].num_free} free")
+    for name, n in need.items():
+      if n > 0:
+        new = self._lists[name].alloc(n)
+        start = len(kv.pages[name])
+        kv.pages[name].extend(new)
+        self._tables[name][kv.slot, start:start + n] = new
+    kv.capacity = max(kv.capacity, tokens)
+
+  def prefill_finished(self, kv: RequestKV) -> None:
+    """The request's prompt is in its KV: pools that held only the prompt are released."""
+    for name in self.prompt_pools:
+      self._free_pool(kv, name)
+
+  def release(self, kv: RequestKV) -> None:
+    """Frees everything the request holds (pages and slot)."""
+    for name in list(kv.pages):
+      self._free_pool(kv, name)
+    self._slots.free([kv.slot])
+    kv.pages, kv.capacity = {}, 0
+
+  def _free_pool(self, kv: RequestKV, name: str) -> None:
+    pages = kv.pages.get(name, [])
+    if pages:
+      self._lists[name].free(pages)
+      self._tables[name][kv.slot, :] = -1
+      kv.pages[name] = []
+
+  # ------------------------------------------------------------ batch tables
+  def _rows(self, name: str, kvs) -> np.ndarray:
+    """int32[B, P]: the page-table rows of a batch (-1 rows for idle entries None)."""
+    out = np.full((len(kvs), self.max_pages), -1, np.int32)
+    for b, kv in enumerate(kvs):
+      if kv is not None:
+        out[b] = self._tables[name][kv.slot]
+    return out
+
+  @abc.abstractmethod
+  def prefill_tables(self, kvs, finishing) -> dict:
+    """Page-table rows of a prefill batch: kvs[b] (None = padding row); finishing[b]: row b's prompt ends in
+    this call. A dict of int32 NumPy arrays for ``state.view``."""
+
+  @abc.abstractmethod
+  def decode_tables(self, kvs) -> dict:
+    """Page-table rows (and request slots) of a decode batch; kvs[b] None = idle row."""
+
+  # ------------------------------------------------------------------ stats
+  def usage(self) -> list[PoolUsage]:
+    """Each pool's pages (total, free) and bytes: a consistent snapshot (call on the engine's thread)."""
+    return [PoolUsage(name, memory, self.page_size, pages, self._lists[name].num_free, per_page)
+            for name, (memory, pages, per_page) in self.plan.pools.items()]
+
+  def swap_stats(self, kv: RequestKV) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(hits per layer, misses per layer) of the request in kv's slot since its admission; None in dense
+    mode. Reads the device (call between steps)."""
+    return None
+
+
+class DenseBackend(KVBackend):
+  """All KV on device: one pool of pages holding latent rows and indexer keys."""
+
+  token_pools = ("kv",)
+
+  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype):
+    super().__init__(plan, layout)
+    self.state = DenseState.create(num_layers=layout.num_layers, num_pages=plan.pools["kv"][1],
+                                   page_size=plan.page_size, latent_dim=layout.latent_dim,
+                                   index_dim=layout.index_dim, dtype=dtype)
+
+  def prefill_tables(self, kvs, finishing) -> dict:
+    del finishing
+    return {"pages": self._rows("kv", kvs)}
+
+  def decode_tables(self, kvs) -> dict:
+    return {"pages": self._rows("kv", kvs)}
+
+
+class HiSparseBackend(KVBackend):
+  """HiSparse: indexer keys of every token on device, latent rows in the host pool, a hot buffer per
+  request slot, prompts staged on device while they prefill.
+
+  Args:
+    host_pool: "jax" (a ``pinned_host`` JAX array) or "extension" (``ExtensionHostPool``: memory owned by
+      the FFI extension, the fallback where XLA cannot hand a ``pinned_host`` operand to a custom call).
+  """
+
+  token_pools = ("index", "host")
+  prompt_pools = ("staging",)
+
+  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, hisparse: HiSparseConfig, host_pool: str = "jax"):
+    super().__init__(plan, layout)
+    if host_pool not in HOST_POOL_KINDS:
+      raise MemoryConfigError(f"--host-pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
+    self.hisparse = hisparse
+    host_rows = plan.pools["host"][1] * plan.page_size
+    self.external_pool = (ExtensionHostPool(layout.num_layers, host_rows, layout.latent_dim, dtype)
+                          if host_pool == "extension" else None)
+    self.state = HiSparseState.create(
+        num_layers=layout.num_layers, page_size=plan.page_size, latent_dim=layout.latent_dim,
+        index_dim=layout.index_dim, dtype=dtype, index_pages=plan.pools["index"][1],
+        staging_pages=plan.pools["staging"][1], request_slots=plan.request_slots,
+        device_buffer_size=hisparse.device_buffer_size, host_pages=plan.pools["host"][1],
+        external_pool=self.external_pool)
+
+  def prefill_tables(self, kvs, finishing) -> dict:
+    R = self.request_slots
+    hot_slot = np.array([kv.slot if (kv is not None and done) else R for kv, done in zip(kvs, finishing)],
+                        np.int32)
+    return {"index_pages": self._rows("index", kvs), "staging_pages": self._rows("staging", kvs),
+            "host_pages": self._rows("host", kvs), "hot_slot": hot_slot}
+
+  def decode_tables(self, kvs) -> dict:
+    return {"index_pages": self._rows("index", kvs), "host_pages": self._rows("host", kvs),
+            "req_ids": np.array([-1 if kv is None else kv.slot for kv in kvs], np.int32)}
+
+  def usage(self) -> list[PoolUsage]:
+    hot = self.layout.hot_buffer_bytes(self.hisparse.device_buffer_size)
+    return super().usage() + [PoolUsage("hot", "device", 1, self.request_slots, self.free_slots, hot)]
+
+  def swap_stats(self, kv: RequestKV):
+    per_layer = np.asarray(self.state.stats[:, kv.slot])  # [L, 2]
+    return tuple(per_layer[:, 0].tolist()), tuple(per_layer[:, 1].tolist())
+
+
+def create_backend(layout: KVLayout, dtype, *, budget: int, max_running_requests: int, max_seq_len: int,
+                   page_size: int, hisparse: HiSparseConfig | None, host_pool: str = "jax") -> KVBackend:
+  """The backend of a mode, its pools sized by ``plan`` (MemoryConfigError names the flag at fault)."""
+  p = plan(layout, budget=budget, max_running_requests=max_running_requests, max_seq_len=max_seq_len,
+           page_size=page_size, hisparse=hisparse)
+  if hisparse is None:
+    return DenseBackend(p, layout, dtype)
+  return HiSparseBackend(p, layout, dtype, hisparse, host_pool)

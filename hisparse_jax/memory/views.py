@@ -1,0 +1,307 @@
+"""KV memory inside jit: the arrays of each mode (states) and the per-batch caches the model calls (views).
+
+    DenseState       kv pages: latent T[L, N, page, W] + indexer keys f32[L, N, page, Di] (device)
+      .view(tables)          -> DenseView             (prefill and decode)
+    HiSparseState    indexer-key pages f32[L, Ni, page, Di] (device)
+                     staging latent pages T[L, Ns, page, W] (device; a prompt's rows while it prefills)
+                     hot buffers T[L, R, D+1, W] + slot table, LRU, stats (device; one per request slot)
+                     host pool T[L, Hp * page, W] (``pinned_host``, or an extension-owned pool)
+      .view(tables)          -> HiSparsePrefillView   (tables of a prefill batch)
+                             -> HiSparseDecodeView    (tables of a decode batch)
+
+Views implement ``models.kv_protocol.KVCache`` for one batch: they hold the pool arrays plus that batch's
+page-table rows (int32[B, P], built on the host by ``memory/backend.py``). After the model ran, the state
+takes the updated arrays back (``state.absorb(view)``). Everything here is a JAX pytree, threaded through
+jitted calls and donated, so pools are updated in place.
+
+Page tables map logical page p of a request (positions [p * page, (p + 1) * page)) to a physical page;
+-1 = none. Writes through a -1 entry or at position -1 (padding) are dropped; reads through one return
+don't-care values that the model masks (positions beyond a row's newest token).
+
+Losslessness: ``gather`` of every view returns the stored rows bit for bit (zeros at top-k padding), so
+dense and HiSparse attention see identical data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hisparse_jax.kernels import ops
+
+
+def _pytree(data, meta=()):
+  return functools.partial(jax.tree_util.register_dataclass, data_fields=list(data), meta_fields=list(meta))
+
+
+def _page_ids(pages, positions, page_size, missing):
+  """Physical page of each position: pages int32[B, P], positions int32[B, ...] -> int32[B, ...];
+  ``missing`` where the position is padding (< 0) or its page-table entry is -1."""
+  B = pages.shape[0]
+  flat = positions.reshape(B, -1)
+  pid = jnp.take_along_axis(pages, jnp.maximum(flat, 0) // page_size, axis=1, mode="fill", fill_value=-1)
+  pid = jnp.where((flat >= 0) & (pid >= 0), pid, missing)
+  return pid.reshape(positions.shape)
+
+
+def write_rows(pool, layer, pages, positions, values, page_size):
+  """pool[layer, page(pos), pos % page] = values for every non-padding position.
+
+  pool: T[L, N, page, X]; pages: int32[B, P]; positions: int32[B, Q]; values: [B, Q, X]."""
+  pid = _page_ids(pages, positions, page_size, missing=pool.shape[1])  # N: out of range, dropped
+  return pool.at[layer, pid, jnp.maximum(positions, 0) % page_size].set(values.astype(pool.dtype), mode="drop")
+
+
+def read_block(pool, layer, pages, start, size, page_size):
+  """pool rows of positions [start, start + size) of every row: [B, size, X] (start a multiple of page_size,
+  size a static multiple of it; entries past a row's pages are don't-care)."""
+  B, X = pages.shape[0], pool.shape[-1]
+  n = size // page_size
+  pid = jnp.take(pages, start // page_size + jnp.arange(n), axis=1, mode="fill", fill_value=0)  # [B, n]
+  return pool[layer][jnp.maximum(pid, 0)].reshape(B, size, X)
+
+
+def gather_rows(pool, layer, pages, top_k, page_size):
+  """pool rows of the positions top_k int32[B, ...] -> [B, ..., X], zeros where top_k is -1."""
+  pid = _page_ids(pages, top_k, page_size, missing=0)
+  rows = pool[layer][pid, jnp.maximum(top_k, 0) % page_size]
+  return jnp.where((top_k >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
+
+
+def _absorb(state, view):
+  """state with the arrays it shares (by field name) with view replaced by the view's."""
+  names = {f.name for f in dataclasses.fields(state)} & {f.name for f in dataclasses.fields(view)}
+  return dataclasses.replace(state, **{n: getattr(view, n) for n in names})
+
+
+# ----------------------------------------------------------------------------------------------- dense
+@_pytree(data=("latent", "index", "pages"), meta=("page_size",))
+@dataclasses.dataclass
+class DenseView:
+  """Dense paged KV of one batch (prefill or decode). latent T[L, N, page, W], index f32[L, N, page, Di]
+  share page ids; pages int32[B, P] is the batch's page table."""
+
+  latent: jax.Array
+  index: jax.Array
+  pages: jax.Array
+  page_size: int
+
+  def append(self, layer, positions, latent, index_key):
+    return dataclasses.replace(
+        self, latent=write_rows(self.latent, layer, self.pages, positions, latent, self.page_size),
+        index=write_rows(self.index, layer, self.pages, positions, index_key, self.page_size))
+
+  def index_keys(self, layer, start, size):
+    return read_block(self.index, layer, self.pages, start, size, self.page_size)
+
+  def gather(self, layer, positions, top_k):
+    del positions
+    return gather_rows(self.latent, layer, self.pages, top_k, self.page_size), self
+
+
+@_pytree(data=("latent", "index"), meta=("page_size",))
+@dataclasses.dataclass
+class DenseState:
+  """All KV on device, in pages of page_size tokens: latent T[L, N, page, W] and indexer keys
+  f32[L, N, page, Di] (a page holds both for its tokens)."""
+
+  latent: jax.Array
+  index: jax.Array
+  page_size: int
+
+  @classmethod
+  def create(cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype) -> "DenseState":
+    z = jax.jit(lambda: (jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype),
+                         jnp.zeros((num_layers, num_pages, page_size, index_dim), jnp.float32)))
+    latent, index = jax.device_put(z(), jax.devices()[0])
+    return cls(latent, index, page_size)
+
+  def view(self, tables) -> DenseView:
+    """tables: {"pages": int32[B, P]}."""
+    return DenseView(self.latent, self.index, tables["pages"], self.page_size)
+
+  def absorb(self, view) -> "DenseState":
+    return _absorb(self, view)
+
+  def finish_prefill(self, tables) -> "DenseState":
+    del tables
+    return self
+
+
+# -------------------------------------------------------------------------------------------- hisparse
+_HOST = ("host_pool", "host_pages")
+
+
+@_pytree(data=("index", "index_pages", "staging", "staging_pages") + _HOST, meta=("page_size", "external"))
+@dataclasses.dataclass
+class HiSparsePrefillView:
+  """A HiSparse prefill batch: indexer keys to their device pages, latent rows to staging pages (attention
+  gathers from there) and, layer by layer, to the host pool (backup kernel)."""
+
+  index: jax.Array
+  index_pages: jax.Array
+  staging: jax.Array
+  staging_pages: jax.Array
+  host_pool: jax.Array
+  host_pages: jax.Array
+  page_size: int
+  external: ops.ExternalPoolRef | None
+
+  def append(self, layer, positions, latent, index_key):
+    B, Q, W = latent.shape
+    dst = host_rows(self.host_pages, positions, self.page_size).reshape(B * Q)
+    host_pool = ops.backup(layer, latent.reshape(1, B * Q, W).astype(self.staging.dtype), dst, self.host_pool,
+                           external=self.external)
+    return dataclasses.replace(
+        self, host_pool=host_pool,
+        staging=write_rows(self.staging, layer, self.staging_pages, positions, latent, self.page_size),
+        index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
+
+  def index_keys(self, layer, start, size):
+    return read_block(self.index, layer, self.index_pages, start, size, self.page_size)
+
+  def gather(self, layer, positions, top_k):
+    del positions
+    return gather_rows(self.staging, layer, self.staging_pages, top_k, self.page_size), self
+
+
+@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids") + _HOST,
+         meta=("page_size", "external"))
+@dataclasses.dataclass
+class HiSparseDecodeView:
+  """A HiSparse decode batch (one token per row): the newest latent row goes to the request's hot buffer
+  (its own slot while the request is no longer than D, else the reserved slot D) and to the host pool;
+  ``gather`` is the swap-in kernel."""
+
+  index: jax.Array
+  index_pages: jax.Array
+  hot: jax.Array
+  slot_tokens: jax.Array
+  lru: jax.Array
+  stats: jax.Array
+  req_ids: jax.Array
+  host_pool: jax.Array
+  host_pages: jax.Array
+  page_size: int
+  external: ops.ExternalPoolRef | None
+
+  def append(self, layer, positions, latent, index_key):
+    # Backup first: the swap-in of this layer then reads the pool after this write (no hidden pool copy).
+    R, D = self.hot.shape[1], self.hot.shape[2] - 1
+    pos = positions[:, 0]
+    dst = host_rows(self.host_pages, positions, self.page_size)[:, 0]
+    host_pool = ops.backup(layer, latent[None, :, 0].astype(self.hot.dtype), dst, self.host_pool,
+                           external=self.external)
+    slot = jnp.minimum(jnp.maximum(pos, 0), D)
+    req = jnp.where((pos >= 0) & (self.req_ids >= 0), self.req_ids, R)  # R: out of range, dropped
+    hot = self.hot.at[layer, req, slot].set(latent[:, 0].astype(self.hot.dtype), mode="drop")
+    return dataclasses.replace(
+        self, hot=hot, host_pool=host_pool,
+        index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
+
+  def index_keys(self, layer, start, size):
+    return read_block(self.index, layer, self.index_pages, start, size, self.page_size)
+
+  def gather(self, layer, positions, top_k):
+    if top_k.shape[1] != 1:
+      raise ValueError(f"HiSparse decode takes one query per row, got {top_k.shape[1]}")
+    seq_lens = positions[:, 0] + 1  # idle rows: position -1 -> seq_len 0
+    rows, host_pool, hot, slot_tokens, lru, stats = ops.swap_in(
+        layer, top_k[:, 0], seq_lens, self.req_ids, self.host_pages, self.host_pool, self.hot, self.slot_tokens,
+        self.lru, self.stats, page_size=self.page_size, external=self.external)
+    R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
+    out = hot[layer].reshape(R * D1, W)[jnp.maximum(rows, 0)]
+    out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
+    view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats)
+    return out[:, None], view
+
+
+def host_rows(host_pages, positions, page_size):
+  """Host-pool row of each position (int32[B, Q]): page * page_size + offset, -1 for padding / no page."""
+  pid = _page_ids(host_pages, positions, page_size, missing=-1)
+  return jnp.where(pid >= 0, pid * page_size + jnp.maximum(positions, 0) % page_size, -1)
+
+
+@_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "host_pool"),
+         meta=("page_size", "external"))
+@dataclasses.dataclass
+class HiSparseState:
+  """HiSparse KV memory (see the module docstring). hot: T[L, R, D+1, W]; slot_tokens, lru: int32[L, R, D];
+  stats: int32[L, R, 2] cumulative swap-in (hits, misses) of the request in each slot; host_pool:
+  T[L, H, W] in ``pinned_host`` memory, or the int32[1] ordering token of the extension pool ``external``."""
+
+  index: jax.Array
+  staging: jax.Array
+  hot: jax.Array
+  slot_tokens: jax.Array
+  lru: jax.Array
+  stats: jax.Array
+  host_pool: jax.Array
+  page_size: int
+  external: ops.ExternalPoolRef | None = None
+
+  @classmethod
+  def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
+             request_slots, device_buffer_size, host_pages,
+             external_pool: ops.ExtensionHostPool | None = None) -> "HiSparseState":
+    """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
+    (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive)."""
+    L, R, D = num_layers, request_slots, device_buffer_size
+    H = host_pages * page_size
+    if external_pool is not None:
+      if external_pool.shape != (L, H, latent_dim) or external_pool.dtype != jnp.dtype(dtype):
+        raise ValueError(f"external pool {external_pool.shape} {external_pool.dtype} does not match "
+                         f"{(L, H, latent_dim)} {jnp.dtype(dtype)}")
+      host_pool = jax.device_put(external_pool.token(), jax.devices()[0])
+    else:
+      host_pool = jax.jit(lambda: jax.device_put(jnp.zeros((L, H, latent_dim), dtype), jax.memory.Space.Host))()
+
+    def device():
+      slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, R, D))
+      return dict(index=jnp.zeros((L, index_pages, page_size, index_dim), jnp.float32),
+                  staging=jnp.zeros((L, staging_pages, page_size, latent_dim), dtype),
+                  hot=jnp.zeros((L, R, D + 1, latent_dim), dtype), slot_tokens=slots, lru=slots + 0,
+                  stats=jnp.zeros((L, R, 2), jnp.int32))
+
+    arrays = jax.device_put(jax.jit(device)(), jax.devices()[0])
+    return cls(**arrays, host_pool=host_pool, page_size=page_size,
+               external=None if external_pool is None else external_pool.ref)
+
+  @property
+  def device_buffer_size(self) -> int:
+    return self.slot_tokens.shape[2]
+
+  def view(self, tables):
+    """A prefill view for tables {"index_pages", "staging_pages", "host_pages", "hot_slot"}, a decode view
+    for tables {"index_pages", "host_pages", "req_ids"} (all int32[B, P] / int32[B])."""
+    if "staging_pages" in tables:
+      return HiSparsePrefillView(self.index, tables["index_pages"], self.staging, tables["staging_pages"],
+                                 self.host_pool, tables["host_pages"], self.page_size, self.external)
+    return HiSparseDecodeView(self.index, tables["index_pages"], self.hot, self.slot_tokens, self.lru, self.stats,
+                              tables["req_ids"], self.host_pool, tables["host_pages"], self.page_size,
+                              self.external)
+
+  def absorb(self, view) -> "HiSparseState":
+    return _absorb(self, view)
+
+  def finish_prefill(self, tables) -> "HiSparseState":
+    """Hot buffers of the rows whose prompt ended in this call (tables["hot_slot"][b] = its request slot;
+    R for the others): slots 0..D take positions 0..D from staging (slot s holds token s, as the swap-in's
+    fast path assumes; rows past the prompt are written by decode before they are read), the slot table and
+    LRU order restart as 0..D-1 and the stats at zero."""
+    L, R, D1, _ = self.hot.shape
+    D = D1 - 1
+    target = tables["hot_slot"]  # int32[B]
+    B = target.shape[0]
+    pos = jnp.broadcast_to(jnp.arange(D1, dtype=jnp.int32), (B, D1))
+    pid = _page_ids(tables["staging_pages"], pos, self.page_size, missing=0)
+    rows = self.staging[:, pid, pos % self.page_size]  # [L, B, D+1, W]
+    slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
+    return dataclasses.replace(
+        self, hot=self.hot.at[:, target].set(rows, mode="drop"),
+        slot_tokens=self.slot_tokens.at[:, target].set(slots, mode="drop"),
+        lru=self.lru.at[:, target].set(slots, mode="drop"),
+        stats=self.stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode="drop"))

@@ -1,0 +1,97 @@
+"""The KV-cache interface the DSA model calls inside jit: one ``typing.Protocol``, three methods.
+
+The model never looks inside a cache and never branches on its kind. Implementations live in
+``hisparse_jax/memory/views.py`` (dense paged KV, HiSparse prefill, HiSparse decode); a test cache may
+be anything with these methods. A cache object describes ONE batch of one jitted call: B rows, each row
+a request with Q query tokens (Q = 1 in decode, the chunk length in prefill). It is a JAX pytree; every
+method is functional (returns the updated cache) and traceable.
+
+Shapes: B batch rows, Q query tokens per row, W = kv_lora_rank + qk_rope_head_dim (latent row),
+Di = index_head_dim, K = index_topk, T a key block (static, a multiple of the cache's page size).
+``positions`` int32[B, Q] is the position of each query token in its request; -1 marks padding (its
+writes are dropped and it attends to nothing). Within a row, positions are consecutive.
+
+Per layer the model does (``models/deepseek_v32.py``, ``MLAttention.__call__``)::
+
+    cache = cache.append(l, positions, latent[B, Q, W], index_key[B, Q, Di])
+    keys = cache.index_keys(l, start, T)          # float32[B, T, Di], positions [start, start + T)
+    ... the indexer scores every key block up to the newest position, keeping a running top-k ...
+    rows, cache = cache.gather(l, positions, top_k[B, Q, K])   # dtype[B, Q, K, W]
+
+``append`` happens before scoring, so a query sees its own key and those of earlier tokens of its chunk.
+``index_keys`` may return anything at positions not yet written (the model masks them causally).
+``gather`` returns the stored latent rows of the top-k positions, zeros where top_k is -1; every cache
+returns bit-identical rows for the same stored values (HiSparse's losslessness rests on this).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Self, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+
+@runtime_checkable
+class KVCache(Protocol):
+  """In-jit KV cache of one batch (see the module docstring for shapes)."""
+
+  def append(self, layer: int, positions: jax.Array, latent: jax.Array, index_key: jax.Array) -> Self:
+    """Stores latent dtype[B, Q, W] and index_key float32[B, Q, Di] at positions int32[B, Q] of layer
+    (static int); padding (-1) is dropped. Returns the updated cache."""
+    ...
+
+  def index_keys(self, layer: int, start: jax.Array, size: int) -> jax.Array:
+    """float32[B, size, Di]: the indexer keys of positions [start, start + size) of each row
+    (start: traced int32 scalar, a multiple of size; size: static)."""
+    ...
+
+  def gather(self, layer: int, positions: jax.Array, top_k: jax.Array) -> tuple[jax.Array, Self]:
+    """(rows dtype[B, Q, K, W], cache): the latent rows of the top-k positions int32[B, Q, K] chosen for
+    the queries at positions int32[B, Q] (-1 entries give zero rows)."""
+    ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ContiguousKVCache:
+  """The simplest :class:`KVCache`: B rows of S contiguous positions, all on device.
+
+  For porting experiments and tests (``model.prefill`` / ``model.decode`` on a handful of prompts), not
+  for serving: its memory is B x S whatever the rows hold. The runtime's caches are paged
+  (``hisparse_jax/memory``).
+
+  Attributes:
+    latent: dtype[L, B, S, W] latent rows.
+    index_key: float32[L, B, S, Di] indexer keys.
+  """
+
+  latent: jax.Array
+  index_key: jax.Array
+
+  @classmethod
+  def create(cls, cfg, batch: int, max_len: int, dtype=None) -> "ContiguousKVCache":
+    """Zeros for ``cfg`` (a ``models.config.DSAConfig``): batch rows of max_len positions; dtype defaults to
+    the config's."""
+    L = cfg.num_hidden_layers
+    return cls(jnp.zeros((L, batch, max_len, cfg.latent_dim), jnp.dtype(dtype or cfg.dtype)),
+               jnp.zeros((L, batch, max_len, cfg.index_head_dim), jnp.float32))
+
+  def append(self, layer, positions, latent, index_key):
+    B, S = self.latent.shape[1], self.latent.shape[2]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
+    pos = jnp.where(positions >= 0, positions, S)  # S is out of range: dropped
+    return dataclasses.replace(
+        self, latent=self.latent.at[layer, rows, pos].set(latent.astype(self.latent.dtype), mode="drop"),
+        index_key=self.index_key.at[layer, rows, pos].set(index_key, mode="drop"))
+
+  def index_keys(self, layer, start, size):
+    pos = start + jnp.arange(size)
+    return jnp.take(self.index_key[layer], pos, axis=1, mode="fill", fill_value=0)
+
+  def gather(self, layer, positions, top_k):
+    del positions
+    B = top_k.shape[0]
+    rows = self.latent[layer][jnp.arange(B)[:, None, None], jnp.maximum(top_k, 0)]
+    return jnp.where((top_k >= 0)[..., None], rows, jnp.zeros((), rows.dtype)), self

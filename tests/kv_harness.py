@@ -1,0 +1,114 @@
+"""Drive the model over one KV backend without the engine's scheduler (for numerics and lossless tests).
+
+Each prompt gets a request slot and is prefilled (whole, or in chunks of ``chunk`` tokens), then every
+``decode`` call feeds one token per request (teacher-forced or greedy) in one batch with a trailing idle
+row. The backends' free lists are shuffled first, so a request's pages are scattered across each pool.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hisparse_jax.memory import backend as kvmem
+
+
+class KVHarness:
+
+  def __init__(self, cfg, model, *, hisparse=None, max_seq_len=160, page_size=16, chunk=None, slots=8,
+               budget=1 << 26, dtype=None, host_pool="jax", shuffle_seed=1, key_block=32):
+    self.cfg = cfg
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    layout = kvmem.KVLayout.of(cfg, dtype)
+    plan = kvmem.plan(layout, budget=budget, max_running_requests=slots, max_seq_len=max_seq_len,
+                      page_size=page_size, hisparse=hisparse)
+    self.backend = (kvmem.DenseBackend(plan, layout, dtype) if hisparse is None else
+                    kvmem.HiSparseBackend(plan, layout, dtype, hisparse, host_pool))
+    rng = np.random.default_rng(shuffle_seed)
+    for free_list in self.backend._lists.values():
+      rng.shuffle(free_list._free)
+    self.chunk = chunk
+    self.key_block = key_block
+    self.kvs, self.seq_lens = [], []
+    graphdef, self.params = nnx.split(model)
+    self._prefill, self._decode = _steps(graphdef)
+
+  def prefill(self, prompts) -> np.ndarray:
+    """Admits and prefills each prompt; returns float32[N, V], the logits at each prompt's last token."""
+    out = []
+    for p in prompts:
+      kv = self.backend.admit(len(p))
+      chunk = self.chunk or len(p)
+      for start in range(0, len(p), chunk):
+        part = p[start:start + chunk]
+        tokens = np.zeros((1, chunk), np.int32)
+        positions = np.full((1, chunk), -1, np.int32)
+        tokens[0, :len(part)] = part
+        positions[0, :len(part)] = np.arange(start, start + len(part))
+        last = start + chunk >= len(p)
+        tables = self.backend.prefill_tables([kv], [last])
+        logits, self.backend.state = self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(positions),
+                                                   self.backend.state, _device(tables), self.key_block)
+      self.backend.prefill_finished(kv)
+      out.append(np.asarray(logits[0]))
+      self.kvs.append(kv)
+      self.seq_lens.append(len(p))
+    return np.stack(out)
+
+  def decode(self, tokens, return_topk=False):
+    """Feeds tokens[i] to request i at its next position; returns float32[N, V] (and int32[L, N, K])."""
+    n = len(self.kvs)
+    for i in range(n):
+      assert self.backend.ensure(self.kvs[i], self.seq_lens[i] + 1), "pool exhausted"
+    kvs = self.kvs + [None]  # a trailing idle row
+    toks = np.zeros(n + 1, np.int32)
+    toks[:n] = tokens
+    positions = np.array(self.seq_lens + [-1], np.int32)
+    tables = self.backend.decode_tables(kvs)
+    logits, self.backend.state, topk = self._decode(self.params, jnp.asarray(toks), jnp.asarray(positions),
+                                                    self.backend.state, _device(tables), self.key_block)
+    logits = np.asarray(logits)
+    assert np.isfinite(logits).all(), "non-finite decode logits (idle row included)"
+    self.seq_lens = [s + 1 for s in self.seq_lens]
+    return (logits[:n], np.asarray(topk)[:, :n]) if return_topk else logits[:n]
+
+  def greedy(self, prompts, max_new: int) -> list[list[int]]:
+    """Greedy continuations (max_new tokens each, the first from the prefill)."""
+    nxt = self.prefill(prompts).argmax(-1)
+    outs = [[int(t)] for t in nxt]
+    for _ in range(max_new - 1):
+      nxt = self.decode(nxt).argmax(-1)
+      for o, t in zip(outs, nxt):
+        o.append(int(t))
+    return outs
+
+  def swap_stats(self) -> np.ndarray:
+    """int32[L, N, 2] (hits, misses) per layer and request (HiSparse)."""
+    stats = np.asarray(self.backend.state.stats)
+    return stats[:, [kv.slot for kv in self.kvs]]
+
+
+def _device(tables):
+  return {k: jnp.asarray(v) for k, v in tables.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _steps(graphdef):
+  @functools.partial(jax.jit, donate_argnums=(3,), static_argnums=(5,))
+  def prefill(params, tokens, positions, state, tables, key_block):
+    view = state.view(tables)
+    logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, key_block=key_block)
+    return logits, state.absorb(view).finish_prefill(tables)
+
+  @functools.partial(jax.jit, donate_argnums=(3,), static_argnums=(5,))
+  def decode(params, tokens, positions, state, tables, key_block):
+    view = state.view(tables)
+    logits, view, topk = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=True,
+                                                            key_block=key_block)
+    return logits, state.absorb(view), topk
+
+  return prefill, decode

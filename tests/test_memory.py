@@ -1,0 +1,103 @@
+"""KV memory: free lists, pool sizing from the budget, page accounting of the backends."""
+
+import numpy as np
+import pytest
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.memory import backend as kvmem
+from hisparse_jax.memory.allocator import FreeList, OutOfPages
+
+LAYOUT = kvmem.KVLayout(num_layers=3, latent_dim=48, index_dim=16, itemsize=4)  # the tiny test model, fp32
+
+
+def test_free_list_alloc_free_and_errors():
+  fl = FreeList(5, "pages")
+  assert fl.alloc(2) == [0, 1] and fl.num_free == 3
+  with pytest.raises(OutOfPages, match="4 needed, 3 free"):
+    fl.alloc(4)
+  assert fl.num_free == 3  # a failed alloc takes nothing
+  fl.free([1])
+  assert fl.alloc(1) == [1]  # last freed, first reused
+  with pytest.raises(ValueError, match="id 3 is not allocated"):
+    fl.free([0, 3])
+  assert fl.num_used == 2  # a failed free returns nothing
+  with pytest.raises(ValueError, match="id 0 is not allocated"):
+    fl.free([0, 0])
+  with pytest.raises(ValueError, match="not allocated"):
+    fl.free([7])
+
+
+def test_layout_bytes_follow_the_model():
+  assert LAYOUT.latent_bytes == 3 * 48 * 4 and LAYOUT.index_bytes == 3 * 16 * 4
+  assert LAYOUT.hot_buffer_bytes(16) == 17 * 3 * 48 * 4 + 3 * (8 * 16 + 8)
+
+
+def test_dense_plan_is_the_budget_in_pages():
+  per_page = 16 * (LAYOUT.latent_bytes + LAYOUT.index_bytes)
+  p = kvmem.plan(LAYOUT, budget=10 * per_page + per_page - 1, max_running_requests=4, max_seq_len=1000,
+                 page_size=16, hisparse=None)
+  assert p.pools == {"kv": ("device", 10, per_page)} and p.request_slots == 4 and p.max_pages == 63
+  with pytest.raises(kvmem.MemoryConfigError, match="smaller than one page of 16 tokens"):
+    kvmem.plan(LAYOUT, budget=per_page - 1, max_running_requests=4, max_seq_len=1000, page_size=16, hisparse=None)
+
+
+def test_hisparse_plan_splits_the_budget_and_lowers_slots_to_fit():
+  hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4)
+  staging = 63 * 16 * LAYOUT.latent_bytes  # max_seq_len 1000 -> 63 pages of 16
+  hot = LAYOUT.hot_buffer_bytes(16)
+  index_page = 16 * LAYOUT.index_bytes
+  budget = staging + 3 * hot + 3 * index_page + 100
+  p = kvmem.plan(LAYOUT, budget=budget, max_running_requests=8, max_seq_len=1000, page_size=16, hisparse=hs)
+  assert p.request_slots == 3  # 8 hot buffers (each with an index page) do not fit: lowered to what does
+  assert p.pools["staging"] == ("device", 63, 16 * LAYOUT.latent_bytes)
+  assert p.pools["index"] == ("device", 3, index_page)
+  roomy = kvmem.plan(LAYOUT, budget=staging + 8 * hot + 50 * index_page, max_running_requests=8, max_seq_len=1000,
+                     page_size=16, hisparse=hs)
+  assert roomy.request_slots == 8 and roomy.pools["index"] == ("device", 50, index_page)
+  assert p.pools["host"] == ("host", 4 * 3 * 17 // 16, 16 * LAYOUT.latent_bytes)  # SGLang: ratio x slots x (D+1)
+  assert p.device_bytes <= budget
+  with pytest.raises(kvmem.MemoryConfigError, match="cannot hold HiSparse's staging pages"):
+    kvmem.plan(LAYOUT, budget=staging + hot, max_running_requests=8, max_seq_len=1000, page_size=16, hisparse=hs)
+
+
+def test_dense_backend_pages_follow_tokens_held():
+  p = kvmem.plan(LAYOUT, budget=1 << 22, max_running_requests=3, max_seq_len=200, page_size=16, hisparse=None)
+  be = kvmem.DenseBackend(p, LAYOUT, np.float32)
+  total = p.pools["kv"][1]
+  assert be.never_fits(100, 190) is None
+  kv = be.admit(20)  # 2 pages for 20 tokens
+  assert len(kv.pages["kv"]) == 2 and be.usage()[0].pages_free == total - 2
+  assert be.ensure(kv, 32) and len(kv.pages["kv"]) == 2  # still inside page 2
+  assert be.ensure(kv, 33) and len(kv.pages["kv"]) == 3  # position 32 opens page 3
+  tables = be.decode_tables([None, kv])
+  np.testing.assert_array_equal(tables["pages"][0], -1)  # an idle row
+  np.testing.assert_array_equal(tables["pages"][1, :3], kv.pages["kv"])
+  assert (tables["pages"][1, 3:] == -1).all() and tables["pages"].shape == (2, 13)
+  be.release(kv)
+  assert be.usage()[0].pages_free == total and be.free_slots == 3
+  with pytest.raises(ValueError, match="not allocated"):
+    be.release(kv)  # a double release is caught, not silently corrupting the free list
+
+
+def test_hisparse_backend_frees_staging_when_prefill_ends_and_refuses_what_never_fits():
+  hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4)
+  p = kvmem.plan(LAYOUT, budget=1 << 22, max_running_requests=2, max_seq_len=128, page_size=16, hisparse=hs)
+  be = kvmem.HiSparseBackend(p, LAYOUT, np.float32, hs)
+  usage = lambda: {u.name: u for u in be.usage()}
+  host_pages = p.pools["host"][1]  # 4 x 2 x 17 rows = 136 -> 8 pages
+  assert host_pages == 8
+  kv = be.admit(40)
+  u = usage()
+  assert u["staging"].pages_free == 8 - 3 and u["index"].pages_total - u["index"].pages_free == 3
+  assert u["host"].pages_free == host_pages - 3 and u["hot"].pages_free == 1
+  tables = be.prefill_tables([kv, None], [True, False])
+  assert list(tables["hot_slot"]) == [kv.slot, 2]  # 2 = R: the padding row's hot-buffer write is dropped
+  be.prefill_finished(kv)
+  assert usage()["staging"].pages_free == 8 and kv.pages["staging"] == []
+  assert (be.prefill_tables([kv], [False])["staging_pages"] == -1).all()
+  # 8 host pages hold 128 tokens: a 100 + 40 request can never run, a 100 + 20 one can.
+  assert "host pool" in be.never_fits(100, 140) and be.never_fits(100, 20 + 100) is None
+  assert be.ensure(kv, 8 * 16) and len(kv.pages["host"]) == 8  # the whole host pool
+  assert not be.ensure(kv, 8 * 16 + 1) and len(kv.pages["index"]) == 8  # a failed growth takes nothing
+  be.release(kv)
+  assert all(x.pages_free == x.pages_total for x in be.usage())

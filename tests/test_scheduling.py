@@ -1,0 +1,121 @@
+"""The engine as a scheduler: chunked prefill interleaved with decode, batch buckets, paging, preemption."""
+
+import numpy as np
+import pytest
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, InvalidRequest, Request, ResourceExhausted, StartupError
+from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
+
+SMALL = dict(page_size=16, chunked_prefill_size=32)
+
+
+def prompt(n, seed=0):
+  return np.random.default_rng(seed).integers(2, 512, n).tolist()
+
+
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
+def test_long_prompt_prefills_in_chunks_while_running_requests_keep_decoding(hisparse):
+  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=320, deterministic=True,
+               **SMALL)
+  running = Request("running", prompt(20), 40)
+  eng.submit(running)
+  eng.step()
+  long = Request("long", prompt(200, 1), 4)
+  eng.submit(long)
+  steps = 0
+  while not long.output_ids:
+    before = len(running.output_ids)
+    eng.step()
+    steps += 1
+    assert len(running.output_ids) == before + 1  # one token every step, prefill or not
+  assert steps == 200 // 32 + 1 and eng.prefill_calls == 1 + 7  # 7 chunks of at most 32 tokens
+  eng.run()
+  # Chunking and interleaving change nothing: the same tokens as each request alone.
+  for r in (running, long):
+    alone = Request("alone", r.prompt_ids, r.max_new_tokens)
+    eng.submit(alone)
+    eng.run()
+    assert alone.output_ids == r.output_ids
+  assert all_kv_free(eng.loads())
+
+
+def test_decode_batch_is_a_bucket_of_the_running_requests():
+  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, **SMALL)
+  reqs = [Request(str(i), prompt(10, i), 3) for i in range(3)]
+  eng.submit(reqs[0])
+  eng.step()
+  assert eng.last_decode_batch == 1
+  for r in reqs[1:]:
+    eng.submit(r)
+  eng.step()
+  assert eng.last_decode_batch == 4  # 3 running -> bucket 4, not the 8 slots
+  eng.run()
+  det = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, deterministic=True, **SMALL)
+  det.submit(Request("x", prompt(10), 3))
+  det.step()
+  assert det.last_decode_batch == 8  # deterministic: always the full batch
+
+
+def test_memory_follows_tokens_and_max_seq_len_defaults_to_the_model():
+  eng = Engine(tiny_model_dir(), max_running_requests=4, **SMALL)
+  assert eng.max_seq_len == eng.config.max_position_embeddings == 512
+  kv = lambda: next(p for p in eng.loads()["pools"] if p["name"] == "kv")
+  free0 = kv()["pages_free"]
+  assert free0 == 4 * 32  # never more pages than max_running_requests x max_seq_len could fill
+  r = Request("r", prompt(40), 30)
+  eng.submit(r)
+  while r.seq_len < 49:  # prefill (2 chunks of <= 32), then decode up to position 47
+    eng.step()
+    assert free0 - kv()["pages_free"] == 3  # 41 tokens reserved at admission: 3 pages of 16
+  eng.step()  # feeds position 48: a fourth page
+  assert free0 - kv()["pages_free"] == 4
+  eng.run()
+  assert kv()["pages_free"] == free0
+
+
+def test_requests_that_never_fit_or_exceed_the_context_fail_alone():
+  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=300, max_device_kv_bytes=6 * 16 * 768,
+               **SMALL)
+  assert eng.memory_plan.pools["kv"][1] == 6  # 96 tokens of KV
+  with pytest.raises(InvalidRequest, match="exceeds the model context of 300 tokens"):
+    eng.submit(Request("long", prompt(290), 20))
+  with pytest.raises(ResourceExhausted, match="needs 7 pages of the device kv pool"):
+    eng.submit(Request("big", prompt(90), 20))
+  ok = Request("ok", prompt(60), 20)
+  eng.submit(ok)
+  eng.run()
+  assert len(ok.output_ids) == 20 and all_kv_free(eng.loads())
+
+
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
+def test_pool_exhaustion_preempts_and_recovers(hisparse):
+  """A burst of long requests on a pool that holds ~2 of them: some are preempted (pages freed, re-queued,
+  recomputed), all finish, the free page counts return to the baseline."""
+  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128,
+               max_device_kv_bytes=(300_000 if hisparse else 12 * 16 * 768), deterministic=True, **SMALL)
+  base = eng.loads()
+  reqs = [Request(str(i), prompt(30, i), 60) for i in range(5)]
+  for r in reqs:
+    eng.submit(r)
+  eng.run()
+  assert all(r.finish_reason == "length" and len(r.output_ids) == 60 for r in reqs)
+  assert eng.num_preemptions > 0 and sum(r.num_preemptions for r in reqs) == eng.num_preemptions
+  assert eng.loads()["pools"] == base["pools"] and all_kv_free(eng.loads())
+  # The same requests one at a time (no memory pressure): the preempted ones were recomputed exactly here.
+  for r in reqs:
+    alone = Request("alone", r.prompt_ids, 60)
+    eng.submit(alone)
+    eng.run()
+    assert alone.output_ids == r.output_ids, r.request_id
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(chunked_prefill_size=0), "--chunked-prefill-size must be > 0"),
+    (dict(page_size=16, chunked_prefill_size=40), "--page-size 16 does not divide --chunked-prefill-size 40"),
+    (dict(max_device_kv_bytes=1000), "smaller than one page"),
+    (dict(max_seq_len=513), "--max-seq-len 513"),
+])
+def test_bad_engine_settings_name_the_flag(overrides, message):
+  with pytest.raises(StartupError, match=message):
+    Engine(tiny_model_dir(), **overrides)

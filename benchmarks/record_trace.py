@@ -3,8 +3,8 @@ r"""Records the indexer's own top-k trace at the real HiSparse sizes, for ``miss
   python benchmarks/record_trace.py [--prompt-tokens 8192] [--new-tokens 500] \
       [--out benchmarks/results/topk_trace.npz]
 
-Model: ``bench_models.trace_model()`` (the default model's architecture with index_topk 2048 and 16k
-positions). Prompt: text that does not change with this repository: the running interpreter's
+Model: ``bench_models.realsize_model()`` (the default model's architecture with index_topk 2048).
+Prompt: text that does not change with this repository: the running interpreter's
 standard-library ``argparse.py`` then ``textwrap.py``, tokenized with the model's DeepSeek-V3
 tokenizer and cut to --prompt-tokens, after the BOS id. It runs the batch script as a user would
 (``python -m hisparse_jax.generate --dump-topk``), dense mode (the top-k does not depend on the KV
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   import bench_models
   from tokenizers import Tokenizer
-  model_dir = bench_models.trace_model()
+  model_dir = bench_models.realsize_model()
   tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
   ids = [0] + prompt_text_ids(tok, args.prompt_tokens - 1)  # BOS + text
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

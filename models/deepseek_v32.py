@@ -48,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hisparse_jax.kernels.ops import top_k as exact_top_k
+
 from .config import DSAConfig, RopeConfig
 from .fp8_numerics import fake_quant_e4m3, indexer_fp8
 from .kv_protocol import ContiguousKVCache, KVCache
@@ -199,38 +201,62 @@ class Indexer(nnx.Module):
         """x: [..., H] -> float32[..., nI]."""
         return self.weights_proj(x).astype(_F32) * (self.n_heads**-0.5)
 
-    def select(self, x, q_resid, cos, sin, positions, layer: int, cache: KVCache, key_block: int) -> jax.Array:
+    def select(self, x, q_resid, cos, sin, positions, layer: int, cache: KVCache, *, window: int, key_block: int,
+               score_block: int | None = None) -> jax.Array:
         """Causal top-k key positions of every query, scored blockwise over the cached keys.
 
-        x: [B, Q, H]; q_resid: [B, Q, q_lora]; cos/sin: [B, Q, r/2]; positions: int32[B, Q] (-1 padding);
-        key_block: static, keys scored per step (a multiple of the cache's page size).
-        ``score[q, t] = sum_h w[q, h] * relu(q_h . k_t * Di**-0.5)`` for t <= position(q); the key blocks
-        up to the newest position are scored in turn and merged into a running top-k, so memory is
-        O(B * Q * (K + nI * key_block)) whatever the context length. Returns int32[B, Q, K]: the top
-        min(K, position + 1) positions by score, ties to the lower position (``jax.lax.top_k``'s order
-        on a whole row, which the merge reproduces exactly), -1 after them and for padding.
+        x: [B, Q, H]; q_resid: [B, Q, q_lora]; cos/sin: [B, Q, r/2]; positions: int32[B, Q] (-1 padding).
+        Static sizes: window, the keys scored (positions [0, window), covering every position; a multiple of
+        key_block); key_block, keys read from the cache and scored at a time (bounds the [B, Q, heads, block]
+        intermediate); score_block, scores kept before a top-k (a multiple of key_block; None: the window).
+        ``score[q, t] = sum_h w[q, h] * relu(q_h . k_t * Di**-0.5)`` for t <= position(q). Each score block's
+        scores are merged into a running top-k (one top-k over the whole window when it fits a score block),
+        so memory is O(B * Q * (K + score_block)) whatever the context. The top-k is the project's exact CPU
+        kernel on CPU (``hisparse_jax.kernels.ops.top_k``; XLA's sorts whole rows). Returns int32[B, Q, K]: the top
+        min(K, position + 1) positions by score, ties to the lower position (``jax.lax.top_k``'s order on a
+        whole row, which the merge reproduces exactly), -1 after them and for padding.
         """
+        if window % key_block or (score_block is not None and (score_block % key_block or window % score_block)):
+            raise ValueError(f"window {window} / score_block {score_block} / key_block {key_block} do not nest")
         q = self.queries(q_resid, cos, sin)  # [B, Q, nI, Di]
         w = self.head_weights(x)  # [B, Q, nI]
         B, Q = positions.shape
         K = self.k
-        num_blocks = (jnp.max(positions) + key_block) // key_block  # blocks up to the newest position
 
-        def step(j, carry):
-            vals, idx = carry
-            start = j * key_block
+        def scores(start):  # float32[B, Q, key_block], -inf where not causal
             keys = cache.index_keys(layer, start, key_block)  # float32[B, T, Di]
             s = _einsum("bqhd,btd->bqht", q, keys) * self.softmax_scale
-            scores = _einsum("bqht,bqh->bqt", jax.nn.relu(s), w)  # [B, Q, T]
+            out = _einsum("bqht,bqh->bqt", jax.nn.relu(s), w)
             kpos = start + jnp.arange(key_block, dtype=jnp.int32)
-            scores = jnp.where(kpos[None, None, :] <= positions[..., None], scores, -jnp.inf)
-            merged = jnp.concatenate([vals, scores], axis=-1)
-            merged_idx = jnp.concatenate([idx, jnp.broadcast_to(kpos, (B, Q, key_block))], axis=-1)
-            vals, pick = jax.lax.top_k(merged, K)  # earlier (lower) positions first on ties
-            return vals, jnp.take_along_axis(merged_idx, pick, axis=-1)
+            return jnp.where(kpos[None, None, :] <= positions[..., None], out, -jnp.inf)
 
-        init = (jnp.full((B, Q, K), -jnp.inf, _F32), jnp.full((B, Q, K), -1, jnp.int32))
-        vals, idx = jax.lax.fori_loop(0, num_blocks, step, init)
+        def block_scores(start, size):  # float32[B, Q, size], written in place block by block
+            if size == key_block:
+                return scores(start)
+
+            def fill(j, out):
+                return jax.lax.dynamic_update_slice_in_dim(out, scores(start + j * key_block), j * key_block, axis=2)
+
+            return jax.lax.fori_loop(0, size // key_block, fill, jnp.zeros((B, Q, size), _F32))
+
+        S = window if score_block is None else min(score_block, window)
+        if S == window:  # one top-k over the whole window; positions are the indices
+            k = min(K, window)
+            vals, idx = exact_top_k(block_scores(0, window), k)
+            vals = jnp.pad(vals, ((0, 0), (0, 0), (0, K - k)), constant_values=-jnp.inf)
+            idx = jnp.pad(idx.astype(jnp.int32), ((0, 0), (0, 0), (0, K - k)), constant_values=-1)
+        else:
+            def step(i, carry):
+                vals, idx = carry
+                start = i * S
+                merged = jnp.concatenate([vals, block_scores(start, S)], axis=-1)
+                kpos = start + jnp.arange(S, dtype=jnp.int32)
+                merged_idx = jnp.concatenate([idx, jnp.broadcast_to(kpos, (B, Q, S))], axis=-1)
+                vals, pick = exact_top_k(merged, K)  # earlier (lower) positions first on ties
+                return vals, jnp.take_along_axis(merged_idx, pick, axis=-1)
+
+            init = (jnp.full((B, Q, K), -jnp.inf, _F32), jnp.full((B, Q, K), -1, jnp.int32))
+            vals, idx = jax.lax.fori_loop(0, window // S, step, init)
         return jnp.where(vals > -jnp.inf, idx, -1)
 
 
@@ -280,14 +306,15 @@ class MLAttention(nnx.Module):
             c = fake_quant_e4m3(c)
         return jnp.concatenate([c, self.rope(k_pe, cos, sin)], axis=-1)
 
-    def __call__(self, x, cos, sin, positions, layer: int, cache: KVCache, prev_topk=None, *, key_block: int,
+    def __call__(self, x, cos, sin, positions, layer: int, cache: KVCache, prev_topk=None, *, index_blocks: dict,
                  query_block: int | None = None):
         """Sparse MLA for Q query tokens per row through the KV-cache protocol (``models/kv_protocol.py``).
 
         x: [B, Q, H]; cos/sin: [B, Q, dr/2]; positions: int32[B, Q] (-1 padding); prev_topk: int32[B, Q, K],
-        the previous layer's top-k (used, and required, only when this layer has no indexer); key_block:
-        static indexer key block (tokens); query_block: static, attend this many queries at a time (bounds the
-        gathered rows to B * query_block * K * W; Q must be a multiple; None: all at once).
+        the previous layer's top-k (used, and required, only when this layer has no indexer); index_blocks: the
+        static window / key_block / score_block of ``Indexer.select``; query_block: static, attend this many
+        queries at a time (bounds the gathered rows to B * query_block * K * W; Q must be a multiple; None: all
+        at once).
         append -> indexer top-k over the cached keys -> gather the top-k latent rows -> absorbed MLA
         (queries absorbed into the latent space, as DeepSeek's sparse MLA kernels compute it).
         Returns out [B, Q, H], cache, this layer's top-k int32[B, Q, K].
@@ -297,7 +324,7 @@ class MLAttention(nnx.Module):
         lat = self.latent(x, cos, sin)  # [B, Q, W]
         if self.indexer is not None:
             cache = cache.append(layer, positions, lat, self.indexer.keys(x, cos, sin))
-            topk = self.indexer.select(x, q_resid, cos, sin, positions, layer, cache, key_block)
+            topk = self.indexer.select(x, q_resid, cos, sin, positions, layer, cache, **index_blocks)
         else:
             if prev_topk is None:
                 raise ValueError("a layer without an indexer needs the previous layer's top-k")
@@ -445,42 +472,51 @@ class DeepseekV32ForCausalLM(nnx.Module):
             return jnp.matmul(x, w.T, precision=_precision(x, w)).astype(_F32)
         return self.lm_head(x).astype(_F32)
 
-    def forward(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, key_block: int,
-                query_block: int | None = None):
+    def forward(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, window: int | None = None,
+                key_block: int = 256, score_block: int | None = None, query_block: int | None = None):
         """Runs Q tokens per row through every layer. tokens, positions: int32[B, Q] (positions -1 = padding).
+        Static block sizes (``Indexer.select``, ``MLAttention.__call__``): window, the indexer keys scored
+        (default: the smallest multiple of key_block covering Q positions, for a fresh cache); key_block;
+        score_block; query_block.
         Returns the final hidden states [B, Q, H] (before the final norm), the cache and the top-k of every
         layer int32[L, B, Q, K] (a GLM shared layer repeats the top-k it borrowed)."""
         cfg = self.config
         positions = positions.astype(jnp.int32)
         x = self._embed(tokens)  # [B, Q, H]
         cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, jnp.maximum(positions, 0))  # [B, Q, dr/2]
+        if window is None:
+            window = -(-tokens.shape[1] // key_block) * key_block
+        blocks = dict(window=window, key_block=min(key_block, window), score_block=score_block)
         topk = None  # the top-k of the last layer with an indexer (GLM shared layers reuse it)
         per_layer = []
         for l, layer in enumerate(self.layers):
-            x, cache, topk = layer(x, cos, sin, positions, l, cache, topk, key_block=key_block,
+            x, cache, topk = layer(x, cos, sin, positions, l, cache, topk, index_blocks=blocks,
                                    query_block=query_block)
             per_layer.append(topk)
         return x, cache, jnp.stack(per_layer)
 
     def prefill(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, all_logits: bool = False,
-                key_block: int = 256, query_block: int | None = None):
+                **blocks):
         """A prefill chunk: tokens int32[B, C] at positions int32[B, C] (consecutive per row from where the row's
         request stands; -1 = padding after a row's last token). Attention is sparse (each query attends to its
         indexer top-k), so nothing is quadratic in the prompt.
         Returns (logits, cache): logits float32[B, V] at each row's last real token (the lm_head runs on one
-        row per sequence), or float32[B, C, V] at every position with ``all_logits``."""
-        x, cache, _ = self.forward(tokens, positions, cache, key_block=key_block, query_block=query_block)
+        row per sequence), or float32[B, C, V] at every position with ``all_logits``. blocks: ``forward``'s
+        static block sizes (window must cover every position: pass it when the cache holds earlier tokens)."""
+        x, cache, _ = self.forward(tokens, positions, cache, **blocks)
         if all_logits:
             return self._logits(x), cache
         last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)  # index of each row's last real token
         return self._logits(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]), cache
 
-    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, return_topk: bool = False,
-               key_block: int = 256):
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, window: int,
+               return_topk: bool = False, key_block: int = 256, score_block: int | None = None):
         """One decode step. tokens: int32[B] (the newest token of each row), positions: int32[B] (its position,
-        -1 = idle row). Returns logits float32[B, V] and the updated cache; with ``return_topk`` also the top-k
-        positions every layer attended to, int32[L, B, index_topk] (-1 = padding)."""
-        x, cache, topk = self.forward(tokens[:, None], positions[:, None], cache, key_block=key_block)
+        -1 = idle row); window (static): indexer keys scored, > every position (see ``forward``). Returns logits
+        float32[B, V] and the updated cache; with ``return_topk`` also the top-k positions every layer attended
+        to, int32[L, B, index_topk] (-1 = padding)."""
+        x, cache, topk = self.forward(tokens[:, None], positions[:, None], cache, window=window,
+                                      key_block=key_block, score_block=score_block)
         logits = self._logits(x[:, 0])
         return (logits, cache, topk[:, :, 0]) if return_topk else (logits, cache)
 
@@ -510,13 +546,18 @@ def prefill_prompts(model: DeepseekV32ForCausalLM, tokens, lengths, *, max_len: 
     return model.prefill(tokens, positions, cache, all_logits=True, key_block=key_block)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("all_logits", "key_block"), donate_argnums=(4,))
-def prefill_step(graphdef, state, tokens, positions, cache, *, all_logits=False, key_block=256):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("all_logits", "window", "key_block"),
+                   donate_argnums=(4,))
+def prefill_step(graphdef, state, tokens, positions, cache, *, all_logits=False, window=None, key_block=256):
     """Jitted ``model.prefill`` with the cache donated; graphdef is static, state a pytree of params."""
-    return nnx.merge(graphdef, state).prefill(tokens, positions, cache, all_logits=all_logits, key_block=key_block)
+    return nnx.merge(graphdef, state).prefill(tokens, positions, cache, all_logits=all_logits, window=window,
+                                              key_block=key_block)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("key_block",), donate_argnums=(4,))
-def decode_step(graphdef, state, tokens, positions, cache, *, key_block=256):
-    """Jitted ``model.decode`` with the cache donated. Returns (logits float32[B, V], cache)."""
-    return nnx.merge(graphdef, state).decode(tokens, positions, cache, key_block=key_block)
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("window", "key_block"), donate_argnums=(4,))
+def decode_step(graphdef, state, tokens, positions, cache, *, window=None, key_block=256):
+    """Jitted ``model.decode`` with the cache donated (window None: the cache's whole length, for the
+    contiguous test cache). Returns (logits float32[B, V], cache)."""
+    if window is None:
+        window = -(-cache.latent.shape[2] // key_block) * key_block
+    return nnx.merge(graphdef, state).decode(tokens, positions, cache, window=window, key_block=key_block)

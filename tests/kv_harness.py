@@ -20,7 +20,7 @@ from hisparse_jax.memory import backend as kvmem
 class KVHarness:
 
   def __init__(self, cfg, model, *, hisparse=None, max_seq_len=160, page_size=16, chunk=None, slots=8,
-               budget=1 << 26, dtype=None, host_pool="jax", shuffle_seed=1, key_block=32):
+               budget=1 << 26, dtype=None, host_pool="jax", shuffle_seed=1, key_block=32, score_block=None):
     self.cfg = cfg
     dtype = jnp.dtype(dtype or cfg.dtype)
     layout = kvmem.KVLayout.of(cfg, dtype)
@@ -32,7 +32,7 @@ class KVHarness:
     for free_list in self.backend._lists.values():
       rng.shuffle(free_list._free)
     self.chunk = chunk
-    self.key_block = key_block
+    self.key_block, self.score_block = key_block, score_block
     self.kvs, self.seq_lens = [], []
     graphdef, self.params = nnx.split(model)
     self._prefill, self._decode = _steps(graphdef)
@@ -52,7 +52,7 @@ class KVHarness:
         last = start + chunk >= len(p)
         tables = self.backend.prefill_tables([kv], [last])
         logits, self.backend.state = self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(positions),
-                                                   self.backend.state, _device(tables), self.key_block)
+                                                   self.backend.state, _device(tables), self._blocks(start + chunk))
       self.backend.prefill_finished(kv)
       out.append(np.asarray(logits[0]))
       self.kvs.append(kv)
@@ -70,11 +70,20 @@ class KVHarness:
     positions = np.array(self.seq_lens + [-1], np.int32)
     tables = self.backend.decode_tables(kvs)
     logits, self.backend.state, topk = self._decode(self.params, jnp.asarray(toks), jnp.asarray(positions),
-                                                    self.backend.state, _device(tables), self.key_block)
+                                                    self.backend.state, _device(tables),
+                                                    self._blocks(max(self.seq_lens) + 1))
     logits = np.asarray(logits)
     assert np.isfinite(logits).all(), "non-finite decode logits (idle row included)"
     self.seq_lens = [s + 1 for s in self.seq_lens]
     return (logits[:n], np.asarray(topk)[:, :n]) if return_topk else logits[:n]
+
+  def _blocks(self, tokens: int) -> tuple:
+    """(window, key_block, score_block): the smallest power-of-two window of key blocks covering tokens."""
+    window = self.key_block
+    while window < tokens:
+      window *= 2
+    score = self.score_block if self.score_block and self.score_block < window else None
+    return window, self.key_block, score
 
   def greedy(self, prompts, max_new: int) -> list[list[int]]:
     """Greedy continuations (max_new tokens each, the first from the prefill)."""
@@ -99,16 +108,20 @@ def _device(tables):
 @functools.lru_cache(maxsize=None)
 def _steps(graphdef):
   @functools.partial(jax.jit, donate_argnums=(3,), static_argnums=(5,))
-  def prefill(params, tokens, positions, state, tables, key_block):
+  def prefill(params, tokens, positions, state, tables, blocks):
+    window, key_block, score_block = blocks
     view = state.view(tables)
-    logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, key_block=key_block)
+    logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, window=window, key_block=key_block,
+                                                       score_block=score_block)
     return logits, state.absorb(view).finish_prefill(tables)
 
   @functools.partial(jax.jit, donate_argnums=(3,), static_argnums=(5,))
-  def decode(params, tokens, positions, state, tables, key_block):
+  def decode(params, tokens, positions, state, tables, blocks):
+    window, key_block, score_block = blocks
     view = state.view(tables)
     logits, view, topk = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=True,
-                                                            key_block=key_block)
+                                                            window=window, key_block=key_block,
+                                                            score_block=score_block)
     return logits, state.absorb(view), topk
 
   return prefill, decode

@@ -97,7 +97,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--max-device-kv-bytes", "1000"], "smaller than one page of 64 tokens"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be > 0"),
     (["--chunked-prefill-size", "100"], "--page-size 64 does not divide --chunked-prefill-size 100"),
-    (["--page-size", "0"], "--page-size must be >= 1"),
+    (["--page-size", "48"], "--page-size must be a power of two, got 48"),
     (["--max-seq-len", "513"], "--max-seq-len 513: must be in [1, 512]"),
     (["--max-seq-len", "0"], "--max-seq-len 0: must be in [1, 512]"),
 ])

@@ -258,8 +258,9 @@ def test_shared_layers_use_only_append_and_gather(tmp_path):
     _, cache = prefill_prompts(model, jnp.asarray(toks[:, :n]), jnp.asarray([n], jnp.int32), max_len=32)
     assert not np.asarray(cache.index_key[1]).any()  # a shared layer has no indexer keys (zeros in the cache)
     log: list = []
-    lg, _ = model.decode(jnp.asarray(toks[:, n]), jnp.asarray([n], jnp.int32), _SpyCache(cache, log))
-    # index_keys once per key block scored (one block here: the default 256 > 21 positions)
+    lg, _ = model.decode(jnp.asarray(toks[:, n]), jnp.asarray([n], jnp.int32), _SpyCache(cache, log), window=32,
+                         key_block=32)
+    # index_keys once per key block scored (one block here: 32 keys cover 21 positions)
     assert log == [(0, "append"), (0, "index_keys"), (0, "gather"), (1, "append"), (1, "gather"),
                    (2, "append"), (2, "index_keys"), (2, "gather")]
     full, _ = prefill_prompts(model, jnp.asarray(toks), jnp.asarray([n + 1], jnp.int32))

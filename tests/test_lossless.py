@@ -27,8 +27,10 @@ def test_logits_bitwise_equal_dense_vs_hisparse(chunk):
   """Teacher-forced decoding of 5 prompts over scattered pages: every logit is bitwise equal."""
   cfg, model = load_hf(tiny_model_dir())
   hs_cfg = HiSparseConfig(**TINY_HISPARSE)
-  dense = KVHarness(cfg, model, chunk=chunk)
-  hs = KVHarness(cfg, model, hisparse=hs_cfg, chunk=chunk)
+  # Chunks of 7: the indexer also merges running top-ks over score blocks of 64 keys.
+  score_block = None if chunk is None else 64
+  dense = KVHarness(cfg, model, chunk=chunk, score_block=score_block)
+  hs = KVHarness(cfg, model, hisparse=hs_cfg, chunk=chunk, score_block=score_block)
   ps = prompts()
   np.testing.assert_array_equal(hs.prefill(ps), dense.prefill(ps))
   rng = np.random.default_rng(2)
@@ -60,7 +62,8 @@ def test_paged_and_contiguous_caches_agree():
   got, cache = prefill(params, jnp.asarray([p]), jnp.arange(len(p))[None], jax.tree.map(lambda a: a[:, :1], cache))
   np.testing.assert_array_equal(np.asarray(got), want)
   tok = int(want.argmax())
-  decode = jax.jit(lambda params, t, pos, c: nnx.merge(graphdef, params).decode(t, pos, c, key_block=32))
+  decode = jax.jit(lambda params, t, pos, c: nnx.merge(graphdef, params).decode(t, pos, c, window=128,
+                                                                                  key_block=32))
   cache = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a)], axis=1), cache)
   lg, _ = decode(params, jnp.asarray([tok, 0]), jnp.asarray([len(p), -1]), cache)
   np.testing.assert_array_equal(np.asarray(lg)[:1], dense.decode([tok]))
@@ -88,9 +91,10 @@ def test_blockwise_top_k_equals_whole_row_top_k():
   scores = jnp.where(jnp.arange(128) <= positions[..., None], scores, -jnp.inf)
   vals, want = jax.lax.top_k(scores, cfg.index_topk)
   want = np.where(np.isfinite(vals), want, -1)
-  for block in (16, 32, 64, 128):
-    got = idx.select(x, q_resid, cos, sin, positions, 0, cache, block)
-    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"key block {block}")
+  for key_block, score_block in ((16, None), (32, None), (128, None), (16, 16), (16, 32), (32, 64)):
+    got = idx.select(x, q_resid, cos, sin, positions, 0, cache, window=128, key_block=key_block,
+                     score_block=score_block)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"blocks {key_block} / {score_block}")
   assert (np.asarray(got)[0, 2, 8:] == -1).all()  # position 7 sees 8 keys: the rest is padding
 
 

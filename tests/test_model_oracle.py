@@ -172,8 +172,10 @@ def test_chunked_prefill_over_paged_caches_matches_transformers(oracle, name, ki
     tokens: the same greedy tokens as transformers, dense and HiSparse."""
     ck, prompts, ref = oracle[name]
     cfg, model = load_hf(ck)
+    # HiSparse also scores keys in blocks of 16 with running top-ks merged over score blocks of 32.
+    blocks = dict(key_block=16, score_block=32) if kind == "hisparse" else {}
     h = KVHarness(cfg, model, hisparse=HISPARSE if kind == "hisparse" else None, max_seq_len=MAX_SEQ,
-                  page_size=16, chunk=chunk)
+                  page_size=16, chunk=chunk, **blocks)
     ours = h.greedy(prompts, MAX_NEW)
     for i, p in enumerate(prompts):
         assert ours[i] == ref[f"greedy_{i}"].tolist(), (name, kind, chunk, len(p))
@@ -195,7 +197,7 @@ def test_decode_after_prefill_matches_extended_prefill(oracle):
     toks[0] = full[:n0]
     positions = np.full((2, n0), -1, np.int32)
     positions[0] = np.arange(n0)
-    _, cache = model.prefill(jnp.asarray(toks), jnp.asarray(positions), cache)
+    _, cache = model.prefill(jnp.asarray(toks), jnp.asarray(positions), cache, window=MAX_SEQ, key_block=32)
     errs, errs_hf = [], []
     for pos in range(n0, len(full)):
         lg, cache = decode_step(graphdef, state, jnp.asarray([full[pos], 0], jnp.int32),

@@ -119,3 +119,33 @@ def test_pool_exhaustion_preempts_and_recovers(hisparse):
 def test_bad_engine_settings_name_the_flag(overrides, message):
   with pytest.raises(StartupError, match=message):
     Engine(tiny_model_dir(), **overrides)
+
+
+def test_prompt_kv_computed_elsewhere_is_imported_and_decoded():
+  """A request arriving with its prompt's KV and first token (as from a prefill server) decodes from them: the
+  same tokens in dense and HiSparse mode, and as a continuation of the same KV through the contiguous cache."""
+  import jax.numpy as jnp
+
+  from models.deepseek_v32 import decode_step, prefill_prompts, split_model
+  from models.loader import load_hf
+  cfg, model = load_hf(tiny_model_dir())
+  p = prompt(45, 3)
+  logits, cache = prefill_prompts(model, jnp.asarray([p]), jnp.asarray([len(p)]), max_len=64)
+  kv = (np.asarray(cache.latent[:, 0, :45]), np.asarray(cache.index_key[:, 0, :45]))
+  first = int(np.argmax(logits[0, -1]))
+  graphdef, state = split_model(model)
+  want = [first]
+  for pos in range(45, 52):
+    lg, cache = decode_step(graphdef, state, jnp.asarray([want[-1]]), jnp.asarray([pos]), cache, key_block=32)
+    want.append(int(np.argmax(lg[0])))
+  for hisparse in (None, HiSparseConfig(**TINY_HISPARSE)):
+    eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=2, max_seq_len=128, **SMALL)
+    r = Request("imported", p, 8, prompt_kv=kv, first_token=first)
+    eng.submit(r)
+    eng.run()
+    assert r.output_ids == want and eng.prefill_calls == 0
+    assert all_kv_free(eng.loads())
+    with pytest.raises(InvalidRequest, match="prompt_kv shapes"):
+      eng.submit(Request("bad", p[:40], 8, prompt_kv=kv, first_token=first))
+    with pytest.raises(InvalidRequest, match="first generated token"):
+      eng.submit(Request("bad", p, 8, prompt_kv=kv))

@@ -408,3 +408,30 @@ def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
   else:
     for g, w in zip(run_kernel(*case, page_size=page), want):
       np.testing.assert_array_equal(g, w)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 3), st.integers(1, 300), st.data())
+def test_top_k_kernel_equals_lax_top_k_exactly(rows, n, data):
+  """The indexer's CPU top-k handler returns exactly jax.lax.top_k: values, order, ties to the lower index."""
+  k = data.draw(st.integers(1, n))
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+  x = np.round(rng.standard_normal((rows, 2, n)) * 4) / 4  # many exact ties
+  x[rng.random(x.shape) < 0.2] = -np.inf
+  x = jnp.asarray(x, jnp.float32)
+  got = jax.jit(lambda a: ops.top_k(a, k))(x)
+  want = jax.lax.top_k(x, k)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert got[1].dtype == jnp.int32 and got[0].shape == (rows, 2, k)
+
+
+def test_top_k_kernel_bad_input():
+  with pytest.raises(ValueError, match=r"k = 5 outside \[1, 4\]"):
+    ops.top_k(jnp.zeros((2, 4), jnp.float32), 5)
+  with pytest.raises(TypeError, match="float32"):
+    ops.top_k(jnp.zeros((2, 4), jnp.bfloat16), 2)
+  # A long row, many rows (the multi-threaded path): still exact.
+  x = jax.random.normal(jax.random.key(0), (64, 40_000), jnp.float32)
+  for g, w in zip(jax.jit(lambda a: ops.top_k(a, 2048))(x), jax.lax.top_k(x, 2048)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -15,6 +15,7 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* HisparseSwapInCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparseTopKCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseSwapInExtCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupExtCpu(XLA_FFI_CallFrame*);
@@ -75,6 +76,7 @@ NB_MODULE(_ffi_cpu, m) {
     d["hisparse_backup"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupCpu));
     d["hisparse_swap_in_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseSwapInExtCpu));
     d["hisparse_backup_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupExtCpu));
+    d["hisparse_top_k"] = nb::capsule(reinterpret_cast<void*>(&HisparseTopKCpu));
     return d;
   });
   m.def("alloc_host_pool", &AllocHostPool, nb::arg("bytes"),

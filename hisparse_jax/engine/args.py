@@ -49,7 +49,7 @@ class EngineArgs:
       Costs nothing until tokens exist (memory is paged).
     chunked_prefill_size: prompt tokens computed per engine step (a long prompt is prefilled in chunks of
       this size, interleaved with decode steps of the running requests).
-    page_size: tokens per KV page (device and host pools).
+    page_size: tokens per KV page (device and host pools; a power of two).
     max_device_kv_bytes / mem_fraction_static: device KV budget in bytes / as a fraction of the device's
       memory limit (the smaller wins); neither: DEFAULT_MEM_FRACTION of the memory left after the weights,
       or DEFAULT_CPU_KV_BYTES on a device that reports no limit (CPU).
@@ -88,7 +88,7 @@ class EngineArgs:
                      "max_position_embeddings; memory is paged, so a long limit costs nothing until used).",
       "chunked_prefill_size": "Prompt tokens computed per engine step; long prompts are prefilled in chunks "
                               "interleaved with decode steps.",
-      "page_size": "Tokens per KV page.",
+      "page_size": "Tokens per KV page (a power of two).",
       "max_device_kv_bytes": "Device KV budget in bytes (pools are sized from it).",
       "mem_fraction_static": "Device KV budget as a fraction of the device memory limit (GPU).",
       "max_queued_requests": "Requests waiting beyond this fail with RESOURCE_EXHAUSTED.",
@@ -135,8 +135,8 @@ class EngineArgs:
       raise StartupError("--hisparse-config was given without --enable-hisparse")
     if self.max_running_requests < 1:
       raise StartupError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
-    if self.page_size < 1:
-      raise StartupError(f"--page-size must be >= 1, got {self.page_size}")
+    if self.page_size < 1 or self.page_size & (self.page_size - 1):
+      raise StartupError(f"--page-size must be a power of two, got {self.page_size}")
     if self.chunked_prefill_size <= 0:
       raise StartupError(f"--chunked-prefill-size must be > 0, got {self.chunked_prefill_size}")
     if self.chunked_prefill_size % self.page_size:

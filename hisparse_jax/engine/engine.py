@@ -54,11 +54,17 @@ from models.convert import load_model
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_BUCKET = 16
-# Indexer keys scored per step of the blockwise top-k in decode (tokens; rounded to whole pages).
-DECODE_KEY_BLOCK = 1024
-# Bound on the prefill indexer's per-block intermediate (float32 elements of [B, C, heads, key block]) and
-# on the rows a prefill attention block gathers (bytes of [B, query block, K, W]).
-PREFILL_SCORE_ELEMENTS = 1 << 24
+# Indexer windows (keys scored) are powers of two covering the newest position, at least this: one compiled
+# step per window bucket, at most 2x the keys a step needs.
+MIN_INDEX_WINDOW = 256
+# Indexer keys read and scored at a time (tokens): bounds the [B, Q, heads, key block] intermediate.
+MAX_KEY_BLOCK = 2048
+INDEX_HEAD_ELEMENTS = 1 << 24
+# Scores kept before a top-k ([B, Q, score block] float32): one top-k over the whole window when it fits,
+# else a running top-k merged once per score block (XLA's CPU top-k costs ~15 ns per element on long rows,
+# ~70 ns when k is half the row: few large merges beat many small ones).
+SCORE_ELEMENTS = 1 << 26
+# Bound on the rows a prefill attention block gathers (bytes of [B, query block, K, W]).
 PREFILL_GATHER_BYTES = 1 << 26
 
 
@@ -68,6 +74,16 @@ def _pow2_at_least(n: int) -> int:
 
 def _pow2_at_most(n: int) -> int:
   return 1 << (max(n, 1).bit_length() - 1)
+
+
+def index_blocks(batch: int, queries: int, newest: int, *, heads: int, top_k: int, page_size: int) -> dict:
+  """Static indexer sizes of a call of `batch` rows x `queries` tokens whose newest position is `newest`:
+  window (a power of two > newest, >= MIN_INDEX_WINDOW), key_block and score_block (powers of two within
+  the window bounding the intermediates by INDEX_HEAD_ELEMENTS and SCORE_ELEMENTS; whole pages)."""
+  window = max(MIN_INDEX_WINDOW, page_size, _pow2_at_least(newest + 1))
+  key_block = min(window, MAX_KEY_BLOCK, max(page_size, _pow2_at_most(INDEX_HEAD_ELEMENTS // (batch * queries * heads))))
+  score_block = max(key_block, _pow2_at_least(top_k), _pow2_at_most(SCORE_ELEMENTS // (batch * queries)))
+  return dict(window=window, key_block=key_block, score_block=None if score_block >= window else score_block)
 
 
 class Engine:
@@ -136,7 +152,6 @@ class Engine:
     self.chunked_prefill_size = args.chunked_prefill_size
     self.deterministic = args.deterministic
     self.max_queued_requests = args.max_queued_requests
-    self.decode_key_block = max(self.page_size, DECODE_KEY_BLOCK // self.page_size * self.page_size)
     self.reset()
     # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
     self.prefill_seconds = 0.0
@@ -145,22 +160,26 @@ class Engine:
     self.prefill_calls = 0
     self.last_decode_batch = 0  # rows of the last decode step (its batch bucket)
 
-    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("key_block", "query_block"))
-    def prefill(params, tokens, positions, state, tables, sampling, key_block, query_block):
+    blocks = ("window", "key_block", "score_block")
+
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("query_block",))
+    def prefill(params, tokens, positions, state, tables, sampling, **blocks):
       view = state.view(tables)
-      logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, key_block=key_block,
-                                                         query_block=query_block)
+      logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, **blocks)
       state = state.absorb(view).finish_prefill(tables)
       return sample(logits, *sampling, jnp.max(positions, axis=1) + 1), state
 
-    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=("key_block",))
-    def decode(params, tokens, positions, state, tables, sampling, key_block):
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks)
+    def decode(params, tokens, positions, state, tables, sampling, **blocks):
       view = state.view(tables)
-      out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
-                                               key_block=key_block)
+      out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk, **blocks)
       return (sample(out[0], *sampling, positions + 1), state.absorb(out[1]), *out[2:])
 
-    self._prefill_fn, self._decode_fn = prefill, decode
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def import_kv(state, tables, latent, index):
+      return state.import_prompt(tables, latent, index)
+
+    self._prefill_fn, self._decode_fn, self._import_fn = prefill, decode, import_kv
 
   # ----------------------------------------------------------------- state
   def reset(self) -> None:
@@ -218,6 +237,15 @@ class Engine:
       raise InvalidRequest("stop strings must be non-empty")
     if req.stop and self.tokenizer is None:
       raise InvalidRequest("stop strings need a model with a tokenizer")
+    if req.prompt_kv is not None:
+      cfg = self.config
+      latent, index = req.prompt_kv
+      want = ((cfg.num_hidden_layers, n, cfg.latent_dim), (cfg.num_hidden_layers, n, cfg.index_head_dim))
+      if (tuple(latent.shape), tuple(index.shape)) != want:
+        raise InvalidRequest(f"prompt_kv shapes {tuple(latent.shape)}, {tuple(index.shape)}; expected {want[0]}, "
+                             f"{want[1]} (layers, prompt tokens, latent / indexer width)")
+      if req.first_token is None or not 0 <= req.first_token < V:
+        raise InvalidRequest("a request with prompt_kv needs its first generated token (first_token) in the vocabulary")
 
   def submit(self, req: Request) -> None:
     """Validates and queues a request (RequestError if it can never be served or the queue is full)."""
@@ -303,10 +331,11 @@ class Engine:
     while self.waiting:
       req = self.waiting[0]
       reserve = len(self._decoding())  # one growth page per decoding request
-      if not self.backend.can_admit(len(req.prefill_ids), reserve_pages=reserve):
+      prefill = req.prompt_kv is None
+      if not self.backend.can_admit(len(req.prefill_ids), reserve_pages=reserve, prefill=prefill):
         return  # first come, first served: it waits for memory to free
       self.waiting.popleft()
-      req.kv = self.backend.admit(len(req.prefill_ids))
+      req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill)
       req.phase, req.prefilled = Phase.PREFILLING, 0
       s = req.kv.slot
       self._temperature[s], self._top_k[s], self._top_p[s], self._seed[s] = (
@@ -322,6 +351,8 @@ class Engine:
   def _prefill(self, finished: list[Request]) -> None:
     """Computes up to chunked_prefill_size prompt tokens of the admitted prompts, oldest first: one batched
     call, or (deterministic) one call per request with chunks at fixed offsets of its prompt."""
+    for req in [r for r in self.running if r.phase is Phase.PREFILLING and r.prompt_kv is not None]:
+      self._import_kv(req, finished)
     budget, rows = self.chunked_prefill_size, []
     for req in self.running:
       if req.phase is not Phase.PREFILLING:
@@ -355,10 +386,10 @@ class Engine:
       positions[b, :n] = np.arange(start, start + n)
       kvs[b], finishing[b], slots[b] = req.kv, start + n == len(req.prefill_ids), req.kv.slot
     tables = {k: jnp.asarray(v) for k, v in self.backend.prefill_tables(kvs, finishing).items()}
-    key_block, query_block = self._prefill_blocks(B, C)
+    blocks = self._index_blocks(B, C, int(positions.max()))
     out, self.backend.state = self._prefill_fn(
         self._params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, tables,
-        self._sampling(slots), key_block=key_block, query_block=query_block)
+        self._sampling(slots), query_block=self._query_block(B, C), **blocks)
     self.prefill_calls += 1
     out = np.asarray(out)
     for b, (req, n) in enumerate(rows):
@@ -368,19 +399,31 @@ class Engine:
         req.phase = Phase.DECODING
         self._emit(req, int(out[b]), finished)
 
-  def _prefill_blocks(self, B: int, C: int) -> tuple[int, int | None]:
-    """Static block sizes of a [B, C] prefill call: the indexer's key block (bounds its [B, C, heads, block]
-    scores) and the attention's query block (bounds its [B, block, K, W] gathered rows)."""
-    cfg, page = self.config, self.page_size
-    key_block = _pow2_at_most(PREFILL_SCORE_ELEMENTS // (B * C * cfg.index_n_heads))
-    key_block = max(page, min(key_block, 2048) // page * page)
+  def _import_kv(self, req: Request, finished: list[Request]) -> None:
+    """Writes a request's prompt KV computed elsewhere into its pages (the same views, hence the same
+    layout, as a prefill) and emits its given first token."""
+    tables = {k: jnp.asarray(v) for k, v in self.backend.decode_tables([req.kv]).items()}
+    latent, index = req.prompt_kv
+    self.backend.state = self._import_fn(self.backend.state, tables, jnp.asarray(latent, self.dtype),
+                                         jnp.asarray(index, jnp.float32))
+    req.prompt_kv, req.prefilled = None, len(req.prompt_ids)  # the arrays are in the pools now
+    req.phase = Phase.DECODING
+    self._emit(req, int(req.first_token), finished)
+
+  def _index_blocks(self, B: int, Q: int, newest: int) -> dict:
+    cfg = self.config
+    return index_blocks(B, Q, newest, heads=cfg.index_n_heads, top_k=cfg.index_topk, page_size=self.page_size)
+
+  def _query_block(self, B: int, C: int) -> int | None:
+    """Queries a prefill attention block takes (bounds its [B, block, K, W] gathered rows; divides C)."""
+    cfg = self.config
     row_bytes = cfg.index_topk * cfg.latent_dim * self.dtype.itemsize
     query_block = _pow2_at_most(max(1, PREFILL_GATHER_BYTES // (B * row_bytes)))
     if query_block >= C:
-      return key_block, None
+      return None
     while C % query_block:
       query_block //= 2
-    return key_block, query_block
+    return query_block
 
   # ---------------------------------------------------------------- decode
   def _decode(self, finished: list[Request]) -> bool:
@@ -407,7 +450,7 @@ class Engine:
     tables = {k: jnp.asarray(v) for k, v in self.backend.decode_tables(kvs).items()}
     out, self.backend.state, *topk = self._decode_fn(
         self._params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, tables,
-        self._sampling(slots), key_block=self.decode_key_block)
+        self._sampling(slots), **self._index_blocks(B, 1, int(positions.max())))
     self.decode_steps += 1
     self.last_decode_batch = B
     out = np.asarray(out)

@@ -76,6 +76,9 @@ class Request:
     num_preemptions: times the request was preempted (its KV freed and recomputed on re-admission) because
       memory ran out while it ran.
     arrival / first_token_time / finish_time: time.monotonic() stamps.
+    prompt_kv: the prompt's KV computed elsewhere (a prefill server), (latent dtype[L, P, W], indexer keys
+      float32[L, P, Di]) for the P prompt tokens, with its first generated token given as first_token: the
+      engine writes them into its pools instead of prefilling, and continues decoding from there.
   """
 
   request_id: str
@@ -90,6 +93,8 @@ class Request:
   stop: tuple[str, ...] = ()
   include_stop_str_in_output: bool = False
   ignore_eos: bool = False
+  prompt_kv: tuple | None = None
+  first_token: int | None = None
   output_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
   text_sent: int = 0

@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - depends on the build machine
   _ffi_cuda = None
 
 SWAP_IN_TARGET = "hisparse_swap_in"
+TOP_K_TARGET = "hisparse_top_k"
 BACKUP_TARGET = "hisparse_backup"
 # Variants over a host pool owned by the extension (ExtensionHostPool).
 SWAP_IN_EXT_TARGET = "hisparse_swap_in_ext"
@@ -260,3 +261,22 @@ def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = No
                           input_output_aliases={3: 0})
   attrs = external.attrs() if external else {}
   return call(_layer(layer), rows, _int32("dst", dst), host_pool, **attrs)
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Exactly ``jax.lax.top_k(x, k)`` for float32 x[..., N] without NaN: (values float32[..., k], indices
+  int32[..., k]), the k largest values of each row in descending order, equal values by ascending index.
+
+  On CPU an FFI handler (``xla_ffi/top_k.cc``: introselect then a sort of the k winners, O(N + k log k) per
+  row, rows over XLA's thread pool) replaces XLA's CPU top-k, which sorts whole rows; other platforms use
+  ``jax.lax.top_k``. Raises ValueError unless 1 <= k <= N; TypeError for a dtype other than float32.
+  """
+  if x.dtype != jnp.float32:
+    raise TypeError(f"top_k takes float32 scores, got {x.dtype}")
+  n = x.shape[-1]
+  if not 1 <= k <= n:
+    raise ValueError(f"top_k: k = {k} outside [1, {n}]")
+  call = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.float32),
+                                         jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.int32)))
+  return jax.lax.platform_dependent(x, cpu=lambda x: tuple(call(x, k=np.int64(k))),
+                                    default=lambda x: tuple(jax.lax.top_k(x, k)))

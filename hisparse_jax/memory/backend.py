@@ -221,24 +221,26 @@ class KVBackend(abc.ABC):
                 f"the pool holds {have}")
     return None
 
-  def can_admit(self, prompt_len: int, reserve_pages: int = 0) -> bool:
+  def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True) -> bool:
     """A slot and pages for the prompt plus its first decoded token are free now, leaving reserve_pages
-    free in each per-token pool (growth room for the running requests)."""
+    free in each per-token pool (growth room for the running requests); prefill=False: the prompt's KV
+    arrives computed (an import) and needs no prompt-only pages."""
     if not self._slots.num_free:
       return False
     for name in self.token_pools:
       if self._pages(prompt_len + 1) + reserve_pages > self._lists[name].num_free:
         return False
-    return all(self._pages(prompt_len) <= self._lists[name].num_free for name in self.prompt_pools)
+    return not prefill or all(self._pages(prompt_len) <= self._lists[name].num_free for name in self.prompt_pools)
 
   # --------------------------------------------------------------- lifetime
-  def admit(self, prompt_len: int) -> RequestKV:
-    """A request slot and pages covering prompt_len tokens in every pool (OutOfPages, holding nothing, if
-    they are not free)."""
+  def admit(self, prompt_len: int, prefill: bool = True) -> RequestKV:
+    """A request slot and pages covering prompt_len tokens in every pool (only the per-token pools when
+    prefill is False); OutOfPages, holding nothing, if they are not free."""
     slot = self._slots.alloc(1)[0]
-    kv = RequestKV(slot, {name: [] for name in self.token_pools + self.prompt_pools})
+    pools = self.token_pools + (self.prompt_pools if prefill else ())
+    kv = RequestKV(slot, {name: [] for name in pools})
     try:
-      self._grow(kv, prompt_len, self.token_pools + self.prompt_pools)
+      self._grow(kv, prompt_len, pools)
     except OutOfPages:
       self.release(kv)
       raise

@@ -130,6 +130,15 @@ class DenseState:
     del tables
     return self
 
+  def import_prompt(self, tables, latent, index) -> "DenseState":
+    """Writes one request's prompt KV computed elsewhere: latent T[L, P, W], index f32[L, P, Di] at
+    positions 0..P-1 through its page-table row (tables: a one-row decode batch)."""
+    view = self.view(tables)
+    positions = jnp.arange(latent.shape[1], dtype=jnp.int32)[None]
+    for l in range(latent.shape[0]):
+      view = view.append(l, positions, latent[l][None], index[l][None])
+    return self.absorb(view)
+
 
 # -------------------------------------------------------------------------------------------- hisparse
 _HOST = ("host_pool", "host_pages")
@@ -286,6 +295,28 @@ class HiSparseState:
 
   def absorb(self, view) -> "HiSparseState":
     return _absorb(self, view)
+
+  def import_prompt(self, tables, latent, index) -> "HiSparseState":
+    """Writes one request's prompt KV computed elsewhere (latent T[L, P, W], index f32[L, P, Di], positions
+    0..P-1; tables: a one-row decode batch): indexer keys to its device pages, latent rows to its host rows
+    (backup kernel), and its hot buffer as a prefill leaves it (slot s = position s, s <= D; LRU and stats
+    reset), with no staging pages."""
+    L, P, _ = latent.shape
+    R, D1 = self.hot.shape[1], self.hot.shape[2]
+    positions = jnp.arange(P, dtype=jnp.int32)[None]
+    dst = host_rows(tables["host_pages"], positions, self.page_size)[0]
+    host_pool = ops.backup(0, latent.astype(self.hot.dtype), dst, self.host_pool, external=self.external)
+    index_pool = self.index
+    for l in range(L):
+      index_pool = write_rows(index_pool, l, tables["index_pages"], positions, index[l][None], self.page_size)
+    n = min(P, D1)
+    slot = tables["req_ids"][0]
+    rows = jnp.zeros((L, D1, latent.shape[2]), self.hot.dtype).at[:, :n].set(latent[:, :n].astype(self.hot.dtype))
+    slots = jnp.broadcast_to(jnp.arange(D1 - 1, dtype=jnp.int32), (L, D1 - 1))
+    return dataclasses.replace(
+        self, index=index_pool, host_pool=host_pool, hot=self.hot.at[:, slot].set(rows),
+        slot_tokens=self.slot_tokens.at[:, slot].set(slots), lru=self.lru.at[:, slot].set(slots),
+        stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)))
 
   def finish_prefill(self, tables) -> "HiSparseState":
     """Hot buffers of the rows whose prompt ended in this call (tables["hot_slot"][b] = its request slot;

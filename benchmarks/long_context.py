@@ -1,0 +1,273 @@
+r"""Long prompts on the embedded default model: prefill time and memory vs prompt length, inter-token latency
+of running streams while a long prompt is admitted, and the decode step of one request.
+
+  python benchmarks/long_context.py [--quick] [--sections prefill,itl,bucket] \
+      [--out benchmarks/results/long_context]
+
+Model: the embedded default model (``hisparse_jax.default_model``: DeepSeek-V3.2 architecture, bfloat16,
+163840-token YaRN context, index_topk 32) with its HiSparse sizes (top_k 32, hot buffer 64).
+
+Sections:
+  prefill  One request of P prompt tokens + 32 new tokens, P = 4k ... 64k, each in a fresh process (so the
+           peak resident memory is that run's), dense and HiSparse. The engine's pools are sized to that one
+           request (--max-device-kv-bytes, HiSparse host ratio), so resident memory holds the weights, pools
+           that grow with P, and the prefill's transient tensors (a chunk of 2048 queries at a time). Reports
+           prefill seconds, decode seconds, peak RSS, and the KV bytes per token the pools hold.
+  itl      8 streams decode (prompts of 256 tokens) while a 32k-token prompt is admitted; the streams'
+           inter-token latency (p50 / p99 over the long prompt's prefill) for chunked prefill at several chunk
+           sizes and for one-shot prefill (one chunk of the whole prompt), next to the same streams without the
+           long prompt, and the long prompt's time to first token. HiSparse mode.
+  bucket   One running request: the decode step with the batch sized to the running requests (batch bucket 1)
+           vs the fixed-shape (--deterministic) engine at 8 and 256 rows, i.e. the engine before batch buckets.
+
+Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+from miss_rate import positive_ints  # noqa: E402  (argparse type shared by the benchmark scripts)
+
+NEW = 32
+PAGE = 64
+SECTIONS = ("prefill", "itl", "bucket")
+
+
+def _rss_mb() -> float:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+  return np.random.default_rng(seed).integers(2, 100_000, n).tolist()
+
+
+# ------------------------------------------------------------------------------------------ prefill
+def prefill_child(mode: str, prompt: int) -> dict:
+  """In a fresh process: one request of `prompt` + NEW tokens on pools sized for it."""
+  from hisparse_jax.config import HiSparseConfig
+  from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG, ensure_default_model
+  from hisparse_jax.engine import Engine, Request
+  from hisparse_jax.memory import backend as kvmem
+  from models.config import DSAConfig
+  d = ensure_default_model()
+  cfg = DSAConfig.from_pretrained(d)
+  layout = kvmem.KVLayout.of(cfg, cfg.dtype)
+  tokens = prompt + NEW
+  pages = math.ceil(tokens / PAGE)
+  hisparse = None
+  if mode == "dense":
+    budget = pages * PAGE * (layout.latent_bytes + layout.index_bytes)
+  else:
+    D = DEFAULT_HISPARSE_CONFIG["device_buffer_size"]
+    hisparse = HiSparseConfig(top_k=DEFAULT_HISPARSE_CONFIG["top_k"], device_buffer_size=D,
+                              host_to_device_ratio=math.ceil(pages * PAGE / (D + 1)))
+    budget = pages * PAGE * (layout.latent_bytes + layout.index_bytes) + layout.hot_buffer_bytes(D)
+  t0 = time.perf_counter()
+  eng = Engine(d, hisparse=hisparse, max_running_requests=1, max_seq_len=pages * PAGE, max_device_kv_bytes=budget)
+  warm = Request("warm", _prompt(100, 1), 2)  # compiles the decode step and a small prefill bucket
+  eng.submit(warm)
+  eng.run()
+  eng.prefill_seconds = eng.decode_seconds = 0.0
+  build_s = time.perf_counter() - t0
+  rss_before = _rss_mb()
+  req = Request("long", _prompt(prompt), NEW, ignore_eos=True)
+  eng.submit(req)
+  eng.run()
+  assert len(req.output_ids) == NEW
+  pools = eng.loads()["pools"]
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  per_token = {p["name"]: p["bytes_per_page"] / p["page_size"] for p in pools if p["name"] != "hot"}
+  return dict(mode=mode, prompt=prompt, prefill_s=eng.prefill_seconds, decode_s=eng.decode_seconds,
+              prefill_calls=eng.prefill_calls, build_s=build_s, rss_before_mb=rss_before, peak_rss_mb=peak,
+              budget_bytes=budget, kv_bytes_per_token=per_token, hits=req.hits, misses=req.misses)
+
+
+def run_prefill(prompts: list[int], modes) -> list[dict]:
+  rows = []
+  for mode in modes:
+    for n in prompts:
+      out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"prefill:{mode}:{n}"],
+                           capture_output=True, text=True, timeout=3600)
+      if out.returncode != 0:
+        raise RuntimeError(f"prefill child {mode} {n} failed:\n{out.stderr[-3000:]}")
+      rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+      r = rows[-1]
+      print(f"prefill {mode} {n}: {r['prefill_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------- itl
+def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt: int = 256) -> list[dict]:
+  """ITL of `streams` running requests while one `long_prompt` prompt is prefilled (per chunk size; 0 = one
+  shot), and without it."""
+  from hisparse_jax.default_model import ensure_default_model
+  from hisparse_jax.engine import Engine, Request
+  d = ensure_default_model()
+  rows = []
+  for chunk in [None] + chunks:  # None: no long prompt (the baseline); 0: one shot
+    size = 2048 if chunk is None else chunk or long_prompt
+    eng = Engine(d, enable_hisparse=True, max_running_requests=streams + 1, max_seq_len=long_prompt + 4096,
+                 chunked_prefill_size=size)
+    if chunk is not None:  # compile every shape the long prompt's prefill will use, untimed
+      warm = Request("warm", _prompt(long_prompt, 98), 1, ignore_eos=True)
+      eng.submit(warm)
+      eng.run()
+    stamps = {i: [] for i in range(streams)}
+    reqs = []
+    for i in range(streams):
+      r = Request(f"s{i}", _prompt(stream_prompt, i), 100_000, ignore_eos=True)
+      r.on_token = lambda _t, _x, i=i: stamps[i].append(time.perf_counter())
+      reqs.append(r)
+      eng.submit(r)
+    for _ in range(20):  # running and compiled
+      eng.step()
+    t_submit = time.perf_counter()
+    long = None
+    if chunk is not None:
+      long = Request("long", _prompt(long_prompt, 99), 4, ignore_eos=True)
+      eng.submit(long)
+      while not long.output_ids:
+        eng.step()
+      t_first = time.perf_counter()
+    else:
+      for _ in range(60):
+        eng.step()
+      t_first = time.perf_counter()
+    gaps = []
+    for i in range(streams):
+      ts = np.array(stamps[i])
+      sel = ts[(ts > t_submit) & (ts <= t_first)]
+      prev = ts[ts <= t_submit][-1:]
+      gaps += np.diff(np.concatenate([prev, sel])).tolist()
+    gaps = np.array(gaps)
+    rows.append(dict(chunk=chunk, long_prompt=long_prompt if chunk is not None else 0,
+                     ttft_s=(t_first - t_submit) if chunk is not None else None,
+                     itl_p50_ms=1e3 * float(np.percentile(gaps, 50)), itl_p99_ms=1e3 * float(np.percentile(gaps, 99)),
+                     itl_max_ms=1e3 * float(gaps.max()), samples=len(gaps)))
+    print(f"itl chunk {chunk}: {rows[-1]}", flush=True)
+    for r in reqs:
+      eng.abort(r.request_id)
+  return rows
+
+
+# ------------------------------------------------------------------------------------------- bucket
+def run_bucket(prompt: int, steps: int) -> list[dict]:
+  from hisparse_jax.default_model import ensure_default_model
+  from hisparse_jax.engine import Engine, Request
+  d = ensure_default_model()
+  rows = []
+  for label, kw in (("bucket", dict(max_running_requests=256)), ("fixed 8", dict(max_running_requests=8, deterministic=True)),
+                    ("fixed 256", dict(max_running_requests=256, deterministic=True))):
+    for mode in ("dense", "hisparse"):
+      eng = Engine(d, enable_hisparse=mode == "hisparse", max_seq_len=4096, **kw)
+      times = []
+      for rep in range(3):
+        eng.decode_seconds, eng.decode_steps = 0.0, 0
+        eng.submit(Request(f"b{rep}", _prompt(prompt, rep), steps + 1, ignore_eos=True))
+        eng.run()
+        times.append(eng.decode_seconds / eng.decode_steps)
+      rows.append(dict(engine=label, mode=mode, batch=eng.last_decode_batch, step_ms=1e3 * float(np.median(times[1:]))))
+      print(f"bucket {label} {mode}: {rows[-1]}", flush=True)
+  return rows
+
+
+# --------------------------------------------------------------------------------------------- main
+def _sections(text: str) -> list[str]:
+  names = [x.strip() for x in text.split(",") if x.strip()]
+  bad = [x for x in names if x not in SECTIONS]
+  if bad or not names:
+    raise argparse.ArgumentTypeError(f"unknown section(s) {bad or [text]}; choose from {','.join(SECTIONS)}")
+  return names
+
+
+def _markdown(res: dict) -> str:
+  lines = []
+  if res.get("prefill"):
+    lines += ["One request of P prompt + 32 new tokens, pools sized to it (fresh process each):", "",
+              "| mode | prompt tokens | prefill s | decode s (32 tokens) | peak RSS MB | RSS before MB | "
+              "KV bytes / token (pools) |", "|---|---|---|---|---|---|---|"]
+    for r in res["prefill"]:
+      kv = ", ".join(f"{k} {v:.0f}" for k, v in r["kv_bytes_per_token"].items())
+      lines.append(f"| {r['mode']} | {r['prompt']} | {r['prefill_s']:.1f} | {r['decode_s']:.2f} | "
+                   f"{r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | {kv} |")
+    for mode, fit in res.get("prefill_fit", {}).items():
+      lines.append(f"\n{mode}: peak RSS = {fit['intercept_mb']:.0f} MB + {fit['bytes_per_token']:.0f} bytes x prompt "
+                   f"tokens (least squares; max residual {fit['max_residual_mb']:.0f} MB)")
+    lines.append("")
+  if res.get("itl"):
+    lines += [f"8 running streams while a {res['itl'][1]['long_prompt']}-token prompt is admitted (HiSparse):", "",
+              "| long prompt prefill | ITL p50 ms | ITL p99 ms | ITL max ms | p99 / no long prompt | long prompt TTFT s |",
+              "|---|---|---|---|---|---|"]
+    base = res["itl"][0]["itl_p99_ms"]
+    for r in res["itl"]:
+      name = ("none (baseline)" if r["chunk"] is None else "one shot" if r["chunk"] == 0 else f"chunks of {r['chunk']}")
+      ttft = "" if r["ttft_s"] is None else f"{r['ttft_s']:.1f}"
+      lines.append(f"| {name} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.0f} | "
+                   f"{r['itl_p99_ms'] / base:.1f}x | {ttft} |")
+    lines.append("")
+  if res.get("bucket"):
+    lines += ["One running request (prompt 1000 tokens): decode step", "", "| engine | mode | batch rows | step ms |",
+              "|---|---|---|---|"]
+    lines += [f"| {r['engine']} | {r['mode']} | {r['batch']} | {r['step_ms']:.2f} |" for r in res["bucket"]]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
+  ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections)
+  ap.add_argument("--prompts", default="4096,8192,16384,32768,65536", type=positive_ints)
+  ap.add_argument("--itl-prompt", default=32768, type=int)
+  ap.add_argument("--itl-chunks", default="2048,256,64", type=positive_ints)
+  ap.add_argument("--out", default=os.path.join(HERE, "results", "long_context"))
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.child:
+    kind, mode, n = args.child.split(":")
+    print(json.dumps(prefill_child(mode, int(n))))
+    return 0
+  if args.quick:
+    args.prompts, args.itl_prompt, args.itl_chunks = [512, 1024], 1024, [256]
+  t0 = time.perf_counter()
+  res = {}
+  if "prefill" in args.sections:
+    res["prefill"] = run_prefill(args.prompts, ("hisparse", "dense"))
+    res["prefill_fit"] = {}
+    for mode in ("hisparse", "dense"):
+      pts = [(r["prompt"], r["peak_rss_mb"]) for r in res["prefill"] if r["mode"] == mode]
+      x, y = np.array(pts, float).T
+      slope, icept = np.polyfit(x, y, 1)
+      res["prefill_fit"][mode] = dict(bytes_per_token=slope * 2**20, intercept_mb=icept,
+                                      max_residual_mb=float(np.abs(y - (slope * x + icept)).max()))
+  if "itl" in args.sections:
+    res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0])
+  if "bucket" in args.sections:
+    res["bucket"] = run_bucket(1000 if not args.quick else 100, 16 if not args.quick else 4)
+  res["seconds"] = time.perf_counter() - t0
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out + ".json", "w") as f:
+    json.dump(res, f, indent=1)
+  text = _markdown(res) + f"\n({res['seconds']:.0f} s)\n"
+  with open(args.out + ".md", "w") as f:
+    f.write(text)
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

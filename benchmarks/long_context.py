@@ -13,10 +13,11 @@ Sections:
            request (--max-device-kv-bytes, HiSparse host ratio), so resident memory holds the weights, pools
            that grow with P, and the prefill's transient tensors (a chunk of 2048 queries at a time). Reports
            prefill seconds, decode seconds, peak RSS, and the KV bytes per token the pools hold.
-  itl      8 streams decode (prompts of 256 tokens) while a 32k-token prompt is admitted; the streams'
-           inter-token latency (p50 / p99 over the long prompt's prefill) for chunked prefill at several chunk
-           sizes and for one-shot prefill (one chunk of the whole prompt), next to the same streams without the
-           long prompt, and the long prompt's time to first token. HiSparse mode.
+  itl      8 streams decode (prompts of 1100 tokens) while a 32k-token prompt is admitted; the streams'
+           inter-token latency (p50 / p99 from the long prompt's arrival until it decodes with them) for
+           chunked prefill at several chunk sizes and for one-shot prefill (one chunk of the whole prompt),
+           next to the same streams without the long prompt, and the long prompt's time to first token.
+           HiSparse mode, float32 (the CPU's fast path; bfloat16 steps take ~2x as long here).
   bucket   One running request: the decode step with the batch sized to the running requests (batch bucket 1)
            vs the fixed-shape (--deterministic) engine at 8 and 256 rows, i.e. the engine before batch buckets.
 
@@ -40,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
-from miss_rate import positive_ints  # noqa: E402  (argparse type shared by the benchmark scripts)
+from cli import positive_ints, sections, write_results  # noqa: E402
 
 NEW = 32
 PAGE = 64
@@ -112,68 +113,73 @@ def run_prefill(prompts: list[int], modes) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- itl
-def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt: int = 256) -> list[dict]:
-  """ITL of `streams` running requests while one `long_prompt` prompt is prefilled (per chunk size; 0 = one
-  shot), and without it."""
-  from hisparse_jax.default_model import ensure_default_model
+def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt: int = 1100) -> list[dict]:
+  """ITL of `streams` running requests while one `long_prompt` prompt is prefilled, per chunk size (0: one
+  shot), and without the long prompt (the baseline). Each variant runs its scenario twice on one engine and
+  measures the second run, so no compilation is timed (decode batch buckets and indexer windows compile once
+  per shape); the streams' prompts keep their indexer window fixed while they are measured."""
+  from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG, ensure_default_model
   from hisparse_jax.engine import Engine, Request
   d = ensure_default_model()
+  warm_steps = 20
+  new = long_prompt // min(c for c in chunks if c) + 2 * warm_steps
+  D = DEFAULT_HISPARSE_CONFIG["device_buffer_size"]
+  tokens = 2 * (long_prompt + streams * (stream_prompt + new))  # host rows for both runs at once
+  hisparse = dict(DEFAULT_HISPARSE_CONFIG, host_to_device_ratio=math.ceil(tokens / ((streams + 1) * (D + 1))))
   rows = []
   for chunk in [None] + chunks:  # None: no long prompt (the baseline); 0: one shot
-    size = 2048 if chunk is None else chunk or long_prompt
-    eng = Engine(d, enable_hisparse=True, max_running_requests=streams + 1, max_seq_len=long_prompt + 4096,
-                 chunked_prefill_size=size)
-    if chunk is not None:  # compile every shape the long prompt's prefill will use, untimed
-      warm = Request("warm", _prompt(long_prompt, 98), 1, ignore_eos=True)
-      eng.submit(warm)
-      eng.run()
-    stamps = {i: [] for i in range(streams)}
-    reqs = []
-    for i in range(streams):
-      r = Request(f"s{i}", _prompt(stream_prompt, i), 100_000, ignore_eos=True)
-      r.on_token = lambda _t, _x, i=i: stamps[i].append(time.perf_counter())
-      reqs.append(r)
-      eng.submit(r)
-    for _ in range(20):  # running and compiled
-      eng.step()
-    t_submit = time.perf_counter()
-    long = None
-    if chunk is not None:
-      long = Request("long", _prompt(long_prompt, 99), 4, ignore_eos=True)
-      eng.submit(long)
-      while not long.output_ids:
+    eng = Engine(d, dtype="float32", enable_hisparse=True, hisparse_config=json.dumps(hisparse),
+                 max_running_requests=streams + 1, max_seq_len=max(long_prompt, stream_prompt + new) + 64,
+                 chunked_prefill_size=2048 if chunk is None else chunk or long_prompt)
+    for run in ("warm", "measured"):
+      stamps = {i: [] for i in range(streams)}
+      reqs = []
+      for i in range(streams):
+        r = Request(f"{run}-s{i}", _prompt(stream_prompt, 10 * i + (run == "warm")), new, ignore_eos=True)
+        r.on_token = lambda _t, _x, i=i: stamps[i].append(time.perf_counter())
+        reqs.append(r)
+        eng.submit(r)
+      while any(len(r.output_ids) < warm_steps for r in reqs):  # all running and decoding
         eng.step()
-      t_first = time.perf_counter()
-    else:
-      for _ in range(60):
-        eng.step()
-      t_first = time.perf_counter()
+      t_submit = time.perf_counter()
+      if chunk is not None:
+        long = Request(f"{run}-long", _prompt(long_prompt - 32, 99 + (run == "warm")), 4, ignore_eos=True)
+        eng.submit(long)
+        while not long.output_ids:
+          eng.step()
+        for _ in range(2):  # the long request decodes with the streams (its batch bucket and window)
+          eng.step()
+      else:
+        for _ in range(60):
+          eng.step()
+      t_end = time.perf_counter()
+      ttft = long.first_token_time - long.arrival if chunk is not None else None
+      for r in reqs + ([long] if chunk is not None else []):
+        eng.abort(r.request_id)
     gaps = []
     for i in range(streams):
       ts = np.array(stamps[i])
-      sel = ts[(ts > t_submit) & (ts <= t_first)]
+      sel = ts[(ts > t_submit) & (ts <= t_end)]
       prev = ts[ts <= t_submit][-1:]
       gaps += np.diff(np.concatenate([prev, sel])).tolist()
     gaps = np.array(gaps)
-    rows.append(dict(chunk=chunk, long_prompt=long_prompt if chunk is not None else 0,
-                     ttft_s=(t_first - t_submit) if chunk is not None else None,
+    rows.append(dict(chunk=chunk, long_prompt=long_prompt if chunk is not None else 0, ttft_s=ttft,
                      itl_p50_ms=1e3 * float(np.percentile(gaps, 50)), itl_p99_ms=1e3 * float(np.percentile(gaps, 99)),
                      itl_max_ms=1e3 * float(gaps.max()), samples=len(gaps)))
     print(f"itl chunk {chunk}: {rows[-1]}", flush=True)
-    for r in reqs:
-      eng.abort(r.request_id)
   return rows
 
 
 # ------------------------------------------------------------------------------------------- bucket
-def run_bucket(prompt: int, steps: int) -> list[dict]:
+def run_bucket(prompt: int, steps: int, fixed=(8, 256), modes=("dense", "hisparse")) -> list[dict]:
   from hisparse_jax.default_model import ensure_default_model
   from hisparse_jax.engine import Engine, Request
   d = ensure_default_model()
   rows = []
-  for label, kw in (("bucket", dict(max_running_requests=256)), ("fixed 8", dict(max_running_requests=8, deterministic=True)),
-                    ("fixed 256", dict(max_running_requests=256, deterministic=True))):
-    for mode in ("dense", "hisparse"):
+  engines = [("bucket", dict(max_running_requests=max(fixed)))] + [
+      (f"fixed {n}", dict(max_running_requests=n, deterministic=True)) for n in fixed]
+  for label, kw in engines:
+    for mode in modes:
       eng = Engine(d, enable_hisparse=mode == "hisparse", max_seq_len=4096, **kw)
       times = []
       for rep in range(3):
@@ -187,14 +193,6 @@ def run_bucket(prompt: int, steps: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- main
-def _sections(text: str) -> list[str]:
-  names = [x.strip() for x in text.split(",") if x.strip()]
-  bad = [x for x in names if x not in SECTIONS]
-  if bad or not names:
-    raise argparse.ArgumentTypeError(f"unknown section(s) {bad or [text]}; choose from {','.join(SECTIONS)}")
-  return names
-
-
 def _markdown(res: dict) -> str:
   lines = []
   if res.get("prefill"):
@@ -230,7 +228,7 @@ def _markdown(res: dict) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
-  ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections)
+  ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--prompts", default="4096,8192,16384,32768,65536", type=positive_ints)
   ap.add_argument("--itl-prompt", default=32768, type=int)
   ap.add_argument("--itl-chunks", default="2048,256,64", type=positive_ints)
@@ -242,7 +240,7 @@ def main(argv=None) -> int:
     print(json.dumps(prefill_child(mode, int(n))))
     return 0
   if args.quick:
-    args.prompts, args.itl_prompt, args.itl_chunks = [512, 1024], 1024, [256]
+    args.prompts, args.itl_prompt, args.itl_chunks = [512, 1024], 2048, [512]
   t0 = time.perf_counter()
   res = {}
   if "prefill" in args.sections:
@@ -257,15 +255,9 @@ def main(argv=None) -> int:
   if "itl" in args.sections:
     res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0])
   if "bucket" in args.sections:
-    res["bucket"] = run_bucket(1000 if not args.quick else 100, 16 if not args.quick else 4)
+    res["bucket"] = (run_bucket(100, 4, fixed=(8, 32), modes=("dense",)) if args.quick else run_bucket(1000, 16))
   res["seconds"] = time.perf_counter() - t0
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out + ".json", "w") as f:
-    json.dump(res, f, indent=1)
-  text = _markdown(res) + f"\n({res['seconds']:.0f} s)\n"
-  with open(args.out + ".md", "w") as f:
-    f.write(text)
-  print(text)
+  write_results(args.out, res, _markdown(res))
   return 0
 
 

@@ -39,6 +39,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli import positive_ints  # noqa: E402
+
 
 def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sinks: int = 16,
                     window: int | None = None, clusters: int = 24, cluster_width: int | None = None,
@@ -259,17 +262,6 @@ def replay_kernel_lru(trace, context, D):
 
 POLICIES = {"lru-kernel": replay_kernel_lru, "lru": replay_lru, "fifo": replay_fifo, "clock": replay_clock,
             "lfu": replay_lfu, "belady": replay_belady}
-
-
-def positive_ints(text: str) -> list[int]:
-  """argparse type: "2048,4096" -> [2048, 4096] (distinct positive integers, sorted)."""
-  try:
-    values = sorted({int(x) for x in text.split(",")})
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-  if not values or values[0] <= 0:
-    raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-  return values
 
 
 def _mean_curve(per_stream):

@@ -29,7 +29,6 @@ Writes OUT.json (all numbers) and OUT.md (tables).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,7 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from miss_rate import positive_ints  # noqa: E402  (argparse type shared by the benchmark scripts)
+from cli import positive_ints, sections, write_results  # noqa: E402
 
 MODES = ("dense", "hisparse")
 NEW = 32
@@ -103,29 +102,21 @@ def _drive(engine, reqs) -> dict:
               preemptions=engine.num_preemptions)
 
 
-def run_e2e(bench: Bench, context: int, concurrency: int, mode: str) -> dict:
+def run_point(bench: Bench, section: str, context: int, concurrency: int, mode: str, kv=None) -> dict:
+  """One point: a fresh engine of this mode, warmed up (every shape the point uses compiled, untimed), then
+  C requests at once -- prefilled by the engine (kv None) or arriving with their prompt KV."""
   eng = bench.engine(mode, concurrency, context)
-  # Compile the decode step and the prefill chunk shapes on a short request first (untimed).
-  warm = bench.request("warm", min(2 * 2048 + 100, context - NEW), 1)
-  eng.submit(warm)
-  eng.run()
-  eng.num_preemptions = 0
-  reqs = [bench.request(f"{mode}-{i}", context - NEW, 100 + i) for i in range(concurrency)]
-  out = _drive(eng, reqs)
-  return dict(section="e2e", mode=mode, context=context, concurrency=concurrency,
-              slots=eng.num_slots, **out)
-
-
-def run_decode(bench: Bench, context: int, concurrency: int, mode: str, kv) -> dict:
-  eng = bench.engine(mode, concurrency, context)
-  warm = [bench.request("warm", context - NEW, 1, prompt_kv=kv) for _ in range(min(concurrency, 2))]
+  if kv is None:  # the decode step and the prefill chunk shapes, on a short request
+    warm = [bench.request("warm", min(2 * 2048 + 100, context - NEW), 1)]
+  else:
+    warm = [bench.request(f"warm{i}", context - NEW, 1, prompt_kv=kv) for i in range(min(concurrency, 2))]
   for w in warm:
     eng.submit(w)
   eng.run()
   eng.num_preemptions = 0
   reqs = [bench.request(f"{mode}-{i}", context - NEW, 100 + i, prompt_kv=kv) for i in range(concurrency)]
-  out = _drive(eng, reqs)
-  return dict(section="decode", mode=mode, context=context, concurrency=concurrency, slots=eng.num_slots, **out)
+  return dict(section=section, mode=mode, context=context, concurrency=concurrency, slots=eng.num_slots,
+              **_drive(eng, reqs))
 
 
 def _random_kv(bench: Bench, prompt: int):
@@ -176,18 +167,10 @@ def _markdown(res: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _sections(text: str) -> list[str]:
-  names = [x.strip() for x in text.split(",") if x.strip()]
-  bad = [x for x in names if x not in SECTIONS]
-  if bad or not names:
-    raise argparse.ArgumentTypeError(f"unknown section(s) {bad or [text]}; choose from {','.join(SECTIONS)}")
-  return names
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="small contexts and counts (CI smoke)")
-  ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections)
+  ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--contexts", default="8192,16384,32768,65536", type=positive_ints)
   ap.add_argument("--concurrency", default="1,4,16,64", type=positive_ints,
                   help="decode-section concurrency")
@@ -211,7 +194,7 @@ def main(argv=None) -> int:
       kv = _random_kv(bench, ctx - NEW)
       for c in args.concurrency:
         for mode in MODES:
-          res["decode"].append(run_decode(bench, ctx, c, mode, kv))
+          res["decode"].append(run_point(bench, "decode", ctx, c, mode, kv))
           p = res["decode"][-1]
           print(f"decode {ctx} C={c} {mode}: admitted {p['admitted']}, {p['decode_tokens_per_s']:.1f} decode tok/s",
                 flush=True)
@@ -221,17 +204,11 @@ def main(argv=None) -> int:
     for ctx in args.contexts:
       c = e2e_c.get(ctx, 1)
       for mode in MODES:
-        res["e2e"].append(run_e2e(bench, ctx, c, mode))
+        res["e2e"].append(run_point(bench, "e2e", ctx, c, mode))
         p = res["e2e"][-1]
         print(f"e2e {ctx} C={c} {mode}: {p['tokens_per_s']:.1f} tok/s, admitted {p['admitted']}", flush=True)
   res["seconds"] = time.perf_counter() - t0
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out + ".json", "w") as f:
-    json.dump(res, f, indent=1)
-  text = _markdown(res) + f"\n({res['seconds']:.0f} s)\n"
-  with open(args.out + ".md", "w") as f:
-    f.write(text)
-  print(text)
+  write_results(args.out, res, _markdown(res))
   return 0
 
 

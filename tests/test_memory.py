@@ -96,7 +96,7 @@ def test_hisparse_backend_frees_staging_when_prefill_ends_and_refuses_what_never
   assert usage()["staging"].pages_free == 8 and kv.pages["staging"] == []
   assert (be.prefill_tables([kv], [False])["staging_pages"] == -1).all()
   # 8 host pages hold 128 tokens: a 100 + 40 request can never run, a 100 + 20 one can.
-  assert "host pool" in be.never_fits(100, 140) and be.never_fits(100, 20 + 100) is None
+  assert "9 pages of the host pool (host memory" in be.never_fits(100, 140) and be.never_fits(100, 20 + 100) is None
   assert be.ensure(kv, 8 * 16) and len(kv.pages["host"]) == 8  # the whole host pool
   assert not be.ensure(kv, 8 * 16 + 1) and len(kv.pages["index"]) == 8  # a failed growth takes nothing
   be.release(kv)

@@ -80,7 +80,7 @@ def test_requests_that_never_fit_or_exceed_the_context_fail_alone():
   assert eng.memory_plan.pools["kv"][1] == 6  # 96 tokens of KV
   with pytest.raises(InvalidRequest, match="exceeds the model context of 300 tokens"):
     eng.submit(Request("long", prompt(290), 20))
-  with pytest.raises(ResourceExhausted, match="needs 7 pages of the device kv pool"):
+  with pytest.raises(ResourceExhausted, match="needs 7 pages of the kv pool"):
     eng.submit(Request("big", prompt(90), 20))
   ok = Request("ok", prompt(60), 20)
   eng.submit(ok)

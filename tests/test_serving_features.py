@@ -114,7 +114,7 @@ def test_admission_by_free_pages_and_queue_bound():
   with pytest.raises(RequestError, match="queue full") as e:
     eng.submit(Request("q3", [5, 6], 2))
   assert e.value.code == "RESOURCE_EXHAUSTED"
-  with pytest.raises(RequestError, match="needs 10 pages of the device kv pool") as e:
+  with pytest.raises(RequestError, match="needs 10 pages of the kv pool") as e:
     eng.submit(Request("big", list(range(2, 152)), 10))  # 160 tokens: 10 pages, the pool holds 8
   assert e.value.code == "RESOURCE_EXHAUSTED"
   eng.run()

@@ -217,8 +217,8 @@ class KVBackend(abc.ABC):
       tokens = total_len if name in self.token_pools else prompt_len
       need, (memory, have, _) = self._pages(tokens), self.plan.pools[name]
       if need > have:
-        return (f"request needs {need} pages of the {memory} {name} pool ({tokens} tokens of {self.page_size}), "
-                f"the pool holds {have}")
+        return (f"request needs {need} pages of the {name} pool ({memory} memory; {tokens} tokens, "
+                f"{self.page_size} a page); the pool holds {have}")
     return None
 
   def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True) -> bool:

@@ -302,7 +302,7 @@ class HiSparseState:
     (backup kernel), and its hot buffer as a prefill leaves it (slot s = position s, s <= D; LRU and stats
     reset), with no staging pages."""
     L, P, _ = latent.shape
-    R, D1 = self.hot.shape[1], self.hot.shape[2]
+    D1 = self.hot.shape[2]
     positions = jnp.arange(P, dtype=jnp.int32)[None]
     dst = host_rows(tables["host_pages"], positions, self.page_size)[0]
     host_pool = ops.backup(0, latent.astype(self.hot.dtype), dst, self.host_pool, external=self.external)

@@ -197,15 +197,17 @@ def _markdown(res: dict) -> str:
   lines = []
   if res.get("prefill"):
     lines += ["One request of P prompt + 32 new tokens, pools sized to it (fresh process each):", "",
-              "| mode | prompt tokens | prefill s | decode s (32 tokens) | peak RSS MB | RSS before MB | "
-              "KV bytes / token (pools) |", "|---|---|---|---|---|---|---|"]
+              "| mode | prompt tokens | prefill s | prefill ms / token | decode s (32 tokens, incl. a compile) | "
+              "peak RSS MB | RSS before MB | peak RSS growth / token since the previous row | KV bytes / token "
+              "(pools) |", "|---" * 9 + "|"]
+    prev = {}
     for r in res["prefill"]:
       kv = ", ".join(f"{k} {v:.0f}" for k, v in r["kv_bytes_per_token"].items())
-      lines.append(f"| {r['mode']} | {r['prompt']} | {r['prefill_s']:.1f} | {r['decode_s']:.2f} | "
-                   f"{r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | {kv} |")
-    for mode, fit in res.get("prefill_fit", {}).items():
-      lines.append(f"\n{mode}: peak RSS = {fit['intercept_mb']:.0f} MB + {fit['bytes_per_token']:.0f} bytes x prompt "
-                   f"tokens (least squares; max residual {fit['max_residual_mb']:.0f} MB)")
+      p = prev.get(r["mode"])
+      growth = "" if p is None else f"{(r['peak_rss_mb'] - p['peak_rss_mb']) * 2**20 / (r['prompt'] - p['prompt']):.0f} B"
+      prev[r["mode"]] = r
+      lines.append(f"| {r['mode']} | {r['prompt']} | {r['prefill_s']:.1f} | {1e3 * r['prefill_s'] / r['prompt']:.2f} | "
+                   f"{r['decode_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | {growth} | {kv} |")
     lines.append("")
   if res.get("itl"):
     lines += [f"8 running streams while a {res['itl'][1]['long_prompt']}-token prompt is admitted (HiSparse):", "",
@@ -245,13 +247,6 @@ def main(argv=None) -> int:
   res = {}
   if "prefill" in args.sections:
     res["prefill"] = run_prefill(args.prompts, ("hisparse", "dense"))
-    res["prefill_fit"] = {}
-    for mode in ("hisparse", "dense"):
-      pts = [(r["prompt"], r["peak_rss_mb"]) for r in res["prefill"] if r["mode"] == mode]
-      x, y = np.array(pts, float).T
-      slope, icept = np.polyfit(x, y, 1)
-      res["prefill_fit"][mode] = dict(bytes_per_token=slope * 2**20, intercept_mb=icept,
-                                      max_residual_mb=float(np.abs(y - (slope * x + icept)).max()))
   if "itl" in args.sections:
     res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0])
   if "bucket" in args.sections:

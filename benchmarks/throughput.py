@@ -10,8 +10,12 @@ Budget: per context, DENSE_FITS (4) dense requests of that context (tokens x the
 from the engine's own page sizes: latent row + indexer key, all layers); both modes get that budget as
 --max-device-kv-bytes and size their pools from it with the engine's own ``memory.backend.plan`` (HiSparse
 spends it on one max-length prompt's staging pages, a hot buffer per request and indexer-key pages).
-max_seq_len = the context, chunked prefill 2048, batch buckets. Every request generates exactly NEW
-(32) tokens (ignore_eos); its prompt is context - NEW tokens.
+max_seq_len = the context, chunked prefill 2048, batch buckets; each mode's max_running_requests is
+min(C, the requests of this context its budget holds), so HiSparse spends its budget on as many hot
+buffers as its indexer-key pages can fill. Every request generates exactly NEW (32) tokens (ignore_eos);
+its prompt is context - NEW tokens. Each point runs on a fresh engine warmed up first (every prefill
+chunk shape and every decode batch bucket it uses compiled at its indexer window), so no compilation is
+timed.
 
 Sections:
   e2e     C requests with their prompts prefilled by the engine (random token ids) submitted at once:
@@ -45,8 +49,13 @@ MODES = ("dense", "hisparse")
 NEW = 32
 DENSE_FITS = 4
 PAGE = 64
-# e2e concurrency per context (prefill cost grows with C x context).
-E2E_CONCURRENCY = {8192: 6, 16384: 4, 32768: 2, 65536: 1}
+# e2e concurrency per context (prefill cost grows with C x context; a 64k prompt's prefill is measured on
+# the default model by long_context.py, so e2e stops at 32k to keep `make bench` within 30 minutes).
+E2E_CONCURRENCY = {8192: 4, 16384: 2, 32768: 1}
+# DeepSeek-V3.2's per-layer KV bytes per token (its FP8 deployment: 512 e4m3 + 4 float32 scales + 64 bf16
+# rope values = 656 B of latent row; 128 e4m3 + 1 float32 scale = 132 B of indexer key), 61 layers: the
+# capacity this budget would give the real model, from the same plan as the engine's.
+DEEPSEEK_V32_LAYOUT = dict(num_layers=61, latent_dim=656, index_dim=33, itemsize=1)
 SECTIONS = ("e2e", "decode")
 
 
@@ -62,19 +71,39 @@ class Bench:
     self.layout = kvmem.KVLayout.of(self.cfg, self.cfg.dtype)
 
   def budget(self, context: int) -> int:
-    """DENSE_FITS dense requests of `context` tokens, in whole pages."""
-    return DENSE_FITS * math.ceil(context / PAGE) * PAGE * (self.layout.latent_bytes + self.layout.index_bytes)
+    """DENSE_FITS dense requests of `context` tokens (the backend's own per-request bytes)."""
+    from hisparse_jax.memory import backend as kvmem
+    return DENSE_FITS * kvmem.request_bytes(self.layout, None, PAGE, context)["device"]
 
-  def engine(self, mode: str, slots: int, context: int):
+  def fits(self, mode: str, context: int, real: bool = False) -> int:
+    """Requests of `context` tokens the device budget holds in this mode (each with its pages for the whole
+    context; HiSparse beside one context's staging pages): the engine's request slots, so that HiSparse spends
+    its budget on as many hot buffers as it can fill with indexer keys. real: with DeepSeek-V3.2's per-token
+    bytes (DEEPSEEK_V32_LAYOUT) and the budget of 4 of its dense requests."""
+    from hisparse_jax.memory import backend as kvmem
+    layout = kvmem.KVLayout(**DEEPSEEK_V32_LAYOUT) if real else self.layout
+    budget = DENSE_FITS * kvmem.request_bytes(layout, None, PAGE, context)["device"]
+    hisparse = self.hisparse if mode == "hisparse" else None
+    if hisparse is not None:
+      budget -= math.ceil(context / PAGE) * PAGE * layout.latent_bytes  # the staging pages
+    return budget // kvmem.request_bytes(layout, hisparse, PAGE, context)["device"]
+
+  def host_fits(self, context: int) -> int:
+    """Requests of `context` tokens HiSparse's host pool holds with fits() request slots (ratio x (D + 1)
+    tokens a slot, the seed configuration's sizing)."""
+    return self.hisparse.host_pool_rows(self.fits("hisparse", context)) // context
+
+  def engine(self, mode: str, concurrency: int, context: int):
     from hisparse_jax.engine import Engine
-    return Engine(self.model_dir, hisparse=self.hisparse if mode == "hisparse" else None, max_running_requests=slots,
-                  max_seq_len=context, max_device_kv_bytes=self.budget(context), page_size=PAGE)
+    return Engine(self.model_dir, hisparse=self.hisparse if mode == "hisparse" else None,
+                  max_running_requests=max(1, min(concurrency, self.fits(mode, context))), max_seq_len=context,
+                  max_device_kv_bytes=self.budget(context), page_size=PAGE)
 
-  def request(self, rid: str, prompt: int, seed: int, prompt_kv=None):
+  def request(self, rid: str, prompt: int, seed: int, prompt_kv=None, new: int = NEW):
     from hisparse_jax.engine import Request
     ids = np.random.default_rng(seed).integers(2, 100_000, prompt).tolist()
     extra = {} if prompt_kv is None else dict(prompt_kv=prompt_kv, first_token=7)
-    return Request(rid, ids, NEW, ignore_eos=True, **extra)
+    return Request(rid, ids, new, ignore_eos=True, **extra)
 
 
 def _drive(engine, reqs) -> dict:
@@ -106,13 +135,17 @@ def run_point(bench: Bench, section: str, context: int, concurrency: int, mode: 
   """One point: a fresh engine of this mode, warmed up (every shape the point uses compiled, untimed), then
   C requests at once -- prefilled by the engine (kv None) or arriving with their prompt KV."""
   eng = bench.engine(mode, concurrency, context)
-  if kv is None:  # the decode step and the prefill chunk shapes, on a short request
-    warm = [bench.request("warm", min(2 * 2048 + 100, context - NEW), 1)]
-  else:
-    warm = [bench.request(f"warm{i}", context - NEW, 1, prompt_kv=kv) for i in range(min(concurrency, 2))]
-  for w in warm:
-    eng.submit(w)
-  eng.run()
+  if kv is None:  # the prefill chunk shapes, on a short request
+    eng.submit(bench.request("warm", min(2 * 2048 + 100, context - NEW), 1, new=2))
+    eng.run()
+  # The decode step at every batch bucket the point can use, at this context's indexer window.
+  warm_kv = kv if kv is not None else _random_kv(bench, context - NEW)
+  running = min(concurrency, eng.num_slots)
+  for n in sorted({min(1 << (k - 1).bit_length(), eng.num_slots) for k in range(1, running + 1)}):
+    for i in range(n):
+      eng.submit(bench.request(f"warm{n}-{i}", context - NEW, 1, prompt_kv=warm_kv, new=3))
+    eng.run()
+  del warm_kv
   eng.num_preemptions = 0
   reqs = [bench.request(f"{mode}-{i}", context - NEW, 100 + i, prompt_kv=kv) for i in range(concurrency)]
   return dict(section=section, mode=mode, context=context, concurrency=concurrency, slots=eng.num_slots,
@@ -138,7 +171,16 @@ def _pairs(points, key):
 
 
 def _markdown(res: dict) -> str:
-  lines = [f"Budget per context: {DENSE_FITS} dense requests of that context. HiSparse {res['hisparse']}.", ""]
+  lines = [f"Budget per context: {DENSE_FITS} dense requests of that context. HiSparse {res['hisparse']}.", "",
+           "Requests of the context the budget holds (device pages; HiSparse also bounded by its host pool):", "",
+           "| context | dense | HiSparse (device) | HiSparse (host pool) | ratio | with DeepSeek-V3.2's bytes per token: "
+           "dense | HiSparse | ratio |", "|---" * 8 + "|"]
+  for c in res.get("capacity", []):
+    r = c["deepseek_v32"]
+    lines.append(f"| {c['context']} | {c['dense']} | {c['hisparse']} | {c['host_bound']} | "
+                 f"{min(c['hisparse'], c['host_bound']) / max(c['dense'], 1):.2f}x | {r['dense']} | {r['hisparse']} | "
+                 f"{r['hisparse'] / max(r['dense'], 1):.2f}x |")
+  lines.append("")
   if res.get("e2e"):
     lines += ["End to end (prompts prefilled by the engine):", "",
               "| context | C | mode | admitted | tokens/s | decode tok/s | step ms | TTFT mean s | TTFT p90 s | "
@@ -172,7 +214,7 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="small contexts and counts (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--contexts", default="8192,16384,32768,65536", type=positive_ints)
-  ap.add_argument("--concurrency", default="1,4,16,64", type=positive_ints,
+  ap.add_argument("--concurrency", default="1,4,16", type=positive_ints,
                   help="decode-section concurrency")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "throughput"))
   args = ap.parse_args(argv)
@@ -199,10 +241,12 @@ def main(argv=None) -> int:
           print(f"decode {ctx} C={c} {mode}: admitted {p['admitted']}, {p['decode_tokens_per_s']:.1f} decode tok/s",
                 flush=True)
       del kv
+  res["capacity"] = [dict(context=ctx, **{m: bench.fits(m, ctx) for m in MODES}, host_bound=bench.host_fits(ctx),
+                          deepseek_v32={m: bench.fits(m, ctx, real=True) for m in MODES}) for ctx in args.contexts]
   if "e2e" in args.sections:
     res["e2e"] = []
-    for ctx in args.contexts:
-      c = e2e_c.get(ctx, 1)
+    for ctx in [c for c in args.contexts if c in e2e_c]:
+      c = e2e_c[ctx]
       for mode in MODES:
         res["e2e"].append(run_point(bench, "e2e", ctx, c, mode))
         p = res["e2e"][-1]

@@ -124,11 +124,13 @@ def test_abort_storm_leaves_the_rest_unchanged(server, solo):
       (0, 0, base.free_host_rows, 0)
 
 
-def test_tiny_host_pool_under_a_burst_queues_or_refuses_then_recovers():
-  # Host pool of 4 x 1 slot x 17 rows = 68 rows = 4 pages of 16: a 100-token request can never fit.
-  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4),
-               max_running_requests=1, max_seq_len=128, page_size=16, chunked_prefill_size=64)
-  assert eng.memory_plan.pools["host"][1] == 4
+def test_tiny_pools_under_a_burst_queue_or_refuse_then_recover():
+  # One request slot and an index pool of 4 pages of 16 tokens: a 100-token request can never fit.
+  hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4)
+  staging, hot, index_page = 8 * 16 * 3 * 48 * 4, 17 * 3 * 48 * 4 + 3 * (8 * 16 + 8), 16 * 3 * 16 * 4
+  eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=1, max_seq_len=128, page_size=16,
+               chunked_prefill_size=64, max_device_kv_bytes=staging + hot + 4 * index_page)
+  assert eng.memory_plan.pools["index"][1] == 4 and eng.memory_plan.request_slots == 1
   srv, loop, port = serve(eng, None, "127.0.0.1", 0)
   stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   try:
@@ -170,3 +172,29 @@ def test_gauges_return_to_idle_after_cancel_and_abort(server):
     assert gauge("hisparse_running_requests") == 0
     assert gauge("hisparse_host_pool_rows", state="used") == 0
     assert gauge("hisparse_kv_pool_pages", pool="index", memory="device", state="used") == 0
+
+
+def test_burst_beyond_the_pools_preempts_keeps_serving_and_returns_to_baseline():
+  """A burst of long requests through gRPC on a device pool that holds about two of them at their full length:
+  requests queue, running ones are preempted when the pool runs out, every stream completes, and GetLoads'
+  free pages return to the baseline."""
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, page_size=16, chunked_prefill_size=32,
+               max_device_kv_bytes=12 * 16 * 768)
+  srv, loop, port = serve(eng, None, "127.0.0.1", 0)
+  stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+  try:
+    base = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+    assert [(p.name, p.pages_total, p.pages_free) for p in base.pools] == [("kv", 12, 12)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      futures = [pool.submit(lambda i=i: list(generate(stub, input_ids=list(range(2 + i, 32 + i)), max_new_tokens=60,
+                                                       ignore_eos=True, timeout=300))) for i in range(6)]
+      finals = [f.result()[-1] for f in futures]
+    assert all(m.finished and m.completion_tokens == 60 for m in finals)
+    after = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+    assert after.preemptions > 0 and sum(m.num_preemptions for m in finals) == after.preemptions
+    assert [(p.name, p.pages_total, p.pages_free) for p in after.pools] == [("kv", 12, 12)]
+    assert (after.running, after.queued, after.device_kv_bytes_used) == (0, 0, 0)
+    assert stream(stub, list(range(2, 30)), "after")[1].finished  # still serving
+  finally:
+    srv.stop(0).wait()
+    loop.stop()

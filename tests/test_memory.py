@@ -46,18 +46,28 @@ def test_hisparse_plan_splits_the_budget_and_lowers_slots_to_fit():
   staging = 63 * 16 * LAYOUT.latent_bytes  # max_seq_len 1000 -> 63 pages of 16
   hot = LAYOUT.hot_buffer_bytes(16)
   index_page = 16 * LAYOUT.index_bytes
-  budget = staging + 3 * hot + 3 * index_page + 100
-  p = kvmem.plan(LAYOUT, budget=budget, max_running_requests=8, max_seq_len=1000, page_size=16, hisparse=hs)
-  assert p.request_slots == 3  # 8 hot buffers (each with an index page) do not fit: lowered to what does
+  budget = staging + 6 * hot + 40 * index_page
+  p = kvmem.plan(LAYOUT, budget=budget, max_running_requests=16, max_seq_len=1000, page_size=16, hisparse=hs)
+  assert p.request_slots == (3 * hot + 20 * index_page) // hot < 16  # hot buffers: at most half of what staging leaves
   assert p.pools["staging"] == ("device", 63, 16 * LAYOUT.latent_bytes)
-  assert p.pools["index"] == ("device", 3, index_page)
+  assert p.pools["index"] == ("device", (budget - staging - p.request_slots * hot) // index_page, index_page)
   roomy = kvmem.plan(LAYOUT, budget=staging + 8 * hot + 50 * index_page, max_running_requests=8, max_seq_len=1000,
                      page_size=16, hisparse=hs)
   assert roomy.request_slots == 8 and roomy.pools["index"] == ("device", 50, index_page)
-  assert p.pools["host"] == ("host", 4 * 3 * 17 // 16, 16 * LAYOUT.latent_bytes)  # SGLang: ratio x slots x (D+1)
+  tight = kvmem.plan(LAYOUT, budget=staging + hot + index_page, max_running_requests=8, max_seq_len=1000,
+                     page_size=16, hisparse=hs)
+  assert tight.request_slots == 1 and tight.pools["index"][1] == 1  # one hot buffer and one page still fit
+  # ratio x slots x (D + 1) rows, but never less than one max_seq_len request (63 pages).
+  assert p.pools["host"] == ("host", max(4 * p.request_slots * 17 // 16, 63), 16 * LAYOUT.latent_bytes)
+  assert roomy_host_pages(hs) == 4 * 40 * 17 // 16
   assert p.device_bytes <= budget
   with pytest.raises(kvmem.MemoryConfigError, match="cannot hold HiSparse's staging pages"):
     kvmem.plan(LAYOUT, budget=staging + hot, max_running_requests=8, max_seq_len=1000, page_size=16, hisparse=hs)
+
+
+def roomy_host_pages(hs):
+  return kvmem.plan(LAYOUT, budget=1 << 30, max_running_requests=40, max_seq_len=1000, page_size=16,
+                    hisparse=hs).pools["host"][1]
 
 
 def test_dense_backend_pages_follow_tokens_held():
@@ -75,6 +85,7 @@ def test_dense_backend_pages_follow_tokens_held():
   assert (tables["pages"][1, 3:] == -1).all() and tables["pages"].shape == (2, 13)
   be.release(kv)
   assert be.usage()[0].pages_free == total and be.free_slots == 3
+  assert be.request_bytes(33) == {"device": 3 * 16 * (LAYOUT.latent_bytes + LAYOUT.index_bytes), "host": 0}
   with pytest.raises(ValueError, match="not allocated"):
     be.release(kv)  # a double release is caught, not silently corrupting the free list
 
@@ -101,3 +112,5 @@ def test_hisparse_backend_frees_staging_when_prefill_ends_and_refuses_what_never
   assert not be.ensure(kv, 8 * 16 + 1) and len(kv.pages["index"]) == 8  # a failed growth takes nothing
   be.release(kv)
   assert all(x.pages_free == x.pages_total for x in be.usage())
+  assert be.request_bytes(40) == {"device": 48 * LAYOUT.index_bytes + LAYOUT.hot_buffer_bytes(16),
+                                  "host": 48 * LAYOUT.latent_bytes}

@@ -4,8 +4,9 @@ A request's life:
   1. ``submit`` validates it against sizes fixed at start-up (bad input -> ``InvalidRequest``; one that
      could never fit the pools -> ``ResourceExhausted``) and queues it (bounded queue).
   2. Each ``step()`` admits waiting requests, first come first served, while the backend has a request
-     slot and pages for the prompt (plus one growth page per decoding request, so admission does not
-     immediately force a preemption). An admitted request holds pages only for the tokens it has.
+     slot and pages for the prompt (plus one growth page per decoding request that will still grow, so
+     admission does not immediately force a preemption). An admitted request holds pages only for the
+     tokens it has.
   3. Prefill: up to ``chunked_prefill_size`` prompt tokens per step, in chunks of the admitted prompts
      (oldest first), batched into one jitted call; a long prompt takes several steps, so running
      requests keep getting a token every step while it prefills. The chunk that ends a prompt samples
@@ -60,10 +61,11 @@ MIN_INDEX_WINDOW = 256
 # Indexer keys read and scored at a time (tokens): bounds the [B, Q, heads, key block] intermediate.
 MAX_KEY_BLOCK = 2048
 INDEX_HEAD_ELEMENTS = 1 << 24
-# Scores kept before a top-k ([B, Q, score block] float32): one top-k over the whole window when it fits,
-# else a running top-k merged once per score block (XLA's CPU top-k costs ~15 ns per element on long rows,
-# ~70 ns when k is half the row: few large merges beat many small ones).
-SCORE_ELEMENTS = 1 << 26
+# Scores kept before a top-k ([B, Q, score block] float32, 64 MiB): one top-k over the whole window when it
+# fits, else a running top-k merged once per score block. This bounds a prefill chunk's transient memory
+# whatever the context (measured: ~38 KB per window token below the bound, from the score buffers XLA
+# keeps); a merge costs a top-k over K + block elements, so larger blocks mean fewer, cheaper-per-key merges.
+SCORE_ELEMENTS = 1 << 24
 # Bound on the rows a prefill attention block gathers (bytes of [B, query block, K, W]).
 PREFILL_GATHER_BYTES = 1 << 26
 
@@ -185,6 +187,7 @@ class Engine:
   def reset(self) -> None:
     """Drops every request and starts from empty KV pools (after a failed step)."""
     a = self.args
+    self.backend = None  # the old pools go before the new ones are allocated
     self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype) if self.hisparse is None else
                     kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, a.host_pool))
     R = self.backend.request_slots
@@ -330,7 +333,8 @@ class Engine:
   def _admit(self) -> None:
     while self.waiting:
       req = self.waiting[0]
-      reserve = len(self._decoding())  # one growth page per decoding request
+      # One growth page per decoding request that will still grow (admission should not force a preemption).
+      reserve = sum(self.backend.will_grow(r.kv, len(r.prompt_ids) + r.max_new_tokens) for r in self._decoding())
       prefill = req.prompt_kv is None
       if not self.backend.can_admit(len(req.prefill_ids), reserve_pages=reserve, prefill=prefill):
         return  # first come, first served: it waits for memory to free

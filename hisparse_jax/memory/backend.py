@@ -123,11 +123,11 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
 
   Dense: every token holds one "kv" page slot (latent + indexer key): pages = budget // (page x
   (latent + index bytes per token)).
-  HiSparse (SGLang's layout): R = max_running_requests hot buffers of D + 1 rows; "staging" pages for
-  max_seq_len tokens (one longest prompt, or several shorter ones, can prefill at once); the rest of the
-  budget is "index" pages; the host pool holds host_to_device_ratio x R x (D + 1) rows (SGLang's sizing),
-  in pages. If the budget cannot hold R hot buffers beside the staging pages and one index page per
-  request, R is lowered to what fits.
+  HiSparse (SGLang's layout): "staging" pages for max_seq_len tokens (one longest prompt, or several
+  shorter ones, can prefill at once); R = max_running_requests hot buffers of D + 1 rows, lowered so that
+  they take at most half of the budget left after staging; the rest is "index" pages; the host pool holds
+  host_to_device_ratio x R x (D + 1) rows (SGLang's sizing), in pages, and never less than one max_seq_len
+  request.
   A per-token pool never gets more pages than R requests of max_seq_len tokens could fill (R x P).
 
   Raises:
@@ -149,19 +149,32 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
   staging_page = page_size * layout.latent_bytes
   staging = P * staging_page
   hot = layout.hot_buffer_bytes(hisparse.device_buffer_size)
-  slots = min(max_running_requests, (budget - staging) // (hot + index_page)) if budget > staging else 0
+  avail = budget - staging
+  # Hot buffers take at most half of what staging leaves (the rest holds the indexer keys of every token);
+  # at least one hot buffer with one index page must fit.
+  slots = min(max_running_requests, max(avail // 2 // hot, 1 if avail >= hot + index_page else 0))
   if slots < 1:
     raise MemoryConfigError(
         f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) cannot hold "
         f"HiSparse's staging pages for one --max-seq-len {max_seq_len} prompt ({staging} bytes) plus one hot buffer "
         f"(device_buffer_size {hisparse.device_buffer_size}: {hot} bytes) and one index page ({index_page} bytes)")
   index_pages = min((budget - staging - slots * hot) // index_page, slots * P)
-  host_pages = hisparse.host_pool_rows(slots) // page_size
-  if host_pages < 1:
-    raise MemoryConfigError(f"--page-size {page_size} is larger than the whole host pool")
+  host_pages = max(hisparse.host_pool_rows(slots) // page_size, P)  # at least one max_seq_len request
   pools = {"index": ("device", index_pages, index_page), "staging": ("device", P, staging_page),
            "host": ("host", host_pages, staging_page)}
   return MemoryPlan(page_size, slots, P, pools, staging + slots * hot + index_pages * index_page)
+
+
+def request_bytes(layout: KVLayout, hisparse: HiSparseConfig | None, page_size: int, tokens: int) -> dict:
+  """The most memory one request of `tokens` tokens holds while it decodes, in bytes per memory kind:
+  dense {"device": pages x page x (latent + index bytes per token)}; HiSparse {"device": index pages + its
+  hot buffer, "host": latent pages}. (A HiSparse prompt's staging pages are shared and held only while it
+  prefills.) The same page sizes as ``plan``."""
+  nbytes = -(-tokens // page_size) * page_size
+  if hisparse is None:
+    return {"device": nbytes * (layout.latent_bytes + layout.index_bytes), "host": 0}
+  return {"device": nbytes * layout.index_bytes + layout.hot_buffer_bytes(hisparse.device_buffer_size),
+          "host": nbytes * layout.latent_bytes}
 
 
 @dataclasses.dataclass
@@ -246,6 +259,10 @@ class KVBackend(abc.ABC):
       raise
     return kv
 
+  def will_grow(self, kv: RequestKV, tokens: int) -> bool:
+    """Whether kv needs more pages to hold `tokens` tokens (its final length)."""
+    return any(len(kv.pages[name]) < self._pages(tokens) for name in self.token_pools)
+
   def ensure(self, kv: RequestKV, tokens: int) -> bool:
     """Grows kv's token pools to cover positions [0, tokens); False (holding what it had) if pages ran out."""
     try:
@@ -309,6 +326,10 @@ class KVBackend(abc.ABC):
     """Each pool's pages (total, free) and bytes: a consistent snapshot (call on the engine's thread)."""
     return [PoolUsage(name, memory, self.page_size, pages, self._lists[name].num_free, per_page)
             for name, (memory, pages, per_page) in self.plan.pools.items()]
+
+  def request_bytes(self, tokens: int) -> dict:
+    """Bytes per memory kind a request of `tokens` tokens holds at most (module function ``request_bytes``)."""
+    return request_bytes(self.layout, getattr(self, "hisparse", None), self.page_size, tokens)
 
   def swap_stats(self, kv: RequestKV) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(hits per layer, misses per layer) of the request in kv's slot since its admission; None in dense

@@ -247,13 +247,14 @@ def replay_kernel_lru(trace, context, D):
   stats = jnp.zeros((1, 1, 2), jnp.int32)
   host_pages = jnp.arange(S, dtype=jnp.int32)[None]  # page size 1: the page table is the host-row table
   req_ids = jnp.zeros((1,), jnp.int32)
-  fn = jax.jit(functools.partial(ops.swap_in, page_size=1), donate_argnums=(5, 6, 7, 8, 9))
+  newest = jnp.zeros((1, 1), jnp.float32)
+  fn = jax.jit(functools.partial(ops.swap_in, page_size=1), donate_argnums=(6, 7, 8, 9, 10))
   misses, prev = [], 0
   for step, topk in enumerate(trace):
     tk = np.full((1, K), -1, np.int32)
     tk[0, : len(topk)] = topk
     _, pool, hot, slots, lru, stats = fn(0, jnp.asarray(tk), jnp.asarray([context + step + 1], jnp.int32),
-                                         req_ids, host_pages, pool, hot, slots, lru, stats)
+                                         req_ids, host_pages, newest, pool, hot, slots, lru, stats)
     total = int(np.asarray(stats)[0, 0, 1])
     misses.append(total - prev)
     prev = total

@@ -87,14 +87,15 @@ def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", plat
   stats = jax.device_put(jnp.zeros((L, B, 2), jnp.int32), dev)
   host_rows_d = jax.device_put(jnp.asarray(host_rows), dev)
   req_ids = jax.device_put(jnp.arange(B, dtype=jnp.int32), dev)
+  newest = jax.device_put(jnp.zeros((B, W), jnp.uint8), dev)
 
   # Page size 1: the page table is the per-position host-row table (the same data layout at any page size).
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
   def step(pool, hot, slots, order, stats, top_k, seq_lens, host_rows):
     rows = []
     for l in range(L):
-      r, pool, hot, slots, order, stats = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_rows, pool, hot,
-                                                      slots, order, stats, page_size=1, external=external)
+      r, pool, hot, slots, order, stats = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_rows, newest, pool,
+                                                      hot, slots, order, stats, page_size=1, external=external)
       rows.append(r)
     return jnp.stack(rows), pool, hot, slots, order, stats
 

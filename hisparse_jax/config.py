@@ -51,7 +51,7 @@ class HiSparseConfig:
           f"hisparse config: host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
 
   def host_pool_rows(self, num_requests: int) -> int:
-    """Latent rows per layer the host pool holds for num_requests decode lanes:
+    """Latent rows per layer the host pool holds for num_requests request slots:
     host_to_device_ratio x the hot-buffer rows, num_requests x (D + 1) (SGLang's sizing)."""
     return self.host_to_device_ratio * num_requests * (self.device_buffer_size + 1)
 

@@ -53,12 +53,12 @@ def _run_path(path, case, jax, platform, page_size):
   """Runs ops.swap_in on `case` through host-pool path `path`; returns numpy results."""
   import jax.numpy as jnp
   from hisparse_jax.kernels import ops
-  layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats = case
+  layer, top_k, seq_lens, req_ids, host_pages, newest, pool, hot, slot_tokens, lru, stats = case
   dev = jax.devices()[0]
   put = lambda x: jax.device_put(jnp.asarray(x), dev)
-  args = [put(top_k), put(seq_lens), put(req_ids), put(host_pages)]
+  args = [put(top_k), put(seq_lens), put(req_ids), put(host_pages), put(newest)]
   state = [put(hot), put(slot_tokens), put(lru), put(stats)]
-  donate = (5, 6, 7, 8, 9)
+  donate = (6, 7, 8, 9, 10)
   if path == "pinned_host":
     host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))(put(pool))
     fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size), donate_argnums=donate)

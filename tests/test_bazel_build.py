@@ -13,7 +13,7 @@ import pytest
 
 from hisparse_jax.kernels import ops
 from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE, host_rows_of, worked_example
-from tests.test_swap_in_kernel import device_args
+from tests.test_swap_in_kernel import POOL, device_args
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def test_bazel_library_runs_the_worked_example(bazel_library):
   np.testing.assert_array_equal(slot_tokens[0, 4], [8, 3, 7, 12])
   np.testing.assert_array_equal(lru[0, 4], [2, 3, 0, 1])
   host_row_of_8 = host_rows_of(case[4][0], WORKED_EXAMPLE_PAGE_SIZE)[8]
-  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], case[5][0, host_row_of_8])
+  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], case[POOL][0, host_row_of_8])
   # Same error contract as the pip-built module.
   case[1][0, 0] = 16
   with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="top-k position is >= seq_len"):

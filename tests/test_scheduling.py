@@ -149,3 +149,37 @@ def test_prompt_kv_computed_elsewhere_is_imported_and_decoded():
       eng.submit(Request("bad", p[:40], 8, prompt_kv=kv, first_token=first))
     with pytest.raises(InvalidRequest, match="first generated token"):
       eng.submit(Request("bad", p, 8, prompt_kv=kv))
+
+
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
+def test_compiled_steps_update_every_pool_in_place(hisparse):
+  """The compiled prefill, decode and import calls hold no copy of any KV pool (an in-place update that XLA
+  cannot prove safe becomes a full copy of the buffer, per layer: the classic hidden cost)."""
+  import jax
+  import jax.numpy as jnp
+  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128, **SMALL)
+  r = Request("r", prompt(20), 4)
+  eng.submit(r)
+  eng.step()
+  eng.step()
+  state = eng.backend.state
+  shapes = {"{}[{}]".format(str(a.dtype).replace("float", "f").replace("int", "s"), ",".join(map(str, a.shape)))
+            for a in jax.tree.leaves(state) if a.ndim >= 3}
+  assert shapes
+  decode_tables = {k: jnp.asarray(v) for k, v in eng.backend.decode_tables([r.kv]).items()}
+  prefill_tables = {k: jnp.asarray(v) for k, v in eng.backend.prefill_tables([r.kv], [True]).items()}
+  sampling = eng._sampling([r.kv.slot])
+  tok, pos = jnp.zeros((1, 32), jnp.int32), jnp.arange(32, dtype=jnp.int32)[None]
+  cfg = eng.config
+  lowered = {
+      "decode": eng._decode_fn.lower(eng._params, tok[:, 0], pos[:, 0] + 20, state, decode_tables, sampling,
+                                     **eng._index_blocks(1, 1, 20)),
+      "prefill": eng._prefill_fn.lower(eng._params, tok, pos, state, prefill_tables, sampling,
+                                       query_block=None, **eng._index_blocks(1, 32, 31)),
+      "import": eng._import_fn.lower(state, decode_tables, jnp.zeros((cfg.num_hidden_layers, 20, cfg.latent_dim)),
+                                     jnp.zeros((cfg.num_hidden_layers, 20, cfg.index_head_dim))),
+  }
+  for name, low in lowered.items():
+    hlo = low.compile().as_text()
+    copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)]
+    assert not copies, (name, copies[:3])

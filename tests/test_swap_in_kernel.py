@@ -16,9 +16,9 @@ from hisparse_jax.kernels.reference import host_rows_of, worked_example
 
 # An FFI INVALID_ARGUMENT surfaces as JaxRuntimeError, or ValueError when the call is dispatched eagerly.
 FFI_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
-# Argument positions: layer, top_k, seq_lens, req_ids, host_pages | host_pool, hot, slot_tokens, lru, stats.
-POOL = 5
-STATE = (5, 6, 7, 8, 9)
+# Argument positions: layer, top_k, seq_lens, req_ids, host_pages, newest | host_pool, hot, slot_tokens, lru, stats.
+NEWEST, POOL, HOT, SLOTS, LRU, STATS = 5, 6, 7, 8, 9, 10
+STATE = (POOL, HOT, SLOTS, LRU, STATS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,16 +57,17 @@ def test_worked_example(impl):
   host_row_of_8 = host_rows_of(args[4][0], PAGE)[8]
   assert host_row_of_8 == 7 * PAGE  # page 2 of the table is host page 7
   np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], args[POOL][0, host_row_of_8])
-  # Only device row 20 changed.
-  changed = np.flatnonzero((hot != args[6]).any(-1).reshape(-1))
-  np.testing.assert_array_equal(changed, [20])
+  # Only device row 20 (the miss) and row 24 (the reserved slot, given the newest row) changed.
+  changed = np.flatnonzero((hot != args[HOT]).any(-1).reshape(-1))
+  np.testing.assert_array_equal(changed, [20, 24])
+  np.testing.assert_array_equal(hot[0].reshape(-1, 3)[24], args[NEWEST][0])
   np.testing.assert_array_equal(stats[0, 4], [2, 1])  # hits: 3 and newest 15; miss: 8
   assert not stats[:, :4].any()  # other request slots untouched
 
 
 def test_worked_example_is_in_place():
   args = device_args(worked_example())
-  pool, hot = args[POOL], args[6]
+  pool, hot = args[POOL], args[HOT]
   pool_ptr, hot_ptr = pool.unsafe_buffer_pointer(), hot.unsafe_buffer_pointer()
   out = swap_in_jit(PAGE)(*args)
   assert out[1].sharding.memory_kind == "pinned_host"
@@ -133,7 +134,12 @@ def swap_in_cases(draw):
         for t in range(n):
           hot[l, r, t] = pool[l, rows[t]]
   stats = np.zeros((L, R, 2), np.int32)
-  return [layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats], page
+  # Each row's newest latent row, as the engine computes it: what backup just wrote to its host row.
+  newest = np.zeros((B, W), np.float32)
+  for b in range(B):
+    if req_ids[b] >= 0 and seq_lens[b]:
+      newest[b] = pool[layer, host_rows_of(host_pages[b], page)[seq_lens[b] - 1]]
+  return [layer, top_k, seq_lens, req_ids, host_pages, newest, pool, hot, slot_tokens, lru, stats], page
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -145,7 +151,7 @@ def test_kernel_matches_reference_and_invariants(case_page):
   for name, g, w in zip(["rows", "pool", "hot", "slot_tokens", "lru", "stats"], got, want):
     np.testing.assert_array_equal(g, w, err_msg=name)
 
-  layer, top_k, seq_lens, req_ids, host_pages, pool = case[:6]
+  layer, top_k, seq_lens, req_ids, host_pages, _, pool = case[:7]
   rows, _, hot, slot_tokens, lru, stats = got
   R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
   flat = hot[layer].reshape(R * D1, W)
@@ -172,8 +178,8 @@ def test_kernel_matches_reference_and_invariants(case_page):
     assert stats[layer, r].sum() == len(needed)
   # Request slots without a row are untouched.
   idle = sorted(set(range(R)) - {int(x) for x in req_ids})
-  np.testing.assert_array_equal(hot[:, idle], case[6][:, idle])
-  np.testing.assert_array_equal(lru[:, idle], case[8][:, idle])
+  np.testing.assert_array_equal(hot[:, idle], case[HOT][:, idle])
+  np.testing.assert_array_equal(lru[:, idle], case[LRU][:, idle])
   assert not stats[:, idle].any()
 
 
@@ -183,9 +189,11 @@ def test_fast_path_no_io_lru_unchanged():
   case[1][0] = [0, 3, 3, -1]
   rows, _, hot, slot_tokens, lru, stats = run_kernel(*case)
   np.testing.assert_array_equal(rows[0], [20, 23, 23, -1])
-  np.testing.assert_array_equal(hot, case[6])
-  np.testing.assert_array_equal(lru, case[8])
-  np.testing.assert_array_equal(slot_tokens, case[7])
+  want = case[HOT].copy()
+  want[0, 4, 3] = case[NEWEST][0]  # the newest token (position 3) goes to its own slot: no I/O
+  np.testing.assert_array_equal(hot, want)
+  np.testing.assert_array_equal(lru, case[LRU])
+  np.testing.assert_array_equal(slot_tokens, case[SLOTS])
   np.testing.assert_array_equal(stats[0, 4], [2, 0])
 
 
@@ -195,7 +203,7 @@ def test_duplicates_and_padding_copy_once():
   rows, _, hot, _, _, stats = run_kernel(*case)
   np.testing.assert_array_equal(rows[0], [20, 20, -1, 20])
   np.testing.assert_array_equal(stats[0, 4], [0, 1])
-  assert (hot != case[6]).any(-1).sum() == 1
+  assert (hot != case[HOT]).any(-1).sum() == 2  # the miss, and the newest row in the reserved slot
 
 
 def _with_idle_row(case):
@@ -204,6 +212,7 @@ def _with_idle_row(case):
   case[2] = np.append(case[2], 0).astype(np.int32)
   case[3] = np.append(case[3], -1).astype(np.int32)
   case[4] = np.concatenate([case[4], np.full((1, 4), -1, np.int32)])
+  case[NEWEST] = np.concatenate([case[NEWEST], np.zeros((1, 3), np.float32)])
   return case
 
 
@@ -213,13 +222,14 @@ def _with_idle_row(case):
     (lambda c: c[4].__setitem__((0, 2), 999), "host-pool row"),
     (lambda c: c[4].__setitem__((0, 2), -1), "host-pool row"),
     (lambda c: c[4].__setitem__((0, 2), 2**30), "host-pool row"),  # page * page_size wraps in int32
-    (lambda c: c[8].__setitem__((0, 4, 0), 1), "not a permutation"),
+    (lambda c: c[LRU].__setitem__((0, 4, 0), 1), "not a permutation"),
     (lambda c: c[2].__setitem__(0, 17), "seq_len"),
     (lambda c: c.__setitem__(0, 1), "layer index"),
     (lambda c: c[3].__setitem__(0, 5), "request id"),
     (lambda c: c[3].__setitem__(0, -2), "request id"),
     (lambda c: c[3].__setitem__(0, -1), "request id"),  # idle row with seq_len > 0
     (lambda c: _with_idle_row(c)[3].__setitem__(1, 4), "request id"),  # the same request twice
+    (lambda c: c.__setitem__(NEWEST, np.zeros((1, 2), np.float32)), "newest must be"),
 ])
 def test_bad_input_is_an_error_and_changes_nothing(mutate, message):
   case = worked_example()
@@ -227,8 +237,8 @@ def test_bad_input_is_an_error_and_changes_nothing(mutate, message):
   args = device_args(case)  # not donated here: the inputs stay readable
   with pytest.raises(FFI_ERRORS, match=message):
     jax.block_until_ready(ops.swap_in(*args, page_size=PAGE))
-  np.testing.assert_array_equal(np.asarray(args[6]), case[6])
-  np.testing.assert_array_equal(np.asarray(args[8]), case[8])
+  np.testing.assert_array_equal(np.asarray(args[HOT]), case[HOT])
+  np.testing.assert_array_equal(np.asarray(args[LRU]), case[LRU])
   # A correct call still works afterwards.
   rows = run_kernel(*worked_example())[0]
   np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
@@ -240,7 +250,7 @@ def test_idle_rows_and_slot_indirection():
   """Rows may come in any order of request slots; idle rows (-1) cost nothing and write -1."""
   case = _with_idle_row(worked_example())
   order = [1, 0]  # the idle row first
-  for i in (1, 2, 3, 4):
+  for i in (1, 2, 3, 4, NEWEST):
     case[i] = case[i][order]
   rows, *_ = got = run_kernel(*case)
   np.testing.assert_array_equal(rows, [[-1] * 4, [21, 24, 20, -1]])
@@ -282,28 +292,31 @@ def test_backup_bad_input(layer, dst, message):
     jax.block_until_ready(ops.backup(layer, jnp.ones((2, 3, 4)), jnp.array(dst, jnp.int32), pool))
 
 
-def test_in_place_inside_a_jitted_step_has_no_pool_copy():
-  """backup then swap-in on a pinned_host pool: the compiled step holds no copy of the pool."""
+def test_in_place_inside_a_jitted_step_has_no_pool_or_hot_buffer_copy():
+  """backup then swap-in (given the newest row) over two layers, as a decode step does: the compiled step
+  holds no copy of the pinned_host pool nor of the hot buffer."""
   case = worked_example()
   L, H, W = case[POOL].shape
   newest_row = host_rows_of(case[4][0], PAGE)[15]
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(pool, hot, slot_tokens, lru, stats, new_row, dst):
-    pool = ops.backup(0, new_row, dst, pool)
-    rows, pool, hot, *_ = ops.swap_in(0, *map(jnp.asarray, case[1:POOL]), pool, hot, slot_tokens, lru, stats,
-                                      page_size=PAGE)
+    for layer in (0, 0):
+      pool = ops.backup(layer, new_row, dst, pool)
+      rows, pool, hot, slot_tokens, lru, stats = ops.swap_in(
+          layer, *map(jnp.asarray, case[1:NEWEST]), new_row[0], pool, hot, slot_tokens, lru, stats, page_size=PAGE)
+      new_row = new_row + hot[layer].reshape(-1, W)[rows[0, 0]]  # the next layer depends on this one's rows
     return rows, pool, hot
 
   args = (to_host(case[POOL]), *map(jnp.asarray, case[POOL + 1:]),
           jnp.ones((1, 1, W), jnp.float32), jnp.array([newest_row], jnp.int32))
   hlo = step.lower(*args).compile().as_text()
-  pool_shape = f"f32[{L},{H},{W}]"
-  copies = [l for l in hlo.splitlines() if " copy(" in l and pool_shape in l]
-  assert not copies, copies
-  rows, pool, _ = step(*args)
+  for shape in (f"f32[{L},{H},{W}]", "f32[{},{},{},{}]".format(*case[HOT].shape)):
+    copies = [l for l in hlo.splitlines() if " copy(" in l and shape in l]
+    assert not copies, copies
+  rows, pool, hot = step(*args)
   np.testing.assert_array_equal(np.asarray(rows)[0], [21, 24, 20, -1])
-  np.testing.assert_array_equal(np.asarray(pool)[0, newest_row], np.ones(W))
+  np.testing.assert_array_equal(np.asarray(hot)[0].reshape(-1, W)[24], np.asarray(pool)[0, newest_row])
 
 
 def test_loaded_handler_is_the_requested_build():
@@ -350,9 +363,9 @@ def test_sub_byte_dtypes_are_rejected(dtype):
     jax.block_until_ready(ops.backup(0, jnp.ones((1, 1, 256), dtype), jnp.array([63], jnp.int32), pool))
   case = worked_example()
   with pytest.raises(FFI_ERRORS, match="below one byte"):
-    jax.block_until_ready(ops.swap_in(0, *map(jnp.asarray, case[1:POOL]), to_host(jnp.zeros((1, 32, 4), dtype)),
-                                      jnp.zeros((1, 5, 5, 4), dtype), *map(jnp.asarray, case[POOL + 2:]),
-                                      page_size=PAGE))
+    jax.block_until_ready(ops.swap_in(0, *map(jnp.asarray, case[1:NEWEST]), jnp.zeros((1, 4), dtype),
+                                      to_host(jnp.zeros((1, 32, 4), dtype)), jnp.zeros((1, 5, 5, 4), dtype),
+                                      *map(jnp.asarray, case[HOT + 1:]), page_size=PAGE))
   with pytest.raises(TypeError, match="below one byte"):
     ops.ExtensionHostPool(1, 4, 4, dtype)
 
@@ -383,7 +396,7 @@ def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
   case = [c.copy() if isinstance(c, np.ndarray) else c for c in case]
   layer = case[0]
   B, P = case[4].shape
-  R, D = case[7].shape[1], case[7].shape[2]
+  R, D = case[SLOTS].shape[1], case[SLOTS].shape[2]
   what = data.draw(st.sampled_from(["page", "lru", "req"]))
   b = data.draw(st.integers(0, B - 1))
   if what == "page":
@@ -392,7 +405,7 @@ def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
   elif what == "lru":
     i = data.draw(st.integers(0, D - 1))
     r = data.draw(st.integers(0, R - 1))
-    case[8][layer, r, i] = data.draw(st.sampled_from([-1, D, int(case[8][layer, r, (i + 1) % D])]))
+    case[LRU][layer, r, i] = data.draw(st.sampled_from([-1, D, int(case[LRU][layer, r, (i + 1) % D])]))
   else:
     case[3][b] = data.draw(st.sampled_from([-2, -1, R, int(case[3][(b + 1) % B])]))
   try:
@@ -403,8 +416,8 @@ def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
     args = device_args(case)
     with pytest.raises(FFI_ERRORS):
       jax.block_until_ready(ops.swap_in(*args, page_size=page))
-    np.testing.assert_array_equal(np.asarray(args[7]), case[7])
-    np.testing.assert_array_equal(np.asarray(args[8]), case[8])
+    np.testing.assert_array_equal(np.asarray(args[SLOTS]), case[SLOTS])
+    np.testing.assert_array_equal(np.asarray(args[LRU]), case[LRU])
   else:
     for g, w in zip(run_kernel(*case, page_size=page), want):
       np.testing.assert_array_equal(g, w)

@@ -67,6 +67,7 @@ auto BindSwapIn(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()            // seq_lens
       .template Arg<ffi::Buffer<ffi::S32>>()            // req_ids
       .template Arg<ffi::Buffer<ffi::S32>>()            // host_pages
+      .template Arg<ffi::AnyBuffer>()                   // newest
       .template Arg<ffi::AnyBuffer>()                   // host_pool
       .template Arg<ffi::AnyBuffer>()                   // hot
       .template Arg<ffi::AnyBuffer>()                   // slot_tokens

@@ -6,6 +6,7 @@
 //   seq_lens     s32[B]             tokens of each row's request, newest at seq_len-1
 //   req_ids      s32[B]             hot buffer (request slot) of each row in [0, R); -1 = idle row
 //   host_pages   s32[B, P]          each row's host page table: logical page -> host-pool page
+//   newest       T[B, W]            each row's newest latent row (position seq_len - 1), written to its slot
 //   host_pool    T[L, H, W]         latent KV rows in host memory (H = pages x page_size)
 //   hot          T[L, R, D+1, W]    hot buffers of R request slots; slot D is the reserved slot
 //   slot_tokens  s32[L, R, D]       slot -> token position (-1 empty)
@@ -95,8 +96,9 @@ constexpr int64_t kMinRequestsPerTask = 4;
 ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page_size,
                   ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
-                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                  ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
+                  ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                  ffi::Result<ffi::Buffer<ffi::S32>> rows,
                   ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                   ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
   // ---- shapes --------------------------------------------------------------
@@ -127,6 +129,8 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
         "swap_in: expected seq_lens/req_ids s32[B], host_pages s32[B,P], slot_tokens/lru s32[L,R,D], "
         "stats s32[L,R,2], layer s32[]");
   const int64_t P = pd[1];
+  if (!SameDims(newest, {B, W}) || newest.element_type() != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
   if (std::max({R * (D + 1), H, P * page_size, K}) > std::numeric_limits<int32_t>::max())
     return ffi::Error::InvalidArgument("swap_in: a dimension exceeds int32 indexing");
   const int32_t layer = layer_buf.typed_data()[0];
@@ -193,7 +197,7 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
                                          std::to_string(ids[b]) + "), layer " + std::to_string(layer) +
                                          ": " + StatusMessage(-batch.misses[b]));
 
-  // Phase 2: commit the plans and copy the missing rows host -> device.
+  // Phase 2: commit the plans, place each newest row, copy the missing rows host -> device.
   CopyIfDistinct(hot, hot_out);
   CopyIfDistinct(slot_tokens, slot_tokens_out);
   CopyIfDistinct(lru, lru_out);
@@ -211,6 +215,9 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
     const int32_t* miss_tokens = batch.miss_tokens.data() + b * K;
     const int32_t* miss_slots = batch.miss_slots.data() + b * K;
     CommitSwapIn(r, batch.new_lru.data() + b * D, miss_tokens, miss_slots, misses);
+    if (r.seq_len > 0)
+      std::memcpy(dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * row_bytes,
+                  static_cast<const char*>(newest.untyped_data()) + b * row_bytes, row_bytes);
     for (int32_t i = 0; i < misses; ++i) {
       const int64_t src = HostRow(r, miss_tokens[i]);  // validated by the plan
       std::memcpy(dev + (r.row_base + miss_slots[i]) * row_bytes, pool + src * row_bytes, row_bytes);
@@ -224,7 +231,7 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
 // Host pool as an XLA operand (a `pinned_host` JAX array), aliased to a result.
 ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
-                      ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages,
+                      ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest,
                       ffi::AnyBuffer host_pool, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
                       ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
                       ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
@@ -237,14 +244,14 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
   CopyIfDistinct(host_pool, host_pool_out);
   PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
                 host_pool.element_type(), pd[2]};
-  return SwapIn(thread_pool, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
-                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+  return SwapIn(thread_pool, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot,
+                slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 // Host pool owned by the extension; `pool_token` (s32[1], aliased) orders the calls that touch it.
 ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
-                         ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages,
+                         ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest,
                          ffi::AnyBuffer pool_token, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
                          ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
@@ -254,8 +261,8 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
   auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
-  return SwapIn(thread_pool, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
-                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+  return SwapIn(thread_pool, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot,
+                slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 // Backup: host_pool[layer + i, dst[n]] = rows[i, n] for every n with dst[n] >= 0.

@@ -32,6 +32,7 @@ struct SwapInArgs {
   const int32_t* seq_lens;
   const int32_t* req_ids;
   const int32_t* host_pages;
+  const char* newest;
   const char* pool;
   char* hot;
   int32_t* slot_tokens;
@@ -144,6 +145,9 @@ __global__ void SwapInKernel(SwapInArgs a) {
   __syncthreads();
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
+  if (threadIdx.x / 32 == kThreads / 32 - 1)  // the last warp places the newest row (the others take misses first)
+    CopyRow(a.newest + static_cast<int64_t>(b) * a.row_bytes,
+            dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * a.row_bytes, a.row_bytes);
   for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
     const int64_t src = HostRow(r, p.miss_tokens[i]);  // validated by the plan
     CopyRow(pool + src * a.row_bytes, dev + (r.row_base + p.miss_slots[i]) * a.row_bytes, a.row_bytes);
@@ -196,7 +200,8 @@ ffi::ErrorOr<int32_t*> ErrorWord(int32_t** host) {
 
 ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
-                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
+                  ffi::AnyBuffer slot_tokens,
                   ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
                   ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                   ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
@@ -231,12 +236,15 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, ffi::Bu
       req_ids.element_count() != static_cast<size_t>(a.B) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
         "swap_in: expected slot_tokens/lru s32[L,R,D], stats s32[L,R,2], seq_lens/req_ids s32[B], layer s32[]");
+  if (newest.element_count() != static_cast<size_t>(a.B) * pool.W || newest.element_type() != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
   if (a.B == 0) return ffi::Error::Success();
   a.layer = layer.typed_data();
   a.top_k = top_k.typed_data();
   a.seq_lens = seq_lens.typed_data();
   a.req_ids = req_ids.typed_data();
   a.host_pages = host_pages.typed_data();
+  a.newest = static_cast<const char*>(newest.untyped_data());
   a.pool = pool.base;
   a.row_bytes = pool.W * ffi::ByteWidth(hot.element_type());
   a.slot_tokens = static_cast<int32_t*>(slot_tokens.untyped_data());
@@ -276,7 +284,8 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, ffi::Bu
 // Host pool as an XLA operand (`pinned_host` memory), aliased to a result.
 ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
                       ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
-                      ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
+                      ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer host_pool,
+                      ffi::AnyBuffer hot,
                       ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
                       ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> host_pool_out,
                       ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
@@ -288,14 +297,15 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
     return ffi::Error::InvalidArgument("swap_in: host_pool dtype packs below one byte per element (unsupported)");
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]};
-  return SwapIn(stream, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens, lru,
-                stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+  return SwapIn(stream, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 // Host pool owned by the extension (cudaHostAlloc, mapped); pool_token (s32[1]) orders the calls.
 ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
-                         ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
+                         ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer pool_token,
+                         ffi::AnyBuffer hot,
                          ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
                          ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> pool_token_out,
                          ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
@@ -304,8 +314,8 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
   auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
-  return SwapIn(stream, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens, lru,
-                stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+  return SwapIn(stream, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
 __global__ void BackupKernel(const int32_t* layer, const char* rows, const int32_t* dst, char* pool,

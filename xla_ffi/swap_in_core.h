@@ -16,6 +16,11 @@
 //     filled (in victim order) + hit slots (old order). Hits go last because
 //     they were just used and are most likely to be used again next step.
 //   * Padding (-1) maps to row -1 and costs nothing.
+//   * The newest token's latent row (computed this step) is written by the handler
+//     to its slot: its own slot seq_len - 1 while seq_len <= D, else the reserved
+//     slot D (NewestSlot) -- so that XLA never writes the hot buffer in a decode
+//     step (an XLA update of a buffer an aliased custom call then takes is not done
+//     in place: it copies the whole hot buffer).
 //
 // Source of the algorithm: HiSparse (SGLang, sgl-project/sglang PR "HiSparse",
 // jit_kernel/csrc/hisparse.cuh): per-request hot buffer, hash of the top-k,
@@ -151,6 +156,9 @@ HISPARSE_HD inline int64_t HostRow(const RequestLayer& r, int32_t t) {
   const int64_t row = page * r.page_size + t % r.page_size;
   return (page < 0 || row >= r.num_host_rows) ? -1 : row;
 }
+
+// Slot of the newest token (position seq_len - 1, seq_len >= 1).
+HISPARSE_HD inline int32_t NewestSlot(int32_t seq_len, int32_t D) { return seq_len <= D ? seq_len - 1 : D; }
 
 // Tokens the page table spans: the largest valid seq_len.
 HISPARSE_HD inline int64_t MaxSeqLen(const RequestLayer& r) {

@@ -177,7 +177,7 @@ class ExtensionHostPool:
       pass
 
 
-def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, stats, *,
+def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats, *,
             page_size: int, external: ExternalPoolRef | None = None, target: str | None = None):
   """Make the latent rows of each batch row's top-k positions resident in its request's hot buffer.
 
@@ -189,6 +189,10 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_to
       (seq_len must be 0). No id may appear twice.
     host_pages: int32[B, P] each row's host page table: logical page p (positions
       [p * page_size, (p + 1) * page_size)) -> host-pool page; -1 = none.
+    newest: T[B, W] each row's newest latent row (position seq_len - 1, computed this step), which the
+      kernel writes to its slot (seq_len - 1 while seq_len <= D, else the reserved slot D). The kernel,
+      not XLA, writes it: an XLA update of the hot buffer feeding this aliased call is not done in
+      place (XLA copies the whole buffer).
     host_pool: T[L, H, W] latent KV of all tokens (``pinned_host`` memory; H = host pages x
       page_size), or with ``external`` the int32[1] ordering token of an ExtensionHostPool.
     hot: T[L, R, D+1, W] hot buffers of R request slots; slot D of each is reserved for its newest
@@ -208,7 +212,8 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_to
     jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the failed result is first
     read through NumPy) when K > D, a position is >= seq_len or < -1, seq_len exceeds P x
     page_size, a needed position has no host row in [0, H), an LRU row is not a permutation, a
-    request id is out of range, repeated or -1 on an active row, or the layer is out of range.
+    request id is out of range, repeated or -1 on an active row, the layer is out of range, or newest
+    is not [B, W] of the hot buffer's dtype.
     Nothing is modified in that case.
 
   ``external`` selects the handler over an ExtensionHostPool; ``target`` names another
@@ -232,10 +237,10 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_to
           _like(lru),
           _like(stats),
       ),
-      input_output_aliases={5: 1, 6: 2, 7: 3, 8: 4, 9: 5},
+      input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
   )
   attrs = external.attrs() if external else {}
-  return call(_layer(layer), top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, stats,
+  return call(_layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
               page_size=np.int64(page_size), **attrs)
 
 

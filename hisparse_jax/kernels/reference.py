@@ -8,6 +8,8 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
   * The hot buffer has D slots plus a reserved slot D for the newest token,
     position seq_len - 1. Device row of (request slot r, slot s) = r * (D + 1) + s.
   * Host row of position t = host_pages[b, t // page_size] * page_size + t % page_size.
+  * The row's newest latent row (newest[b]) is written to its slot first: slot seq_len - 1 while
+    seq_len <= D, else the reserved slot D.
   * seq_len <= D (fast path): slot i holds token i; no I/O; LRU unchanged.
   * Otherwise: hits keep their slots; misses take the least-recently-used
     slots holding no token needed this step; the newest token is served from
@@ -105,7 +107,8 @@ def host_rows_of(host_pages, page_size: int) -> np.ndarray:
   return np.where(pages[:, None] < 0, -1, rows).reshape(-1)
 
 
-def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, stats, *, page_size):
+def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats, *,
+            page_size):
   """Batched reference with the shapes and results of ``hisparse_jax.kernels.ops.swap_in``.
 
   Works on copies; returns (rows, host_pool, hot, slot_tokens, lru, stats) as
@@ -123,6 +126,8 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_to
     raise SwapInError(f"top_k ({np.shape(top_k)[1]}) > device_buffer_size ({D})")
   if not 0 <= layer < L:
     raise SwapInError(f"layer {layer} outside [0, {L})")
+  if np.shape(newest) != (len(req_ids), W) or np.asarray(newest).dtype != hot.dtype:
+    raise SwapInError("newest must be [B, W] of the hot buffer's dtype")
   seen = set()
   for b, r in enumerate(int(x) for x in req_ids):
     if not -1 <= r < R or (r < 0 and seq_lens[b] != 0) or r in seen:
@@ -138,6 +143,9 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_to
         np.asarray(top_k[b]), int(seq_lens[b]), host_rows_of(host_pages[b], page_size), host_pool[layer],
         hot_l, slot_tokens[layer, r], lru[layer, r], r * D1, D)
     stats[layer, r] += (hits, misses)
+    n = int(seq_lens[b])
+    if n > 0:  # the kernel changes nothing on error, so the reference writes the newest rows last
+      hot_l[r * D1 + (n - 1 if n <= D else D)] = newest[b]
   return rows, host_pool, hot, slot_tokens, lru, stats
 
 
@@ -184,7 +192,8 @@ def random_case(rng: np.random.Generator, *, L=2, B=3, R=5, D=8, K=6, S=40, W=4,
     if n:
       top_k[b] = np.where(rng.random(K) < 0.2, -1, rng.integers(0, n, K))
   stats = np.zeros((L, R, 2), np.int32)
-  return [layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats]
+  newest = (rng.standard_normal((B, W)) * 10).astype(dtype)
+  return [layer, top_k, seq_lens, req_ids, host_pages, newest, pool, hot, slot_tokens, lru, stats]
 
 
 WORKED_EXAMPLE_PAGE_SIZE = 4
@@ -194,9 +203,10 @@ def worked_example():
   """The issue's worked example as ``swap_in`` arguments (page_size ``WORKED_EXAMPLE_PAGE_SIZE``).
 
   Five request slots; the batch has one row, serving request slot 4. D=4; slots 0..3 of request 4
-  hold tokens [10, 3, 7, 12] in device rows 20..23; the newest token 15 sits in the reserved row
-  24; seq_len 16; LRU oldest-first [0, 1, 2, 3]. Top-k [3, 15, 8, -1] -> rows [21, 24, 20, -1];
-  slot 0 then holds token 8, device row 20 its host row, LRU [2, 3, 0, 1].
+  hold tokens [10, 3, 7, 12] in device rows 20..23; the newest token 15 (its row given as newest,
+  all 7s) goes to the reserved row 24; seq_len 16; LRU oldest-first [0, 1, 2, 3]. Top-k
+  [3, 15, 8, -1] -> rows [21, 24, 20, -1]; slot 0 then holds token 8, device row 20 its host row,
+  LRU [2, 3, 0, 1].
   """
   L, R, D, W, S, H = 1, 5, 4, 3, 16, 32
   page = WORKED_EXAMPLE_PAGE_SIZE
@@ -210,5 +220,6 @@ def worked_example():
   seq_lens = np.array([16], np.int32)
   req_ids = np.array([4], np.int32)
   stats = np.zeros((L, R, 2), np.int32)
+  newest = np.full((1, W), 7, np.float32)
   assert host_pages.shape[1] * page == S
-  return [0, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, stats]
+  return [0, top_k, seq_lens, req_ids, host_pages, newest, pool, hot, slot_tokens, lru, stats]

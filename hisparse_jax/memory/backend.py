@@ -384,8 +384,8 @@ class HiSparseBackend(KVBackend):
         external_pool=self.external_pool)
 
   def prefill_tables(self, kvs, finishing) -> dict:
-    R = self.request_slots
-    hot_slot = np.array([kv.slot if (kv is not None and done) else R for kv, done in zip(kvs, finishing)],
+    scratch = self.request_slots  # the state's scratch hot-buffer slot
+    hot_slot = np.array([kv.slot if (kv is not None and done) else scratch for kv, done in zip(kvs, finishing)],
                         np.int32)
     return {"index_pages": self._rows("index", kvs), "staging_pages": self._rows("staging", kvs),
             "host_pages": self._rows("host", kvs), "hot_slot": hot_slot}

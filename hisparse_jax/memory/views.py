@@ -177,13 +177,13 @@ class HiSparsePrefillView:
     return gather_rows(self.staging, layer, self.staging_pages, top_k, self.page_size), self
 
 
-@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids") + _HOST,
+@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest") + _HOST,
          meta=("page_size", "external"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
-  """A HiSparse decode batch (one token per row): the newest latent row goes to the request's hot buffer
-  (its own slot while the request is no longer than D, else the reserved slot D) and to the host pool;
-  ``gather`` is the swap-in kernel."""
+  """A HiSparse decode batch (one token per row): the newest latent row goes to the host pool (backup
+  kernel) and, placed by the swap-in kernel in ``gather``, to the request's hot buffer (its own slot while
+  the request is no longer than D, else the reserved slot D); ``gather`` is the swap-in kernel."""
 
   index: jax.Array
   index_pages: jax.Array
@@ -192,23 +192,21 @@ class HiSparseDecodeView:
   lru: jax.Array
   stats: jax.Array
   req_ids: jax.Array
+  newest: jax.Array | None  # T[B, W], the rows append() received this layer, for the swap-in to place
   host_pool: jax.Array
   host_pages: jax.Array
   page_size: int
   external: ops.ExternalPoolRef | None
 
   def append(self, layer, positions, latent, index_key):
-    # Backup first: the swap-in of this layer then reads the pool after this write (no hidden pool copy).
-    R, D = self.hot.shape[1], self.hot.shape[2] - 1
-    pos = positions[:, 0]
+    # Backup first (write before the swap-in reads the pool: no hidden pool copy). The hot buffer's copy of
+    # the row is written by the swap-in kernel in gather(): an XLA write of the hot buffer here, feeding the
+    # aliased custom call, would not be done in place (XLA copies the whole buffer, every layer).
     dst = host_rows(self.host_pages, positions, self.page_size)[:, 0]
-    host_pool = ops.backup(layer, latent[None, :, 0].astype(self.hot.dtype), dst, self.host_pool,
-                           external=self.external)
-    slot = jnp.minimum(jnp.maximum(pos, 0), D)
-    req = jnp.where((pos >= 0) & (self.req_ids >= 0), self.req_ids, R)  # R: out of range, dropped
-    hot = self.hot.at[layer, req, slot].set(latent[:, 0].astype(self.hot.dtype), mode="drop")
+    newest = latent[:, 0].astype(self.hot.dtype)
+    host_pool = ops.backup(layer, newest[None], dst, self.host_pool, external=self.external)
     return dataclasses.replace(
-        self, hot=hot, host_pool=host_pool,
+        self, newest=newest, host_pool=host_pool,
         index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
 
   def index_keys(self, layer, start, size):
@@ -217,14 +215,17 @@ class HiSparseDecodeView:
   def gather(self, layer, positions, top_k):
     if top_k.shape[1] != 1:
       raise ValueError(f"HiSparse decode takes one query per row, got {top_k.shape[1]}")
+    if self.newest is None:
+      raise ValueError("HiSparse decode gathers a layer only after appending its newest rows")
     seq_lens = positions[:, 0] + 1  # idle rows: position -1 -> seq_len 0
     rows, host_pool, hot, slot_tokens, lru, stats = ops.swap_in(
-        layer, top_k[:, 0], seq_lens, self.req_ids, self.host_pages, self.host_pool, self.hot, self.slot_tokens,
-        self.lru, self.stats, page_size=self.page_size, external=self.external)
+        layer, top_k[:, 0], seq_lens, self.req_ids, self.host_pages, self.newest, self.host_pool, self.hot,
+        self.slot_tokens, self.lru, self.stats, page_size=self.page_size, external=self.external)
     R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
     out = hot[layer].reshape(R * D1, W)[jnp.maximum(rows, 0)]
     out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
-    view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats)
+    view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
+                               newest=None)
     return out[:, None], view
 
 
@@ -238,9 +239,12 @@ def host_rows(host_pages, positions, page_size):
          meta=("page_size", "external"))
 @dataclasses.dataclass
 class HiSparseState:
-  """HiSparse KV memory (see the module docstring). hot: T[L, R, D+1, W]; slot_tokens, lru: int32[L, R, D];
-  stats: int32[L, R, 2] cumulative swap-in (hits, misses) of the request in each slot; host_pool:
-  T[L, H, W] in ``pinned_host`` memory, or the int32[1] ordering token of the extension pool ``external``."""
+  """HiSparse KV memory (see the module docstring). hot: T[L, R+1, D+1, W]; slot_tokens, lru: int32[L, R+1, D];
+  stats: int32[L, R+1, 2] cumulative swap-in (hits, misses) of the request in each slot; host_pool:
+  T[L, H, W] in ``pinned_host`` memory, or the int32[1] ordering token of the extension pool ``external``.
+
+  Request slot R is a scratch slot no request owns: prefill rows that do not end a prompt write their (unused)
+  hot-buffer rows there, so every hot-buffer write is in bounds."""
 
   index: jax.Array
   staging: jax.Array
@@ -258,7 +262,7 @@ class HiSparseState:
              external_pool: ops.ExtensionHostPool | None = None) -> "HiSparseState":
     """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive)."""
-    L, R, D = num_layers, request_slots, device_buffer_size
+    L, R, D = num_layers, request_slots + 1, device_buffer_size  # + the scratch slot
     H = host_pages * page_size
     if external_pool is not None:
       if external_pool.shape != (L, H, latent_dim) or external_pool.dtype != jnp.dtype(dtype):
@@ -290,7 +294,7 @@ class HiSparseState:
       return HiSparsePrefillView(self.index, tables["index_pages"], self.staging, tables["staging_pages"],
                                  self.host_pool, tables["host_pages"], self.page_size, self.external)
     return HiSparseDecodeView(self.index, tables["index_pages"], self.hot, self.slot_tokens, self.lru, self.stats,
-                              tables["req_ids"], self.host_pool, tables["host_pages"], self.page_size,
+                              tables["req_ids"], None, self.host_pool, tables["host_pages"], self.page_size,
                               self.external)
 
   def absorb(self, view) -> "HiSparseState":
@@ -320,9 +324,9 @@ class HiSparseState:
 
   def finish_prefill(self, tables) -> "HiSparseState":
     """Hot buffers of the rows whose prompt ended in this call (tables["hot_slot"][b] = its request slot;
-    R for the others): slots 0..D take positions 0..D from staging (slot s holds token s, as the swap-in's
-    fast path assumes; rows past the prompt are written by decode before they are read), the slot table and
-    LRU order restart as 0..D-1 and the stats at zero."""
+    the scratch slot R for the others): slots 0..D take positions 0..D from staging (slot s holds token s, as
+    the swap-in's fast path assumes; rows past the prompt are written by decode before they are read), the
+    slot table and LRU order restart as 0..D-1 and the stats at zero."""
     L, R, D1, _ = self.hot.shape
     D = D1 - 1
     target = tables["hot_slot"]  # int32[B]
@@ -331,8 +335,9 @@ class HiSparseState:
     pid = _page_ids(tables["staging_pages"], pos, self.page_size, missing=0)
     rows = self.staging[:, pid, pos % self.page_size]  # [L, B, D+1, W]
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
+    inb = "promise_in_bounds"
     return dataclasses.replace(
-        self, hot=self.hot.at[:, target].set(rows, mode="drop"),
-        slot_tokens=self.slot_tokens.at[:, target].set(slots, mode="drop"),
-        lru=self.lru.at[:, target].set(slots, mode="drop"),
-        stats=self.stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode="drop"))
+        self, hot=self.hot.at[:, target].set(rows, mode=inb),
+        slot_tokens=self.slot_tokens.at[:, target].set(slots, mode=inb),
+        lru=self.lru.at[:, target].set(slots, mode=inb),
+        stats=self.stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode=inb))

@@ -35,7 +35,7 @@ class ServerMetrics:
     self.registry = CollectorRegistry()
     r = self.registry
     self.row_bytes = row_bytes
-    self.running = Gauge("hisparse_running_requests", "Requests in decode lanes", registry=r)
+    self.running = Gauge("hisparse_running_requests", "Admitted requests (prefilling or decoding)", registry=r)
     self.queued = Gauge("hisparse_queued_requests", "Requests waiting for admission", registry=r)
     self.tokens = Counter("hisparse_generated_tokens", "Tokens generated", registry=r)
     self.ttft = Histogram("hisparse_time_to_first_token_seconds", "Arrival to first token",

@@ -9,12 +9,12 @@ Model: the embedded default model (``hisparse_jax.default_model``: DeepSeek-V3.2
 
 Sections:
   prefill  One request of P prompt tokens + 32 new tokens, P = 4k ... 64k, each in a fresh process (so the
-           peak resident memory is that run's), dense and HiSparse. The engine's pools are sized to that one
+           peak resident memory is that run's), HiSparse and (up to 32k, to keep `make bench` short) dense. The engine's pools are sized to that one
            request (--max-device-kv-bytes, HiSparse host ratio), so resident memory holds the weights, pools
            that grow with P, and the prefill's transient tensors (a chunk of 2048 queries at a time). Reports
            prefill seconds, decode seconds, peak RSS, and the KV bytes per token the pools hold.
   itl      8 streams decode (prompts of 1100 tokens) while a 32k-token prompt is admitted; the streams'
-           inter-token latency (p50 / p99 from the long prompt's arrival until it decodes with them) for
+           inter-token latency (p50 / p99 from the long prompt's arrival to its first token) for
            chunked prefill at several chunk sizes and for one-shot prefill (one chunk of the whole prompt),
            next to the same streams without the long prompt, and the long prompt's time to first token.
            HiSparse mode, float32 (the CPU's fast path; bfloat16 steps take ~2x as long here).
@@ -98,10 +98,12 @@ def prefill_child(mode: str, prompt: int) -> dict:
               budget_bytes=budget, kv_bytes_per_token=per_token, hits=req.hits, misses=req.misses)
 
 
-def run_prefill(prompts: list[int], modes) -> list[dict]:
+def run_prefill(prompts: list[int], modes, dense_max: int) -> list[dict]:
   rows = []
   for mode in modes:
     for n in prompts:
+      if mode == "dense" and n > dense_max:
+        continue
       out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"prefill:{mode}:{n}"],
                            capture_output=True, text=True, timeout=3600)
       if out.returncode != 0:
@@ -115,47 +117,56 @@ def run_prefill(prompts: list[int], modes) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- itl
 def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt: int = 1100) -> list[dict]:
   """ITL of `streams` running requests while one `long_prompt` prompt is prefilled, per chunk size (0: one
-  shot), and without the long prompt (the baseline). Each variant runs its scenario twice on one engine and
-  measures the second run, so no compilation is timed (decode batch buckets and indexer windows compile once
-  per shape); the streams' prompts keep their indexer window fixed while they are measured."""
+  shot), and without the long prompt (the baseline), from the long prompt's arrival to the streams' first
+  token after its prefill. No compilation is timed: each variant first runs the same scenario once with other
+  prompts of the same lengths (compiling its prefill chunks, and the decode batch buckets and indexer windows
+  of the streams alone and with the long request), and the measured streams decode `warm_steps` steps before
+  the long prompt arrives."""
   from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG, ensure_default_model
   from hisparse_jax.engine import Engine, Request
   d = ensure_default_model()
   warm_steps = 20
   new = long_prompt // min(c for c in chunks if c) + 2 * warm_steps
   D = DEFAULT_HISPARSE_CONFIG["device_buffer_size"]
-  tokens = 2 * (long_prompt + streams * (stream_prompt + new))  # host rows for both runs at once
+  tokens = 2 * long_prompt + streams * (stream_prompt + new)  # host rows for everything at once
   hisparse = dict(DEFAULT_HISPARSE_CONFIG, host_to_device_ratio=math.ceil(tokens / ((streams + 1) * (D + 1))))
   rows = []
   for chunk in [None] + chunks:  # None: no long prompt (the baseline); 0: one shot
     eng = Engine(d, dtype="float32", enable_hisparse=True, hisparse_config=json.dumps(hisparse),
                  max_running_requests=streams + 1, max_seq_len=max(long_prompt, stream_prompt + new) + 64,
                  chunked_prefill_size=2048 if chunk is None else chunk or long_prompt)
-    for run in ("warm", "measured"):
-      stamps = {i: [] for i in range(streams)}
-      reqs = []
-      for i in range(streams):
-        r = Request(f"{run}-s{i}", _prompt(stream_prompt, 10 * i + (run == "warm")), new, ignore_eos=True)
-        r.on_token = lambda _t, _x, i=i: stamps[i].append(time.perf_counter())
-        reqs.append(r)
+    if chunk is not None:  # the scenario once, untimed: every shape it uses compiles here
+      warm = [Request(f"warm-s{i}", _prompt(stream_prompt, 10 * i + 1), new, ignore_eos=True) for i in range(streams)]
+      warm.append(Request("warm-long", _prompt(long_prompt - 32, 98), 3, ignore_eos=True))
+      for r in warm:
         eng.submit(r)
-      while any(len(r.output_ids) < warm_steps for r in reqs):  # all running and decoding
+      while len(warm[-1].output_ids) < 2:  # the long request decoded once with the streams
         eng.step()
-      t_submit = time.perf_counter()
-      if chunk is not None:
-        long = Request(f"{run}-long", _prompt(long_prompt - 32, 99 + (run == "warm")), 4, ignore_eos=True)
-        eng.submit(long)
-        while not long.output_ids:
-          eng.step()
-        for _ in range(2):  # the long request decodes with the streams (its batch bucket and window)
-          eng.step()
-      else:
-        for _ in range(60):
-          eng.step()
-      t_end = time.perf_counter()
-      ttft = long.first_token_time - long.arrival if chunk is not None else None
-      for r in reqs + ([long] if chunk is not None else []):
+      for r in warm:
         eng.abort(r.request_id)
+    stamps = {i: [] for i in range(streams)}
+    reqs = []
+    for i in range(streams):
+      r = Request(f"s{i}", _prompt(stream_prompt, 10 * i), new, ignore_eos=True)
+      r.on_token = lambda _t, _x, i=i: stamps[i].append(time.monotonic())
+      reqs.append(r)
+      eng.submit(r)
+    while any(len(r.output_ids) < warm_steps for r in reqs):  # all running, decode compiled
+      eng.step()
+    t_submit = time.monotonic()
+    ttft = None
+    if chunk is not None:
+      long = Request("long", _prompt(long_prompt - 32, 99), 4, ignore_eos=True)
+      eng.submit(long)
+      while not long.output_ids:
+        eng.step()
+      ttft = long.first_token_time - long.arrival
+      eng.step()  # the streams' token of the step that ended the prefill, and one step with the long request
+      t_end = time.monotonic()
+    else:
+      for _ in range(60):
+        eng.step()
+      t_end = time.monotonic()
     gaps = []
     for i in range(streams):
       ts = np.array(stamps[i])
@@ -232,8 +243,10 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--prompts", default="4096,8192,16384,32768,65536", type=positive_ints)
+  ap.add_argument("--dense-max-prompt", default=32768, type=int,
+                  help="dense runs stop at this prompt length (the 64k run is HiSparse's)")
   ap.add_argument("--itl-prompt", default=32768, type=int)
-  ap.add_argument("--itl-chunks", default="2048,256,64", type=positive_ints)
+  ap.add_argument("--itl-chunks", default="2048,64", type=positive_ints)
   ap.add_argument("--out", default=os.path.join(HERE, "results", "long_context"))
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -246,7 +259,7 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   res = {}
   if "prefill" in args.sections:
-    res["prefill"] = run_prefill(args.prompts, ("hisparse", "dense"))
+    res["prefill"] = run_prefill(args.prompts, ("hisparse", "dense"), args.dense_max_prompt)
   if "itl" in args.sections:
     res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0])
   if "bucket" in args.sections:

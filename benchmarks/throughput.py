@@ -214,7 +214,7 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="small contexts and counts (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--contexts", default="8192,16384,32768,65536", type=positive_ints)
-  ap.add_argument("--concurrency", default="1,4,16", type=positive_ints,
+  ap.add_argument("--concurrency", default="1,16", type=positive_ints,
                   help="decode-section concurrency")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "throughput"))
   args = ap.parse_args(argv)

@@ -53,6 +53,7 @@ bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) benchmarks/long_context.py --out $(RESULTS)/long_context; \
 	$(PY) benchmarks/throughput.py --out $(RESULTS)/throughput; \
 	$(PY) benchmarks/vs_transformers.py --out $(RESULTS)/vs_transformers; \
+	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
 	echo "make bench: $$(( $$(date +%s) - start )) s"
 
 proto: $(VENV)/.installed

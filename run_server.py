@@ -4,16 +4,22 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--enable-hisparse [--hisparse-config JSON] [--host-pool jax|extension]] \
       [--max-running-requests 64] [--max-seq-len N] [--chunked-prefill-size 2048] [--page-size 64] \
       [--max-device-kv-bytes N | --mem-fraction-static F] [--deterministic] [--dtype ...] \
-      [--shutdown-grace-s 5] [--metrics-port P]
+      [--max-queued-requests 1024] [--max-prompt-bytes N] [--max-admission-skips 16] \
+      [--tls-cert-file cert.pem --tls-key-file key.pem [--tls-client-ca-file ca.pem]] \
+      [--api-key KEY | --api-key-file FILE] \
+      [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]]
 
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script).
 
-Serves ``hisparse.HiSparseInference/Generate`` (server streaming) and
-``grpc.health.v1.Health``. Stops cleanly on SIGINT/SIGTERM.
+Serves ``hisparse.HiSparseInference/Generate`` (server streaming), ``Abort``, ``GetLoads`` and
+``grpc.health.v1.Health`` (which needs no API key, as load balancers expect). Generate streams beyond
+--max-running-requests + --max-queued-requests get RESOURCE_EXHAUSTED at once. Binding a non-loopback
+address without TLS or an API key prints a warning. Stops cleanly on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 import threading
@@ -25,7 +31,15 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
 flags.DEFINE_integer("port", 50051, "Port to bind (0: pick a free one; the chosen port is printed).")
 flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finish on SIGTERM; "
                    "streams still open then end with UNAVAILABLE.")
-flags.DEFINE_integer("metrics-port", None, "Serve Prometheus metrics at http://HOST:PORT/metrics.")
+flags.DEFINE_integer("metrics-port", None, "Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics "
+                     "(0: a free port; the chosen one is printed).")
+flags.DEFINE_string("metrics-host", "127.0.0.1", "Address the metrics endpoint binds (loopback by default).")
+flags.DEFINE_string("tls-cert-file", None, "Serve TLS with this certificate chain (PEM); needs --tls-key-file.")
+flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.")
+flags.DEFINE_string("tls-client-ca-file", None, "Require client certificates signed by this CA (mutual TLS).")
+flags.DEFINE_string("api-key", None, "Bearer token every inference call must carry ('authorization: Bearer "
+                    "KEY' metadata); wrong or missing: UNAUTHENTICATED. Health needs none.")
+flags.DEFINE_string("api-key-file", None, "File whose first line is the API key (keeps it out of `ps`).")
 
 
 def _define_engine_flags():
@@ -36,6 +50,34 @@ def _define_engine_flags():
 _define_engine_flags()
 
 
+def _is_loopback(host: str) -> bool:
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+  except ValueError:
+    return False
+
+
+def _security():
+  """(TLSConfig or None, API key or None) from the flags; StartupError naming the flag at fault."""
+  from hisparse_jax.engine.args import StartupError
+  from hisparse_jax.serving import credentials
+  from hisparse_jax.serving.server import TLSConfig
+  try:
+    cert = credentials.read_file("tls-cert-file", FLAGS["tls-cert-file"].value)
+    key = credentials.read_file("tls-key-file", FLAGS["tls-key-file"].value)
+    ca = credentials.read_file("tls-client-ca-file", FLAGS["tls-client-ca-file"].value)
+    api_key = credentials.api_key(FLAGS["api-key"].value, FLAGS["api-key-file"].value)
+  except ValueError as e:
+    raise StartupError(str(e)) from None
+  if (cert is None) != (key is None):
+    raise StartupError("--tls-cert-file and --tls-key-file go together")
+  if ca is not None and cert is None:
+    raise StartupError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+  return (TLSConfig(cert, key, ca) if cert is not None else None), api_key
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -43,6 +85,10 @@ def main(argv):
   try:
     if not 0 <= FLAGS.port <= 65535:
       raise StartupError(f"--port {FLAGS.port}: expected 0..65535")
+    metrics_port = FLAGS["metrics-port"].value
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+      raise StartupError(f"--metrics-port {metrics_port}: expected 0..65535")
+    tls, api_key = _security()
     args = EngineArgs.from_flags()
     args.validate()
     model_dir = args.model_dir()
@@ -55,20 +101,28 @@ def main(argv):
   from hisparse_jax.serving.metrics import ServerMetrics
   from hisparse_jax.serving.server import serve
 
+  if not _is_loopback(FLAGS.host) and tls is None and api_key is None:
+    print(f"[server] warning: serving plain-text gRPC without authentication on {FLAGS.host}; anyone who can "
+          "reach it can use and abort requests (use --tls-cert-file/--tls-key-file and --api-key-file)",
+          file=sys.stderr, flush=True)
   metrics = ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize)
-  if FLAGS["metrics-port"].value is not None:
+  metrics_at = ""
+  if metrics_port is not None:
+    host = FLAGS["metrics-host"].value
     try:
-      metrics.serve(FLAGS["metrics-port"].value, FLAGS.host)
+      bound = metrics.serve(metrics_port, host)
     except OSError as e:
-      sys.exit(f"error: --metrics-port {FLAGS['metrics-port'].value}: {e}")
+      sys.exit(f"error: --metrics-host/--metrics-port {host}:{metrics_port}: {e}")
+    metrics_at = f", metrics at http://{host}:{bound}/metrics"
   try:
-    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics)
+    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=api_key)
   except OSError as e:
     sys.exit(f"error: --host/--port: {e}")
   mode = f"hisparse {engine.hisparse}, host pool: {args.host_pool}" if engine.hisparse else "dense"
-  metrics_at = (f", metrics at http://{FLAGS.host}:{FLAGS['metrics-port'].value}/metrics"
-                if FLAGS["metrics-port"].value is not None else "")
-  print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir}){metrics_at}", flush=True)
+  security = ", ".join(x for x in ("" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
+                                   "API key" if api_key else "") if x) or "plain text, no API key"
+  print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir}; {security}){metrics_at}",
+        flush=True)
   stopping = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stopping.set())

@@ -9,17 +9,21 @@ Model: the embedded default model (``hisparse_jax.default_model``: DeepSeek-V3.2
 
 Sections:
   prefill  One request of P prompt tokens + 32 new tokens, P = 4k ... 64k, each in a fresh process (so the
-           peak resident memory is that run's), HiSparse and (up to 32k, to keep `make bench` short) dense. The engine's pools are sized to that one
+           peak resident memory is that run's), HiSparse and (up to 16k, to keep `make bench` short) dense. The engine's pools are sized to that one
            request (--max-device-kv-bytes, HiSparse host ratio), so resident memory holds the weights, pools
            that grow with P, and the prefill's transient tensors (a chunk of 2048 queries at a time). Reports
            prefill seconds, decode seconds, peak RSS, and the KV bytes per token the pools hold.
   itl      8 streams decode (prompts of 1100 tokens) while a 32k-token prompt is admitted; the streams'
            inter-token latency (p50 / p99 from the long prompt's arrival to its first token) for
-           chunked prefill at several chunk sizes and for one-shot prefill (one chunk of the whole prompt),
+           chunked prefill (--itl-chunks; default 16, the size that keeps p99 within 3x here; 64 and 2048
+           are in BENCHMARKS.md from `--itl-chunks 2048,64,16`) and one-shot prefill (one chunk of the prompt),
            next to the same streams without the long prompt, and the long prompt's time to first token.
            HiSparse mode, float32 (the CPU's fast path; bfloat16 steps take ~2x as long here).
   bucket   One running request: the decode step with the batch sized to the running requests (batch bucket 1)
            vs the fixed-shape (--deterministic) engine at 8 and 256 rows, i.e. the engine before batch buckets.
+           float32: XLA's CPU bfloat16 matmul is slower at one row than at two (the default model's output
+           projection: 48 ms at batch 1, 33 ms at 2 and 8; float32: 4.3 / 7.9 / 9.5 ms), which would hide the
+           effect measured here.
 
 Writes OUT.json and OUT.md.
 """
@@ -132,9 +136,10 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
   hisparse = dict(DEFAULT_HISPARSE_CONFIG, host_to_device_ratio=math.ceil(tokens / ((streams + 1) * (D + 1))))
   rows = []
   for chunk in [None] + chunks:  # None: no long prompt (the baseline); 0: one shot
+    size = 2048 if chunk is None else chunk or long_prompt
     eng = Engine(d, dtype="float32", enable_hisparse=True, hisparse_config=json.dumps(hisparse),
                  max_running_requests=streams + 1, max_seq_len=max(long_prompt, stream_prompt + new) + 64,
-                 chunked_prefill_size=2048 if chunk is None else chunk or long_prompt)
+                 chunked_prefill_size=size, page_size=math.gcd(PAGE, size))
     if chunk is not None:  # the scenario once, untimed: every shape it uses compiles here
       warm = [Request(f"warm-s{i}", _prompt(stream_prompt, 10 * i + 1), new, ignore_eos=True) for i in range(streams)]
       warm.append(Request("warm-long", _prompt(long_prompt - 32, 98), 3, ignore_eos=True))
@@ -191,7 +196,7 @@ def run_bucket(prompt: int, steps: int, fixed=(8, 256), modes=("dense", "hispars
       (f"fixed {n}", dict(max_running_requests=n, deterministic=True)) for n in fixed]
   for label, kw in engines:
     for mode in modes:
-      eng = Engine(d, enable_hisparse=mode == "hisparse", max_seq_len=4096, **kw)
+      eng = Engine(d, dtype="float32", enable_hisparse=mode == "hisparse", max_seq_len=4096, **kw)
       times = []
       for rep in range(3):
         eng.decode_seconds, eng.decode_steps = 0.0, 0
@@ -243,10 +248,10 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--prompts", default="4096,8192,16384,32768,65536", type=positive_ints)
-  ap.add_argument("--dense-max-prompt", default=32768, type=int,
+  ap.add_argument("--dense-max-prompt", default=16384, type=int,
                   help="dense runs stop at this prompt length (the 64k run is HiSparse's)")
   ap.add_argument("--itl-prompt", default=32768, type=int)
-  ap.add_argument("--itl-chunks", default="2048,64", type=positive_ints)
+  ap.add_argument("--itl-chunks", default="16", type=positive_ints)
   ap.add_argument("--out", default=os.path.join(HERE, "results", "long_context"))
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)

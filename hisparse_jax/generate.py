@@ -10,7 +10,9 @@ r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs o
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server).
 
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
-``"max_new_tokens"``. Output: one line per non-blank input line, in order, with
+``"max_new_tokens"``. Output: one line per non-blank input line, in input order, each written (and
+flushed) as soon as it and every line before it are done, so an interrupted run keeps what it finished;
+Ctrl-C exits with status 130 and a one-line message. ``--output`` may not be the prompts file. Lines have
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
 ``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served; the others
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from absl import app, flags, logging
@@ -106,6 +110,8 @@ def main(argv):
         lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
       raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
+    if FLAGS.output and os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.output, FLAGS.prompts):
+      raise StartupError(f"--output {FLAGS.output!r} is the --prompts file; writing it would destroy the prompts")
     try:  # Fail now, not after decoding everything.
       dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
     except OSError as e:
@@ -138,24 +144,50 @@ def main(argv):
       msg = str(e) if str(e).startswith(f"line {lineno}:") else f"line {lineno}: {type(e).__name__}: {e}"
       results[i] = {"error": msg, "code": "INVALID_ARGUMENT"}
 
-  start = time.perf_counter()
-  engine.run()
-  elapsed = time.perf_counter() - start
-  for i, req in requests:
-    out = {"output_ids": req.output_ids, "finish_reason": req.finish_reason,
-           "prompt_tokens": len(req.prompt_ids)}
-    if tokenizer is not None:
-      out["text"] = req.text
-    if hisparse is not None:
-      out["hits"], out["misses"] = req.hits, req.misses
-    results[i] = out
+  index = {req.request_id: i for i, req in requests}
+  written = 0
 
+  def write_ready() -> None:  # the finished prefix of the results, in input order
+    nonlocal written
+    while written < len(results) and results[written]:
+      dest.write(json.dumps(results[written], ensure_ascii=False) + "\n")
+      written += 1
+    dest.flush()
+
+  # Ctrl-C sets a flag the loop reads between steps (a KeyboardInterrupt raised inside a step could land in
+  # a callback that swallows it); a second Ctrl-C interrupts at once.
+  interrupted = threading.Event()
+
+  def on_sigint(*_):
+    if interrupted.is_set():
+      raise KeyboardInterrupt
+    interrupted.set()
+
+  previous = signal.signal(signal.SIGINT, on_sigint)
+  start = time.perf_counter()
   try:
-    for r in results:
-      dest.write(json.dumps(r, ensure_ascii=False) + "\n")
+    write_ready()  # lines rejected up front
+    while engine.has_work() and not interrupted.is_set():
+      for req in engine.step():
+        out = {"output_ids": req.output_ids, "finish_reason": req.finish_reason,
+               "prompt_tokens": len(req.prompt_ids)}
+        if tokenizer is not None:
+          out["text"] = req.text
+        if hisparse is not None:
+          out["hits"], out["misses"] = req.hits, req.misses
+        results[index[req.request_id]] = out
+      write_ready()
+  except KeyboardInterrupt:
+    interrupted.set()
   finally:
+    signal.signal(signal.SIGINT, previous)
     if dest is not sys.stdout:
       dest.close()
+  if interrupted.is_set():
+    where = FLAGS.output or "stdout"
+    print(f"\n[generate] interrupted: {written} of {len(results)} results written to {where}", file=sys.stderr)
+    sys.exit(130)
+  elapsed = time.perf_counter() - start
   if dump is not None:
     import numpy as np
     L, K = model_cfg.num_hidden_layers, model_cfg.index_topk
@@ -187,4 +219,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  try:
+    app.run(main)
+  except KeyboardInterrupt:  # before the decode loop: nothing was written yet
+    print("\n[generate] interrupted before any result was written", file=sys.stderr)
+    sys.exit(130)

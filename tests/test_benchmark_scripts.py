@@ -64,3 +64,17 @@ def test_vs_transformers_quick(tmp_path):
     assert row["first_token_agree"] == int(b)  # against transformers with our top-k tie-break
     assert all(len(ids) == 8 for ids in report["ours"][b]["ids"] + report["transformers"]["batches"][b]["ids"])
   assert "| 2 |" in (tmp_path / "vs.md").read_text()
+
+
+def test_server_load_quick(tmp_path):
+  """The hostile-load benchmark runs end to end: the small request and Health keep answering under a text
+  flood and open streams, the over-limit text and the streams past the queue bound are refused."""
+  out = tmp_path / "load"
+  r = subprocess.run([sys.executable, "benchmarks/server_load.py", "--quick", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+  res = json.loads((tmp_path / "load.json").read_text())
+  assert res["over_limit"]["code"] == "INVALID_ARGUMENT"
+  assert res["streams_phase"]["over_queue_codes"] == ["RESOURCE_EXHAUSTED"]
+  assert res["text"]["flood_codes"] == ["INVALID_ARGUMENT"] and res["text"]["flood_requests"] >= 4
+  assert res["text"]["small"]["n"] == 3 and res["after"]["rss_mb"] > 0

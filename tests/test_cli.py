@@ -100,6 +100,8 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--page-size", "48"], "--page-size must be a power of two, got 48"),
     (["--max-seq-len", "513"], "--max-seq-len 513: must be in [1, 512]"),
     (["--max-seq-len", "0"], "--max-seq-len 0: must be in [1, 512]"),
+    (["--max-admission-skips", "-1"], "--max-admission-skips must be >= 0"),
+    (["--max-prompt-bytes", "-5"], "--max-prompt-bytes must be >= 0"),
 ])
 def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message):
   if "--model-path" not in flags:
@@ -234,3 +236,77 @@ def test_generate_dump_topk_bad_path(tmp_path):
           "--dump-topk", str(keep), timeout=120)
   assert r.returncode != 0 and "Traceback" not in r.stderr
   assert keep.read_bytes() == b"PK\x03\x04 an earlier trace"
+
+
+def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(tmp_path):
+  import signal
+  prompts = tmp_path / "p.jsonl"
+  lines = [json.dumps({"input_ids": [3, 4, 5 + i], "max_new_tokens": 400}) for i in range(40)]
+  prompts.write_text("\n".join(lines) + "\n")
+  before = prompts.read_bytes()
+  for same in (str(prompts), str(tmp_path / "." / "p.jsonl")):
+    r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+            "--output", same, timeout=120)
+    assert r.returncode == 1 and "is the --prompts file" in r.stderr and "Traceback" not in r.stderr
+    assert prompts.read_bytes() == before
+  # Ctrl-C midway: exit 130 with one line; the results finished so far are on disk, whole lines in order.
+  out = tmp_path / "out.jsonl"
+  proc = subprocess.Popen([sys.executable, "-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(),
+                           "--prompts", str(prompts), "--output", str(out), "--max-running-requests", "2",
+                           "--max-seq-len", "512"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    import time
+    deadline = time.monotonic() + 240
+    while (not out.exists() or out.read_text().count("\n") < 2) and proc.poll() is None:
+      assert time.monotonic() < deadline, "no result was written"
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 130, err
+  assert "interrupted" in err and "Traceback" not in err
+  res = [json.loads(l) for l in out.read_text().splitlines()]
+  assert 2 <= len(res) < 40 and all(len(r["output_ids"]) == 400 for r in res)
+  assert f"{len(res)} of 40 results written" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-cert-file", "/nonexistent.pem", "--tls-key-file", "/nonexistent.pem"], "--tls-cert-file '/nonexistent.pem'"),
+    (["--tls-cert-file", os.path.abspath(__file__)], "--tls-cert-file and --tls-key-file go together"),
+    (["--tls-client-ca-file", os.path.abspath(__file__)], "--tls-client-ca-file needs --tls-cert-file"),
+    (["--api-key", "a b"], "--api-key: must be non-empty printable ASCII"),
+    (["--api-key", "k", "--api-key-file", os.path.abspath(__file__)], "not both"),
+    (["--metrics-port", "70000"], "--metrics-port 70000"),
+])
+def test_bad_security_flags_exit_with_a_message(flags, message):
+  r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", "0", *flags, timeout=120)
+  assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_server_warns_on_an_open_bind_and_prints_the_metrics_port():
+  import signal
+  import urllib.request
+  proc = subprocess.Popen([sys.executable, "run_server.py", "--model-path", tiny_model_dir(), "--host", "0.0.0.0",
+                           "--port", "0", "--metrics-port", "0", "--max-running-requests", "1"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    seen = []
+    line = proc.stdout.readline()
+    while line and "listening on" not in line:
+      seen.append(line)
+      line = proc.stdout.readline()
+    assert "listening on 0.0.0.0:" in line and "plain text, no API key" in line
+    assert any("warning: serving plain-text gRPC without authentication on 0.0.0.0" in x for x in seen)
+    url = line.split("metrics at ")[1].strip()
+    assert url.startswith("http://127.0.0.1:") and not url.startswith("http://127.0.0.1:0/")
+    with urllib.request.urlopen(url, timeout=10) as resp:
+      assert b"hisparse_running_requests" in resp.read()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()

@@ -183,3 +183,23 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
     hlo = low.compile().as_text()
     copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)]
     assert not copies, (name, copies[:3])
+
+
+@pytest.mark.parametrize("skips", [0, 2])
+def test_requests_that_fit_pass_one_that_does_not_a_bounded_number_of_times(skips):
+  """A large request that does not fit yet is passed by later small ones at most max_admission_skips times;
+  then nothing behind it is admitted until it is (no head-of-line blocking, no starvation). 0: FIFO."""
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, max_device_kv_bytes=8 * 16 * 768,
+               max_admission_skips=skips, **SMALL)
+  first = Request("A", prompt(60), 20)
+  eng.submit(first)
+  eng.step()  # A holds 4 of the 8 pages (+1 reserved for its growth)
+  hog = Request("H", prompt(90, 1), 5)
+  small = [Request(f"S{i}", prompt(10, 2 + i), 3) for i in range(3)]
+  for r in [hog] + small:
+    eng.submit(r)
+  eng.step()
+  assert [r.request_id for r in eng.waiting] == ["H"] + [f"S{i}" for i in range(skips, 3)]
+  assert hog.times_passed == skips
+  eng.run()
+  assert all(r.finish_reason == "length" for r in [first, hog] + small) and all_kv_free(eng.loads())

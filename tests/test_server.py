@@ -109,12 +109,12 @@ def test_duplicate_client_request_ids_are_independent(server):
   def same_id(p):
     req = hisparse_pb2.GenerateRequest(request_id="same", input_ids=hisparse_pb2.TokenIds(ids=p), max_new_tokens=8)
     msgs = list(stub.Generate(req, timeout=60))
-    return [t for m in msgs for t in m.token_ids], msgs[-1]
+    return [t for m in msgs for t in m.token_ids], msgs
 
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
     results = list(pool.map(same_id, prompts))
-  for (tokens, final), want in zip(results, solo):
-    assert final.finished and final.request_id == "same" and tokens == want
+  for (tokens, msgs), want in zip(results, solo):
+    assert msgs[-1].finished and msgs[0].request_id == "same" and tokens == want
 
 
 def test_malformed_request_bytes_are_invalid_argument(server):

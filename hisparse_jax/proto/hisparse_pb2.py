@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!hisparse_jax/proto/hisparse.proto\x12\x08hisparse\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xad\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\tinput_ids\x18\x03 \x01(\x0b\x32\x12.hisparse.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x42\x08\n\x06promptB\x07\n\x05_seed\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.hisparse.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cswap_in_hits\x18\x08 \x01(\x03\x12\x16\n\x0eswap_in_misses\x18\t \x01(\x03\x12\x14\n\x0cmatched_stop\x18\n \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"\x11\n\x0fGetLoadsRequest\"}\n\tPoolUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06memory\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x03\x12\x12\n\npages_free\x18\x05 \x01(\x03\x12\x16\n\x0e\x62ytes_per_page\x18\x06 \x01(\x03\"\xe4\x01\n\x05Loads\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x12\n\nfree_lanes\x18\x03 \x01(\x05\x12\x1c\n\x14\x64\x65vice_kv_bytes_used\x18\x04 \x01(\x03\x12\x1e\n\x16\x64\x65vice_kv_bytes_budget\x18\x05 \x01(\x03\x12\x16\n\x0e\x66ree_host_rows\x18\x06 \x01(\x03\x12\x17\n\x0fhost_rows_total\x18\x07 \x01(\x03\x12\"\n\x05pools\x18\x08 \x03(\x0b\x32\x13.hisparse.PoolUsage\x12\x13\n\x0bpreemptions\x18\t \x01(\x03*o\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x0e\n\nSTOP_TOKEN\x10\x04\x12\x0f\n\x0bSTOP_STRING\x10\x05\x32\xca\x01\n\x11HiSparseInference\x12\x43\n\x08Generate\x12\x19.hisparse.GenerateRequest\x1a\x1a.hisparse.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.hisparse.AbortRequest\x1a\x17.hisparse.AbortResponse\x12\x36\n\x08GetLoads\x12\x19.hisparse.GetLoadsRequest\x1a\x0f.hisparse.Loadsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!hisparse_jax/proto/hisparse.proto\x12\x08hisparse\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\tinput_ids\x18\x03 \x01(\x0b\x32\x12.hisparse.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x42\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seed\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.hisparse.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cswap_in_hits\x18\x08 \x01(\x03\x12\x16\n\x0eswap_in_misses\x18\t \x01(\x03\x12\x14\n\x0cmatched_stop\x18\n \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"\x11\n\x0fGetLoadsRequest\"}\n\tPoolUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06memory\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x03\x12\x12\n\npages_free\x18\x05 \x01(\x03\x12\x16\n\x0e\x62ytes_per_page\x18\x06 \x01(\x03\"\xe4\x01\n\x05Loads\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x12\n\nfree_lanes\x18\x03 \x01(\x05\x12\x1c\n\x14\x64\x65vice_kv_bytes_used\x18\x04 \x01(\x03\x12\x1e\n\x16\x64\x65vice_kv_bytes_budget\x18\x05 \x01(\x03\x12\x16\n\x0e\x66ree_host_rows\x18\x06 \x01(\x03\x12\x17\n\x0fhost_rows_total\x18\x07 \x01(\x03\x12\"\n\x05pools\x18\x08 \x03(\x0b\x32\x13.hisparse.PoolUsage\x12\x13\n\x0bpreemptions\x18\t \x01(\x03*o\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x0e\n\nSTOP_TOKEN\x10\x04\x12\x0f\n\x0bSTOP_STRING\x10\x05\x32\xca\x01\n\x11HiSparseInference\x12\x43\n\x08Generate\x12\x19.hisparse.GenerateRequest\x1a\x1a.hisparse.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.hisparse.AbortRequest\x1a\x17.hisparse.AbortResponse\x12\x36\n\x08GetLoads\x12\x19.hisparse.GetLoadsRequest\x1a\x0f.hisparse.Loadsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hisparse_jax.proto.hisparse_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1105
-  _globals['_FINISHREASON']._serialized_end=1216
+  _globals['_FINISHREASON']._serialized_start=1120
+  _globals['_FINISHREASON']._serialized_end=1231
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_GENERATEREQUEST']._serialized_start=73
-  _globals['_GENERATEREQUEST']._serialized_end=374
-  _globals['_GENERATERESPONSE']._serialized_start=377
-  _globals['_GENERATERESPONSE']._serialized_end=656
-  _globals['_ABORTREQUEST']._serialized_start=658
-  _globals['_ABORTREQUEST']._serialized_end=692
-  _globals['_ABORTRESPONSE']._serialized_start=694
-  _globals['_ABORTRESPONSE']._serialized_end=726
-  _globals['_GETLOADSREQUEST']._serialized_start=728
-  _globals['_GETLOADSREQUEST']._serialized_end=745
-  _globals['_POOLUSAGE']._serialized_start=747
-  _globals['_POOLUSAGE']._serialized_end=872
-  _globals['_LOADS']._serialized_start=875
-  _globals['_LOADS']._serialized_end=1103
-  _globals['_HISPARSEINFERENCE']._serialized_start=1219
-  _globals['_HISPARSEINFERENCE']._serialized_end=1421
+  _globals['_GENERATEREQUEST']._serialized_end=389
+  _globals['_GENERATERESPONSE']._serialized_start=392
+  _globals['_GENERATERESPONSE']._serialized_end=671
+  _globals['_ABORTREQUEST']._serialized_start=673
+  _globals['_ABORTREQUEST']._serialized_end=707
+  _globals['_ABORTRESPONSE']._serialized_start=709
+  _globals['_ABORTRESPONSE']._serialized_end=741
+  _globals['_GETLOADSREQUEST']._serialized_start=743
+  _globals['_GETLOADSREQUEST']._serialized_end=760
+  _globals['_POOLUSAGE']._serialized_start=762
+  _globals['_POOLUSAGE']._serialized_end=887
+  _globals['_LOADS']._serialized_start=890
+  _globals['_LOADS']._serialized_end=1118
+  _globals['_HISPARSEINFERENCE']._serialized_start=1234
+  _globals['_HISPARSEINFERENCE']._serialized_end=1436
 # @@protoc_insertion_point(module_scope)

@@ -1,7 +1,7 @@
 r"""Command-line client for the hisparse-jax server: streams one request and prints it.
 
   python -m hisparse_jax.serving.client [--target 127.0.0.1:50051] (--text "..." | --input-ids 1,2,3) \
-      [--max-new-tokens 32]
+      [--max-new-tokens 32] [--tls-ca-file ca.pem] [--api-key KEY | --api-key-file FILE]
 
 Prints the text as it streams, then a summary line with the finish reason and
 the swap-in hits/misses. Exits 1 with the server's status on an RPC error.
@@ -17,6 +17,7 @@ from absl import app, flags
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.serving import credentials
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "127.0.0.1:50051", "Server address.")
@@ -33,6 +34,24 @@ flags.DEFINE_boolean("include-stop-str-in-output", False, "Keep the matched stop
 flags.DEFINE_boolean("ignore-eos", False, "Keep generating past the model's EOS tokens.")
 flags.DEFINE_float("timeout-s", 300.0, "RPC deadline.")
 flags.DEFINE_float("wait-for-ready-s", 0.0, "Wait up to this long for the server's health service to report SERVING.")
+flags.DEFINE_string("tls-ca-file", None, "Connect with TLS, trusting this CA certificate (PEM).")
+flags.DEFINE_string("tls-cert-file", None, "Client certificate (PEM) for a server that requires mutual TLS.")
+flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.")
+flags.DEFINE_string("api-key", None, "Bearer token the server requires (sent as 'authorization' metadata).")
+flags.DEFINE_string("api-key-file", None, "File holding the bearer token (first line).")
+
+
+def open_channel(target: str, *, tls_ca: bytes | None = None, tls_cert: bytes | None = None,
+                 tls_key: bytes | None = None) -> grpc.Channel:
+  """A plain-text channel, or a TLS one when tls_ca (PEM bytes) is given (tls_cert/tls_key: mutual TLS)."""
+  if tls_ca is None:
+    return grpc.insecure_channel(target)
+  return grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca, tls_key, tls_cert))
+
+
+def auth_metadata(api_key: str | None) -> tuple:
+  """gRPC call metadata carrying api_key as a bearer token (empty without a key)."""
+  return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
 def wait_for_serving(channel, timeout_s: float) -> None:
@@ -50,18 +69,18 @@ def wait_for_serving(channel, timeout_s: float) -> None:
     time.sleep(0.2)
 
 
-def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None, **sampling):
-  """Yields the server's GenerateResponse messages for one request.
+def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None, api_key=None, **sampling):
+  """Yields the server's GenerateResponse messages for one request (the request_id is on the first).
 
   sampling: GenerateRequest fields (temperature, top_p, top_k, seed, stop, stop_token_ids,
-    include_stop_str_in_output, ignore_eos, request_id).
+    include_stop_str_in_output, ignore_eos, request_id). api_key: the server's bearer token, if it needs one.
   """
   req = hisparse_pb2.GenerateRequest(max_new_tokens=max_new_tokens, **sampling)
   if text is not None:
     req.text = text
   elif input_ids is not None:
     req.input_ids.ids.extend(input_ids)
-  yield from stub.Generate(req, timeout=timeout)
+  yield from stub.Generate(req, timeout=timeout, metadata=auth_metadata(api_key))
 
 
 def main(argv):
@@ -78,7 +97,14 @@ def main(argv):
       ids = [int(x) for x in FLAGS["input-ids"].value]
     except ValueError:
       sys.exit("error: --input-ids must be integers")
-  with grpc.insecure_channel(FLAGS.target) as channel:
+  try:
+    tls = {k: credentials.read_file(f"tls-{k}-file", FLAGS[f"tls-{k}-file"].value) for k in ("ca", "cert", "key")}
+    api_key = credentials.api_key(FLAGS["api-key"].value, FLAGS["api-key-file"].value)
+    if (tls["cert"] is None) != (tls["key"] is None) or (tls["cert"] is not None and tls["ca"] is None):
+      raise ValueError("mutual TLS needs --tls-cert-file and --tls-key-file together, with --tls-ca-file")
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  with open_channel(FLAGS.target, tls_ca=tls["ca"], tls_cert=tls["cert"], tls_key=tls["key"]) as channel:
     stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
     if FLAGS["wait-for-ready-s"].value > 0:
       try:
@@ -94,7 +120,7 @@ def main(argv):
       if FLAGS.seed is not None:
         sampling["seed"] = FLAGS.seed
       for msg in generate(stub, text=FLAGS.text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
-                          timeout=FLAGS["timeout-s"].value, **sampling):
+                          timeout=FLAGS["timeout-s"].value, api_key=api_key, **sampling):
         sys.stdout.write(msg.text)
         sys.stdout.flush()
         streamed = streamed or bool(msg.text)

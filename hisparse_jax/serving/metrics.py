@@ -1,6 +1,7 @@
 """Prometheus metrics of the server (prometheus-client), on their own registry.
 
-Exposed at http://HOST:--metrics-port/metrics by run_server.py:
+Exposed at http://--metrics-host:--metrics-port/metrics by run_server.py (loopback unless --metrics-host says
+otherwise):
 
   hisparse_running_requests, hisparse_queued_requests           gauges
   hisparse_generated_tokens_total                                counter
@@ -57,8 +58,10 @@ class ServerMetrics:
     self._last_token: dict[str, float] = {}
     self._arrival: dict[str, float] = {}
 
-  def serve(self, port: int, host: str = "127.0.0.1") -> None:
-    start_http_server(port, addr=host, registry=self.registry)
+  def serve(self, port: int, host: str = "127.0.0.1") -> int:
+    """Serves /metrics on host:port (port 0: a free one); returns the bound port. OSError if it cannot bind."""
+    httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+    return httpd.server_port
 
   def on_submit(self, request_id: str) -> None:
     self._arrival[request_id] = time.monotonic()

@@ -1,30 +1,41 @@
-"""gRPC inference server: a streaming ``Generate`` RPC over one continuous-batching engine.
+"""gRPC inference server (``grpc.aio``): a streaming ``Generate`` RPC over one continuous-batching engine.
 
-Threads: gRPC's worker pool runs the RPC handlers; one ``EngineLoop`` thread
-owns the engine and runs the decode loop. They talk through queues: a handler
-validates its request (bad input fails alone with INVALID_ARGUMENT or
-RESOURCE_EXHAUSTED; ``Engine.validate`` reads only start-up sizes), hands it to
-the loop, and streams the events the loop puts on the request's own queue (each
-token with its text delta, made by the request's incremental detokenizer on the
-loop thread). A cancelled RPC aborts its request at the next step boundary.
-``GetLoads`` answers from the snapshot the loop publishes after every step. The
-standard ``grpc.health.v1`` service reports SERVING while the loop runs.
+Threads: one asyncio thread runs every RPC handler (``grpc.aio``: an open stream is a suspended coroutine,
+not a thread, so any number of streams leaves ``Health``, ``GetLoads`` and ``Abort`` answering at once);
+one ``EngineLoop`` thread owns the engine and runs the decode loop; a small pool tokenizes text prompts
+(never on the decode loop). A handler checks every limit before doing work (``ServerLimits``: open streams,
+prompt bytes before tokenizing, request id, sampling values as sent; the engine's ``validate`` for the rest),
+so a bad request fails alone with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; then it hands the request to the
+loop and streams the events the loop posts to the request's own asyncio queue (each token with its text
+delta, made by the request's incremental detokenizer on the loop thread). A cancelled RPC aborts its request
+at the next step boundary. ``GetLoads`` answers from the snapshot the loop publishes after every step. The
+standard ``grpc.health.v1`` service reports SERVING while the loop runs and needs no credentials.
+
+Security (``serve`` arguments, ``run_server.py`` flags): TLS with grpcio's own credentials (optionally
+mutual, with a client CA) and a bearer token every HiSparseInference call must carry as
+``authorization: Bearer KEY`` metadata (UNAUTHENTICATED otherwise).
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import dataclasses
+import hmac
 import logging
+import math
+import os
 import queue
 import threading
 import uuid
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # health.aio: the asyncio servicer
 
 from hisparse_jax.engine import Engine, InternalError, Request, RequestError, Unavailable
-from hisparse_jax.engine.detokenizer import encode_prompt
+from hisparse_jax.engine.engine import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from hisparse_jax.engine.detokenizer import GIL_FREE_ENCODE_CHARS, encode_prompt
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving.metrics import ServerMetrics
 
@@ -125,6 +136,79 @@ class EngineLoop(threading.Thread):
       self.metrics.update(self.engine.loads_snapshot)
 
 
+
+# Request fields a client controls the size of, checked before any work.
+MAX_REQUEST_ID_BYTES = 256
+# Text prompts are tokenized on TOKENIZER_THREADS threads (never the decode loop's; the tokenizer releases
+# the GIL for them) at TOKENIZER_NICE, so on a busy machine they take only CPU the engine leaves idle; short
+# ones (<= GIL_FREE_ENCODE_CHARS characters, microseconds) inline. The tokenizers library's own thread pool
+# (rayon) is switched off (a worker it spawned would run at normal priority).
+TOKENIZER_THREADS = 2
+TOKENIZER_NICE = 15
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _tokenizer_thread_init() -> None:
+  try:  # Linux: a thread's nice value is per thread (its TID)
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICE)
+  except (AttributeError, OSError):
+    pass
+
+
+def _tokenize_off_loop(tokenizer, text: str, bos: int | None) -> list[int]:
+  """encode_prompt on a tokenizer thread; then hands the freed transient memory (a 1 MB text's encoding
+  takes ~300 MB) back to the OS, so a burst of long prompts does not leave the server's RSS inflated."""
+  try:
+    return encode_prompt(tokenizer, text, bos)
+  finally:
+    _malloc_trim()
+
+
+def _malloc_trim() -> None:
+  global _LIBC
+  if _LIBC is None:
+    try:
+      _LIBC = ctypes.CDLL("libc.so.6")
+      _LIBC.malloc_trim  # noqa: B018 - glibc only
+    except (OSError, AttributeError):
+      _LIBC = False
+  if _LIBC:
+    _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+  """What one client may ask of the server (each checked before the work it bounds).
+
+  max_streams: Generate streams open at once (admitted + queued + being tokenized); more get
+    RESOURCE_EXHAUSTED at once. None: the engine's request slots + its max_queued_requests (unbounded
+    when that is None).
+  max_prompt_bytes: UTF-8 bytes of a text prompt, checked before tokenizing; None: the engine's.
+  """
+  max_streams: int | None = None
+  max_prompt_bytes: int | None = None
+
+
+class _AsyncEvents:
+  """A request's event queue: the engine loop thread puts, the request's handler coroutine awaits."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self._loop = loop
+    self._queue: asyncio.Queue = asyncio.Queue()
+
+  def put(self, event: _Event) -> None:  # any thread
+    try:
+      self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+    except RuntimeError:  # the server's event loop is closed (shut down): nobody is listening
+      pass
+
+  async def get(self) -> _Event:
+    return await self._queue.get()
+
+
 @dataclasses.dataclass
 class _Malformed:
   """A request whose bytes did not parse (gRPC would otherwise answer INTERNAL)."""
@@ -140,92 +224,159 @@ def _tolerant(message_cls):
   return parse
 
 
-def _reject_malformed(context, request) -> None:
-  if isinstance(request, _Malformed):
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+class _Rejected(Exception):
+  """A request that fails before reaching the engine (code: a grpc.StatusCode name)."""
+
+  def __init__(self, code: str, message: str):
+    super().__init__(message)
+    self.code = code
+
+
+def check_request_id(request_id: str) -> None:
+  """_Rejected unless request_id is at most MAX_REQUEST_ID_BYTES of printable ASCII."""
+  if len(request_id) > MAX_REQUEST_ID_BYTES:
+    raise _Rejected("INVALID_ARGUMENT", f"request_id of {len(request_id)} characters; at most "
+                    f"{MAX_REQUEST_ID_BYTES} bytes")
+  if not (request_id.isascii() and request_id.isprintable()):
+    raise _Rejected("INVALID_ARGUMENT", "request_id must be printable ASCII")
+
+
+def _check_stop_counts(request) -> None:
+  """The counts of stop strings and stop token ids, before they are copied (the engine checks the rest)."""
+  if len(request.stop) > MAX_STOP_STRINGS:
+    raise _Rejected("INVALID_ARGUMENT", f"{len(request.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+  if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+    raise _Rejected("INVALID_ARGUMENT", f"{len(request.stop_token_ids)} stop token ids; at most "
+                    f"{MAX_STOP_TOKEN_IDS}")
+
+
+def _sampling(request) -> dict:
+  """The request's sampling fields as sent (the engine validates the values); an unset top_p is 1 (off)."""
+  top_p = request.top_p if request.HasField("top_p") else 1.0
+  for name, value in (("temperature", request.temperature), ("top_p", top_p)):
+    if not math.isfinite(value):
+      raise _Rejected("INVALID_ARGUMENT", f"{name} must be finite, got {value}")
+  return dict(temperature=request.temperature, top_k=request.top_k, top_p=top_p,
+              seed=request.seed if request.HasField("seed") else None)
 
 
 class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
+  """The HiSparseInference RPCs (coroutines on the server's asyncio thread: its state needs no lock)."""
 
-  def __init__(self, loop: EngineLoop, tokenizer):
+  def __init__(self, loop: EngineLoop, tokenizer, limits: ServerLimits | None = None):
     self.loop = loop
     self.engine = loop.engine
     self.tokenizer = tokenizer
-    self._lock = threading.Lock()
+    limits = limits or ServerLimits()
+    queued = self.engine.max_queued_requests
+    self.max_streams = (limits.max_streams if limits.max_streams is not None else
+                        None if queued is None else self.engine.num_slots + queued)
+    self.max_prompt_bytes = limits.max_prompt_bytes or self.engine.max_prompt_bytes
+    self.open_streams = 0
+    self._tokenize_pool = futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize",
+                                                     initializer=_tokenizer_thread_init)
     self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
 
-  def _prompt_ids(self, request, context) -> list[int]:
+  def close(self) -> None:
+    self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+  async def _prompt_ids(self, request) -> list[int]:
     which = request.WhichOneof("prompt")
     if which == "text":
       if self.tokenizer is None:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text prompt given but the model has no tokenizer")
-      return encode_prompt(self.tokenizer, request.text, self.engine.config.bos_token_id)
+        raise _Rejected("INVALID_ARGUMENT", "text prompt given but the model has no tokenizer")
+      text = request.text
+      # Characters <= UTF-8 bytes: the exact count is taken only for texts that may be within the limit.
+      if len(text) > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
+        raise _Rejected("INVALID_ARGUMENT", f"text prompt over {self.max_prompt_bytes} bytes (--max-prompt-bytes)")
+      bos = self.engine.config.bos_token_id
+      if len(text) <= GIL_FREE_ENCODE_CHARS:  # microseconds: no queueing behind large prompts
+        return encode_prompt(self.tokenizer, text, bos)
+      return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, _tokenize_off_loop,
+                                                              self.tokenizer, text, bos)
     if which == "input_ids":
-      return list(request.input_ids.ids)
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: set text or input_ids")
+      ids = request.input_ids.ids
+      if len(ids) > self.engine.max_seq_len:
+        raise _Rejected("INVALID_ARGUMENT", f"prompt of {len(ids)} tokens exceeds the model context of "
+                        f"{self.engine.max_seq_len} tokens")
+      return list(ids)
+    raise _Rejected("INVALID_ARGUMENT", "empty prompt: set text or input_ids")
 
-  def Generate(self, request, context):
-    _reject_malformed(context, request)
-    ids = self._prompt_ids(request, context)
-    # The engine keys requests by a server-side id: client ids need not be unique.
-    rid = request.request_id or uuid.uuid4().hex
-    req = Request(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
-                  temperature=request.temperature, top_k=request.top_k,
-                  top_p=request.top_p if request.top_p > 0 else 1.0,
-                  seed=request.seed if request.HasField("seed") else None,
-                  stop_token_ids=tuple(request.stop_token_ids), stop=tuple(request.stop),
-                  include_stop_str_in_output=request.include_stop_str_in_output,
-                  ignore_eos=request.ignore_eos)
+  async def Generate(self, request, context):
+    if isinstance(request, _Malformed):
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+    if self.max_streams is not None and self.open_streams >= self.max_streams:
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server busy: {self.open_streams} streams open (limit {self.max_streams})")
+    self.open_streams += 1
     try:
-      self.engine.validate(req)
-    except RequestError as e:
-      context.abort(grpc.StatusCode[e.code], str(e))
-    events: queue.Queue = queue.Queue()
-    with self._lock:
+      try:
+        check_request_id(request.request_id)
+        _check_stop_counts(request)
+        sampling = _sampling(request)
+        ids = await self._prompt_ids(request)
+        # The engine keys requests by a server-side id: client ids need not be unique.
+        req = Request(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
+                      stop_token_ids=frozenset(request.stop_token_ids), stop=tuple(request.stop), include_stop_str_in_output=request.include_stop_str_in_output,
+                      ignore_eos=request.ignore_eos, **sampling)
+        self.engine.validate(req)
+      except _Rejected as e:
+        await context.abort(grpc.StatusCode[e.code], str(e))
+      except RequestError as e:
+        await context.abort(grpc.StatusCode[e.code], str(e))
+      rid = request.request_id or uuid.uuid4().hex
       self._by_client_id.setdefault(rid, set()).add(req.request_id)
-    context.add_callback(lambda: self.loop.abort(req.request_id))
-    self.loop.submit(req, events)
-    try:
-      yield from self._stream(req, rid, events, context)
-    finally:
-      with self._lock:
+      events = _AsyncEvents(asyncio.get_running_loop())
+      self.loop.submit(req, events)
+      done = False
+      try:
+        first, sent = True, 0  # sent: characters of the output text streamed so far
+        while True:
+          ev = await events.get()
+          if ev.error is not None:
+            done = True
+            await context.abort(grpc.StatusCode[ev.error.code], str(ev.error))
+          if ev.token is not None:  # the request id is echoed once, on the first message
+            yield hisparse_pb2.GenerateResponse(request_id=rid if first else "", token_ids=[ev.token], text=ev.text)
+            first, sent = False, sent + len(ev.text)
+            continue
+          done = True
+          fin = ev.done
+          if fin is None:  # already gone from the engine (finished as the abort arrived)
+            return
+          yield hisparse_pb2.GenerateResponse(
+              request_id=rid if first else "", finished=True, finish_reason=_FINISH[fin.finish_reason],
+              text=fin.text[sent:], prompt_tokens=len(fin.prompt_ids),
+              completion_tokens=len(fin.output_ids), swap_in_hits=fin.hits, swap_in_misses=fin.misses,
+              matched_stop=fin.matched_stop, num_preemptions=fin.num_preemptions)
+          return
+      finally:
+        if not done:  # cancelled, deadline, or the client went away: free its slot at the next step
+          self.loop.abort(req.request_id)
         ids = self._by_client_id.get(rid)
         if ids is not None:
           ids.discard(req.request_id)
           if not ids:
             del self._by_client_id[rid]
+    finally:
+      self.open_streams -= 1
 
-  def Abort(self, request, context):
-    _reject_malformed(context, request)
-    with self._lock:
-      ids = list(self._by_client_id.get(request.request_id, ()))
+  async def Abort(self, request, context):
+    if isinstance(request, _Malformed):
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+    try:
+      check_request_id(request.request_id)
+    except _Rejected as e:
+      await context.abort(grpc.StatusCode[e.code], str(e))
+    ids = list(self._by_client_id.get(request.request_id, ()))
     for engine_id in ids:
       self.loop.abort(engine_id)
     return hisparse_pb2.AbortResponse(aborted=len(ids))
 
-  def GetLoads(self, request, context):
-    _reject_malformed(context, request)
+  async def GetLoads(self, request, context):
+    if isinstance(request, _Malformed):
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
     return loads_message(self.engine.loads_snapshot)
-
-  def _stream(self, req, rid, events, context):
-    sent = 0  # characters of the output text streamed so far
-    while True:
-      ev = events.get()
-      if ev.error is not None:
-        context.abort(grpc.StatusCode[ev.error.code], str(ev.error))
-      if ev.token is not None:
-        sent += len(ev.text)
-        yield hisparse_pb2.GenerateResponse(request_id=rid, token_ids=[ev.token], text=ev.text)
-        continue
-      done = ev.done
-      if done is None:  # already gone from the engine (finished as the abort arrived)
-        return
-      yield hisparse_pb2.GenerateResponse(
-          request_id=rid, finished=True, finish_reason=_FINISH[done.finish_reason], text=done.text[sent:],
-          prompt_tokens=len(done.prompt_ids), completion_tokens=len(done.output_ids),
-          swap_in_hits=done.hits, swap_in_misses=done.misses, matched_stop=done.matched_stop,
-          num_preemptions=done.num_preemptions)
-      return
 
 
 def loads_message(loads: dict) -> hisparse_pb2.Loads:
@@ -234,11 +385,11 @@ def loads_message(loads: dict) -> hisparse_pb2.Loads:
   return hisparse_pb2.Loads(**fields, pools=[hisparse_pb2.PoolUsage(**p) for p in loads["pools"]])
 
 
-def _add_servicer(servicer: InferenceServicer, server) -> None:
+def _handlers(servicer: InferenceServicer) -> dict:
   """Like the generated add_HiSparseInferenceServicer_to_server, but unparsable request bytes reach
   the method (which answers INVALID_ARGUMENT) instead of failing inside gRPC as INTERNAL."""
   pb = hisparse_pb2
-  handlers = {
+  return {
       "Generate": grpc.unary_stream_rpc_method_handler(
           servicer.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
           response_serializer=pb.GenerateResponse.SerializeToString),
@@ -249,33 +400,124 @@ def _add_servicer(servicer: InferenceServicer, server) -> None:
           servicer.GetLoads, request_deserializer=_tolerant(pb.GetLoadsRequest),
           response_serializer=pb.Loads.SerializeToString),
   }
-  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-  server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def serve(engine: Engine, tokenizer, host: str, port: int, max_workers: int = 512,
-          metrics: ServerMetrics | None = None):
-  """Starts the server; returns (grpc.Server, EngineLoop, bound port).
+class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+  """Every call except grpc.health.v1 needs ``authorization: Bearer KEY`` metadata (constant-time compare)."""
 
-  max_workers bounds the concurrent RPCs (each open stream holds a worker thread while it waits).
+  def __init__(self, api_key: str):
+    self._want = f"Bearer {api_key}".encode()
+
+    async def deny(request, context):
+      await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata "
+                          "'authorization: Bearer KEY')")
+
+    self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+  async def intercept_service(self, continuation, details):
+    if details.method.startswith("/grpc.health.v1.Health/"):
+      return await continuation(details)
+    got = dict(details.invocation_metadata or ()).get("authorization", "")
+    if isinstance(got, str):
+      got = got.encode("utf-8", "surrogatepass")
+    if not hmac.compare_digest(got, self._want):
+      return self._deny
+    return await continuation(details)
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSConfig:
+  """PEM bytes: the server's certificate chain and private key; client_ca set: clients must present a
+  certificate it signed (mutual TLS)."""
+  cert_chain: bytes
+  private_key: bytes
+  client_ca: bytes | None = None
+
+  def credentials(self) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
+                                       require_client_auth=self.client_ca is not None)
+
+
+class RunningServer:
+  """A started server: the grpc.aio server on its own asyncio thread and the engine loop.
+
+  ``stop(grace)`` stops accepting RPCs, gives in-flight ones `grace` seconds (then cancels them), and returns
+  an object whose ``wait()`` blocks until the server is down (grpc.Server's shape)."""
+
+  def __init__(self, aio_loop, thread, server, servicer, health_servicer):
+    self._aio_loop, self._thread, self._server = aio_loop, thread, server
+    self.servicer, self.health = servicer, health_servicer
+
+  def stop(self, grace: float | None):
+    async def shutdown():
+      await self.health.enter_graceful_shutdown()
+      await self._server.stop(grace)
+
+    fut = asyncio.run_coroutine_threadsafe(shutdown(), self._aio_loop)
+    server = self
+
+    class _Stopping:
+      def wait(self, timeout: float | None = None) -> bool:
+        try:
+          fut.result(timeout)
+        except futures.TimeoutError:
+          return False
+        server._close()
+        return True
+
+    return _Stopping()
+
+  def _close(self) -> None:
+    self.servicer.close()
+    if self._aio_loop.is_running():
+      self._aio_loop.call_soon_threadsafe(self._aio_loop.stop)
+    self._thread.join(10)
+
+
+def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetrics | None = None, *,
+          limits: ServerLimits | None = None, tls: TLSConfig | None = None, api_key: str | None = None):
+  """Starts the server; returns (RunningServer, EngineLoop, bound port).
+
+  limits: per-request and open-stream bounds (``ServerLimits``; defaults from the engine). tls: serve TLS
+  (else plain text). api_key: required bearer token of every HiSparseInference call.
+  Raises OSError if host:port cannot be bound.
   """
   loop = EngineLoop(engine, metrics)
   loop.start()
-  # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
-  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
-  _add_servicer(InferenceServicer(loop, tokenizer), server)
-  health_servicer = health.HealthServicer()
-  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  aio_loop = asyncio.new_event_loop()
+  thread = threading.Thread(target=aio_loop.run_forever, name="grpc-aio", daemon=True)
+  thread.start()
+
+  async def start():
+    interceptors = [_ApiKeyInterceptor(api_key)] if api_key else []
+    # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    servicer = InferenceServicer(loop, tokenizer, limits)
+    handlers = _handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{host}:{port}"
+    try:
+      bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError as e:  # grpc raises RuntimeError for a port in use or a bad address
+      bound, reason = 0, str(e)
+    else:
+      reason = "bind failed"
+    if bound == 0:
+      servicer.close()
+      raise OSError(f"cannot bind {host}:{port}: {reason}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+      await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, servicer, health_servicer, bound
+
   try:
-    bound = server.add_insecure_port(f"{host}:{port}")
-  except RuntimeError as e:  # grpc raises RuntimeError for a port in use or a bad address
-    bound, reason = 0, str(e)
-  else:
-    reason = "bind failed"
-  if bound == 0:
+    server, servicer, health_servicer, bound = asyncio.run_coroutine_threadsafe(start(), aio_loop).result()
+  except BaseException:
     loop.stop()
-    raise OSError(f"cannot bind {host}:{port}: {reason}")
-  server.start()
-  for name in ("", SERVICE_NAME):
-    health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-  return server, loop, bound
+    aio_loop.call_soon_threadsafe(aio_loop.stop)
+    thread.join(10)
+    raise
+  return RunningServer(aio_loop, thread, server, servicer, health_servicer), loop, bound

@@ -1,0 +1,39 @@
+"""Credentials from command-line flags, shared by the server and the client: PEM files and the API key.
+
+Every function raises ``ValueError`` with a message naming the flag at fault.
+"""
+
+from __future__ import annotations
+
+
+def read_file(flag: str, path: str | None) -> bytes | None:
+  """The bytes of the file a flag names (None when the flag is unset)."""
+  if path is None:
+    return None
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise ValueError(f"--{flag} {path!r}: {e.strerror}") from None
+  if not data.strip():
+    raise ValueError(f"--{flag} {path!r}: empty file")
+  return data
+
+
+def api_key(key: str | None, key_file: str | None) -> str | None:
+  """The bearer token from --api-key or --api-key-file (its first line, stripped); None if neither is set.
+
+  A key must be non-empty printable ASCII without spaces (it travels in gRPC metadata)."""
+  if key is not None and key_file is not None:
+    raise ValueError("give --api-key or --api-key-file, not both")
+  if key_file is not None:
+    data = read_file("api-key-file", key_file)
+    try:
+      key = data.decode("ascii").splitlines()[0].strip()
+    except (UnicodeDecodeError, IndexError):
+      raise ValueError(f"--api-key-file {key_file!r}: the first line must be the key (ASCII)") from None
+  if key is None:
+    return None
+  if not key or not (key.isascii() and key.isprintable()) or " " in key:
+    raise ValueError("--api-key: must be non-empty printable ASCII without spaces")
+  return key

@@ -1,0 +1,221 @@
+"""A server that hostile or careless clients cannot take down or starve: every limit is checked before the
+work it bounds, a flood of open streams leaves the control plane answering, streams beyond the queue bound
+fail at once, and TLS / API-key access control (all on loopback, bounded)."""
+
+import shutil
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine
+from hisparse_jax.engine.detokenizer import load_tokenizer
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.serving import credentials
+from hisparse_jax.serving.client import auth_metadata, generate, open_channel
+from hisparse_jax.serving.server import ServerLimits, TLSConfig, serve
+from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir, tiny_model_with_tokenizer
+
+SMALL = dict(page_size=16, chunked_prefill_size=64)
+PROMPT_BYTES = 20000
+
+
+class CountingTokenizer:
+  """The model's tokenizer, counting the characters it was asked to encode."""
+
+  def __init__(self, inner):
+    self.inner, self.chars = inner, 0
+
+  def encode(self, text, *args, **kwargs):
+    self.chars += len(text)
+    return self.inner.encode(text, *args, **kwargs)
+
+  def encode_batch(self, texts, *args, **kwargs):
+    self.chars += sum(len(t) for t in texts)
+    return self.inner.encode_batch(texts, *args, **kwargs)
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def model_with_tokenizer(tmp_path_factory):
+  return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tok") / "m")
+
+
+@pytest.fixture(scope="module")
+def server(model_with_tokenizer):
+  tok = CountingTokenizer(load_tokenizer(model_with_tokenizer))
+  engine = Engine(model_with_tokenizer, hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2,
+                  max_seq_len=256, max_queued_requests=700, max_prompt_bytes=PROMPT_BYTES, tokenizer=tok, **SMALL)
+  srv, loop, port = serve(engine, tok, "127.0.0.1", 0)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+  yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), channel, tok, port
+  channel.close()
+  srv.stop(0).wait()
+  loop.stop()
+
+
+def code_of(fn):
+  try:
+    fn()
+  except grpc.RpcError as e:
+    return e.code(), e.details()
+  return None, None
+
+
+def gen(stub, **kw):
+  kw.setdefault("max_new_tokens", 2)
+  if "text" not in kw:
+    kw.setdefault("input_ids", [3, 4, 5])
+  return lambda: list(generate(stub, timeout=60, **kw))
+
+
+def test_text_over_the_byte_limit_is_refused_before_tokenizing(server):
+  engine, stub, _, tok, _ = server
+  assert engine.max_prompt_bytes == PROMPT_BYTES
+  before = tok.chars
+  for text in ("a" * (PROMPT_BYTES + 1), "é" * (PROMPT_BYTES // 2 + 1)):  # characters or UTF-8 bytes over
+    code, details = code_of(gen(stub, text=text))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "max-prompt-bytes" in details
+  assert tok.chars == before  # never tokenized
+  msgs = gen(stub, text="e e e e " * 10)()  # token ids < 512, the tiny model's vocabulary
+  assert msgs[-1].finished and tok.chars == before + 80
+  # A long text within the limit is tokenized on the pool (the GIL-releasing path), then checked.
+  long_text = "e " * (PROMPT_BYTES // 2 - 10)
+  code, details = code_of(gen(stub, text=long_text))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the model context of 256" in details
+  assert tok.chars == before + 80 + len(long_text)
+  # A token list longer than the context is refused by its length.
+  code, details = code_of(gen(stub, input_ids=[3] * 300))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details
+
+
+@pytest.mark.parametrize("field,value", [("top_p", float("nan")), ("top_p", float("-inf")), ("top_p", -1.0),
+                                         ("top_p", 0.0), ("top_p", float("inf")), ("top_p", 5.0),
+                                         ("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("temperature", -0.5), ("top_k", -1)])
+def test_sampling_values_are_checked_as_sent(server, field, value):
+  _, stub, _, _, _ = server
+  code, details = code_of(gen(stub, **{field: value}))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+def test_unset_top_p_is_off_and_valid_values_run(server):
+  _, stub, _, _, _ = server
+  req = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=3)
+  assert not req.HasField("top_p")
+  assert list(stub.Generate(req, timeout=60))[-1].completion_tokens == 3
+  assert gen(stub, top_p=0.5, temperature=0.7, seed=1)()[-1].finished
+
+
+def test_request_id_is_bounded_printable_and_echoed_once(server):
+  _, stub, _, _, _ = server
+  for rid in ("x" * 257, "a\nb", "caf\u00e9", "\x00"):
+    code, details = code_of(gen(stub, request_id=rid))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in details
+    code, _ = code_of(lambda: stub.Abort(hisparse_pb2.AbortRequest(request_id=rid), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+  msgs = gen(stub, request_id="r" * 256, max_new_tokens=6)()
+  assert msgs[0].request_id == "r" * 256 and all(m.request_id == "" for m in msgs[1:]) and len(msgs) > 1
+
+
+def test_stop_lists_are_capped(server):
+  _, stub, _, _, _ = server
+  cases = [dict(stop=["x"] * 17), dict(stop=["x" * 257]), dict(stop=["\u00e9" * 129]),
+           dict(stop_token_ids=list(range(257)))]
+  for kw in cases:
+    code, details = code_of(gen(stub, text="x", **kw))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most" in details, kw
+  assert gen(stub, text="x", stop=["x" * 256] * 16, stop_token_ids=list(range(256)))()[-1].finished
+
+
+def test_open_streams_beyond_the_queue_fail_at_once_and_the_control_plane_answers(server):
+  engine, stub, channel, _, port = server
+  base = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  # 600 long streams from one client (a streaming call starts when made; nothing reads them).
+  flood = [stub.Generate(hisparse_pb2.GenerateRequest(
+      request_id=f"flood{i}", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5, 6]), max_new_tokens=200,
+      ignore_eos=True), timeout=120) for i in range(600)]
+  try:
+    deadline = time.monotonic() + 60
+    while stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10).queued < 590:
+      assert time.monotonic() < deadline, "the streams never reached the engine's queue"
+      time.sleep(0.05)
+    # The control plane answers while they are open (each within its 10 s deadline; latencies are
+    # measured by benchmarks/server_load.py).
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10).running == 2
+    assert stub.Abort(hisparse_pb2.AbortRequest(request_id="flood0"), timeout=10).aborted == 1
+    # Beyond max_running + max_queued (2 + 700) open streams: RESOURCE_EXHAUSTED at once, not a wait in
+    # a queue. Accepted ones wait in the engine's queue behind the flood until their 3 s deadline.
+    extra = [stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4]),
+                                                        max_new_tokens=2), timeout=3) for _ in range(110)]
+    codes = [code_of(lambda c=c: next(c))[0] for c in extra]
+    exhausted, accepted = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED), codes.count(grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert exhausted + accepted == 110 and accepted <= 702 - 599 and exhausted >= 110 - (702 - 599), codes
+  finally:
+    for c in flood:
+      c.cancel()
+  deadline = time.monotonic() + 60
+  while not all_kv_free(engine.loads_snapshot) or engine.loads_snapshot["queued"]:
+    assert time.monotonic() < deadline, engine.loads_snapshot
+    time.sleep(0.05)
+  after = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  assert [(p.name, p.pages_free) for p in after.pools] == [(p.name, p.pages_free) for p in base.pools]
+  assert gen(stub)()[-1].finished  # still serving
+
+
+def _self_signed(tmp_path):
+  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                  "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                 check=True, capture_output=True)
+  return key.read_bytes(), cert.read_bytes()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_and_api_key(tmp_path):
+  key, cert = _self_signed(tmp_path)
+  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, tls=TLSConfig(cert, key), api_key="s3cret-key")
+  target = f"localhost:{port}"
+  try:
+    with open_channel(target, tls_ca=cert) as channel:
+      stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+      # Health needs no key (load balancers); every inference RPC does.
+      health = health_pb2_grpc.HealthStub(channel)
+      assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+      for key_sent in (None, "wrong", "s3cret-key-and-more"):
+        code, _ = code_of(gen(stub, api_key=key_sent))
+        assert code == grpc.StatusCode.UNAUTHENTICATED, key_sent
+        code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,
+                                                metadata=auth_metadata(key_sent)))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+      assert gen(stub, api_key="s3cret-key")()[-1].finished
+      assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=auth_metadata("s3cret-key")).running == 0
+    # A plain-text client cannot talk to the TLS port.
+    with grpc.insecure_channel(target) as plain:
+      code, _ = code_of(gen(hisparse_pb2_grpc.HiSparseInferenceStub(plain), api_key="s3cret-key"))
+      assert code == grpc.StatusCode.UNAVAILABLE
+  finally:
+    srv.stop(0).wait()
+    loop.stop()
+
+
+def test_api_key_flags(tmp_path):
+  f = tmp_path / "key"
+  f.write_text("abc123\nignored\n")
+  assert credentials.api_key(None, str(f)) == "abc123"
+  assert credentials.api_key("k", None) == "k" and credentials.api_key(None, None) is None
+  for key, path, msg in (("k", str(f), "not both"), ("has space", None, "printable"), ("", None, "non-empty"),
+                         (None, str(tmp_path / "missing"), "api-key-file")):
+    with pytest.raises(ValueError, match=msg):
+      credentials.api_key(key, path)
+  (tmp_path / "empty").write_text("")
+  with pytest.raises(ValueError, match="empty"):
+    credentials.api_key(None, str(tmp_path / "empty"))

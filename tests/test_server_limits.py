@@ -37,6 +37,10 @@ class CountingTokenizer:
     self.chars += sum(len(t) for t in texts)
     return self.inner.encode_batch(texts, *args, **kwargs)
 
+  def encode_batch_fast(self, texts, *args, **kwargs):
+    self.chars += sum(len(t) for t in texts)
+    return self.inner.encode_batch_fast(texts, *args, **kwargs)
+
   def __getattr__(self, name):
     return getattr(self.inner, name)
 

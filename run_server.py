@@ -85,6 +85,8 @@ def main(argv):
   try:
     if not 0 <= FLAGS.port <= 65535:
       raise StartupError(f"--port {FLAGS.port}: expected 0..65535")
+    if FLAGS["shutdown-grace-s"].value < 0:
+      raise StartupError(f"--shutdown-grace-s must be >= 0, got {FLAGS['shutdown-grace-s'].value}")
     metrics_port = FLAGS["metrics-port"].value
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
       raise StartupError(f"--metrics-port {metrics_port}: expected 0..65535")

@@ -55,6 +55,10 @@ _define_engine_flags()
 def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_new: int):
   """Returns (prompt_ids, max_new_tokens); raises ValueError with a message for a bad line."""
   try:
+    line.encode("utf-8")
+  except UnicodeEncodeError:
+    raise ValueError(f"line {lineno}: not valid UTF-8") from None
+  try:
     obj = json.loads(line)
   except json.JSONDecodeError as e:
     raise ValueError(f"line {lineno}: not JSON: {e}") from None
@@ -71,6 +75,10 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
   if "text" in obj:
     if not isinstance(obj["text"], str):
       raise ValueError(f"line {lineno}: 'text' must be a string")
+    try:
+      obj["text"].encode("utf-8")
+    except UnicodeEncodeError:
+      raise ValueError(f"line {lineno}: 'text' is not valid Unicode (a lone surrogate escape)") from None
     if tokenizer is None:
       raise ValueError(f"line {lineno}: 'text' given but the model directory has no tokenizer.json")
     from hisparse_jax.engine.detokenizer import encode_prompt
@@ -106,9 +114,10 @@ def main(argv):
     model_dir = args.model_dir()
     model_cfg = args.model_config(model_dir)
     try:
-      with open(FLAGS.prompts, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+      with open(FLAGS.prompts, "rb") as f:  # lines split on \n only (JSON strings may hold U+2028)
+        # A line that is not UTF-8 fails alone (_parse_line), not the file.
+        lines = [x.rstrip("\r") for x in f.read().decode("utf-8", "surrogateescape").split("\n")]
+    except OSError as e:
       raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
     if FLAGS.output and os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.output, FLAGS.prompts):
       raise StartupError(f"--output {FLAGS.output!r} is the --prompts file; writing it would destroy the prompts")

@@ -36,14 +36,16 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
       {"input_ids": [3, 4, 5], "max_new_tokens": 4},
       {"input_ids": [3, 9999]},                    # outside the 512-token vocabulary
   ]
-  prompts.write_text("\n".join(json.dumps(l) for l in lines) + "\nnot json\n")
+  prompts.write_bytes(("\n".join(json.dumps(l) for l in lines) + "\nnot json\n").encode()
+                      + b'{"text": "\xff"}\n{"text": "\\ud800"}\n')
   out = tmp_path / "out.jsonl"
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(out), "--max-new-tokens", "6", "--enable-hisparse",
           "--hisparse-config", json.dumps(TINY_HISPARSE), "--dump-topk", str(tmp_path / "trace.npz"))
   assert r.returncode == 0, r.stderr
   res = [json.loads(l) for l in out.read_text().splitlines()]
-  assert len(res) == 8
+  assert len(res) == 10
+  assert res[8]["error"] == "line 9: not valid UTF-8" and "line 10: 'text' is not valid Unicode" in res[9]["error"]
   assert len(res[0]["output_ids"]) == 6 and res[0]["misses"] > 0 and res[0]["hits"] > 0
   # The recorded top-k trace, replayed through the real kernel and the Python LRU, gives exactly the
   # misses the engine counted while decoding (same policy, same hot-buffer size, same accesses).
@@ -280,6 +282,7 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
     (["--api-key", "a b"], "--api-key: must be non-empty printable ASCII"),
     (["--api-key", "k", "--api-key-file", os.path.abspath(__file__)], "not both"),
     (["--metrics-port", "70000"], "--metrics-port 70000"),
+    (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be >= 0"),
 ])
 def test_bad_security_flags_exit_with_a_message(flags, message):
   r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", "0", *flags, timeout=120)

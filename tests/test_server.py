@@ -131,3 +131,14 @@ def test_malformed_request_bytes_are_invalid_argument(server):
   msgs = list(raw(good.SerializeToString() + unknown_field, timeout=30))
   assert msgs[-1].finished and msgs[-1].completion_tokens == 2
   assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10).running == 0
+  # The health service too (it needs no credentials, so anyone can send it bytes).
+  for method, call in (("Check", channel.unary_unary), ("Watch", channel.unary_stream)):
+    raw_health = call(f"/grpc.health.v1.Health/{method}", request_serializer=lambda b: b,
+                      response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    with pytest.raises(grpc.RpcError) as e:
+      out = raw_health(b"\x0a\xff\xff\xff\xff", timeout=10)
+      list(out) if method == "Watch" else out
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed HealthCheckRequest" in e.value.details()
+  watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+  assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+  watch.cancel()

@@ -78,6 +78,11 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   assert ss.text == text[: text.index(text[-1])] and text[-1] not in ss.text
   kept = run(eng, [Request("u", prompt, 12, stop=(text[-1],), include_stop_str_in_output=True)])[0]
   assert kept.text == text[: text.index(text[-1]) + 1]
+  # A token that completes a stop string and is a stop token too: the reason matches the cut text.
+  cut = ss.output_ids[-1]
+  both = run(eng, [Request("v", prompt, 12, stop=(text[-1],), stop_token_ids=(cut,))])[0]
+  assert both.output_ids == ss.output_ids and both.text == ss.text
+  assert both.finish_reason == "stop_string" and both.matched_stop == text[-1]
   for bad, msg in [(dict(stop=("",)), "non-empty"), (dict(temperature=-1.0), "temperature"),
                    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(10**6,)), "stop token")]:
     with pytest.raises(RequestError, match=msg):

@@ -516,12 +516,13 @@ class Engine:
     delta, hit = "", None
     if req._detok is not None:
       delta, hit = req._stops.feed(req._detok.push(token))
-    if token in self.eos_ids and not req.ignore_eos:
+    # A stop string completed by this token wins over the token itself being an end: the text is cut there.
+    if hit is not None:
+      req.finish_reason, req.matched_stop = "stop_string", hit
+    elif token in self.eos_ids and not req.ignore_eos:
       req.finish_reason = "stop"
     elif token in req.stop_token_ids:
       req.finish_reason, req.matched_stop = "stop_token", str(token)
-    elif hit is not None:
-      req.finish_reason, req.matched_stop = "stop_string", hit
     elif len(req.output_ids) >= req.max_new_tokens:
       req.finish_reason = "length"
     if req._detok is not None:

@@ -132,6 +132,8 @@ def main(argv):
                 + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else ""))
     except grpc.RpcError as e:
       sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")
+    except ValueError as e:  # protobuf: an integer flag outside its field's range (int32 / uint64)
+      sys.exit(f"error: {e} (a flag value outside the range of its request field)")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import uuid
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # health.aio: the asyncio servicer
+from grpc_health.v1 import health, health_pb2  # health.aio: the asyncio servicer
 
 from hisparse_jax.engine import Engine, InternalError, Request, RequestError, Unavailable
 from hisparse_jax.engine.engine import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
@@ -236,7 +236,7 @@ def check_request_id(request_id: str) -> None:
   """_Rejected unless request_id is at most MAX_REQUEST_ID_BYTES of printable ASCII."""
   if len(request_id) > MAX_REQUEST_ID_BYTES:
     raise _Rejected("INVALID_ARGUMENT", f"request_id of {len(request_id)} characters; at most "
-                    f"{MAX_REQUEST_ID_BYTES} bytes")
+                    f"{MAX_REQUEST_ID_BYTES} (printable ASCII)")
   if not (request_id.isascii() and request_id.isprintable()):
     raise _Rejected("INVALID_ARGUMENT", "request_id must be printable ASCII")
 
@@ -402,6 +402,30 @@ def _handlers(servicer: InferenceServicer) -> dict:
   }
 
 
+def _add_health(servicer, server) -> None:
+  """grpc.health.v1.Health with the library's servicer, but unparsable request bytes answer INVALID_ARGUMENT
+  (the generated registration lets the parse error escape as UNKNOWN with a logged traceback)."""
+  pb = health_pb2
+
+  async def check(request, context):
+    if isinstance(request, _Malformed):
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+    return await servicer.Check(request, context)
+
+  async def watch(request, context):  # the servicer streams with context.write
+    if isinstance(request, _Malformed):
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+    await servicer.Watch(request, context)
+
+  handlers = {
+      "Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=_tolerant(pb.HealthCheckRequest),
+                                                   response_serializer=pb.HealthCheckResponse.SerializeToString),
+      "Watch": grpc.unary_stream_rpc_method_handler(watch, request_deserializer=_tolerant(pb.HealthCheckRequest),
+                                                    response_serializer=pb.HealthCheckResponse.SerializeToString),
+  }
+  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grpc.health.v1.Health", handlers),))
+
+
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
   """Every call except grpc.health.v1 needs ``authorization: Bearer KEY`` metadata (constant-time compare)."""
 
@@ -497,7 +521,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    _add_health(health_servicer, server)
     address = f"{host}:{port}"
     try:
       bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)

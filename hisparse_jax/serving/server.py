@@ -317,7 +317,8 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
         ids = await self._prompt_ids(request)
         # The engine keys requests by a server-side id: client ids need not be unique.
         req = Request(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
-                      stop_token_ids=frozenset(request.stop_token_ids), stop=tuple(request.stop), include_stop_str_in_output=request.include_stop_str_in_output,
+                      stop_token_ids=frozenset(request.stop_token_ids), stop=tuple(request.stop),
+                      include_stop_str_in_output=request.include_stop_str_in_output,
                       ignore_eos=request.ignore_eos, **sampling)
         self.engine.validate(req)
       except _Rejected as e:

@@ -109,7 +109,12 @@ def main(argv=None) -> int:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
       list(pool.map(lambda i: list(p.stub.Generate(hisparse_pb2.GenerateRequest(
           text="e e e", max_new_tokens=64, ignore_eos=True), timeout=600)), range(16)))
-    max_bytes = 8 * 163840
+    from hisparse_jax.default_model import ensure_default_model
+    from hisparse_jax.engine.args import DEFAULT_PROMPT_BYTES_PER_TOKEN
+    from models.config import DSAConfig
+    # The server's default --max-prompt-bytes: per token of the default model's context.
+    context = DSAConfig.from_pretrained(ensure_default_model()).max_position_embeddings
+    max_bytes = DEFAULT_PROMPT_BYTES_PER_TOKEN * context
     res["max_prompt_bytes"] = max_bytes
     res["idle"] = dict(small=_stats([_timed(p.small) for _ in range(reps)]),
                        health=_stats([_timed(p.check) for _ in range(50)]),

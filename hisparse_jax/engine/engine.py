@@ -72,6 +72,17 @@ SCORE_ELEMENTS = 1 << 24
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
 MAX_STOP_TOKEN_IDS = 256
+
+
+def check_stop_counts(stop_strings: int, stop_token_ids: int) -> None:
+  """InvalidRequest if a request names more than MAX_STOP_STRINGS stop strings or MAX_STOP_TOKEN_IDS stop
+  token ids (counts only: callable before the lists are copied; ``Engine.validate`` checks the values)."""
+  if stop_strings > MAX_STOP_STRINGS:
+    raise InvalidRequest(f"{stop_strings} stop strings; at most {MAX_STOP_STRINGS}")
+  if stop_token_ids > MAX_STOP_TOKEN_IDS:
+    raise InvalidRequest(f"{stop_token_ids} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
+
+
 # Bound on the rows a prefill attention block gathers (bytes of [B, query block, K, W]).
 PREFILL_GATHER_BYTES = 1 << 26
 
@@ -242,15 +253,12 @@ class Engine:
       raise InvalidRequest(f"top_k must be >= 0, got {req.top_k}")
     if req.seed is not None and not 0 <= req.seed < 2**32:
       raise InvalidRequest(f"seed must be in [0, 2**32), got {req.seed}")
-    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-      raise InvalidRequest(f"{len(req.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
+    check_stop_counts(len(req.stop), len(req.stop_token_ids))
     bad = [t for t in req.stop_token_ids if not 0 <= t < V]
     if bad:
       raise InvalidRequest(f"stop token id {bad[0]} outside the vocabulary")
     if any(not isinstance(x, str) or not x for x in req.stop):
       raise InvalidRequest("stop strings must be non-empty")
-    if len(req.stop) > MAX_STOP_STRINGS:
-      raise InvalidRequest(f"{len(req.stop)} stop strings; at most {MAX_STOP_STRINGS}")
     long = [x for x in req.stop if len(x.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES]
     if long:
       raise InvalidRequest(f"a stop string of {len(long[0].encode('utf-8', 'surrogatepass'))} bytes; at most "

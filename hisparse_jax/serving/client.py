@@ -51,7 +51,7 @@ def open_channel(target: str, *, tls_ca: bytes | None = None, tls_cert: bytes | 
 
 def auth_metadata(api_key: str | None) -> tuple:
   """gRPC call metadata carrying api_key as a bearer token (empty without a key)."""
-  return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+  return (("authorization", credentials.bearer(api_key)),) if api_key else ()
 
 
 def wait_for_serving(channel, timeout_s: float) -> None:

@@ -20,6 +20,11 @@ def read_file(flag: str, path: str | None) -> bytes | None:
   return data
 
 
+def bearer(api_key: str) -> str:
+  """The ``authorization`` metadata value that carries api_key (the client sends it, the server expects it)."""
+  return f"Bearer {api_key}"
+
+
 def api_key(key: str | None, key_file: str | None) -> str | None:
   """The bearer token from --api-key or --api-key-file (its first line, stripped); None if neither is set.
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import functools
 import hmac
 import logging
 import math
@@ -33,10 +34,11 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2  # health.aio: the asyncio servicer
 
-from hisparse_jax.engine import Engine, InternalError, Request, RequestError, Unavailable
-from hisparse_jax.engine.engine import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from hisparse_jax.engine import Engine, InternalError, InvalidRequest, Request, RequestError, Unavailable
+from hisparse_jax.engine.engine import check_stop_counts
 from hisparse_jax.engine.detokenizer import GIL_FREE_ENCODE_CHARS, encode_prompt
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.serving import credentials
 from hisparse_jax.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -165,18 +167,18 @@ def _tokenize_off_loop(tokenizer, text: str, bos: int | None) -> list[int]:
 
 
 def _malloc_trim() -> None:
-  global _LIBC
-  if _LIBC is None:
-    try:
-      _LIBC = ctypes.CDLL("libc.so.6")
-      _LIBC.malloc_trim  # noqa: B018 - glibc only
-    except (OSError, AttributeError):
-      _LIBC = False
-  if _LIBC:
-    _LIBC.malloc_trim(0)
+  trim = _glibc_malloc_trim()
+  if trim is not None:
+    trim(0)
 
 
-_LIBC = None
+@functools.cache
+def _glibc_malloc_trim():
+  """glibc's malloc_trim, or None (another libc)."""
+  try:
+    return ctypes.CDLL("libc.so.6").malloc_trim
+  except (OSError, AttributeError):
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,30 +226,13 @@ def _tolerant(message_cls):
   return parse
 
 
-class _Rejected(Exception):
-  """A request that fails before reaching the engine (code: a grpc.StatusCode name)."""
-
-  def __init__(self, code: str, message: str):
-    super().__init__(message)
-    self.code = code
-
-
 def check_request_id(request_id: str) -> None:
-  """_Rejected unless request_id is at most MAX_REQUEST_ID_BYTES of printable ASCII."""
+  """InvalidRequest unless request_id is at most MAX_REQUEST_ID_BYTES of printable ASCII."""
   if len(request_id) > MAX_REQUEST_ID_BYTES:
-    raise _Rejected("INVALID_ARGUMENT", f"request_id of {len(request_id)} characters; at most "
+    raise InvalidRequest(f"request_id of {len(request_id)} characters; at most "
                     f"{MAX_REQUEST_ID_BYTES} (printable ASCII)")
   if not (request_id.isascii() and request_id.isprintable()):
-    raise _Rejected("INVALID_ARGUMENT", "request_id must be printable ASCII")
-
-
-def _check_stop_counts(request) -> None:
-  """The counts of stop strings and stop token ids, before they are copied (the engine checks the rest)."""
-  if len(request.stop) > MAX_STOP_STRINGS:
-    raise _Rejected("INVALID_ARGUMENT", f"{len(request.stop)} stop strings; at most {MAX_STOP_STRINGS}")
-  if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-    raise _Rejected("INVALID_ARGUMENT", f"{len(request.stop_token_ids)} stop token ids; at most "
-                    f"{MAX_STOP_TOKEN_IDS}")
+    raise InvalidRequest("request_id must be printable ASCII")
 
 
 def _sampling(request) -> dict:
@@ -255,7 +240,7 @@ def _sampling(request) -> dict:
   top_p = request.top_p if request.HasField("top_p") else 1.0
   for name, value in (("temperature", request.temperature), ("top_p", top_p)):
     if not math.isfinite(value):
-      raise _Rejected("INVALID_ARGUMENT", f"{name} must be finite, got {value}")
+      raise InvalidRequest(f"{name} must be finite, got {value}")
   return dict(temperature=request.temperature, top_k=request.top_k, top_p=top_p,
               seed=request.seed if request.HasField("seed") else None)
 
@@ -284,11 +269,11 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     which = request.WhichOneof("prompt")
     if which == "text":
       if self.tokenizer is None:
-        raise _Rejected("INVALID_ARGUMENT", "text prompt given but the model has no tokenizer")
+        raise InvalidRequest("text prompt given but the model has no tokenizer")
       text = request.text
       # Characters <= UTF-8 bytes: the exact count is taken only for texts that may be within the limit.
       if len(text) > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
-        raise _Rejected("INVALID_ARGUMENT", f"text prompt over {self.max_prompt_bytes} bytes (--max-prompt-bytes)")
+        raise InvalidRequest(f"text prompt over {self.max_prompt_bytes} bytes (--max-prompt-bytes)")
       bos = self.engine.config.bos_token_id
       if len(text) <= GIL_FREE_ENCODE_CHARS:  # microseconds: no queueing behind large prompts
         return encode_prompt(self.tokenizer, text, bos)
@@ -297,10 +282,10 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     if which == "input_ids":
       ids = request.input_ids.ids
       if len(ids) > self.engine.max_seq_len:
-        raise _Rejected("INVALID_ARGUMENT", f"prompt of {len(ids)} tokens exceeds the model context of "
+        raise InvalidRequest(f"prompt of {len(ids)} tokens exceeds the model context of "
                         f"{self.engine.max_seq_len} tokens")
       return list(ids)
-    raise _Rejected("INVALID_ARGUMENT", "empty prompt: set text or input_ids")
+    raise InvalidRequest("empty prompt: set text or input_ids")
 
   async def Generate(self, request, context):
     if isinstance(request, _Malformed):
@@ -312,7 +297,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     try:
       try:
         check_request_id(request.request_id)
-        _check_stop_counts(request)
+        check_stop_counts(len(request.stop), len(request.stop_token_ids))  # before copying them
         sampling = _sampling(request)
         ids = await self._prompt_ids(request)
         # The engine keys requests by a server-side id: client ids need not be unique.
@@ -321,8 +306,6 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
                       include_stop_str_in_output=request.include_stop_str_in_output,
                       ignore_eos=request.ignore_eos, **sampling)
         self.engine.validate(req)
-      except _Rejected as e:
-        await context.abort(grpc.StatusCode[e.code], str(e))
       except RequestError as e:
         await context.abort(grpc.StatusCode[e.code], str(e))
       rid = request.request_id or uuid.uuid4().hex
@@ -367,7 +350,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
     try:
       check_request_id(request.request_id)
-    except _Rejected as e:
+    except RequestError as e:
       await context.abort(grpc.StatusCode[e.code], str(e))
     ids = list(self._by_client_id.get(request.request_id, ()))
     for engine_id in ids:
@@ -431,7 +414,7 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
   """Every call except grpc.health.v1 needs ``authorization: Bearer KEY`` metadata (constant-time compare)."""
 
   def __init__(self, api_key: str):
-    self._want = f"Bearer {api_key}".encode()
+    self._want = credentials.bearer(api_key).encode()
 
     async def deny(request, context):
       await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata "

@@ -14,15 +14,19 @@ Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch 
 Serves ``hisparse.HiSparseInference/Generate`` (server streaming), ``Abort``, ``GetLoads`` and
 ``grpc.health.v1.Health`` (which needs no API key, as load balancers expect). Generate streams beyond
 --max-running-requests + --max-queued-requests get RESOURCE_EXHAUSTED at once. Binding a non-loopback
-address without TLS or an API key prints a warning. Stops cleanly on SIGINT/SIGTERM.
+address without TLS or an API key prints a warning. Stops cleanly on SIGINT/SIGTERM: in-flight streams get
+--shutdown-grace-s, the engine loop then stops after its current step; a shutdown step that overruns its bound
+is reported and the process exits anyway (status 1). ``kill -USR1 PID`` prints every thread's stack to stderr.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import ipaddress
+import os
 import signal
 import sys
-import threading
+import time
 
 from absl import app, flags, logging
 
@@ -125,15 +129,25 @@ def main(argv):
                                    "API key" if api_key else "") if x) or "plain text, no API key"
   print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir}; {security}){metrics_at}",
         flush=True)
-  stopping = threading.Event()
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
+  # The handler only appends (an Event.set() there can deadlock on the Event's lock, which the interrupted main
+  # thread may hold); the timed poll lets it run even if the signal was delivered to another thread.
+  signals: list[int] = []
   for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda *_: stopping.set())
-  stopping.wait()
+    signal.signal(sig, lambda signum, _: signals.append(signum))
+  while not signals:
+    time.sleep(0.25)
+  grace = FLAGS["shutdown-grace-s"].value
   print("[server] shutting down", flush=True)
-  server.stop(FLAGS["shutdown-grace-s"].value).wait()
-  loop.stop(timeout=FLAGS["shutdown-grace-s"].value + 30)
+  grpc_stopped = server.stop(grace).wait(grace + 15)
+  loop.stop(timeout=grace + 30)
+  if not grpc_stopped or loop.is_alive():
+    # Interpreter exit with a thread still inside gRPC or XLA can hang or abort: leave at once instead.
+    print("[server] warning: " + ("the gRPC server" if not grpc_stopped else "the engine loop") +
+          " did not stop in time; exiting anyway", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
   print("[server] stopped", flush=True)
-
 
 if __name__ == "__main__":
   app.run(main)

@@ -207,7 +207,13 @@ def test_server_bad_port_and_sigterm_exit_cleanly():
     time.sleep(2.0)
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    rest = proc.communicate(timeout=60)[0]
+    try:
+      rest = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:  # show where it hangs: every thread's stack (run_server's SIGUSR1)
+      proc.send_signal(signal.SIGUSR1)
+      time.sleep(3)
+      proc.kill()
+      pytest.fail("server did not exit 60 s after SIGTERM:\n" + proc.communicate()[0])
     t.join(timeout=30)
     channel.close()
     assert proc.returncode == 0, rest

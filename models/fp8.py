@@ -20,6 +20,9 @@ import numpy as np
 
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn),)
+# Block-scale dtypes real checkpoints use: float32 (DeepSeek-V3/V3.2), bfloat16, and float8_e8m0fnu
+# (power-of-two scales, as in MX formats); each converts to float32 exactly.
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e8m0fnu))
 
 
 def scale_key(weight_key: str) -> str:
@@ -41,16 +44,20 @@ def scale_shape(weight_shape: tuple[int, ...], block_size: tuple[int, int]) -> t
 def dequantize_block_fp8(
     weight: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, int] = (128, 128), *, name: str = "weight"
 ) -> np.ndarray:
-    """float8_e4m3fn[..., R, C] weight and float32[..., ceil(R/br), ceil(C/bc)] scales -> float32[..., R, C].
+    """float8_e4m3fn[..., R, C] weight and [..., ceil(R/br), ceil(C/bc)] scales (a ``SCALE_DTYPES`` dtype:
+    float32, bfloat16 or float8_e8m0fnu) -> float32[..., R, C].
 
-    Raises ValueError (naming ``name``) when the weight is not float8_e4m3fn or the scale shape does
-    not match the block size.
+    Raises ValueError (naming ``name``) when the weight is not float8_e4m3fn, the scales have another
+    dtype, or the scale shape does not match the block size.
     """
     if weight.ndim < 2:
         raise ValueError(f"FP8 tensor {name!r} must have at least 2 dimensions, got shape {weight.shape}")
     if not is_fp8(weight):
         raise ValueError(f"tensor {name!r} has a {scale_key('')!r} companion but dtype {weight.dtype} "
                          "(expected float8_e4m3fn)")
+    if scale_inv.dtype not in SCALE_DTYPES:
+        raise ValueError(f"scales {scale_key(name)!r} have dtype {scale_inv.dtype}; expected one of "
+                         f"{', '.join(str(d) for d in SCALE_DTYPES)}")
     want = scale_shape(weight.shape, block_size)
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"scales {scale_key(name)!r} have shape {tuple(scale_inv.shape)}, expected {want} for a "

@@ -137,7 +137,8 @@ def hf_param_table(cfg: DSAConfig) -> list[ParamSpec]:
 
 # safetensors dtypes that safetensors' numpy backend cannot return (it looks for them on the numpy
 # module); they are read through a memory map of the file instead.
-_MMAP_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
+_MMAP_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+                "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu)}  # power-of-two block scales
 
 
 class _TensorStore:

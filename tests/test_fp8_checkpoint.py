@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -80,8 +81,9 @@ def reference_dequantize(q: np.ndarray, s: np.ndarray) -> np.ndarray:
     return out
 
 
-def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block absmax scaling to the e4m3 range (max 448), as DeepSeek's FP8 checkpoints are made."""
+def quantize(w: np.ndarray, pow2: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block absmax scaling to the e4m3 range (max 448), as DeepSeek's FP8 checkpoints are made;
+    pow2: each scale rounded up to a power of two (representable exactly in bfloat16 and e8m0)."""
     rows, cols = w.shape
     nb_r, nb_c = math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
     q = np.empty((rows, cols), F8)
@@ -90,21 +92,24 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for bj in range(nb_c):
             blk = w[bi * BLOCK:(bi + 1) * BLOCK, bj * BLOCK:(bj + 1) * BLOCK].astype(np.float32)
             scale = np.float32(max(float(np.abs(blk).max()), 1e-12) / 448.0)
+            if pow2:
+                scale = np.float32(2.0 ** math.ceil(math.log2(scale)))
             s[bi, bj] = scale
             q[bi * BLOCK:(bi + 1) * BLOCK, bj * BLOCK:(bj + 1) * BLOCK] = (blk / scale).astype(F8)
     return q, s
 
 
-def write_fp8_pair(tmp_path, config: dict, seed: int):
+def write_fp8_pair(tmp_path, config: dict, seed: int, scale_dtype=None):
     """(fp8 checkpoint dir, unquantized checkpoint dir holding the reference-dequantized weights,
-    list of quantized keys)."""
+    list of quantized keys). scale_dtype: store power-of-two scales in this dtype (default float32
+    absmax scales)."""
     src = write_random_checkpoint(tmp_path / "src", config, seed=seed)
     tensors = load_file(f"{src}/model.safetensors")
     fp8_t, deq_t, qkeys = {}, {}, []
     for k, v in tensors.items():
         if _quantized(k, v):
-            q, s = quantize(v)
-            fp8_t[k], fp8_t[k + "_scale_inv"] = q, s
+            q, s = quantize(v, pow2=scale_dtype is not None)
+            fp8_t[k], fp8_t[k + "_scale_inv"] = q, s if scale_dtype is None else s.astype(scale_dtype)
             deq_t[k] = reference_dequantize(q, s)
             qkeys.append(k)
         else:
@@ -168,6 +173,33 @@ def test_fp8_checkpoint_equals_dequantized_checkpoint(tmp_path, config):
     ld, cd = prefill_prompts(model_d, tokens, lengths)
     np.testing.assert_array_equal(np.asarray(lq), np.asarray(ld))
     np.testing.assert_array_equal(np.asarray(cq.latent), np.asarray(cd.latent))
+
+
+@pytest.mark.parametrize("scale_dtype", [np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e8m0fnu],
+                         ids=["float32", "bfloat16", "e8m0"])
+def test_fp8_checkpoint_scale_dtypes(tmp_path, scale_dtype):
+    """Power-of-two block scales stored as float32, bfloat16 or float8_e8m0fnu load to the same parameters
+    as the reference-dequantized checkpoint; a scale dtype no checkpoint uses is an error naming the tensor."""
+    fp8_dir, deq_dir, qkeys = write_fp8_pair(tmp_path, DSV32, seed=9, scale_dtype=scale_dtype)
+    from safetensors import safe_open  # noqa: PLC0415
+
+    with safe_open(f"{fp8_dir}/model.safetensors", "numpy") as f:
+        stored = f.get_slice(qkeys[0] + "_scale_inv").get_dtype()
+    assert stored == {np.float32: "F32", ml_dtypes.bfloat16: "BF16", ml_dtypes.float8_e8m0fnu: "F8_E8M0"}[scale_dtype]
+    _, model_q = load_hf(fp8_dir)
+    _, model_d = load_hf(deq_dir)
+    pq, pd = _params(model_q), _params(model_d)
+    for k in pq:
+        np.testing.assert_array_equal(pq[k], pd[k], err_msg=str(k))
+    if scale_dtype is np.float32:
+        import models.loader as loader  # noqa: PLC0415
+
+        store = loader._TensorStore(fp8_dir, (128, 128))
+        t = {k: np.asarray(store._raw(k)) for k in store.keys()}
+        t[qkeys[0] + "_scale_inv"] = t[qkeys[0] + "_scale_inv"].astype(np.float16)
+        save_file(t, f"{fp8_dir}/model.safetensors")
+        with pytest.raises(ValueError, match=re.escape(qkeys[0] + "_scale_inv") + ".*float16"):
+            load_hf(fp8_dir)
 
 
 def test_fp8_checkpoint_to_bfloat16(tmp_path):

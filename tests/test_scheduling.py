@@ -174,8 +174,9 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
   lowered = {
       "decode": eng._decode_fn.lower(eng._params, tok[:, 0], pos[:, 0] + 20, state, decode_tables, sampling,
                                      **eng._index_blocks(1, 1, 20)),
-      "prefill": eng._prefill_fn.lower(eng._params, tok, pos, state, prefill_tables, sampling,
-                                       query_block=None, **eng._index_blocks(1, 32, 31)),
+      **{f"prefill first_token={first}": eng._prefill_fn.lower(
+          eng._params, tok, pos, state, prefill_tables, sampling, query_block=None, first_token=first,
+          **eng._index_blocks(1, 32, 31)) for first in (True, False)},
       "import": eng._import_fn.lower(state, decode_tables, jnp.zeros((cfg.num_hidden_layers, 20, cfg.latent_dim)),
                                      jnp.zeros((cfg.num_hidden_layers, 20, cfg.index_head_dim))),
   }

@@ -184,11 +184,14 @@ class Engine:
 
     blocks = ("window", "key_block", "score_block")
 
-    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("query_block",))
-    def prefill(params, tokens, positions, state, tables, sampling, **blocks):
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("query_block", "first_token"))
+    def prefill(params, tokens, positions, state, tables, sampling, *, first_token, **blocks):
+      # first_token False (no row's prompt ends in this chunk): no lm_head, no sampling (XLA drops them).
       view = state.view(tables)
       logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, **blocks)
       state = state.absorb(view).finish_prefill(tables)
+      if not first_token:
+        return jnp.zeros(tokens.shape[:1], jnp.int32), state
       return sample(logits, *sampling, jnp.max(positions, axis=1) + 1), state
 
     @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks)
@@ -427,7 +430,7 @@ class Engine:
     blocks = self._index_blocks(B, C, int(positions.max()))
     out, self.backend.state = self._prefill_fn(
         self._params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, tables,
-        self._sampling(slots), query_block=self._query_block(B, C), **blocks)
+        self._sampling(slots), query_block=self._query_block(B, C), first_token=any(finishing), **blocks)
     self.prefill_calls += 1
     out = np.asarray(out)
     for b, (req, n) in enumerate(rows):

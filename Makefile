@@ -54,6 +54,7 @@ bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) benchmarks/throughput.py --out $(RESULTS)/throughput; \
 	$(PY) benchmarks/vs_transformers.py --out $(RESULTS)/vs_transformers; \
 	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
+	$(PY) benchmarks/moe.py --out $(RESULTS)/moe; \
 	echo "make bench: $$(( $$(date +%s) - start )) s"
 
 proto: $(VENV)/.installed

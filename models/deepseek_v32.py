@@ -20,9 +20,7 @@ Numerically follows transformers 5.24 ``models/deepseek_v32/modeling_deepseek_v3
   top-k; it skips the indexer.
 * MoE: sigmoid router in float32, ``e_score_correction_bias`` for selection only, group-limited
   routing (group score = sum of the group's top-2), norm_topk_prob, routed_scaling_factor, shared
-  experts.  Experts are evaluated *densely* (every expert on every token, combined with a
-  [T, E] routing-weight matrix that is zero for unselected experts).  This is exact and simple; it
-  is meant for the small models this project serves.
+  experts.  Routed experts run only on their tokens (sorted, blocked grouped GEMM: ``models/moe.py``).
 * Softmax in float32; logits returned as float32.
 
 Linear weights are stored as ``kernel`` with shape [in, out] (HF stores [out, in]; the loader
@@ -53,6 +51,7 @@ from hisparse_jax.kernels.ops import top_k as exact_top_k
 from .config import DSAConfig, RopeConfig
 from .fp8_numerics import fake_quant_e4m3, indexer_fp8
 from .kv_protocol import ContiguousKVCache, KVCache
+from .moe import grouped_expert_ffn
 
 _F32 = jnp.float32
 _NEG = float(np.finfo(np.float32).min)
@@ -373,8 +372,8 @@ class MoE(nnx.Module):
 
     gate_kernel: float32[H, E]; e_score_correction_bias: float32[E] (selection only);
     gate_proj/up_proj: dtype[E, H, I]; down_proj: dtype[E, I, H]; shared_experts: MLP(H, I * n_shared).
-    Experts are computed densely for every token (exact; fine for small E), then combined with
-    the [T, E] routing weights.
+    Each routed expert runs only on the tokens routed to it (``models.moe.grouped_expert_ffn``: work
+    proportional to tokens x experts per token, not tokens x experts).
     """
 
     def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs):
@@ -391,8 +390,8 @@ class MoE(nnx.Module):
         self.down_proj = nnx.Param(_normal(rngs, (E, I, H), std, dtype))
         self.shared_experts = MLP(H, I * cfg.n_shared_experts, dtype=dtype, std=std, rngs=rngs)
 
-    def routing(self, x: jax.Array) -> jax.Array:
-        """x: [T, H] -> float32[T, E] combine weights (zero for unselected experts)."""
+    def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [T, H] -> (int32[T, k] chosen experts, float32[T, k] their combine weights)."""
         T, E, G = x.shape[0], self.n_experts, self.n_group
         wg = self.gate_kernel[...]
         xf = x.astype(_F32)
@@ -410,17 +409,15 @@ class MoE(nnx.Module):
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdims=True) + 1e-20)
         w = w * self.routed_scaling_factor
-        return jnp.einsum("tk,tke->te", w, jax.nn.one_hot(idx, E, dtype=_F32))
+        return idx.astype(jnp.int32), w
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., H] -> [..., H]."""
         shape = x.shape
         xt = x.reshape(-1, shape[-1])  # [T, H]
-        combine = self.routing(xt)  # [T, E]
-        g = _einsum("th,ehi->tei", xt, self.gate_proj[...])
-        u = _einsum("th,ehi->tei", xt, self.up_proj[...])
-        y = _einsum("tei,eih->teh", jax.nn.silu(g) * u, self.down_proj[...])  # [T, E, H]
-        routed = jnp.einsum("teh,te->th", y.astype(_F32), combine, precision=jax.lax.Precision.HIGHEST)
+        idx, w = self.routing(xt)
+        gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+        routed = grouped_expert_ffn(xt, idx, w, gate, up, down, precision=_precision(xt, gate))
         out = routed.astype(x.dtype) + self.shared_experts(xt)
         return out.reshape(shape)
 

@@ -78,3 +78,14 @@ def test_server_load_quick(tmp_path):
   assert res["streams_phase"]["over_queue_codes"] == ["RESOURCE_EXHAUSTED"]
   assert res["text"]["flood_codes"] == ["INVALID_ARGUMENT"] and res["text"]["flood_requests"] >= 4
   assert res["text"]["small"]["n"] == 3 and res["after"]["rss_mb"] > 0
+
+
+def test_moe_benchmark_quick(tmp_path):
+  out = tmp_path / "moe"
+  r = subprocess.run([sys.executable, "benchmarks/moe.py", "--quick", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+  assert [row["tokens"] for row in rows] == [1, 32]
+  for row in rows:
+    assert row["dense_ms"] > 0 and row["grouped_ms"] > 0 and row["rel_diff"] < 1e-5 and row["ideal"] == 8

@@ -1,0 +1,98 @@
+"""Sparse dispatch of routed experts: each expert runs only on the tokens routed to it.
+
+``grouped_expert_ffn`` computes, for T tokens each routed to k of E experts,
+
+    out[t] = sum_j weight[t, j] * down[e_tj] @ (silu(gate[e_tj] @ x[t]) * (up[e_tj] @ x[t])),   e_tj = expert[t, j]
+
+(DeepSeek-V3's routed-expert SwiGLU FFN, as ``modeling_deepseek_v32.DeepseekV32MoE``), with work
+proportional to T * k (plus at most one partly filled row block per used expert), not T * E.
+
+How: the T*k (token, expert) assignments are sorted by expert; each expert's group is padded to a whole
+number of ``block`` rows, so every block of rows belongs to one expert; a while loop runs only over the
+blocks in use (a dynamic trip count; the static bound ceil(T*k / block) + min(E, T*k) only sizes
+buffers), each block one [block, H] x [H, I] GEMM pair and one [block, I] x [I, H] GEMM with that expert's
+weights. Results go back to their (token, slot) order and are combined with the routing weights.
+
+``jax.lax.ragged_dot`` expresses the same grouped GEMM and is lowered natively on GPU and TPU; on CPU
+(JAX 0.12) it is lowered through a dense [groups, M, K] broadcast, i.e. E times the work, which is why
+this module does its own blocking.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_rows(tokens: int, top_k: int, n_experts: int, max_block: int = 64) -> int:
+    """Rows per expert block: the power of two nearest above the mean rows per expert (T*k / E), in
+    [1, max_block] (small for decode, where each used expert sees a few rows; larger for prefill)."""
+    return min(max_block, _pow2_at_least(-(-tokens * top_k // n_experts)))
+
+
+def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,
+                       down: jax.Array, *, block: int | None = None, precision=None) -> jax.Array:
+    """Routed-expert SwiGLU FFN over only the routed (token, expert) pairs.
+
+    Args:
+      x: [T, H] tokens (any float dtype; the GEMMs run in it).
+      expert: int32[T, k] chosen experts, each in [0, E) (out-of-range ids are a caller bug: they are
+        clipped by XLA's gather semantics, so validate routing upstream).
+      weight: float32[T, k] combine weights.
+      gate, up: [E, H, I]; down: [E, I, H] (x's dtype).
+      block: rows per expert block (static; default ``block_rows``).
+      precision: of the GEMMs (``jax.lax.Precision``).
+
+    Returns:
+      float32[T, H]: sum over the k slots of weight * expert output (summed in slot order).
+    """
+    T, H = x.shape
+    k = expert.shape[1]
+    E = gate.shape[0]
+    M = T * k
+    b = block or block_rows(T, k, E)
+    n_blocks_max = -(-M // b) + min(E, M)
+    flat = expert.reshape(M).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)                  # assignments sorted by expert
+    sorted_e = flat[order]
+    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)     # rows per expert
+    blocks = (counts + b - 1) // b                          # blocks per expert
+    block_end = jnp.cumsum(blocks)
+    group_start = jnp.cumsum(counts) - counts
+    rank = jnp.arange(M, dtype=jnp.int32) - group_start[sorted_e]
+    dest = (block_end - blocks)[sorted_e] * b + rank        # padded row of each sorted assignment
+    rows = jnp.zeros((n_blocks_max * b, H), x.dtype).at[dest].set(x[order // k])
+    block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(n_blocks_max), side="right"), E - 1)
+    used = block_end[-1]
+
+    def body(i, out):
+        e = block_expert[i]
+        xb = jax.lax.dynamic_slice_in_dim(rows, i * b, b)
+        g = jnp.matmul(xb, gate[e], precision=precision)
+        u = jnp.matmul(xb, up[e], precision=precision)
+        y = jnp.matmul(jax.nn.silu(g) * u, down[e], precision=precision)
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * b, 0)
+
+    out = jax.lax.fori_loop(0, used, body, jnp.zeros((n_blocks_max * b, H), x.dtype))
+    per_slot = jnp.zeros((M, H), x.dtype).at[order].set(out[dest]).reshape(T, k, H)
+    return jnp.einsum("tkh,tk->th", per_slot.astype(_F32), weight.astype(_F32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def dense_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,
+                     down: jax.Array, *, precision=None) -> jax.Array:
+    """The same sum evaluated densely: every expert on every token, combined with a [T, E] weight matrix
+    that is zero for unchosen experts (T * E work; the reference for tests and benchmarks). Arguments and
+    result as ``grouped_expert_ffn``."""
+    combine = jnp.einsum("tk,tke->te", weight.astype(_F32), jax.nn.one_hot(expert, gate.shape[0], dtype=_F32),
+                         precision=jax.lax.Precision.HIGHEST)
+    g = jnp.einsum("th,ehi->tei", x, gate, precision=precision)
+    u = jnp.einsum("th,ehi->tei", x, up, precision=precision)
+    y = jnp.einsum("tei,eih->teh", jax.nn.silu(g) * u, down, precision=precision)
+    return jnp.einsum("teh,te->th", y.astype(_F32), combine, precision=jax.lax.Precision.HIGHEST)

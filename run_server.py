@@ -149,5 +149,6 @@ def main(argv):
     os._exit(1)
   print("[server] stopped", flush=True)
 
+
 if __name__ == "__main__":
   app.run(main)

@@ -51,7 +51,7 @@ from hisparse_jax.kernels.ops import top_k as exact_top_k
 from .config import DSAConfig, RopeConfig
 from .fp8_numerics import fake_quant_e4m3, indexer_fp8
 from .kv_protocol import ContiguousKVCache, KVCache
-from .moe import grouped_expert_ffn
+from .moe import expert_parallel_ffn, grouped_expert_ffn
 
 _F32 = jnp.float32
 _NEG = float(np.finfo(np.float32).min)
@@ -389,6 +389,10 @@ class MoE(nnx.Module):
         self.up_proj = nnx.Param(_normal(rngs, (E, H, I), std, dtype))
         self.down_proj = nnx.Param(_normal(rngs, (E, I, H), std, dtype))
         self.shared_experts = MLP(H, I * cfg.n_shared_experts, dtype=dtype, std=std, rngs=rngs)
+        # Expert parallelism (static; set by hisparse_jax.sharding.set_expert_parallel): the mesh axes the
+        # experts are split over and the axis of their width, or () for one device / GSPMD's own split.
+        self.expert_axes: tuple[str, ...] = ()
+        self.expert_width_axis: str | None = None
 
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [T, H] -> (int32[T, k] chosen experts, float32[T, k] their combine weights)."""
@@ -417,7 +421,11 @@ class MoE(nnx.Module):
         xt = x.reshape(-1, shape[-1])  # [T, H]
         idx, w = self.routing(xt)
         gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
-        routed = grouped_expert_ffn(xt, idx, w, gate, up, down, precision=_precision(xt, gate))
+        if self.expert_axes:
+            routed = expert_parallel_ffn(xt, idx, w, gate, up, down, expert_axes=self.expert_axes,
+                                         width_axis=self.expert_width_axis, precision=_precision(xt, gate))
+        else:
+            routed = grouped_expert_ffn(xt, idx, w, gate, up, down, precision=_precision(xt, gate))
         out = routed.astype(x.dtype) + self.shared_experts(xt)
         return out.reshape(shape)
 

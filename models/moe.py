@@ -42,8 +42,8 @@ def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate:
 
     Args:
       x: [T, H] tokens (any float dtype; the GEMMs run in it).
-      expert: int32[T, k] chosen experts, each in [0, E) (out-of-range ids are a caller bug: they are
-        clipped by XLA's gather semantics, so validate routing upstream).
+      expert: int32[T, k] chosen experts; an id outside [0, E) (an expert another device holds, under
+        expert parallelism) contributes zero and costs no GEMM rows.
       weight: float32[T, k] combine weights.
       gate, up: [E, H, I]; down: [E, I, H] (x's dtype).
       block: rows per expert block (static; default ``block_rows``).
@@ -59,15 +59,19 @@ def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate:
     b = block or block_rows(T, k, E)
     n_blocks_max = -(-M // b) + min(E, M)
     flat = expert.reshape(M).astype(jnp.int32)
+    valid = (flat >= 0) & (flat < E)
+    flat = jnp.where(valid, flat, E)                        # absent experts sort last, count nowhere
     order = jnp.argsort(flat, stable=True)                  # assignments sorted by expert
     sorted_e = flat[order]
-    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)     # rows per expert
+    sorted_valid = valid[order]
+    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode="drop")  # rows per expert
     blocks = (counts + b - 1) // b                          # blocks per expert
     block_end = jnp.cumsum(blocks)
     group_start = jnp.cumsum(counts) - counts
-    rank = jnp.arange(M, dtype=jnp.int32) - group_start[sorted_e]
-    dest = (block_end - blocks)[sorted_e] * b + rank        # padded row of each sorted assignment
-    rows = jnp.zeros((n_blocks_max * b, H), x.dtype).at[dest].set(x[order // k])
+    se = jnp.minimum(sorted_e, E - 1)
+    rank = jnp.arange(M, dtype=jnp.int32) - group_start[se]
+    dest = jnp.where(sorted_valid, (block_end - blocks)[se] * b + rank, n_blocks_max * b)  # padded row; absent: none
+    rows = jnp.zeros((n_blocks_max * b, H), x.dtype).at[dest].set(x[order // k], mode="drop")
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(n_blocks_max), side="right"), E - 1)
     used = block_end[-1]
 
@@ -80,9 +84,41 @@ def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate:
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * b, 0)
 
     out = jax.lax.fori_loop(0, used, body, jnp.zeros((n_blocks_max * b, H), x.dtype))
-    per_slot = jnp.zeros((M, H), x.dtype).at[order].set(out[dest]).reshape(T, k, H)
+    picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # absent assignments: zeros
+    per_slot = jnp.zeros((M, H), x.dtype).at[order].set(picked).reshape(T, k, H)
     return jnp.einsum("tkh,tk->th", per_slot.astype(_F32), weight.astype(_F32),
                       precision=jax.lax.Precision.HIGHEST)
+
+
+def expert_parallel_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,
+                        down: jax.Array, *, expert_axes: tuple[str, ...], width_axis: str | None = None,
+                        precision=None) -> jax.Array:
+    """``grouped_expert_ffn`` with the experts split over mesh axes (expert parallelism), inside a function
+    traced under ``jax.set_mesh``.
+
+    Each device holds E / ep experts (``gate``/``up``/``down`` sharded on dimension 0 over ``expert_axes``; the
+    expert width I also over ``width_axis`` when given) and runs only the (token, expert) assignments whose
+    expert it holds, on every token (x, expert and weight replicated); a ``psum`` over the mesh axes used
+    adds the devices' partial sums. Arguments and result as ``grouped_expert_ffn`` (shapes global).
+
+    Rounding: each device sums its own slots, then the psum adds the devices' sums, so results may differ
+    from one device's slot-order sum in the last bits.
+    """
+    P = jax.sharding.PartitionSpec
+    axis = expert_axes if len(expert_axes) > 1 else expert_axes[0]
+    w_in, w_out = P(axis, None, width_axis), P(axis, width_axis, None)
+    reduce_axes = tuple(expert_axes) + ((width_axis,) if width_axis else ())
+
+    def local(x, expert, weight, gate, up, down):
+        n = gate.shape[0]                                   # experts on this device
+        first = jax.lax.axis_index(axis) * n
+        mine = (expert >= first) & (expert < first + n)
+        part = grouped_expert_ffn(x, jnp.where(mine, expert - first, -1), jnp.where(mine, weight, 0.0),
+                                  gate, up, down, precision=precision)
+        return jax.lax.psum(part, reduce_axes)
+
+    return jax.shard_map(local, in_specs=(P(), P(), P(), w_in, w_in, w_out), out_specs=P(),
+                         check_vma=False)(x, expert, weight, gate, up, down)
 
 
 def dense_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,

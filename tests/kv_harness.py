@@ -14,20 +14,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hisparse_jax import sharding
 from hisparse_jax.memory import backend as kvmem
 
 
 class KVHarness:
 
   def __init__(self, cfg, model, *, hisparse=None, max_seq_len=160, page_size=16, chunk=None, slots=8,
-               budget=1 << 26, dtype=None, host_pool="jax", shuffle_seed=1, key_block=32, score_block=None):
+               budget=1 << 26, dtype=None, host_pool="jax", shuffle_seed=1, key_block=32, score_block=None,
+               mesh_config=None):
     self.cfg = cfg
+    # A MeshConfig of more than one device: parameters split by the rule table, KV replicated, calls traced
+    # under the mesh (as the engine does).
+    self.mesh_config = mesh_config
+    self.mesh = mesh_config.make_mesh() if mesh_config is not None and mesh_config.num_devices > 1 else None
+    if self.mesh is not None:
+      sharding.set_expert_parallel(model, mesh_config)
     dtype = jnp.dtype(dtype or cfg.dtype)
     layout = kvmem.KVLayout.of(cfg, dtype)
     plan = kvmem.plan(layout, budget=budget, max_running_requests=slots, max_seq_len=max_seq_len,
                       page_size=page_size, hisparse=hisparse)
-    self.backend = (kvmem.DenseBackend(plan, layout, dtype) if hisparse is None else
-                    kvmem.HiSparseBackend(plan, layout, dtype, hisparse, host_pool))
+    self.backend = (kvmem.DenseBackend(plan, layout, dtype, self.mesh) if hisparse is None else
+                    kvmem.HiSparseBackend(plan, layout, dtype, hisparse, host_pool, self.mesh))
     rng = np.random.default_rng(shuffle_seed)
     for free_list in self.backend._lists.values():
       rng.shuffle(free_list._free)
@@ -35,7 +43,18 @@ class KVHarness:
     self.key_block, self.score_block = key_block, score_block
     self.kvs, self.seq_lens = [], []
     graphdef, self.params = nnx.split(model)
-    self._prefill, self._decode = _steps(graphdef)
+    if self.mesh is not None:
+      self.params = sharding.shard_params(mesh_config, self.mesh, self.params)
+    self._prefill, self._decode = (self._on_mesh(f) for f in _steps(graphdef))
+
+  def _on_mesh(self, fn):
+    if self.mesh is None:
+      return fn
+
+    def call(*args):
+      with jax.set_mesh(self.mesh):
+        return fn(*args)
+    return call
 
   def prefill(self, prompts) -> np.ndarray:
     """Admits and prefills each prompt; returns float32[N, V], the logits at each prompt's last token."""

@@ -93,3 +93,19 @@ def test_model_logits_equal_dense_experts(tmp_path, monkeypatch, arch):
     for b, n in enumerate([20, 9]):
         np.testing.assert_allclose(grouped[b, :n], dense[b, :n], rtol=0, atol=1e-5)
         np.testing.assert_array_equal(grouped[b, :n].argmax(-1), dense[b, :n].argmax(-1))
+
+
+@pytest.mark.parametrize("block", [None, 1, 4])
+def test_absent_experts_contribute_zero(block):
+    """Ids outside [0, E) (experts another device holds under expert parallelism) add nothing: the result
+    equals the dense evaluation with those slots' weights zeroed, and a token routed only elsewhere gets 0."""
+    x, expert, weight, gate, up, down = _case(12, 8, 3, 32, 16, "random", seed=11)
+    rng = np.random.default_rng(4)
+    absent = rng.random(expert.shape) < 0.4
+    absent[0] = True  # token 0: every expert elsewhere
+    ids = jnp.where(absent, jnp.asarray(rng.choice([-1, 8, 100], expert.shape), jnp.int32), expert)
+    got = np.asarray(jax.jit(lambda *a: grouped_expert_ffn(*a, block=block, precision=HI))(
+        x, ids, weight, gate, up, down))
+    ref = np.asarray(dense_reference(x, expert, jnp.where(absent, 0.0, weight), gate, up, down))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert not got[0].any()

@@ -13,6 +13,7 @@ import os
 
 from hisparse_jax.config import ConfigError, HiSparseConfig
 from hisparse_jax.default_model import ensure_default_model
+from hisparse_jax.sharding import MeshConfig, MeshError
 from models.config import DSAConfig
 
 MODEL_HISPARSE_FILE = "hisparse_config.json"  # per-model default HiSparse sizes (optional)
@@ -66,6 +67,10 @@ class EngineArgs:
       own row, and prefill one request per call in fixed chunks, so a request's tokens never depend on its
       neighbours (XLA's CPU matmuls are not batch-invariant). Costs a full-batch step even for one request.
     fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``).
+    dp_size / tp_size / ep_size: the device mesh (``hisparse_jax/sharding.py``): dp_size x tp_size devices,
+      MLA heads, dense MLPs and the vocabulary split over tp, routed experts over ep devices (1, tp or
+      dp x tp), the indexer and the KV replicated on every device. dp_size > 1 (DP attention) is not built
+      yet.
   """
 
   model_path: str | None = None
@@ -84,6 +89,9 @@ class EngineArgs:
   max_prompt_bytes: int = 0
   deterministic: bool = False
   fp8_numerics: bool = False
+  dp_size: int = 1
+  tp_size: int = 1
+  ep_size: int = 1
 
   # --------------------------------------------------------------- flags
   _HELP = {
@@ -110,6 +118,9 @@ class EngineArgs:
                        "depend on its neighbours (costs a full-batch step per token).",
       "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
                       "latent KV cache (fake-quantized).",
+      "dp_size": "Data-parallel attention groups of the device mesh (only 1 for now).",
+      "tp_size": "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them.",
+      "ep_size": "Devices the routed experts are split over: 1, --tp-size, or --dp-size x --tp-size.",
   }
 
   @classmethod
@@ -166,6 +177,20 @@ class EngineArgs:
       raise StartupError(f"--max-admission-skips must be >= 0, got {self.max_admission_skips}")
     if self.max_prompt_bytes < 0:
       raise StartupError(f"--max-prompt-bytes must be >= 0, got {self.max_prompt_bytes}")
+    mesh = self.mesh_config()
+    try:
+      mesh.validate()
+    except MeshError as e:
+      raise StartupError(str(e)) from None
+    if mesh.dp_size > 1:
+      raise StartupError(f"--dp-size {mesh.dp_size}: data-parallel attention is not built yet; use --tp-size "
+                         "and --ep-size")
+    if mesh.num_devices > 1 and self.host_pool != HOST_POOL_KINDS[0]:
+      raise StartupError(f"--host-pool {self.host_pool} serves one device; with --tp-size {mesh.tp_size} use "
+                         f"--host-pool {HOST_POOL_KINDS[0]}")
+
+  def mesh_config(self) -> MeshConfig:
+    return MeshConfig(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size)
 
   def model_dir(self) -> str:
     """The HF / orbax model directory (the embedded default model when model_path is None)."""
@@ -212,26 +237,38 @@ class EngineArgs:
       raise StartupError(f"{source}: {e}") from None
 
   def device_kv_budget(self, weight_bytes: int = 0) -> int:
-    """The device KV budget in bytes (see the class docstring); the fraction applies to the device's memory
-    limit, as SGLang's flag does."""
+    """The device KV budget in bytes of this process's first device (``kv_budget``)."""
     import jax
     stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    budgets = []
-    if self.max_device_kv_bytes is not None:
-      budgets.append(self.max_device_kv_bytes)
-    if self.mem_fraction_static is not None:
-      if limit is None:
-        raise StartupError("--mem-fraction-static: this device reports no memory limit (CPU); use "
-                           "--max-device-kv-bytes")
-      budgets.append(int(self.mem_fraction_static * limit) - weight_bytes)
-    if not budgets:
-      budgets.append(DEFAULT_CPU_KV_BYTES if limit is None else int(DEFAULT_MEM_FRACTION * (limit - weight_bytes)))
-    budget = min(budgets)
-    if budget <= 0:
-      raise StartupError(f"--mem-fraction-static {self.mem_fraction_static}: leaves no device memory for the KV "
-                         f"cache beside the {weight_bytes} bytes of weights")
-    return budget
+    return kv_budget(stats.get("bytes_limit"), weight_bytes, max_device_kv_bytes=self.max_device_kv_bytes,
+                     mem_fraction_static=self.mem_fraction_static)
+
+
+def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int | None = None,
+              mem_fraction_static: float | None = None) -> int:
+  """Device KV budget in bytes (see ``EngineArgs``): the smaller of max_device_kv_bytes and
+  mem_fraction_static x limit - weight_bytes (the fraction applies to the device's memory limit, as SGLang's
+  flag does); neither given: DEFAULT_MEM_FRACTION x (limit - weight_bytes), or DEFAULT_CPU_KV_BYTES when the
+  device reports no limit (limit None: CPU).
+
+  Raises:
+    StartupError: --mem-fraction-static on a device without a limit, or a budget <= 0.
+  """
+  budgets = []
+  if max_device_kv_bytes is not None:
+    budgets.append(max_device_kv_bytes)
+  if mem_fraction_static is not None:
+    if limit is None:
+      raise StartupError("--mem-fraction-static: this device reports no memory limit (CPU); use "
+                         "--max-device-kv-bytes")
+    budgets.append(int(mem_fraction_static * limit) - weight_bytes)
+  if not budgets:
+    budgets.append(DEFAULT_CPU_KV_BYTES if limit is None else int(DEFAULT_MEM_FRACTION * (limit - weight_bytes)))
+  budget = min(budgets)
+  if budget <= 0:
+    raise StartupError(f"the device memory ({limit} bytes; --mem-fraction-static {mem_fraction_static}) leaves "
+                       f"nothing for the KV cache beside the {weight_bytes} bytes of weights")
+  return budget
 
 
 def check_host_memory(host_bytes: int) -> None:

@@ -52,6 +52,7 @@ from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatche
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
 from hisparse_jax.engine.sampling import sample
 from hisparse_jax.memory import backend as kvmem
+from hisparse_jax.sharding import MeshError, bytes_per_device, set_expert_parallel, shard_params
 from models.convert import load_model
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,19 @@ class Engine:
     cfg = self.config
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
+    self.mesh_config = args.mesh_config()
+    try:
+      self.mesh_config.validate(cfg, len(jax.devices()))
+    except MeshError as e:
+      raise StartupError(str(e)) from None
+    if self.mesh_config.num_devices > 1:
+      set_expert_parallel(model, self.mesh_config)
     graphdef, self._params = nnx.split(model)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self._params))
+    # One device: no mesh. Several: parameters split by the rule table, KV replicated (hisparse_jax/sharding.py).
+    self.mesh = self.mesh_config.make_mesh() if self.mesh_config.num_devices > 1 else None
+    if self.mesh is not None:
+      self._params = shard_params(self.mesh_config, self.mesh, self._params)
+    weight_bytes = bytes_per_device(self.mesh_config, self._params)  # what one device holds
     self.layout = kvmem.KVLayout.of(cfg, self.dtype)
     self.device_kv_budget = args.device_kv_budget(weight_bytes)
     try:
@@ -204,15 +216,29 @@ class Engine:
     def import_kv(state, tables, latent, index):
       return state.import_prompt(tables, latent, index)
 
-    self._prefill_fn, self._decode_fn, self._import_fn = prefill, decode, import_kv
+    self._prefill_fn, self._decode_fn, self._import_fn = (self._on_mesh(f) for f in (prefill, decode, import_kv))
+
+  def _on_mesh(self, fn):
+    """fn traced and run with the engine's mesh as the context mesh (the FFI calls run per device under it:
+    kernels/ops.py ``per_device``); fn itself on one device."""
+    if self.mesh is None:
+      return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      with jax.set_mesh(self.mesh):
+        return fn(*args, **kwargs)
+    return call
 
   # ----------------------------------------------------------------- state
   def reset(self) -> None:
     """Drops every request and starts from empty KV pools (after a failed step)."""
     a = self.args
     self.backend = None  # the old pools go before the new ones are allocated
-    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype) if self.hisparse is None else
-                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, a.host_pool))
+    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype, self.mesh)
+                    if self.hisparse is None else
+                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, a.host_pool,
+                                          self.mesh))
     R = self.backend.request_slots
     self.num_slots = R
     self.waiting: collections.deque[Request] = collections.deque()

@@ -5,6 +5,11 @@ and are registered here on import: the CPU handler always, the CUDA handler
 when the extension was built with nvcc. Both wrappers are callable inside
 ``jax.jit``; the state they update (host pool, hot buffer, slot table, LRU,
 stats) is aliased input -> output, so donated arguments are updated in place.
+
+On a device mesh (a function traced under ``jax.set_mesh``) every FFI call runs through ``shard_map``: each
+device runs the handler on its own copy of the operands and of the KV state it updates. The operands are
+replicated over the mesh (``PartitionSpec()``), so every tensor-parallel rank gets the same top-k and makes
+the same hot-buffer updates: their copies of the hot buffers never diverge.
 """
 
 from __future__ import annotations
@@ -62,6 +67,20 @@ _register()
 def cuda_handler_built() -> bool:
   """True when the CUDA handlers were compiled into this installation."""
   return _ffi_cuda is not None
+
+
+def per_device(fn):
+  """``fn`` (a function of arrays calling one FFI handler) run once per device of the context mesh on
+  replicated operands (``shard_map`` with ``PartitionSpec()`` in and out); ``fn`` itself without a mesh of
+  more than one device. Results are identical on every device, so they are returned replicated."""
+
+  def call(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+      return fn(*args)
+    spec = jax.sharding.PartitionSpec()
+    return jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
+  return call
 
 
 def _like(x: jax.Array):
@@ -240,8 +259,8 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
   )
   attrs = external.attrs() if external else {}
-  return call(_layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
-              page_size=np.int64(page_size), **attrs)
+  return per_device(lambda *a: call(*a, page_size=np.int64(page_size), **attrs))(
+      _layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats)
 
 
 def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = None):
@@ -265,7 +284,7 @@ def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = No
   call = jax.ffi.ffi_call(BACKUP_EXT_TARGET if external else BACKUP_TARGET, _like(host_pool),
                           input_output_aliases={3: 0})
   attrs = external.attrs() if external else {}
-  return call(_layer(layer), rows, _int32("dst", dst), host_pool, **attrs)
+  return per_device(lambda *a: call(*a, **attrs))(_layer(layer), rows, _int32("dst", dst), host_pool)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -283,5 +302,5 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"top_k: k = {k} outside [1, {n}]")
   call = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.float32),
                                          jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.int32)))
-  return jax.lax.platform_dependent(x, cpu=lambda x: tuple(call(x, k=np.int64(k))),
-                                    default=lambda x: tuple(jax.lax.top_k(x, k)))
+  return per_device(lambda x: jax.lax.platform_dependent(x, cpu=lambda x: tuple(call(x, k=np.int64(k))),
+                                                       default=lambda x: tuple(jax.lax.top_k(x, k))))(x)

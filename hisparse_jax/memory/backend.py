@@ -342,11 +342,11 @@ class DenseBackend(KVBackend):
 
   token_pools = ("kv",)
 
-  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype):
+  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, mesh=None):
     super().__init__(plan, layout)
     self.state = DenseState.create(num_layers=layout.num_layers, num_pages=plan.pools["kv"][1],
                                    page_size=plan.page_size, latent_dim=layout.latent_dim,
-                                   index_dim=layout.index_dim, dtype=dtype)
+                                   index_dim=layout.index_dim, dtype=dtype, mesh=mesh)
 
   def prefill_tables(self, kvs, finishing) -> dict:
     del finishing
@@ -368,7 +368,8 @@ class HiSparseBackend(KVBackend):
   token_pools = ("index", "host")
   prompt_pools = ("staging",)
 
-  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, hisparse: HiSparseConfig, host_pool: str = "jax"):
+  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, hisparse: HiSparseConfig, host_pool: str = "jax",
+               mesh=None):
     super().__init__(plan, layout)
     if host_pool not in HOST_POOL_KINDS:
       raise MemoryConfigError(f"--host-pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
@@ -381,7 +382,7 @@ class HiSparseBackend(KVBackend):
         index_dim=layout.index_dim, dtype=dtype, index_pages=plan.pools["index"][1],
         staging_pages=plan.pools["staging"][1], request_slots=plan.request_slots,
         device_buffer_size=hisparse.device_buffer_size, host_pages=plan.pools["host"][1],
-        external_pool=self.external_pool)
+        external_pool=self.external_pool, mesh=mesh)
 
   def prefill_tables(self, kvs, finishing) -> dict:
     scratch = self.request_slots  # the state's scratch hot-buffer slot
@@ -404,10 +405,11 @@ class HiSparseBackend(KVBackend):
 
 
 def create_backend(layout: KVLayout, dtype, *, budget: int, max_running_requests: int, max_seq_len: int,
-                   page_size: int, hisparse: HiSparseConfig | None, host_pool: str = "jax") -> KVBackend:
-  """The backend of a mode, its pools sized by ``plan`` (MemoryConfigError names the flag at fault)."""
+                   page_size: int, hisparse: HiSparseConfig | None, host_pool: str = "jax", mesh=None) -> KVBackend:
+  """The backend of a mode, its pools sized by ``plan`` (MemoryConfigError names the flag at fault); its
+  arrays on the first device, or replicated over ``mesh``."""
   p = plan(layout, budget=budget, max_running_requests=max_running_requests, max_seq_len=max_seq_len,
            page_size=page_size, hisparse=hisparse)
   if hisparse is None:
-    return DenseBackend(p, layout, dtype)
-  return HiSparseBackend(p, layout, dtype, hisparse, host_pool)
+    return DenseBackend(p, layout, dtype, mesh)
+  return HiSparseBackend(p, layout, dtype, hisparse, host_pool, mesh)

@@ -71,6 +71,14 @@ def gather_rows(pool, layer, pages, top_k, page_size):
   return jnp.where((top_k >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
 
 
+def _placement(mesh, memory_kind=None):
+  """Where a KV state's arrays live: replicated over ``mesh`` (each device its own copy: MLA's latent row is
+  shared by all heads, so tensor parallelism does not split it), or the first device when mesh is None."""
+  if mesh is None:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind)
+
+
 def _absorb(state, view):
   """state with the arrays it shares (by field name) with view replaced by the view's."""
   names = {f.name for f in dataclasses.fields(state)} & {f.name for f in dataclasses.fields(view)}
@@ -113,10 +121,12 @@ class DenseState:
   page_size: int
 
   @classmethod
-  def create(cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype) -> "DenseState":
+  def create(cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype, mesh=None) -> "DenseState":
+    """Zeroed pools on the first device, or replicated over ``mesh`` (every device holds the KV)."""
     z = jax.jit(lambda: (jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype),
-                         jnp.zeros((num_layers, num_pages, page_size, index_dim), jnp.float32)))
-    latent, index = jax.device_put(z(), jax.devices()[0])
+                         jnp.zeros((num_layers, num_pages, page_size, index_dim), jnp.float32)),
+                out_shardings=_placement(mesh))
+    latent, index = z()
     return cls(latent, index, page_size)
 
   def view(self, tables) -> DenseView:
@@ -259,9 +269,12 @@ class HiSparseState:
   @classmethod
   def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
              request_slots, device_buffer_size, host_pages,
-             external_pool: ops.ExtensionHostPool | None = None) -> "HiSparseState":
+             external_pool: ops.ExtensionHostPool | None = None, mesh=None) -> "HiSparseState":
     """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
-    (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive)."""
+    (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
+    replicated over ``mesh`` (each device its own hot buffers and host pool; not with external_pool)."""
+    if mesh is not None and external_pool is not None:
+      raise ValueError("an extension-owned host pool serves one device; a mesh needs the pinned_host pool")
     L, R, D = num_layers, request_slots + 1, device_buffer_size  # + the scratch slot
     H = host_pages * page_size
     if external_pool is not None:
@@ -270,7 +283,11 @@ class HiSparseState:
                          f"{(L, H, latent_dim)} {jnp.dtype(dtype)}")
       host_pool = jax.device_put(external_pool.token(), jax.devices()[0])
     else:
-      host_pool = jax.jit(lambda: jax.device_put(jnp.zeros((L, H, latent_dim), dtype), jax.memory.Space.Host))()
+      # With the placement inside the function the pool's type carries <host> (PLATFORM.md: a pool typed
+      # without it aborts when donated).
+      kw = {} if mesh is None else {"out_shardings": _placement(mesh, "pinned_host")}
+      host_pool = jax.jit(lambda: jax.device_put(jnp.zeros((L, H, latent_dim), dtype), jax.memory.Space.Host),
+                          **kw)()
 
     def device():
       slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, R, D))
@@ -279,7 +296,7 @@ class HiSparseState:
                   hot=jnp.zeros((L, R, D + 1, latent_dim), dtype), slot_tokens=slots, lru=slots + 0,
                   stats=jnp.zeros((L, R, 2), jnp.int32))
 
-    arrays = jax.device_put(jax.jit(device)(), jax.devices()[0])
+    arrays = jax.jit(device, out_shardings=_placement(mesh))()
     return cls(**arrays, host_pool=host_pool, page_size=page_size,
                external=None if external_pool is None else external_pool.ref)
 

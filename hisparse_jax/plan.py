@@ -1,0 +1,306 @@
+"""Capacity planner: how many concurrent requests a deployment admits, dense vs HiSparse.
+
+    python -m hisparse_jax.plan --model-config CONFIG.json --devices 8 --device-memory 141 \\
+        --host-memory 2048 --context 131072 [--hisparse-config JSON] [--dp-size 8 --tp-size 1 --ep-size 8] \\
+        [--weight-dtype fp8] [--json]
+
+For each mode it prints the weights each device holds, the device KV budget, the KV bytes one request of
+``--context`` tokens holds on a device (and in host memory), and the most requests the engine would run at
+once. Every number comes from the runtime's own formulas: parameter shapes from the Flax model built
+abstractly (``nnx.eval_shape``; no weights), per-device shares from the sharding rule table
+(``hisparse_jax/sharding.py``), the KV budget from ``engine.args.kv_budget``, pool sizes from
+``memory.backend.plan`` (the function the backend allocates with), and the host-memory limit from the
+start-up check (``MAX_HOST_MEMORY_FRACTION`` of host memory).
+
+Deployment model (DP attention, as SGLang's recommended HiSparse deployment): each of the dp groups serves
+its own requests; the devices of a group (its tp ranks) each hold a copy of the group's latent KV (MLA's
+latent row is shared by all heads, so tensor parallelism does not split it), and each device's host pool is
+its share of host memory (host memory / devices). Requests admitted = dp x the requests one group's
+device admits.
+
+Weight bytes: parameters in ``--weight-dtype`` (default: the config's dtype); ``fp8`` counts the matrices an
+FP8 block-quantized checkpoint stores in float8_e4m3fn (every Linear kernel and expert matrix except
+lm_head and the indexer's weights_proj) at 1 byte plus one float32 scale per 128 x 128 block, the rest in
+the config's dtype. The multi-token-prediction layer (``num_nextn_predict_layers``) is not served and not
+counted. Activations and XLA's workspace are not modelled: they come out of the (1 - mem fraction) margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+
+import numpy as np
+
+from hisparse_jax.config import ConfigError, HiSparseConfig
+from hisparse_jax.engine.args import DEFAULT_MEM_FRACTION, MAX_HOST_MEMORY_FRACTION, StartupError, kv_budget
+from hisparse_jax.memory import backend as kvmem
+from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device
+from models.config import DSAConfig
+
+GIB = 1 << 30
+# SGLang's published HiSparse setting (the defaults of --hisparse-config here).
+SGLANG_HISPARSE = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
+WEIGHT_DTYPES = ("bfloat16", "float32", "fp8")
+FP8_BLOCK = 128
+
+
+def is_fp8_matrix(path: str, ndim: int) -> bool:
+  """Whether an FP8 block-quantized checkpoint stores this parameter in float8_e4m3fn (models/fp8.py lists
+  the tensors that stay unquantized: norms, router, embeddings, lm_head, the indexer's weights_proj)."""
+  if path.startswith("lm_head") or "weights_proj" in path:
+    return False
+  if path.endswith("/kernel") and ndim == 2:
+    return True
+  return ndim == 3 and path.rsplit("/", 1)[-1] in ("gate_proj", "up_proj", "down_proj")
+
+
+def weight_itemsize(weight_dtype: str, compute_dtype: str):
+  """(path, shape, dtype) -> bytes of one whole parameter stored in weight_dtype (for ``bytes_per_device``)."""
+  base = np.dtype("float32" if weight_dtype == "float32" else "bfloat16" if weight_dtype == "bfloat16"
+                  else compute_dtype).itemsize
+
+  def nbytes(path, shape, dtype):
+    if weight_dtype == "fp8" and is_fp8_matrix(path, len(shape)):
+      *lead, r, c = shape
+      return math.prod(shape) + 4 * math.prod(lead) * math.ceil(r / FP8_BLOCK) * math.ceil(c / FP8_BLOCK)
+    if np.dtype(dtype) == np.float32 and weight_dtype != "float32":
+      return math.prod(shape) * 4  # parameters the model keeps in float32 (router, weights_proj)
+    return math.prod(shape) * base
+  return nbytes
+
+
+def abstract_params(cfg: DSAConfig):
+  """The model's parameters as shape/dtype structs (nothing allocated)."""
+  from flax import nnx
+  from models.deepseek_v32 import DeepseekV32ForCausalLM
+  return nnx.state(nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0))))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModePlan:
+  """One mode's numbers (bytes per device unless named otherwise).
+
+  Attributes:
+    mode: "dense" or "hisparse".
+    request_device_bytes / request_host_bytes: KV one request of the context holds on a device / in host memory.
+    requests_per_group: the most requests one dp group's device admits (0: not even one).
+    requests: requests_per_group x dp.
+    limited_by: what stops one more request: "device KV budget", "host memory", "hot buffers".
+    max_running_requests / host_to_device_ratio: engine settings that admit that many (HiSparse: the ratio
+      that sizes the host pool for them).
+    host_pool_bytes: the host pool those settings allocate per device (0: dense).
+  """
+
+  mode: str
+  request_device_bytes: int
+  request_host_bytes: int
+  requests_per_group: int
+  requests: int
+  limited_by: str
+  max_running_requests: int
+  host_to_device_ratio: int | None
+  host_pool_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+  """The planner's answer. weight_bytes: total; weight_bytes_per_device: the most any device holds."""
+
+  model_type: str
+  mesh: MeshConfig
+  weight_dtype: str
+  context: int
+  weight_bytes: int
+  weight_bytes_per_device: int
+  kv_budget_per_device: int
+  host_bytes_per_device: int
+  dense: ModePlan
+  hisparse: ModePlan
+
+  @property
+  def capacity_ratio(self) -> float:
+    return self.hisparse.requests / self.dense.requests if self.dense.requests else math.inf
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["mesh"] = dataclasses.asdict(self.mesh)
+    d["capacity_ratio"] = self.capacity_ratio
+    return d
+
+
+def _dense_plan(layout, budget, context, page_size, dp) -> ModePlan:
+  per_request = kvmem.request_bytes(layout, None, page_size, context)
+  pages_needed = -(-context // page_size)
+  # max_running_requests only caps pages at R x P; a large value leaves the budget as the limit.
+  p = kvmem.plan(layout, budget=budget, max_running_requests=1 << 30, max_seq_len=context, page_size=page_size,
+                 hisparse=None)
+  n = p.pools["kv"][1] // pages_needed
+  return ModePlan("dense", per_request["device"], 0, n, n * dp, "device KV budget", n, None, 0)
+
+
+def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSparseConfig) -> ModePlan:
+  """The most requests R for which the engine's ``plan()`` (--max-running-requests R, the host pool sized by
+  a host_to_device_ratio large enough for R requests of the context, at least the configured one) gives R hot
+  buffers and index pages for R requests of the context, with a host pool within host_bytes."""
+  per_request = kvmem.request_bytes(layout, hs, page_size, context)
+  pages_needed = -(-context // page_size)
+  host_page = page_size * layout.latent_bytes
+  ratio = max(hs.host_to_device_ratio, math.ceil(pages_needed * page_size / (hs.device_buffer_size + 1)))
+  cfg = dataclasses.replace(hs, host_to_device_ratio=ratio)
+
+  def admitted(R):
+    """(requests admitted, what stops more, host pool bytes) with --max-running-requests R."""
+    try:
+      p = kvmem.plan(layout, budget=budget, max_running_requests=R, max_seq_len=context, page_size=page_size,
+                     hisparse=cfg)
+    except kvmem.MemoryConfigError:
+      return 0, "device KV budget", 0
+    pool = p.pools["host"][1] * host_page
+    if pool > host_bytes:
+      return 0, "host memory", pool
+    limits = {"hot buffers": p.request_slots, "device KV budget": p.pools["index"][1] // pages_needed,
+              "host memory": p.pools["host"][1] // pages_needed}
+    why = min(limits, key=limits.get)
+    return limits[why], why, pool
+
+  index_bytes = pages_needed * page_size * layout.index_bytes
+  hi = min(budget // layout.hot_buffer_bytes(hs.device_buffer_size), budget // max(index_bytes, 1)) + 1
+  best_n, best_R, pool, why = 0, 0, 0, admitted(1)[1]
+  for R in range(1, hi + 1):
+    n, reason, p_bytes = admitted(R)
+    if n > best_n:
+      best_n, best_R, pool = n, R, p_bytes
+    elif n < best_n or reason == "host memory" and n == 0:
+      why = reason if n == 0 else why
+      break
+  if best_n:
+    n1, why1, _ = admitted(best_R + 1)
+    why = why1 if n1 <= best_n else why
+  return ModePlan("hisparse", per_request["device"], per_request["host"], best_n, best_n * dp, why, best_R,
+                  ratio, pool)
+
+
+def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host_memory: int, context: int,
+             hisparse: HiSparseConfig, weight_dtype: str | None = None, page_size: int = 64,
+             mem_fraction_static: float | None = None, params=None) -> CapacityPlan:
+  """The capacity of ``mesh`` (dp x tp devices of device_memory bytes; host_memory bytes of host memory for
+  all of them) serving requests of ``context`` tokens (prompt + output). See the module docstring.
+
+  Raises:
+    MeshError: the mesh does not fit the model (the message names the flag).
+    StartupError: the weights leave no device memory for KV.
+  """
+  mesh.validate(model_cfg)
+  weight_dtype = weight_dtype or model_cfg.dtype
+  if weight_dtype not in WEIGHT_DTYPES:
+    raise StartupError(f"--weight-dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
+  params = params if params is not None else abstract_params(model_cfg)
+  itemsize = weight_itemsize(weight_dtype, model_cfg.dtype)
+  total = bytes_per_device(MeshConfig(), params, itemsize)
+  per_device = bytes_per_device(mesh, params, itemsize)
+  if mem_fraction_static is None:
+    # The engine's default budget (DEFAULT_MEM_FRACTION of what the weights leave); an explicit
+    # fraction has SGLang's meaning (of the whole device).
+    budget = int(DEFAULT_MEM_FRACTION * (device_memory - per_device))
+    if budget <= 0:
+      raise StartupError(f"the weights take {per_device / GIB:.1f} GiB per device, more than --device-memory "
+                         f"{device_memory / GIB:.1f} GiB (try --weight-dtype fp8 or more devices)")
+  else:
+    budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
+  layout = kvmem.KVLayout.of(model_cfg, model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
+  host_per_device = int(MAX_HOST_MEMORY_FRACTION * host_memory) // mesh.num_devices
+  dense = _dense_plan(layout, budget, context, page_size, mesh.dp_size)
+  hs = _hisparse_plan(layout, budget, host_per_device, context, page_size, mesh.dp_size, hisparse)
+  return CapacityPlan(model_cfg.model_type, mesh, weight_dtype, context, total, per_device, budget,
+                      host_per_device, dense, hs)
+
+
+def format_plan(p: CapacityPlan) -> str:
+  """A human-readable report of a CapacityPlan."""
+  g = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
+  m = p.mesh
+  lines = [
+      f"model {p.model_type}: {p.weight_bytes / 1e9:,.1f} GB of weights ({p.weight_dtype})",
+      f"mesh dp {m.dp_size} x tp {m.tp_size} = {m.num_devices} devices, experts over ep {m.ep_size}",
+      f"weights per device      {g(p.weight_bytes_per_device)}",
+      f"KV budget per device    {g(p.kv_budget_per_device)}",
+      f"host memory per device  {g(p.host_bytes_per_device)}",
+      f"context                 {p.context:,} tokens",
+      "",
+      f"{'mode':<10}{'KV/request device':>20}{'KV/request host':>18}{'requests/group':>16}{'requests':>10}"
+      f"  limited by",
+  ]
+  for mp in (p.dense, p.hisparse):
+    lines.append(f"{mp.mode:<10}{g(mp.request_device_bytes):>20}{g(mp.request_host_bytes):>18}"
+                 f"{mp.requests_per_group:>16,}{mp.requests:>10,}  {mp.limited_by}")
+  hs = p.hisparse
+  lines += ["", f"HiSparse / dense requests: {p.capacity_ratio:.2f}x",
+            f"HiSparse settings: --max-running-requests {hs.max_running_requests} (per dp group), "
+            f"host_to_device_ratio {hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)"]
+  return "\n".join(lines)
+
+
+def main(argv) -> None:
+  from absl import flags
+  del argv
+  F = lambda name: flags.FLAGS[name].value  # noqa: E731
+  try:
+    with open(F("model-config")) as f:
+      model_cfg = DSAConfig.from_hf_config(json.load(f))
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    sys.exit(f"--model-config {F("model-config")!r}: {e}")
+  devices = F("devices")
+  dp, tp = F("dp-size"), F("tp-size")
+  if dp is None and tp is None:
+    dp, tp = devices, 1  # DP attention over every device (SGLang's recommended HiSparse deployment)
+  elif dp is None or tp is None:
+    flag, given = ("--tp-size", tp) if dp is None else ("--dp-size", dp)
+    if not given or given < 1 or devices % given:
+      sys.exit(f"{flag} {given} does not divide --devices {devices}")
+    dp, tp = (devices // tp, tp) if dp is None else (dp, devices // dp)
+  ep = F("ep-size") if F("ep-size") is not None else devices
+  mesh = MeshConfig(dp_size=dp, tp_size=tp, ep_size=ep)
+  try:
+    hs = HiSparseConfig.from_json(F("hisparse-config") or json.dumps(SGLANG_HISPARSE), model_top_k=model_cfg.index_topk)
+  except ConfigError as e:
+    sys.exit(f"--hisparse-config: {e}")
+  for flag, v in (("--device-memory", F("device-memory")), ("--host-memory", F("host-memory")), ("--context", F("context"))):
+    if not v > 0:
+      sys.exit(f"{flag} must be > 0, got {v}")
+  try:
+    if mesh.num_devices != devices:
+      raise MeshError(f"--dp-size {dp} x --tp-size {tp} must equal --devices {devices}")
+    plan = capacity(model_cfg, mesh, device_memory=int(F("device-memory") * GIB), host_memory=int(F("host-memory") * GIB),
+                    context=F("context"), hisparse=hs, weight_dtype=F("weight-dtype"), page_size=F("page-size"),
+                    mem_fraction_static=F("mem-fraction-static"))
+  except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
+    sys.exit(str(e))
+  print(json.dumps(plan.to_dict(), indent=1) if F("json") else format_plan(plan))
+
+
+def define_flags() -> None:
+  from absl import flags
+  flags.DEFINE_string("model-config", None, "An HF config.json of a DeepSeek-V3.2 / GLM-5 model.", required=True)
+  flags.DEFINE_integer("devices", 8, "Devices in the deployment (dp x tp).")
+  flags.DEFINE_float("device-memory", 141.0, "Memory of one device, GiB.")
+  flags.DEFINE_float("host-memory", 2048.0, "Host memory of the whole deployment, GiB.")
+  flags.DEFINE_integer("context", 32768, "Tokens per request (prompt + output).")
+  flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON (default SGLang's: top_k 2048, "
+                      "device_buffer_size 4096, host_to_device_ratio 8).")
+  flags.DEFINE_integer("dp-size", None, "DP attention groups (default: --devices / --tp-size).")
+  flags.DEFINE_integer("tp-size", None, "Tensor-parallel ranks per group (default: 1).")
+  flags.DEFINE_integer("ep-size", None, "Devices the routed experts are split over (default: --devices).")
+  flags.DEFINE_enum("weight-dtype", None, list(WEIGHT_DTYPES), "Weight storage (default: the config's dtype).")
+  flags.DEFINE_integer("page-size", 64, "Tokens per KV page.")
+  flags.DEFINE_float("mem-fraction-static", None, "Device memory fraction for weights + KV (default: "
+                     f"{DEFAULT_MEM_FRACTION} of what the weights leave).")
+  flags.DEFINE_boolean("json", False, "Print the plan as JSON.")
+
+
+if __name__ == "__main__":
+  from absl import app
+  define_flags()
+  app.run(main)

@@ -1,0 +1,79 @@
+"""Serving over a device mesh (hisparse_jax/sharding.py) gives one device's tokens: 8 simulated CPU devices in a
+subprocess (tests/mesh_check.py); start-up errors for meshes that cannot work."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from hisparse_jax.engine import Engine
+from hisparse_jax.engine.args import StartupError
+from tests.tiny_model import tiny_model_dir
+
+ROOT = pathlib.Path(__file__).parent.parent
+MESHES = ("1,8,8", "1,8,1", "1,2,2")
+
+
+@pytest.fixture(scope="module")
+def results():
+  r = subprocess.run([sys.executable, "-m", "tests.mesh_check", *MESHES], cwd=ROOT, capture_output=True, text=True,
+                     timeout=1200, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-4000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("key", [f"deepseek_v32 {m}" for m in MESHES] + ["glm_moe_dsa 1,8,8"])
+def test_mesh_decoding_equals_one_device(results, key):
+  r = results[key]
+  assert r["greedy_equal_one_device"], r
+  assert r["logits_bitwise_dense_vs_hisparse"], r
+  assert r["swap_stats_equal_one_device"], r
+  assert r["misses"] > 0  # prompts past the hot buffer really swapped rows in
+  assert r["max_logit_diff_vs_one_device"] < 1e-4  # float32; partial sums over devices round differently
+
+
+@pytest.mark.parametrize("mode", ["dense", "hisparse"])
+def test_engine_on_a_mesh_equals_one_device(results, mode):
+  assert results[f"engine deepseek_v32 {mode} 1,8,8"]["equal_one_device"]
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"tp_size": 2}, "--dp-size 1 x --tp-size 2 = 2 devices does not divide the 1 devices here"),
+    ({"ep_size": 3}, "--ep-size 3"),
+    ({"dp_size": 2, "tp_size": 1}, "--dp-size 2: data-parallel attention is not built yet"),
+    ({"tp_size": 0}, "--tp-size must be an integer >= 1"),
+])
+def test_bad_mesh_is_a_startup_error(kw, message):
+  with pytest.raises(StartupError, match=message):
+    Engine(tiny_model_dir(), max_seq_len=64, **kw)
+
+
+def _generate(tmp_path, *flags, devices=1):
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"input_ids": [5, 6, 7, 8, 9]}\n{"input_ids": [11, 12, 13]}\n')
+  out = tmp_path / f"out{len(flags)}-{devices}.jsonl"
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", f"--model-path={tiny_model_dir()}",
+                      f"--prompts={prompts}", f"--output={out}", "--max-new-tokens=6", "--deterministic", *flags],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+  return r, out
+
+
+def test_batch_script_on_a_mesh(tmp_path):
+  r, out = _generate(tmp_path, "--tp-size=2", "--ep-size=2", "--enable-hisparse", devices=2)
+  assert r.returncode == 0, r.stderr[-3000:]
+  r1, out1 = _generate(tmp_path, "--enable-hisparse")
+  assert r1.returncode == 0, r1.stderr[-3000:]
+  lines = [json.loads(l) for l in out.read_text().splitlines()]
+  assert len(lines) == 2 and all(len(l["output_ids"]) == 6 for l in lines)
+  assert lines == [json.loads(l) for l in out1.read_text().splitlines()]
+
+
+def test_bad_mesh_on_the_cli_exits_1_without_traceback(tmp_path):
+  r, _ = _generate(tmp_path, "--tp-size=3", devices=3)
+  assert r.returncode == 1, (r.stdout, r.stderr)
+  assert "--tp-size 3 does not divide the model's 2 attention heads" in r.stderr
+  assert "Traceback" not in r.stderr

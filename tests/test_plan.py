@@ -1,0 +1,188 @@
+"""Capacity planner (hisparse_jax/plan.py) and the sharding rule table it counts with, checked against
+numbers derived by hand from the public DeepSeek-V3.2 and GLM-5 config.json values (tests/data)."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from hisparse_jax import plan as P
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device, logical_axes
+from models.config import DSAConfig
+
+DATA = pathlib.Path(__file__).parent / "data"
+ROOT = pathlib.Path(__file__).parent.parent
+GIB = 1 << 30
+
+
+def _cfg(name):
+  return DSAConfig.from_hf_config(json.loads((DATA / name).read_text()))
+
+
+@pytest.fixture(scope="module")
+def dsv32():
+  c = _cfg("deepseek_v32_config.json")
+  return c, P.abstract_params(c)
+
+
+def _hand_counts(c):
+  """Parameter counts by hand from the config (see DSAConfig's docstring for the shapes):
+  {kind: (elements, float32?)}; kinds split by how the rule table shards them."""
+  H, nH, L = c.hidden_size, c.num_attention_heads, c.num_hidden_layers
+  dn, dr, dv, ql, kl = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank
+  dense_layers = c.first_k_dense_replace
+  moe_layers = L - dense_layers
+  E, Im = c.n_routed_experts, c.moe_intermediate_size
+  return {
+      "vocab": 2 * c.vocab_size * H,  # embed_tokens + lm_head
+      "heads": L * (ql * nH * (dn + dr) + kl * nH * (dn + dv) + nH * dv * H),  # q_b, kv_b, o_proj
+      "replicated": L * (H * ql + ql + H * (kl + dr) + kl + 2 * H  # q_a (+norm), kv_a (+norm), layer norms
+                         + ql * c.index_n_heads * c.index_head_dim + H * c.index_head_dim + 2 * c.index_head_dim)
+                    + H,  # final norm
+      "f32": L * H * c.index_n_heads + moe_layers * (H * E + E),  # weights_proj, router, its bias
+      "mlp": dense_layers * 3 * H * c.intermediate_size + moe_layers * 3 * H * Im * c.n_shared_experts,
+      "experts": moe_layers * 3 * E * H * Im,
+  }
+
+
+def test_parameter_count_matches_the_config(dsv32):
+  c, params = dsv32
+  counts = _hand_counts(c)
+  total = sum(counts.values())
+  assert total == sum(math.prod(x.shape) for x in __import__("jax").tree.leaves(params))
+  assert 671e9 < total < 672e9  # DeepSeek-V3.2: 671 B without the MTP layer
+  glm = _cfg("glm5_config.json")
+  glm_total = sum(_hand_counts(glm).values())
+  assert 743e9 < glm_total < 745e9  # GLM-5: 744 B
+  assert glm_total == sum(math.prod(x.shape) for x in __import__("jax").tree.leaves(P.abstract_params(glm)))
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(1, 1, 1), (8, 1, 8), (2, 4, 8), (1, 8, 8), (1, 8, 1)])
+def test_weights_per_device_bf16(dsv32, dp, tp, ep):
+  c, params = dsv32
+  k = _hand_counts(c)
+  mesh = MeshConfig(dp, tp, ep)
+  mesh.validate(c, num_devices=8)
+  experts = k["experts"] // ep if ep > 1 else k["experts"] // tp  # ep = 1: each expert's width over tp
+  want = 2 * (k["vocab"] // tp + k["heads"] // tp + k["replicated"] + k["mlp"] // tp + experts) + 4 * k["f32"]
+  got = bytes_per_device(mesh, params, P.weight_itemsize("bfloat16", c.dtype))
+  assert got == want
+
+
+def test_fp8_weights_count_one_byte_plus_block_scales(dsv32):
+  c, params = dsv32
+  itemsize = P.weight_itemsize("fp8", c.dtype)
+  H, Im = c.hidden_size, c.moe_intermediate_size
+  # One expert stack [E, H, I]: E x H x I bytes + E x ceil(H/128) x ceil(I/128) float32 scales.
+  assert itemsize("layers/3/mlp/gate_proj", (256, H, Im), "bfloat16") == 256 * H * Im + 4 * 256 * 56 * 16
+  assert itemsize("lm_head/kernel", (H, c.vocab_size), "bfloat16") == 2 * H * c.vocab_size
+  assert itemsize("layers/0/self_attn/indexer/weights_proj/kernel", (H, 64), "float32") == 4 * H * 64
+  total_fp8 = bytes_per_device(MeshConfig(), params, itemsize)
+  total_bf16 = bytes_per_device(MeshConfig(), params, P.weight_itemsize("bfloat16", c.dtype))
+  assert 0.5 < total_fp8 / total_bf16 < 0.51  # ~half: the matrices dominate
+
+
+def test_dense_and_hisparse_capacity_by_hand(dsv32):
+  c, params = dsv32
+  mesh = MeshConfig(8, 1, 8)
+  hs = HiSparseConfig(**P.SGLANG_HISPARSE)
+  ctx, page = 32768, 64
+  p = P.capacity(c, mesh, device_memory=141 * GIB, host_memory=2048 * GIB, context=ctx, hisparse=hs,
+                 weight_dtype="fp8", params=params)
+  L, W = c.num_hidden_layers, c.latent_dim
+  latent_tok, index_tok = L * W * 2, L * c.index_head_dim * 4  # bf16 latent row, float32 indexer key
+  budget = int(0.85 * (141 * GIB - p.weight_bytes_per_device))
+  assert p.kv_budget_per_device == budget
+  # Dense: pages of 64 tokens holding latent + indexer key; a request of 32k tokens = 512 pages.
+  assert p.dense.request_device_bytes == ctx * (latent_tok + index_tok)
+  assert p.dense.requests_per_group == budget // (page * (latent_tok + index_tok)) // (ctx // page)
+  assert p.dense.requests == 8 * p.dense.requests_per_group
+  # HiSparse: staging for one 32k prompt, then per request a hot buffer of D + 1 rows (+ slot table, LRU,
+  # stats) and the indexer keys of its 32k tokens; hot buffers may take at most half of what staging leaves.
+  staging = ctx * latent_tok
+  hot = (4096 + 1) * latent_tok + L * (8 * 4096 + 8)
+  per_req = hot + ctx * index_tok
+  n = (budget - staging) // per_req
+  assert n * hot <= (budget - staging) // 2
+  assert p.hisparse.request_device_bytes == per_req
+  assert p.hisparse.request_host_bytes == ctx * latent_tok
+  assert p.hisparse.requests_per_group == n
+  assert p.hisparse.limited_by == "device KV budget"
+  # The host pool the settings allocate holds every admitted request's latent rows within host memory.
+  assert n * ctx * latent_tok <= p.hisparse.host_pool_bytes <= 0.8 * 2048 * GIB / 8
+  assert p.capacity_ratio == pytest.approx(n / p.dense.requests_per_group)
+  assert p.capacity_ratio > 2
+
+
+def test_host_memory_limits_hisparse(dsv32):
+  c, params = dsv32
+  hs = HiSparseConfig(**P.SGLANG_HISPARSE)
+  ctx = 131072
+  p = P.capacity(c, MeshConfig(8, 1, 8), device_memory=141 * GIB, host_memory=64 * GIB, context=ctx, hisparse=hs,
+                 weight_dtype="fp8", params=params)
+  host_per_device = int(0.8 * 64 * GIB) // 8
+  latent_req = ctx * c.num_hidden_layers * c.latent_dim * 2
+  assert p.host_bytes_per_device == host_per_device
+  assert p.hisparse.requests_per_group == host_per_device // latent_req
+  assert p.hisparse.limited_by == "host memory"
+
+
+def test_rule_table_replicates_the_indexer_and_latent_projections():
+  for path in ("layers/0/self_attn/indexer/wq_b/kernel", "layers/0/self_attn/indexer/wk/kernel",
+               "layers/0/self_attn/kv_a_proj_with_mqa/kernel", "layers/0/self_attn/q_a_proj/kernel",
+               "layers/5/mlp/gate_kernel"):
+    assert MeshConfig(1, 8, 8).spec(path, 2) == __import__("jax").sharding.PartitionSpec(None, None)
+  assert logical_axes("layers/4/mlp/gate_proj", 3) == ("expert", "embed", "moe_mlp")
+  assert tuple(MeshConfig(2, 4, 8).spec("layers/4/mlp/down_proj", 3)) == (("dp", "tp"), None, None)
+  assert tuple(MeshConfig(1, 8, 1).spec("layers/4/mlp/down_proj", 3)) == (None, "tp", None)
+  assert tuple(MeshConfig(2, 4, 4).spec("layers/0/self_attn/o_proj/kernel", 2)) == ("tp", None)
+
+
+@pytest.mark.parametrize("mesh,flag", [
+    (MeshConfig(3, 1, 1), "--dp-size 3 x --tp-size 1"),
+    (MeshConfig(1, 8, 3), "--ep-size 3"),
+    (MeshConfig(2, 2, 8), "--ep-size 8"),
+    (MeshConfig(0, 1, 1), "--dp-size"),
+])
+def test_bad_mesh_names_the_flag(mesh, flag):
+  with pytest.raises(MeshError, match=flag):
+    mesh.validate(_cfg("deepseek_v32_config.json"), num_devices=8)
+
+
+def test_tp_must_divide_heads():
+  c = _cfg("glm5_config.json")  # 64 heads
+  with pytest.raises(MeshError, match="--tp-size 128 does not divide the model's 64 attention heads"):
+    MeshConfig(1, 128, 1).validate(c, num_devices=128)
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "hisparse_jax.plan", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_cli_json_and_text():
+  r = _cli(f"--model-config={DATA / 'glm5_config.json'}", "--weight-dtype=fp8", "--context=32768", "--json")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout)
+  assert out["mesh"] == {"dp_size": 8, "tp_size": 1, "ep_size": 8}
+  assert out["hisparse"]["requests"] > out["dense"]["requests"] > 0
+  r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", "--weight-dtype=fp8", "--tp-size=8", "--dp-size=1")
+  assert r.returncode == 0, r.stderr
+  assert "HiSparse / dense requests" in r.stdout and "mesh dp 1 x tp 8" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp-size=3"], "--tp-size 3"),
+    (["--ep-size=5"], "--ep-size 5"),
+    (["--weight-dtype=bfloat16"], "more than --device-memory"),
+    (["--context=0"], "--context must be > 0"),
+    (["--hisparse-config={\"top_k\": 7}"], "--hisparse-config"),
+])
+def test_cli_errors_exit_1_without_traceback(args, message):
+  r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", *args)
+  assert r.returncode == 1
+  assert message in r.stderr and "Traceback" not in r.stderr

@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models.loader import param_path
+
 AXES = ("dp", "tp")
 
 # (path regex, logical axis name per dimension); the first match wins; no match: replicated.
@@ -50,20 +52,6 @@ LOGICAL_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 
 class MeshError(ValueError):
   """A mesh that cannot work with these devices or this model (the message names the flag)."""
-
-
-def param_path(path) -> str:
-  """'layers/3/self_attn/q_b_proj/kernel' from a pytree key path of an ``nnx.State`` (the trailing
-  ``.value`` of a Variable dropped)."""
-  parts = []
-  for k in path:
-    name = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
-    if name is None:
-      name = str(k)
-    parts.append(str(name))
-  if parts and parts[-1] == "value":
-    parts.pop()
-  return "/".join(parts)
 
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
@@ -177,6 +165,12 @@ def set_expert_parallel(model, mesh_cfg: MeshConfig) -> None:
     if isinstance(module, MoE):
       module.expert_axes = mesh_cfg.expert_axes
       module.expert_width_axis = table["moe_mlp"] if mesh_cfg.expert_axes else None
+
+
+def placer(mesh_cfg: MeshConfig, mesh: Mesh):
+  """(parameter path, ndim) -> its NamedSharding on ``mesh``: the ``sharding`` argument of
+  ``models.convert.load_model``, so that each parameter goes straight to its devices as it loads."""
+  return lambda path, ndim: NamedSharding(mesh, mesh_cfg.spec(path, ndim))
 
 
 def param_specs(mesh_cfg: MeshConfig, state):

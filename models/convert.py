@@ -24,7 +24,7 @@ from flax import nnx
 
 from models.config import DSAConfig
 from models.deepseek_v32 import DeepseekV32ForCausalLM
-from models.loader import load_hf
+from models.loader import load_hf, param_path
 
 ORBAX_MARKER = "hisparse_orbax.json"
 PARAMS_DIR = "params"
@@ -68,11 +68,13 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   return output
 
 
-def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
+               sharding=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """Restores an orbax directory written by ``convert``.
 
   The parameters are restored straight into their final shardings (the default
-  device) with the stored dtype; a different ``dtype`` casts after restoring.
+  device, or ``sharding(path, ndim)`` per parameter: each device reads only its
+  slice) with the stored dtype; a different ``dtype`` casts after restoring.
   """
   import orbax.checkpoint as ocp
 
@@ -80,8 +82,10 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False) -> tuple[DS
   stored = jnp.dtype(cfg.dtype)
   abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored))
   graphdef, abstract_state = nnx.split(abstract)
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_state)
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree_util.tree_map_with_path(
+      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default if sharding is None else
+                                        sharding(param_path(p), len(x.shape))), abstract_state)
   with ocp.StandardCheckpointer() as ckpt:
     state = ckpt.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
   model = nnx.merge(graphdef, state)
@@ -95,11 +99,18 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False) -> tuple[DS
   return cfg, model
 
 
-def load_model(path: str, dtype=None, *, fp8_numerics: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
-  """(config, model) from an HF-format directory or an orbax directory written by ``convert``."""
+def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, sharding=None,
+               fp8_weights: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+  """(config, model) from an HF-format directory or an orbax directory written by ``convert``; sharding: a
+  function (parameter path, ndim) -> jax.sharding.Sharding placing each parameter as it loads (None: the
+  default device); fp8_weights: FP8-resident weights (``load_hf``; HF FP8 checkpoints only, ValueError
+  otherwise)."""
   if is_orbax_dir(path):
-    return load_orbax(path, dtype, fp8_numerics=fp8_numerics)
-  return load_hf(path, dtype=dtype, fp8_numerics=fp8_numerics)
+    if fp8_weights:
+      raise ValueError(f"{path} is an orbax checkpoint (dequantized weights); FP8-resident weights load from the "
+                       "HF FP8 checkpoint")
+    return load_orbax(path, dtype, fp8_numerics=fp8_numerics, sharding=sharding)
+  return load_hf(path, dtype=dtype, fp8_numerics=fp8_numerics, sharding=sharding, fp8_weights=fp8_weights)
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,7 @@ from hisparse_jax.kernels.ops import top_k as exact_top_k
 from .config import DSAConfig, RopeConfig
 from .fp8_numerics import fake_quant_e4m3, indexer_fp8
 from .kv_protocol import ContiguousKVCache, KVCache
+from .fp8 import dequantize_jax
 from .moe import expert_parallel_ffn, grouped_expert_ffn
 
 _F32 = jnp.float32
@@ -104,13 +105,26 @@ def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- basic layers
 class Linear(nnx.Module):
-    """y = x @ kernel, kernel: dtype[in, out] (no bias). The input is cast to the kernel dtype."""
+    """y = x @ kernel, kernel: dtype[in, out] (no bias). The input is cast to the kernel dtype.
+
+    FP8-resident (set by ``models.loader.load_hf(fp8_weights=True)``): kernel float8_e4m3fn[in, out] with
+    kernel_scale float32[ceil(in / 128), ceil(out / 128)], dequantized to compute_dtype inside the jitted
+    matmul (``models.fp8.dequantize_jax``)."""
 
     def __init__(self, d_in: int, d_out: int, *, dtype, std: float, rngs: nnx.Rngs):
         self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), std, dtype))
+        self.kernel_scale = nnx.data(None)  # a data attribute: FP8 loading may put a Param here
+        self.compute_dtype = None
+
+    def weight(self) -> jax.Array:
+        """The kernel [in, out] in the compute dtype (dequantized when FP8-resident)."""
+        w = self.kernel[...]
+        if self.kernel_scale is not None:
+            w = dequantize_jax(w, self.kernel_scale[...], self.compute_dtype)
+        return w
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.kernel[...]
+        w = self.weight()
         x = x.astype(w.dtype)
         return jnp.matmul(x, w, precision=_precision(x, w))
 
@@ -330,7 +344,7 @@ class MLAttention(nnx.Module):
             cache = cache.append(layer, positions, lat, jnp.zeros((B, Q, self.index_dim), _F32))
             topk = prev_topk
 
-        w = self.kv_b_proj.kernel[...].reshape(self.kv_lora, self.n_heads, self.dn + self.dv)
+        w = self.kv_b_proj.weight().reshape(self.kv_lora, self.n_heads, self.dn + self.dv)
         w_uk, w_uv = w[..., : self.dn], w[..., self.dn :]  # [C, nH, dn], [C, nH, dv]
 
         def attend(cache, q_nope, q_pe, pos, tk):  # one block of queries: [B, q, ...]
@@ -393,6 +407,12 @@ class MoE(nnx.Module):
         # experts are split over and the axis of their width, or () for one device / GSPMD's own split.
         self.expert_axes: tuple[str, ...] = ()
         self.expert_width_axis: str | None = None
+        # FP8-resident experts (models.loader.load_hf(fp8_weights=True)): the three stacks in float8_e4m3fn
+        # with float32 block scales [E, ceil(rows / 128), ceil(cols / 128)], dequantized per expert block.
+        self.gate_proj_scale = nnx.data(None)
+        self.up_proj_scale = nnx.data(None)
+        self.down_proj_scale = nnx.data(None)
+        self.expert_compute_dtype = None
 
     def routing(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [T, H] -> (int32[T, k] chosen experts, float32[T, k] their combine weights)."""
@@ -421,7 +441,12 @@ class MoE(nnx.Module):
         xt = x.reshape(-1, shape[-1])  # [T, H]
         idx, w = self.routing(xt)
         gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
-        if self.expert_axes:
+        if self.gate_proj_scale is not None:
+            scales = (self.gate_proj_scale[...], self.up_proj_scale[...], self.down_proj_scale[...])
+            routed = grouped_expert_ffn(xt, idx, w, gate, up, down, scales=scales,
+                                        compute_dtype=self.expert_compute_dtype,
+                                        precision=_precision(xt, xt))
+        elif self.expert_axes:
             routed = expert_parallel_ffn(xt, idx, w, gate, up, down, expert_axes=self.expert_axes,
                                          width_axis=self.expert_width_axis, precision=_precision(xt, gate))
         else:

@@ -72,3 +72,18 @@ def dequantize_block_fp8(
         expanded = np.repeat(s[..., i : i + 1, :], bc, axis=-1)[..., :cols]  # [..., 1, C]
         out[..., r0:r1, :] *= expanded
     return out
+
+
+def dequantize_jax(weight, scale, dtype, block_size: tuple[int, int] = (128, 128)):
+    """The same dequantization inside jit: float8_e4m3fn[..., R, C] weight, float32[..., ceil(R/br),
+    ceil(C/bc)] scales -> dtype[..., R, C] = (float32(weight) * scale of its block).astype(dtype).
+
+    Bit for bit what ``dequantize_block_fp8`` followed by a cast to dtype gives (one float32 product per
+    element, then one rounding), so a model keeping FP8 weights on device computes with exactly the
+    weights of a model that dequantized them at load."""
+    import jax.numpy as jnp
+
+    br, bc = block_size
+    rows, cols = weight.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale, br, axis=-2), bc, axis=-1)[..., :rows, :cols]
+    return (weight.astype(jnp.float32) * s).astype(dtype)

@@ -39,6 +39,7 @@ import struct
 import sys
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -68,6 +69,15 @@ class ParamSpec:
     hf_keys: tuple[str, ...]
     build: Callable[..., np.ndarray]
     alternatives: tuple[tuple[tuple[str, ...], Callable[..., np.ndarray]], ...] = ()
+
+
+def param_path(path) -> str:
+    """'layers/3/self_attn/q_b_proj/kernel' from a parameter path: a tuple of names / indices (``hf_param_table``)
+    or a pytree key path of an ``nnx.State`` (a trailing ``.value`` of a Variable dropped)."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if parts and parts[-1] == "value":
+        parts.pop()
+    return "/".join(parts)
 
 
 def _t(w: np.ndarray) -> np.ndarray:  # HF Linear [out, in] -> kernel [in, out]
@@ -214,6 +224,24 @@ class _TensorStore:
         self.bytes_read += arr.nbytes
         return arr
 
+    def is_fp8(self, key: str) -> bool:
+        """Whether ``key`` is stored FP8 block-quantized (it has block scales)."""
+        return fp8.scale_key(key) in self._where
+
+    def get_fp8(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(float8_e4m3fn weight, float32 block scales) of an FP8 tensor, checked as ``dequantize_block_fp8``
+        checks them (ValueError naming the tensor)."""
+        w, s = self._raw(key), self._raw(fp8.scale_key(key))
+        if not fp8.is_fp8(w):
+            raise ValueError(f"tensor {key!r} has block scales but dtype {w.dtype} (expected float8_e4m3fn)")
+        if s.dtype not in fp8.SCALE_DTYPES:
+            raise ValueError(f"scales {fp8.scale_key(key)!r} have dtype {s.dtype}; expected one of "
+                             f"{', '.join(str(d) for d in fp8.SCALE_DTYPES)}")
+        want = fp8.scale_shape(w.shape, self.fp8_block_size)
+        if tuple(s.shape) != want:
+            raise ValueError(f"scales {fp8.scale_key(key)!r} have shape {tuple(s.shape)}, expected {want}")
+        return w, s.astype(np.float32)
+
     def get(self, key: str) -> np.ndarray:
         """The tensor ``key`` (dequantized to float32 when it is FP8 with block scales)."""
         skey = fp8.scale_key(key)
@@ -225,6 +253,25 @@ class _TensorStore:
         if arr.dtype in _MMAP_DTYPES.values():
             raise ValueError(f"tensor {key!r} is {arr.dtype} but has no {skey!r} block scales")
         return arr
+
+
+def _make_fp8_resident(model, path: tuple, dtype, block: tuple[int, int]) -> tuple:
+    """Turns the (abstract) parameter at ``path`` into an FP8-resident one: float8_e4m3fn storage plus float32
+    block scales (a Linear's ``kernel_scale``, a MoE's ``<stack>_scale``); returns the scales' path."""
+    *parents, name = path
+    module = model
+    for p in parents:
+        module = module[p] if isinstance(p, int) else getattr(module, p)
+    shape = getattr(module, name).get_value().shape
+    scale_shape = fp8.scale_shape(shape, block)  # (the config admits only 128 x 128 blocks: dequantize_jax's)
+    setattr(module, name, nnx.Param(jax.ShapeDtypeStruct(shape, ml_dtypes.float8_e4m3fn)))
+    if name == "kernel":  # a Linear
+        module.kernel_scale = nnx.Param(jax.ShapeDtypeStruct(scale_shape, jnp.float32))
+        module.compute_dtype = jnp.dtype(dtype)
+        return (*parents, "kernel_scale")
+    setattr(module, f"{name}_scale", nnx.Param(jax.ShapeDtypeStruct(scale_shape, jnp.float32)))
+    module.expert_compute_dtype = jnp.dtype(dtype)
+    return (*parents, f"{name}_scale")
 
 
 def _is_fp32_param(path: tuple) -> bool:
@@ -253,7 +300,8 @@ def _log_skipped_mtp(store, num_layers: int) -> None:
 
 
 def load_hf(
-    model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None, fp8_numerics: bool = False
+    model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None, fp8_numerics: bool = False,
+    sharding=None, fp8_weights: bool = False,
 ) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
     """Load ``model_dir`` (HF layout) -> (config, model).
 
@@ -264,8 +312,15 @@ def load_hf(
     fp8_numerics: run the indexer and the latent KV with DeepSeek's FP8 deployment numerics
     (models/fp8_numerics.py).
     Tensors are streamed: each is read from the memory-mapped safetensors file, converted and placed
-    into the model before the next is read.  Raises ValueError for an unsupported config, a missing
-    tensor (the message names the missing HF key) or a tensor of the wrong shape.
+    into the model before the next is read.  sharding: a function (parameter path 'layers/3/mlp/gate_proj',
+    ndim) -> jax.sharding.Sharding placing each parameter as it is read (e.g. the mesh rule table:
+    each device receives only its slice, no device ever holds the whole model); None: the default device.
+    fp8_weights: keep the FP8 checkpoint's block-quantized matrices in float8_e4m3fn with float32 block scales
+    (``Linear.kernel_scale``, ``MoE.*_proj_scale``), dequantized inside the jitted matmuls: half the weight
+    memory of bfloat16, and exactly the weights dequantize-at-load gives (``models.fp8.dequantize_jax``).
+    Raises ValueError for an unsupported config, a missing tensor (the message names the missing HF key),
+    a tensor of the wrong shape, or fp8_weights for a checkpoint that is not FP8 block-quantized (or keeps its
+    experts fused).
     """
     model_dir = os.fspath(model_dir)
     cfg = DSAConfig.from_pretrained(model_dir)
@@ -274,10 +329,11 @@ def load_hf(
     store = _TensorStore(model_dir, cfg.fp8_block_size)
     _log_skipped_mtp(store, cfg.num_hidden_layers)
 
-    abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
+    if fp8_weights and cfg.fp8_block_size is None:
+        raise ValueError(f"checkpoint {model_dir} is not FP8 block-quantized (no quantization_config): "
+                         "FP8-resident weights need one")
 
+    abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))
     table = hf_param_table(cfg)
     # Resolve every parameter's keys first, so a missing tensor fails before any loading work.
     plan = []
@@ -287,25 +343,44 @@ def load_hf(
         if chosen is None:
             missing = next(k for k in spec.hf_keys if k not in store)
             raise ValueError(f"checkpoint {model_dir} is missing tensor {missing!r}")
-        if spec.path not in flat:
-            raise KeyError(f"internal: no model parameter at {spec.path}")
-        plan.append((spec.path, chosen))
-    missing_params = sorted(set(flat) - {path for path, _ in plan}, key=str)
+        quantized = fp8_weights and all(store.is_fp8(k) for k in chosen[0])
+        if quantized and chosen[0] != spec.hf_keys:
+            raise ValueError(f"FP8-resident weights: {chosen[0][0]!r} keeps its experts fused; only per-expert "
+                             "FP8 tensors are supported")
+        plan.append((spec.path, chosen, _make_fp8_resident(abstract, spec.path, dt, cfg.fp8_block_size) if quantized else None))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    for path, _, scale_path in plan:
+        if path not in flat or (scale_path is not None and scale_path not in flat):
+            raise KeyError(f"internal: no model parameter at {path}")
+    covered = {path for path, _, _ in plan} | {sp for _, _, sp in plan if sp is not None}
+    missing_params = sorted(set(flat) - covered, key=str)
     if missing_params:
         raise KeyError(f"internal: parameters without a checkpoint mapping: {missing_params}")
 
     with _progress_bar(progress, len(plan), f"loading {os.path.basename(model_dir.rstrip(os.sep))}") as bar:
-        for path, (keys, build) in plan:
-            value = build(*[store.get(k) for k in keys])
-            var = flat[path]
-            want = var.get_value()
+        def place(path, value, target):
+            placed = (jnp.asarray(value) if sharding is None else
+                      jax.device_put(value, sharding(param_path(path), value.ndim)))
+            flat[path].set_value(placed.astype(target))
+
+        for path, (keys, build), scale_path in plan:
+            if scale_path is None:
+                value, scale = build(*[store.get(k) for k in keys]), None
+            else:  # FP8-resident: the e4m3 weight and its scales, laid out as the parameter (same build)
+                pairs = [store.get_fp8(k) for k in keys]
+                value, scale = build(*[w for w, _ in pairs]), build(*[s for _, s in pairs])
+            want = flat[path].get_value()
             if tuple(value.shape) != tuple(want.shape):
                 raise ValueError(
                     f"tensor for {keys[0]!r} has shape {tuple(value.shape)}, expected {tuple(want.shape)}"
                 )
-            target = _F32 if _is_fp32_param(path) else dt
-            var.set_value(jnp.asarray(value).astype(target))
-            del value
+            if scale is None:
+                place(path, value, _F32 if _is_fp32_param(path) else dt)
+            else:
+                place(path, value, want.dtype)
+                place(scale_path, scale, _F32)
+            del value, scale
             bar.update(1)
             bar.set_postfix_str(f"{store.bytes_read / 2**20:.1f} MiB read", refresh=False)
     state = nnx.from_flat_state(flat)

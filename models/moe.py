@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .fp8 import dequantize_jax
+
 _F32 = jnp.float32
 
 
@@ -37,7 +39,8 @@ def block_rows(tokens: int, top_k: int, n_experts: int, max_block: int = 64) -> 
 
 
 def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,
-                       down: jax.Array, *, block: int | None = None, precision=None) -> jax.Array:
+                       down: jax.Array, *, block: int | None = None, precision=None, scales=None,
+                       compute_dtype=None) -> jax.Array:
     """Routed-expert SwiGLU FFN over only the routed (token, expert) pairs.
 
     Args:
@@ -48,6 +51,9 @@ def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate:
       gate, up: [E, H, I]; down: [E, I, H] (x's dtype).
       block: rows per expert block (static; default ``block_rows``).
       precision: of the GEMMs (``jax.lax.Precision``).
+      scales, compute_dtype: FP8-resident experts: gate/up/down in float8_e4m3fn and scales = their float32
+        128 x 128 block scales ([E, ceil(rows / 128), ceil(cols / 128)] each); each block's expert is
+        dequantized to compute_dtype just before its GEMMs (``models.fp8.dequantize_jax``).
 
     Returns:
       float32[T, H]: sum over the k slots of weight * expert output (summed in slot order).
@@ -75,12 +81,18 @@ def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate:
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(n_blocks_max), side="right"), E - 1)
     used = block_end[-1]
 
+    def weights(e):
+        if scales is None:
+            return gate[e], up[e], down[e]
+        return tuple(dequantize_jax(w[e], s[e], compute_dtype) for w, s in zip((gate, up, down), scales))
+
     def body(i, out):
         e = block_expert[i]
         xb = jax.lax.dynamic_slice_in_dim(rows, i * b, b)
-        g = jnp.matmul(xb, gate[e], precision=precision)
-        u = jnp.matmul(xb, up[e], precision=precision)
-        y = jnp.matmul(jax.nn.silu(g) * u, down[e], precision=precision)
+        ge, ue, de = weights(e)
+        g = jnp.matmul(xb, ge, precision=precision)
+        u = jnp.matmul(xb, ue, precision=precision)
+        y = jnp.matmul(jax.nn.silu(g) * u, de, precision=precision)
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), i * b, 0)
 
     out = jax.lax.fori_loop(0, used, body, jnp.zeros((n_blocks_max * b, H), x.dtype))

@@ -30,15 +30,18 @@ class KVHarness:
     self.mesh = mesh_config.make_mesh() if mesh_config is not None and mesh_config.num_devices > 1 else None
     if self.mesh is not None:
       sharding.set_expert_parallel(model, mesh_config)
+    # DP groups: request i goes to group i % groups; batches are group-major (engine.py _batch_rows).
+    self.groups = mesh_config.dp_size if self.mesh is not None else 1
     dtype = jnp.dtype(dtype or cfg.dtype)
     layout = kvmem.KVLayout.of(cfg, dtype)
     plan = kvmem.plan(layout, budget=budget, max_running_requests=slots, max_seq_len=max_seq_len,
                       page_size=page_size, hisparse=hisparse)
-    self.backend = (kvmem.DenseBackend(plan, layout, dtype, self.mesh) if hisparse is None else
-                    kvmem.HiSparseBackend(plan, layout, dtype, hisparse, host_pool, self.mesh))
+    self.backend = (kvmem.DenseBackend(plan, layout, dtype, self.mesh, self.groups) if hisparse is None else
+                    kvmem.HiSparseBackend(plan, layout, dtype, hisparse, host_pool, self.mesh, self.groups))
     rng = np.random.default_rng(shuffle_seed)
-    for free_list in self.backend._lists.values():
-      rng.shuffle(free_list._free)
+    for lists in self.backend._group_lists:
+      for free_list in lists.values():
+        rng.shuffle(free_list._free)
     self.chunk = chunk
     self.key_block, self.score_block = key_block, score_block
     self.kvs, self.seq_lens = [], []
@@ -59,34 +62,42 @@ class KVHarness:
   def prefill(self, prompts) -> np.ndarray:
     """Admits and prefills each prompt; returns float32[N, V], the logits at each prompt's last token."""
     out = []
+    G = self.groups
     for p in prompts:
-      kv = self.backend.admit(len(p))
+      g = len(self.kvs) % G
+      kv = self.backend.admit(len(p), group=g)
       chunk = self.chunk or len(p)
       for start in range(0, len(p), chunk):
         part = p[start:start + chunk]
-        tokens = np.zeros((1, chunk), np.int32)
-        positions = np.full((1, chunk), -1, np.int32)
-        tokens[0, :len(part)] = part
-        positions[0, :len(part)] = np.arange(start, start + len(part))
+        tokens = np.zeros((G, chunk), np.int32)  # one row per DP group; only the request's group has one
+        positions = np.full((G, chunk), -1, np.int32)
+        tokens[g, :len(part)] = part
+        positions[g, :len(part)] = np.arange(start, start + len(part))
         last = start + chunk >= len(p)
-        tables = self.backend.prefill_tables([kv], [last])
+        kvs, finishing = [None] * G, [False] * G
+        kvs[g], finishing[g] = kv, last
+        tables = self.backend.prefill_tables(kvs, finishing)
         logits, self.backend.state = self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(positions),
                                                    self.backend.state, _device(tables), self._blocks(start + chunk))
       self.backend.prefill_finished(kv)
-      out.append(np.asarray(logits[0]))
+      out.append(np.asarray(logits[g]))
       self.kvs.append(kv)
       self.seq_lens.append(len(p))
     return np.stack(out)
 
   def decode(self, tokens, return_topk=False):
     """Feeds tokens[i] to request i at its next position; returns float32[N, V] (and int32[L, N, K])."""
-    n = len(self.kvs)
+    n, G = len(self.kvs), self.groups
     for i in range(n):
       assert self.backend.ensure(self.kvs[i], self.seq_lens[i] + 1), "pool exhausted"
-    kvs = self.kvs + [None]  # a trailing idle row
-    toks = np.zeros(n + 1, np.int32)
-    toks[:n] = tokens
-    positions = np.array(self.seq_lens + [-1], np.int32)
+    # Group-major rows, each group's requests then a trailing idle row.
+    per_group = -(-n // G) + 1
+    rows = [(i % G) * per_group + i // G for i in range(n)]
+    kvs = [None] * (G * per_group)
+    toks = np.zeros(G * per_group, np.int32)
+    positions = np.full(G * per_group, -1, np.int32)
+    for i, r in enumerate(rows):
+      kvs[r], toks[r], positions[r] = self.kvs[i], tokens[i], self.seq_lens[i]
     tables = self.backend.decode_tables(kvs)
     logits, self.backend.state, topk = self._decode(self.params, jnp.asarray(toks), jnp.asarray(positions),
                                                     self.backend.state, _device(tables),
@@ -94,7 +105,7 @@ class KVHarness:
     logits = np.asarray(logits)
     assert np.isfinite(logits).all(), "non-finite decode logits (idle row included)"
     self.seq_lens = [s + 1 for s in self.seq_lens]
-    return (logits[:n], np.asarray(topk)[:, :n]) if return_topk else logits[:n]
+    return (logits[rows], np.asarray(topk)[:, rows]) if return_topk else logits[rows]
 
   def _blocks(self, tokens: int) -> tuple:
     """(window, key_block, score_block): the smallest power-of-two window of key blocks covering tokens."""
@@ -116,8 +127,9 @@ class KVHarness:
 
   def swap_stats(self) -> np.ndarray:
     """int32[L, N, 2] (hits, misses) per layer and request (HiSparse)."""
-    stats = np.asarray(self.backend.state.stats)
-    return stats[:, [kv.slot for kv in self.kvs]]
+    stats = np.asarray(self.backend.state.stats)  # each group's shard: slots per group + a scratch slot
+    per = self.backend.slots_per_group + 1
+    return stats[:, [kv.group * per + self.backend.local_slot(kv) for kv in self.kvs]]
 
 
 def _device(tables):

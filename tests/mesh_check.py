@@ -2,12 +2,13 @@
 CPU devices: XLA_FLAGS must be set before JAX starts).
 
 For each model (tiny DeepSeek-V3.2 and GLM-5 configs of the oracle tests, with 8 attention heads and 8
-routed experts so that every mesh divides them) and each mesh (dp, tp, ep), the KV harness runs 4 prompts
-(shorter and longer than the hot buffer) through prefill and 12 decode steps, dense and HiSparse:
+routed experts so that every mesh divides them) and each mesh (dp, tp, ep), the KV harness decodes 4 prompts
+(shorter and longer than the hot buffer) greedily, 12 tokens each, dense and HiSparse:
   - greedy tokens, compared with one device;
-  - teacher-forced logits dense vs HiSparse under the same mesh, compared bitwise;
-  - HiSparse swap-in hits and misses per request and layer, compared with one device.
-The engine runs one mesh end to end too. Prints one JSON object.
+  - the logits of every step, dense vs HiSparse under the same mesh, compared bitwise;
+  - HiSparse swap-in hits and misses per request and layer, compared with one device;
+  - every KV pool, hot buffer and the pinned_host host pool keeps its address: updated in place.
+The engine runs the first mesh end to end too (full-batch and bucketed steps). Prints one JSON object.
 """
 
 import dataclasses
@@ -37,24 +38,37 @@ STEPS = 12
 
 
 def run(model_dir, mesh, hisparse):
+  """Greedy decoding of the prompts: (tokens per prompt, float32[steps, prompts, V] logits, swap stats)."""
   cfg, model = load_hf(model_dir)  # a fresh model: the harness may mark its MoE modules expert-parallel
   rng = np.random.default_rng(0)
   prompts = [rng.integers(2, 500, n).tolist() for n in PROMPT_LENS]
-  greedy = KVHarness(cfg, model, hisparse=hisparse, mesh_config=mesh, slots=len(prompts) + 1).greedy(prompts, STEPS)
-  cfg, model = load_hf(model_dir)
-  h = KVHarness(cfg, model, hisparse=hisparse, mesh_config=mesh, slots=len(prompts) + 1)
+  # Prompts prefilled in chunks of 16 (one compiled prefill shape per indexer window).
+  h = KVHarness(cfg, model, hisparse=hisparse, mesh_config=mesh, slots=len(prompts) + 1, chunk=16)
   logits = [h.prefill(prompts)]
-  forced = np.random.default_rng(1).integers(2, 500, (STEPS, len(prompts)))
-  logits += [h.decode(t) for t in forced]
+  buffers = _buffers(h.backend.state)
+  for _ in range(STEPS - 1):
+    logits.append(h.decode(logits[-1].argmax(-1)))
+  logits = np.stack(logits)
   stats = h.swap_stats().tolist() if hisparse else None
-  return greedy, np.stack(logits), stats
+  return logits.argmax(-1).T.tolist(), logits, stats, _buffers(h.backend.state) == buffers
 
 
-def engine_tokens(model_dir, mesh, hisparse):
-  """(tokens, (hits, misses)) per request from the engine on the mesh."""
+POOLS = ("latent", "index", "staging", "hot", "host_pool")  # the per-token pools and hot buffers
+
+
+def _buffers(state):
+  """Buffer addresses of every shard of the KV pools, hot buffers and host pool: unchanged = updated in place.
+  (The small int32 slot tables and LRU orders are left out: XLA re-allocated them on one mesh.)"""
+  return [s.data.unsafe_buffer_pointer() for name in POOLS if hasattr(state, name)
+          for s in getattr(state, name).addressable_shards]
+
+
+def engine_tokens(model_dir, mesh, hisparse, deterministic=True):
+  """(tokens, hits, misses) per request from the engine on the mesh (deterministic: full-batch steps, each
+  request in its own slot's row; else power-of-two buckets per DP group)."""
   from hisparse_jax.engine import Engine, Request
   kw = {"hisparse_config": json.dumps(dataclasses.asdict(HS))} if hisparse else {}
-  e = Engine(model_dir, max_seq_len=128, max_running_requests=4, deterministic=True, enable_hisparse=hisparse,
+  e = Engine(model_dir, max_seq_len=128, max_running_requests=8, deterministic=deterministic, enable_hisparse=hisparse,
              dp_size=mesh.dp_size, tp_size=mesh.tp_size, ep_size=mesh.ep_size, **kw)
   rng = np.random.default_rng(5)
   reqs = [Request(f"r{i}", rng.integers(2, 500, n).tolist(), max_new_tokens=10, ignore_eos=True)
@@ -64,6 +78,38 @@ def engine_tokens(model_dir, mesh, hisparse):
   while e.has_work():
     e.step()
   return [(r.output_ids, r.hits, r.misses) for r in reqs]
+
+
+def loading_check(model_dir, mesh_cfg):
+  """Parameters loaded straight onto the mesh (HF safetensors and orbax): each has its rule-table sharding,
+  split ones are split on the devices, and the values equal a one-device load."""
+  import jax
+  from flax import nnx
+  from hisparse_jax.sharding import placer
+  from models.convert import convert, load_model
+  mesh = mesh_cfg.make_mesh()
+  _, one = load_model(model_dir)
+  want = dict(jax.tree_util.tree_flatten_with_path(nnx.state(one))[0])
+  orbax_dir = os.path.join(tempfile.mkdtemp(prefix="hisparse-orbax-"), "ckpt")
+  convert(model_dir, orbax_dir, None)
+  out = {}
+  for name, path in (("hf", model_dir), ("orbax", orbax_dir)):
+    _, model = load_model(path, sharding=placer(mesh_cfg, mesh))
+    got = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+    out[name] = {
+        "rule_shardings": all(x.sharding.spec == mesh_cfg.spec(sharding_path(p), x.ndim) for p, x in got),
+        "values_equal_one_device": all(np.array_equal(np.asarray(x), np.asarray(want[p])) for p, x in got),
+        "ep": mesh_cfg.ep_size,
+        # Experts of a MoE layer (8 of them): each device holds 8 / ep.
+        "experts_per_device": {s.data.shape[0] for s in dict(
+            (sharding_path(p), x) for p, x in got)["layers/1/mlp/gate_proj"].addressable_shards},
+    }
+  return out
+
+
+def sharding_path(p):
+  from models.loader import param_path
+  return param_path(p)
 
 
 def main(meshes):
@@ -81,15 +127,17 @@ def main(meshes):
           "max_logit_diff_vs_one_device": float(np.abs(dense[1] - base[False][1]).max()),
           "swap_stats_equal_one_device": hisparse[2] == base[True][2],
           "misses": int(np.asarray(hisparse[2])[..., 1].sum()),
+          "kv_updated_in_place": dense[3] and hisparse[3],
       }
-    if name == "deepseek_v32":  # the engine end to end on the widest mesh
+    if name == "deepseek_v32":  # the engine end to end on the first mesh
       for hs in (False, True):
+        one = engine_tokens(model_dir, MeshConfig(), hs)
         out[f"engine {name} {'hisparse' if hs else 'dense'} {','.join(map(str, meshes[0]))}"] = {
-            "equal_one_device": engine_tokens(model_dir, MeshConfig(*meshes[0]), hs) ==
-            engine_tokens(model_dir, MeshConfig(), hs)}
-    meshes = meshes[:1]  # the other models: the widest mesh only
-  print(json.dumps(out))
+            "equal_one_device": engine_tokens(model_dir, MeshConfig(*meshes[0]), hs) == one,
+            "equal_one_device_bucketed": engine_tokens(model_dir, MeshConfig(*meshes[0]), hs, False) == one}
+  out["loading"] = loading_check(model_dir, MeshConfig(*meshes[0]))
+  print(json.dumps(out, default=list))
 
 
 if __name__ == "__main__":
-  main([tuple(int(v) for v in m.split(",")) for m in sys.argv[1:]] or [(1, 8, 8), (1, 8, 1), (1, 2, 2)])
+  main([tuple(int(v) for v in m.split(",")) for m in sys.argv[1:]] or [(8, 1, 8), (2, 4, 8), (1, 8, 8), (1, 8, 1)])

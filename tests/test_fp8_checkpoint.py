@@ -291,3 +291,67 @@ def test_inconsistent_fp8_checkpoints_raise(tmp_path):
     save_file(t, f"{fp8_dir}/model.safetensors")
     with pytest.raises(ValueError, match=r"o_proj\.weight_scale_inv"):
         load_hf(fp8_dir)
+
+
+# ----------------------------------------------------------------------------- FP8-resident weights
+def _weight_bytes(model) -> int:
+    return sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(model)))
+
+
+@pytest.mark.parametrize("config,dtype", [(DSV32, "float32"), (DSV32, "bfloat16"), (GLM, "bfloat16")],
+                         ids=["deepseek_v32-float32", "deepseek_v32-bfloat16", "glm_moe_dsa-bfloat16"])
+def test_fp8_resident_weights_give_the_dequantize_at_load_logits(tmp_path, config, dtype):
+    """Weights kept in e4m3 + block scales and dequantized inside jit: every prefill and decode logit is
+    bitwise equal to the model that dequantized them at load; the quantized matrices take 1 byte per
+    element plus 4 bytes per 128 x 128 block."""
+    from tests.kv_harness import KVHarness
+
+    fp8_dir, deq_dir, qkeys = write_fp8_pair(tmp_path, config, seed=12)
+    cfg, at_load = load_hf(fp8_dir, dtype=dtype)
+    cfg_r, resident = load_hf(fp8_dir, dtype=dtype, fp8_weights=True)
+    flat = dict(nnx.to_flat_state(nnx.state(resident)))
+    kernel = flat[("layers", 0, "self_attn", "q_b_proj", "kernel")].get_value()
+    scale = flat[("layers", 0, "self_attn", "q_b_proj", "kernel_scale")].get_value()
+    assert kernel.dtype == ml_dtypes.float8_e4m3fn and scale.shape == (2, 1)  # [160, 64] kernel -> 2 x 1 blocks
+    assert flat[("layers", 1, "mlp", "gate_proj")].get_value().dtype == ml_dtypes.float8_e4m3fn
+    assert flat[("embed_tokens",)].get_value().dtype == jnp.dtype(dtype)  # unquantized tensors stay as they are
+    # Bytes: every quantized element 1 byte instead of the dtype's, plus its block scales.
+    tensors = load_file(f"{deq_dir}/model.safetensors")  # the same shapes, readable by safetensors' numpy
+    quantized = sum(tensors[k].size for k in qkeys)
+    scales = sum(math.ceil(tensors[k].shape[0] / BLOCK) * math.ceil(tensors[k].shape[1] / BLOCK) for k in qkeys)
+    itemsize = jnp.dtype(dtype).itemsize
+    assert _weight_bytes(at_load) - _weight_bytes(resident) == quantized * (itemsize - 1) - 4 * scales
+    h_load, h_res = KVHarness(cfg, at_load), KVHarness(cfg_r, resident)
+    ps = [[5, 6, 7, 8] * 6, [9, 10, 11]]
+    np.testing.assert_array_equal(h_res.prefill(ps), h_load.prefill(ps))
+    for step in range(4):
+        np.testing.assert_array_equal(h_res.decode([3 + step, 4]), h_load.decode([3 + step, 4]))
+
+
+def test_engine_fp8_resident_weights(tmp_path):
+    """--weight-dtype fp8 through the engine: the greedy tokens of dequantize-at-load, about half the weight
+    memory of bfloat16; refused (naming the flag) for a checkpoint that is not FP8 and on a mesh."""
+    from hisparse_jax.engine import Engine, Request
+    from hisparse_jax.engine.args import StartupError
+
+    fp8_dir, deq_dir, _ = write_fp8_pair(tmp_path, DSV32, seed=13)
+
+    def run(**kw):
+        e = Engine(fp8_dir, dtype="bfloat16", max_seq_len=64, max_running_requests=2, **kw)
+        reqs = [Request(str(i), p, max_new_tokens=6, ignore_eos=True) for i, p in enumerate([[5, 6, 7] * 4, [8, 9]])]
+        for r in reqs:
+            e.submit(r)
+        while e.has_work():
+            e.step()
+        return [r.output_ids for r in reqs], sum(x.nbytes for x in __import__("jax").tree.leaves(e._params))
+
+    tokens_at_load, bytes_at_load = run()
+    tokens_resident, bytes_resident = run(weight_dtype="fp8")
+    assert tokens_resident == tokens_at_load
+    assert bytes_resident < 0.6 * bytes_at_load
+    with pytest.raises(StartupError, match="--weight-dtype fp8: .* is not an FP8 block-quantized checkpoint"):
+        Engine(deq_dir, weight_dtype="fp8", max_seq_len=64)
+    with pytest.raises(StartupError, match="--weight-dtype fp8 runs on one device"):
+        Engine(fp8_dir, weight_dtype="fp8", tp_size=2, max_seq_len=64)
+    with pytest.raises(StartupError, match="--weight-dtype 'int4'"):
+        Engine(fp8_dir, weight_dtype="int4", max_seq_len=64)

@@ -114,3 +114,32 @@ def test_hisparse_backend_frees_staging_when_prefill_ends_and_refuses_what_never
   assert all(x.pages_free == x.pages_total for x in be.usage())
   assert be.request_bytes(40) == {"device": 48 * LAYOUT.index_bytes + LAYOUT.hot_buffer_bytes(16),
                                   "host": 48 * LAYOUT.latent_bytes}
+
+
+def test_dp_groups_have_their_own_slots_and_pages_with_local_ids():
+  """Data-parallel attention: each group allocates from its own free lists; tables carry ids local to the
+  request's group; a new request goes to the group with the most free slots that can take it."""
+  hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4)
+  p = kvmem.plan(LAYOUT, budget=1 << 22, max_running_requests=2, max_seq_len=128, page_size=16, hisparse=hs)
+  be = kvmem.HiSparseBackend(p, LAYOUT, np.float32, hs, groups=3)
+  assert be.request_slots == 6 and be.slots_per_group == 2 and be.free_slots == 6
+  assert be.state.hot.shape[1] == 3 * (2 + 1) and be.state.index.shape[1] == 3 * p.pools["index"][1]
+  first = [be.admit(20, group=be.pick_group(20)) for _ in range(3)]
+  assert [kv.group for kv in first] == [0, 1, 2]  # the emptiest group, ties to the lowest index
+  assert [kv.slot for kv in first] == [0, 2, 4]  # slots numbered across groups
+  # Every group's first request got the group's first pages: ids are local to the group's pools.
+  assert first[0].pages["index"] == first[1].pages["index"] == first[2].pages["index"]
+  kv = be.admit(20, group=1)
+  tables = be.decode_tables([first[0], None, kv, first[1]])
+  assert list(tables["req_ids"]) == [0, -1, 1, 0]  # local request slots
+  np.testing.assert_array_equal(tables["host_pages"][2, :2], kv.pages["host"])
+  assert be.prefill_tables([kv], [True])["hot_slot"][0] == 1 and be.prefill_tables([kv], [False])["hot_slot"][0] == 2
+  u = {x.name: x for x in be.usage()}
+  assert u["index"].pages_total == 3 * p.pools["index"][1]
+  assert u["index"].pages_total - u["index"].pages_free == 4 * 2  # 4 requests x 2 pages
+  assert be.pick_group(20) in (0, 2)  # group 1 is full
+  assert not be.can_admit(20, group=1)
+  be.release(kv)
+  assert be.can_admit(20, group=1) and be.free_slots == 3
+  # A group whose pages are reserved for its running requests' growth does not take the request.
+  assert be.pick_group(20, reserve_pages=[10**6, 0, 10**6]) == 1

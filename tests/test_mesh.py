@@ -14,7 +14,7 @@ from hisparse_jax.engine.args import StartupError
 from tests.tiny_model import tiny_model_dir
 
 ROOT = pathlib.Path(__file__).parent.parent
-MESHES = ("1,8,8", "1,8,1", "1,2,2")
+MESHES = ("8,1,8", "2,4,8", "1,8,8", "1,8,1")  # (dp, tp, ep); the engine runs the first
 
 
 @pytest.fixture(scope="module")
@@ -25,25 +25,30 @@ def results():
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("key", [f"deepseek_v32 {m}" for m in MESHES] + ["glm_moe_dsa 1,8,8"])
+@pytest.mark.parametrize("key", [f"{model} {m}" for model in ("deepseek_v32", "glm_moe_dsa") for m in MESHES])
 def test_mesh_decoding_equals_one_device(results, key):
   r = results[key]
   assert r["greedy_equal_one_device"], r
   assert r["logits_bitwise_dense_vs_hisparse"], r
   assert r["swap_stats_equal_one_device"], r
+  assert r["kv_updated_in_place"], r
   assert r["misses"] > 0  # prompts past the hot buffer really swapped rows in
   assert r["max_logit_diff_vs_one_device"] < 1e-4  # float32; partial sums over devices round differently
 
 
 @pytest.mark.parametrize("mode", ["dense", "hisparse"])
 def test_engine_on_a_mesh_equals_one_device(results, mode):
-  assert results[f"engine deepseek_v32 {mode} 1,8,8"]["equal_one_device"]
+  """DP attention over 8 groups: tokens and swap-in hits/misses per request equal one device's, with
+  full-batch (deterministic) and with bucketed decode steps."""
+  r = results[f"engine deepseek_v32 {mode} {MESHES[0]}"]
+  assert r["equal_one_device"] and r["equal_one_device_bucketed"], r
 
 
 @pytest.mark.parametrize("kw,message", [
     ({"tp_size": 2}, "--dp-size 1 x --tp-size 2 = 2 devices does not divide the 1 devices here"),
     ({"ep_size": 3}, "--ep-size 3"),
-    ({"dp_size": 2, "tp_size": 1}, "--dp-size 2: data-parallel attention is not built yet"),
+    ({"dp_size": 2}, "--dp-size 2 x --tp-size 1 = 2 devices does not divide the 1 devices here"),
+    ({"dp_size": 3, "max_running_requests": 8}, "--max-running-requests 8 is not divisible by --dp-size 3"),
     ({"tp_size": 0}, "--tp-size must be an integer >= 1"),
 ])
 def test_bad_mesh_is_a_startup_error(kw, message):
@@ -77,3 +82,12 @@ def test_bad_mesh_on_the_cli_exits_1_without_traceback(tmp_path):
   assert r.returncode == 1, (r.stdout, r.stderr)
   assert "--tp-size 3 does not divide the model's 2 attention heads" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_parameters_load_straight_onto_the_mesh(results, fmt):
+  """load_model(sharding=placer) places each parameter as it loads (safetensors) or restores each device's
+  slice (orbax): rule-table shardings, values equal a one-device load."""
+  r = results["loading"][fmt]
+  assert r["rule_shardings"] and r["values_equal_one_device"], r
+  assert r["experts_per_device"] == [8 // r["ep"]] and r["ep"] > 1, r

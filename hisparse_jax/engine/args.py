@@ -18,6 +18,7 @@ from models.config import DSAConfig
 
 MODEL_HISPARSE_FILE = "hisparse_config.json"  # per-model default HiSparse sizes (optional)
 DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = (None, "fp8")
 HOST_POOL_KINDS = ("jax", "extension")
 # Device KV budget when neither --max-device-kv-bytes nor --mem-fraction-static is given: this fraction of
 # the device memory left after the weights (SGLang's mem_fraction_static is of the same order), or, on a
@@ -67,10 +68,15 @@ class EngineArgs:
       own row, and prefill one request per call in fixed chunks, so a request's tokens never depend on its
       neighbours (XLA's CPU matmuls are not batch-invariant). Costs a full-batch step even for one request.
     fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``).
+    weight_dtype: "fp8": keep an FP8 block-quantized checkpoint's quantized matrices in float8_e4m3fn with
+      their 128 x 128 float32 scales on device, dequantized inside the jitted matmuls (about half the weight
+      memory of bfloat16; the same weights as dequantizing at load, bit for bit). None: dequantize at load to
+      the compute dtype. One device only for now.
     dp_size / tp_size / ep_size: the device mesh (``hisparse_jax/sharding.py``): dp_size x tp_size devices,
       MLA heads, dense MLPs and the vocabulary split over tp, routed experts over ep devices (1, tp or
-      dp x tp), the indexer and the KV replicated on every device. dp_size > 1 (DP attention) is not built
-      yet.
+      dp x tp), the indexer replicated on every device; dp_size > 1: data-parallel attention, each of the
+      dp groups runs max_running_requests / dp_size requests with its KV on its own devices (replicated
+      over its tp devices).
   """
 
   model_path: str | None = None
@@ -92,6 +98,7 @@ class EngineArgs:
   dp_size: int = 1
   tp_size: int = 1
   ep_size: int = 1
+  weight_dtype: str | None = None
 
   # --------------------------------------------------------------- flags
   _HELP = {
@@ -118,9 +125,12 @@ class EngineArgs:
                        "depend on its neighbours (costs a full-batch step per token).",
       "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
                       "latent KV cache (fake-quantized).",
-      "dp_size": "Data-parallel attention groups of the device mesh (only 1 for now).",
+      "dp_size": "Data-parallel attention groups: each runs its share of the requests, its KV on its devices.",
       "tp_size": "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them.",
-      "ep_size": "Devices the routed experts are split over: 1, --tp-size, or --dp-size x --tp-size.",
+      "ep_size": "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size.",
+      "weight_dtype": "fp8: keep an FP8 checkpoint's quantized weights in e4m3 + 128x128 scales on device, "
+                      "dequantized inside the matmuls (half the weight memory of bfloat16). Default: dequantize "
+                      "at load.",
   }
 
   @classmethod
@@ -182,9 +192,13 @@ class EngineArgs:
       mesh.validate()
     except MeshError as e:
       raise StartupError(str(e)) from None
-    if mesh.dp_size > 1:
-      raise StartupError(f"--dp-size {mesh.dp_size}: data-parallel attention is not built yet; use --tp-size "
-                         "and --ep-size")
+    if self.max_running_requests % mesh.dp_size:
+      raise StartupError(f"--max-running-requests {self.max_running_requests} is not divisible by --dp-size "
+                         f"{mesh.dp_size} (each DP group runs an equal share)")
+    if self.weight_dtype not in WEIGHT_DTYPES:
+      raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected one of {', '.join(map(str, WEIGHT_DTYPES))}")
+    if self.weight_dtype == "fp8" and mesh.num_devices > 1:
+      raise StartupError("--weight-dtype fp8 runs on one device for now; drop --dp-size / --tp-size")
     if mesh.num_devices > 1 and self.host_pool != HOST_POOL_KINDS[0]:
       raise StartupError(f"--host-pool {self.host_pool} serves one device; with --tp-size {mesh.tp_size} use "
                          f"--host-pool {HOST_POOL_KINDS[0]}")

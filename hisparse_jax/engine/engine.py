@@ -15,8 +15,14 @@ A request's life:
      its first token (and, in HiSparse mode, fills its hot buffer and frees its staging pages).
   4. Decode: one jitted step for the decoding requests, at a power-of-two batch bucket covering them
      (1, 2, 4, ... max_running_requests), each row naming its request's slot and page tables. A request
-     that needs a new page grows by one; if memory ran out, the most recently admitted request is
-     preempted (its pages freed, re-queued at the front, recomputed on re-admission: vLLM's policy).
+     that needs a new page grows by one; if memory ran out, the most recently admitted request (of its
+     DP group) is preempted (its pages freed, re-queued at the front, recomputed on re-admission: vLLM's
+     policy).
+
+With data-parallel attention (--dp-size G > 1) each DP group has its own request slots and pools on its own
+devices (memory/backend.py); a new request goes to the group with the most free slots that can take it, and
+every batch is group-major: B / G rows per group, each group's bucket the power of two covering its largest
+share (engine ``_batch_rows``).
   5. A request finishes on an EOS id, a stop token or string, or max_new_tokens; its slot and pages go
      back to the free lists. Later calls that reuse them are ordered after every earlier call by the
      data dependencies of the donated KV state.
@@ -52,7 +58,7 @@ from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatche
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
 from hisparse_jax.engine.sampling import sample
 from hisparse_jax.memory import backend as kvmem
-from hisparse_jax.sharding import MeshError, bytes_per_device, set_expert_parallel, shard_params
+from hisparse_jax.sharding import MeshError, bytes_per_device, placer, set_expert_parallel
 from models.convert import load_model
 
 log = logging.getLogger(__name__)
@@ -145,8 +151,21 @@ class Engine:
     self.tokenizer = tokenizer
     self._detokenizers = DetokenizerFactory(tokenizer) if tokenizer is not None else None
     self.record_topk = record_topk
+    # The mesh (hisparse_jax/sharding.py): one device, no mesh; several, parameters split by the rule table as
+    # they load (no device holds the whole model), KV split over the DP groups.
+    self.mesh_config = args.mesh_config()
     try:
-      self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=args.fp8_numerics)
+      self.mesh_config.validate(model_cfg, len(jax.devices()))
+    except MeshError as e:
+      raise StartupError(str(e)) from None
+    self.mesh = self.mesh_config.make_mesh() if self.mesh_config.num_devices > 1 else None
+    if args.weight_dtype == "fp8" and model_cfg.fp8_block_size is None:
+      raise StartupError(f"--weight-dtype fp8: {model_dir} is not an FP8 block-quantized checkpoint (its config.json "
+                         "has no quantization_config)")
+    try:
+      self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=args.fp8_numerics,
+                                      sharding=None if self.mesh is None else placer(self.mesh_config, self.mesh),
+                                      fp8_weights=args.weight_dtype == "fp8")
     except MemoryError as e:
       raise StartupError(f"out of memory loading the model: {e}") from None
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
@@ -154,33 +173,28 @@ class Engine:
     cfg = self.config
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
-    self.mesh_config = args.mesh_config()
-    try:
-      self.mesh_config.validate(cfg, len(jax.devices()))
-    except MeshError as e:
-      raise StartupError(str(e)) from None
-    if self.mesh_config.num_devices > 1:
+    if self.mesh is not None:
       set_expert_parallel(model, self.mesh_config)
     graphdef, self._params = nnx.split(model)
-    # One device: no mesh. Several: parameters split by the rule table, KV replicated (hisparse_jax/sharding.py).
-    self.mesh = self.mesh_config.make_mesh() if self.mesh_config.num_devices > 1 else None
-    if self.mesh is not None:
-      self._params = shard_params(self.mesh_config, self.mesh, self._params)
     weight_bytes = bytes_per_device(self.mesh_config, self._params)  # what one device holds
     self.layout = kvmem.KVLayout.of(cfg, self.dtype)
     self.device_kv_budget = args.device_kv_budget(weight_bytes)
     try:
+      # One DP group's pools (each group's devices hold its own KV; one group without DP attention).
+      self.groups = self.mesh_config.dp_size
       self.memory_plan = kvmem.plan(self.layout, budget=self.device_kv_budget,
-                                    max_running_requests=args.max_running_requests, max_seq_len=self.max_seq_len,
+                                    max_running_requests=args.max_running_requests // self.groups,
+                                    max_seq_len=self.max_seq_len,
                                     page_size=args.page_size, hisparse=self.hisparse)
     except kvmem.MemoryConfigError as e:
       raise StartupError(str(e)) from None
     if self.hisparse is not None:
       _, pages, per_page = self.memory_plan.pools["host"]
       check_host_memory(pages * per_page)
-      if self.memory_plan.request_slots < args.max_running_requests:
-        log.warning("HiSparse: the device KV budget holds %d hot buffers; --max-running-requests %d lowered to it",
-                    self.memory_plan.request_slots, args.max_running_requests)
+      if self.memory_plan.request_slots * self.groups < args.max_running_requests:
+        log.warning("HiSparse: the device KV budget holds %d hot buffers per DP group; --max-running-requests %d "
+                    "lowered to %d", self.memory_plan.request_slots, args.max_running_requests,
+                    self.memory_plan.request_slots * self.groups)
     self.page_size = args.page_size
     self.chunked_prefill_size = args.chunked_prefill_size
     self.deterministic = args.deterministic
@@ -235,10 +249,10 @@ class Engine:
     """Drops every request and starts from empty KV pools (after a failed step)."""
     a = self.args
     self.backend = None  # the old pools go before the new ones are allocated
-    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype, self.mesh)
+    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype, self.mesh, self.groups)
                     if self.hisparse is None else
                     kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, a.host_pool,
-                                          self.mesh))
+                                          self.mesh, self.groups))
     R = self.backend.request_slots
     self.num_slots = R
     self.waiting: collections.deque[Request] = collections.deque()
@@ -388,12 +402,16 @@ class Engine:
     """Admits waiting requests in arrival order; one that does not fit is passed by later ones that do, until
     it has been passed max_admission_skips times (then admission waits for it)."""
     # One growth page per decoding request that will still grow (admission should not force a preemption).
-    reserve = sum(self.backend.will_grow(r.kv, len(r.prompt_ids) + r.max_new_tokens) for r in self._decoding())
+    # (Per DP group: each group's requests grow in its own pools.)
+    reserve = [0] * self.groups
+    for r in self._decoding():
+      reserve[r.kv.group] += self.backend.will_grow(r.kv, len(r.prompt_ids) + r.max_new_tokens)
     i, blocked = 0, []  # requests ahead of waiting[i] that did not fit this step
     while i < len(self.waiting) and self.backend.free_slots:
       req = self.waiting[i]
       prefill = req.prompt_kv is None
-      if not self.backend.can_admit(len(req.prefill_ids), reserve_pages=reserve, prefill=prefill):
+      group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill)
+      if group is None:
         blocked.append(req)
         i += 1
         continue
@@ -402,7 +420,7 @@ class Engine:
       del self.waiting[i]
       for r in blocked:
         r.times_passed += 1
-      req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill)
+      req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill, group=group)
       req.phase, req.prefilled = Phase.PREFILLING, 0
       s = req.kv.slot
       self._temperature[s], self._top_k[s], self._top_p[s], self._seed[s] = (
@@ -443,11 +461,11 @@ class Engine:
     longest = max(n for _, n in rows)
     C = (self.chunked_prefill_size if self.deterministic else
          min(max(MIN_PREFILL_BUCKET, _pow2_at_least(longest)), self.chunked_prefill_size))
-    B = 1 if self.deterministic else _pow2_at_least(len(rows))
+    order, B = self._batch_rows([req for req, _ in rows], 1 if self.deterministic else None)
     tokens = np.zeros((B, C), np.int32)
     positions = np.full((B, C), -1, np.int32)
     kvs, finishing, slots = [None] * B, [False] * B, [0] * B
-    for b, (req, n) in enumerate(rows):
+    for b, (req, n) in zip(order, rows):
       start = req.prefilled
       tokens[b, :n] = req.prefill_ids[start:start + n]
       positions[b, :n] = np.arange(start, start + n)
@@ -459,7 +477,7 @@ class Engine:
         self._sampling(slots), query_block=self._query_block(B, C), first_token=any(finishing), **blocks)
     self.prefill_calls += 1
     out = np.asarray(out)
-    for b, (req, n) in enumerate(rows):
+    for b, (req, n) in zip(order, rows):
       req.prefilled += n
       if finishing[b]:
         self.backend.prefill_finished(req.kv)
@@ -469,7 +487,9 @@ class Engine:
   def _import_kv(self, req: Request, finished: list[Request]) -> None:
     """Writes a request's prompt KV computed elsewhere into its pages (the same views, hence the same
     layout, as a prefill) and emits its given first token."""
-    tables = {k: jnp.asarray(v) for k, v in self.backend.decode_tables([req.kv]).items()}
+    kvs = [None] * self.groups  # one row per DP group: the request's group writes, the others idle
+    kvs[req.kv.group] = req.kv
+    tables = {k: jnp.asarray(v) for k, v in self.backend.decode_tables(kvs).items()}
     latent, index = req.prompt_kv
     self.backend.state = self._import_fn(self.backend.state, tables, jnp.asarray(latent, self.dtype),
                                          jnp.asarray(index, jnp.float32))
@@ -498,15 +518,15 @@ class Engine:
     for req in self._decoding():
       # The token to feed sits at position seq_len - 1: its page must exist.
       while req.phase is Phase.DECODING and not self.backend.ensure(req.kv, req.seq_len):
-        self._preempt(self.running[-1])
+        # The most recently admitted request of its DP group (only that group's pools can free pages for it).
+        self._preempt(next(r for r in reversed(self.running) if r.kv.group == req.kv.group))
     rows = self._decoding()
     if not rows:
       return False
-    R = self.num_slots
-    B = R if self.deterministic else min(_pow2_at_least(len(rows)), R)
+    rows_of, B = self._batch_rows(rows, self.backend.slots_per_group if self.deterministic else None, cap=True)
     order = [None] * B
-    for i, req in enumerate(rows):
-      order[req.kv.slot if self.deterministic else i] = req
+    for b, req in zip(rows_of, rows):
+      order[b] = req
     tokens = np.zeros(B, np.int32)
     positions = np.full(B, -1, np.int32)
     slots = np.zeros(B, np.int32)
@@ -530,6 +550,24 @@ class Engine:
       if req is not None:
         self._emit(req, int(out[b]), finished)
     return True
+
+  def _batch_rows(self, reqs, per_group: int | None, cap: bool = False) -> tuple[list[int], int]:
+    """(row of each request, batch size B) of a batch. Rows are group-major: B / groups rows per DP group,
+    each request in its own group's rows, in order. per_group None: the power of two covering the largest
+    group (with cap, at most the request slots of a group); per_group = the slots of a group (deterministic
+    decode): each request at its own slot's row."""
+    if per_group is not None and per_group == self.backend.slots_per_group:
+      return [r.kv.slot for r in reqs], self.groups * per_group
+    if per_group is None:
+      per_group = _pow2_at_least(max(collections.Counter(r.kv.group for r in reqs).values()))
+      if cap:
+        per_group = min(per_group, self.backend.slots_per_group)
+    seen = collections.Counter()
+    rows = []
+    for r in reqs:
+      rows.append(r.kv.group * per_group + seen[r.kv.group])
+      seen[r.kv.group] += 1
+    return rows, self.groups * per_group
 
   def _preempt(self, req: Request) -> None:
     """Frees req's KV and re-queues it at the front; on re-admission it prefills prompt + output so far and

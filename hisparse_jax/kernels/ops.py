@@ -69,16 +69,24 @@ def cuda_handler_built() -> bool:
   return _ffi_cuda is not None
 
 
-def per_device(fn):
-  """``fn`` (a function of arrays calling one FFI handler) run once per device of the context mesh on
-  replicated operands (``shard_map`` with ``PartitionSpec()`` in and out); ``fn`` itself without a mesh of
-  more than one device. Results are identical on every device, so they are returned replicated."""
+def inside_shard_map() -> bool:
+  """True while tracing the body of a ``shard_map`` (the context mesh has manual axes): arrays are local."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
+def per_device(fn, batch_axis: str | None = None):
+  """``fn`` (a function of arrays calling one FFI handler) run once per device of the context mesh
+  (``shard_map``): on replicated operands (``PartitionSpec()`` in and out; results are identical on every
+  device), or, with batch_axis naming a mesh axis of size > 1, on operands split along their leading
+  (batch) dimension over it. ``fn`` itself without a mesh of more than one device or inside a shard_map."""
 
   def call(*args):
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    if mesh.empty or mesh.size == 1 or inside_shard_map():
       return fn(*args)
-    spec = jax.sharding.PartitionSpec()
+    split = batch_axis is not None and mesh.shape.get(batch_axis, 1) > 1
+    spec = jax.sharding.PartitionSpec(batch_axis) if split else jax.sharding.PartitionSpec()
     return jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
   return call
 
@@ -300,7 +308,12 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   n = x.shape[-1]
   if not 1 <= k <= n:
     raise ValueError(f"top_k: k = {k} outside [1, {n}]")
-  call = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.float32),
-                                         jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.int32)))
-  return per_device(lambda x: jax.lax.platform_dependent(x, cpu=lambda x: tuple(call(x, k=np.int64(k))),
-                                                       default=lambda x: tuple(jax.lax.top_k(x, k))))(x)
+
+  def local(x):  # shapes of this device's rows
+    call = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.float32),
+                                           jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.int32)))
+    return jax.lax.platform_dependent(x, cpu=lambda x: tuple(call(x, k=np.int64(k))),
+                                      default=lambda x: tuple(jax.lax.top_k(x, k)))
+
+  # Rows are independent: under data-parallel attention each group takes the top-k of its own rows.
+  return per_device(local, batch_axis="dp")(x)

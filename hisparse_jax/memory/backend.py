@@ -179,19 +179,26 @@ def request_bytes(layout: KVLayout, hisparse: HiSparseConfig | None, page_size: 
 
 @dataclasses.dataclass
 class RequestKV:
-  """What one request holds: its request slot, its pages per pool (logical page order) and the positions
-  they cover (``capacity`` tokens)."""
+  """What one request holds: its request slot (numbered across groups: group x slots per group + its slot in
+  the group), its DP group, its pages per pool (logical page order; page ids within its group's pools) and the
+  positions they cover (``capacity`` tokens)."""
 
   slot: int
   pages: dict
   capacity: int = 0
+  group: int = 0
 
 
 class KVBackend(abc.ABC):
   """The KV memory of one mode (see the module docstring). Not thread-safe: the engine's thread only.
 
+  With ``groups`` > 1 (data-parallel attention) every group has the pools and request slots of ``plan`` on
+  its own devices: its own free lists, page ids local to its pools. A batch's rows are group-major (rows
+  [g x B/groups, (g + 1) x B/groups) belong to group g), and its tables carry each group's local ids.
+
   Attributes:
-    plan: the pool sizes.
+    plan: the pool sizes of one group.
+    groups: DP groups.
     state: the device arrays (a pytree: ``DenseState`` / ``HiSparseState``), replaced by the engine with
       each jitted call's output.
   """
@@ -201,24 +208,35 @@ class KVBackend(abc.ABC):
   #: pools holding only the prompt, while it prefills
   prompt_pools: tuple[str, ...] = ()
 
-  def __init__(self, plan: MemoryPlan, layout: KVLayout):
+  def __init__(self, plan: MemoryPlan, layout: KVLayout, groups: int = 1):
     self.plan = plan
     self.layout = layout
+    self.groups = groups
     self.page_size = plan.page_size
     self.max_pages = plan.max_pages
-    self._lists = {name: FreeList(pages, f"{name} pages") for name, (_, pages, _) in plan.pools.items()}
-    self._slots = FreeList(plan.request_slots, "request slots")
+    self._group_lists = [{name: FreeList(pages, f"{name} pages") for name, (_, pages, _) in plan.pools.items()}
+                         for _ in range(groups)]
+    self._lists = self._group_lists[0]
+    self._group_slots = [FreeList(plan.request_slots, "request slots") for _ in range(groups)]
     R, P = plan.request_slots, plan.max_pages
-    self._tables = {name: np.full((R, P), -1, np.int32) for name in plan.pools}
+    self._tables = {name: np.full((groups * R, P), -1, np.int32) for name in plan.pools}
 
   # ------------------------------------------------------------------ sizes
   @property
+  def slots_per_group(self) -> int:
+    return self.plan.request_slots
+
+  @property
   def request_slots(self) -> int:
-    return self._slots.capacity
+    return self.groups * self.plan.request_slots
 
   @property
   def free_slots(self) -> int:
-    return self._slots.num_free
+    return sum(s.num_free for s in self._group_slots)
+
+  def local_slot(self, kv: "RequestKV") -> int:
+    """kv's request slot within its group (its hot buffer's index in the group's state shard)."""
+    return kv.slot - kv.group * self.plan.request_slots
 
   def _pages(self, tokens: int) -> int:
     return -(-tokens // self.page_size)
@@ -234,24 +252,32 @@ class KVBackend(abc.ABC):
                 f"{self.page_size} a page); the pool holds {have}")
     return None
 
-  def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True) -> bool:
-    """A slot and pages for the prompt plus its first decoded token are free now, leaving reserve_pages
-    free in each per-token pool (growth room for the running requests); prefill=False: the prompt's KV
-    arrives computed (an import) and needs no prompt-only pages."""
-    if not self._slots.num_free:
+  def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True, group: int = 0) -> bool:
+    """A slot and pages of `group` for the prompt plus its first decoded token are free now, leaving
+    reserve_pages free in each per-token pool (growth room for the running requests); prefill=False: the
+    prompt's KV arrives computed (an import) and needs no prompt-only pages."""
+    lists = self._group_lists[group]
+    if not self._group_slots[group].num_free:
       return False
     for name in self.token_pools:
-      if self._pages(prompt_len + 1) + reserve_pages > self._lists[name].num_free:
+      if self._pages(prompt_len + 1) + reserve_pages > lists[name].num_free:
         return False
-    return not prefill or all(self._pages(prompt_len) <= self._lists[name].num_free for name in self.prompt_pools)
+    return not prefill or all(self._pages(prompt_len) <= lists[name].num_free for name in self.prompt_pools)
+
+  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True) -> int | None:
+    """The group a new request goes to: of those that can admit it now, the one with the most free request
+    slots (then the lowest index); None if none can. reserve_pages: an int, or one per group."""
+    reserve = reserve_pages if isinstance(reserve_pages, (list, tuple)) else [reserve_pages] * self.groups
+    fits = [g for g in range(self.groups) if self.can_admit(prompt_len, reserve[g], prefill, g)]
+    return max(fits, key=lambda g: (self._group_slots[g].num_free, -g)) if fits else None
 
   # --------------------------------------------------------------- lifetime
-  def admit(self, prompt_len: int, prefill: bool = True) -> RequestKV:
-    """A request slot and pages covering prompt_len tokens in every pool (only the per-token pools when
-    prefill is False); OutOfPages, holding nothing, if they are not free."""
-    slot = self._slots.alloc(1)[0]
+  def admit(self, prompt_len: int, prefill: bool = True, group: int = 0) -> RequestKV:
+    """A request slot and pages of `group` covering prompt_len tokens in every pool (only the per-token
+    pools when prefill is False); OutOfPages, holding nothing, if they are not free."""
+    slot = group * self.plan.request_slots + self._group_slots[group].alloc(1)[0]
     pools = self.token_pools + (self.prompt_pools if prefill else ())
-    kv = RequestKV(slot, {name: [] for name in pools})
+    kv = RequestKV(slot, {name: [] for name in pools}, group=group)
     try:
       self._grow(kv, prompt_len, pools)
     except OutOfPages:
@@ -272,13 +298,14 @@ class KVBackend(abc.ABC):
       return False
 
   def _grow(self, kv: RequestKV, tokens: int, pools) -> None:
+    lists = self._group_lists[kv.group]
     need = {name: self._pages(tokens) - len(kv.pages[name]) for name in pools}
     for name, n in need.items():  # check all first: a failure allocates nothing
-      if n > self._lists[name].num_free:
-        raise OutOfPages(f"{name} pages: {n} needed, {self._lists[name].num_free} free")
+      if n > lists[name].num_free:
+        raise OutOfPages(f"{name} pages: {n} needed, {lists[name].num_free} free")
     for name, n in need.items():
       if n > 0:
-        new = self._lists[name].alloc(n)
+        new = lists[name].alloc(n)
         start = len(kv.pages[name])
         kv.pages[name].extend(new)
         self._tables[name][kv.slot, start:start + n] = new
@@ -293,19 +320,20 @@ class KVBackend(abc.ABC):
     """Frees everything the request holds (pages and slot)."""
     for name in list(kv.pages):
       self._free_pool(kv, name)
-    self._slots.free([kv.slot])
+    self._group_slots[kv.group].free([self.local_slot(kv)])
     kv.pages, kv.capacity = {}, 0
 
   def _free_pool(self, kv: RequestKV, name: str) -> None:
     pages = kv.pages.get(name, [])
     if pages:
-      self._lists[name].free(pages)
+      self._group_lists[kv.group][name].free(pages)
       self._tables[name][kv.slot, :] = -1
       kv.pages[name] = []
 
   # ------------------------------------------------------------ batch tables
   def _rows(self, name: str, kvs) -> np.ndarray:
-    """int32[B, P]: the page-table rows of a batch (-1 rows for idle entries None)."""
+    """int32[B, P]: the page-table rows of a batch (-1 rows for idle entries None; page ids local to each
+    request's group)."""
     out = np.full((len(kvs), self.max_pages), -1, np.int32)
     for b, kv in enumerate(kvs):
       if kv is not None:
@@ -323,8 +351,10 @@ class KVBackend(abc.ABC):
 
   # ------------------------------------------------------------------ stats
   def usage(self) -> list[PoolUsage]:
-    """Each pool's pages (total, free) and bytes: a consistent snapshot (call on the engine's thread)."""
-    return [PoolUsage(name, memory, self.page_size, pages, self._lists[name].num_free, per_page)
+    """Each pool's pages (total, free; all groups) and bytes: a consistent snapshot (call on the engine's
+    thread)."""
+    return [PoolUsage(name, memory, self.page_size, self.groups * pages,
+                      sum(lists[name].num_free for lists in self._group_lists), per_page)
             for name, (memory, pages, per_page) in self.plan.pools.items()]
 
   def request_bytes(self, tokens: int) -> dict:
@@ -342,9 +372,9 @@ class DenseBackend(KVBackend):
 
   token_pools = ("kv",)
 
-  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, mesh=None):
-    super().__init__(plan, layout)
-    self.state = DenseState.create(num_layers=layout.num_layers, num_pages=plan.pools["kv"][1],
+  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, mesh=None, groups: int = 1):
+    super().__init__(plan, layout, groups)
+    self.state = DenseState.create(num_layers=layout.num_layers, num_pages=groups * plan.pools["kv"][1],
                                    page_size=plan.page_size, latent_dim=layout.latent_dim,
                                    index_dim=layout.index_dim, dtype=dtype, mesh=mesh)
 
@@ -369,8 +399,8 @@ class HiSparseBackend(KVBackend):
   prompt_pools = ("staging",)
 
   def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, hisparse: HiSparseConfig, host_pool: str = "jax",
-               mesh=None):
-    super().__init__(plan, layout)
+               mesh=None, groups: int = 1):
+    super().__init__(plan, layout, groups)
     if host_pool not in HOST_POOL_KINDS:
       raise MemoryConfigError(f"--host-pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
     self.hisparse = hisparse
@@ -382,34 +412,36 @@ class HiSparseBackend(KVBackend):
         index_dim=layout.index_dim, dtype=dtype, index_pages=plan.pools["index"][1],
         staging_pages=plan.pools["staging"][1], request_slots=plan.request_slots,
         device_buffer_size=hisparse.device_buffer_size, host_pages=plan.pools["host"][1],
-        external_pool=self.external_pool, mesh=mesh)
+        external_pool=self.external_pool, mesh=mesh, groups=groups)
 
   def prefill_tables(self, kvs, finishing) -> dict:
-    scratch = self.request_slots  # the state's scratch hot-buffer slot
-    hot_slot = np.array([kv.slot if (kv is not None and done) else scratch for kv, done in zip(kvs, finishing)],
-                        np.int32)
+    scratch = self.slots_per_group  # the state's scratch hot-buffer slot (in every group)
+    hot_slot = np.array([self.local_slot(kv) if (kv is not None and done) else scratch
+                         for kv, done in zip(kvs, finishing)], np.int32)
     return {"index_pages": self._rows("index", kvs), "staging_pages": self._rows("staging", kvs),
             "host_pages": self._rows("host", kvs), "hot_slot": hot_slot}
 
   def decode_tables(self, kvs) -> dict:
     return {"index_pages": self._rows("index", kvs), "host_pages": self._rows("host", kvs),
-            "req_ids": np.array([-1 if kv is None else kv.slot for kv in kvs], np.int32)}
+            "req_ids": np.array([-1 if kv is None else self.local_slot(kv) for kv in kvs], np.int32)}
 
   def usage(self) -> list[PoolUsage]:
     hot = self.layout.hot_buffer_bytes(self.hisparse.device_buffer_size)
     return super().usage() + [PoolUsage("hot", "device", 1, self.request_slots, self.free_slots, hot)]
 
   def swap_stats(self, kv: RequestKV):
-    per_layer = np.asarray(self.state.stats[:, kv.slot])  # [L, 2]
+    # Each group's state shard holds slots_per_group + 1 hot buffers (the last a scratch one).
+    per_layer = np.asarray(self.state.stats[:, kv.group * (self.slots_per_group + 1) + self.local_slot(kv)])
     return tuple(per_layer[:, 0].tolist()), tuple(per_layer[:, 1].tolist())
 
 
 def create_backend(layout: KVLayout, dtype, *, budget: int, max_running_requests: int, max_seq_len: int,
-                   page_size: int, hisparse: HiSparseConfig | None, host_pool: str = "jax", mesh=None) -> KVBackend:
+                   page_size: int, hisparse: HiSparseConfig | None, host_pool: str = "jax", mesh=None,
+                   groups: int = 1) -> KVBackend:
   """The backend of a mode, its pools sized by ``plan`` (MemoryConfigError names the flag at fault); its
-  arrays on the first device, or replicated over ``mesh``."""
+  arrays on the first device, or on ``mesh`` (``groups`` DP groups, each replicated over its tp devices)."""
   p = plan(layout, budget=budget, max_running_requests=max_running_requests, max_seq_len=max_seq_len,
            page_size=page_size, hisparse=hisparse)
   if hisparse is None:
-    return DenseBackend(p, layout, dtype, mesh)
-  return HiSparseBackend(p, layout, dtype, hisparse, host_pool, mesh)
+    return DenseBackend(p, layout, dtype, mesh, groups)
+  return HiSparseBackend(p, layout, dtype, hisparse, host_pool, mesh, groups)

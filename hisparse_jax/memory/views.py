@@ -34,7 +34,10 @@ from hisparse_jax.kernels import ops
 
 
 def _pytree(data, meta=()):
-  return functools.partial(jax.tree_util.register_dataclass, data_fields=list(data), meta_fields=list(meta))
+  def register(cls):
+    cls.data_fields = tuple(data)
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+  return register
 
 
 def _page_ids(pages, positions, page_size, missing):
@@ -71,12 +74,73 @@ def gather_rows(pool, layer, pages, top_k, page_size):
   return jnp.where((top_k >= 0)[..., None], rows, jnp.zeros((), rows.dtype))
 
 
+DP_AXIS = "dp"
+_P = jax.sharding.PartitionSpec
+POOL_SPEC = _P(None, DP_AXIS)  # every state array: [L, groups x per-group size, ...]
+BATCH_SPEC = _P(DP_AXIS)       # batch arrays (tables, positions, rows): [groups x rows per group, ...]
+
+
 def _placement(mesh, memory_kind=None):
-  """Where a KV state's arrays live: replicated over ``mesh`` (each device its own copy: MLA's latent row is
-  shared by all heads, so tensor parallelism does not split it), or the first device when mesh is None."""
+  """Where a KV state's arrays live: on ``mesh``, dimension 1 (pages, request slots, host rows) split over
+  the dp axis, one block per DP group, and each group's block replicated over its tp devices (MLA's latent
+  row is shared by all heads, so tensor parallelism does not split it); the first device when mesh is None."""
   if mesh is None:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind)
+  return jax.sharding.NamedSharding(mesh, POOL_SPEC, memory_kind=memory_kind)
+
+
+def _dp_groups() -> int:
+  """DP groups of the context mesh (1: none, or already inside a shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or DP_AXIS not in mesh.axis_names or ops.inside_shard_map():
+    return 1
+  return mesh.shape[DP_AXIS]
+
+
+def _specs(tree):
+  """PartitionSpecs of a method's arguments or results: a view / state gets POOL_SPEC for its pools and
+  BATCH_SPEC for its ``batch_fields``; other arrays BATCH_SPEC (scalars replicated)."""
+  if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+    batch = getattr(tree, "batch_fields", ())
+    return dataclasses.replace(tree, **{
+        f.name: (None if getattr(tree, f.name) is None else BATCH_SPEC if f.name in batch else POOL_SPEC)
+        for f in dataclasses.fields(tree) if f.name in _data_fields(type(tree))})
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(_specs(t) for t in tree)
+  if isinstance(tree, dict):
+    return {k: _specs(v) for k, v in tree.items()}
+  return BATCH_SPEC if len(getattr(tree, "shape", ())) else _P()
+
+
+def _data_fields(cls) -> tuple[str, ...]:
+  return cls.data_fields
+
+
+def per_group(*, replicated=()):
+  """Decorator of a view / state method: with a dp axis of size > 1 in the context mesh, the method runs once
+  per DP group under ``shard_map`` on the group's local arrays (pools, tables and batch rows of the group,
+  page ids and request slots local to it), and the FFI calls inside it run on each device's shard. Array
+  arguments are batch-leading unless their position is in ``replicated`` (given whole to every group);
+  Python scalars are static. Without DP groups the method runs as is."""
+
+  def deco(method):
+    @functools.wraps(method)
+    def wrapped(self, *args):
+      if _dp_groups() == 1:
+        return method(self, *args)
+      is_array = [not isinstance(a, (int, type(None))) for a in args]
+      arrays = [a for a, keep in zip(args, is_array) if keep]
+
+      def local(obj, *arrs):
+        it = iter(arrs)
+        return method(obj, *(next(it) if keep else a for a, keep in zip(args, is_array)))
+
+      in_specs = (_specs(self), *(_P() if i in replicated else _specs(a)
+                                  for i, (a, keep) in enumerate(zip(args, is_array)) if keep))
+      out_specs = _specs(jax.eval_shape(local, self, *arrays))
+      return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=False)(self, *arrays)
+    return wrapped
+  return deco
 
 
 def _absorb(state, view):
@@ -92,19 +156,24 @@ class DenseView:
   """Dense paged KV of one batch (prefill or decode). latent T[L, N, page, W], index f32[L, N, page, Di]
   share page ids; pages int32[B, P] is the batch's page table."""
 
+  batch_fields = ("pages",)
+
   latent: jax.Array
   index: jax.Array
   pages: jax.Array
   page_size: int
 
+  @per_group()
   def append(self, layer, positions, latent, index_key):
     return dataclasses.replace(
         self, latent=write_rows(self.latent, layer, self.pages, positions, latent, self.page_size),
         index=write_rows(self.index, layer, self.pages, positions, index_key, self.page_size))
 
+  @per_group()
   def index_keys(self, layer, start, size):
     return read_block(self.index, layer, self.pages, start, size, self.page_size)
 
+  @per_group()
   def gather(self, layer, positions, top_k):
     del positions
     return gather_rows(self.latent, layer, self.pages, top_k, self.page_size), self
@@ -140,6 +209,7 @@ class DenseState:
     del tables
     return self
 
+  @per_group(replicated=(1, 2))
   def import_prompt(self, tables, latent, index) -> "DenseState":
     """Writes one request's prompt KV computed elsewhere: latent T[L, P, W], index f32[L, P, Di] at
     positions 0..P-1 through its page-table row (tables: a one-row decode batch)."""
@@ -160,6 +230,8 @@ class HiSparsePrefillView:
   """A HiSparse prefill batch: indexer keys to their device pages, latent rows to staging pages (attention
   gathers from there) and, layer by layer, to the host pool (backup kernel)."""
 
+  batch_fields = ("index_pages", "staging_pages", "host_pages")
+
   index: jax.Array
   index_pages: jax.Array
   staging: jax.Array
@@ -169,6 +241,7 @@ class HiSparsePrefillView:
   page_size: int
   external: ops.ExternalPoolRef | None
 
+  @per_group()
   def append(self, layer, positions, latent, index_key):
     B, Q, W = latent.shape
     dst = host_rows(self.host_pages, positions, self.page_size).reshape(B * Q)
@@ -179,9 +252,11 @@ class HiSparsePrefillView:
         staging=write_rows(self.staging, layer, self.staging_pages, positions, latent, self.page_size),
         index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
 
+  @per_group()
   def index_keys(self, layer, start, size):
     return read_block(self.index, layer, self.index_pages, start, size, self.page_size)
 
+  @per_group()
   def gather(self, layer, positions, top_k):
     del positions
     return gather_rows(self.staging, layer, self.staging_pages, top_k, self.page_size), self
@@ -194,6 +269,8 @@ class HiSparseDecodeView:
   """A HiSparse decode batch (one token per row): the newest latent row goes to the host pool (backup
   kernel) and, placed by the swap-in kernel in ``gather``, to the request's hot buffer (its own slot while
   the request is no longer than D, else the reserved slot D); ``gather`` is the swap-in kernel."""
+
+  batch_fields = ("index_pages", "req_ids", "newest", "host_pages")
 
   index: jax.Array
   index_pages: jax.Array
@@ -208,6 +285,7 @@ class HiSparseDecodeView:
   page_size: int
   external: ops.ExternalPoolRef | None
 
+  @per_group()
   def append(self, layer, positions, latent, index_key):
     # Backup first (write before the swap-in reads the pool: no hidden pool copy). The hot buffer's copy of
     # the row is written by the swap-in kernel in gather(): an XLA write of the hot buffer here, feeding the
@@ -219,9 +297,11 @@ class HiSparseDecodeView:
         self, newest=newest, host_pool=host_pool,
         index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
 
+  @per_group()
   def index_keys(self, layer, start, size):
     return read_block(self.index, layer, self.index_pages, start, size, self.page_size)
 
+  @per_group()
   def gather(self, layer, positions, top_k):
     if top_k.shape[1] != 1:
       raise ValueError(f"HiSparse decode takes one query per row, got {top_k.shape[1]}")
@@ -269,14 +349,16 @@ class HiSparseState:
   @classmethod
   def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
              request_slots, device_buffer_size, host_pages,
-             external_pool: ops.ExtensionHostPool | None = None, mesh=None) -> "HiSparseState":
+             external_pool: ops.ExtensionHostPool | None = None, mesh=None, groups: int = 1) -> "HiSparseState":
     """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
-    replicated over ``mesh`` (each device its own hot buffers and host pool; not with external_pool)."""
+    on ``mesh`` (``_placement``; not with external_pool). groups: DP groups, each with the sizes given (the
+    arrays hold groups x index_pages pages, groups x (request_slots + 1) hot buffers, ...)."""
     if mesh is not None and external_pool is not None:
       raise ValueError("an extension-owned host pool serves one device; a mesh needs the pinned_host pool")
-    L, R, D = num_layers, request_slots + 1, device_buffer_size  # + the scratch slot
-    H = host_pages * page_size
+    L, R, D = num_layers, groups * (request_slots + 1), device_buffer_size  # + each group's scratch slot
+    H = groups * host_pages * page_size
+    index_pages, staging_pages = groups * index_pages, groups * staging_pages
     if external_pool is not None:
       if external_pool.shape != (L, H, latent_dim) or external_pool.dtype != jnp.dtype(dtype):
         raise ValueError(f"external pool {external_pool.shape} {external_pool.dtype} does not match "
@@ -317,6 +399,7 @@ class HiSparseState:
   def absorb(self, view) -> "HiSparseState":
     return _absorb(self, view)
 
+  @per_group(replicated=(1, 2))
   def import_prompt(self, tables, latent, index) -> "HiSparseState":
     """Writes one request's prompt KV computed elsewhere (latent T[L, P, W], index f32[L, P, Di], positions
     0..P-1; tables: a one-row decode batch): indexer keys to its device pages, latent rows to its host rows
@@ -339,6 +422,7 @@ class HiSparseState:
         slot_tokens=self.slot_tokens.at[:, slot].set(slots), lru=self.lru.at[:, slot].set(slots),
         stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)))
 
+  @per_group()
   def finish_prefill(self, tables) -> "HiSparseState":
     """Hot buffers of the rows whose prompt ended in this call (tables["hot_slot"][b] = its request slot;
     the scratch slot R for the others): slots 0..D take positions 0..D from staging (slot s holds token s, as

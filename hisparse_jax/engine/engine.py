@@ -18,14 +18,14 @@ A request's life:
      that needs a new page grows by one; if memory ran out, the most recently admitted request (of its
      DP group) is preempted (its pages freed, re-queued at the front, recomputed on re-admission: vLLM's
      policy).
+  5. A request finishes on an EOS id, a stop token or string, or max_new_tokens; its slot and pages go
+     back to the free lists. Later calls that reuse them are ordered after every earlier call by the
+     data dependencies of the donated KV state.
 
 With data-parallel attention (--dp-size G > 1) each DP group has its own request slots and pools on its own
 devices (memory/backend.py); a new request goes to the group with the most free slots that can take it, and
 every batch is group-major: B / G rows per group, each group's bucket the power of two covering its largest
 share (engine ``_batch_rows``).
-  5. A request finishes on an EOS id, a stop token or string, or max_new_tokens; its slot and pages go
-     back to the free lists. Later calls that reuse them are ordered after every earlier call by the
-     data dependencies of the donated KV state.
 
 ``deterministic=True`` runs every decode step at the full max_running_requests batch with each request
 in its own slot's row, and prefills one request per call in chunks at fixed offsets, so a request's

@@ -20,6 +20,11 @@ don't-care values that the model masks (positions beyond a row's newest token).
 
 Losslessness: ``gather`` of every view returns the stored rows bit for bit (zeros at top-k padding), so
 dense and HiSparse attention see identical data.
+
+On a device mesh with DP groups (``--dp-size`` > 1) every state array is split over the dp axis on its second
+dimension (pages, request slots, host rows: one block per group), the batch's rows are group-major, and the
+methods marked ``per_group`` run once per group under ``shard_map`` on its local arrays; page tables and request
+slots hold ids local to the group (memory/backend.py).
 """
 
 from __future__ import annotations
@@ -104,16 +109,12 @@ def _specs(tree):
     batch = getattr(tree, "batch_fields", ())
     return dataclasses.replace(tree, **{
         f.name: (None if getattr(tree, f.name) is None else BATCH_SPEC if f.name in batch else POOL_SPEC)
-        for f in dataclasses.fields(tree) if f.name in _data_fields(type(tree))})
+        for f in dataclasses.fields(tree) if f.name in type(tree).data_fields})
   if isinstance(tree, (tuple, list)):
     return type(tree)(_specs(t) for t in tree)
   if isinstance(tree, dict):
     return {k: _specs(v) for k, v in tree.items()}
   return BATCH_SPEC if len(getattr(tree, "shape", ())) else _P()
-
-
-def _data_fields(cls) -> tuple[str, ...]:
-  return cls.data_fields
 
 
 def per_group(*, replicated=()):
@@ -191,7 +192,7 @@ class DenseState:
 
   @classmethod
   def create(cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype, mesh=None) -> "DenseState":
-    """Zeroed pools on the first device, or replicated over ``mesh`` (every device holds the KV)."""
+    """Zeroed pools on the first device, or on ``mesh`` (``_placement``: num_pages split over the DP groups)."""
     z = jax.jit(lambda: (jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype),
                          jnp.zeros((num_layers, num_pages, page_size, index_dim), jnp.float32)),
                 out_shardings=_placement(mesh))

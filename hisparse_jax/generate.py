@@ -121,16 +121,21 @@ def main(argv):
       raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
     if FLAGS.output and os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.output, FLAGS.prompts):
       raise StartupError(f"--output {FLAGS.output!r} is the --prompts file; writing it would destroy the prompts")
-    try:  # Fail now, not after decoding everything.
-      dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
-    except OSError as e:
-      raise StartupError(f"--output {FLAGS.output!r}: {e}") from None
+    if FLAGS.output:  # fail now, not after loading the model; an existing file is truncated only once it starts
+      where = os.path.dirname(os.path.abspath(FLAGS.output))
+      if os.path.isdir(FLAGS.output) or not os.access(FLAGS.output if os.path.exists(FLAGS.output) else where,
+                                                       os.W_OK):
+        raise StartupError(f"--output {FLAGS.output!r}: not a writable file")
     dump = FLAGS["dump-topk"].value
     if dump is not None:
       _check_dump_path(dump)
     tokenizer = load_tokenizer_or_fail(model_dir)
     from hisparse_jax.engine import Engine
     engine = Engine(args, tokenizer=tokenizer, record_topk=dump is not None)
+    try:
+      dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
+    except OSError as e:
+      raise StartupError(f"--output {FLAGS.output!r}: {e}") from None
   except StartupError as e:
     sys.exit(f"error: {e}")
   hisparse = engine.hisparse

@@ -43,7 +43,7 @@ from models.config import DSAConfig
 GIB = 1 << 30
 # SGLang's published HiSparse setting (the defaults of --hisparse-config here).
 SGLANG_HISPARSE = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
-WEIGHT_DTYPES = ("bfloat16", "float32", "fp8")
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8")
 FP8_BLOCK = 128
 
 
@@ -59,8 +59,7 @@ def is_fp8_matrix(path: str, ndim: int) -> bool:
 
 def weight_itemsize(weight_dtype: str, compute_dtype: str):
   """(path, shape, dtype) -> bytes of one whole parameter stored in weight_dtype (for ``bytes_per_device``)."""
-  base = np.dtype("float32" if weight_dtype == "float32" else "bfloat16" if weight_dtype == "bfloat16"
-                  else compute_dtype).itemsize
+  base = np.dtype(compute_dtype if weight_dtype == "fp8" else weight_dtype).itemsize
 
   def nbytes(path, shape, dtype):
     if weight_dtype == "fp8" and is_fp8_matrix(path, len(shape)):
@@ -117,12 +116,14 @@ class CapacityPlan:
   weight_bytes_per_device: int
   kv_budget_per_device: int
   host_bytes_per_device: int
+  hisparse_staging_bytes: int
   dense: ModePlan
   hisparse: ModePlan
 
   @property
-  def capacity_ratio(self) -> float:
-    return self.hisparse.requests / self.dense.requests if self.dense.requests else math.inf
+  def capacity_ratio(self) -> float | None:
+    """HiSparse requests / dense requests; None when dense admits none."""
+    return self.hisparse.requests / self.dense.requests if self.dense.requests else None
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -166,19 +167,20 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
     why = min(limits, key=limits.get)
     return limits[why], why, pool
 
+  # admitted(R) <= R is the smaller of what grows with R (hot buffers, host pool) and what shrinks (index pages
+  # left beside R hot buffers): the best R is where all R requests still fit, or one more. Binary search for it.
   index_bytes = pages_needed * page_size * layout.index_bytes
-  hi = min(budget // layout.hot_buffer_bytes(hs.device_buffer_size), budget // max(index_bytes, 1)) + 1
-  best_n, best_R, pool, why = 0, 0, 0, admitted(1)[1]
-  for R in range(1, hi + 1):
-    n, reason, p_bytes = admitted(R)
-    if n > best_n:
-      best_n, best_R, pool = n, R, p_bytes
-    elif n < best_n or reason == "host memory" and n == 0:
-      why = reason if n == 0 else why
-      break
-  if best_n:
-    n1, why1, _ = admitted(best_R + 1)
-    why = why1 if n1 <= best_n else why
+  lo, hi = 0, min(budget // layout.hot_buffer_bytes(hs.device_buffer_size), budget // max(index_bytes, 1)) + 1
+  while lo < hi:  # the largest R in [0, hi] with admitted(R) >= R
+    mid = (lo + hi + 1) // 2
+    if admitted(mid)[0] >= mid:
+      lo = mid
+    else:
+      hi = mid - 1
+  candidates = [(admitted(R)[0], R) for R in (lo, lo + 1) if R >= 1]
+  best_n, best_R = max(candidates, key=lambda c: (c[0], -c[1])) if candidates else (0, 0)
+  pool = admitted(best_R)[2] if best_n else 0
+  why = admitted(best_R + 1)[1] if best_n else admitted(1)[1]
   return ModePlan("hisparse", per_request["device"], per_request["host"], best_n, best_n * dp, why, best_R,
                   ratio, pool)
 
@@ -206,16 +208,18 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
     # fraction has SGLang's meaning (of the whole device).
     budget = int(DEFAULT_MEM_FRACTION * (device_memory - per_device))
     if budget <= 0:
+      hint = "more devices" if weight_dtype == "fp8" else "--weight-dtype fp8 or more devices"
       raise StartupError(f"the weights take {per_device / GIB:.1f} GiB per device, more than --device-memory "
-                         f"{device_memory / GIB:.1f} GiB (try --weight-dtype fp8 or more devices)")
+                         f"{device_memory / GIB:.1f} GiB (try {hint})")
   else:
     budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
   layout = kvmem.KVLayout.of(model_cfg, model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
   host_per_device = int(MAX_HOST_MEMORY_FRACTION * host_memory) // mesh.num_devices
   dense = _dense_plan(layout, budget, context, page_size, mesh.dp_size)
   hs = _hisparse_plan(layout, budget, host_per_device, context, page_size, mesh.dp_size, hisparse)
+  staging = -(-context // page_size) * page_size * layout.latent_bytes  # plan()'s "staging" pool
   return CapacityPlan(model_cfg.model_type, mesh, weight_dtype, context, total, per_device, budget,
-                      host_per_device, dense, hs)
+                      host_per_device, staging, dense, hs)
 
 
 def format_plan(p: CapacityPlan) -> str:
@@ -223,11 +227,13 @@ def format_plan(p: CapacityPlan) -> str:
   g = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
   m = p.mesh
   lines = [
-      f"model {p.model_type}: {p.weight_bytes / 1e9:,.1f} GB of weights ({p.weight_dtype})",
+      f"model {p.model_type}: {g(p.weight_bytes)} of weights ({p.weight_dtype}; {p.weight_bytes / 1e9:,.1f} GB)",
       f"mesh dp {m.dp_size} x tp {m.tp_size} = {m.num_devices} devices, experts over ep {m.ep_size}",
       f"weights per device      {g(p.weight_bytes_per_device)}",
       f"KV budget per device    {g(p.kv_budget_per_device)}",
-      f"host memory per device  {g(p.host_bytes_per_device)}",
+      f"host memory per device  {g(p.host_bytes_per_device)}  ({MAX_HOST_MEMORY_FRACTION:.0%} of host memory / devices)",
+      f"HiSparse staging        {g(p.hisparse_staging_bytes)}  (device pages for one prompt of the context while it "
+      "prefills, taken from the KV budget first)",
       f"context                 {p.context:,} tokens",
       "",
       f"{'mode':<10}{'KV/request device':>20}{'KV/request host':>18}{'requests/group':>16}{'requests':>10}"
@@ -237,7 +243,8 @@ def format_plan(p: CapacityPlan) -> str:
     lines.append(f"{mp.mode:<10}{g(mp.request_device_bytes):>20}{g(mp.request_host_bytes):>18}"
                  f"{mp.requests_per_group:>16,}{mp.requests:>10,}  {mp.limited_by}")
   hs = p.hisparse
-  lines += ["", f"HiSparse / dense requests: {p.capacity_ratio:.2f}x",
+  ratio = "n/a (dense admits none)" if p.capacity_ratio is None else f"{p.capacity_ratio:.2f}x"
+  lines += ["", f"HiSparse / dense requests: {ratio}",
             f"HiSparse settings: --max-running-requests {hs.max_running_requests} (per dp group), "
             f"host_to_device_ratio {hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)"]
   return "\n".join(lines)
@@ -253,6 +260,13 @@ def main(argv) -> None:
   except (OSError, ValueError, KeyError, TypeError) as e:
     sys.exit(f"--model-config {F("model-config")!r}: {e}")
   devices = F("devices")
+  if devices < 1:
+    sys.exit(f"--devices must be >= 1, got {devices}")
+  if F("page-size") < 1:
+    sys.exit(f"--page-size must be >= 1, got {F('page-size')}")
+  frac = F("mem-fraction-static")
+  if frac is not None and not 0 < frac <= 1:
+    sys.exit(f"--mem-fraction-static must be in (0, 1], got {frac}")
   dp, tp = F("dp-size"), F("tp-size")
   if dp is None and tp is None:
     dp, tp = devices, 1  # DP attention over every device (SGLang's recommended HiSparse deployment)
@@ -268,8 +282,8 @@ def main(argv) -> None:
   except ConfigError as e:
     sys.exit(f"--hisparse-config: {e}")
   for flag, v in (("--device-memory", F("device-memory")), ("--host-memory", F("host-memory")), ("--context", F("context"))):
-    if not v > 0:
-      sys.exit(f"{flag} must be > 0, got {v}")
+    if not 0 < v < math.inf:
+      sys.exit(f"{flag} must be a finite number > 0, got {v}")
   try:
     if mesh.num_devices != devices:
       raise MeshError(f"--dp-size {dp} x --tp-size {tp} must equal --devices {devices}")
@@ -285,8 +299,9 @@ def define_flags() -> None:
   from absl import flags
   flags.DEFINE_string("model-config", None, "An HF config.json of a DeepSeek-V3.2 / GLM-5 model.", required=True)
   flags.DEFINE_integer("devices", 8, "Devices in the deployment (dp x tp).")
-  flags.DEFINE_float("device-memory", 141.0, "Memory of one device, GiB.")
-  flags.DEFINE_float("host-memory", 2048.0, "Host memory of the whole deployment, GiB.")
+  flags.DEFINE_float("device-memory", 141.0, "Memory of one device, GiB (default: an H200's 141).")
+  flags.DEFINE_float("host-memory", 2048.0, "Host memory of the whole deployment, GiB (the host pools may use "
+                     f"{MAX_HOST_MEMORY_FRACTION:.0%} of it).")
   flags.DEFINE_integer("context", 32768, "Tokens per request (prompt + output).")
   flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON (default SGLang's: top_k 2048, "
                       "device_buffer_size 4096, host_to_device_ratio 8).")

@@ -78,7 +78,9 @@ def test_batch_script_on_a_mesh(tmp_path):
 
 
 def test_bad_mesh_on_the_cli_exits_1_without_traceback(tmp_path):
-  r, _ = _generate(tmp_path, "--tp-size=3", devices=3)
+  (tmp_path / "out1-3.jsonl").write_text("earlier results\n")
+  r, out = _generate(tmp_path, "--tp-size=3", devices=3)
+  assert out.name == "out1-3.jsonl" and out.read_text() == "earlier results\n"  # a start-up error loses nothing
   assert r.returncode == 1, (r.stdout, r.stderr)
   assert "--tp-size 3 does not divide the model's 2 attention heads" in r.stderr
   assert "Traceback" not in r.stderr

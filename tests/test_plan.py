@@ -176,13 +176,37 @@ def test_cli_json_and_text():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--tp-size=3"], "--tp-size 3"),
+    (["--tp-size=3"], "--tp-size 3 does not divide --devices 8"),
     (["--ep-size=5"], "--ep-size 5"),
     (["--weight-dtype=bfloat16"], "more than --device-memory"),
-    (["--context=0"], "--context must be > 0"),
+    (["--context=0"], "--context must be a finite number > 0"),
+    (["--device-memory=inf"], "--device-memory must be a finite number > 0"),
+    (["--page-size=0"], "--page-size must be >= 1"),
+    (["--mem-fraction-static=1.5"], "--mem-fraction-static must be in (0, 1]"),
+    (["--devices=0"], "--devices must be >= 1"),
     (["--hisparse-config={\"top_k\": 7}"], "--hisparse-config"),
 ])
 def test_cli_errors_exit_1_without_traceback(args, message):
   r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", *args)
   assert r.returncode == 1
   assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_planner_answers_huge_memories_quickly(dsv32):
+  """The HiSparse search is a binary search (a linear one never finished at a petabyte): it answers for a
+  petabyte-scale device, and on a real budget its answer is the best a linear scan finds."""
+  c, params = dsv32
+  hs = HiSparseConfig(**P.SGLANG_HISPARSE)
+  p = P.capacity(c, MeshConfig(8, 1, 8), device_memory=10**15, host_memory=10**15, context=32768, hisparse=hs,
+                 weight_dtype="fp8", params=params)
+  assert p.hisparse.requests_per_group > 1000
+  small = P.capacity(c, MeshConfig(8, 1, 8), device_memory=141 * GIB, host_memory=2048 * GIB, context=8192,
+                     hisparse=hs, weight_dtype="fp8", params=params)
+  layout = __import__("hisparse_jax.memory.backend", fromlist=["x"]).KVLayout.of(c, "bfloat16")
+  best = 0
+  for R in range(1, 200):
+    pl = __import__("hisparse_jax.memory.backend", fromlist=["x"]).plan(
+        layout, budget=small.kv_budget_per_device, max_running_requests=R, max_seq_len=8192, page_size=64,
+        hisparse=HiSparseConfig(2048, 4096, small.hisparse.host_to_device_ratio))
+    best = max(best, min(pl.request_slots, pl.pools["index"][1] // 128, pl.pools["host"][1] // 128))
+  assert small.hisparse.requests_per_group == best

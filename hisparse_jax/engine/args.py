@@ -194,14 +194,15 @@ class EngineArgs:
       raise StartupError(str(e)) from None
     if self.max_running_requests % mesh.dp_size:
       raise StartupError(f"--max-running-requests {self.max_running_requests} is not divisible by --dp-size "
-                         f"{mesh.dp_size} (each DP group runs an equal share)")
+                         f"{mesh.dp_size} (each DP group runs an equal share; set --max-running-requests to a "
+                         "multiple of it)")
     if self.weight_dtype not in WEIGHT_DTYPES:
-      raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected one of {', '.join(map(str, WEIGHT_DTYPES))}")
+      raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected fp8 (or no flag: dequantize at load)")
     if self.weight_dtype == "fp8" and mesh.num_devices > 1:
       raise StartupError("--weight-dtype fp8 runs on one device for now; drop --dp-size / --tp-size")
     if mesh.num_devices > 1 and self.host_pool != HOST_POOL_KINDS[0]:
-      raise StartupError(f"--host-pool {self.host_pool} serves one device; with --tp-size {mesh.tp_size} use "
-                         f"--host-pool {HOST_POOL_KINDS[0]}")
+      raise StartupError(f"--host-pool {self.host_pool} serves one device; on a mesh (--dp-size {mesh.dp_size} x "
+                         f"--tp-size {mesh.tp_size}) use --host-pool {HOST_POOL_KINDS[0]}")
 
   def mesh_config(self) -> MeshConfig:
     return MeshConfig(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size)

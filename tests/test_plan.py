@@ -7,10 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from hisparse_jax import plan as P
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device, logical_axes
 from models.config import DSAConfig
 
@@ -53,12 +55,12 @@ def test_parameter_count_matches_the_config(dsv32):
   c, params = dsv32
   counts = _hand_counts(c)
   total = sum(counts.values())
-  assert total == sum(math.prod(x.shape) for x in __import__("jax").tree.leaves(params))
+  assert total == sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   assert 671e9 < total < 672e9  # DeepSeek-V3.2: 671 B without the MTP layer
   glm = _cfg("glm5_config.json")
   glm_total = sum(_hand_counts(glm).values())
   assert 743e9 < glm_total < 745e9  # GLM-5: 744 B
-  assert glm_total == sum(math.prod(x.shape) for x in __import__("jax").tree.leaves(P.abstract_params(glm)))
+  assert glm_total == sum(math.prod(x.shape) for x in jax.tree.leaves(P.abstract_params(glm)))
 
 
 @pytest.mark.parametrize("dp,tp,ep", [(1, 1, 1), (8, 1, 8), (2, 4, 8), (1, 8, 8), (1, 8, 1)])
@@ -135,7 +137,7 @@ def test_rule_table_replicates_the_indexer_and_latent_projections():
   for path in ("layers/0/self_attn/indexer/wq_b/kernel", "layers/0/self_attn/indexer/wk/kernel",
                "layers/0/self_attn/kv_a_proj_with_mqa/kernel", "layers/0/self_attn/q_a_proj/kernel",
                "layers/5/mlp/gate_kernel"):
-    assert MeshConfig(1, 8, 8).spec(path, 2) == __import__("jax").sharding.PartitionSpec(None, None)
+    assert MeshConfig(1, 8, 8).spec(path, 2) == jax.sharding.PartitionSpec(None, None)
   assert logical_axes("layers/4/mlp/gate_proj", 3) == ("expert", "embed", "moe_mlp")
   assert tuple(MeshConfig(2, 4, 8).spec("layers/4/mlp/down_proj", 3)) == (("dp", "tp"), None, None)
   assert tuple(MeshConfig(1, 8, 1).spec("layers/4/mlp/down_proj", 3)) == (None, "tp", None)
@@ -202,10 +204,10 @@ def test_planner_answers_huge_memories_quickly(dsv32):
   assert p.hisparse.requests_per_group > 1000
   small = P.capacity(c, MeshConfig(8, 1, 8), device_memory=141 * GIB, host_memory=2048 * GIB, context=8192,
                      hisparse=hs, weight_dtype="fp8", params=params)
-  layout = __import__("hisparse_jax.memory.backend", fromlist=["x"]).KVLayout.of(c, "bfloat16")
+  layout = kvmem.KVLayout.of(c, "bfloat16")
   best = 0
   for R in range(1, 200):
-    pl = __import__("hisparse_jax.memory.backend", fromlist=["x"]).plan(
+    pl = kvmem.plan(
         layout, budget=small.kv_budget_per_device, max_running_requests=R, max_seq_len=8192, page_size=64,
         hisparse=HiSparseConfig(2048, 4096, small.hisparse.host_to_device_ratio))
     best = max(best, min(pl.request_slots, pl.pools["index"][1] // 128, pl.pools["host"][1] // 128))

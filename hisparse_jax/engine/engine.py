@@ -523,7 +523,7 @@ class Engine:
     rows = self._decoding()
     if not rows:
       return False
-    rows_of, B = self._batch_rows(rows, self.backend.slots_per_group if self.deterministic else None, cap=True)
+    rows_of, B = self._batch_rows(rows, cap=True, by_slot=self.deterministic)
     order = [None] * B
     for b, req in zip(rows_of, rows):
       order[b] = req
@@ -551,13 +551,14 @@ class Engine:
         self._emit(req, int(out[b]), finished)
     return True
 
-  def _batch_rows(self, reqs, per_group: int | None, cap: bool = False) -> tuple[list[int], int]:
+  def _batch_rows(self, reqs, per_group: int | None = None, cap: bool = False,
+                  by_slot: bool = False) -> tuple[list[int], int]:
     """(row of each request, batch size B) of a batch. Rows are group-major: B / groups rows per DP group,
     each request in its own group's rows, in order. per_group None: the power of two covering the largest
-    group (with cap, at most the request slots of a group); per_group = the slots of a group (deterministic
-    decode): each request at its own slot's row."""
-    if per_group is not None and per_group == self.backend.slots_per_group:
-      return [r.kv.slot for r in reqs], self.groups * per_group
+    group (with cap, at most the request slots of a group). by_slot (deterministic decode): every slot has
+    a row and each request sits at its own slot's (slots are numbered group-major)."""
+    if by_slot:
+      return [r.kv.slot for r in reqs], self.backend.request_slots
     if per_group is None:
       per_group = _pow2_at_least(max(collections.Counter(r.kv.group for r in reqs).values()))
       if cap:

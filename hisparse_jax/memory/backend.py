@@ -216,7 +216,6 @@ class KVBackend(abc.ABC):
     self.max_pages = plan.max_pages
     self._group_lists = [{name: FreeList(pages, f"{name} pages") for name, (_, pages, _) in plan.pools.items()}
                          for _ in range(groups)]
-    self._lists = self._group_lists[0]
     self._group_slots = [FreeList(plan.request_slots, "request slots") for _ in range(groups)]
     R, P = plan.request_slots, plan.max_pages
     self._tables = {name: np.full((groups * R, P), -1, np.int32) for name in plan.pools}

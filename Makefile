@@ -34,12 +34,14 @@ oracle: $(ORACLE_VENV)/.installed
 demo: $(VENV)/.installed
 	@bash scripts/demo.sh
 
+# Two workers, one test module each at a time (module fixtures run once; tests/conftest.py puts the longest first).
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed $(ORACLE_VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # Everything but the transformers oracle comparison.
 test-fast: $(VENV)/.installed
-	env -u CI HISPARSE_ORACLE_PYTHON=/nonexistent $(PY) -m pytest -q tests
+	env -u CI HISPARSE_ORACLE_PYTHON=/nonexistent $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # Every benchmark of BENCHMARKS.md, results in benchmarks/results/ (about 30 minutes on 2 cores).
 RESULTS := benchmarks/results
@@ -54,7 +56,8 @@ bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) benchmarks/throughput.py --out $(RESULTS)/throughput; \
 	$(PY) benchmarks/vs_transformers.py --out $(RESULTS)/vs_transformers; \
 	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
-	$(PY) benchmarks/moe.py --out $(RESULTS)/moe; \
+	$(PY) benchmarks/moe.py --ep 8 --out $(RESULTS)/moe; \
+	$(PY) benchmarks/sharded_load.py --out $(RESULTS)/sharded_load; \
 	echo "make bench: $$(( $$(date +%s) - start )) s"
 
 proto: $(VENV)/.installed

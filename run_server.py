@@ -47,8 +47,10 @@ flags.DEFINE_string("api-key-file", None, "File whose first line is the API key 
 
 
 def _define_engine_flags():
+  from hisparse_jax.distributed import DistributedArgs
   from hisparse_jax.engine.args import EngineArgs
   EngineArgs.define_flags(max_queued_requests=1024)
+  DistributedArgs.define_flags()
 
 
 _define_engine_flags()
@@ -85,7 +87,9 @@ def _security():
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  from hisparse_jax import distributed
   from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail
+  dist = distributed.DistributedArgs.from_flags()
   try:
     if not 0 <= FLAGS.port <= 65535:
       raise StartupError(f"--port {FLAGS.port}: expected 0..65535")
@@ -97,12 +101,20 @@ def main(argv):
     tls, api_key = _security()
     args = EngineArgs.from_flags()
     args.validate()
+    distributed.initialize(dist)
     model_dir = args.model_dir()
     tokenizer = load_tokenizer_or_fail(model_dir)
     from hisparse_jax.engine import Engine
     engine = Engine(args, tokenizer=tokenizer)
   except StartupError as e:
-    sys.exit(f"error: {e}")
+    distributed.exit_with_error(f"error: {e}")
+  if dist.process_id > 0:  # a follower: process 0 serves gRPC; this one takes the same steps
+    import jax
+    print(f"[server] process {jax.process_index()} of {jax.process_count()} following process 0 (model {model_dir})",
+          flush=True)
+    steps = engine.follow()
+    print(f"[server] process {jax.process_index()}: process 0 stopped after {steps} steps; stopped", flush=True)
+    return
 
   from hisparse_jax.serving.metrics import ServerMetrics
   from hisparse_jax.serving.server import serve
@@ -118,12 +130,14 @@ def main(argv):
     try:
       bound = metrics.serve(metrics_port, host)
     except OSError as e:
-      sys.exit(f"error: --metrics-host/--metrics-port {host}:{metrics_port}: {e}")
+      engine.close()  # several processes: the followers stop too
+      distributed.exit_with_error(f"error: --metrics-host/--metrics-port {host}:{metrics_port}: {e}")
     metrics_at = f", metrics at http://{host}:{bound}/metrics"
   try:
     server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=api_key)
   except OSError as e:
-    sys.exit(f"error: --host/--port: {e}")
+    engine.close()
+    distributed.exit_with_error(f"error: --host/--port: {e}")
   mode = f"hisparse {engine.hisparse}, host pool: {args.host_pool}" if engine.hisparse else "dense"
   security = ", ".join(x for x in ("" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
                                    "API key" if api_key else "") if x) or "plain text, no API key"

@@ -1,12 +1,15 @@
 """Routed-expert FFN: grouped dispatch (models/moe.py, what the model runs) vs dense evaluation of every expert.
 
   python benchmarks/moe.py [--quick] [--experts 64] [--active 8] [--tokens 1,8,64,256,1024] \
-      [--hidden 1024] [--inter 512] [--out benchmarks/results/moe]
+      [--hidden 1024] [--inter 512] [--ep 8] [--out benchmarks/results/moe]
 
 One jitted call of each evaluation on the same random tokens, routing (k distinct experts per token, uniform)
 and float32 weights; median of repeated calls. ``dense / grouped`` is the speed-up; the ideal is E / k (the
 dense evaluation does E / k times the FLOPs). ``max |diff|`` compares the two results, relative to the
 largest output.
+
+``--ep N`` also times expert parallelism with DP attention on N simulated CPU devices (``run_ep``): the
+all-to-all dispatch the engine runs vs every device seeing every token and a psum, in the same run.
 """
 
 from __future__ import annotations
@@ -59,6 +62,66 @@ def run(tokens: list[int], experts: int, active: int, hidden: int, inter: int, r
   return rows
 
 
+def run_ep(tokens: list[int], devices: int, experts: int, active: int, hidden: int, inter: int,
+           repeats: int) -> list[dict]:
+  """Expert parallelism with DP attention on `devices` simulated CPU devices (mesh dp = ep = devices, tp 1):
+  each group's tokens sent to their experts by all-to-all (``all_to_all_ffn``, what the engine runs) vs every
+  device seeing every token and a psum (``expert_parallel_ffn`` without a token axis). T tokens in all, T /
+  devices per group. Bytes: what one device sends per call, in float32 activations (the all-gather and ring
+  all-reduce of [T, H] vs two [N, T / N, H] exchanges)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from hisparse_jax.sharding import MeshConfig
+  from models.moe import expert_parallel_ffn
+  hi = jax.lax.Precision.HIGHEST
+  mesh_cfg = MeshConfig(devices, 1, devices)
+  mesh = mesh_cfg.make_mesh()
+  rng = np.random.default_rng(0)
+  w_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("dp",)))
+  gate, up = (jax.device_put(rng.standard_normal((experts, hidden, inter)).astype(np.float32) * 0.05, w_spec)
+              for _ in range(2))
+  down = jax.device_put(rng.standard_normal((experts, inter, hidden)).astype(np.float32) * 0.05, w_spec)
+  rows = []
+  for T in tokens:
+    T = -(-T // devices) * devices
+    x = jnp.asarray(rng.standard_normal((T, hidden)), jnp.float32)
+    expert = jnp.asarray(np.stack([rng.choice(experts, active, replace=False) for _ in range(T)]), jnp.int32)
+    weight = jnp.asarray(rng.random((T, active)), jnp.float32)
+    tok = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
+    x, expert, weight = (jax.device_put(a, tok) for a in (x, expert, weight))
+    times, outs = {}, {}
+    for name, axis in (("psum", None), ("all_to_all", "dp")):
+      with jax.set_mesh(mesh):
+        fn = jax.jit(lambda *a, axis=axis: expert_parallel_ffn(*a, expert_axes=("dp",), token_axis=axis,
+                                                                precision=hi))
+        outs[name] = np.asarray(fn(x, expert, weight, gate, up, down))
+        ts = []
+        for _ in range(repeats):
+          t0 = time.perf_counter()
+          fn(x, expert, weight, gate, up, down).block_until_ready()
+          ts.append(time.perf_counter() - t0)
+      times[name] = 1e3 * float(np.median(ts))
+    N, f = devices, (devices - 1) / devices
+    rows.append(dict(tokens=T, devices=N, psum_ms=times["psum"], all_to_all_ms=times["all_to_all"],
+                     speedup=times["psum"] / times["all_to_all"],
+                     psum_bytes=int(3 * f * T * hidden * 4), all_to_all_bytes=int(2 * f * T * hidden * 4),
+                     rel_diff=float(np.abs(outs["psum"] - outs["all_to_all"]).max() / np.abs(outs["psum"]).max())))
+    print(rows[-1], flush=True)
+  return rows
+
+
+def markdown_ep(rows: list[dict]) -> str:
+  lines = [f"Expert parallelism over {rows[0]['devices']} simulated CPU devices (DP attention, dp = ep):", "",
+           "| tokens (all groups) | psum ms | all-to-all ms | psum / all-to-all | bytes sent per device: psum | "
+           "all-to-all | max rel. diff |", "|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['tokens']} | {r['psum_ms']:.2f} | {r['all_to_all_ms']:.2f} | {r['speedup']:.2f}x | "
+            f"{r['psum_bytes'] / 2**20:.2f} MiB | {r['all_to_all_bytes'] / 2**20:.2f} MiB | {r['rel_diff']:.1e} |"
+            for r in rows]
+  return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict]) -> str:
   r0 = rows[0]
   lines = [f"Routed experts: {r0['experts']} experts, {r0['active']} per token, hidden {r0['hidden']}, "
@@ -79,15 +142,26 @@ def main(argv=None) -> int:
   ap.add_argument("--hidden", type=int, default=1024)
   ap.add_argument("--inter", type=int, default=512)
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--ep", type=int, default=0, help="also time expert parallelism over this many simulated CPU "
+                  "devices (DP attention): all-to-all dispatch vs psum")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "moe"))
   args = ap.parse_args(argv)
   if not 0 < args.active <= args.experts:
     ap.error(f"--active must be in 1..--experts ({args.experts}), got {args.active}")
   if args.quick:
     args.tokens, args.hidden, args.inter, args.repeats = [1, 32], 64, 32, 3
+  if args.ep:
+    if args.experts % args.ep:
+      ap.error(f"--ep {args.ep} does not divide --experts {args.experts}")
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.ep}"  # (before JAX starts)
   t0 = time.perf_counter()
   rows = run(args.tokens, args.experts, args.active, args.hidden, args.inter, args.repeats)
-  write_results(args.out, {"rows": rows, "seconds": time.perf_counter() - t0}, markdown(rows))
+  results, text = {"rows": rows}, markdown(rows)
+  if args.ep:
+    results["ep"] = run_ep(args.tokens if args.quick else [64, 256, 1024], args.ep, args.experts, args.active,
+                           args.hidden, args.inter, args.repeats)
+    text += "\n" + markdown_ep(results["ep"])
+  write_results(args.out, {**results, "seconds": time.perf_counter() - t0}, text)
   return 0
 
 

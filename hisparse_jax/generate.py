@@ -45,8 +45,10 @@ flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-laye
 
 
 def _define_engine_flags():
+  from hisparse_jax.distributed import DistributedArgs
   from hisparse_jax.engine.args import EngineArgs
   EngineArgs.define_flags()
+  DistributedArgs.define_flags()
 
 
 _define_engine_flags()
@@ -104,15 +106,33 @@ def _check_dump_path(dump: str) -> None:
     raise StartupError(f"--dump-topk {dump!r}: {e.strerror}") from None
 
 
+def _follow(args, model_dir: str, record_topk: bool) -> None:
+  """A process other than 0 of a multi-process run: the same engine, stepping as process 0 says."""
+  import jax
+
+  from hisparse_jax.engine import Engine
+  from hisparse_jax.engine.args import load_tokenizer_or_fail
+  engine = Engine(args, tokenizer=load_tokenizer_or_fail(model_dir), record_topk=record_topk)
+  steps = engine.follow()
+  print(f"[generate] process {jax.process_index()} of {jax.process_count()}: followed process 0 for {steps} steps",
+        file=sys.stderr)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  from hisparse_jax import distributed
   from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail
+  dist = distributed.DistributedArgs.from_flags()
   try:
     args = EngineArgs.from_flags()
     args.validate()
+    distributed.initialize(dist)
     model_dir = args.model_dir()
     model_cfg = args.model_config(model_dir)
+    if dist.process_id > 0:  # a follower: process 0 reads the prompts and writes the results
+      _follow(args, model_dir, record_topk=FLAGS["dump-topk"].value is not None)
+      return
     try:
       with open(FLAGS.prompts, "rb") as f:  # lines split on \n only (JSON strings may hold U+2028)
         # A line that is not UTF-8 fails alone (_parse_line), not the file.
@@ -137,7 +157,7 @@ def main(argv):
     except OSError as e:
       raise StartupError(f"--output {FLAGS.output!r}: {e}") from None
   except StartupError as e:
-    sys.exit(f"error: {e}")
+    distributed.exit_with_error(f"error: {e}")
   hisparse = engine.hisparse
 
   from hisparse_jax.engine import Request, RequestError
@@ -195,6 +215,7 @@ def main(argv):
     interrupted.set()
   finally:
     signal.signal(signal.SIGINT, previous)
+    engine.close()  # several processes: the followers stop too
     if dest is not sys.stdout:
       dest.close()
   if interrupted.is_set():
@@ -225,6 +246,11 @@ def main(argv):
   mode = f"hisparse, host pool: {args.host_pool}" if hisparse else "dense"
   print(f"[generate] {len(requests)} requests ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
+  if engine.lockstep is not None:
+    ls = engine.lockstep
+    print(f"[generate] {ls.processes} processes: {ls.messages} step messages to the followers, "
+          f"{1e3 * ls.seconds / max(ls.messages, 1):.2f} ms each ({ls.seconds / max(elapsed, 1e-9):.1%} of the run)",
+          file=sys.stderr)
   if hisparse is not None:
     hits = sum(r.hits for _, r in requests)
     misses = sum(r.misses for _, r in requests)

@@ -36,18 +36,21 @@ from models.loader import param_path
 
 AXES = ("dp", "tp")
 
-# (path regex, logical axis name per dimension); the first match wins; no match: replicated.
+# (path regex, logical axis name per dimension); the first match wins; no match: replicated. The 128 x 128
+# block scales of FP8-resident weights (``kernel_scale``, ``<stack>_scale``: one entry per block) are split
+# like their weights, where their block counts divide (``MeshConfig.spec``).
 LOGICAL_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^embed_tokens$", ("vocab", "embed")),
-    (r"^lm_head/kernel$", ("embed", "vocab")),
-    (r"self_attn/q_b_proj/kernel$", ("q_lora", "heads")),
-    (r"self_attn/kv_b_proj/kernel$", ("kv_lora", "heads")),
-    (r"self_attn/o_proj/kernel$", ("heads", "embed")),
-    (r"mlp/(shared_experts/)?(gate|up)_proj/kernel$", ("embed", "mlp")),
-    (r"mlp/(shared_experts/)?down_proj/kernel$", ("mlp", "embed")),
-    (r"mlp/(gate|up)_proj$", ("expert", "embed", "moe_mlp")),
-    (r"mlp/down_proj$", ("expert", "moe_mlp", "embed")),
+    (r"^lm_head/kernel(_scale)?$", ("embed", "vocab")),
+    (r"self_attn/q_b_proj/kernel(_scale)?$", ("q_lora", "heads")),
+    (r"self_attn/kv_b_proj/kernel(_scale)?$", ("kv_lora", "heads")),
+    (r"self_attn/o_proj/kernel(_scale)?$", ("heads", "embed")),
+    (r"mlp/(shared_experts/)?(gate|up)_proj/kernel(_scale)?$", ("embed", "mlp")),
+    (r"mlp/(shared_experts/)?down_proj/kernel(_scale)?$", ("mlp", "embed")),
+    (r"mlp/(gate|up)_proj(_scale)?$", ("expert", "embed", "moe_mlp")),
+    (r"mlp/down_proj(_scale)?$", ("expert", "moe_mlp", "embed")),
 )
+FP8_BLOCK = 128  # rows and columns of an FP8 weight block (models/fp8.py)
 
 
 class MeshError(ValueError):
@@ -101,10 +104,16 @@ class MeshConfig:
         "embed": None, "q_lora": None, "kv_lora": None,
     }
 
-  def spec(self, path: str, ndim: int) -> P:
-    """The ``PartitionSpec`` of the parameter at ``path``."""
+  def spec(self, path: str, shape: int | tuple[int, ...]) -> P:
+    """The ``PartitionSpec`` of the parameter at ``path`` of ``shape`` (or just its number of dimensions).
+    An FP8 block-scale parameter (path ending in ``_scale``) of known shape stays whole along a dimension
+    whose block count its mesh axes do not divide (XLA then slices the scales each device needs)."""
+    ndim = shape if isinstance(shape, int) else len(shape)
     table = self.logical_to_mesh()
-    return P(*(table.get(name) if name else None for name in logical_axes(path, ndim)))
+    axes = [table.get(name) if name else None for name in logical_axes(path, ndim)]
+    if path.endswith("_scale") and not isinstance(shape, int):
+      axes = [a if a is None or shape[d] % self.shards(P(a)) == 0 else None for d, a in enumerate(axes)]
+    return P(*axes)
 
   def shards(self, spec: P) -> int:
     """How many pieces a parameter of this spec is cut into (each device holds one)."""
@@ -116,10 +125,12 @@ class MeshConfig:
           n *= sizes[axis]
     return n
 
-  def validate(self, model_cfg=None, num_devices: int | None = None) -> None:
+  def validate(self, model_cfg=None, num_devices: int | None = None, fp8_weights: bool = False) -> None:
     """Raises MeshError naming the flag when the sizes cannot work: a size < 1; dp x tp more devices than
     there are, or not dividing them; ep not one of 1, tp, dp, dp x tp; tp not dividing the attention heads,
-    the MLP widths or the vocabulary; ep not dividing the routed experts."""
+    the MLP widths or the vocabulary; ep not dividing the routed experts; with FP8-resident weights
+    (fp8_weights) and experts split over dp with their width over tp, a per-device expert width that is not
+    a whole number of 128-wide blocks."""
     for flag, v in (("--dp-size", self.dp_size), ("--tp-size", self.tp_size), ("--ep-size", self.ep_size)):
       if not isinstance(v, (int, np.integer)) or v < 1:
         raise MeshError(f"{flag} must be an integer >= 1, got {v!r}")
@@ -145,6 +156,12 @@ class MeshConfig:
     for flag, size, dim, what in checks:
       if dim % size:
         raise MeshError(f"{flag} {size} does not divide the model's {dim} {what}")
+    if fp8_weights and self.expert_axes and self.logical_to_mesh()["moe_mlp"] is not None:
+      width = c.moe_intermediate_size // self.tp_size
+      if width % FP8_BLOCK:
+        raise MeshError(f"--weight-dtype fp8 with --ep-size {self.ep_size} = --dp-size: each expert's width is split "
+                        f"over --tp-size {self.tp_size} into {width} columns, not a whole number of {FP8_BLOCK}-wide "
+                        f"FP8 blocks; use --ep-size {self.num_devices} (or {self.tp_size})")
 
   def make_mesh(self) -> Mesh:
     """A ``Mesh`` of the first dp x tp devices, axes ``("dp", "tp")`` (auto sharding: GSPMD propagates)."""
@@ -156,26 +173,30 @@ class MeshConfig:
 
 def set_expert_parallel(model, mesh_cfg: MeshConfig) -> None:
   """Tells each MoE module of ``model`` (before ``nnx.split``) the mesh axes its experts are split over, so it
-  runs them with ``models.moe.expert_parallel_ffn`` (each device only its own experts, then a psum). With
-  ep = 1 nothing is set: GSPMD splits each expert's width over tp."""
+  runs them with ``models.moe.expert_parallel_ffn``: each device only its own experts. With data-parallel
+  attention each group works on its own tokens; with experts over dp too (ep = dp or dp x tp) the tokens go to
+  their experts and back by all-to-all (``models.moe.all_to_all_ffn``), else every device of a group sees its
+  group's tokens and a psum adds the devices' parts. With ep = 1 nothing is set: GSPMD splits each expert's width over tp."""
   from flax import nnx
   from models.deepseek_v32 import MoE
   table = mesh_cfg.logical_to_mesh()
+  experts = mesh_cfg.expert_axes
   for _, module in nnx.iter_graph(model):
     if isinstance(module, MoE):
-      module.expert_axes = mesh_cfg.expert_axes
-      module.expert_width_axis = table["moe_mlp"] if mesh_cfg.expert_axes else None
+      module.expert_axes = experts
+      module.expert_width_axis = table["moe_mlp"] if experts else None
+      module.expert_token_axis = "dp" if experts and mesh_cfg.dp_size > 1 else None
 
 
 def placer(mesh_cfg: MeshConfig, mesh: Mesh):
-  """(parameter path, ndim) -> its NamedSharding on ``mesh``: the ``sharding`` argument of
+  """(parameter path, shape) -> its NamedSharding on ``mesh``: the ``sharding`` argument of
   ``models.convert.load_model``, so that each parameter goes straight to its devices as it loads."""
-  return lambda path, ndim: NamedSharding(mesh, mesh_cfg.spec(path, ndim))
+  return lambda path, shape: NamedSharding(mesh, mesh_cfg.spec(path, shape))
 
 
 def param_specs(mesh_cfg: MeshConfig, state):
   """A pytree like ``state`` (an ``nnx.State`` or any pytree of arrays / shape structs) of PartitionSpecs."""
-  return jax.tree_util.tree_map_with_path(lambda path, x: mesh_cfg.spec(param_path(path), len(x.shape)), state)
+  return jax.tree_util.tree_map_with_path(lambda path, x: mesh_cfg.spec(param_path(path), tuple(x.shape)), state)
 
 
 def shard_params(mesh_cfg: MeshConfig, mesh: Mesh, state):
@@ -194,5 +215,5 @@ def bytes_per_device(mesh_cfg: MeshConfig, state, itemsize=None) -> int:
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     name = param_path(path)
     nbytes = itemsize(name, x.shape, x.dtype) if itemsize else math.prod(x.shape) * np.dtype(x.dtype).itemsize
-    total += nbytes // mesh_cfg.shards(mesh_cfg.spec(name, len(x.shape)))
+    total += nbytes // mesh_cfg.shards(mesh_cfg.spec(name, tuple(x.shape)))
   return total

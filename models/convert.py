@@ -73,7 +73,7 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
   """Restores an orbax directory written by ``convert``.
 
   The parameters are restored straight into their final shardings (the default
-  device, or ``sharding(path, ndim)`` per parameter: each device reads only its
+  device, or ``sharding(path, shape)`` per parameter: each device reads only its
   slice) with the stored dtype; a different ``dtype`` casts after restoring.
   """
   import orbax.checkpoint as ocp
@@ -85,7 +85,7 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree_util.tree_map_with_path(
       lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default if sharding is None else
-                                        sharding(param_path(p), len(x.shape))), abstract_state)
+                                        sharding(param_path(p), tuple(x.shape))), abstract_state)
   with ocp.StandardCheckpointer() as ckpt:
     state = ckpt.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
   model = nnx.merge(graphdef, state)
@@ -102,7 +102,7 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
 def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, sharding=None,
                fp8_weights: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """(config, model) from an HF-format directory or an orbax directory written by ``convert``; sharding: a
-  function (parameter path, ndim) -> jax.sharding.Sharding placing each parameter as it loads (None: the
+  function (parameter path, shape) -> jax.sharding.Sharding placing each parameter as it loads (None: the
   default device); fp8_weights: FP8-resident weights (``load_hf``; HF FP8 checkpoints only, ValueError
   otherwise)."""
   if is_orbax_dir(path):

@@ -407,6 +407,9 @@ class MoE(nnx.Module):
         # experts are split over and the axis of their width, or () for one device / GSPMD's own split.
         self.expert_axes: tuple[str, ...] = ()
         self.expert_width_axis: str | None = None
+        # The mesh axis the tokens are split over when it is also an expert axis (data-parallel attention):
+        # tokens then go to their experts by all-to-all (models.moe.all_to_all_ffn).
+        self.expert_token_axis: str | None = None
         # FP8-resident experts (models.loader.load_hf(fp8_weights=True)): the three stacks in float8_e4m3fn
         # with float32 block scales [E, ceil(rows / 128), ceil(cols / 128)], dequantized per expert block.
         self.gate_proj_scale = nnx.data(None)
@@ -441,16 +444,17 @@ class MoE(nnx.Module):
         xt = x.reshape(-1, shape[-1])  # [T, H]
         idx, w = self.routing(xt)
         gate, up, down = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
-        if self.gate_proj_scale is not None:
+        scales, precision = None, _precision(xt, gate)
+        if self.gate_proj_scale is not None:  # FP8-resident: dequantized per expert block, in the compute dtype
             scales = (self.gate_proj_scale[...], self.up_proj_scale[...], self.down_proj_scale[...])
-            routed = grouped_expert_ffn(xt, idx, w, gate, up, down, scales=scales,
-                                        compute_dtype=self.expert_compute_dtype,
-                                        precision=_precision(xt, xt))
-        elif self.expert_axes:
+            precision = _precision(xt, xt)
+        if self.expert_axes:
             routed = expert_parallel_ffn(xt, idx, w, gate, up, down, expert_axes=self.expert_axes,
-                                         width_axis=self.expert_width_axis, precision=_precision(xt, gate))
+                                         width_axis=self.expert_width_axis, token_axis=self.expert_token_axis,
+                                         precision=precision, scales=scales, compute_dtype=self.expert_compute_dtype)
         else:
-            routed = grouped_expert_ffn(xt, idx, w, gate, up, down, precision=_precision(xt, gate))
+            routed = grouped_expert_ffn(xt, idx, w, gate, up, down, precision=precision, scales=scales,
+                                        compute_dtype=self.expert_compute_dtype)
         out = routed.astype(x.dtype) + self.shared_experts(xt)
         return out.reshape(shape)
 

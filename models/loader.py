@@ -37,7 +37,6 @@ import os
 import re
 import struct
 import sys
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,18 +56,73 @@ _FP32_SUFFIXES = (("mlp", "gate_kernel"), ("mlp", "e_score_correction_bias"), ("
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a parameter is cut out of its HF tensors, so that any slice of it can be read from the matching
+    slices of the tensors (sharded loading reads only a device's slice).
+
+    parameter = [stack over the keys, when ``stacked``] transpose(part of source, perm): axis a of the
+    parameter (after the stack axis) is axis ``perm[a]`` of the source (None: the same axes); ``split =
+    (axis, parts, which)``: the source's ``axis`` holds ``parts`` equal pieces and this parameter is piece
+    ``which`` (the gate and up halves of a fused gate_up tensor).
+    """
+
+    perm: tuple[int, ...] | None = None
+    stacked: bool = False
+    split: tuple[int, int, int] | None = None
+
+    def _perm(self, ndim: int) -> tuple[int, ...]:
+        return self.perm or tuple(range(ndim))
+
+    def source_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape each source tensor must have for a parameter of ``shape``."""
+        inner = shape[1:] if self.stacked else shape
+        perm = self._perm(len(inner))
+        src = [0] * len(inner)
+        for a, axis in enumerate(perm):
+            src[axis] = inner[a]
+        if self.split is not None:
+            src[self.split[0]] *= self.split[1]
+        return tuple(src)
+
+    def source_slices(self, index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+        """The source slices (of each key) holding the slice ``index`` of a parameter of ``shape`` (stack axis
+        excluded from both; explicit start and stop on every axis)."""
+        inner = shape[1:] if self.stacked else shape
+        perm = self._perm(len(index))
+        src = [slice(None)] * len(perm)
+        for a, axis in enumerate(perm):
+            offset = 0
+            if self.split is not None and self.split[0] == axis:
+                offset = self.split[2] * inner[a]
+            src[axis] = slice(index[a].start + offset, index[a].stop + offset)
+        return tuple(src)
+
+    def assemble(self, pieces: list[np.ndarray]) -> np.ndarray:
+        """The parameter slice from the source slices read (one per key of the stack)."""
+        perm = self.perm
+        parts = [np.ascontiguousarray(x.transpose(perm)) if perm and tuple(perm) != tuple(range(x.ndim)) else x
+                 for x in pieces]
+        return np.stack(parts) if self.stacked else parts[0]
+
+
+_ID = Layout()
+_T = Layout(perm=(1, 0))                       # HF Linear [out, in] -> kernel [in, out]
+_STACK_T = Layout(perm=(1, 0), stacked=True)   # per-expert Linears -> [E, in, out]
+
+
+@dataclasses.dataclass(frozen=True)
 class ParamSpec:
     """One model parameter: its path in the NNX state, and how to build it from HF tensors.
 
-    ``hf_keys``: the HF tensor names it is built from (tried as one group); ``build`` maps the loaded
-    numpy arrays (same order) to the parameter value.  ``alternatives``: other key groups that can
-    provide the same parameter (e.g. fused vs per-expert expert weights).
+    ``hf_keys``: the HF tensor names it is built from (tried as one group); ``layout``: how it is cut out of
+    them (``Layout``).  ``alternatives``: other (keys, layout) groups that can provide the same parameter
+    (fused vs per-expert expert weights).
     """
 
     path: tuple
     hf_keys: tuple[str, ...]
-    build: Callable[..., np.ndarray]
-    alternatives: tuple[tuple[tuple[str, ...], Callable[..., np.ndarray]], ...] = ()
+    layout: Layout
+    alternatives: tuple[tuple[tuple[str, ...], Layout], ...] = ()
 
 
 def param_path(path) -> str:
@@ -80,30 +134,22 @@ def param_path(path) -> str:
     return "/".join(parts)
 
 
-def _t(w: np.ndarray) -> np.ndarray:  # HF Linear [out, in] -> kernel [in, out]
-    return np.ascontiguousarray(w.T)
-
-
-def _id(w: np.ndarray) -> np.ndarray:
-    return w
-
-
 def hf_param_table(cfg: DSAConfig) -> list[ParamSpec]:
     """The HF key -> NNX parameter mapping for ``cfg``."""
-    specs: list[ParamSpec] = [ParamSpec(("embed_tokens",), ("model.embed_tokens.weight",), _id)]
-    specs.append(ParamSpec(("norm", "weight"), ("model.norm.weight",), _id))
+    specs: list[ParamSpec] = [ParamSpec(("embed_tokens",), ("model.embed_tokens.weight",), _ID)]
+    specs.append(ParamSpec(("norm", "weight"), ("model.norm.weight",), _ID))
     if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec(("lm_head", "kernel"), ("lm_head.weight",), _t))
+        specs.append(ParamSpec(("lm_head", "kernel"), ("lm_head.weight",), _T))
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         L = ("layers", i)
 
         def lin(path, key):
-            specs.append(ParamSpec(L + path + ("kernel",), (p + key + ".weight",), _t))
+            specs.append(ParamSpec(L + path + ("kernel",), (p + key + ".weight",), _T))
 
         def vec(path, key):
-            specs.append(ParamSpec(L + path, (p + key,), _id))
+            specs.append(ParamSpec(L + path, (p + key,), _ID))
 
         vec(("input_layernorm", "weight"), "input_layernorm.weight")
         vec(("post_attention_layernorm", "weight"), "post_attention_layernorm.weight")
@@ -120,25 +166,17 @@ def hf_param_table(cfg: DSAConfig) -> list[ParamSpec]:
             vec(ix + ("k_norm", "bias"), "self_attn.indexer.k_norm.bias")
         if cfg.is_moe_layer(i):
             m = ("mlp",)
-            specs.append(ParamSpec(L + m + ("gate_kernel",), (p + "mlp.gate.weight",), _t))
+            specs.append(ParamSpec(L + m + ("gate_kernel",), (p + "mlp.gate.weight",), _T))
             vec(m + ("e_score_correction_bias",), "mlp.gate.e_score_correction_bias")
             for name in ("gate_proj", "up_proj", "down_proj"):
                 lin(m + ("shared_experts", name), f"mlp.shared_experts.{name}")
             per = lambda proj: tuple(f"{p}mlp.experts.{e}.{proj}.weight" for e in range(E))  # noqa: E731
-            stack_t = lambda *ws: np.stack([w.T for w in ws])  # noqa: E731
             fused_gu, fused_d = p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"
-            specs.append(
-                ParamSpec(L + m + ("gate_proj",), per("gate_proj"), stack_t,
-                          (((fused_gu,), lambda w: np.ascontiguousarray(np.swapaxes(w[:, :I, :], 1, 2))),))
-            )
-            specs.append(
-                ParamSpec(L + m + ("up_proj",), per("up_proj"), stack_t,
-                          (((fused_gu,), lambda w: np.ascontiguousarray(np.swapaxes(w[:, I:, :], 1, 2))),))
-            )
-            specs.append(
-                ParamSpec(L + m + ("down_proj",), per("down_proj"), stack_t,
-                          (((fused_d,), lambda w: np.ascontiguousarray(np.swapaxes(w, 1, 2))),))
-            )
+            # Fused: gate_up [E, 2I, H] (gate rows first) -> [E, H, I]; down [E, H, I] -> [E, I, H].
+            for name, fused in (("gate_proj", ((fused_gu,), Layout(perm=(0, 2, 1), split=(1, 2, 0)))),
+                                ("up_proj", ((fused_gu,), Layout(perm=(0, 2, 1), split=(1, 2, 1)))),
+                                ("down_proj", ((fused_d,), Layout(perm=(0, 2, 1))))):
+                specs.append(ParamSpec(L + m + (name,), per(name), _STACK_T, (fused,)))
         else:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 lin(("mlp", name), f"mlp.{name}")
@@ -207,6 +245,7 @@ class _TensorStore:
             with open(fn, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 self._headers[fn] = (8 + n, json.loads(f.read(n)))
+        if fn not in self._maps:
             self._maps[fn] = np.memmap(fn, dtype=np.uint8, mode="r")
         start, header = self._headers[fn]
         info = header[key]
@@ -214,45 +253,86 @@ class _TensorStore:
         b0, b1 = info["data_offsets"]
         return self._maps[fn][start + b0 : start + b1].view(dt).reshape(info["shape"])
 
-    def _raw(self, key: str) -> np.ndarray:
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of ``key`` (from the file header; nothing read)."""
+        return tuple(self._handle(self._where[key]).get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> np.dtype | str:
+        """The stored dtype of ``key`` (a numpy dtype, or the safetensors name of one numpy lacks)."""
+        name = self._handle(self._where[key]).get_slice(key).get_dtype()
+        return _MMAP_DTYPES.get(name) or _ST_DTYPES.get(name, name)
+
+    def read_raw(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The stored values of ``key`` (index: a slice per axis; None: all of it), a copy in the stored dtype
+        (FP8 not dequantized).  Only the bytes of the slice are read from the memory-mapped file."""
         fn = self._where[key]
         h = self._handle(fn)
         if h.get_slice(key).get_dtype() in _MMAP_DTYPES:
             arr = self._mmap_tensor(fn, key)
+            arr = np.array(arr if index is None else arr[index])
         else:
-            arr = h.get_tensor(key)
+            arr = h.get_tensor(key) if index is None else h.get_slice(key)[index]
         self.bytes_read += arr.nbytes
         return arr
+
+    def _raw(self, key: str) -> np.ndarray:
+        return self.read_raw(key)
+
+    def release(self) -> None:
+        """Unmaps the files (the next read maps them again): file pages a parameter's reads touched stop
+        counting in this process's resident memory once it is placed."""
+        self._handles.clear()
+        self._maps.clear()
 
     def is_fp8(self, key: str) -> bool:
         """Whether ``key`` is stored FP8 block-quantized (it has block scales)."""
         return fp8.scale_key(key) in self._where
 
-    def get_fp8(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """(float8_e4m3fn weight, float32 block scales) of an FP8 tensor, checked as ``dequantize_block_fp8``
-        checks them (ValueError naming the tensor)."""
-        w, s = self._raw(key), self._raw(fp8.scale_key(key))
-        if not fp8.is_fp8(w):
-            raise ValueError(f"tensor {key!r} has block scales but dtype {w.dtype} (expected float8_e4m3fn)")
-        if s.dtype not in fp8.SCALE_DTYPES:
-            raise ValueError(f"scales {fp8.scale_key(key)!r} have dtype {s.dtype}; expected one of "
-                             f"{', '.join(str(d) for d in fp8.SCALE_DTYPES)}")
-        want = fp8.scale_shape(w.shape, self.fp8_block_size)
-        if tuple(s.shape) != want:
-            raise ValueError(f"scales {fp8.scale_key(key)!r} have shape {tuple(s.shape)}, expected {want}")
-        return w, s.astype(np.float32)
-
-    def get(self, key: str) -> np.ndarray:
-        """The tensor ``key`` (dequantized to float32 when it is FP8 with block scales)."""
+    def check_fp8(self, key: str) -> None:
+        """ValueError naming the tensor unless ``key`` is a float8_e4m3fn weight whose block scales have a scale
+        dtype and the shape of its blocks (from the headers: nothing read)."""
         skey = fp8.scale_key(key)
-        if skey in self._where:
-            if self.fp8_block_size is None:  # pragma: no cover - refused in __init__
-                raise ValueError(f"{skey!r} present but config.json has no quantization_config")
-            return fp8.dequantize_block_fp8(self._raw(key), self._raw(skey), self.fp8_block_size, name=key)
-        arr = self._raw(key)
-        if arr.dtype in _MMAP_DTYPES.values():
-            raise ValueError(f"tensor {key!r} is {arr.dtype} but has no {skey!r} block scales")
-        return arr
+        if self.fp8_block_size is None:  # pragma: no cover - refused in __init__
+            raise ValueError(f"{skey!r} present but config.json has no quantization_config")
+        wdt, sdt = self.dtype(key), self.dtype(skey)
+        if wdt not in fp8.FP8_DTYPES:
+            raise ValueError(f"tensor {key!r} has block scales but dtype {wdt} (expected float8_e4m3fn)")
+        if sdt not in fp8.SCALE_DTYPES:
+            raise ValueError(f"scales {skey!r} have dtype {sdt}; expected one of "
+                             f"{', '.join(str(d) for d in fp8.SCALE_DTYPES)}")
+        want = fp8.scale_shape(self.shape(key), self.fp8_block_size)
+        if len(self.shape(key)) < 2 or self.shape(skey) != want:
+            raise ValueError(f"scales {skey!r} have shape {self.shape(skey)}, expected {want} for a weight of shape "
+                             f"{self.shape(key)} with block size {tuple(self.fp8_block_size)}")
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """``read_raw``, dequantized to float32 when ``key`` is FP8 block-quantized: the slice is widened to
+        whole 128 x 128 blocks on its last two axes, those blocks and their scales are read and dequantized
+        (``fp8.dequantize_block_fp8``), and the slice is cut out of them."""
+        skey = fp8.scale_key(key)
+        if skey not in self._where:
+            arr = self.read_raw(key, index)
+            if arr.dtype in _MMAP_DTYPES.values():
+                raise ValueError(f"tensor {key!r} is {arr.dtype} but has no {skey!r} block scales")
+            return arr
+        self.check_fp8(key)
+        shape = self.shape(key)
+        index = index or tuple(slice(0, n) for n in shape)
+        *lead, rows, cols = index
+        (br, bc), (R, C) = self.fp8_block_size, shape[-2:]
+        r0, c0 = rows.start // br * br, cols.start // bc * bc
+        r1, c1 = min(-(-rows.stop // br) * br, R), min(-(-cols.stop // bc) * bc, C)
+        w = self.read_raw(key, (*lead, slice(r0, r1), slice(c0, c1)))
+        sc = self.read_raw(skey, (*lead, slice(r0 // br, -(-r1 // br)), slice(c0 // bc, -(-c1 // bc))))
+        out = fp8.dequantize_block_fp8(w, sc, self.fp8_block_size, name=key)
+        return out[..., rows.start - r0:rows.stop - r0, cols.start - c0:cols.stop - c0]
+
+
+# safetensors dtype names -> numpy (the ones numpy has; FP8 ones are _MMAP_DTYPES).
+_ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+              "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+              "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+              "BOOL": np.dtype(np.bool_)}
 
 
 def _make_fp8_resident(model, path: tuple, dtype, block: tuple[int, int]) -> tuple:
@@ -313,8 +393,10 @@ def load_hf(
     (models/fp8_numerics.py).
     Tensors are streamed: each is read from the memory-mapped safetensors file, converted and placed
     into the model before the next is read.  sharding: a function (parameter path 'layers/3/mlp/gate_proj',
-    ndim) -> jax.sharding.Sharding placing each parameter as it is read (e.g. the mesh rule table:
-    each device receives only its slice, no device ever holds the whole model); None: the default device.
+    shape) -> jax.sharding.Sharding placing each parameter as it is read (e.g. the mesh rule table); then
+    each device's slice alone is read from the files (``Layout``: only the bytes of that slice, FP8
+    widened to whole blocks), so a process never holds more than its own devices' parameters plus one
+    slice in flight, and with several processes each reads only what its devices hold.
     fp8_weights: keep the FP8 checkpoint's block-quantized matrices in float8_e4m3fn with float32 block scales
     (``Linear.kernel_scale``, ``MoE.*_proj_scale``), dequantized inside the jitted matmuls: half the weight
     memory of bfloat16, and exactly the weights dequantize-at-load gives (``models.fp8.dequantize_jax``).
@@ -335,10 +417,11 @@ def load_hf(
 
     abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))
     table = hf_param_table(cfg)
-    # Resolve every parameter's keys first, so a missing tensor fails before any loading work.
+    # Resolve every parameter's keys, and check every shape, before any loading work: a missing or
+    # misshapen tensor fails at once.
     plan = []
     for spec in table:
-        groups = ((spec.hf_keys, spec.build),) + spec.alternatives
+        groups = ((spec.hf_keys, spec.layout),) + spec.alternatives
         chosen = next((g for g in groups if all(k in store for k in g[0])), None)
         if chosen is None:
             missing = next(k for k in spec.hf_keys if k not in store)
@@ -347,40 +430,60 @@ def load_hf(
         if quantized and chosen[0] != spec.hf_keys:
             raise ValueError(f"FP8-resident weights: {chosen[0][0]!r} keeps its experts fused; only per-expert "
                              "FP8 tensors are supported")
-        plan.append((spec.path, chosen, _make_fp8_resident(abstract, spec.path, dt, cfg.fp8_block_size) if quantized else None))
+        scale_path = _make_fp8_resident(abstract, spec.path, dt, cfg.fp8_block_size) if quantized else None
+        plan.append((spec.path, chosen, scale_path))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    for path, _, scale_path in plan:
+    for path, (keys, layout), scale_path in plan:
         if path not in flat or (scale_path is not None and scale_path not in flat):
             raise KeyError(f"internal: no model parameter at {path}")
+        need = layout.source_shape(tuple(flat[path].get_value().shape))
+        for k in keys:
+            if store.shape(k) != need:
+                raise ValueError(f"tensor {k!r} has shape {store.shape(k)}, expected {need} (for parameter "
+                                 f"{param_path(path)} of shape {tuple(flat[path].get_value().shape)})")
+            if store.is_fp8(k):
+                store.check_fp8(k)
     covered = {path for path, _, _ in plan} | {sp for _, _, sp in plan if sp is not None}
     missing_params = sorted(set(flat) - covered, key=str)
     if missing_params:
         raise KeyError(f"internal: parameters without a checkpoint mapping: {missing_params}")
 
-    with _progress_bar(progress, len(plan), f"loading {os.path.basename(model_dir.rstrip(os.sep))}") as bar:
-        def place(path, value, target):
-            placed = (jnp.asarray(value) if sharding is None else
-                      jax.device_put(value, sharding(param_path(path), value.ndim)))
-            flat[path].set_value(placed.astype(target))
+    def place(path, keys, layout, read, target):
+        """Parameter ``path`` from the slices ``read(key, source slices)`` of its tensors: whole on the default
+        device, or, with ``sharding``, each addressable device's slice alone (read once per distinct slice)."""
+        shape = tuple(flat[path].get_value().shape)
 
-        for path, (keys, build), scale_path in plan:
+        def piece(index):
+            index = tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape))
+            inner = index[1:] if layout.stacked else index
+            src = layout.source_slices(inner, shape)
+            ks = keys[index[0]] if layout.stacked else keys
+            return layout.assemble([read(k, src) for k in ks])
+
+        if sharding is None:
+            flat[path].set_value(jnp.asarray(piece(tuple(slice(None) for _ in shape))).astype(target))
+            return
+        cache: dict = {}
+
+        def callback(index):
+            key = tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape))
+            key = tuple((sl.start, sl.stop) for sl in key)
+            if key not in cache:
+                cache[key] = piece(index).astype(np.dtype(target))
+            return cache[key]
+
+        flat[path].set_value(jax.make_array_from_callback(shape, sharding(param_path(path), shape), callback))
+
+    with _progress_bar(progress, len(plan), f"loading {os.path.basename(model_dir.rstrip(os.sep))}") as bar:
+        for path, (keys, layout), scale_path in plan:
             if scale_path is None:
-                value, scale = build(*[store.get(k) for k in keys]), None
-            else:  # FP8-resident: the e4m3 weight and its scales, laid out as the parameter (same build)
-                pairs = [store.get_fp8(k) for k in keys]
-                value, scale = build(*[w for w, _ in pairs]), build(*[s for _, s in pairs])
-            want = flat[path].get_value()
-            if tuple(value.shape) != tuple(want.shape):
-                raise ValueError(
-                    f"tensor for {keys[0]!r} has shape {tuple(value.shape)}, expected {tuple(want.shape)}"
-                )
-            if scale is None:
-                place(path, value, _F32 if _is_fp32_param(path) else dt)
-            else:
-                place(path, value, want.dtype)
-                place(scale_path, scale, _F32)
-            del value, scale
+                place(path, keys, layout, store.read, _F32 if _is_fp32_param(path) else dt)
+            else:  # FP8-resident: the e4m3 weight and its float32 scales, laid out as the parameter
+                place(path, keys, layout, store.read_raw, flat[path].get_value().dtype)
+                place(scale_path, tuple(fp8.scale_key(k) for k in keys), layout,
+                      lambda k, src: store.read_raw(k, src).astype(np.float32), _F32)
+            store.release()
             bar.update(1)
             bar.set_postfix_str(f"{store.bytes_read / 2**20:.1f} MiB read", refresh=False)
     state = nnx.from_flat_state(flat)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .fp8 import dequantize_jax
 
@@ -104,33 +105,108 @@ def grouped_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate:
 
 def expert_parallel_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,
                         down: jax.Array, *, expert_axes: tuple[str, ...], width_axis: str | None = None,
-                        precision=None) -> jax.Array:
+                        token_axis: str | None = None, precision=None, scales=None, compute_dtype=None) -> jax.Array:
     """``grouped_expert_ffn`` with the experts split over mesh axes (expert parallelism), inside a function
     traced under ``jax.set_mesh``.
 
     Each device holds E / ep experts (``gate``/``up``/``down`` sharded on dimension 0 over ``expert_axes``; the
     expert width I also over ``width_axis`` when given) and runs only the (token, expert) assignments whose
     expert it holds, on every token (x, expert and weight replicated); a ``psum`` over the mesh axes used
-    adds the devices' partial sums. Arguments and result as ``grouped_expert_ffn`` (shapes global).
+    adds the devices' partial sums. Arguments and result as ``grouped_expert_ffn`` (shapes global). FP8-resident
+    experts: ``scales`` are split like their weights (each device dequantizes its own experts' blocks; with
+    ``width_axis``, the expert width per device must be a whole number of 128-wide blocks).
+
+    token_axis: the mesh axis the tokens are already split over (the dp axis of data-parallel attention: group
+    g's rows are [g T / G, (g + 1) T / G)). Each group then works on its own tokens only; when token_axis is
+    also an expert axis, tokens travel to their experts and back by all-to-all (``all_to_all_ffn``) instead of
+    every device seeing every token.
 
     Rounding: each device sums its own slots, then the psum adds the devices' sums, so results may differ
     from one device's slot-order sum in the last bits.
     """
+    if token_axis is not None and token_axis in expert_axes:
+        return all_to_all_ffn(x, expert, weight, gate, up, down, expert_axes=expert_axes, token_axis=token_axis,
+                              width_axis=width_axis, precision=precision, scales=scales, compute_dtype=compute_dtype)
     P = jax.sharding.PartitionSpec
     axis = expert_axes if len(expert_axes) > 1 else expert_axes[0]
     w_in, w_out = P(axis, None, width_axis), P(axis, width_axis, None)
     reduce_axes = tuple(expert_axes) + ((width_axis,) if width_axis else ())
 
-    def local(x, expert, weight, gate, up, down):
+    def local(x, expert, weight, gate, up, down, *scales):
         n = gate.shape[0]                                   # experts on this device
         first = jax.lax.axis_index(axis) * n
         mine = (expert >= first) & (expert < first + n)
         part = grouped_expert_ffn(x, jnp.where(mine, expert - first, -1), jnp.where(mine, weight, 0.0),
-                                  gate, up, down, precision=precision)
+                                  gate, up, down, precision=precision, scales=scales or None,
+                                  compute_dtype=compute_dtype)
         return jax.lax.psum(part, reduce_axes)
 
-    return jax.shard_map(local, in_specs=(P(), P(), P(), w_in, w_in, w_out), out_specs=P(),
-                         check_vma=False)(x, expert, weight, gate, up, down)
+    tokens = P(token_axis)  # (P(None): every device has every token)
+    specs = (tokens, tokens, tokens, w_in, w_in, w_out) + ((w_in, w_in, w_out) if scales is not None else ())
+    return jax.shard_map(local, in_specs=specs, out_specs=tokens, check_vma=False)(
+        x, expert, weight, gate, up, down, *(scales or ()))
+
+
+def all_to_all_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,
+                   down: jax.Array, *, expert_axes: tuple[str, ...], token_axis: str, width_axis: str | None = None,
+                   precision=None, scales=None, compute_dtype=None) -> jax.Array:
+    """``grouped_expert_ffn`` under expert parallelism with the tokens split over ``token_axis`` (data-parallel
+    attention: group g owns rows [g T / G, (g + 1) T / G); one of ``expert_axes``), dispatched by all-to-all (the
+    DeepEP pattern), inside
+    a function traced under ``jax.set_mesh``. Arguments and result as ``expert_parallel_ffn`` (shapes global).
+
+    Each of the N devices over ``expert_axes`` takes a slice of its group's tokens (its group's T / G rows,
+    split again over the expert axes other than token_axis, e.g. tp), sends each token once to every device
+    holding one of its experts, with that device's share of the token's (expert, weight) slots; every device
+    runs its experts on what it received (``grouped_expert_ffn``; a psum over ``width_axis`` when the expert
+    width is split) and sends the weighted partial sums back, where they are added (in device order). Buffers
+    have a fixed capacity of all the sender's tokens per destination, so nothing is ever dropped: lossless for
+    any routing. Per device, each way, that moves its T / N tokens x N destinations ([N, T / N, H]), where
+    replicating the tokens (``expert_parallel_ffn`` without token_axis) gathers all T and all-reduces [T, H].
+    (With ``jax.lax.ragged_all_to_all``, unsupported by XLA:CPU, only the routed tokens would move.)
+    """
+    P = jax.sharding.PartitionSpec
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = expert_axes if len(expert_axes) > 1 else expert_axes[0]
+    inner = tuple(a for a in expert_axes if a != token_axis)   # axes that split a group's tokens again
+    S = int(np.prod([mesh.shape[a] for a in inner])) if inner else 1
+    w_in, w_out = P(axis, None, width_axis), P(axis, width_axis, None)
+    k = expert.shape[1]
+
+    def local(x, expert, weight, gate, up, down, *scales):
+        N = int(np.prod([mesh.shape[a] for a in expert_axes]))  # devices holding experts
+        n = gate.shape[0]                                  # experts on each of them
+        Tg, H = x.shape
+        Tl = -(-Tg // S)                                   # tokens this device dispatches
+        r = jax.lax.axis_index(inner) if inner else 0
+
+        def mine(a, fill):
+            a = jnp.pad(a, [(0, Tl * S - Tg)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+            return jax.lax.dynamic_slice_in_dim(a, r * Tl, Tl)
+
+        xs, es, ws = mine(x, 0), mine(expert, -1), mine(weight, 0.0)
+        dest = jnp.where(es >= 0, es // n, -1)             # [Tl, k] device of each slot
+        to = jnp.arange(N)[:, None, None] == dest[None]    # [N, Tl, k]
+        send_e = jnp.where(to, es[None] - jnp.arange(N)[:, None, None] * n, -1)
+        send_w = jnp.where(to, ws[None], 0.0)
+        send_x = jnp.where(to.any(-1)[..., None], xs[None], jnp.zeros((), xs.dtype))  # [N, Tl, H]
+        a2a = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731  [N, ...] chunk i -> device i
+        recv_x, recv_e, recv_w = a2a(send_x), a2a(send_e), a2a(send_w)  # from each source device
+        y = grouped_expert_ffn(recv_x.reshape(N * Tl, H), recv_e.reshape(N * Tl, k), recv_w.reshape(N * Tl, k),
+                               gate, up, down, precision=precision, scales=scales or None,
+                               compute_dtype=compute_dtype)
+        if width_axis is not None:
+            y = jax.lax.psum(y, width_axis)
+        back = a2a(y.reshape(N, Tl, H))                    # partial sums of my tokens from each device
+        out = back.sum(0)                                  # [Tl, H]
+        if inner:
+            out = jax.lax.all_gather(out, inner, tiled=True)
+        return out[:Tg]
+
+    specs = (P(token_axis), P(token_axis), P(token_axis), w_in, w_in, w_out)
+    specs += (w_in, w_in, w_out) if scales is not None else ()
+    return jax.shard_map(local, in_specs=specs, out_specs=P(token_axis), check_vma=False)(
+        x, expert, weight, gate, up, down, *(scales or ()))
 
 
 def dense_expert_ffn(x: jax.Array, expert: jax.Array, weight: jax.Array, gate: jax.Array, up: jax.Array,

@@ -8,7 +8,8 @@ routed experts so that every mesh divides them) and each mesh (dp, tp, ep), the 
   - the logits of every step, dense vs HiSparse under the same mesh, compared bitwise;
   - HiSparse swap-in hits and misses per request and layer, compared with one device;
   - every KV pool, hot buffer and the pinned_host host pool keeps its address: updated in place.
-The engine runs the first mesh end to end too (full-batch and bucketed steps). Prints one JSON object.
+The engine runs the first mesh end to end too (full-batch and bucketed steps); FP8-resident weights run on
+the meshes too (``fp8_check``). Prints one JSON object.
 """
 
 import dataclasses
@@ -97,13 +98,93 @@ def loading_check(model_dir, mesh_cfg):
     _, model = load_model(path, sharding=placer(mesh_cfg, mesh))
     got = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
     out[name] = {
-        "rule_shardings": all(x.sharding.spec == mesh_cfg.spec(sharding_path(p), x.ndim) for p, x in got),
+        "rule_shardings": all(x.sharding.spec == mesh_cfg.spec(sharding_path(p), x.shape) for p, x in got),
         "values_equal_one_device": all(np.array_equal(np.asarray(x), np.asarray(want[p])) for p, x in got),
         "ep": mesh_cfg.ep_size,
         # Experts of a MoE layer (8 of them): each device holds 8 / ep.
         "experts_per_device": {s.data.shape[0] for s in dict(
             (sharding_path(p), x) for p, x in got)["layers/1/mlp/gate_proj"].addressable_shards},
     }
+  return out
+
+
+FP8_CONFIG = {"num_attention_heads": 8, "num_key_value_heads": 8, "n_routed_experts": 8, "hidden_size": 256,
+              "intermediate_size": 256, "moe_intermediate_size": 256, "q_lora_rank": 256, "kv_lora_rank": 128,
+              "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 512}
+
+
+def fp8_check(meshes):
+  """FP8-resident weights (e4m3 + 128 x 128 scales, split like their weights) on each mesh: the logits of
+  dequantizing at load on the same mesh bit for bit, and one device's greedy tokens (float32)."""
+  import pathlib
+  from hisparse_jax.sharding import placer
+  from models.convert import load_model
+  from tests.test_fp8_checkpoint import DSV32, write_fp8_pair
+  fp8_dir, _, _ = write_fp8_pair(pathlib.Path(tempfile.mkdtemp(prefix="hisparse-fp8-")), {**DSV32, **FP8_CONFIG},
+                                 seed=3)
+
+  def run(mesh_cfg, resident):
+    mesh = mesh_cfg.make_mesh() if mesh_cfg.num_devices > 1 else None
+    cfg, model = load_model(fp8_dir, fp8_weights=resident, sharding=None if mesh is None else placer(mesh_cfg, mesh))
+    h = KVHarness(cfg, model, mesh_config=mesh_cfg)
+    logits = [h.prefill([[5, 6, 7, 8] * 6, [9, 10, 11]])]
+    for _ in range(5):
+      logits.append(h.decode(logits[-1].argmax(-1)))
+    scales = {s.data.shape for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+              if sharding_path(p) == "layers/1/mlp/gate_proj_scale" for s in x.addressable_shards} if resident else None
+    return np.stack(logits), scales
+
+  import jax
+  from flax import nnx
+  one = run(MeshConfig(), True)[0]
+  out = {}
+  for dp, tp, ep in meshes:
+    mesh_cfg = MeshConfig(dp, tp, ep)
+    (resident, scales), (at_load, _) = run(mesh_cfg, True), run(mesh_cfg, False)
+    out[f"{dp},{tp},{ep}"] = {
+        "logits_bitwise_resident_vs_at_load": bool(np.array_equal(resident, at_load)),
+        "greedy_equal_one_device": bool((resident.argmax(-1) == one.argmax(-1)).all()),
+        "expert_scale_shards": sorted(scales)}
+  return out
+
+
+def moe_check():
+  """models.moe.expert_parallel_ffn with DP groups (token axis dp) against the dense evaluation on one device:
+  all-to-all dispatch where the experts are split over dp (also with a tp split of each group's tokens, an
+  expert width split over tp, group sizes not divisible by tp, every token routed to the same experts), a
+  group-local psum where they are split over tp only; and which collectives the compiled call holds."""
+  import re
+
+  import jax
+  import jax.numpy as jnp
+  from models.moe import dense_expert_ffn, expert_parallel_ffn
+  hi = jax.lax.Precision.HIGHEST
+  rng = np.random.default_rng(0)
+  E, H, I, k = 8, 16, 8, 3
+  gate, up = (jnp.asarray(rng.standard_normal((E, H, I)) * 0.3, jnp.float32) for _ in range(2))
+  down = jnp.asarray(rng.standard_normal((E, I, H)) * 0.3, jnp.float32)
+  out = {}
+  for dp, tp, ep in ((8, 1, 8), (2, 4, 8), (4, 2, 4), (2, 4, 4)):
+    mesh_cfg = MeshConfig(dp, tp, ep)
+    width = mesh_cfg.logical_to_mesh()["moe_mlp"] if mesh_cfg.expert_axes else None
+    fn = jax.jit(lambda *a: expert_parallel_ffn(*a, expert_axes=mesh_cfg.expert_axes, width_axis=width,
+                                                token_axis="dp", precision=hi))
+    errors = []
+    for per_group in (1, 3, 8):
+      for routing in ("random", "same"):
+        T = dp * per_group
+        x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+        e = (np.stack([rng.choice(E, k, replace=False) for _ in range(T)]) if routing == "random" else
+             np.tile(np.arange(k), (T, 1)))
+        e, w = jnp.asarray(e, jnp.int32), jnp.asarray(rng.random((T, k)), jnp.float32)
+        ref = np.asarray(dense_expert_ffn(x, e, w, gate, up, down, precision=hi))
+        with jax.set_mesh(mesh_cfg.make_mesh()):
+          got = np.asarray(fn(x, e, w, gate, up, down))
+          if per_group == 1:
+            hlo = fn.lower(x, e, w, gate, up, down).compile().as_text()
+        errors.append(float(np.abs(got - ref).max() / np.abs(ref).max()))
+    out[f"{dp},{tp},{ep}"] = {"max_rel_error": max(errors), **{
+        op: bool(re.search(rf" {op}(-start)?\(", hlo)) for op in ("all-to-all", "all-reduce")}}
   return out
 
 
@@ -136,6 +217,10 @@ def main(meshes):
             "equal_one_device": engine_tokens(model_dir, MeshConfig(*meshes[0]), hs) == one,
             "equal_one_device_bucketed": engine_tokens(model_dir, MeshConfig(*meshes[0]), hs, False) == one}
   out["loading"] = loading_check(model_dir, MeshConfig(*meshes[0]))
+  out["moe"] = moe_check()
+  # FP8 on two meshes (time): experts and their scales split over dp (all-to-all), and an expert width split
+  # over tp with the scales replicated (their block count does not divide).
+  out["fp8"] = fp8_check([m for m in meshes if m in ((8, 1, 8), (1, 8, 1))])
   print(json.dumps(out, default=list))
 
 

@@ -82,10 +82,26 @@ def test_server_load_quick(tmp_path):
 
 def test_moe_benchmark_quick(tmp_path):
   out = tmp_path / "moe"
-  r = subprocess.run([sys.executable, "benchmarks/moe.py", "--quick", "--out", str(out)], cwd=REPO,
+  r = subprocess.run([sys.executable, "benchmarks/moe.py", "--quick", "--ep", "4", "--out", str(out)], cwd=REPO,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
-  rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+  res = json.loads((tmp_path / "moe.json").read_text())
+  rows = res["rows"]
   assert [row["tokens"] for row in rows] == [1, 32]
   for row in rows:
     assert row["dense_ms"] > 0 and row["grouped_ms"] > 0 and row["rel_diff"] < 1e-5 and row["ideal"] == 8
+  assert [row["tokens"] for row in res["ep"]] == [4, 32]  # tokens in all, a multiple of the 4 groups
+  for row in res["ep"]:
+    assert row["devices"] == 4 and row["psum_ms"] > 0 and row["all_to_all_ms"] > 0 and row["rel_diff"] < 1e-5
+    assert row["all_to_all_bytes"] < row["psum_bytes"]
+
+
+def test_sharded_load_benchmark_quick(tmp_path):
+  """2 processes x 4 devices load a checkpoint onto a mesh and report their shards and peak memory."""
+  r = subprocess.run([sys.executable, "benchmarks/sharded_load.py", "--quick", "--out", str(tmp_path / "sl")],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = json.loads((tmp_path / "sl.json").read_text())["rows"]
+  assert [row["process"] for row in rows] == [0, 1] and all(row["mesh"] == [2, 4, 8] for row in rows)
+  for row in rows:
+    assert row["shard_bytes"] > 0 and row["peak_bytes"] > 0 and row["ratio"] == row["peak_bytes"] / row["shard_bytes"]

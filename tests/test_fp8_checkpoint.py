@@ -331,7 +331,7 @@ def test_fp8_resident_weights_give_the_dequantize_at_load_logits(tmp_path, confi
 
 def test_engine_fp8_resident_weights(tmp_path):
     """--weight-dtype fp8 through the engine: the greedy tokens of dequantize-at-load, about half the weight
-    memory of bfloat16; refused (naming the flag) for a checkpoint that is not FP8 and on a mesh."""
+    memory of bfloat16; refused (naming the flag) for a checkpoint that is not FP8. (On a mesh: test_mesh.py.)"""
     from hisparse_jax.engine import Engine, Request
     from hisparse_jax.engine.args import StartupError
 
@@ -352,7 +352,5 @@ def test_engine_fp8_resident_weights(tmp_path):
     assert bytes_resident < 0.6 * bytes_at_load
     with pytest.raises(StartupError, match="--weight-dtype fp8: .* is not an FP8 block-quantized checkpoint"):
         Engine(deq_dir, weight_dtype="fp8", max_seq_len=64)
-    with pytest.raises(StartupError, match="--weight-dtype fp8 runs on one device"):
-        Engine(fp8_dir, weight_dtype="fp8", tp_size=2, max_seq_len=64)
     with pytest.raises(StartupError, match="--weight-dtype 'int4'"):
         Engine(fp8_dir, weight_dtype="int4", max_seq_len=64)

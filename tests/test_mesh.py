@@ -93,3 +93,37 @@ def test_parameters_load_straight_onto_the_mesh(results, fmt):
   r = results["loading"][fmt]
   assert r["rule_shardings"] and r["values_equal_one_device"], r
   assert r["experts_per_device"] == [8 // r["ep"]] and r["ep"] > 1, r
+
+
+@pytest.mark.parametrize("mesh", ["8,1,8", "1,8,1"])
+def test_fp8_resident_weights_on_a_mesh(results, mesh):
+  """--weight-dtype fp8 on a mesh: bitwise the logits of dequantizing at load on the same mesh, one device's
+  greedy tokens; the experts' block scales are split with their experts."""
+  r = results["fp8"][mesh]
+  assert r["logits_bitwise_resident_vs_at_load"] and r["greedy_equal_one_device"], r
+  ep = int(mesh.split(",")[2])
+  assert r["expert_scale_shards"] == [[8 // ep, 2, 2]], r  # [E / ep, 256 / 128, 256 / 128] per device
+
+
+def test_fp8_expert_width_split_must_be_whole_blocks():
+  """Experts split over dp with their width over tp: each device's width must be whole 128-wide FP8 blocks."""
+  from hisparse_jax.sharding import MeshConfig, MeshError
+  from models.config import DSAConfig
+  from tests.tiny_model import tiny_config
+  cfg = DSAConfig.from_hf_config(tiny_config(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8))
+  MeshConfig(2, 4, 2).validate(cfg)  # fine when the weights are not FP8-resident
+  with pytest.raises(MeshError, match="--weight-dtype fp8 with --ep-size 2 = --dp-size: .* into 8 columns"):
+    MeshConfig(2, 4, 2).validate(cfg, fp8_weights=True)
+  MeshConfig(2, 4, 8).validate(cfg, fp8_weights=True)  # ep = dp x tp: the width is not split
+
+
+@pytest.mark.parametrize("mesh,all_to_all,all_reduce", [
+    ("8,1,8", True, False), ("2,4,8", True, False),
+    ("4,2,4", True, True),    # experts over dp, each expert's width over tp: a psum of the width
+    ("2,4,4", False, True)])  # experts over tp only: a psum inside each group
+def test_expert_parallel_moe_with_dp_groups(results, mesh, all_to_all, all_reduce):
+  """Experts over dp: each group's tokens go to their experts and back by all-to-all (no all-reduce over
+  the tokens); experts over tp only: a psum inside each group. Either way the dense result within 1e-6."""
+  r = results["moe"][mesh]
+  assert r["max_rel_error"] < 1e-6, r
+  assert (r["all-to-all"], r["all-reduce"]) == (all_to_all, all_reduce), r

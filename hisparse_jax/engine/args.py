@@ -70,8 +70,8 @@ class EngineArgs:
     fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``).
     weight_dtype: "fp8": keep an FP8 block-quantized checkpoint's quantized matrices in float8_e4m3fn with
       their 128 x 128 float32 scales on device, dequantized inside the jitted matmuls (about half the weight
-      memory of bfloat16; the same weights as dequantizing at load, bit for bit). None: dequantize at load to
-      the compute dtype. One device only for now.
+      memory of bfloat16; the same weights as dequantizing at load, bit for bit), on one device or a mesh (the
+      scales split like their weights). None: dequantize at load to the compute dtype.
     dp_size / tp_size / ep_size: the device mesh (``hisparse_jax/sharding.py``): dp_size x tp_size devices,
       MLA heads, dense MLPs and the vocabulary split over tp, routed experts over ep devices (1, tp or
       dp x tp), the indexer replicated on every device; dp_size > 1: data-parallel attention, each of the
@@ -198,8 +198,6 @@ class EngineArgs:
                          "multiple of it)")
     if self.weight_dtype not in WEIGHT_DTYPES:
       raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected fp8 (or no flag: dequantize at load)")
-    if self.weight_dtype == "fp8" and mesh.num_devices > 1:
-      raise StartupError("--weight-dtype fp8 runs on one device for now; drop --dp-size / --tp-size")
     if mesh.num_devices > 1 and self.host_pool != HOST_POOL_KINDS[0]:
       raise StartupError(f"--host-pool {self.host_pool} serves one device; on a mesh (--dp-size {mesh.dp_size} x "
                          f"--tp-size {mesh.tp_size}) use --host-pool {HOST_POOL_KINDS[0]}")
@@ -254,7 +252,7 @@ class EngineArgs:
   def device_kv_budget(self, weight_bytes: int = 0) -> int:
     """The device KV budget in bytes of this process's first device (``kv_budget``)."""
     import jax
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return kv_budget(stats.get("bytes_limit"), weight_bytes, max_device_kv_bytes=self.max_device_kv_bytes,
                      mem_fraction_static=self.mem_fraction_static)
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import os
@@ -51,7 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from hisparse_jax import distributed
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine.args import DEFAULT_PROMPT_BYTES_PER_TOKEN, EngineArgs, StartupError, check_host_memory
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
@@ -155,9 +158,23 @@ class Engine:
     # they load (no device holds the whole model), KV split over the DP groups.
     self.mesh_config = args.mesh_config()
     try:
-      self.mesh_config.validate(model_cfg, len(jax.devices()))
+      self.mesh_config.validate(model_cfg, len(jax.devices()), fp8_weights=args.weight_dtype == "fp8")
     except MeshError as e:
       raise StartupError(str(e)) from None
+    # Several processes (hisparse_jax/distributed.py): every process runs this engine on the schedule of
+    # process 0; the mesh must cover every process's devices, and every process must have the same settings.
+    self.lockstep = distributed.Lockstep() if jax.process_count() > 1 else None
+    if self.lockstep is not None:
+      if self.mesh_config.num_devices != len(jax.devices()):
+        raise StartupError(f"--dp-size {self.mesh_config.dp_size} x --tp-size {self.mesh_config.tp_size} = "
+                           f"{self.mesh_config.num_devices} devices, but the {jax.process_count()} processes have "
+                           f"{len(jax.devices())}: with several processes the mesh covers every device")
+      settings = {k: v for k, v in dataclasses.asdict(args).items() if k != "model_path"}
+      with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        settings.update(record_topk=record_topk, model_config_sha256=hashlib.sha256(f.read()).hexdigest())
+      distributed.check_same(settings)
+    self._pending_ops: list = []      # leader: submits and aborts since the last step message
+    self._pending_arrays: list = []
     self.mesh = self.mesh_config.make_mesh() if self.mesh_config.num_devices > 1 else None
     if args.weight_dtype == "fp8" and model_cfg.fp8_block_size is None:
       raise StartupError(f"--weight-dtype fp8: {model_dir} is not an FP8 block-quantized checkpoint (its config.json "
@@ -190,7 +207,8 @@ class Engine:
       raise StartupError(str(e)) from None
     if self.hisparse is not None:
       _, pages, per_page = self.memory_plan.pools["host"]
-      check_host_memory(pages * per_page)
+      # Each of this process's devices holds one group's host pool (its group's block, replicated over tp).
+      check_host_memory(pages * per_page * (1 if self.mesh is None else len(self.mesh.local_devices)))
       if self.memory_plan.request_slots * self.groups < args.max_running_requests:
         log.warning("HiSparse: the device KV budget holds %d hot buffers per DP group; --max-running-requests %d "
                     "lowered to %d", self.memory_plan.request_slots, args.max_running_requests,
@@ -209,6 +227,12 @@ class Engine:
     self.last_decode_batch = 0  # rows of the last decode step (its batch bucket)
 
     blocks = ("window", "key_block", "score_block")
+    mesh = self.mesh
+
+    def replicated(x):
+      # What comes back to the host (tokens, top-k traces) is whole on every device, so that every process
+      # can read it (a process reads only its own devices' data).
+      return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
 
     @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("query_block", "first_token"))
     def prefill(params, tokens, positions, state, tables, sampling, *, first_token, **blocks):
@@ -217,14 +241,15 @@ class Engine:
       logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, **blocks)
       state = state.absorb(view).finish_prefill(tables)
       if not first_token:
-        return jnp.zeros(tokens.shape[:1], jnp.int32), state
-      return sample(logits, *sampling, jnp.max(positions, axis=1) + 1), state
+        return replicated(jnp.zeros(tokens.shape[:1], jnp.int32)), state
+      return replicated(sample(logits, *sampling, jnp.max(positions, axis=1) + 1)), state
 
     @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks)
     def decode(params, tokens, positions, state, tables, sampling, **blocks):
       view = state.view(tables)
       out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk, **blocks)
-      return (sample(out[0], *sampling, positions + 1), state.absorb(out[1]), *out[2:])
+      return (replicated(sample(out[0], *sampling, positions + 1)), state.absorb(out[1]),
+              *(replicated(x) for x in out[2:]))
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def import_kv(state, tables, latent, index):
@@ -243,6 +268,14 @@ class Engine:
       with jax.set_mesh(self.mesh):
         return fn(*args, **kwargs)
     return call
+
+  def _put(self, x, dtype=None) -> jax.Array:
+    """A host array as a jitted call's operand: on the device, or whole on every device of the mesh (every
+    process passes the same values: the schedule is the same everywhere)."""
+    x = np.asarray(x, None if dtype is None else np.dtype(dtype))
+    if self.mesh is None:
+      return jnp.asarray(x)
+    return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
 
   # ----------------------------------------------------------------- state
   def reset(self) -> None:
@@ -333,6 +366,8 @@ class Engine:
       req._detok = self._detokenizers()
       req._stops = StopStringMatcher(req.stop, req.include_stop_str_in_output)
     self.waiting.append(req)
+    if self.lockstep is not None and self.lockstep.is_leader:  # the followers queue it with the next message
+      self._pending_ops.append(["submit", _request_fields(req, self._pending_arrays)])
 
   def has_work(self) -> bool:
     return bool(self.waiting) or bool(self.running)
@@ -342,7 +377,12 @@ class Engine:
 
     Called between steps, so no call of this engine is still writing the request's slot or pages;
     whatever reuses them later is ordered after every earlier call by the KV state's data dependencies.
+    With several processes the leader tells the followers first (releasing a request reads its swap-in
+    stats from the devices: every process must do that at the same point).
     """
+    if self.lockstep is not None and self.lockstep.is_leader:
+      self._pending_ops.append(["abort", request_id])
+      self._send("ops")
     for req in list(self.waiting):
       if req.request_id == request_id:
         self.waiting.remove(req)
@@ -378,7 +418,72 @@ class Engine:
   # ------------------------------------------------------------------ loop
   def step(self) -> list[Request]:
     """Admit, prefill (one chunk budget), decode one token for every decoding request. Returns the requests
-    that finished."""
+    that finished. With several processes the leader first sends the followers this step's changes; a step
+    that fails there ends the process (``distributed.Lockstep.lost``: the processes cannot recover
+    together)."""
+    if self.lockstep is None:
+      return self._step()
+    self._send("step")
+    try:
+      return self._step()
+    except Exception as e:  # noqa: BLE001 - any failure leaves the processes out of step
+      self.lockstep.lost(e)
+
+  # ------------------------------------------------------------ processes
+  def _send(self, kind: str) -> None:
+    """Leader: one message to the followers with the changes since the last (kind "step", "ops", "idle",
+    "stop") and the counters they check before stepping."""
+    ops, arrays = self._pending_ops, self._pending_arrays
+    self._pending_ops, self._pending_arrays = [], []
+    try:
+      self.lockstep.publish(kind, ops, self._step_check(), arrays)
+    except Exception as e:  # noqa: BLE001
+      self.lockstep.lost(e)
+
+  def _step_check(self) -> list[int]:
+    return [self.decode_steps, self.prefill_calls, len(self.running), len(self.waiting), self.num_preemptions]
+
+  def idle(self) -> None:
+    """Called by a leader's loop while it has nothing to do: a heartbeat message at most every
+    ``distributed.IDLE_HEARTBEAT_S`` (a follower's collective never waits long; changes reach it)."""
+    if self.lockstep is not None and self.lockstep.is_leader and self.lockstep.idle_due():
+      self._send("idle")
+
+  def close(self) -> None:
+    """Leader: tells the followers to stop (their ``follow`` returns). Idempotent; nothing on one process."""
+    if self.lockstep is not None and self.lockstep.is_leader and not self.lockstep.closed:
+      self._send("stop")
+
+  def follow(self) -> int:
+    """Follower: applies the leader's changes and takes its steps until it stops; returns the steps taken.
+    Exits the process (``Lockstep.lost``) when the leader is gone or this engine fell out of step."""
+    if self.lockstep is None or self.lockstep.is_leader:
+      raise RuntimeError("follow() is for processes other than process 0 of a multi-process engine")
+    steps = 0
+    while True:
+      try:
+        msg, arrays = self.lockstep.receive()
+      except Exception as e:  # noqa: BLE001
+        self.lockstep.lost(e)
+      try:
+        for kind, item in msg["ops"]:
+          if kind == "submit":
+            self.submit(_request_from_fields(item, arrays))
+          else:
+            self.abort(item)
+        if msg["kind"] == "stop":
+          return steps
+        if msg["kind"] == "step":  # (the leader sends an abort before applying it: only a step is compared)
+          if self._step_check() != msg["check"]:
+            raise distributed.DistributedError(
+                f"out of step with process 0: (decode steps, prefill calls, running, waiting, preemptions) "
+                f"{self._step_check()} here, {msg['check']} there")
+          self._step()
+          steps += 1
+      except Exception as e:  # noqa: BLE001
+        self.lockstep.lost(e)
+
+  def _step(self) -> list[Request]:
     finished: list[Request] = []
     t0 = time.perf_counter()
     self._admit()
@@ -429,8 +534,8 @@ class Engine:
 
   def _sampling(self, slots) -> tuple:
     idx = np.asarray(slots, np.int64)
-    return (jnp.asarray(self._temperature[idx]), jnp.asarray(self._top_k[idx]), jnp.asarray(self._top_p[idx]),
-            jnp.asarray(self._seed[idx]))
+    return (self._put(self._temperature[idx]), self._put(self._top_k[idx]), self._put(self._top_p[idx]),
+            self._put(self._seed[idx]))
 
   # --------------------------------------------------------------- prefill
   def _prefill(self, finished: list[Request]) -> None:
@@ -470,10 +575,10 @@ class Engine:
       tokens[b, :n] = req.prefill_ids[start:start + n]
       positions[b, :n] = np.arange(start, start + n)
       kvs[b], finishing[b], slots[b] = req.kv, start + n == len(req.prefill_ids), req.kv.slot
-    tables = {k: jnp.asarray(v) for k, v in self.backend.prefill_tables(kvs, finishing).items()}
+    tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, finishing).items()}
     blocks = self._index_blocks(B, C, int(positions.max()))
     out, self.backend.state = self._prefill_fn(
-        self._params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, tables,
+        self._params, self._put(tokens), self._put(positions), self.backend.state, tables,
         self._sampling(slots), query_block=self._query_block(B, C), first_token=any(finishing), **blocks)
     self.prefill_calls += 1
     out = np.asarray(out)
@@ -489,10 +594,10 @@ class Engine:
     layout, as a prefill) and emits its given first token."""
     kvs = [None] * self.groups  # one row per DP group: the request's group writes, the others idle
     kvs[req.kv.group] = req.kv
-    tables = {k: jnp.asarray(v) for k, v in self.backend.decode_tables(kvs).items()}
+    tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     latent, index = req.prompt_kv
-    self.backend.state = self._import_fn(self.backend.state, tables, jnp.asarray(latent, self.dtype),
-                                         jnp.asarray(index, jnp.float32))
+    self.backend.state = self._import_fn(self.backend.state, tables, self._put(latent, self.dtype),
+                                         self._put(index, jnp.float32))
     req.prompt_kv, req.prefilled = None, len(req.prompt_ids)  # the arrays are in the pools now
     req.phase = Phase.DECODING
     self._emit(req, int(req.first_token), finished)
@@ -534,9 +639,9 @@ class Engine:
       if req is not None:
         tokens[b], positions[b], slots[b] = req.output_ids[-1], req.seq_len - 1, req.kv.slot
     kvs = [None if r is None else r.kv for r in order]
-    tables = {k: jnp.asarray(v) for k, v in self.backend.decode_tables(kvs).items()}
+    tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     out, self.backend.state, *topk = self._decode_fn(
-        self._params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, tables,
+        self._params, self._put(tokens), self._put(positions), self.backend.state, tables,
         self._sampling(slots), **self._index_blocks(B, 1, int(positions.max())))
     self.decode_steps += 1
     self.last_decode_batch = B
@@ -634,3 +739,29 @@ class Engine:
       self.running.remove(req)
     req.phase = Phase.FINISHED
     req.finish_time = time.monotonic()
+
+
+# Request fields a follower process needs to schedule it as the leader does (hisparse_jax/distributed.py).
+_SHARED_FIELDS = ("request_id", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                  "stop_token_ids", "stop", "include_stop_str_in_output", "ignore_eos", "first_token")
+
+
+def _request_fields(req: Request, arrays: list) -> dict:
+  """The JSON-able fields of a submitted request (its prompt KV, if any, appended to ``arrays``)."""
+  out = {f: getattr(req, f) for f in _SHARED_FIELDS}
+  out["prompt_ids"] = [int(t) for t in req.prompt_ids]
+  out["stop_token_ids"] = sorted(int(t) for t in req.stop_token_ids)
+  out["stop"] = list(req.stop)
+  if req.prompt_kv is not None:
+    out["prompt_kv"] = [len(arrays), len(arrays) + 1]
+    arrays.extend(np.asarray(a) for a in req.prompt_kv)
+  return out
+
+
+def _request_from_fields(fields: dict, arrays: list) -> Request:
+  kv = fields.pop("prompt_kv", None)
+  req = Request(**fields)
+  req.stop = tuple(req.stop)
+  if kv is not None:
+    req.prompt_kv = (arrays[kv[0]], arrays[kv[1]])
+  return req

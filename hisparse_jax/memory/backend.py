@@ -25,7 +25,10 @@ import abc
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.kernels.ops import ExtensionHostPool
@@ -403,6 +406,11 @@ class HiSparseBackend(KVBackend):
     if host_pool not in HOST_POOL_KINDS:
       raise MemoryConfigError(f"--host-pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
     self.hisparse = hisparse
+    self.mesh = mesh
+    # One request slot's stats, whole on every device (every process can read it; the stats are split over
+    # the DP groups).
+    out = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    self._slot_stats = jax.jit(lambda stats, slot: jnp.take(stats, slot, axis=1), out_shardings=out)
     host_rows = plan.pools["host"][1] * plan.page_size
     self.external_pool = (ExtensionHostPool(layout.num_layers, host_rows, layout.latent_dim, dtype)
                           if host_pool == "extension" else None)
@@ -430,7 +438,9 @@ class HiSparseBackend(KVBackend):
 
   def swap_stats(self, kv: RequestKV):
     # Each group's state shard holds slots_per_group + 1 hot buffers (the last a scratch one).
-    per_layer = np.asarray(self.state.stats[:, kv.group * (self.slots_per_group + 1) + self.local_slot(kv)])
+    slot = np.int32(kv.group * (self.slots_per_group + 1) + self.local_slot(kv))
+    slot = jnp.asarray(slot) if self.mesh is None else jax.device_put(slot, NamedSharding(self.mesh, PartitionSpec()))
+    per_layer = np.asarray(self._slot_stats(self.state.stats, slot))
     return tuple(per_layer[:, 0].tolist()), tuple(per_layer[:, 1].tolist())
 
 

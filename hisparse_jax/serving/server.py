@@ -113,6 +113,7 @@ class EngineLoop(threading.Thread):
           listeners.pop(item).put(_Event(done=req))
           self._update_metrics()  # gauges follow a release even when the server then sits idle
       if not self.engine.has_work():
+        self.engine.idle()  # several processes: a heartbeat to the followers now and then
         continue
       try:
         finished = self.engine.step()
@@ -132,6 +133,7 @@ class EngineLoop(threading.Thread):
       self._update_metrics()
     for q in listeners.values():  # stopped with requests in flight
       q.put(_Event(error=Unavailable("server shutting down")))
+    self.engine.close()  # several processes: the followers stop too
 
   def _update_metrics(self) -> None:
     if self.metrics is not None:

@@ -1,0 +1,51 @@
+"""Start a command as N local processes forming one JAX runtime (tests and benchmarks of several processes).
+
+Each process gets ``--coordinator-address 127.0.0.1:PORT --num-processes N --process-id I`` and
+``XLA_FLAGS=--xla_force_host_platform_device_count=D`` (D simulated CPU devices each), as a user would start
+them on N hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(args: list[str], processes: int, devices: int, *, port: int | None = None, extra: dict | None = None,
+           stdout=subprocess.PIPE, env: dict | None = None) -> list[subprocess.Popen]:
+  """Popen of ``python ARGS --coordinator-address ... --process-id I`` for I = 1..N-1, then 0 (text mode, stderr
+  piped). extra: {process id: more flags for that process}."""
+  port = port or free_port()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         **(env or {})}
+  procs = {}
+  for i in [*range(1, processes), 0]:
+    flags = [f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={processes}", f"--process-id={i}"]
+    procs[i] = subprocess.Popen([sys.executable, *args, *flags, *(extra or {}).get(i, [])], cwd=REPO, env=env,
+                                stdout=stdout, stderr=subprocess.PIPE, text=True)
+  return [procs[i] for i in range(processes)]
+
+
+def wait_all(procs, timeout: float) -> list[tuple[int, str, str]]:
+  """(returncode, stdout, stderr) of each process, killing every one still running after timeout."""
+  out = []
+  try:
+    for p in procs:
+      o, e = p.communicate(timeout=timeout)
+      out.append((p.returncode, o or "", e or ""))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  return out

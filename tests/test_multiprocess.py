@@ -1,0 +1,210 @@
+"""Several processes form one mesh (hisparse_jax/distributed.py), as on several hosts: N local processes on
+loopback, each with its own simulated CPU devices, give one process's tokens from the batch script and the
+gRPC server; a process that dies takes the others down with a message; start-up errors name the flag."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from tests.multiprocess import REPO, free_port, launch, wait_all
+from tests.tiny_model import tiny_wide_model_dir
+
+# Prompts shorter and longer than the hot buffer (16) and than a prefill chunk (32 here).
+PROMPTS = [list(range(5, 10)), [11, 12, 13], list(range(21, 41)), list(range(100, 150))]
+HS = '{"top_k": 8, "device_buffer_size": 16, "host_to_device_ratio": 4}'
+COMMON = ["--max-seq-len=256", "--page-size=16", "--chunked-prefill-size=32", "--max-running-requests=4"]
+
+
+def _prompts(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+  return path
+
+
+def _generate(tmp_path, name, flags, processes=1, devices=1):
+  """Output lines of the batch script run as `processes` processes of `devices` devices each."""
+  out = tmp_path / f"{name}.jsonl"
+  args = ["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={_prompts(tmp_path)}",
+          f"--output={out}", "--max-new-tokens=8", *COMMON, *flags]
+  if processes == 1:
+    r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+                            **_env()})
+    assert r.returncode == 0, r.stderr[-3000:]
+  else:
+    results = wait_all(launch(args, processes, devices), timeout=600)
+    for i, (rc, _, err) in enumerate(results):
+      assert rc == 0, f"process {i}: {err[-3000:]}"
+    assert "followed process 0 for" in results[1][2]
+  return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _env():
+  import os
+  return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+
+
+HISPARSE = ["--enable-hisparse", f"--hisparse-config={HS}"]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  """The batch script on one process and one device: HiSparse, full-batch steps (dense gives the same tokens:
+  lossless)."""
+  lines = _generate(tmp_path_factory.mktemp("one"), "one", [*HISPARSE, "--deterministic"])
+  assert len(lines) == len(PROMPTS) and all(len(r["output_ids"]) == 8 for r in lines)
+  assert sum(r["misses"] for r in lines) > 0  # prompts past the hot buffer swapped rows in
+  return lines
+
+
+@pytest.mark.parametrize("mode,flags", [
+    ("hisparse dp2 tp4 ep8, full-batch steps",
+     [*HISPARSE, "--dp-size=2", "--tp-size=4", "--ep-size=8", "--deterministic"]),
+    ("dense tp8 ep8, bucketed steps", ["--tp-size=8", "--ep-size=8"]),
+])
+def test_batch_script_on_two_processes_gives_one_process_tokens(tmp_path, one_device, mode, flags):
+  """2 processes x 4 CPU devices: the tokens (and HiSparse hits/misses) of one process on one device."""
+  two = _generate(tmp_path, "two", flags, processes=2, devices=4)
+  if "--enable-hisparse" in flags:
+    assert two == one_device, mode
+  else:
+    assert [r["output_ids"] for r in two] == [r["output_ids"] for r in one_device], mode
+
+
+def _start_servers(extra_flags=(), devices=2):
+  """A 2-process server (process 0 serves gRPC): (processes, stub, port)."""
+  args = ["run_server.py", f"--model-path={tiny_wide_model_dir()}", "--port=0", "--enable-hisparse",
+          f"--hisparse-config={HS}", "--dp-size=2", "--tp-size=2", "--ep-size=4", "--deterministic", *COMMON,
+          "--distributed-heartbeat-timeout-s=10", *extra_flags]
+  procs = launch(args, 2, devices)
+  line = procs[0].stdout.readline()
+  while line and "listening on" not in line:
+    line = procs[0].stdout.readline()
+  assert "listening on" in line, procs[0].stderr.read()[-3000:] if procs[0].poll() is not None else line
+  port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+  return procs, hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def _tokens(stub, prompt, n=8):
+  msgs = list(stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=prompt),
+                                                         max_new_tokens=n), timeout=120))
+  assert msgs[-1].finished
+  return [t for m in msgs for t in m.token_ids]
+
+
+def _kill_all(procs):
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.communicate()
+
+
+def test_server_on_two_processes(one_device):
+  """Process 0 serves gRPC, process 1 follows: concurrent streams get one process's tokens, an aborted stream
+  leaves the others exact, and SIGTERM stops both processes cleanly."""
+  import concurrent.futures
+  want = [r["output_ids"] for r in one_device]
+  procs, stub = _start_servers()
+  try:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      got = list(pool.map(lambda p: _tokens(stub, p), PROMPTS))
+    assert got == want
+    # A stream cancelled mid-way (its request aborted on every process), then the others are still exact.
+    call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=PROMPTS[3]),
+                                                      max_new_tokens=200, ignore_eos=True), timeout=120)
+    next(call)
+    call.cancel()
+    assert _tokens(stub, PROMPTS[2]) == want[2]
+    loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=30)
+    assert loads.running == 0 and loads.queued == 0
+    procs[0].send_signal(signal.SIGTERM)
+    results = wait_all(procs, timeout=120)
+    assert [rc for rc, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
+    assert "process 0 stopped after" in results[1][1]
+  finally:
+    _kill_all(procs)
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_process_that_dies_takes_the_other_down_with_a_message(victim):
+  """kill -9 of the follower (mid-stream) or of the leader: the survivor exits with status 1 within seconds,
+  saying it lost the other process; the stream ends with an error, not a hang."""
+  procs, stub = _start_servers()
+  try:
+    call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=PROMPTS[1]),
+                                                      max_new_tokens=200, ignore_eos=True), timeout=120)
+    next(call)
+    procs[victim].kill()
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError):
+      for _ in call:
+        pass
+    survivor = procs[1 - victim]
+    _, err = survivor.communicate(timeout=60)
+    assert time.monotonic() - start < 45
+    assert survivor.returncode != 0
+    # Ours ("lost contact with ...") or, when the coordination service goes first, JAX's own.
+    assert ("lost contact with" in err or "another task died" in err), err[-3000:]
+  finally:
+    _kill_all(procs)
+
+
+def _cli(*flags, processes=1, devices=1, timeout=120, extra=None):
+  args = ["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", "--prompts=/nonexistent.jsonl",
+          *flags]
+  if processes == 1:
+    r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return [(r.returncode, r.stdout, r.stderr)]
+  return wait_all(launch(args, processes, devices, extra=extra), timeout=timeout)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-processes=2"], "--num-processes 2 needs --coordinator-address HOST:PORT"),
+    (["--num-processes=2", "--process-id=2", "--coordinator-address=127.0.0.1:1"], "--process-id 2: expected 0..1"),
+    (["--num-processes=2", "--coordinator-address=nowhere"], "--coordinator-address 'nowhere': expected HOST:PORT"),
+    (["--num-processes=0"], "--num-processes must be >= 1"),
+])
+def test_bad_distributed_flags_exit_with_a_message(flags, message):
+  [(rc, _, err)] = _cli(*flags)
+  assert rc == 1 and message in err and "Traceback" not in err, err[-2000:]
+
+
+def test_missing_coordinator_is_a_startup_error():
+  """A follower whose process 0 never starts: exit 1 after --distributed-init-timeout-s, naming the flag."""
+  start = time.monotonic()
+  [(rc, _, err)] = _cli(f"--coordinator-address=127.0.0.1:{free_port()}", "--num-processes=2", "--process-id=1",
+                        "--distributed-init-timeout-s=2")
+  assert rc == 1 and "no coordinator answered within --distributed-init-timeout-s 2" in err, err[-2000:]
+  assert "Traceback" not in err and time.monotonic() - start < 60
+
+
+def test_missing_follower_and_taken_port_are_startup_errors():
+  """Process 0 whose follower never joins exits 1 naming the flags; a coordinator port in use is refused."""
+  [(rc, _, err)] = _cli(f"--coordinator-address=127.0.0.1:{free_port()}", "--num-processes=2", "--process-id=0",
+                        "--distributed-init-timeout-s=3")
+  assert rc == 1 and "not every process joined" in err and "--distributed-init-timeout-s 3" in err, err[-2000:]
+  with socket.create_server(("127.0.0.1", 0)) as taken:
+    port = taken.getsockname()[1]
+    [(rc, _, err)] = _cli(f"--coordinator-address=127.0.0.1:{port}", "--num-processes=2", "--process-id=0")
+  assert rc == 1 and f"--coordinator-address 127.0.0.1:{port}: process 0 cannot listen there" in err, err[-2000:]
+
+
+def test_processes_that_disagree_stop_at_startup(tmp_path):
+  """Different engine flags on the two processes, or a mesh not covering every process's devices: every
+  process exits 1 with a message naming the flag (before loading the model)."""
+  prompts = _prompts(tmp_path)
+  results = _cli(f"--prompts={prompts}", "--tp-size=4", processes=2, devices=2,
+                 extra={0: ["--max-running-requests=8"], 1: ["--max-running-requests=4"]})
+  for rc, _, err in results:
+    assert rc == 1 and "--max-running-requests differs between processes" in err, err[-2000:]
+  results = _cli(f"--prompts={prompts}", "--dp-size=2", processes=2, devices=2)
+  for rc, _, err in results:
+    assert rc == 1 and "the 2 processes have 4: with several processes the mesh covers every device" in err, \
+        err[-2000:]

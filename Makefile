@@ -58,6 +58,7 @@ bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
 	$(PY) benchmarks/moe.py --ep 8 --out $(RESULTS)/moe; \
 	$(PY) benchmarks/sharded_load.py --out $(RESULTS)/sharded_load; \
+	$(PY) benchmarks/disaggregation.py --out $(RESULTS)/disaggregation; \
 	echo "make bench: $$(( $$(date +%s) - start )) s"
 
 proto: $(VENV)/.installed

@@ -7,12 +7,15 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--max-queued-requests 1024] [--max-prompt-bytes N] [--max-admission-skips 16] \
       [--tls-cert-file cert.pem --tls-key-file key.pem [--tls-client-ca-file ca.pem]] \
       [--api-key KEY | --api-key-file FILE] \
-      [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]]
+      [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]] \
+      [--disaggregation-mode null|prefill|decode [--prefill-servers H:P,...] [--transfer-host 127.0.0.1] \
+       [--transfer-timeout-s 60]] [--coordinator-address H:P --num-processes N --process-id I]
 
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script).
 
 Serves ``hisparse.HiSparseInference/Generate`` (server streaming), ``Abort``, ``GetLoads`` and
-``grpc.health.v1.Health`` (which needs no API key, as load balancers expect). Generate streams beyond
+``grpc.health.v1.Health`` (which needs no API key, as load balancers expect); with ``--disaggregation-mode prefill``
+also ``hisparse.PrefillService`` (prompts' KV for decode servers: hisparse_jax/serving/disaggregation.py). Generate streams beyond
 --max-running-requests + --max-queued-requests get RESOURCE_EXHAUSTED at once. Binding a non-loopback
 address without TLS or an API key prints a warning. Stops cleanly on SIGINT/SIGTERM: in-flight streams get
 --shutdown-grace-s, the engine loop then stops after its current step; a shutdown step that overruns its bound
@@ -44,6 +47,16 @@ flags.DEFINE_string("tls-client-ca-file", None, "Require client certificates sig
 flags.DEFINE_string("api-key", None, "Bearer token every inference call must carry ('authorization: Bearer "
                     "KEY' metadata); wrong or missing: UNAUTHENTICATED. Health needs none.")
 flags.DEFINE_string("api-key-file", None, "File whose first line is the API key (keeps it out of `ps`).")
+flags.DEFINE_enum("disaggregation-mode", "null", ["null", "prefill", "decode"],
+                  "Prefill/decode disaggregation: null = prefill and decode here (colocated); prefill = also serve "
+                  "PrefillService (prompts' KV for decode servers); decode = get every prompt's KV from "
+                  "--prefill-servers.")
+flags.DEFINE_list("prefill-servers", [], "Decode mode: host:port of the prefill servers' gRPC endpoints "
+                  "(round-robin; a failed prefill is retried once on the next).")
+flags.DEFINE_string("transfer-host", "127.0.0.1", "Address this server's KV transfer server binds and announces "
+                    "(jax.experimental.transfer; prefill and decode modes).")
+flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV pull may take; prefill: how long "
+                   "an offered KV waits to be pulled before it is taken back.")
 
 
 def _define_engine_flags():
@@ -99,6 +112,15 @@ def main(argv):
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
       raise StartupError(f"--metrics-port {metrics_port}: expected 0..65535")
     tls, api_key = _security()
+    from hisparse_jax.serving.disaggregation import DisaggregationConfig
+    disagg = DisaggregationConfig(FLAGS["disaggregation-mode"].value, tuple(FLAGS["prefill-servers"].value),
+                                  FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, api_key)
+    try:
+      disagg.validate()
+    except ValueError as e:
+      raise StartupError(str(e)) from None
+    if disagg.mode == "prefill" and dist.num_processes > 1:
+      raise StartupError("--disaggregation-mode prefill runs on one process (--num-processes 1)")
     args = EngineArgs.from_flags()
     args.validate()
     distributed.initialize(dist)
@@ -112,7 +134,10 @@ def main(argv):
     import jax
     print(f"[server] process {jax.process_index()} of {jax.process_count()} following process 0 (model {model_dir})",
           flush=True)
-    steps = engine.follow()
+    try:
+      steps = engine.follow()
+    except distributed.DistributedError as e:  # process 0 stopped on an error of its own
+      sys.exit(f"error: process 0: {e}")
     print(f"[server] process {jax.process_index()}: process 0 stopped after {steps} steps; stopped", flush=True)
     return
 
@@ -130,15 +155,22 @@ def main(argv):
     try:
       bound = metrics.serve(metrics_port, host)
     except OSError as e:
-      engine.close()  # several processes: the followers stop too
-      distributed.exit_with_error(f"error: --metrics-host/--metrics-port {host}:{metrics_port}: {e}")
+      message = f"--metrics-host/--metrics-port {host}:{metrics_port}: {e}"
+      engine.close(error=message)  # several processes: the followers stop too, with the same message
+      sys.exit(f"error: {message}")
     metrics_at = f", metrics at http://{host}:{bound}/metrics"
   try:
-    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=api_key)
-  except OSError as e:
-    engine.close()
-    distributed.exit_with_error(f"error: --host/--port: {e}")
+    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=api_key,
+                               disaggregation=disagg)
+  except (OSError, ValueError) as e:  # a port it cannot bind; a prefill server that cannot serve this decode server
+    message = f"--host/--port: {e}" if isinstance(e, OSError) else str(e)
+    engine.close(error=message)
+    sys.exit(f"error: {message}")
   mode = f"hisparse {engine.hisparse}, host pool: {args.host_pool}" if engine.hisparse else "dense"
+  if disagg.mode == "prefill":
+    mode += "; prefill server"
+  elif disagg.mode == "decode":
+    mode += f"; decode server, prefill servers {','.join(disagg.prefill_servers)}"
   security = ", ".join(x for x in ("" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
                                    "API key" if api_key else "") if x) or "plain text, no API key"
   print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir}; {security}){metrics_at}",
@@ -161,6 +193,7 @@ def main(argv):
           " did not stop in time; exiting anyway", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
+  engine.close()  # several processes: the followers stop too (the engine loop has ended: this thread owns it)
   print("[server] stopped", flush=True)
 
 

@@ -117,7 +117,7 @@ def markdown_ep(rows: list[dict]) -> str:
            "| tokens (all groups) | psum ms | all-to-all ms | psum / all-to-all | bytes sent per device: psum | "
            "all-to-all | max rel. diff |", "|---|---|---|---|---|---|---|"]
   lines += [f"| {r['tokens']} | {r['psum_ms']:.2f} | {r['all_to_all_ms']:.2f} | {r['speedup']:.2f}x | "
-            f"{r['psum_bytes'] / 2**20:.2f} MiB | {r['all_to_all_bytes'] / 2**20:.2f} MiB | {r['rel_diff']:.1e} |"
+            f"{r['psum_bytes'] / 2**10:.1f} KiB | {r['all_to_all_bytes'] / 2**10:.1f} KiB | {r['rel_diff']:.1e} |"
             for r in rows]
   return "\n".join(lines) + "\n"
 

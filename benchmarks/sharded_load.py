@@ -17,7 +17,8 @@ set-up of N hosts). Each process reports:
               after each parameter.
 
 On CPU, device memory is host memory, so the shard itself is part of the peak: the ratio is 1 + what loading
-costs beyond the parameters.
+costs beyond the parameters, which is about constant (~50 MiB per process), so ``--quick``'s 12 MiB checkpoint
+shows a higher ratio (~1.4) than the full run (1.06-1.22, BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -51,9 +51,21 @@ FRAME = 4096
 IDLE_HEARTBEAT_S = 1.0
 # Bytes of the engine settings every process compares at start-up.
 SETTINGS_BYTES = 16384
+MAX_PROCESSES = 65536
+# Seconds process 0 waits, on a start-up error every process shares, before it exits (after the others).
+EXIT_GRACE_S = 1.0
+MAX_TIMEOUT_S = 86400  # (JAX's timeouts are 32-bit)
 
 
 _WHO = ["process 0 of 1"]  # this process, for messages (set by initialize; JAX may not answer while it starts)
+_ARGS: list = [None]        # the DistributedArgs initialize joined with
+
+
+def flags() -> dict:
+  """The distributed flags every process must share (``check_same``), from ``initialize``."""
+  a = _ARGS[0]
+  return {} if a is None else dict(num_processes=a.num_processes,
+                                   distributed_heartbeat_timeout_s=a.distributed_heartbeat_timeout_s)
 
 
 class DistributedError(RuntimeError):
@@ -103,28 +115,36 @@ class DistributedArgs:
   def validate(self) -> None:
     """StartupError naming the flag: sizes out of range, a missing or malformed --coordinator-address."""
     from hisparse_jax.engine.args import StartupError
-    if self.num_processes < 1:
-      raise StartupError(f"--num-processes must be >= 1, got {self.num_processes}")
+    if not 1 <= self.num_processes <= MAX_PROCESSES:
+      raise StartupError(f"--num-processes must be in [1, {MAX_PROCESSES}], got {self.num_processes}")
     if not 0 <= self.process_id < self.num_processes:
       raise StartupError(f"--process-id {self.process_id}: expected 0..{self.num_processes - 1} "
                          f"(--num-processes {self.num_processes})")
     for flag, v in (("--distributed-init-timeout-s", self.distributed_init_timeout_s),
                     ("--distributed-heartbeat-timeout-s", self.distributed_heartbeat_timeout_s)):
-      if v < 1:
-        raise StartupError(f"{flag} must be >= 1, got {v}")
-    if self.num_processes == 1:
-      return
-    if not self.coordinator_address:
+      if not 1 <= v <= MAX_TIMEOUT_S:
+        raise StartupError(f"{flag} must be in [1, {MAX_TIMEOUT_S}] seconds, got {v}")
+    if self.coordinator_address:
+      self.host_port()
+    if self.num_processes > 1 and not self.coordinator_address:
       raise StartupError(f"--num-processes {self.num_processes} needs --coordinator-address HOST:PORT (process 0's "
                          "address; the same on every process)")
-    self.host_port()
 
   def host_port(self) -> tuple[str, int]:
+    """(host, port) of --coordinator-address (an IPv6 address in brackets: [::1]:1234)."""
     from hisparse_jax.engine.args import StartupError
-    host, sep, port = (self.coordinator_address or "").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise StartupError(f"--coordinator-address {self.coordinator_address!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
+    address = self.coordinator_address or ""
+    host, sep, port = address.rpartition(":")
+    bad = f"--coordinator-address {address!r}: expected HOST:PORT (an IPv6 address as [ADDRESS]:PORT)"
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+      raise StartupError(bad)
+    if host.startswith("["):
+      if not host.endswith("]") or ":" not in host:
+        raise StartupError(bad)
+      host = host[1:-1]
+    elif ":" in host or not host.isascii():
+      raise StartupError(bad)
+    return host, int(port)
 
 
 def initialize(args: DistributedArgs) -> None:
@@ -132,7 +152,8 @@ def initialize(args: DistributedArgs) -> None:
   device. Exits with status 1 and a message naming the flag when the others cannot be reached in time.
 
   Raises:
-    StartupError: bad flags (``DistributedArgs.validate``), or process 0's coordinator port is taken.
+    StartupError: bad flags (``DistributedArgs.validate``), process 0's coordinator port is taken, or the
+      coordination service cannot start.
   """
   from hisparse_jax.engine.args import StartupError
   args.validate()
@@ -140,19 +161,18 @@ def initialize(args: DistributedArgs) -> None:
     return
   import jax
   _WHO[0] = f"process {args.process_id} of {args.num_processes}"
+  _ARGS[0] = args
   host, port = args.host_port()
   timeout = args.distributed_init_timeout_s
   if args.process_id == 0:
-    try:  # JAX would abort the process on a port it cannot bind
-      with socket.create_server((host, port)):
-        pass
-    except OSError as e:
-      raise StartupError(f"--coordinator-address {args.coordinator_address}: process 0 cannot listen there: "
-                         f"{e.strerror}") from None
+    _check_port_free(args.coordinator_address, port)
   else:
     _wait_for_coordinator(host, port, timeout, args.coordinator_address)
   _native_stdout_to_stderr()
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service catches SIGTERM in every process and only records it: a process would then
+  # ignore SIGTERM. Off: the entry points handle SIGTERM (process 0 as one process does; a follower stops).
+  jax.config.update("jax_enable_preemption_service", False)
   # jax.distributed aborts the whole process (SIGABRT, a misleading "another task died") when the others do
   # not join in time: a watchdog gives the real reason first, and exits.
   who = ("not every process joined (start each of the other processes with the same --coordinator-address "
@@ -167,10 +187,67 @@ def initialize(args: DistributedArgs) -> None:
             f"within --distributed-init-timeout-s {timeout}")
 
   threading.Thread(target=watchdog, name="distributed-init-watchdog", daemon=True).start()
-  jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
-                             process_id=args.process_id, initialization_timeout=timeout + 30,
-                             heartbeat_timeout_seconds=args.distributed_heartbeat_timeout_s)
+  try:
+    jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
+                               process_id=args.process_id, initialization_timeout=timeout + 30,
+                               heartbeat_timeout_seconds=args.distributed_heartbeat_timeout_s,
+                               shutdown_timeout_seconds=args.distributed_heartbeat_timeout_s)
+  except Exception as e:  # noqa: BLE001 - e.g. "Failed to start RPC server"
+    done.set()
+    raise StartupError(f"--coordinator-address {args.coordinator_address}: jax.distributed could not start: "
+                       f"{str(e).splitlines()[0]}") from None
   done.set()
+  _check_devices()
+
+
+def _check_port_free(address: str, port: int) -> None:
+  """StartupError unless the coordinator port is free on every address (JAX binds [::]:PORT and would
+  abort the process on a port it cannot bind)."""
+  from hisparse_jax.engine.args import StartupError
+  try:
+    if socket.has_dualstack_ipv6():
+      sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+      sock = socket.create_server(("0.0.0.0", port))
+    sock.close()
+  except OSError as e:
+    raise StartupError(f"--coordinator-address {address}: process 0 cannot listen on port {port}: "
+                       f"{e.strerror}") from None
+
+
+def _check_devices() -> None:
+  """StartupError (on every process alike: each sees the same device list) unless every process has the same
+  number of devices, which JAX's multi-process collectives assume."""
+  import collections
+
+  import jax
+
+  from hisparse_jax.engine.args import StartupError
+  counts = collections.Counter(d.process_index for d in jax.devices())
+  if len(set(counts.values())) > 1:
+    listed = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+    raise StartupError(f"the processes have different numbers of devices ({listed}); give every process the same "
+                       "(XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)")
+
+
+def startup_barrier(error: str | None) -> None:
+  """Every process calls this at the same point of its start-up with its own start-up error (None: fine);
+  all of them raise the same StartupError when any process has one, so that a check only one process makes
+  (process 0 reads the prompts, binds the port) stops them all at once, cleanly."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  from hisparse_jax.engine.args import StartupError
+  data = (error or "").encode()[:SETTINGS_BYTES]
+  buf = np.zeros(SETTINGS_BYTES + 4, np.uint8)
+  buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+  buf[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+  everyone = np.asarray(multihost_utils.process_allgather(buf))
+  for p in range(jax.process_count()):
+    n = int.from_bytes(everyone[p, :4].tobytes(), "little")
+    if n:
+      theirs = everyone[p, 4:4 + n].tobytes().decode(errors="replace")
+      raise StartupError(theirs if p == jax.process_index() else f"process {p}: {theirs}")
 
 
 def _native_stdout_to_stderr() -> None:
@@ -214,6 +291,8 @@ def exit_with_error(message: str) -> None:
   if jax.distributed.is_initialized():
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if jax.process_index() == 0:  # the coordination service lives here: let the others, stopping alike, go first
+      time.sleep(EXIT_GRACE_S)
     os._exit(1)
   sys.exit(message)
 
@@ -269,6 +348,9 @@ class Broadcast:
     return data
 
 
+_SETTING_FLAGS = {"record_topk": "--dump-topk"}  # settings whose flag has another name
+
+
 def check_same(settings: dict) -> None:
   """Every process compares its settings (a JSON-able dict of the flags that shape the programs it runs)
   with every other's; all of them raise the same StartupError, naming the first flag that differs and the
@@ -290,7 +372,10 @@ def check_same(settings: dict) -> None:
     theirs = json.loads(everyone[p, 4:4 + n].tobytes())
     for key in sorted(set(mine) | set(theirs)):
       if mine.get(key) != theirs.get(key) and p != jax.process_index():
-        flag = "--" + key.replace("_", "-")
+        if key == "model_fingerprint":
+          raise StartupError(f"--model-path: process {p} has another model (its config.json or weights differ "
+                             f"from process {jax.process_index()}'s); every process needs the same checkpoint")
+        flag = _SETTING_FLAGS.get(key, "--" + key.replace("_", "-"))
         raise StartupError(f"{flag} differs between processes: {mine.get(key)!r} here (process "
                            f"{jax.process_index()}), {theirs.get(key)!r} on process {p}; start every process with "
                            "the same flags")

@@ -12,7 +12,7 @@ Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``"max_new_tokens"``. Output: one line per non-blank input line, in input order, each written (and
 flushed) as soon as it and every line before it are done, so an interrupted run keeps what it finished;
-Ctrl-C exits with status 130 and a one-line message. ``--output`` may not be the prompts file. Lines have
+Ctrl-C (or SIGTERM) exits with status 130 and a one-line message. ``--output`` may not be the prompts file. Lines have
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
 ``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served; the others
@@ -106,14 +106,40 @@ def _check_dump_path(dump: str) -> None:
     raise StartupError(f"--dump-topk {dump!r}: {e.strerror}") from None
 
 
+def _read_prompts_and_check_outputs(dump: str | None) -> list[str]:
+  """The prompt file's lines; StartupError for an unreadable --prompts, an --output that is the prompts file or
+  not writable, a bad --dump-topk path (checked before the model loads)."""
+  from hisparse_jax.engine.args import StartupError
+  try:
+    with open(FLAGS.prompts, "rb") as f:  # lines split on \n only (JSON strings may hold U+2028)
+      # A line that is not UTF-8 fails alone (_parse_line), not the file.
+      lines = [x.rstrip("\r") for x in f.read().decode("utf-8", "surrogateescape").split("\n")]
+  except OSError as e:
+    raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
+  if FLAGS.output and os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.output, FLAGS.prompts):
+    raise StartupError(f"--output {FLAGS.output!r} is the --prompts file; writing it would destroy the prompts")
+  if FLAGS.output:  # fail now, not after loading the model; an existing file is truncated only once it starts
+    where = os.path.dirname(os.path.abspath(FLAGS.output))
+    if os.path.isdir(FLAGS.output) or not os.access(FLAGS.output if os.path.exists(FLAGS.output) else where,
+                                                     os.W_OK):
+      raise StartupError(f"--output {FLAGS.output!r}: not a writable file")
+  if dump is not None:
+    _check_dump_path(dump)
+  return lines
+
+
 def _follow(args, model_dir: str, record_topk: bool) -> None:
   """A process other than 0 of a multi-process run: the same engine, stepping as process 0 says."""
   import jax
 
+  from hisparse_jax import distributed
   from hisparse_jax.engine import Engine
   from hisparse_jax.engine.args import load_tokenizer_or_fail
   engine = Engine(args, tokenizer=load_tokenizer_or_fail(model_dir), record_topk=record_topk)
-  steps = engine.follow()
+  try:
+    steps = engine.follow()
+  except distributed.DistributedError as e:  # process 0 stopped on an error of its own: the same exit
+    sys.exit(f"error: process 0: {e}")
   print(f"[generate] process {jax.process_index()} of {jax.process_count()}: followed process 0 for {steps} steps",
         file=sys.stderr)
 
@@ -130,31 +156,27 @@ def main(argv):
     distributed.initialize(dist)
     model_dir = args.model_dir()
     model_cfg = args.model_config(model_dir)
-    if dist.process_id > 0:  # a follower: process 0 reads the prompts and writes the results
-      _follow(args, model_dir, record_topk=FLAGS["dump-topk"].value is not None)
-      return
-    try:
-      with open(FLAGS.prompts, "rb") as f:  # lines split on \n only (JSON strings may hold U+2028)
-        # A line that is not UTF-8 fails alone (_parse_line), not the file.
-        lines = [x.rstrip("\r") for x in f.read().decode("utf-8", "surrogateescape").split("\n")]
-    except OSError as e:
-      raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
-    if FLAGS.output and os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.output, FLAGS.prompts):
-      raise StartupError(f"--output {FLAGS.output!r} is the --prompts file; writing it would destroy the prompts")
-    if FLAGS.output:  # fail now, not after loading the model; an existing file is truncated only once it starts
-      where = os.path.dirname(os.path.abspath(FLAGS.output))
-      if os.path.isdir(FLAGS.output) or not os.access(FLAGS.output if os.path.exists(FLAGS.output) else where,
-                                                       os.W_OK):
-        raise StartupError(f"--output {FLAGS.output!r}: not a writable file")
     dump = FLAGS["dump-topk"].value
-    if dump is not None:
-      _check_dump_path(dump)
+    lines, error = None, None
+    if dist.process_id == 0:  # process 0 alone reads the prompts and writes the results
+      try:
+        lines = _read_prompts_and_check_outputs(dump)
+      except StartupError as e:
+        error = str(e)
+    if dist.num_processes > 1:  # the others stop with process 0 when its checks fail (the same message)
+      distributed.startup_barrier(error)
+    elif error is not None:
+      raise StartupError(error)
+    if dist.process_id > 0:
+      _follow(args, model_dir, record_topk=dump is not None)
+      return
     tokenizer = load_tokenizer_or_fail(model_dir)
     from hisparse_jax.engine import Engine
     engine = Engine(args, tokenizer=tokenizer, record_topk=dump is not None)
     try:
       dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
     except OSError as e:
+      engine.close(error=f"--output {FLAGS.output!r}: {e}")
       raise StartupError(f"--output {FLAGS.output!r}: {e}") from None
   except StartupError as e:
     distributed.exit_with_error(f"error: {e}")
@@ -198,6 +220,7 @@ def main(argv):
     interrupted.set()
 
   previous = signal.signal(signal.SIGINT, on_sigint)
+  previous_term = signal.signal(signal.SIGTERM, on_sigint)  # SIGTERM stops as Ctrl-C does
   start = time.perf_counter()
   try:
     write_ready()  # lines rejected up front
@@ -215,6 +238,7 @@ def main(argv):
     interrupted.set()
   finally:
     signal.signal(signal.SIGINT, previous)
+    signal.signal(signal.SIGTERM, previous_term)
     engine.close()  # several processes: the followers stop too
     if dest is not sys.stdout:
       dest.close()

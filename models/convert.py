@@ -32,6 +32,38 @@ PARAMS_DIR = "params"
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "hisparse_config.json", "generation_config.json")
 
 
+# Bytes read from each end of each weight file by ``model_fingerprint``.
+FINGERPRINT_BYTES = 1 << 16
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+  """A sha256 that tells two copies of a model directory apart (other processes and servers compare theirs):
+  over config.json and, for every weight file (``*.safetensors`` of an HF directory, every file under an orbax
+  directory's ``params/``), its relative path, size and first and last FINGERPRINT_BYTES bytes, which cover the
+  safetensors header and weights at both ends. Cheap (a few MB for a 700 B-parameter checkpoint) and not a
+  checksum: two checkpoints that differ only in their middle bytes collide."""
+  import hashlib
+  root = os.fspath(path)
+  h = hashlib.sha256()
+  with open(os.path.join(root, "config.json"), "rb") as f:
+    h.update(f.read())
+  if is_orbax_dir(root):
+    files = sorted(os.path.relpath(os.path.join(d, name), root) for d, _, names in os.walk(os.path.join(root, PARAMS_DIR))
+                   for name in names)
+  else:
+    files = sorted(name for name in os.listdir(root) if name.endswith(".safetensors"))
+  for rel in files:
+    full = os.path.join(root, rel)
+    size = os.path.getsize(full)
+    h.update(f"{rel}\0{size}\0".encode())
+    with open(full, "rb") as f:
+      h.update(f.read(FINGERPRINT_BYTES))
+      if size > FINGERPRINT_BYTES:
+        f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+        h.update(f.read(FINGERPRINT_BYTES))
+  return h.hexdigest()
+
+
 def is_orbax_dir(path: str | os.PathLike) -> bool:
   return os.path.exists(os.path.join(os.fspath(path), ORBAX_MARKER))
 

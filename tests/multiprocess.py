@@ -1,4 +1,4 @@
-"""Start a command as N local processes forming one JAX runtime (tests and benchmarks of several processes).
+"""Subprocesses for tests and benchmarks: a command as N local processes forming one JAX runtime, a server.
 
 Each process gets ``--coordinator-address 127.0.0.1:PORT --num-processes N --process-id I`` and
 ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` (D simulated CPU devices each), as a user would start
@@ -22,17 +22,18 @@ def free_port() -> int:
 
 
 def launch(args: list[str], processes: int, devices: int, *, port: int | None = None, extra: dict | None = None,
-           stdout=subprocess.PIPE, env: dict | None = None) -> list[subprocess.Popen]:
+           stdout=subprocess.PIPE, env: dict | None = None, env_per_process: dict | None = None) -> list[subprocess.Popen]:
   """Popen of ``python ARGS --coordinator-address ... --process-id I`` for I = 1..N-1, then 0 (text mode, stderr
-  piped). extra: {process id: more flags for that process}."""
+  piped). extra: {process id: more flags for that process}; env_per_process: {process id: environment changes}."""
   port = port or free_port()
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
          **(env or {})}
   procs = {}
   for i in [*range(1, processes), 0]:
     flags = [f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={processes}", f"--process-id={i}"]
-    procs[i] = subprocess.Popen([sys.executable, *args, *flags, *(extra or {}).get(i, [])], cwd=REPO, env=env,
-                                stdout=stdout, stderr=subprocess.PIPE, text=True)
+    procs[i] = subprocess.Popen([sys.executable, *args, *flags, *(extra or {}).get(i, [])], cwd=REPO,
+                                env={**env, **(env_per_process or {}).get(i, {})}, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True)
   return [procs[i] for i in range(processes)]
 
 
@@ -48,4 +49,33 @@ def wait_all(procs, timeout: float) -> list[tuple[int, str, str]]:
       if p.poll() is None:
         p.kill()
         p.communicate()
+  return out
+
+
+def start_server(flags: list[str], env: dict | None = None, timeout: float = 120,
+                 prefix: list[str] = ()) -> tuple[subprocess.Popen, int]:
+  """``[PREFIX] python run_server.py --port=0 FLAGS`` in a subprocess (prefix: e.g. taskset): (process, the
+  port it printed it listens on). Raises AssertionError with its stderr if it exits first."""
+  proc = subprocess.Popen([*prefix, sys.executable, "run_server.py", "--port=0", *flags], cwd=REPO,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+  line = proc.stdout.readline()
+  while line and "listening on" not in line:
+    line = proc.stdout.readline()
+  if "listening on" not in line:
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.communicate(timeout=timeout)[1][-3000:]}")
+  proc.listening_line = line  # (e.g. the metrics address)
+  return proc, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+
+
+def stop(procs) -> list[tuple[int, str]]:
+  """Kills every process still running; (returncode, stderr) of each."""
+  out = []
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+    _, err = p.communicate()
+    out.append((p.returncode, err or ""))
   return out

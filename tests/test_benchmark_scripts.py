@@ -105,3 +105,19 @@ def test_sharded_load_benchmark_quick(tmp_path):
   assert [row["process"] for row in rows] == [0, 1] and all(row["mesh"] == [2, 4, 8] for row in rows)
   for row in rows:
     assert row["shard_bytes"] > 0 and row["peak_bytes"] > 0 and row["ratio"] == row["peak_bytes"] / row["shard_bytes"]
+
+
+def test_disaggregation_benchmark_quick(tmp_path):
+  """The KV transfer next to memcpy, and streams' latency while prompts arrive, colocated and disaggregated."""
+  r = subprocess.run([sys.executable, "benchmarks/disaggregation.py", "--quick", "--out", str(tmp_path / "pd")],
+                     cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads((tmp_path / "pd.json").read_text())
+  assert [row["mib"] for row in res["transfer"]] == [1, 4]
+  for row in res["transfer"]:
+    assert row["pull_gbs"] > 0 and row["memcpy_gbs"] > 0
+  assert [(row["mode"], row["decode"]) for row in res["latency"]] == [("colocated", "dense"), ("pd", "hisparse")]
+  for row in res["latency"]:
+    assert row["itl_samples"] > 0 and row["itl_p50_ms"] > 0 and row["ttft_mean_s"] > 0
+  pd = res["latency"][1]
+  assert pd["pd_prefill_mean_s"] > 0 and pd["pd_transfer_mean_s"] > 0

@@ -132,16 +132,19 @@ def test_server_on_two_processes(one_device):
     _kill_all(procs)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_process_that_dies_takes_the_other_down_with_a_message(victim):
-  """kill -9 of the follower (mid-stream) or of the leader: the survivor exits with status 1 within seconds,
-  saying it lost the other process; the stream ends with an error, not a hang."""
+@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGTERM)])
+def test_a_process_that_dies_takes_the_other_down_with_a_message(victim, sig):
+  """kill -9 of the follower (mid-stream) or of the leader, or SIGTERM to the follower: the survivor exits with
+  status 1 within seconds, saying it lost the other process; the stream ends with an error, not a hang."""
   procs, stub = _start_servers()
   try:
     call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=PROMPTS[1]),
                                                       max_new_tokens=200, ignore_eos=True), timeout=120)
     next(call)
-    procs[victim].kill()
+    procs[victim].send_signal(sig)
+    if sig == signal.SIGTERM:  # the follower stops at once, saying so
+      _, err = procs[victim].communicate(timeout=60)
+      assert procs[victim].returncode == 1 and "SIGTERM: stopping" in err, err[-2000:]
     start = time.monotonic()
     with pytest.raises(grpc.RpcError):
       for _ in call:
@@ -154,6 +157,34 @@ def test_a_process_that_dies_takes_the_other_down_with_a_message(victim):
     assert ("lost contact with" in err or "another task died" in err), err[-3000:]
   finally:
     _kill_all(procs)
+
+
+@pytest.mark.parametrize("who,sig", [(1, signal.SIGINT), (0, signal.SIGTERM)])
+def test_signals_to_a_two_process_batch_run(tmp_path, who, sig):
+  """Ctrl-C to the follower: it stops at once saying so, and process 0 follows with a message (exit 1 both).
+  SIGTERM to process 0: as Ctrl-C, it writes what finished and exits 130; the follower stops with it (exit 0)."""
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("".join(json.dumps({"input_ids": p, "max_new_tokens": 200}) + "\n" for p in PROMPTS))
+  out = tmp_path / "out.jsonl"
+  procs = launch(["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={prompts}",
+                  f"--output={out}", *COMMON, "--tp-size=4"], 2, 2)
+  try:
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.stat().st_size == 0) and time.monotonic() < deadline:  # (truncated at start)
+      time.sleep(0.2)
+    time.sleep(3)  # decoding
+    procs[who].send_signal(sig)
+    results = wait_all(procs, timeout=60)
+  finally:
+    _kill_all(procs)
+  if who == 1:
+    assert results[1][0] == 1 and "SIGINT: stopping" in results[1][2], results[1][2][-2000:]
+    # Process 0: ours, or JAX's own when its coordination service notices first (then SIGABRT).
+    assert results[0][0] != 0 and ("lost contact with a follower process" in results[0][2]
+                                   or "another task died" in results[0][2]), results[0][2][-2000:]
+  else:
+    assert [rc for rc, _, _ in results] == [130, 0], [e[-2000:] for _, _, e in results]
+    assert "[generate] interrupted:" in results[0][2] and "followed process 0 for" in results[1][2]
 
 
 def _cli(*flags, processes=1, devices=1, timeout=120, extra=None):
@@ -169,7 +200,13 @@ def _cli(*flags, processes=1, devices=1, timeout=120, extra=None):
     (["--num-processes=2"], "--num-processes 2 needs --coordinator-address HOST:PORT"),
     (["--num-processes=2", "--process-id=2", "--coordinator-address=127.0.0.1:1"], "--process-id 2: expected 0..1"),
     (["--num-processes=2", "--coordinator-address=nowhere"], "--coordinator-address 'nowhere': expected HOST:PORT"),
-    (["--num-processes=0"], "--num-processes must be >= 1"),
+    (["--num-processes=0"], "--num-processes must be in [1, 65536]"),
+    (["--num-processes=99999999999"], "--num-processes must be in [1, 65536]"),
+    (["--num-processes=2", "--coordinator-address=127.0.0.1:1", "--distributed-init-timeout-s=99999999999"],
+     "--distributed-init-timeout-s must be in [1, 86400] seconds"),
+    (["--num-processes=2", "--coordinator-address=127.0.0.1:\u0661\u0662"], "expected HOST:PORT"),  # Arabic digits
+    (["--num-processes=2", "--coordinator-address=::1:1234"], "an IPv6 address as [ADDRESS]:PORT"),
+    (["--coordinator-address=nowhere"], "--coordinator-address 'nowhere': expected HOST:PORT"),  # even with 1 process
 ])
 def test_bad_distributed_flags_exit_with_a_message(flags, message):
   [(rc, _, err)] = _cli(*flags)
@@ -193,7 +230,16 @@ def test_missing_follower_and_taken_port_are_startup_errors():
   with socket.create_server(("127.0.0.1", 0)) as taken:
     port = taken.getsockname()[1]
     [(rc, _, err)] = _cli(f"--coordinator-address=127.0.0.1:{port}", "--num-processes=2", "--process-id=0")
-  assert rc == 1 and f"--coordinator-address 127.0.0.1:{port}: process 0 cannot listen there" in err, err[-2000:]
+  assert rc == 1 and f"--coordinator-address 127.0.0.1:{port}: process 0 cannot listen on port {port}" in err, err[-2000:]
+
+
+def test_a_startup_error_of_process_0_alone_stops_every_process():
+  """Only process 0 reads the prompts: an unreadable --prompts stops both processes with its message, exit 1,
+  no abort of the follower."""
+  results = _cli(processes=2, devices=2)  # --prompts=/nonexistent.jsonl
+  assert [rc for rc, _, _ in results] == [1, 1], [e[-2000:] for _, _, e in results]
+  assert "--prompts '/nonexistent.jsonl'" in results[0][2] and "process 0: --prompts" in results[1][2]
+  assert not any("Traceback" in e or "another task died" in e for _, _, e in results)
 
 
 def test_processes_that_disagree_stop_at_startup(tmp_path):
@@ -207,4 +253,16 @@ def test_processes_that_disagree_stop_at_startup(tmp_path):
   results = _cli(f"--prompts={prompts}", "--dp-size=2", processes=2, devices=2)
   for rc, _, err in results:
     assert rc == 1 and "the 2 processes have 4: with several processes the mesh covers every device" in err, \
+        err[-2000:]
+  # Another checkpoint (same config.json, other weights) on process 1.
+  other = tiny_wide_model_dir(seed=8)
+  results = _cli(f"--prompts={prompts}", "--tp-size=4", processes=2, devices=2, extra={1: [f"--model-path={other}"]})
+  for rc, _, err in results:
+    assert rc == 1 and "--model-path: process" in err and "has another model" in err, err[-2000:]
+  # Different numbers of devices per process.
+  port = free_port()
+  procs = launch(["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={prompts}",
+                  "--tp-size=6"], 2, 4, port=port, env_per_process={1: {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}})
+  for rc, _, err in wait_all(procs, timeout=120):
+    assert rc == 1 and "the processes have different numbers of devices (process 0: 4, process 1: 2)" in err, \
         err[-2000:]

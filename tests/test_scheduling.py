@@ -145,10 +145,47 @@ def test_prompt_kv_computed_elsewhere_is_imported_and_decoded():
     eng.run()
     assert r.output_ids == want and eng.prefill_calls == 0
     assert all_kv_free(eng.loads())
-    with pytest.raises(InvalidRequest, match="prompt_kv shapes"):
-      eng.submit(Request("bad", p[:40], 8, prompt_kv=kv, first_token=first))
+    with pytest.raises(InvalidRequest, match="prompt_kv shapes"):  # KV of fewer positions than the prompt
+      eng.submit(Request("bad", p + [3] * 5, 8, prompt_kv=kv, first_token=first))
     with pytest.raises(InvalidRequest, match="first generated token"):
       eng.submit(Request("bad", p, 8, prompt_kv=kv))
+
+
+@pytest.mark.parametrize("prefill_mode", ["dense", "hisparse"])
+def test_exported_prompt_kv_decodes_as_a_colocated_prefill(prefill_mode):
+  """A prefill engine's export (export_kv: the prompt KV read from its pages when the prompt ends, padded to a
+  power of two) imported into a decode engine of either mode gives the colocated tokens (prompts shorter and
+  longer than the hot buffer and than a prefill chunk); the prefill engine's pages all come back."""
+  hs = HiSparseConfig(**TINY_HISPARSE)
+  prompts = [prompt(5, 1), prompt(20, 2), prompt(45, 3)]  # hot buffer 16, prefill chunks of 32 (SMALL)
+
+  def engine(hisparse):
+    return Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128, deterministic=True,
+                  **SMALL)
+
+  colocated = engine(None)
+  want = [Request(f"c{i}", p, 6) for i, p in enumerate(prompts)]
+  for r in want:
+    colocated.submit(r)
+  colocated.run()
+  prefill = engine(hs if prefill_mode == "hisparse" else None)
+  exported = [Request(f"p{i}", p, 1, export_kv=True, ignore_eos=True) for i, p in enumerate(prompts)]
+  for r in exported:
+    prefill.submit(r)
+  prefill.run()
+  assert all_kv_free(prefill.loads())
+  for r, p in zip(exported, prompts):
+    latent, index = r.prompt_kv
+    assert latent.shape[1] == max(16, 1 << (len(p) - 1).bit_length()) and not np.asarray(latent[:, len(p):]).any()
+  for decode_mode in (None, hs):
+    decode = engine(decode_mode)
+    got = [Request(f"d{i}", p, 6, prompt_kv=r.prompt_kv, first_token=r.output_ids[0])
+           for i, (p, r) in enumerate(zip(prompts, exported))]
+    for r in got:
+      decode.submit(r)
+    decode.run()
+    assert [r.output_ids for r in got] == [r.output_ids for r in want] and decode.prefill_calls == 0
+    assert all_kv_free(decode.loads())
 
 
 @pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
@@ -178,7 +215,7 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
           eng._params, tok, pos, state, prefill_tables, sampling, query_block=None, first_token=first,
           **eng._index_blocks(1, 32, 31)) for first in (True, False)},
       "import": eng._import_fn.lower(state, decode_tables, jnp.zeros((cfg.num_hidden_layers, 20, cfg.latent_dim)),
-                                     jnp.zeros((cfg.num_hidden_layers, 20, cfg.index_head_dim))),
+                                     jnp.zeros((cfg.num_hidden_layers, 20, cfg.index_head_dim)), jnp.int32(20)),
   }
   for name, low in lowered.items():
     hlo = low.compile().as_text()

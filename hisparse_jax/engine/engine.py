@@ -42,10 +42,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import os
+import signal
 import time
 
 import jax
@@ -62,7 +62,7 @@ from hisparse_jax.engine.request import InvalidRequest, Phase, Request, Resource
 from hisparse_jax.engine.sampling import sample
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshError, bytes_per_device, placer, set_expert_parallel
-from models.convert import load_model
+from models.convert import load_model, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ class Engine:
     self.record_topk = record_topk
     # The mesh (hisparse_jax/sharding.py): one device, no mesh; several, parameters split by the rule table as
     # they load (no device holds the whole model), KV split over the DP groups.
+    self.model_fingerprint = model_fingerprint(model_dir)  # which model (other processes and servers compare)
     self.mesh_config = args.mesh_config()
     try:
       self.mesh_config.validate(model_cfg, len(jax.devices()), fp8_weights=args.weight_dtype == "fp8")
@@ -170,8 +171,7 @@ class Engine:
                            f"{self.mesh_config.num_devices} devices, but the {jax.process_count()} processes have "
                            f"{len(jax.devices())}: with several processes the mesh covers every device")
       settings = {k: v for k, v in dataclasses.asdict(args).items() if k != "model_path"}
-      with open(os.path.join(model_dir, "config.json"), "rb") as f:
-        settings.update(record_topk=record_topk, model_config_sha256=hashlib.sha256(f.read()).hexdigest())
+      settings.update(record_topk=record_topk, model_fingerprint=self.model_fingerprint, **distributed.flags())
       distributed.check_same(settings)
     self._pending_ops: list = []      # leader: submits and aborts since the last step message
     self._pending_arrays: list = []
@@ -252,10 +252,15 @@ class Engine:
               *(replicated(x) for x in out[2:]))
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def import_kv(state, tables, latent, index):
-      return state.import_prompt(tables, latent, index)
+    def import_kv(state, tables, latent, index, length):
+      return state.import_prompt(tables, latent, index, length)
 
-    self._prefill_fn, self._decode_fn, self._import_fn = (self._on_mesh(f) for f in (prefill, decode, import_kv))
+    @functools.partial(jax.jit, static_argnames=("size",))
+    def export_kv(state, tables, length, *, size):
+      return state.export_prompt(tables, length, size)
+
+    self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn = (
+        self._on_mesh(f) for f in (prefill, decode, import_kv, export_kv))
 
   def _on_mesh(self, fn):
     """fn traced and run with the engine's mesh as the context mesh (the FFI calls run per device under it:
@@ -272,6 +277,9 @@ class Engine:
   def _put(self, x, dtype=None) -> jax.Array:
     """A host array as a jitted call's operand: on the device, or whole on every device of the mesh (every
     process passes the same values: the schedule is the same everywhere)."""
+    if isinstance(x, jax.Array):  # already on a device (a pulled prompt KV): no trip through the host
+      x = x if dtype is None else x.astype(dtype)
+      return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
     x = np.asarray(x, None if dtype is None else np.dtype(dtype))
     if self.mesh is None:
       return jnp.asarray(x)
@@ -344,10 +352,13 @@ class Engine:
     if req.prompt_kv is not None:
       cfg = self.config
       latent, index = req.prompt_kv
-      want = ((cfg.num_hidden_layers, n, cfg.latent_dim), (cfg.num_hidden_layers, n, cfg.index_head_dim))
-      if (tuple(latent.shape), tuple(index.shape)) != want:
-        raise InvalidRequest(f"prompt_kv shapes {tuple(latent.shape)}, {tuple(index.shape)}; expected {want[0]}, "
-                             f"{want[1]} (layers, prompt tokens, latent / indexer width)")
+      P = latent.shape[1] if len(latent.shape) == 3 else -1  # the prompt's tokens, or a padded bucket of them
+      want = ((cfg.num_hidden_layers, P, cfg.latent_dim), (cfg.num_hidden_layers, P, cfg.index_head_dim))
+      if (tuple(latent.shape), tuple(index.shape)) != want or P < n:
+        raise InvalidRequest(f"prompt_kv shapes {tuple(latent.shape)}, {tuple(index.shape)}; expected "
+                             f"({cfg.num_hidden_layers}, P, {cfg.latent_dim}), ({cfg.num_hidden_layers}, P, "
+                             f"{cfg.index_head_dim}) with P >= the {n} prompt tokens (layers, positions, latent / "
+                             "indexer width)")
       if req.first_token is None or not 0 <= req.first_token < V:
         raise InvalidRequest("a request with prompt_kv needs its first generated token (first_token) in the vocabulary")
 
@@ -449,17 +460,33 @@ class Engine:
     if self.lockstep is not None and self.lockstep.is_leader and self.lockstep.idle_due():
       self._send("idle")
 
-  def close(self) -> None:
-    """Leader: tells the followers to stop (their ``follow`` returns). Idempotent; nothing on one process."""
+  def close(self, error: str | None = None) -> None:
+    """Leader: tells the followers to stop (their ``follow`` returns, or, with ``error``, raises
+    ``DistributedError(error)``: process 0 is stopping on an error of its own, e.g. a port it cannot bind).
+    Idempotent; nothing on one process."""
     if self.lockstep is not None and self.lockstep.is_leader and not self.lockstep.closed:
+      if error is not None:
+        self._pending_ops.append(["error", error])
       self._send("stop")
 
   def follow(self) -> int:
     """Follower: applies the leader's changes and takes its steps until it stops; returns the steps taken.
-    Exits the process (``Lockstep.lost``) when the leader is gone or this engine fell out of step."""
+    Exits the process (``Lockstep.lost``) when the leader is gone or this engine fell out of step, and on
+    SIGTERM / SIGINT (a follower cannot go on alone). Raises DistributedError when process 0 stopped on an
+    error of its own (``close(error)``)."""
     if self.lockstep is None or self.lockstep.is_leader:
       raise RuntimeError("follow() is for processes other than process 0 of a multi-process engine")
-    steps = 0
+
+    def stop(signum, _frame):  # (runs between two messages: at most IDLE_HEARTBEAT_S while process 0 idles)
+      distributed.fatal(f"{signal.Signals(signum).name}: stopping; the other processes stop with this one (stop a "
+                        "deployment with SIGTERM or Ctrl-C to process 0)")
+
+    try:
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    except ValueError:  # not the main thread
+      pass
+    steps, stopped_with = 0, None
     while True:
       try:
         msg, arrays = self.lockstep.receive()
@@ -469,10 +496,12 @@ class Engine:
         for kind, item in msg["ops"]:
           if kind == "submit":
             self.submit(_request_from_fields(item, arrays))
-          else:
+          elif kind == "abort":
             self.abort(item)
+          else:  # "error": process 0 stops on an error of its own
+            stopped_with = item
         if msg["kind"] == "stop":
-          return steps
+          break
         if msg["kind"] == "step":  # (the leader sends an abort before applying it: only a step is compared)
           if self._step_check() != msg["check"]:
             raise distributed.DistributedError(
@@ -482,6 +511,9 @@ class Engine:
           steps += 1
       except Exception as e:  # noqa: BLE001
         self.lockstep.lost(e)
+    if stopped_with is not None:
+      raise distributed.DistributedError(stopped_with)
+    return steps
 
   def _step(self) -> list[Request]:
     finished: list[Request] = []
@@ -585,9 +617,24 @@ class Engine:
     for b, (req, n) in zip(order, rows):
       req.prefilled += n
       if finishing[b]:
+        if req.export_kv:
+          self._export_kv(req)
         self.backend.prefill_finished(req.kv)
         req.phase = Phase.DECODING
         self._emit(req, int(out[b]), finished)
+
+  def _export_kv(self, req: Request) -> None:
+    """A prefill server's output: the request's prompt KV, read from its pages before they are freed, into
+    ``req.prompt_kv`` = (latent dtype[L, P, W], indexer keys float32[L, P, Di]) on one device, P the power of two
+    (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt)."""
+    n = len(req.prefill_ids)
+    size = max(self.page_size, _pow2_at_least(n))
+    kvs = [None] * self.groups  # one row per DP group: the request's group reads, the others idle
+    kvs[req.kv.group] = req.kv
+    tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, [False] * self.groups).items()}
+    latent, index = self._export_fn(self.backend.state, tables, self._put(np.int32(n)), size=size)
+    device = jax.local_devices()[0]
+    req.prompt_kv = tuple(jax.device_put(x[req.kv.group], device) for x in (latent, index))
 
   def _import_kv(self, req: Request, finished: list[Request]) -> None:
     """Writes a request's prompt KV computed elsewhere into its pages (the same views, hence the same
@@ -597,7 +644,7 @@ class Engine:
     tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     latent, index = req.prompt_kv
     self.backend.state = self._import_fn(self.backend.state, tables, self._put(latent, self.dtype),
-                                         self._put(index, jnp.float32))
+                                         self._put(index, jnp.float32), self._put(np.int32(len(req.prompt_ids))))
     req.prompt_kv, req.prefilled = None, len(req.prompt_ids)  # the arrays are in the pools now
     req.phase = Phase.DECODING
     self._emit(req, int(req.first_token), finished)

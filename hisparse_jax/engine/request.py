@@ -77,8 +77,12 @@ class Request:
       memory ran out while it ran.
     arrival / first_token_time / finish_time: time.monotonic() stamps.
     prompt_kv: the prompt's KV computed elsewhere (a prefill server), (latent dtype[L, P, W], indexer keys
-      float32[L, P, Di]) for the P prompt tokens, with its first generated token given as first_token: the
-      engine writes them into its pools instead of prefilling, and continues decoding from there.
+      float32[L, P, Di]) for positions 0..P-1 (P >= the prompt's tokens: a padded bucket; rows past the prompt
+      are ignored), with its first generated token given as first_token: the engine writes them into its pools
+      instead of prefilling, and continues decoding from there. With export_kv (a prefill server's request) the
+      engine sets it instead, from its own pools, when the prompt's prefill ends.
+    prefill_seconds / transfer_seconds / transfer_bytes: with prefill/decode disaggregation, the prefill
+      server's time to the first token, the time to pull the prompt KV from it, and the bytes pulled.
   """
 
   request_id: str
@@ -95,6 +99,10 @@ class Request:
   ignore_eos: bool = False
   prompt_kv: tuple | None = None
   first_token: int | None = None
+  export_kv: bool = False
+  prefill_seconds: float = 0.0
+  transfer_seconds: float = 0.0
+  transfer_bytes: int = 0
   output_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
   text_sent: int = 0

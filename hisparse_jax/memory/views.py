@@ -210,15 +210,44 @@ class DenseState:
     del tables
     return self
 
-  @per_group(replicated=(1, 2))
-  def import_prompt(self, tables, latent, index) -> "DenseState":
-    """Writes one request's prompt KV computed elsewhere: latent T[L, P, W], index f32[L, P, Di] at
-    positions 0..P-1 through its page-table row (tables: a one-row decode batch)."""
+  @per_group(replicated=(1, 2, 3))
+  def import_prompt(self, tables, latent, index, length) -> "DenseState":
+    """Writes one request's prompt KV computed elsewhere: latent T[L, P, W], index f32[L, P, Di] (P >= length:
+    a padded bucket) at positions 0..length-1 (length: an int32 scalar) through its page-table row (tables: a
+    one-row-per-group decode batch)."""
     view = self.view(tables)
-    positions = jnp.arange(latent.shape[1], dtype=jnp.int32)[None]
+    positions = _prompt_positions(latent.shape[1], length)
     for l in range(latent.shape[0]):
       view = view.append(l, positions, latent[l][None], index[l][None])
     return self.absorb(view)
+
+  @per_group(replicated=(1,))
+  def export_prompt(self, tables, length, size: int):
+    """One request's prompt KV, to hand to another server (a prefill server's output): (latent T[B, L, size,
+    W], index f32[B, L, size, Di]) at positions 0..size-1 of each row's page table (tables: a decode batch;
+    the request's row), zeros from ``length`` (an int32 scalar) on."""
+    pages = tables["pages"]
+    return _export(self.latent, self.index, pages, pages, length, size, self.page_size)
+
+
+def _prompt_positions(size: int, length):
+  """int32[1, size]: 0..size-1, -1 (dropped) from length on."""
+  pos = jnp.arange(size, dtype=jnp.int32)
+  return jnp.where(pos < length, pos, -1)[None]
+
+
+def _export(latent_pool, index_pool, latent_pages, index_pages, length, size, page_size):
+  """(latent [B, L, size, W], index [B, L, size, Di]): each row's positions 0..size-1 read through its page
+  tables, zeros from length on."""
+  B = latent_pages.shape[0]
+  pos = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, size))
+  keep = (pos < length)[..., None]
+
+  def read(pool, pages):
+    rows = jnp.stack([gather_rows(pool, l, pages, pos, page_size) for l in range(pool.shape[0])], axis=1)
+    return jnp.where(keep[:, None], rows, jnp.zeros((), rows.dtype))
+
+  return read(latent_pool, latent_pages), read(index_pool, index_pages)
 
 
 # -------------------------------------------------------------------------------------------- hisparse
@@ -400,15 +429,16 @@ class HiSparseState:
   def absorb(self, view) -> "HiSparseState":
     return _absorb(self, view)
 
-  @per_group(replicated=(1, 2))
-  def import_prompt(self, tables, latent, index) -> "HiSparseState":
-    """Writes one request's prompt KV computed elsewhere (latent T[L, P, W], index f32[L, P, Di], positions
-    0..P-1; tables: a one-row decode batch): indexer keys to its device pages, latent rows to its host rows
-    (backup kernel), and its hot buffer as a prefill leaves it (slot s = position s, s <= D; LRU and stats
+  @per_group(replicated=(1, 2, 3))
+  def import_prompt(self, tables, latent, index, length) -> "HiSparseState":
+    """Writes one request's prompt KV computed elsewhere (latent T[L, P, W], index f32[L, P, Di], P >= length
+    (an int32 scalar); positions 0..length-1; tables: a one-row-per-group decode batch): indexer keys to its
+    device pages, latent rows to its host rows (backup kernel), and its hot buffer as a prefill leaves it (slot
+    s = position s, s <= D; rows past the prompt are written by decode before they are read; LRU and stats
     reset), with no staging pages."""
     L, P, _ = latent.shape
     D1 = self.hot.shape[2]
-    positions = jnp.arange(P, dtype=jnp.int32)[None]
+    positions = _prompt_positions(P, length)
     dst = host_rows(tables["host_pages"], positions, self.page_size)[0]
     host_pool = ops.backup(0, latent.astype(self.hot.dtype), dst, self.host_pool, external=self.external)
     index_pool = self.index
@@ -422,6 +452,14 @@ class HiSparseState:
         self, index=index_pool, host_pool=host_pool, hot=self.hot.at[:, slot].set(rows),
         slot_tokens=self.slot_tokens.at[:, slot].set(slots), lru=self.lru.at[:, slot].set(slots),
         stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)))
+
+  @per_group(replicated=(1,))
+  def export_prompt(self, tables, length, size: int):
+    """One request's prompt KV while it prefills (before its staging pages are freed): (latent T[B, L, size,
+    W] from the staging pages, index f32[B, L, size, Di] from the index pages), zeros from ``length`` on
+    (tables: a prefill batch's)."""
+    return _export(self.staging, self.index, tables["staging_pages"], tables["index_pages"], length, size,
+                   self.page_size)
 
   @per_group()
   def finish_prefill(self, tables) -> "HiSparseState":

@@ -22,6 +22,74 @@ ABORT: FinishReason
 STOP_TOKEN: FinishReason
 STOP_STRING: FinishReason
 
+class PrefillMessage(_message.Message):
+    __slots__ = ("request", "received")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    request: PrefillRequest
+    received: KVReceived
+    def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., received: _Optional[_Union[KVReceived, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("input_ids", "temperature", "top_p", "top_k", "seed")
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    input_ids: TokenIds
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class KVReceived(_message.Message):
+    __slots__ = ("pulled",)
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    pulled: bool
+    def __init__(self, pulled: _Optional[bool] = ...) -> None: ...
+
+class PrefillOffer(_message.Message):
+    __slots__ = ("first_token", "transfer_uuid", "transfer_address", "kv_positions", "latent_dtype", "prefill_seconds", "kv_bytes")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_UUID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    transfer_uuid: int
+    transfer_address: str
+    kv_positions: int
+    latent_dtype: str
+    prefill_seconds: float
+    kv_bytes: int
+    def __init__(self, first_token: _Optional[int] = ..., transfer_uuid: _Optional[int] = ..., transfer_address: _Optional[str] = ..., kv_positions: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model_fingerprint", "num_layers", "latent_dim", "index_dim", "latent_dtype", "transfer_address", "max_seq_len")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DIM_FIELD_NUMBER: _ClassVar[int]
+    LATENT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    num_layers: int
+    latent_dim: int
+    index_dim: int
+    latent_dtype: str
+    transfer_address: str
+    max_seq_len: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -57,7 +125,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses", "matched_stop", "num_preemptions")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses", "matched_stop", "num_preemptions", "prefill_seconds", "transfer_seconds", "transfer_bytes", "decode_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +137,10 @@ class GenerateResponse(_message.Message):
     SWAP_IN_MISSES_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -80,7 +152,11 @@ class GenerateResponse(_message.Message):
     swap_in_misses: int
     matched_stop: str
     num_preemptions: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ..., matched_stop: _Optional[str] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
+    decode_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ..., matched_stop: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

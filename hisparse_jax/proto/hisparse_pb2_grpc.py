@@ -184,3 +184,130 @@ class HiSparseInference:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PrefillServiceStub:
+    """Prefill/decode disaggregation: what a prefill server (run_server.py --disaggregation-mode prefill) serves
+    to decode servers (--disaggregation-mode decode), besides HiSparseInference.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.stream_stream(
+                '/hisparse.PrefillService/Prefill',
+                request_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.PrefillMessage.SerializeToString,
+                response_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.PrefillOffer.FromString,
+                _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/hisparse.PrefillService/Info',
+                request_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.InfoRequest.SerializeToString,
+                response_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.InfoResponse.FromString,
+                _registered_method=True)
+
+
+class PrefillServiceServicer:
+    """Prefill/decode disaggregation: what a prefill server (run_server.py --disaggregation-mode prefill) serves
+    to decode servers (--disaggregation-mode decode), besides HiSparseInference.
+    """
+
+    def Prefill(self, request_iterator, context):
+        """One prompt per stream: the caller sends a PrefillRequest; the server prefills it, samples the first
+        token and offers the prompt's KV on its transfer server (jax.experimental.transfer), answering with a
+        PrefillOffer; the caller pulls the KV and sends a KVReceived; then the stream ends. An offer not
+        acknowledged within the server's --transfer-timeout-s, or whose stream ends first, is taken back. A
+        stream cancelled during the prefill aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
+        """The server's model and KV layout (a decode server checks them at start-up) and its transfer address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.stream_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.PrefillMessage.FromString,
+                    response_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.PrefillOffer.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=hisparse__jax_dot_proto_dot_hisparse__pb2.InfoRequest.FromString,
+                    response_serializer=hisparse__jax_dot_proto_dot_hisparse__pb2.InfoResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'hisparse.PrefillService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('hisparse.PrefillService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillService:
+    """Prefill/decode disaggregation: what a prefill server (run_server.py --disaggregation-mode prefill) serves
+    to decode servers (--disaggregation-mode decode), besides HiSparseInference.
+    """
+
+    @staticmethod
+    def Prefill(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hisparse.PrefillService/Prefill',
+            hisparse__jax_dot_proto_dot_hisparse__pb2.PrefillMessage.SerializeToString,
+            hisparse__jax_dot_proto_dot_hisparse__pb2.PrefillOffer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hisparse.PrefillService/Info',
+            hisparse__jax_dot_proto_dot_hisparse__pb2.InfoRequest.SerializeToString,
+            hisparse__jax_dot_proto_dot_hisparse__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -15,6 +15,10 @@ otherwise):
   hisparse_kv_pool_pages{pool, memory, state="used"|"free"}      gauge (every KV pool, Engine.loads()["pools"])
   hisparse_kv_pool_bytes{pool, memory, state="used"|"free"}      gauge
   hisparse_preemptions                                           gauge (requests preempted since start)
+  hisparse_pd_prefill_seconds, hisparse_pd_kv_transfer_seconds   histograms (decode server: prefill server's time
+                                                                 to first token; pulling the prompt KV)
+  hisparse_pd_kv_transfer_bytes_total                            counter
+  hisparse_pd_kv_transfer_gigabytes_per_second                   gauge (the last pull)
 
 Gauges are set from the engine's published loads after every step and after every abort or release, so an
 idle server shows its idle state.
@@ -55,6 +59,14 @@ class ServerMetrics:
     self.pool_bytes = Gauge("hisparse_kv_pool_bytes", "KV pool bytes", ["pool", "memory", "state"], registry=r)
     self.preemptions = Gauge("hisparse_preemptions", "Requests preempted (KV freed, recomputed) since start",
                              registry=r)
+    self.prefill_seconds = Histogram("hisparse_pd_prefill_seconds", "Prefill server: arrival to first token",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+    self.transfer_seconds = Histogram("hisparse_pd_kv_transfer_seconds", "Pulling a prompt's KV from a prefill "
+                                      "server", buckets=_LATENCY_BUCKETS, registry=r)
+    self.transfer_bytes = Counter("hisparse_pd_kv_transfer_bytes", "Prompt KV bytes pulled from prefill servers",
+                                  registry=r)
+    self.transfer_rate = Gauge("hisparse_pd_kv_transfer_gigabytes_per_second", "The last prompt KV pull's rate "
+                               "(GB/s)", registry=r)
     self._last_token: dict[str, float] = {}
     self._arrival: dict[str, float] = {}
 
@@ -63,8 +75,8 @@ class ServerMetrics:
     httpd, _ = start_http_server(port, addr=host, registry=self.registry)
     return httpd.server_port
 
-  def on_submit(self, request_id: str) -> None:
-    self._arrival[request_id] = time.monotonic()
+  def on_submit(self, request_id: str, arrival: float | None = None) -> None:
+    self._arrival[request_id] = arrival or time.monotonic()
 
   def on_token(self, request_id: str) -> None:
     now = time.monotonic()
@@ -81,6 +93,11 @@ class ServerMetrics:
   def on_finish(self, req) -> None:
     self._last_token.pop(req.request_id, None)
     self._arrival.pop(req.request_id, None)
+    if req.transfer_bytes:  # a decode server's request, prefilled elsewhere
+      self.prefill_seconds.observe(req.prefill_seconds)
+      self.transfer_seconds.observe(req.transfer_seconds)
+      self.transfer_bytes.inc(req.transfer_bytes)
+      self.transfer_rate.set(req.transfer_bytes / max(req.transfer_seconds, 1e-9) / 1e9)
     for layer, (h, m) in enumerate(zip(req.layer_hits, req.layer_misses)):
       self.hits.labels(layer=str(layer)).inc(int(h))
       self.misses.labels(layer=str(layer)).inc(int(m))

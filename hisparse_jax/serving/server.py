@@ -28,6 +28,7 @@ import math
 import os
 import queue
 import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -44,6 +45,7 @@ from hisparse_jax.serving.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "hisparse.HiSparseInference"
+PREFILL_SERVICE_NAME = "hisparse.PrefillService"
 _FINISH = {"stop": hisparse_pb2.STOP, "length": hisparse_pb2.LENGTH, "abort": hisparse_pb2.ABORT,
            "stop_token": hisparse_pb2.STOP_TOKEN, "stop_string": hisparse_pb2.STOP_STRING}
 
@@ -76,7 +78,7 @@ class EngineLoop(threading.Thread):
 
     req.on_token = on_token
     if metrics is not None:
-      metrics.on_submit(req.request_id)
+      metrics.on_submit(req.request_id, req.arrival or None)
     self._inbox.put(("submit", req, events))
 
   def abort(self, request_id: str) -> None:
@@ -133,7 +135,6 @@ class EngineLoop(threading.Thread):
       self._update_metrics()
     for q in listeners.values():  # stopped with requests in flight
       q.put(_Event(error=Unavailable("server shutting down")))
-    self.engine.close()  # several processes: the followers stop too
 
   def _update_metrics(self) -> None:
     if self.metrics is not None:
@@ -250,10 +251,11 @@ def _sampling(request) -> dict:
 class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
   """The HiSparseInference RPCs (coroutines on the server's asyncio thread: its state needs no lock)."""
 
-  def __init__(self, loop: EngineLoop, tokenizer, limits: ServerLimits | None = None):
+  def __init__(self, loop: EngineLoop, tokenizer, limits: ServerLimits | None = None, prefill_client=None):
     self.loop = loop
     self.engine = loop.engine
     self.tokenizer = tokenizer
+    self.prefill_client = prefill_client  # a decode server's link to its prefill servers (disaggregation.py)
     limits = limits or ServerLimits()
     queued = self.engine.max_queued_requests
     self.max_streams = (limits.max_streams if limits.max_streams is not None else
@@ -313,9 +315,16 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       rid = request.request_id or uuid.uuid4().hex
       self._by_client_id.setdefault(rid, set()).add(req.request_id)
       events = _AsyncEvents(asyncio.get_running_loop())
-      self.loop.submit(req, events)
       done = False
       try:
+        if self.prefill_client is not None:  # decode server: a prefill server computes the prompt's KV
+          req.arrival = time.monotonic()
+          try:
+            await self.prefill_client.prefill(req, context.time_remaining())
+          except RequestError as e:
+            done = True
+            await context.abort(grpc.StatusCode[e.code], str(e))
+        self.loop.submit(req, events)
         first, sent = True, 0  # sent: characters of the output text streamed so far
         while True:
           ev = await events.get()
@@ -334,7 +343,10 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
               request_id=rid if first else "", finished=True, finish_reason=_FINISH[fin.finish_reason],
               text=fin.text[sent:], prompt_tokens=len(fin.prompt_ids),
               completion_tokens=len(fin.output_ids), swap_in_hits=fin.hits, swap_in_misses=fin.misses,
-              matched_stop=fin.matched_stop, num_preemptions=fin.num_preemptions)
+              matched_stop=fin.matched_stop, num_preemptions=fin.num_preemptions,
+              prefill_seconds=fin.prefill_seconds, transfer_seconds=fin.transfer_seconds,
+              transfer_bytes=fin.transfer_bytes,
+              decode_seconds=(fin.finish_time or 0.0) - (fin.first_token_time or fin.finish_time or 0.0))
           return
       finally:
         if not done:  # cancelled, deadline, or the client went away: free its slot at the next step
@@ -485,13 +497,24 @@ class RunningServer:
 
 
 def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetrics | None = None, *,
-          limits: ServerLimits | None = None, tls: TLSConfig | None = None, api_key: str | None = None):
+          limits: ServerLimits | None = None, tls: TLSConfig | None = None, api_key: str | None = None,
+          disaggregation=None):
   """Starts the server; returns (RunningServer, EngineLoop, bound port).
 
   limits: per-request and open-stream bounds (``ServerLimits``; defaults from the engine). tls: serve TLS
-  (else plain text). api_key: required bearer token of every HiSparseInference call.
+  (else plain text). api_key: required bearer token of every HiSparseInference and PrefillService call.
+  disaggregation: a ``disaggregation.DisaggregationConfig``: "prefill" also serves ``PrefillService``,
+  "decode" gets every prompt's KV from the prefill servers (checked first: ValueError naming the flag).
   Raises OSError if host:port cannot be bound.
   """
+  from hisparse_jax.serving import disaggregation as pd
+  mode = disaggregation.mode if disaggregation is not None else "null"
+  transfer = pd.TransferEndpoint(disaggregation.transfer_host) if mode != "null" else None
+  prefill_client = None
+  if mode == "decode":
+    pd.check_prefill_servers(engine, disaggregation.prefill_servers, disaggregation.api_key)
+    prefill_client = pd.PrefillClient(engine, disaggregation.prefill_servers, transfer,
+                                      disaggregation.transfer_timeout_s, disaggregation.api_key)
   loop = EngineLoop(engine, metrics)
   loop.start()
   aio_loop = asyncio.new_event_loop()
@@ -502,10 +525,22 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     interceptors = [_ApiKeyInterceptor(api_key)] if api_key else []
     # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
-    servicer = InferenceServicer(loop, tokenizer, limits)
+    servicer = InferenceServicer(loop, tokenizer, limits, prefill_client)
     handlers = _handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    if mode == "prefill":
+      prefill = pd.PrefillServicer(loop, transfer, disaggregation.transfer_timeout_s, _AsyncEvents)
+      pb = hisparse_pb2
+      prefill_handlers = {
+          "Prefill": grpc.stream_stream_rpc_method_handler(
+              prefill.Prefill, request_deserializer=_tolerant(pb.PrefillMessage),
+              response_serializer=pb.PrefillOffer.SerializeToString),
+          "Info": grpc.unary_unary_rpc_method_handler(
+              prefill.Info, request_deserializer=_tolerant(pb.InfoRequest),
+              response_serializer=pb.InfoResponse.SerializeToString)}
+      server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PREFILL_SERVICE_NAME,
+                                                                            prefill_handlers),))
     health_servicer = health.aio.HealthServicer()
     _add_health(health_servicer, server)
     address = f"{host}:{port}"
@@ -519,7 +554,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
       servicer.close()
       raise OSError(f"cannot bind {host}:{port}: {reason}")
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME) + ((PREFILL_SERVICE_NAME,) if mode == "prefill" else ()):
       await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, servicer, health_servicer, bound
 

@@ -1,0 +1,345 @@
+"""Prefill/decode (PD) disaggregation: prefill servers fill decode servers' KV (``run_server.py
+--disaggregation-mode prefill | decode``).
+
+    client ─Generate─▶ decode server ──PrefillService.Prefill──▶ prefill server: (chunked) prefill, samples the
+                         │    ▲                                  first token, offers the prompt's KV [latent,
+                         │    └──── pull (jax.experimental.transfer) ──┘  indexer keys] on its transfer server
+                         └─ imports the KV (HiSparse: latent rows into its ``pinned_host`` host pool pages, indexer
+                            keys into device pages; dense: device pages), decodes, streams the tokens
+
+The decode server stays the client-facing endpoint (Generate / Abort / GetLoads / health). For each request it
+picks a prefill server round-robin (``--prefill-servers``), opens a ``Prefill`` stream and sends the prompt
+with its sampling; the prefill server runs the prompt through its own engine as a one-token request whose KV is
+exported when its prefill ends (``Request.export_kv``), offers [latent dtype[L, P, W], index float32[L, P, Di]]
+(P a power of two >= the prompt) under a random uuid with ``TransferServer.await_pull`` and answers with a
+``PrefillOffer`` (first token, uuid, its transfer address, timings). The decode server pulls the arrays (one
+``TransferConnection`` per prefill server), acknowledges (``KVReceived``) and submits the request with
+``prompt_kv`` + ``first_token`` to its engine, which admits it, writes the KV into its pools
+(``state.import_prompt``) and decodes from there: greedy tokens equal the colocated server's. The decode
+server holds no pages until the KV has arrived, so a failure before that leaves nothing to free.
+
+Faults (measured behaviour of jax.experimental.transfer 0.12 on CPU, which shapes this protocol): a pull from
+a server that dies fails at once ("SocketServer: Connection closed"), but a pull of a uuid that is not
+(or no longer) offered blocks until the server exits, whatever its timeout; and an offer that is never pulled
+keeps its arrays forever (``await_pull``'s timeout does not free them) unless someone pulls it. Hence:
+  - the decode server pulls on a bounded thread pool and gives up after ``--transfer-timeout-s``; a failed or
+    timed-out prefill or pull is retried once on another prefill server when there is one, else the request
+    fails with UNAVAILABLE (the decode server keeps serving);
+  - a pull in flight is never cancelled: when the client aborts meanwhile, the pull finishes in the
+    background, is acknowledged and dropped (an abort leaves nothing offered, nothing half-imported);
+  - the prefill server takes an offer back (pulls it from itself, and drops it) when the stream ends without
+    a ``KVReceived(pulled=True)`` or none comes within its ``--transfer-timeout-s``; a stream cancelled while
+    the prompt is still prefilling aborts that prefill.
+A peer that hangs (alive, not answering) can leave one pull thread blocked on each side for each transfer in
+flight; the decode server's pool of PULL_THREADS bounds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import random
+import threading
+import time
+import uuid as uuidlib
+
+import grpc
+
+from hisparse_jax.engine import InvalidRequest, Request, RequestError, Unavailable
+from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MODES = ("null", "prefill", "decode")
+# Pulls in flight on a decode server at once (each a blocking call on its own thread).
+PULL_THREADS = 8
+# Seconds a decode server's start-up waits for each prefill server's Info.
+CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DisaggregationConfig:
+  """``--disaggregation-mode`` ("null": colocated prefill and decode; "prefill"; "decode"),
+  ``--prefill-servers`` (decode: host:port of each prefill server's gRPC endpoint), ``--transfer-host`` (the
+  address this process's transfer server binds and announces) and ``--transfer-timeout-s`` (decode: how long a
+  pull may take; prefill: how long an offer waits to be pulled). The servers of one deployment share one
+  ``--api-key`` (a decode server sends its own to its prefill servers); their links are plain-text gRPC and
+  transfer sockets, for a private network."""
+
+  mode: str = "null"
+  prefill_servers: tuple[str, ...] = ()
+  transfer_host: str = "127.0.0.1"
+  transfer_timeout_s: float = 60.0
+  api_key: str | None = None  # sent to the prefill servers (a deployment shares one --api-key)
+
+  def validate(self) -> None:
+    """ValueError naming the flag."""
+    if self.mode not in MODES:
+      raise ValueError(f"--disaggregation-mode {self.mode!r}: expected one of {', '.join(MODES)}")
+    if self.mode == "decode" and not self.prefill_servers:
+      raise ValueError("--disaggregation-mode decode needs --prefill-servers host:port[,host:port...]")
+    if self.mode != "decode" and self.prefill_servers:
+      raise ValueError(f"--prefill-servers is for --disaggregation-mode decode (got {self.mode})")
+    for s in self.prefill_servers:
+      host, sep, port = s.rpartition(":")
+      if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--prefill-servers {s!r}: expected host:port")
+    if not self.transfer_timeout_s > 0:
+      raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
+
+
+class TransferEndpoint:
+  """This process's ``jax.experimental.transfer`` server (bound to ``host`` with explicit transport addresses:
+  the defaults abort the process on CPU, PLATFORM.md) and its connections to other servers, one per address."""
+
+  def __init__(self, host: str = "127.0.0.1"):
+    import jax
+    from jax.experimental import transfer
+    self.server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"])
+    self.address = self.server.address()
+    self._connections: dict = {}
+    self._lock = threading.Lock()
+
+  def connection(self, address: str):
+    with self._lock:
+      if address not in self._connections:
+        self._connections[address] = self.server.connect(address)
+      return self._connections[address]
+
+  def offer(self, uuid: int, arrays) -> None:
+    """Schedules ``arrays`` to be pulled once under ``uuid`` (non-blocking)."""
+    self.server.await_pull(uuid, list(arrays))
+
+  def pull(self, address: str, uuid: int, specs) -> list:
+    """The arrays offered under uuid at address (blocking; ``specs``: ShapeDtypeStructs with shardings)."""
+    out = self.connection(address).pull(uuid, list(specs))
+    for x in out:
+      x.block_until_ready()
+    return out
+
+
+def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype):
+  import jax
+  import jax.numpy as jnp
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return (jax.ShapeDtypeStruct((layers, positions, latent_dim), jnp.dtype(dtype), sharding=device),
+          jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.float32, sharding=device))
+
+
+def _sampling(message) -> dict:
+  top_p = message.top_p if message.HasField("top_p") else 1.0
+  return dict(temperature=message.temperature, top_k=message.top_k, top_p=top_p,
+              seed=message.seed if message.HasField("seed") else None)
+
+
+# --------------------------------------------------------------------------------------------- prefill
+class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
+  """``PrefillService`` of a prefill server: prompts through its engine loop, KV offered for pulling."""
+
+  def __init__(self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls):
+    self.loop = loop
+    self.engine = loop.engine
+    self.transfer = transfer
+    self.timeout_s = timeout_s
+    self._events_cls = events_cls  # server._AsyncEvents
+    self._take_back_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="take-back")
+    self.offers_taken_back = 0
+
+  def info(self) -> hisparse_pb2.InfoResponse:
+    e = self.engine
+    return hisparse_pb2.InfoResponse(
+        model_fingerprint=e.model_fingerprint, num_layers=e.config.num_hidden_layers,
+        latent_dim=e.config.latent_dim, index_dim=e.config.index_head_dim, latent_dtype=e.dtype.name,
+        transfer_address=self.transfer.address, max_seq_len=e.max_seq_len)
+
+  async def Info(self, request, context):
+    return self.info()
+
+  async def Prefill(self, request_iterator, context):
+    first = await context.read()
+    if not isinstance(first, hisparse_pb2.PrefillMessage) or first.WhichOneof("message") != "request":
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Prefill stream starts with a PrefillRequest")
+    message = first.request
+    try:
+      req = Request(request_id=uuidlib.uuid4().hex, prompt_ids=list(message.input_ids.ids), max_new_tokens=1,
+                    ignore_eos=True, export_kv=True, **_sampling(message))
+      self.engine.validate(req)
+    except RequestError as e:
+      await context.abort(grpc.StatusCode[e.code], str(e))
+    arrival = time.monotonic()
+    events = self._events_cls(asyncio.get_running_loop())
+    self.loop.submit(req, events)
+    done = False
+    try:
+      while True:
+        ev = await events.get()
+        if ev.error is not None:
+          done = True
+          await context.abort(grpc.StatusCode[ev.error.code], str(ev.error))
+        if ev.token is None:
+          done = True
+          break
+    finally:
+      if not done:  # the decode server went away or cancelled: stop the prefill
+        self.loop.abort(req.request_id)
+    fin = ev.done
+    if fin is None or fin.prompt_kv is None:
+      await context.abort(grpc.StatusCode.CANCELLED, "the prefill was aborted")
+    latent, index = fin.prompt_kv
+    uuid = random.getrandbits(63)
+    self.transfer.offer(uuid, (latent, index))
+    acknowledged = False
+    try:
+      await context.write(hisparse_pb2.PrefillOffer(
+          first_token=fin.output_ids[0], transfer_uuid=uuid, transfer_address=self.transfer.address,
+          kv_positions=latent.shape[1], latent_dtype=latent.dtype.name,
+          prefill_seconds=(fin.first_token_time or time.monotonic()) - arrival,
+          kv_bytes=latent.nbytes + index.nbytes))
+      reply = await asyncio.wait_for(context.read(), self.timeout_s)
+      acknowledged = (isinstance(reply, hisparse_pb2.PrefillMessage) and reply.WhichOneof("message") == "received"
+                      and reply.received.pulled)
+    except asyncio.TimeoutError:
+      log.warning("prefill offer %d not acknowledged within %.0f s: taken back", uuid, self.timeout_s)
+    finally:
+      if not acknowledged:
+        self._take_back(uuid, latent, index)
+
+  def _take_back(self, uuid: int, latent, index) -> None:
+    """Pulls an unclaimed offer from this process itself, which frees it (nothing else does)."""
+    specs = _specs(latent.shape[0], latent.shape[1], latent.shape[2], index.shape[2], latent.dtype)
+
+    def pull():
+      self.transfer.pull(self.transfer.address, uuid, specs)
+      self.offers_taken_back += 1
+
+    self._take_back_pool.submit(pull)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+class PrefillFailed(Exception):
+  """A prefill server or its transfer failed (another may succeed)."""
+
+
+def _metadata(api_key: str | None) -> tuple:
+  from hisparse_jax.serving import credentials
+  return (("authorization", credentials.bearer(api_key)),) if api_key else ()
+
+
+def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
+  """ValueError naming ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S
+  and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype, and a context >= this engine's."""
+  layout = (engine.config.num_hidden_layers, engine.config.latent_dim, engine.config.index_head_dim,
+            engine.dtype.name)
+  for address in servers:
+    with grpc.insecure_channel(address) as channel:
+      try:
+        info = hisparse_pb2_grpc.PrefillServiceStub(channel).Info(
+            hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=_metadata(api_key))
+      except grpc.RpcError as e:
+        raise ValueError(f"--prefill-servers {address}: no prefill server answered ({e.code().name}: "
+                         f"{e.details()}); start it with --disaggregation-mode prefill") from None
+    theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype)
+    if info.model_fingerprint != engine.model_fingerprint or theirs != layout:
+      raise ValueError(f"--prefill-servers {address}: serves another model or KV layout (layers, latent, index "
+                       f"width, dtype {theirs}; here {layout}); both need the same --model-path and --dtype")
+    if info.max_seq_len < engine.max_seq_len:
+      raise ValueError(f"--prefill-servers {address}: its --max-seq-len {info.max_seq_len} is below this server's "
+                       f"{engine.max_seq_len}")
+
+
+class PrefillClient:
+  """A decode server's side: picks a prefill server round-robin, runs ``Prefill`` there, pulls the KV, and
+  retries once on another prefill server when one fails (module docstring)."""
+
+  def __init__(self, engine, servers: tuple[str, ...], transfer: TransferEndpoint, timeout_s: float,
+               api_key: str | None = None):
+    self.engine = engine
+    self.servers = servers
+    self.metadata = _metadata(api_key)
+    self.transfer = transfer
+    self.timeout_s = timeout_s
+    self._stubs: list | None = None  # grpc.aio stubs, made on the server's event loop
+    self._next = 0
+    self._pulls = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-pull")
+    self.layout = (engine.config.num_hidden_layers, engine.config.latent_dim, engine.config.index_head_dim,
+                   engine.dtype.name)
+
+  def _stub(self, i: int):
+    if self._stubs is None:
+      self._stubs = [hisparse_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(s)) for s in self.servers]
+    return self._stubs[i]
+
+  async def prefill(self, req: Request, deadline_s: float | None = None) -> None:
+    """Sets req.prompt_kv, first_token and its prefill / transfer timings from a prefill server (deadline_s:
+    the seconds the caller's own deadline leaves, bounding each attempt; None: none).
+
+    Raises:
+      Unavailable: the prefill server(s) or the transfer failed (after one retry on another server).
+      RequestError: the prefill server refused the request (INVALID_ARGUMENT / RESOURCE_EXHAUSTED: no retry).
+    """
+    if req.seed is None:  # drawn here, so that the first token (sampled there) and the rest share it
+      req.seed = int.from_bytes(os.urandom(4), "little")
+    errors = []
+    for _ in range(min(2, len(self.servers))):
+      i = self._next
+      self._next = (self._next + 1) % len(self.servers)
+      try:
+        await self._prefill_on(i, req, deadline_s)
+        return
+      except PrefillFailed as e:
+        errors.append(f"{self.servers[i]}: {e}")
+    raise Unavailable("prefill failed: " + "; ".join(errors))
+
+  async def _prefill_on(self, i: int, req: Request, deadline_s: float | None) -> None:
+    call = self._stub(i).Prefill(metadata=self.metadata, timeout=deadline_s)
+    try:
+      await call.write(hisparse_pb2.PrefillMessage(request=hisparse_pb2.PrefillRequest(
+          input_ids=hisparse_pb2.TokenIds(ids=req.prompt_ids), temperature=req.temperature, top_p=req.top_p,
+          top_k=req.top_k, **({} if req.seed is None else {"seed": req.seed}))))
+      offer = await call.read()
+    except asyncio.CancelledError:  # the client went away during the prefill: stop it there
+      call.cancel()
+      raise
+    except grpc.aio.AioRpcError as e:
+      if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: another server would refuse it too
+        raise InvalidRequest(f"prefill server: {e.details()}") from None
+      raise PrefillFailed(f"{e.code().name}: {e.details()}") from None
+    if offer is grpc.aio.EOF:
+      raise PrefillFailed("the stream ended without an offer")
+    L, W, Di, dtype = self.layout
+    if offer.latent_dtype != dtype or offer.kv_positions < len(req.prompt_ids):
+      call.cancel()
+      raise PrefillFailed(f"offer of {offer.kv_positions} positions in {offer.latent_dtype}; expected >= "
+                          f"{len(req.prompt_ids)} in {dtype}")
+    specs = _specs(L, offer.kv_positions, W, Di, dtype)
+    start = time.monotonic()
+    # The pull and its acknowledgement are shielded from the caller's cancellation (an abort): a pull in
+    # flight is finished and acknowledged, then dropped.
+    task = asyncio.ensure_future(self._pull_and_acknowledge(call, offer, specs))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (an abandoned task's error is expected)
+    try:
+      latent, index = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
+    except asyncio.TimeoutError:
+      raise PrefillFailed(f"the KV transfer took over --transfer-timeout-s {self.timeout_s:g}") from None
+    req.prompt_kv, req.first_token = (latent, index), offer.first_token
+    req.prefill_seconds, req.transfer_seconds = offer.prefill_seconds, time.monotonic() - start
+    req.transfer_bytes = latent.nbytes + index.nbytes
+
+  async def _pull_and_acknowledge(self, call, offer, specs):
+    loop = asyncio.get_running_loop()
+    try:
+      arrays = await loop.run_in_executor(self._pulls, self.transfer.pull, offer.transfer_address,
+                                          offer.transfer_uuid, specs)
+    except Exception as e:  # noqa: BLE001 - the prefill server died or refused: it keeps nothing of ours
+      call.cancel()
+      raise PrefillFailed(f"KV transfer from {offer.transfer_address}: {str(e).splitlines()[0]}") from None
+    try:
+      await call.write(hisparse_pb2.PrefillMessage(received=hisparse_pb2.KVReceived(pulled=True)))
+      await call.done_writing()
+    except grpc.aio.AioRpcError:
+      pass  # the KV is here; the prefill server's stream is gone (nothing is left offered)
+    return arrays
+

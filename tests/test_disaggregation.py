@@ -1,0 +1,233 @@
+"""Prefill/decode disaggregation (hisparse_jax/serving/disaggregation.py): prefill servers compute prompts' KV,
+decode servers pull it (jax.experimental.transfer) and decode; servers as subprocesses on loopback."""
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from hisparse_jax.proto import hisparse_pb2 as pb
+from hisparse_jax.proto import hisparse_pb2_grpc
+from tests.multiprocess import REPO, free_port, start_server, stop
+from tests.tiny_model import all_kv_free, tiny_model_dir
+
+# Prompts shorter and longer than the hot buffer (16) and than a prefill chunk (32).
+PROMPTS = [list(range(5, 10)), list(range(21, 41)), list(range(100, 150)), [7] * 33]
+HS = '{"top_k": 8, "device_buffer_size": 16, "host_to_device_ratio": 4}'
+COMMON = ["--max-seq-len=256", "--page-size=16", "--chunked-prefill-size=32", "--max-running-requests=4",
+          "--deterministic"]
+NEW = 8
+
+
+def _model():
+  return [f"--model-path={tiny_model_dir()}", *COMMON]
+
+
+@pytest.fixture(scope="module")
+def colocated():
+  """The tokens of the colocated engine (one device, full-batch steps) for PROMPTS."""
+  from hisparse_jax.engine import Engine, Request
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4,
+             deterministic=True)
+  reqs = [Request(str(i), p, NEW) for i, p in enumerate(PROMPTS)]
+  for r in reqs:
+    e.submit(r)
+  e.run()
+  return [r.output_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def servers():
+  """A prefill server (dense) and two decode servers (dense, HiSparse) pulling from it."""
+  procs = []
+  try:
+    prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill"])
+    procs.append(prefill)
+    decode = {}
+    for name, flags in (("dense", []), ("hisparse", ["--enable-hisparse", f"--hisparse-config={HS}"])):
+      proc, port = start_server([*_model(), *flags, "--disaggregation-mode=decode",
+                                 f"--prefill-servers=127.0.0.1:{pport}", "--metrics-port=0"])
+      procs.append(proc)
+      decode[name] = port
+      decode[name + " metrics"] = proc.listening_line.split("metrics at ")[1].strip()
+    yield pport, decode
+  finally:
+    stop(procs)
+
+
+def _stub(port):
+  return hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def _generate(stub, prompt, n=NEW, **kw):
+  msgs = list(stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt), max_new_tokens=n, **kw),
+                            timeout=120))
+  assert msgs[-1].finished
+  return [t for m in msgs for t in m.token_ids], msgs[-1]
+
+
+def _idle(stub):
+  """Every request slot and page of the server is free (GetLoads)."""
+  loads = stub.GetLoads(pb.GetLoadsRequest(), timeout=30)
+  return loads.running == 0 and loads.queued == 0 and all(p.pages_free == p.pages_total for p in loads.pools)
+
+
+@pytest.mark.parametrize("mode", ["dense", "hisparse"])
+def test_pd_tokens_equal_the_colocated_server(servers, colocated, mode):
+  """Concurrent requests through a decode server: the colocated greedy tokens; the final message gives the
+  prefill server's time, the transfer's time and bytes; every page comes back on both servers."""
+  pport, decode = servers
+  stub = _stub(decode[mode])
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(lambda p: _generate(stub, p), PROMPTS))
+  assert [tokens for tokens, _ in results] == colocated
+  for (_, final), prompt in zip(results, PROMPTS):
+    assert final.prefill_seconds > 0 and final.transfer_seconds > 0 and final.decode_seconds > 0
+    # latent (kv_lora 32 + rope 16) float32 + indexer keys (16) float32, 3 layers, positions padded to 2^k >= 16
+    positions = max(16, 1 << (len(prompt) - 1).bit_length())
+    assert final.transfer_bytes == 3 * positions * (48 + 16) * 4
+    if mode == "hisparse" and len(prompt) > 16:
+      assert final.swap_in_misses > 0
+  assert _idle(stub) and _idle(_stub(pport))
+  import urllib.request
+  text = urllib.request.urlopen(decode[mode + " metrics"], timeout=30).read().decode()
+  metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+  assert metrics["hisparse_pd_kv_transfer_bytes_total"] >= sum(r[1].transfer_bytes for r in results)
+  assert metrics["hisparse_pd_kv_transfer_seconds_count"] >= len(PROMPTS)
+  assert metrics["hisparse_pd_kv_transfer_gigabytes_per_second"] > 0
+
+
+def test_abort_while_the_kv_is_in_flight_leaves_nothing_stale(servers, colocated):
+  """Streams cancelled at once (their prefill or transfer in flight): both servers return to idle, and later
+  requests, which reuse the freed pages, get the colocated tokens."""
+  pport, decode = servers
+  stub = _stub(decode["hisparse"])
+  for prompt in PROMPTS[1:3] * 2:
+    call = stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt), max_new_tokens=50, ignore_eos=True),
+                         timeout=120)
+    time.sleep(0.05)
+    call.cancel()
+  deadline = time.monotonic() + 60
+  while not (_idle(stub) and _idle(_stub(pport))) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert _idle(stub) and _idle(_stub(pport))
+  assert [_generate(stub, p)[0] for p in PROMPTS] == colocated
+
+
+def test_a_killed_prefill_server(colocated):
+  """Two prefill servers, one killed: requests are retried once on the other and get the colocated tokens.
+  The last one killed too: requests fail with UNAVAILABLE, the decode server's pages are all free and it
+  keeps answering."""
+  procs = []
+  try:
+    a, aport = start_server([*_model(), "--disaggregation-mode=prefill"])
+    b, bport = start_server([*_model(), "--disaggregation-mode=prefill"])
+    procs += [a, b]
+    dec, dport = start_server([*_model(), "--enable-hisparse", f"--hisparse-config={HS}",
+                               "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{aport},127.0.0.1:{bport}"])
+    procs.append(dec)
+    stub = _stub(dport)
+    assert _generate(stub, PROMPTS[0])[0] == colocated[0]  # prefilled on a (round-robin: the next goes to b)
+    # b killed while it prefills the next request (its first: it compiles, seconds): retried on a.
+    call = stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[2]), max_new_tokens=NEW),
+                         timeout=120)
+    time.sleep(0.5)
+    b.kill()
+    b.communicate()
+    assert [t for m in call for t in m.token_ids] == colocated[2]
+    assert [_generate(stub, p)[0] for p in PROMPTS] == colocated  # round-robin reaches the dead one: retried
+    a.kill()
+    a.communicate()
+    with pytest.raises(grpc.RpcError) as e:
+      _generate(stub, PROMPTS[1])
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill failed" in e.value.details()
+    assert _idle(stub)
+    assert stub.GetLoads(pb.GetLoadsRequest(), timeout=30).free_lanes == 4
+  finally:
+    stop(procs)
+
+
+class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
+  """A prefill server whose offers never arrive: its Info is right, its PrefillOffer names a uuid its transfer
+  server never offers (a pull of it blocks), and it records whether the caller acknowledged."""
+
+  def __init__(self, info, transfer_address):
+    self.info, self.transfer_address, self.acks = info, transfer_address, []
+
+  def Info(self, request, context):
+    return self.info
+
+  def Prefill(self, request_iterator, context):
+    first = next(request_iterator)
+    n = len(first.request.input_ids.ids)
+    yield pb.PrefillOffer(first_token=1, transfer_uuid=12345, transfer_address=self.transfer_address,
+                          kv_positions=max(16, 1 << (n - 1).bit_length()), latent_dtype=self.info.latent_dtype,
+                          prefill_seconds=0.01, kv_bytes=1)
+    for message in request_iterator:
+      self.acks.append(message.received.pulled)
+
+
+def test_a_transfer_that_times_out():
+  """A pull that does not finish within --transfer-timeout-s: the request fails with UNAVAILABLE naming the
+  flag, nothing is held, the decode server keeps serving."""
+  from hisparse_jax.engine import Engine
+  from hisparse_jax.serving.disaggregation import TransferEndpoint
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
+  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
+                         latent_dtype="float32", max_seq_len=256)
+  transfer = TransferEndpoint()
+  server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+  servicer = _SilentPrefill(info, transfer.address)
+  hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+  port = server.add_insecure_port("127.0.0.1:0")
+  server.start()
+  procs = []
+  try:
+    dec, dport = start_server([*_model(), "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{port}",
+                               "--transfer-timeout-s=2"])
+    procs.append(dec)
+    stub = _stub(dport)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+      _generate(stub, PROMPTS[1])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "the KV transfer took over --transfer-timeout-s 2" in err.value.details(), err.value.details()
+    assert time.monotonic() - start < 30
+    assert _idle(stub)
+    assert stub.GetLoads(pb.GetLoadsRequest(), timeout=30).free_lanes == 4
+  finally:
+    stop(procs)
+    server.stop(0)
+
+
+def _startup_error(*flags):
+  r = subprocess.run([sys.executable, "run_server.py", "--port=0", *_model(), *flags], cwd=REPO, capture_output=True,
+                     text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
+  return r.stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--disaggregation-mode=decode"], "--disaggregation-mode decode needs --prefill-servers"),
+    (["--prefill-servers=127.0.0.1:1"], "--prefill-servers is for --disaggregation-mode decode"),
+    (["--disaggregation-mode=decode", "--prefill-servers=nowhere"], "--prefill-servers 'nowhere': expected host:port"),
+    (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be > 0"),
+])
+def test_bad_disaggregation_flags(flags, message):
+  assert message in _startup_error(*flags)
+
+
+def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
+  """A decode server whose prefill server does not answer, or serves another layout: exit 1 naming the flag."""
+  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{free_port()}")
+  assert "--prefill-servers 127.0.0.1:" in err and "no prefill server answered" in err
+  pport, _ = servers
+  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--dtype=bfloat16")
+  assert "serves another model or KV layout" in err

@@ -48,13 +48,16 @@ RESULTS := benchmarks/results
 bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	@start=$$(date +%s); set -e; \
 	$(PY) benchmarks/swap_in.py --json $(RESULTS)/swap_in_cpu.json; \
-	$(PY) benchmarks/miss_rate.py --out $(RESULTS)/miss_rate; \
-	$(PY) benchmarks/miss_rate.py --context 65536 --steps 500 --out $(RESULTS)/miss_rate_64k; \
+	$(PY) benchmarks/miss_rate.py --out $(RESULTS)/miss_rate_calibrated_64k; \
+	$(PY) benchmarks/miss_rate.py --context 16384 --out $(RESULTS)/miss_rate_calibrated_16k; \
+	$(PY) benchmarks/miss_rate.py --trace-model synthetic --context 16384 --steps 1000 --out $(RESULTS)/miss_rate; \
+	$(PY) benchmarks/miss_rate.py --trace-model synthetic --context 65536 --steps 500 --out $(RESULTS)/miss_rate_64k; \
 	$(PY) benchmarks/record_trace.py --out $(RESULTS)/topk_trace.npz; \
 	$(PY) benchmarks/miss_rate.py --trace $(RESULTS)/topk_trace.npz --out $(RESULTS)/miss_rate_recorded; \
 	$(PY) benchmarks/long_context.py --out $(RESULTS)/long_context; \
 	$(PY) benchmarks/throughput.py --out $(RESULTS)/throughput; \
 	$(PY) benchmarks/vs_transformers.py --out $(RESULTS)/vs_transformers; \
+	$(PY) benchmarks/step_floor.py --out $(RESULTS)/step_floor; \
 	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
 	$(PY) benchmarks/moe.py --ep 8 --out $(RESULTS)/moe; \
 	$(PY) benchmarks/sharded_load.py --out $(RESULTS)/sharded_load; \

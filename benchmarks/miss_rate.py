@@ -1,30 +1,36 @@
 r"""Swap-in miss rates by eviction policy and hot-buffer size, replayed on the same top-k traces.
 
-  python benchmarks/miss_rate.py [--quick] [--context 16384] [--steps 1000] [--top-k 2048] \
-      [--buffers 2048,4096,6144] [--out benchmarks/results/miss_rate]
+  python benchmarks/miss_rate.py [--quick] [--context 65536] [--steps 500] [--top-k 2048] [--layers 8] \
+      [--buffers 2048,4096,6144] [--seed 0] [--out benchmarks/results/miss_rate_calibrated_64k]
+  python benchmarks/miss_rate.py --trace-model synthetic --context 16384 --steps 1000 --out ...
   python benchmarks/miss_rate.py --trace trace.npz --buffers 2048,4096 --out ...
 
-Traces: ``--trace`` replays the top-k positions recorded from a model's own
-indexer (``python -m hisparse_jax.generate --dump-topk trace.npz``): every
-(request, layer) is one stream, replayed separately; tables and plots average
-over streams. Without it, a synthetic trace (below).
+Traces:
+  calibrated (default)  ``calibrated_trace.py``: each of ``--layers`` layers is one stream of ``--steps``
+                        decode steps after a ``--context``-token prompt, with the locality measured on
+                        DeepSeek-V3.2's indexer (its docstring cites the sources and the bands) and the
+                        indexer scores of every position, which the score policies read.
+  synthetic             ``synthetic_trace`` (one stream: sinks, a recent window, drifting recurring
+                        clusters, uniform noise); no scores.
+  --trace FILE          the top-k recorded from a model's own indexer (``python -m hisparse_jax.generate
+                        --dump-topk``): every (request, layer) is one stream; no scores.
+Tables and plots average over streams. Policies, replayed per step with the kernel's semantics (D slots + a
+reserved slot for the newest token; the tokens needed this step are never evicted; each distinct missing
+position costs one copy):
 
-Trace (synthetic, parameterised; documented in ``synthetic_trace``): a decode of
-``--steps`` tokens after a ``--context``-token prompt; at each step the top-k
-positions mix attention sinks, a recent window, drifting recurring clusters
-and uniform noise. Policies, replayed per step with the same semantics as the
-kernel (D slots + a reserved slot for the newest token; the tokens needed this
-step are never evicted; each distinct missing position costs one copy):
+  lru, clock        the real CPU swap-in handler (``eviction`` "lru" / "clock"; columns lru-kernel and
+                    clock-kernel in OUT.json) AND the same policies in Python: they must agree step for
+                    step (exit 1 otherwise); the table shows them once
+  score             the handler's "score" policy fed each step's indexer scores of the resident tokens
+  score-ema         the same policy fed an exponential moving average of each position's scores
+                    (``KernelReplay``); calibrated traces only, as score
+  fifo              evict the slot filled longest ago
+  lfu               evict the least frequently used slot (ties: least recently used)
+  belady            offline optimum: evict the slot whose token is needed furthest in the future
 
-  lru-kernel  the real CPU swap-in handler (hisparse_jax.kernels.ops.swap_in)
-  lru         the same policy in Python (must match lru-kernel exactly)
-  fifo        evict the slot filled longest ago
-  clock       second-chance clock over the slots
-  lfu         evict the least frequently used slot (ties: least recently used)
-  belady      offline optimum: evict the slot whose token is needed furthest in the future
-
-Writes OUT.json (per-step misses), OUT.md (table) and OUT.png (misses per step,
-rolling mean over 100 steps, one line per policy x size).
+Writes OUT.json (per-step misses, the measured overlaps, a summary), OUT.md (table: mean misses per step,
+LRU's and the best online policy's excess over Belady) and OUT.png (misses per step, rolling mean over 100
+steps, one line per policy x size).
 """
 
 from __future__ import annotations
@@ -232,37 +238,105 @@ def replay_belady(trace, context, D):
   return _replay(trace, context, D, choose)
 
 
+class KernelReplay:
+  """The real CPU swap-in handler replaying N streams at once, one request slot (and batch row) each, with
+  1-element latent rows and page size 1 (the page table is the host-row table). Slots hold tokens 0..D-1
+  after the prefill, as in ``_replay``. ``step`` takes the step's top-k of every stream and, for the score
+  policies, the indexer scores of every position; ``misses`` collects misses per step per stream.
+
+  eviction "score-ema" is the kernel's score policy fed an exponential moving average of each position's
+  scores (weight ``ema`` on the past; infinite scores of sinks / the recent window clipped to +-EMA_CLIP)
+  instead of this step's scores."""
+
+  EMA_CLIP = 8.0
+
+  def __init__(self, streams: int, context: int, steps: int, D: int, K: int, eviction: str, ema: float = 0.8):
+    import jax
+    import jax.numpy as jnp
+    from hisparse_jax.kernels import ops
+
+    self.n, self.context, self.K, self.D = streams, context, K, D
+    self.kernel_policy = "score" if eviction == "score-ema" else eviction
+    self.eviction, self.ema_weight = eviction, ema
+    S = context + steps + 1
+    self.pool = jax.jit(lambda: jax.device_put(jnp.zeros((1, S, 1), jnp.float32), jax.memory.Space.Host))()
+    self.hot = jnp.zeros((1, streams, D + 1, 1), jnp.float32)
+    self.slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (1, streams, D)) + 0
+    self.lru = self.slots + 0
+    self.stats = jnp.zeros((1, streams, 2), jnp.int32)
+    self.host_pages = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (streams, S)) + 0
+    self.req_ids = jnp.arange(streams, dtype=jnp.int32)
+    self.newest = jnp.zeros((streams, 1), jnp.float32)
+    self.ema = np.zeros((streams, S), np.float32) if eviction == "score-ema" else None
+    self.fn = jax.jit(functools.partial(ops.swap_in, page_size=1, eviction=self.kernel_policy),
+                      donate_argnums=(6, 7, 8, 9, 10))
+    self.misses = [[] for _ in range(streams)]
+    self._prev = np.zeros(streams, np.int64)
+
+  def step(self, step: int, top_k, scores=None):
+    """top_k: int32[N, <= K] distinct positions (a list of arrays or an array); scores: float32[N, seq_len]."""
+    import jax.numpy as jnp
+
+    seq_len = self.context + step + 1
+    tk = np.full((self.n, self.K), -1, np.int32)
+    for b, row in enumerate(top_k):
+      tk[b, :len(row)] = row
+    slot_scores = None
+    if self.kernel_policy == "score":
+      if scores is None:
+        raise ValueError(f"eviction {self.eviction} needs the indexer scores of the trace")
+      if self.ema is not None:
+        clipped = np.clip(scores, -self.EMA_CLIP, self.EMA_CLIP)
+        old = self.ema[:, :seq_len]
+        fresh = np.zeros(seq_len, bool)
+        fresh[seq_len - 1] = True  # a new position starts at its own score
+        old[:] = np.where(fresh, clipped, self.ema_weight * old + (1 - self.ema_weight) * clipped)
+        scores = old
+      tokens = np.asarray(self.slots)[0]  # [N, D]
+      slot_scores = jnp.asarray(np.take_along_axis(scores, np.maximum(tokens, 0), axis=1), jnp.float32)
+    _, self.pool, self.hot, self.slots, self.lru, self.stats = self.fn(
+        0, jnp.asarray(tk), jnp.full((self.n,), seq_len, jnp.int32), self.req_ids, self.host_pages, self.newest,
+        self.pool, self.hot, self.slots, self.lru, self.stats, slot_scores)
+    total = np.asarray(self.stats)[0, :, 1].astype(np.int64)
+    for b, m in enumerate(total - self._prev):
+      self.misses[b].append(int(m))
+    self._prev = total
+
+
+def replay_kernel(trace, context, D, eviction="lru"):
+  """One stream's misses per step under the real kernel (no scores: lru or clock)."""
+  replay = KernelReplay(1, context, len(trace), D, max(1, max(len(t) for t in trace)), eviction)
+  for step, topk in enumerate(trace):
+    replay.step(step, [topk])
+  return replay.misses[0]
+
+
 def replay_kernel_lru(trace, context, D):
   """The real CPU swap-in handler, one request, one layer, 1-element rows."""
-  import jax
-  import jax.numpy as jnp
-  from hisparse_jax.kernels import ops
-
-  K = max(1, max(len(t) for t in trace))
-  S = context + len(trace) + 1
-  pool = jax.jit(lambda: jax.device_put(jnp.zeros((1, S, 1), jnp.float32), jax.memory.Space.Host))()
-  hot = jnp.zeros((1, 1, D + 1, 1), jnp.float32)
-  slots = jnp.arange(D, dtype=jnp.int32)[None, None] + 0
-  lru = slots + 0
-  stats = jnp.zeros((1, 1, 2), jnp.int32)
-  host_pages = jnp.arange(S, dtype=jnp.int32)[None]  # page size 1: the page table is the host-row table
-  req_ids = jnp.zeros((1,), jnp.int32)
-  newest = jnp.zeros((1, 1), jnp.float32)
-  fn = jax.jit(functools.partial(ops.swap_in, page_size=1), donate_argnums=(6, 7, 8, 9, 10))
-  misses, prev = [], 0
-  for step, topk in enumerate(trace):
-    tk = np.full((1, K), -1, np.int32)
-    tk[0, : len(topk)] = topk
-    _, pool, hot, slots, lru, stats = fn(0, jnp.asarray(tk), jnp.asarray([context + step + 1], jnp.int32),
-                                         req_ids, host_pages, newest, pool, hot, slots, lru, stats)
-    total = int(np.asarray(stats)[0, 0, 1])
-    misses.append(total - prev)
-    prev = total
-  return misses
+  return replay_kernel(trace, context, D, "lru")
 
 
-POLICIES = {"lru-kernel": replay_kernel_lru, "lru": replay_lru, "fifo": replay_fifo, "clock": replay_clock,
-            "lfu": replay_lfu, "belady": replay_belady}
+# Policies replayed in Python on the stored top-k (clock and lru also check the kernel step for step), and
+# the kernel's own policies driven step by step (the score policies need the trace's indexer scores).
+POLICIES = {"lru": replay_lru, "fifo": replay_fifo, "clock": replay_clock, "lfu": replay_lfu,
+            "belady": replay_belady}
+KERNEL_POLICIES = ("lru-kernel", "clock-kernel", "score-kernel", "score-ema-kernel")
+SCORED = ("score-kernel", "score-ema-kernel")
+
+
+def calibrated_streams(context, steps, top_k, layers, seed, replays):
+  """Generates a calibrated trace (calibrated_trace.py) once, feeding each step to every KernelReplay in
+  ``replays``; returns the streams (one per layer) for the Python policies."""
+  from calibrated_trace import TraceModel, calibrated_trace
+
+  per_layer = [[] for _ in range(layers)]
+  for step, (picked, scores) in enumerate(calibrated_trace(context, steps, top_k, TraceModel(layers=layers),
+                                                           seed=seed)):
+    for replay in replays:
+      replay.step(step, picked, scores)
+    for layer in range(layers):
+      per_layer[layer].append(picked[layer])
+  return [(f"layer {layer}", context, per_layer[layer]) for layer in range(layers)]
 
 
 def _mean_curve(per_stream):
@@ -275,21 +349,44 @@ def _mean_curve(per_stream):
   return total / np.maximum(count, 1)
 
 
+def stream_overlaps(streams):
+  """Mean top-k overlap of consecutive steps per stream, and of streams i and i + 1 at the same step (the
+  adjacent-layer overlap when the streams are a calibrated trace's layers)."""
+  temporal = [float(np.mean([len(np.intersect1d(a, b)) / max(len(a), 1) for a, b in zip(tr[1:], tr)]))
+              if len(tr) > 1 else float("nan") for _, _, tr in streams]
+  adjacent = [float(np.mean([len(np.intersect1d(a, b)) / max(len(a), 1) for a, b in zip(s1[2], s2[2])]))
+              for s1, s2 in zip(streams, streams[1:])]
+  return temporal, adjacent
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--context", type=int, default=16384)
-  ap.add_argument("--steps", type=int, default=1000)
+  ap.add_argument("--context", type=int, default=65536)
+  ap.add_argument("--steps", type=int, default=500)
   ap.add_argument("--top-k", type=int, default=2048)
+  ap.add_argument("--layers", type=int, default=8, help="layers of the calibrated trace (each one stream)")
+  ap.add_argument("--trace-model", choices=["calibrated", "synthetic"], default="calibrated",
+                  help="calibrated: calibrated_trace.py (DeepSeek-V3.2's measured locality, with indexer "
+                       "scores); synthetic: the older cluster model (no scores: no score policies)")
+  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--buffers", default="2048,4096,6144", type=positive_ints,
                   help="hot-buffer sizes D (comma-separated, each >= top_k)")
-  ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead of the synthetic trace")
+  ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead (no scores: no score policies)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "miss_rate"))
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   args = ap.parse_args(argv)
   if args.quick and args.trace is None:
-    args.context, args.steps, args.top_k, args.buffers = 1024, 40, 128, [128, 256]
+    args.context, args.steps, args.top_k, args.buffers, args.layers = 1024, 40, 128, [128, 256], 3
+  for name in ("context", "steps", "top_k", "layers"):
+    if getattr(args, name) < 1:
+      print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+      return 2
+  if args.layers > 64:
+    print("error: --layers must be <= 64", file=sys.stderr)
+    return 2
   buffers = args.buffers
   t0 = time.perf_counter()
+  per_stream = {}  # "policy@D" -> list over streams of misses per step
   if args.trace is not None:
     try:
       streams = load_recorded(args.trace)
@@ -302,54 +399,83 @@ def main(argv=None) -> int:
     source = (f"Recorded trace {os.path.basename(args.trace)}: {len(streams)} streams (request x layer), "
               f"prompts of {contexts[0]}..{contexts[-1]} tokens, up to {steps} decode steps, top_k {top_k}")
   else:
-    streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]
     top_k, steps = args.top_k, args.steps
-    source = f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k}"
+    if args.trace_model == "synthetic":
+      streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]
+      source = f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k}"
   if min(buffers) < top_k:
     print(f"error: --buffers: every hot-buffer size must be >= top_k ({top_k}); got {min(buffers)}",
           file=sys.stderr)
     return 2
-  per_stream = {}  # "policy@D" -> list over streams of misses per step
+  if args.trace is None and args.trace_model == "calibrated":
+    replays = {f"{p}@{D}": KernelReplay(args.layers, args.context, steps, D, top_k, p.removesuffix("-kernel"))
+               for D in buffers for p in KERNEL_POLICIES}
+    streams = calibrated_streams(args.context, steps, top_k, args.layers, args.seed, replays.values())
+    per_stream.update({k: r.misses for k, r in replays.items()})
+    source = (f"Calibrated trace (calibrated_trace.py, seed {args.seed}): {args.layers} layers (one stream each), "
+              f"context {args.context}, {steps} decode steps, top_k {top_k}")
+  else:
+    for D in buffers:
+      for p in ("lru-kernel", "clock-kernel"):
+        per_stream[f"{p}@{D}"] = [replay_kernel(tr, c, D, p.removesuffix("-kernel")) for _, c, tr in streams]
   for D in buffers:
     for name, fn in POLICIES.items():
       per_stream[f"{name}@{D}"] = [fn(trace, context, D) for _, context, trace in streams]
-  # The Python LRU is the kernel's policy: they must agree step by step on every stream.
+  # The Python LRU and CLOCK are the kernel's policies: they must agree step by step on every stream.
   for D in buffers:
-    if per_stream[f"lru@{D}"] != per_stream[f"lru-kernel@{D}"]:
-      print(f"error: Python LRU and the kernel disagree at D={D}", file=sys.stderr)
-      return 1
+    for p in ("lru", "clock"):
+      if per_stream[f"{p}@{D}"] != per_stream[f"{p}-kernel@{D}"]:
+        print(f"error: Python {p} and the kernel disagree at D={D}", file=sys.stderr)
+        return 1
+  policies = [p for p in ("lru", "clock", "fifo", "lfu", "score-kernel", "score-ema-kernel", "belady")
+              if f"{p}@{buffers[0]}" in per_stream]
+  online = [p for p in policies if p != "belady"]
   results = {k: _mean_curve(v).tolist() for k, v in per_stream.items()}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  temporal, adjacent = stream_overlaps(streams)
+  label = {"score-kernel": "score", "score-ema-kernel": "score-ema"}
   lines = [f"{source} ({time.perf_counter() - t0:.1f} s).", "",
-           "| D | " + " | ".join(POLICIES) + " | LRU vs Belady |", "|---" * (len(POLICIES) + 2) + "|"]
+           "| D | " + " | ".join(label.get(p, p) for p in policies) + " | LRU vs Belady | best online vs Belady |",
+           "|---" * (len(policies) + 3) + "|"]
+  summary = {}
   for D in buffers:
-    means = {p: float(np.mean(np.concatenate(per_stream[f"{p}@{D}"]))) for p in POLICIES}
-    gap = 100.0 * (means["lru"] - means["belady"]) / max(means["belady"], 1e-9)
-    lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in POLICIES) + f" | +{gap:.0f}% |")
+    means = {p: float(np.mean(np.concatenate(per_stream[f"{p}@{D}"]))) for p in policies}
+    bel = max(means["belady"], 1e-9)
+    best = min(online, key=lambda p: means[p])
+    summary[D] = {"means": means, "best": best, "best_gap": means[best] / bel - 1, "lru_gap": means["lru"] / bel - 1}
+    lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in policies) +
+                 f" | +{100 * summary[D]['lru_gap']:.0f}% | {label.get(best, best)} +{100 * summary[D]['best_gap']:.0f}% |")
+  if args.trace is None and args.trace_model == "calibrated":
+    lines += ["", "Measured locality: consecutive steps' top-k overlap per layer " +
+              ", ".join(f"{x:.2f}" for x in temporal) + "; adjacent layers " +
+              ", ".join(f"{x:.2f}" for x in adjacent) + "."]
   table = "\n".join(lines)
   print(table)
-  what = "one request, one layer" if args.trace is None else "mean over request x layer streams"
+  what = "one request, one layer" if len(streams) == 1 else "mean over the streams"
   with open(args.out + ".md", "w") as f:
     f.write(f"Mean misses per decode step ({what}).\n\n" + table + "\n")
   with open(args.out + ".json", "w") as f:
-    json.dump({"args": vars(args), "streams": len(streams), "misses": results}, f)
+    json.dump({"args": vars(args), "streams": len(streams), "misses": results,
+               "overlap": {"temporal": temporal, "adjacent": adjacent},
+               "summary": {str(D): v for D, v in summary.items()}}, f)
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(10, 5))
   w = max(1, min(100, steps))
-  colors = dict(zip([p for p in POLICIES if p != "lru-kernel"], plt.get_cmap("tab10").colors))
+  colors = dict(zip(policies, plt.get_cmap("tab10").colors))
   styles = {D: ["-", "--", ":", "-."][i % 4] for i, D in enumerate(buffers)}
   for key, m in results.items():
     policy, D = key.split("@")
-    if policy == "lru-kernel":  # identical to lru (checked above)
+    if policy not in policies:  # lru-kernel / clock-kernel: identical to lru / clock (checked above)
       continue
     roll = np.convolve(m, np.ones(w) / w, mode="valid")
-    ax.plot(np.arange(len(roll)) + w - 1, roll, label=key, color=colors[policy], linestyle=styles[int(D)])
+    ax.plot(np.arange(len(roll)) + w - 1, roll, label=f"{label.get(policy, policy)}@{D}", color=colors[policy],
+            linestyle=styles[int(D)])
   ax.set_xlabel("decode step")
   ax.set_ylabel(f"misses per step (rolling mean, {w} steps)")
   ax.set_title(f"Swap-in misses by policy and hot-buffer size ({source.split(':')[0].lower()}, top_k {top_k})")
-  ax.legend(ncol=3, fontsize=8)
+  ax.legend(ncol=4, fontsize=7)
   fig.tight_layout()
   fig.savefig(args.out + ".png", dpi=110)
   return 0

@@ -13,6 +13,9 @@ from typing import Any
 # SGLang's HiSparse default: hot buffer = 2 x top_k, host pool = 8 x device.
 DEFAULT_BUFFER_PER_TOP_K = 2
 DEFAULT_HOST_TO_DEVICE_RATIO = 8
+# Eviction policies of the swap-in kernel (xla_ffi/swap_in_core.h; hisparse_jax/kernels/reference.py).
+EVICTIONS = ("lru", "clock", "score")
+DEFAULT_EVICTION = "lru"
 
 
 class ConfigError(ValueError):
@@ -30,13 +33,19 @@ class HiSparseConfig:
       (one more reserved slot holds the newest token). D >= top_k.
     host_to_device_ratio: host-pool rows per hot-buffer row (>= 1). The host
       pool holds ratio x (requests x (D + 1)) latent rows per layer.
+    eviction: which resident token a miss replaces: "lru" (HiSparse's least recently used, the default),
+      "clock" (second-chance CLOCK) or "score" (the resident token the indexer ranks lowest this step;
+      needs an indexer on every layer). Losslessness holds for each: only which rows are copied changes.
   """
 
   top_k: int
   device_buffer_size: int
   host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
+  eviction: str = DEFAULT_EVICTION
 
   def __post_init__(self):
+    if self.eviction not in EVICTIONS:
+      raise ConfigError(f"hisparse config: eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}")
     for key in ("top_k", "device_buffer_size", "host_to_device_ratio"):
       value = getattr(self, key)
       if isinstance(value, bool) or not isinstance(value, int):
@@ -60,7 +69,7 @@ class HiSparseConfig:
     """Parses the ``--hisparse-config`` JSON against the model's ``index_topk``.
 
     Missing keys default to: top_k = model_top_k, device_buffer_size =
-    2 x top_k, host_to_device_ratio = 8.
+    2 x top_k, host_to_device_ratio = 8, eviction = "lru".
 
     Raises:
       ConfigError: malformed JSON, not an object, unknown key, wrong type,
@@ -81,7 +90,8 @@ class HiSparseConfig:
     config = cls(
         top_k=raw.get("top_k", model_top_k),
         device_buffer_size=raw.get("device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * model_top_k),
-        host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO))
+        host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO),
+        eviction=raw.get("eviction", DEFAULT_EVICTION))
     if config.top_k != model_top_k:
       raise ConfigError(
           f"hisparse config: top_k ({config.top_k}) differs from the model's index_topk ({model_top_k})")

@@ -50,7 +50,7 @@ from hisparse_jax.kernels.ops import top_k as exact_top_k
 
 from .config import DSAConfig, RopeConfig
 from .fp8_numerics import fake_quant_e4m3, indexer_fp8
-from .kv_protocol import ContiguousKVCache, KVCache
+from .kv_protocol import ContiguousKVCache, KVCache, index_scores
 from .fp8 import dequantize_jax
 from .moe import expert_parallel_ffn, grouped_expert_ffn
 
@@ -237,9 +237,7 @@ class Indexer(nnx.Module):
         K = self.k
 
         def scores(start):  # float32[B, Q, key_block], -inf where not causal
-            keys = cache.index_keys(layer, start, key_block)  # float32[B, T, Di]
-            s = _einsum("bqhd,btd->bqht", q, keys) * self.softmax_scale
-            out = _einsum("bqht,bqh->bqt", jax.nn.relu(s), w)
+            out = index_scores(q, w, cache.index_keys(layer, start, key_block))  # keys float32[B, T, Di]
             kpos = start + jnp.arange(key_block, dtype=jnp.int32)
             return jnp.where(kpos[None, None, :] <= positions[..., None], out, -jnp.inf)
 
@@ -335,9 +333,11 @@ class MLAttention(nnx.Module):
         B, Q = positions.shape
         q_resid, q_nope, q_pe = self._queries(x, cos, sin)  # [B, Q, q_lora], [B, Q, nH, dn], [B, Q, nH, dr]
         lat = self.latent(x, cos, sin)  # [B, Q, W]
+        index_q = index_w = None  # for a cache that scores positions itself (kv_protocol.index_scores)
         if self.indexer is not None:
             cache = cache.append(layer, positions, lat, self.indexer.keys(x, cos, sin))
             topk = self.indexer.select(x, q_resid, cos, sin, positions, layer, cache, **index_blocks)
+            index_q, index_w = self.indexer.queries(q_resid, cos, sin), self.indexer.head_weights(x)
         else:
             if prev_topk is None:
                 raise ValueError("a layer without an indexer needs the previous layer's top-k")
@@ -348,7 +348,7 @@ class MLAttention(nnx.Module):
         w_uk, w_uv = w[..., : self.dn], w[..., self.dn :]  # [C, nH, dn], [C, nH, dv]
 
         def attend(cache, q_nope, q_pe, pos, tk):  # one block of queries: [B, q, ...]
-            rows, cache = cache.gather(layer, pos, tk)  # [B, q, K, W]
+            rows, cache = cache.gather(layer, pos, tk, index_q, index_w)  # [B, q, K, W]
             rows = rows.astype(lat.dtype)
             c_kv, k_pe = rows[..., : self.kv_lora], rows[..., self.kv_lora :]
             q_abs = _einsum("bqhd,chd->bqhc", q_nope, w_uk)  # [B, q, nH, C]

@@ -16,12 +16,15 @@ Per layer the model does (``models/deepseek_v32.py``, ``MLAttention.__call__``):
     cache = cache.append(l, positions, latent[B, Q, W], index_key[B, Q, Di])
     keys = cache.index_keys(l, start, T)          # float32[B, T, Di], positions [start, start + T)
     ... the indexer scores every key block up to the newest position, keeping a running top-k ...
-    rows, cache = cache.gather(l, positions, top_k[B, Q, K])   # dtype[B, Q, K, W]
+    rows, cache = cache.gather(l, positions, top_k[B, Q, K], index_q, index_w)   # dtype[B, Q, K, W]
 
 ``append`` happens before scoring, so a query sees its own key and those of earlier tokens of its chunk.
 ``index_keys`` may return anything at positions not yet written (the model masks them causally).
 ``gather`` returns the stored latent rows of the top-k positions, zeros where top_k is -1; every cache
-returns bit-identical rows for the same stored values (HiSparse's losslessness rests on this).
+returns bit-identical rows for the same stored values (HiSparse's losslessness rests on this). On layers
+with an indexer the model also hands ``gather`` the indexer's queries and head weights of this step, so that
+a cache can score any position it holds with ``index_scores`` (HiSparse's score-aware eviction does); on
+layers without one (GLM's shared-indexer layers) they are None.
 """
 
 from __future__ import annotations
@@ -47,10 +50,22 @@ class KVCache(Protocol):
     (start: traced int32 scalar, a multiple of size; size: static)."""
     ...
 
-  def gather(self, layer: int, positions: jax.Array, top_k: jax.Array) -> tuple[jax.Array, Self]:
+  def gather(self, layer: int, positions: jax.Array, top_k: jax.Array, index_q: jax.Array | None = None,
+             index_w: jax.Array | None = None) -> tuple[jax.Array, Self]:
     """(rows dtype[B, Q, K, W], cache): the latent rows of the top-k positions int32[B, Q, K] chosen for
-    the queries at positions int32[B, Q] (-1 entries give zero rows)."""
+    the queries at positions int32[B, Q] (-1 entries give zero rows). index_q float32[B, Q, nI, Di] and
+    index_w float32[B, Q, nI]: the layer's indexer queries and head weights (``index_scores``), or None."""
     ...
+
+
+def index_scores(index_q: jax.Array, index_w: jax.Array, keys: jax.Array) -> jax.Array:
+  """The DSA lightning indexer's scores float32[B, Q, T] of keys float32[B, T, Di] for queries index_q
+  float32[B, Q, nI, Di] with head weights index_w float32[B, Q, nI]:
+  ``score[b, q, t] = sum_h w[b, q, h] * relu(q[b, q, h] . k[b, t] * Di**-0.5)`` (DeepSeek-V3.2 technical
+  report, the indexer's I_{t,s}; the Di**-0.5 scale of its reference implementation). Full-precision matmuls
+  (the scores pick the top-k: TF32 would change it on GPUs)."""
+  s = jnp.einsum("bqhd,btd->bqht", index_q, keys, precision=jax.lax.Precision.HIGHEST) * index_q.shape[-1]**-0.5
+  return jnp.einsum("bqht,bqh->bqt", jax.nn.relu(s), index_w, precision=jax.lax.Precision.HIGHEST)
 
 
 @jax.tree_util.register_dataclass
@@ -90,8 +105,8 @@ class ContiguousKVCache:
     pos = start + jnp.arange(size)
     return jnp.take(self.index_key[layer], pos, axis=1, mode="fill", fill_value=0)
 
-  def gather(self, layer, positions, top_k):
-    del positions
+  def gather(self, layer, positions, top_k, index_q=None, index_w=None):
+    del positions, index_q, index_w
     B = top_k.shape[0]
     rows = self.latent[layer][jnp.arange(B)[:, None, None], jnp.maximum(top_k, 0)]
     return jnp.where((top_k >= 0)[..., None], rows, jnp.zeros((), rows.dtype)), self

@@ -41,9 +41,9 @@ def test_miss_rate_quick(tmp_path):
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1 if Python LRU != the kernel
   data = json.loads((tmp_path / "mr.json").read_text())["misses"]
   for D in (128, 256):
-    assert data[f"lru@{D}"] == data[f"lru-kernel@{D}"]
+    assert data[f"lru@{D}"] == data[f"lru-kernel@{D}"] and data[f"clock@{D}"] == data[f"clock-kernel@{D}"]
     # Belady is the lower bound of every policy; a bigger buffer never misses more under it.
-    for p in ("lru", "fifo", "clock", "lfu"):
+    for p in ("lru", "fifo", "clock", "lfu", "score-kernel", "score-ema-kernel"):
       assert sum(data[f"belady@{D}"]) <= sum(data[f"{p}@{D}"])
   assert sum(data["belady@256"]) <= sum(data["belady@128"])
   assert (tmp_path / "mr.png").stat().st_size > 10_000 and "| 256 |" in (tmp_path / "mr.md").read_text()

@@ -10,6 +10,12 @@ def test_defaults_from_model_top_k():
   assert (c.top_k, c.device_buffer_size, c.host_to_device_ratio) == (2048, 4096, 8)
 
 
+def test_eviction_policy_key():
+  assert HiSparseConfig.from_json(None, 32).eviction == "lru"
+  for policy in ("lru", "clock", "score"):
+    assert HiSparseConfig.from_json(f'{{"eviction": "{policy}"}}', 32).eviction == policy
+
+
 def test_full_sglang_config():
   c = HiSparseConfig.from_json('{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}', 2048)
   assert c == HiSparseConfig(2048, 4096, 8)
@@ -25,6 +31,9 @@ def test_full_sglang_config():
     ('{"top_k": true}', "top_k must be an integer"),
     ('[1, 2]', "must be a JSON object"),
     ('{top_k: 1}', "not valid JSON"),
+    ('{"eviction": "mru"}', r"eviction must be one of \['lru', 'clock', 'score'\], got 'mru'"),
+    ('{"eviction": 1}', "eviction must be one of"),
+    ('{"eviction": ["lru"]}', "eviction must be one of"),
 ])
 def test_errors_name_the_key(text, message):
   with pytest.raises(ConfigError, match=message):

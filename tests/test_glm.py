@@ -241,10 +241,25 @@ class _SpyCache:
         self.log.append((layer, "index_keys"))
         return self.inner.index_keys(layer, start, size)
 
-    def gather(self, layer, positions, topk):
-        self.log.append((layer, "gather"))
-        rows, inner = self.inner.gather(layer, positions, topk)
+    def gather(self, layer, positions, topk, index_q=None, index_w=None):
+        # A layer with an indexer hands the cache its queries (for score-aware eviction); a shared one has none.
+        self.log.append((layer, "gather" if index_q is not None and index_w is not None else "gather (no indexer)"))
+        rows, inner = self.inner.gather(layer, positions, topk, index_q, index_w)
         return rows, _SpyCache(inner, self.log)
+
+
+def test_score_eviction_needs_an_indexer_on_every_layer(tmp_path):
+    """A model with shared-indexer layers has no scores there: eviction "score" is a start-up error naming the
+    key and the layers, not a silent fallback; lru and clock start."""
+    from hisparse_jax.config import HiSparseConfig
+    from hisparse_jax.engine import Engine
+    from hisparse_jax.engine.args import StartupError
+
+    ck = write_random_checkpoint(tmp_path / "ck", OURS_CONFIG, seed=5)
+    top_k = OURS_CONFIG["index_topk"]
+    with pytest.raises(StartupError, match=r'eviction "score" needs every layer.*layers \[1\]'):
+        Engine(ck, hisparse=HiSparseConfig(top_k, 2 * top_k, 2, eviction="score"), max_seq_len=64)
+    Engine(ck, hisparse=HiSparseConfig(top_k, 2 * top_k, 2, eviction="clock"), max_seq_len=64).close()
 
 
 def test_shared_layers_use_only_append_and_gather(tmp_path):
@@ -261,7 +276,7 @@ def test_shared_layers_use_only_append_and_gather(tmp_path):
     lg, _ = model.decode(jnp.asarray(toks[:, n]), jnp.asarray([n], jnp.int32), _SpyCache(cache, log), window=32,
                          key_block=32)
     # index_keys once per key block scored (one block here: 32 keys cover 21 positions)
-    assert log == [(0, "append"), (0, "index_keys"), (0, "gather"), (1, "append"), (1, "gather"),
+    assert log == [(0, "append"), (0, "index_keys"), (0, "gather"), (1, "append"), (1, "gather (no indexer)"),
                    (2, "append"), (2, "index_keys"), (2, "gather")]
     full, _ = prefill_prompts(model, jnp.asarray(toks), jnp.asarray([n + 1], jnp.int32))
     np.testing.assert_allclose(np.asarray(lg[0]), np.asarray(full[0, n]), atol=1e-4)

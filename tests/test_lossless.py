@@ -22,11 +22,12 @@ def prompts(seed=0):
   return [rng.integers(2, 512, n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_logits_bitwise_equal_dense_vs_hisparse(chunk):
-  """Teacher-forced decoding of 5 prompts over scattered pages: every logit is bitwise equal."""
+@pytest.mark.parametrize("chunk, eviction", [(None, "lru"), (7, "lru"), (None, "clock"), (7, "score")])
+def test_logits_bitwise_equal_dense_vs_hisparse(chunk, eviction):
+  """Teacher-forced decoding of 5 prompts over scattered pages: every logit is bitwise equal, whichever
+  eviction policy decides which rows stay on device."""
   cfg, model = load_hf(tiny_model_dir())
-  hs_cfg = HiSparseConfig(**TINY_HISPARSE)
+  hs_cfg = HiSparseConfig(**TINY_HISPARSE, eviction=eviction)
   # Chunks of 7: the indexer also merges running top-ks over score blocks of 64 keys.
   score_block = None if chunk is None else 64
   dense = KVHarness(cfg, model, chunk=chunk, score_block=score_block)
@@ -165,3 +166,22 @@ def test_edge_lengths_equal_dense(engines, device_buffer_size):
   got = run(hs, ps, max_new=4)
   assert [r.output_ids for r in got] == want
   assert any(r.misses > 0 for r in got)
+
+
+def test_every_eviction_policy_gives_the_dense_tokens(engines):
+  """Greedy tokens of the CLOCK and score policies equal dense; the policies really evict differently (the
+  score policy's misses differ from LRU's on the same requests)."""
+  dense, hs, _, _ = engines
+  ps = prompts(4)
+  want = [r.output_ids for r in run(dense, ps)]
+  lru = run(hs, ps)
+  assert [r.output_ids for r in lru] == want
+  common = dict(max_running_requests=4, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64, deterministic=True)
+  misses = {"lru": [r.misses for r in lru]}
+  for eviction in ("clock", "score"):
+    engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction), **common)
+    got = run(engine, ps)
+    assert [r.output_ids for r in got] == want, eviction
+    assert [r.hits + r.misses for r in got] == [r.hits + r.misses for r in lru]  # the same top-k served
+    misses[eviction] = [r.misses for r in got]
+  assert misses["score"] != misses["lru"], misses

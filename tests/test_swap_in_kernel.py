@@ -22,8 +22,8 @@ STATE = (POOL, HOT, SLOTS, LRU, STATS)
 
 
 @functools.lru_cache(maxsize=None)
-def swap_in_jit(page_size):
-  return jax.jit(functools.partial(ops.swap_in, page_size=page_size), donate_argnums=STATE)
+def swap_in_jit(page_size, eviction="lru"):
+  return jax.jit(functools.partial(ops.swap_in, page_size=page_size, eviction=eviction), donate_argnums=STATE)
 
 
 backup_jit = jax.jit(ops.backup, donate_argnums=(3,))
@@ -38,12 +38,12 @@ def device_args(case):
   return [case[0], *map(jnp.asarray, case[1:POOL]), to_host(case[POOL]), *map(jnp.asarray, case[POOL + 1:])]
 
 
-def run_kernel(*case, page_size=PAGE):
-  return [np.asarray(x) for x in swap_in_jit(page_size)(*device_args(case))]
+def run_kernel(*case, page_size=PAGE, eviction="lru"):
+  return [np.asarray(x) for x in swap_in_jit(page_size, eviction)(*device_args(case))]
 
 
-def run_reference(*case, page_size=PAGE):
-  return reference.swap_in(*case, page_size=page_size)
+def run_reference(*case, page_size=PAGE, eviction="lru"):
+  return reference.swap_in(*case, page_size=page_size, eviction=eviction)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
@@ -448,3 +448,149 @@ def test_top_k_kernel_bad_input():
   x = jax.random.normal(jax.random.key(0), (64, 40_000), jnp.float32)
   for g, w in zip(jax.jit(lambda a: ops.top_k(a, 2048))(x), jax.lax.top_k(x, 2048)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+# ---------------------------------------------------------------------------------------------- eviction
+REF = reference.CLOCK_REF
+
+
+def with_policy(case, eviction, data):
+  """The case made valid for `eviction`: CLOCK reference bits drawn on every LRU entry, or float32[B, D]
+  slot scores with many exact ties and some infinities appended (the score policy's operand)."""
+  case = [c.copy() if isinstance(c, np.ndarray) else c for c in case]
+  if eviction == "clock":
+    bits = np.array(data.draw(hnp.arrays(np.bool_, case[LRU].shape)), np.int32)
+    case[LRU] = case[LRU] | (bits * REF)
+  elif eviction == "score":
+    B, D = len(case[3]), case[SLOTS].shape[2]
+    scores = data.draw(hnp.arrays(np.float32, (B, D), elements=st.sampled_from(
+        [-np.inf, -1.0, 0.0, 0.5, 0.5, 2.0, 3.0, np.inf])))
+    case.append(scores)
+  return case
+
+
+@pytest.mark.parametrize("eviction", ["clock", "score"])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case_page=swap_in_cases(), data=st.data())
+def test_policy_kernel_matches_reference_and_invariants(eviction, case_page, data):
+  case, page = case_page
+  case = with_policy(case, eviction, data)
+  got = run_kernel(*case, page_size=page, eviction=eviction)
+  want = run_reference(*case, page_size=page, eviction=eviction)
+  for name, g, w in zip(["rows", "pool", "hot", "slot_tokens", "lru", "stats"], got, want):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  layer, top_k, seq_lens, req_ids, host_pages = case[:5]
+  rows, _, hot, slot_tokens, lru, stats = got
+  R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
+  flat = hot[layer].reshape(R * D1, W)
+  for b, r in enumerate(int(x) for x in req_ids):
+    if r < 0:
+      continue
+    host_rows = host_rows_of(host_pages[b], page)
+    for k, t in enumerate(top_k[b]):
+      if t >= 0:  # every policy serves exactly the token's KV
+        np.testing.assert_array_equal(flat[rows[b, k]], case[POOL][layer, host_rows[t]])
+    assert sorted(lru[layer, r] & ~REF) == list(range(D1 - 1))
+    assert stats[layer, r].sum() == len({int(t) for t in top_k[b] if t >= 0})
+
+
+@pytest.mark.parametrize("eviction", ["lru", "clock", "score"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), D=st.integers(2, 12), data=st.data())
+def test_policy_state_carried_over_decode_steps(eviction, seed, D, data):
+  """Eight decode steps of one request with the state carried over (the CLOCK ring and hand, the LRU order,
+  the resident set): kernel and reference agree at every step and every served row is its token's KV."""
+  rng = np.random.default_rng(seed)
+  K = data.draw(st.integers(1, D))
+  S, W, page = D + 12, 2, 4
+  P = -(-S // page)
+  pool = rng.standard_normal((1, P * page, W)).astype(np.float32)
+  host_pages = rng.permutation(P).astype(np.int32)[None]
+  host_rows = host_rows_of(host_pages[0], page)
+  hot = np.zeros((1, 1, D + 1, W), np.float32)
+  hot[0, 0, :D] = pool[0, host_rows[:D]]
+  state = [pool, hot, np.arange(D, dtype=np.int32)[None, None], np.arange(D, dtype=np.int32)[None, None],
+           np.zeros((1, 1, 2), np.int32)]
+  for seq_len in range(D + 1, D + 9):
+    # A drifting working set: positions near a moving centre, plus the newest token.
+    centre = rng.integers(0, seq_len)
+    top_k = np.clip(centre + rng.integers(-D, D, K), 0, seq_len - 1).astype(np.int32)[None]
+    top_k[0, 0] = seq_len - 1
+    newest = pool[0, host_rows[seq_len - 1]][None]
+    case = [0, top_k, np.array([seq_len], np.int32), np.array([0], np.int32), host_pages, newest, *state]
+    scores = None
+    if eviction == "score":
+      scores = rng.integers(-3, 3, (1, D)).astype(np.float32)
+      case.append(scores)
+    got = run_kernel(*case, eviction=eviction, page_size=page)
+    want = run_reference(*case, eviction=eviction, page_size=page)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+    rows = got[0][0]
+    for k, t in enumerate(top_k[0]):
+      np.testing.assert_array_equal(got[2][0].reshape(-1, W)[rows[k]], pool[0, host_rows[t]])
+    state = got[1:]
+
+
+def test_clock_worked_example():
+  """Slots [10, 3, 7, 12], ring [0*, 1, 2, 3] (* = reference bit), top-k [3, 15, 8]: 3 hits slot 1 (its bit
+  set); the hand clears slot 0's bit, skips slot 1, takes slot 2 for token 8 and stops at slot 3. New ring
+  from the hand: [3, 0, 1*, 2]."""
+  case = worked_example()
+  case[LRU][0, 4] = [0 | REF, 1, 2, 3]
+  for fn in (run_kernel, run_reference):
+    rows, _, _, slot_tokens, lru, stats = fn(*case, eviction="clock")
+    np.testing.assert_array_equal(rows[0], [21, 24, 22, -1])
+    np.testing.assert_array_equal(slot_tokens[0, 4], [10, 3, 8, 12])
+    np.testing.assert_array_equal(lru[0, 4], [3, 0, 1 | REF, 2])
+    np.testing.assert_array_equal(stats[0, 4], [2, 1])
+
+
+@pytest.mark.parametrize("tokens, scores, victim, new_lru", [
+    ([10, 3, 7, 12], [5.0, 9.0, 1.0, 1.0], 2, [0, 3, 2, 1]),  # lowest score; the tie goes to the older slot
+    ([10, 3, 7, -1], [5.0, 9.0, 1.0, 100.0], 3, [0, 2, 3, 1]),  # an empty slot counts as -inf
+    ([10, 3, 7, 12], [-np.inf, np.nan, 1.0, 1.0], 0, [2, 3, 0, 1]),  # a hit slot's NaN is never read
+])
+def test_score_worked_examples(tokens, scores, victim, new_lru):
+  case = worked_example()
+  case[SLOTS][0, 4] = tokens
+  case.append(np.array([scores], np.float32))
+  for fn in (run_kernel, run_reference):
+    rows, _, _, slot_tokens, lru, _ = fn(*case, eviction="score")
+    np.testing.assert_array_equal(rows[0], [21, 24, 20 + victim, -1])
+    assert slot_tokens[0, 4, victim] == 8
+    np.testing.assert_array_equal(lru[0, 4], new_lru)
+
+
+@pytest.mark.parametrize("eviction, mutate, message", [
+    ("score", lambda c: c[-1].__setitem__((0, 2), np.nan), "score is NaN"),
+    ("score", lambda c: c.__setitem__(-1, np.zeros((1, 3), np.float32)), r"needs slot_scores f32\[B, D\]"),
+    ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 | REF), "not a permutation"),
+    ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 << 29), "not a permutation"),
+    ("lru", lambda c: c[LRU].__setitem__((0, 4, 0), 0 | REF), "not a permutation"),  # bits only under CLOCK
+])
+def test_policy_bad_input_changes_nothing(eviction, mutate, message):
+  case = worked_example()
+  if eviction == "score":
+    case.append(np.array([[0.0, 1.0, 2.0, 3.0]], np.float32))
+  mutate(case)
+  args = device_args(case)
+  with pytest.raises(FFI_ERRORS, match=message):
+    jax.block_until_ready(ops.swap_in(*args, page_size=PAGE, eviction=eviction))
+  np.testing.assert_array_equal(np.asarray(args[SLOTS]), case[SLOTS])
+  np.testing.assert_array_equal(np.asarray(args[LRU]), case[LRU])
+  if "slot_scores" not in message:
+    with pytest.raises(reference.SwapInError):
+      run_reference(*case, eviction=eviction)
+
+
+def test_policy_arguments_are_checked_at_trace_time():
+  case = worked_example()
+  with pytest.raises(ValueError, match="eviction must be one of"):
+    ops.swap_in(*case, page_size=PAGE, eviction="mru")
+  with pytest.raises(ValueError, match="exactly when eviction is"):
+    ops.swap_in(*case, page_size=PAGE, eviction="score")
+  with pytest.raises(ValueError, match="exactly when eviction is"):
+    ops.swap_in(*case, np.zeros((1, 4), np.float32), page_size=PAGE, eviction="clock")
+  with pytest.raises(TypeError, match="slot_scores must be float32"):
+    ops.swap_in(*case, np.zeros((1, 4), np.int32), page_size=PAGE, eviction="score")

@@ -73,13 +73,15 @@ auto BindSwapIn(Binding binding) {
       .template Arg<ffi::AnyBuffer>()                   // slot_tokens
       .template Arg<ffi::AnyBuffer>()                   // lru
       .template Arg<ffi::AnyBuffer>()                   // stats
+      .template Arg<ffi::Buffer<ffi::F32>>()            // slot_scores (score policy [B, D], else [B, 0])
       .template Ret<ffi::Buffer<ffi::S32>>()            // rows
       .template Ret<ffi::AnyBuffer>()                   // host_pool (aliased)
       .template Ret<ffi::AnyBuffer>()                   // hot (aliased)
       .template Ret<ffi::AnyBuffer>()                   // slot_tokens (aliased)
       .template Ret<ffi::AnyBuffer>()                   // lru (aliased)
       .template Ret<ffi::AnyBuffer>()                   // stats (aliased)
-      .template Attr<int64_t>("page_size");             // tokens per host page
+      .template Attr<int64_t>("page_size")              // tokens per host page
+      .template Attr<int64_t>("eviction");              // an Eviction (swap_in_core.h)
 }
 
 template <typename Binding>

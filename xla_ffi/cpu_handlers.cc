@@ -12,7 +12,9 @@
 //   slot_tokens  s32[L, R, D]       slot -> token position (-1 empty)
 //   lru          s32[L, R, D]       slot ids, least recently used first
 //   stats        s32[L, R, 2]       cumulative (hits, misses) per request slot
+//   slot_scores  f32[B, D] / [B, 0] the indexer's score of each slot's token (eviction "score" only)
 //   page_size    attribute i64      tokens per host page
+//   eviction     attribute i64      the eviction policy (swap_in_core.h Eviction)
 // Results: rows s32[B, K] (device row req_id*(D+1)+slot of hot[l], -1 for padding), then
 // host_pool, hot, slot_tokens, lru, stats aliased to their inputs.
 #include <algorithm>
@@ -54,7 +56,8 @@ bool SameDims(const Buf& a, std::initializer_list<int64_t> dims) {
 // the steady-state hot path.
 struct Workspace {
   // Per thread: the scratch of the plan being computed.
-  std::vector<int32_t> need_token, slot_of;
+  std::vector<int32_t> need_token, slot_of, heap_pos;
+  std::vector<float> heap_score;
   std::vector<uint8_t> slot_state;
   std::vector<uint64_t> bits;  // all zero between plans
   // Per request of the call (owned by the calling thread): plans kept until commit.
@@ -62,7 +65,11 @@ struct Workspace {
   std::vector<uint64_t> seen;  // request ids seen in the batch (all zero between calls)
 
   void ReservePlan(int64_t K, int64_t D, int64_t S) {
-    if (static_cast<int64_t>(need_token.size()) < K) need_token.resize(K);
+    if (static_cast<int64_t>(need_token.size()) < K) {
+      need_token.resize(K);
+      heap_score.resize(K);
+      heap_pos.resize(K);
+    }
     if (static_cast<int64_t>(slot_state.size()) < D) slot_state.resize(D);
     if (static_cast<int64_t>(slot_of.size()) < S) {
       slot_of.resize(S);
@@ -93,8 +100,8 @@ Workspace& ThreadWorkspace() {
 // than waking another thread.
 constexpr int64_t kMinRequestsPerTask = 4;
 
-ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page_size,
-                  ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
+ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page_size, int64_t eviction,
+                  ffi::Buffer<ffi::F32> slot_scores, ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
                   ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
                   ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
@@ -119,6 +126,14 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
                                        ") > device_buffer_size (" + std::to_string(D) + ")");
   if (page_size < 1 || page_size > std::numeric_limits<int32_t>::max())
     return ffi::Error::InvalidArgument("swap_in: page_size must be in [1, 2^31)");
+  if (eviction < 0 || eviction >= kNumEvictions)
+    return ffi::Error::InvalidArgument("swap_in: eviction " + std::to_string(eviction) +
+                                       " is not a policy (0 lru, 1 clock, 2 score)");
+  if (D >= kRefBit) return ffi::Error::InvalidArgument("swap_in: device_buffer_size must be < 2^30");
+  if (!SameDims(slot_scores, {B, eviction == kEvictScore ? D : 0}))
+    return ffi::Error::InvalidArgument(eviction == kEvictScore
+                                           ? "swap_in: eviction \"score\" needs slot_scores f32[B, D]"
+                                           : "swap_in: slot_scores must be f32[B, 0] unless eviction is \"score\"");
   auto pd = host_pages.dimensions();
   if (!SameDims(seq_lens, {B}) || !SameDims(req_ids, {B}) || pd.size() != 2 || pd[0] != B ||
       !SameDims(slot_tokens, {L, R, D}) || !SameDims(lru, {L, R, D}) ||
@@ -169,7 +184,8 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
                         static_cast<int32_t>(D), host_pages.typed_data() + b * P,
                         static_cast<int32_t>(P), static_cast<int32_t>(page_size),
                         static_cast<int32_t>(H), slots + table, order + table,
-                        static_cast<int32_t>(ids[b] * (D + 1))};
+                        static_cast<int32_t>(ids[b] * (D + 1)), static_cast<int32_t>(eviction),
+                        slot_scores.typed_data() + (eviction == kEvictScore ? b * D : 0)};
   };
 
   // Phase 1: plan every request without touching any state (each plan validates
@@ -185,7 +201,8 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
     }
     Workspace& ws = ThreadWorkspace();
     ws.ReservePlan(K, D, P * page_size);
-    SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D};
+    SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D,
+                          ws.heap_score.data(), ws.heap_pos.data()};
     DirectPositionMap map = ws.Map();
     batch.misses[b] = PlanSwapIn(request(b, in_slots, in_order), map, scratch, out + b * K,
                                  batch.miss_tokens.data() + b * K, batch.miss_slots.data() + b * K,
@@ -233,10 +250,11 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
                       ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest,
                       ffi::AnyBuffer host_pool, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                      ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                      ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Buffer<ffi::F32> slot_scores,
+                      ffi::Result<ffi::Buffer<ffi::S32>> rows,
                       ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
                       ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                      ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size) {
+                      ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size, int64_t eviction) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
@@ -244,7 +262,8 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
   CopyIfDistinct(host_pool, host_pool_out);
   PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
                 host_pool.element_type(), pd[2]};
-  return SwapIn(thread_pool, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot,
+  return SwapIn(thread_pool, view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
+                newest, hot,
                 slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
@@ -253,15 +272,18 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
                          ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
                          ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest,
                          ffi::AnyBuffer pool_token, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                         ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                         ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Buffer<ffi::F32> slot_scores,
+                         ffi::Result<ffi::Buffer<ffi::S32>> rows,
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
                          ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                         ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size, uint64_t pool_address,
+                         ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size, int64_t eviction,
+                         uint64_t pool_address,
                          int64_t pool_layers, int64_t pool_rows) {
   auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
-  return SwapIn(thread_pool, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot,
+  return SwapIn(thread_pool, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
+                newest, hot,
                 slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 

@@ -39,7 +39,8 @@ struct SwapInArgs {
   int32_t* lru;
   int32_t* stats;
   int32_t* rows;
-  int32_t B, K, D, R, P, page_size, L, H;
+  const float* slot_scores;  // [B, D] (eviction score), else unused
+  int32_t B, K, D, R, P, page_size, L, H, eviction;
   int64_t row_bytes;
 };
 
@@ -49,7 +50,8 @@ __device__ RequestLayer MakeRequest(const SwapInArgs& a, int32_t b, int32_t laye
   const int64_t table = (static_cast<int64_t>(layer) * a.R + id) * a.D;
   return RequestLayer{a.top_k + static_cast<int64_t>(b) * a.K, a.K, a.seq_lens[b], a.D,
                       a.host_pages + static_cast<int64_t>(b) * a.P, a.P, a.page_size, a.H,
-                      a.slot_tokens + table, a.lru + table, id * (a.D + 1)};
+                      a.slot_tokens + table, a.lru + table, id * (a.D + 1), a.eviction,
+                      a.slot_scores + (a.eviction == kEvictScore ? static_cast<int64_t>(b) * a.D : 0)};
 }
 
 // Row b's request id is in [-1, R), -1 only with seq_len 0, and no earlier row has it.
@@ -89,11 +91,13 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
   int32_t* miss_tokens = need_token + K;
   int32_t* miss_slots = miss_tokens + K;
   int32_t* new_lru = miss_slots + K;
-  uint8_t* slot_state = reinterpret_cast<uint8_t*>(new_lru + D);
+  int32_t* heap_pos = new_lru + D;
+  float* heap_score = reinterpret_cast<float*>(heap_pos + K);
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(heap_score + K);
   for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) hash_keys[i] = -1;
   __syncthreads();
-  return BlockPlan{HashPositionMap{hash_keys, hash_slots, cap - 1}, SwapInScratch{need_token, slot_state, new_lru},
-                   miss_tokens, miss_slots};
+  return BlockPlan{HashPositionMap{hash_keys, hash_slots, cap - 1},
+                   SwapInScratch{need_token, slot_state, new_lru, heap_score, heap_pos}, miss_tokens, miss_slots};
 }
 
 // Dry run of every request's plan (plans change nothing): error[0] = first
@@ -155,7 +159,7 @@ __global__ void SwapInKernel(SwapInArgs a) {
 }
 
 size_t SwapInSharedBytes(int32_t K, int32_t D) {
-  return (2 * static_cast<size_t>(HashCapacity(K)) + 3 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
+  return (2 * static_cast<size_t>(HashCapacity(K)) + 5 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
 }
 
 ffi::Error CudaStatus(cudaError_t e, const char* what) {
@@ -198,7 +202,8 @@ ffi::ErrorOr<int32_t*> ErrorWord(int32_t** host) {
   return device;
 }
 
-ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, ffi::Buffer<ffi::S32> layer,
+ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t eviction,
+                  ffi::Buffer<ffi::F32> slot_scores, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
                   ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
                   ffi::AnyBuffer slot_tokens,
@@ -229,6 +234,19 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, ffi::Bu
   if (a.K > a.D)
     return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(a.K) +
                                        ") > device_buffer_size (" + std::to_string(a.D) + ")");
+  if (eviction < 0 || eviction >= kNumEvictions)
+    return ffi::Error::InvalidArgument("swap_in: eviction " + std::to_string(eviction) +
+                                       " is not a policy (0 lru, 1 clock, 2 score)");
+  if (a.D >= kRefBit) return ffi::Error::InvalidArgument("swap_in: device_buffer_size must be < 2^30");
+  a.eviction = static_cast<int32_t>(eviction);
+  {
+    auto sd = slot_scores.dimensions();
+    if (sd.size() != 2 || sd[0] != kd[0] || sd[1] != (eviction == kEvictScore ? a.D : 0))
+      return ffi::Error::InvalidArgument(eviction == kEvictScore
+                                             ? "swap_in: eviction \"score\" needs slot_scores f32[B, D]"
+                                             : "swap_in: slot_scores must be f32[B, 0] unless eviction is \"score\"");
+  }
+  a.slot_scores = slot_scores.typed_data();
   if (slot_tokens.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
       lru.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
       stats.element_count() != static_cast<size_t>(a.L) * a.R * 2 ||
@@ -287,17 +305,18 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
                       ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer host_pool,
                       ffi::AnyBuffer hot,
                       ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                      ffi::Buffer<ffi::F32> slot_scores,
                       ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> host_pool_out,
                       ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                       ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                      int64_t page_size) {
+                      int64_t page_size, int64_t eviction) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
     return ffi::Error::InvalidArgument("swap_in: host_pool dtype packs below one byte per element (unsupported)");
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]};
-  return SwapIn(stream, view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
+  return SwapIn(stream, view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
                 lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 
@@ -307,14 +326,16 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                          ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer pool_token,
                          ffi::AnyBuffer hot,
                          ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                         ffi::Buffer<ffi::F32> slot_scores,
                          ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> pool_token_out,
                          ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                          ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                         int64_t page_size, uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+                         int64_t page_size, int64_t eviction, uint64_t pool_address, int64_t pool_layers,
+                         int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
-  return SwapIn(stream, *view, page_size, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
+  return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
                 lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
 }
 

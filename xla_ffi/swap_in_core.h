@@ -9,12 +9,27 @@
 //   * A request's hot buffer has D slots plus one reserved slot (index D) that
 //     holds the newest token, position seq_len - 1.
 //   * seq_len <= D (fast path): slot i holds token i; no I/O; LRU unchanged.
-//   * Otherwise hits keep their slots; misses take the least-recently-used
-//     slots that hold no token needed this step; the newest token is served
+//   * Otherwise hits keep their slots; each distinct missing position (in
+//     first-appearance order) takes a victim slot holding no token needed this
+//     step, chosen by the eviction policy (below); the newest token is served
 //     from the reserved slot; each distinct missing position is copied once.
-//   * New LRU order (oldest first) = untouched slots (old order) + slots just
-//     filled (in victim order) + hit slots (old order). Hits go last because
-//     they were just used and are most likely to be used again next step.
+//   * Eviction policies (the `eviction` attribute; victims in the order taken):
+//       kEvictLru   the least-recently-used slots. New LRU order (oldest first)
+//                   = untouched slots (old order) + slots just filled (victim
+//                   order) + hit slots (old order): hits go last because they
+//                   were just used and are most likely to be used again.
+//       kEvictClock second-chance CLOCK. The `lru` array is the clock ring read
+//                   from the hand; an entry is slot | kRefBit when the slot's
+//                   reference bit is set. Hits set their bit; the hand skips
+//                   hits and slots filled this step, clears a set bit and
+//                   passes, and evicts a slot whose bit is clear; filled slots
+//                   start with a clear bit. New array = the ring read from the
+//                   hand's new position (a rotation), with the new bits.
+//       kEvictScore the slots whose tokens the indexer ranks lowest this step
+//                   (slot_scores, one float per slot: an empty slot counts as
+//                   -inf; ties go to the older slot in LRU order; a NaN score
+//                   is an error). Victims in ascending (score, LRU position);
+//                   the LRU order is updated as kEvictLru's.
 //   * Padding (-1) maps to row -1 and costs nothing.
 //   * The newest token's latent row (computed this step) is written by the handler
 //     to its slot: its own slot seq_len - 1 while seq_len <= D, else the reserved
@@ -46,7 +61,15 @@ enum SwapInStatus : int32_t {
   kLruNotPermutation,    // LRU order of the D slots is not a permutation
   kLayerOutOfRange,      // layer index outside [0, L)
   kBadRequestId,         // request (hot-buffer) id outside [-1, R), repeated, or -1 with seq_len > 0
+  kBadScore,             // score policy: a resident slot's score is NaN
 };
+
+// Eviction policies (the handlers' `eviction` attribute).
+enum Eviction : int32_t { kEvictLru = 0, kEvictClock = 1, kEvictScore = 2 };
+constexpr int32_t kNumEvictions = 3;
+
+// CLOCK: the reference bit of an entry of the `lru` array (slot ids are < 2^30).
+constexpr int32_t kRefBit = int32_t{1} << 30;
 
 inline const char* StatusMessage(int32_t status) {
   switch (status) {
@@ -55,8 +78,10 @@ inline const char* StatusMessage(int32_t status) {
     case kHostRowOutOfRange: return "a position to swap in has no valid host-pool row (host row outside [0, H))";
     case kBadRequestId:
       return "a request id is outside [-1, R), appears twice in the batch, or is -1 (idle row) with seq_len > 0";
-    case kLruNotPermutation: return "the LRU order is not a permutation of the D slot ids";
+    case kLruNotPermutation:
+      return "the LRU order is not a permutation of the D slot ids (CLOCK: ids | reference bit 2^30)";
     case kLayerOutOfRange: return "layer index is outside [0, num_layers)";
+    case kBadScore: return "a resident slot's score is NaN (eviction \"score\")";
     default: return "ok";
   }
 }
@@ -129,9 +154,17 @@ HISPARSE_HD inline int32_t HashCapacity(int32_t top_k) {
 // Per-request scratch for one plan; sizes in elements.
 struct SwapInScratch {
   int32_t* need_token;    // [K] distinct needed positions, first-appearance order
-  uint8_t* slot_state;    // [D] 0 untouched, 1 hit, 2 filled this step (| 4 once seen in the LRU)
+  uint8_t* slot_state;    // [D] kUntouched / kHit / kFilled in the low bits | the flags below
   int32_t* new_lru;       // [D] the LRU order to commit (slow path only)
+  float* heap_score;      // [K] score policy: the victims' (score, LRU position) max-heap
+  int32_t* heap_pos;      // [K]
 };
+
+// slot_state values (low two bits) and flags.
+constexpr uint8_t kUntouched = 0, kHit = 1, kFilled = 2, kStateMask = 3;
+constexpr uint8_t kSeen = 4;        // met in the final pass over the LRU array (permutation check)
+constexpr uint8_t kRefCleared = 8;  // CLOCK: the hand cleared this slot's reference bit this step
+constexpr uint8_t kWalked = 16;     // score policy: met in the walk over the LRU order
 
 // Per-request view of the state of one layer.
 struct RequestLayer {
@@ -144,9 +177,121 @@ struct RequestLayer {
   int32_t page_size;          // tokens per page; position t lives in page t / page_size
   int32_t num_host_rows;      // H
   int32_t* slot_tokens;       // [D] slot -> token position (-1 empty)
-  int32_t* lru;               // [D] slot ids, oldest first
+  int32_t* lru;               // [D] slot ids, oldest first (CLOCK: the ring from the hand, | kRefBit)
   int32_t row_base;           // device row of slot 0; reserved slot = row_base + D
+  int32_t eviction;           // an Eviction
+  const float* slot_scores;   // [D] score policy: the indexer's score of each slot's token; else unused
 };
+
+// (score, LRU position) a before b: the score policy's victim order.
+HISPARSE_HD inline bool ScoreBefore(float a, int32_t pa, float b, int32_t pb) {
+  return a < b || (a == b && pa < pb);
+}
+
+HISPARSE_HD inline void SwapKeys(float* score, int32_t* pos, int32_t i, int32_t j) {
+  const float fs = score[i];
+  score[i] = score[j];
+  score[j] = fs;
+  const int32_t ps = pos[i];
+  pos[i] = pos[j];
+  pos[j] = ps;
+}
+
+// Restores the max-heap property (the root = the key LAST in victim order) below node i of an n-entry heap.
+HISPARSE_HD inline void SiftDown(float* score, int32_t* pos, int32_t n, int32_t i) {
+  for (;;) {
+    const int32_t l = 2 * i + 1, r = l + 1;
+    int32_t top = i;
+    if (l < n && ScoreBefore(score[top], pos[top], score[l], pos[l])) top = l;
+    if (r < n && ScoreBefore(score[top], pos[top], score[r], pos[r])) top = r;
+    if (top == i) return;
+    SwapKeys(score, pos, i, top);
+    i = top;
+  }
+}
+
+// Victim slots for n misses, written to victims[0..n), marked kFilled in slot_state; returns kOk or the
+// status of the corrupt input met (an LRU array that is not a permutation, a NaN score of an untouched
+// resident slot: checked on every slow-path plan). O(D) for LRU and CLOCK (the hand passes each slot at
+// most twice), O(D log n) for the score policy.
+HISPARSE_HD inline int32_t ChooseVictims(const RequestLayer& r, uint8_t* slot_state, SwapInScratch& w,
+                                         int32_t n, int32_t* victims, int32_t* clock_hand) {
+  const int32_t D = r.D;
+  const int32_t* lru = r.lru;
+  if (r.eviction == kEvictClock) {
+    int32_t hand = 0, taken = 0;
+    while (taken < n) {
+      if (hand >= 3 * D) return kLruNotPermutation;  // a valid ring yields n victims within two laps
+      const int32_t e = lru[hand % D];
+      const int32_t s = e & ~kRefBit;
+      ++hand;
+      if (e < 0 || s >= D) return kLruNotPermutation;
+      const uint8_t st = slot_state[s];
+      if ((st & kStateMask) != kUntouched) continue;  // needed this step, or filled on this lap
+      if ((e & kRefBit) && !(st & kRefCleared)) {
+        slot_state[s] = st | kRefCleared;  // second chance
+        continue;
+      }
+      slot_state[s] = kFilled;
+      victims[taken++] = s;
+    }
+    *clock_hand = hand % D;
+    return kOk;
+  }
+  if (r.eviction == kEvictScore) {
+    float* hs = w.heap_score;
+    int32_t* hp = w.heap_pos;
+    int32_t size = 0;
+    for (int32_t i = 0; i < D; ++i) {
+      const int32_t s = lru[i];
+      if (s < 0 || s >= D || (slot_state[s] & kWalked)) return kLruNotPermutation;
+      const uint8_t st = slot_state[s];
+      slot_state[s] = st | kWalked;
+      if ((st & kStateMask) != kUntouched) continue;
+      float score = r.slot_scores[s];
+      if (r.slot_tokens[s] < 0) score = -__builtin_huge_valf();
+      else if (score != score) return kBadScore;  // checked whether or not this step has a miss
+      if (n == 0) continue;
+      if (size < n) {  // grow the heap: sift the new key up
+        int32_t j = size++;
+        hs[j] = score;
+        hp[j] = i;
+        while (j > 0) {
+          const int32_t parent = (j - 1) / 2;
+          if (!ScoreBefore(hs[parent], hp[parent], hs[j], hp[j])) break;
+          SwapKeys(hs, hp, j, parent);
+          j = parent;
+        }
+      } else if (ScoreBefore(score, i, hs[0], hp[0])) {
+        hs[0] = score;
+        hp[0] = i;
+        SiftDown(hs, hp, size, 0);
+      }
+    }
+    if (size < n) return kLruNotPermutation;  // fewer free slots than misses: not a valid order
+    for (int32_t end = size - 1; end > 0; --end) {  // heap sort: ascending victim order
+      SwapKeys(hs, hp, 0, end);
+      SiftDown(hs, hp, end, 0);
+    }
+    for (int32_t i = 0; i < n; ++i) {
+      const int32_t s = lru[hp[i]];
+      slot_state[s] = (slot_state[s] & ~kStateMask) | kFilled;
+      victims[i] = s;
+    }
+    return kOk;
+  }
+  int32_t lru_pos = 0, taken = 0;  // LRU: the oldest non-hit slots
+  while (taken < n) {
+    if (lru_pos >= D) return kLruNotPermutation;
+    const int32_t s = lru[lru_pos++];
+    if (s < 0 || s >= D) return kLruNotPermutation;
+    if ((slot_state[s] & kStateMask) == kUntouched) {
+      slot_state[s] = kFilled;
+      victims[taken++] = s;
+    }
+  }
+  return kOk;
+}
 
 // Host-pool row of position t (0 <= t < num_pages * page_size): page_table[t / page_size] *
 // page_size + t % page_size, or -1 when that row is outside [0, H). 64-bit arithmetic: a corrupt
@@ -228,11 +373,8 @@ HISPARSE_HD int32_t PlanSwapIn(const RequestLayer& r, PositionMap& map_ref, Swap
     slot_state[s] = state;
   }
 
-  // Misses take the least-recently-used slots that are not hits. A valid LRU
-  // order has D - num_hits >= misses non-hit entries, so running off its end
-  // (or meeting an id outside [0, D)) means the order is corrupt.
+  // Misses, in first-appearance order; only rows that are read need a valid host row.
   int32_t num_misses = 0;
-  int32_t lru_pos = 0;
   for (int32_t i = 0; i < distinct; ++i) {
     const int32_t t = need_token[i];
     if (t == newest || map.Slot(t) >= 0) continue;
@@ -240,43 +382,41 @@ HISPARSE_HD int32_t PlanSwapIn(const RequestLayer& r, PositionMap& map_ref, Swap
       status = kHostRowOutOfRange;
       break;
     }
-    int32_t s = -1;
-    while (lru_pos < D) {
-      const int32_t c = lru[lru_pos++];
-      if (c < 0 || c >= D) break;
-      if (slot_state[c] == 0) {
-        s = c;
-        break;
-      }
-    }
-    if (s < 0) {
-      status = kLruNotPermutation;
-      break;
-    }
-    slot_state[s] = 2;
-    map.SetSlot(t, s);
-    miss_tokens[num_misses] = t;
-    miss_slots[num_misses] = s;
-    ++num_misses;
+    miss_tokens[num_misses++] = t;
   }
+  int32_t hand = 0;
+  if (status == kOk) status = ChooseVictims(r, slot_state, w, num_misses, miss_slots, &hand);
+  if (status == kOk)
+    for (int32_t i = 0; i < num_misses; ++i) map.SetSlot(miss_tokens[i], miss_slots[i]);
 
-  // New LRU order in one pass: untouched (old order) | filled (victim order) | hits
-  // (old order); the same pass checks that the old order is a permutation.
+  // The array to commit, in one pass that also checks the old one is a permutation.
+  //   LRU / score: untouched (old order) | filled (victim order) | hits (old order).
+  //   CLOCK: the ring read from the new hand position, hits' bits set, filled and passed bits cleared.
   if (status == kOk) {
+    const bool clock = r.eviction == kEvictClock;
     int32_t untouched = 0, hit_pos = D - num_hits;
     for (int32_t i = 0; i < D; ++i) {
-      const int32_t s = lru[i];
-      if (s < 0 || s >= D || (slot_state[s] & 4)) {
+      const int32_t e = lru[i];
+      const int32_t s = clock ? (e & ~kRefBit) : e;
+      if (e < 0 || s >= D || (slot_state[s] & kSeen)) {
         status = kLruNotPermutation;
         break;
       }
-      const uint8_t state = slot_state[s];
-      slot_state[s] = state | 4;
-      if (state == 0) new_lru[untouched++] = s;
-      else if (state == 1) new_lru[hit_pos++] = s;
+      const uint8_t st = slot_state[s];
+      slot_state[s] = st | kSeen;
+      const uint8_t state = st & kStateMask;
+      if (clock) {
+        const bool ref = state == kHit || (state == kUntouched && (e & kRefBit) && !(st & kRefCleared));
+        new_lru[(i - hand + D) % D] = s | (ref ? kRefBit : 0);
+      } else if (state == kUntouched) {
+        new_lru[untouched++] = s;
+      } else if (state == kHit) {
+        new_lru[hit_pos++] = s;
+      }
     }
     if (status == kOk) {
-      for (int32_t i = 0; i < num_misses; ++i) new_lru[untouched + i] = miss_slots[i];
+      if (!clock)
+        for (int32_t i = 0; i < num_misses; ++i) new_lru[untouched + i] = miss_slots[i];
       for (int32_t k = 0; k < K; ++k) {
         const int32_t t = top_k[k];
         out_rows[k] = t < 0 ? -1 : t == newest ? row_base + D : row_base + map.Slot(t);

@@ -148,6 +148,11 @@ class Engine:
     if self.hisparse is not None and self.hisparse.top_k != model_cfg.index_topk:
       raise StartupError(f"hisparse top_k ({self.hisparse.top_k}) differs from the model's index_topk "
                          f"({model_cfg.index_topk})")
+    shared = [l for l in range(model_cfg.num_hidden_layers) if not model_cfg.has_indexer(l)]
+    if self.hisparse is not None and self.hisparse.eviction == "score" and shared:
+      raise StartupError(f'hisparse config: eviction "score" needs every layer\'s indexer scores; layers '
+                         f"{shared[:8]}{'...' if len(shared) > 8 else ''} of this model share another layer's "
+                         'top-k and have no indexer (use "lru" or "clock")')
     self.max_seq_len = args.resolve_max_seq_len(model_cfg)
     # Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (see EngineArgs).
     self.max_prompt_bytes = args.max_prompt_bytes or DEFAULT_PROMPT_BYTES_PER_TOKEN * self.max_seq_len

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The swap-in kernel's eviction policies, by the index its `eviction` attribute takes (swap_in_core.h).
+from hisparse_jax.config import EVICTIONS
+
 
 def _load_cpu_module():
   # HISPARSE_FFI_CPU_LIB points at another build of the same module (e.g. the
@@ -204,8 +207,9 @@ class ExtensionHostPool:
       pass
 
 
-def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats, *,
-            page_size: int, external: ExternalPoolRef | None = None, target: str | None = None):
+def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
+            slot_scores=None, *, page_size: int, eviction: str = "lru", external: ExternalPoolRef | None = None,
+            target: str | None = None):
   """Make the latent rows of each batch row's top-k positions resident in its request's hot buffer.
 
   Args:
@@ -225,10 +229,17 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
     hot: T[L, R, D+1, W] hot buffers of R request slots; slot D of each is reserved for its newest
       token.
     slot_tokens: int32[L, R, D] token position held by each slot (-1 empty).
-    lru: int32[L, R, D] slot ids of each request, least recently used first.
+    lru: int32[L, R, D] slot ids of each request, least recently used first; with eviction "clock" the
+      clock ring read from the hand, each entry slot | 2**30 while the slot's reference bit is set.
     stats: int32[L, R, 2] cumulative (hits, misses) per request slot and layer, counted over
       distinct non-padding positions.
+    slot_scores: float32[B, D], with eviction "score" only: the indexer's score this step of the token in
+      each slot of the row's request (``slot_tokens[layer, req_ids[b]]``; empty slots count as -inf
+      whatever their score). Must be None for the other policies.
     page_size: tokens per host page (static; an FFI attribute).
+    eviction: the victim policy (static): "lru" (HiSparse's), "clock" (second-chance CLOCK) or "score"
+      (the resident tokens the indexer ranks lowest this step; ties to the older slot in LRU order).
+      ``hisparse_jax.kernels.reference`` defines each exactly.
 
   Returns:
     (rows, host_pool, hot, slot_tokens, lru, stats): rows is int32[B, K], the row of
@@ -239,9 +250,10 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
     jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the failed result is first
     read through NumPy) when K > D, a position is >= seq_len or < -1, seq_len exceeds P x
     page_size, a needed position has no host row in [0, H), an LRU row is not a permutation, a
-    request id is out of range, repeated or -1 on an active row, the layer is out of range, or newest
-    is not [B, W] of the hot buffer's dtype.
-    Nothing is modified in that case.
+    request id is out of range, repeated or -1 on an active row, the layer is out of range, newest
+    is not [B, W] of the hot buffer's dtype, or (eviction "score") a resident slot's score is NaN.
+    Nothing is modified in that case. ValueError (at trace time) for an unknown eviction, or slot_scores
+    given without eviction "score" / missing with it.
 
   ``external`` selects the handler over an ExtensionHostPool; ``target`` names another
   registration of the same handler (e.g. the Bazel build's).
@@ -253,7 +265,15 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
                                 ("host_pages", host_pages)))
   if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
     raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+  if eviction not in EVICTIONS:
+    raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
   B, K = top_k.shape
+  if (slot_scores is None) != (eviction != "score"):
+    raise ValueError('slot_scores (float32[B, D]) are given exactly when eviction is "score"')
+  if slot_scores is None:
+    slot_scores = jnp.zeros((B, 0), jnp.float32)
+  elif jnp.result_type(slot_scores) != jnp.float32:
+    raise TypeError(f"slot_scores must be float32, got {jnp.result_type(slot_scores)}")
   call = jax.ffi.ffi_call(
       target or (SWAP_IN_EXT_TARGET if external else SWAP_IN_TARGET),
       (
@@ -267,8 +287,10 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
   )
   attrs = external.attrs() if external else {}
-  return per_device(lambda *a: call(*a, page_size=np.int64(page_size), **attrs))(
-      _layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats)
+  return per_device(lambda *a: call(*a, page_size=np.int64(page_size), eviction=np.int64(EVICTIONS.index(eviction)),
+                                    **attrs))(
+      _layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
+      slot_scores)
 
 
 def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = None):

@@ -11,11 +11,19 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
   * The row's newest latent row (newest[b]) is written to its slot first: slot seq_len - 1 while
     seq_len <= D, else the reserved slot D.
   * seq_len <= D (fast path): slot i holds token i; no I/O; LRU unchanged.
-  * Otherwise: hits keep their slots; misses take the least-recently-used
-    slots holding no token needed this step; the newest token is served from
-    the reserved slot; each distinct missing position is copied once.
-  * New LRU (oldest first) = untouched slots (old order) + filled slots (in the
-    order they were taken) + hit slots (old order).
+  * Otherwise: hits keep their slots; each distinct missing position (first-appearance order) takes a
+    victim slot holding no token needed this step, chosen by the eviction policy; the newest token is
+    served from the reserved slot; each distinct missing position is copied once.
+  * Eviction "lru" (HiSparse's): victims are the least-recently-used such slots. New LRU (oldest first)
+    = untouched slots (old order) + filled slots (in the order they were taken) + hit slots (old order).
+  * Eviction "clock" (second-chance CLOCK; Corbato 1968): ``lru`` is the clock ring read from the hand,
+    each entry slot | 2**30 (CLOCK_REF) while the slot's reference bit is set. Hits set their bits; the
+    hand skips hit slots and slots filled this step, clears a set bit and moves on, and takes a slot
+    whose bit is clear; filled slots start clear. New ``lru`` = the ring read from the hand's final
+    position, with the new bits.
+  * Eviction "score": victims are the untouched slots whose tokens the indexer ranks lowest this step
+    (``slot_scores``; an empty slot is -inf), in ascending (score, LRU position) order; a NaN score of an
+    untouched resident slot is an error (on every slow-path step). LRU updated as for "lru".
   * Padding (-1) maps to row -1. Hits and misses count distinct positions; the
     newest token counts as a hit.
   * Errors (nothing is modified): a position >= seq_len or < -1, K > D, a
@@ -26,14 +34,19 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+CLOCK_REF = 1 << 30  # the reference bit of a CLOCK ring entry
 
 
 class SwapInError(ValueError):
   """Input the kernel must reject (it returns an FFI INVALID_ARGUMENT error)."""
 
 
-def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, lru, row_base, D):
+def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, lru, row_base, D, *,
+                    eviction="lru", slot_scores=None):
   """Swap-in of one request at one layer, in place on the given NumPy views.
 
   Args:
@@ -45,6 +58,7 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
     slot_tokens: int[D], modified. lru: int[D], modified.
     row_base: device row of slot 0 of this request.
     D: hot-buffer slots.
+    eviction: "lru", "clock" or "score" (module docstring); slot_scores: float[D] for "score".
 
   Returns:
     (rows int[K], hits, misses).
@@ -67,7 +81,9 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
 
   newest = seq_len - 1
   H = host_pool_l.shape[0]
-  if sorted(int(s) for s in lru) != list(range(D)):
+  entries = [int(e) for e in lru]
+  ring = [e & ~CLOCK_REF if eviction == "clock" and e >= 0 else e for e in entries]
+  if sorted(ring) != list(range(D)):
     raise SwapInError("LRU order is not a permutation of the slots")
 
   slot_of = {}
@@ -80,14 +96,41 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
   for t in misses:  # only rows that are read need a valid page-table entry
     if not 0 <= host_rows[t] < H:
       raise SwapInError(f"position {t} has host row {host_rows[t]} outside [0, {H})")
-  old_lru = [int(s) for s in lru]
-  victims = [s for s in old_lru if s not in hit_slots][: len(misses)]
+  old_lru = ring
+  if eviction == "score":
+    def score(s):
+      return -math.inf if slot_tokens[s] < 0 else float(slot_scores[s])
+    candidates = [(score(s), i, s) for i, s in enumerate(old_lru) if s not in hit_slots]
+    if any(math.isnan(c[0]) for c in candidates):
+      raise SwapInError("a resident slot's score is NaN")
+    victims = [s for _, _, s in sorted(candidates)[: len(misses)]]
+  elif eviction == "clock":
+    ref = {s: bool(e & CLOCK_REF) for s, e in zip(ring, entries)}
+    for s in hit_slots:
+      ref[s] = True
+    victims, hand = [], 0
+    while len(victims) < len(misses):
+      s = ring[hand % D]
+      hand += 1
+      if s in hit_slots or s in victims:
+        continue
+      if ref[s]:
+        ref[s] = False
+      else:
+        victims.append(s)
+    for s in victims:
+      ref[s] = False
+  else:
+    victims = [s for s in old_lru if s not in hit_slots][: len(misses)]
   for t, s in zip(misses, victims):
     slot_of[t] = s
     slot_tokens[s] = t
     hot_l[row_base + s] = host_pool_l[host_rows[t]]
-  untouched = [s for s in old_lru if s not in hit_slots and s not in victims]
-  lru[:] = untouched + victims + [s for s in old_lru if s in hit_slots]
+  if eviction == "clock":
+    lru[:] = [ring[(hand + j) % D] | (CLOCK_REF if ref[ring[(hand + j) % D]] else 0) for j in range(D)]
+  else:
+    untouched = [s for s in old_lru if s not in hit_slots and s not in victims]
+    lru[:] = untouched + victims + [s for s in old_lru if s in hit_slots]
 
   rows = []
   for t in positions:
@@ -107,8 +150,8 @@ def host_rows_of(host_pages, page_size: int) -> np.ndarray:
   return np.where(pages[:, None] < 0, -1, rows).reshape(-1)
 
 
-def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats, *,
-            page_size):
+def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
+            slot_scores=None, *, page_size, eviction="lru"):
   """Batched reference with the shapes and results of ``hisparse_jax.kernels.ops.swap_in``.
 
   Works on copies; returns (rows, host_pool, hot, slot_tokens, lru, stats) as
@@ -141,7 +184,8 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       continue
     rows[b], hits, misses = swap_in_request(
         np.asarray(top_k[b]), int(seq_lens[b]), host_rows_of(host_pages[b], page_size), host_pool[layer],
-        hot_l, slot_tokens[layer, r], lru[layer, r], r * D1, D)
+        hot_l, slot_tokens[layer, r], lru[layer, r], r * D1, D, eviction=eviction,
+        slot_scores=None if slot_scores is None else np.asarray(slot_scores)[b])
     stats[layer, r] += (hits, misses)
     n = int(seq_lens[b])
     if n > 0:  # the kernel changes nothing on error, so the reference writes the newest rows last

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.kernels import ops
+from models.kv_protocol import index_scores
 
 
 def _pytree(data, meta=()):
@@ -175,8 +176,8 @@ class DenseView:
     return read_block(self.index, layer, self.pages, start, size, self.page_size)
 
   @per_group()
-  def gather(self, layer, positions, top_k):
-    del positions
+  def gather(self, layer, positions, top_k, index_q=None, index_w=None):
+    del positions, index_q, index_w
     return gather_rows(self.latent, layer, self.pages, top_k, self.page_size), self
 
 
@@ -287,18 +288,21 @@ class HiSparsePrefillView:
     return read_block(self.index, layer, self.index_pages, start, size, self.page_size)
 
   @per_group()
-  def gather(self, layer, positions, top_k):
-    del positions
+  def gather(self, layer, positions, top_k, index_q=None, index_w=None):
+    del positions, index_q, index_w
     return gather_rows(self.staging, layer, self.staging_pages, top_k, self.page_size), self
 
 
 @_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest") + _HOST,
-         meta=("page_size", "external"))
+         meta=("page_size", "external", "eviction"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
   """A HiSparse decode batch (one token per row): the newest latent row goes to the host pool (backup
   kernel) and, placed by the swap-in kernel in ``gather``, to the request's hot buffer (its own slot while
-  the request is no longer than D, else the reserved slot D); ``gather`` is the swap-in kernel."""
+  the request is no longer than D, else the reserved slot D); ``gather`` is the swap-in kernel, with the
+  eviction policy ``eviction`` (``ops.EVICTIONS``). Under "score" it first scores the token of every slot
+  with the layer's indexer queries (``index_scores`` over the indexer keys of the slots' positions: B x D
+  keys, gathered from the device's index pages)."""
 
   batch_fields = ("index_pages", "req_ids", "newest", "host_pages")
 
@@ -314,6 +318,7 @@ class HiSparseDecodeView:
   host_pages: jax.Array
   page_size: int
   external: ops.ExternalPoolRef | None
+  eviction: str = "lru"
 
   @per_group()
   def append(self, layer, positions, latent, index_key):
@@ -332,15 +337,23 @@ class HiSparseDecodeView:
     return read_block(self.index, layer, self.index_pages, start, size, self.page_size)
 
   @per_group()
-  def gather(self, layer, positions, top_k):
+  def gather(self, layer, positions, top_k, index_q=None, index_w=None):
     if top_k.shape[1] != 1:
       raise ValueError(f"HiSparse decode takes one query per row, got {top_k.shape[1]}")
     if self.newest is None:
       raise ValueError("HiSparse decode gathers a layer only after appending its newest rows")
+    slot_scores = None
+    if self.eviction == "score":
+      if index_q is None or index_w is None:
+        raise ValueError(f'eviction "score" needs the indexer queries of layer {layer} (it has no indexer)')
+      slots = self.slot_tokens[layer][jnp.maximum(self.req_ids, 0)]  # [B, D] positions, -1 empty
+      keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
+      slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
     seq_lens = positions[:, 0] + 1  # idle rows: position -1 -> seq_len 0
     rows, host_pool, hot, slot_tokens, lru, stats = ops.swap_in(
         layer, top_k[:, 0], seq_lens, self.req_ids, self.host_pages, self.newest, self.host_pool, self.hot,
-        self.slot_tokens, self.lru, self.stats, page_size=self.page_size, external=self.external)
+        self.slot_tokens, self.lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
+        external=self.external)
     R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
     out = hot[layer].reshape(R * D1, W)[jnp.maximum(rows, 0)]
     out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
@@ -356,7 +369,7 @@ def host_rows(host_pages, positions, page_size):
 
 
 @_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "host_pool"),
-         meta=("page_size", "external"))
+         meta=("page_size", "external", "eviction"))
 @dataclasses.dataclass
 class HiSparseState:
   """HiSparse KV memory (see the module docstring). hot: T[L, R+1, D+1, W]; slot_tokens, lru: int32[L, R+1, D];
@@ -375,11 +388,13 @@ class HiSparseState:
   host_pool: jax.Array
   page_size: int
   external: ops.ExternalPoolRef | None = None
+  eviction: str = "lru"
 
   @classmethod
   def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
              request_slots, device_buffer_size, host_pages,
-             external_pool: ops.ExtensionHostPool | None = None, mesh=None, groups: int = 1) -> "HiSparseState":
+             external_pool: ops.ExtensionHostPool | None = None, mesh=None, groups: int = 1,
+             eviction: str = "lru") -> "HiSparseState":
     """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
     on ``mesh`` (``_placement``; not with external_pool). groups: DP groups, each with the sizes given (the
@@ -409,8 +424,10 @@ class HiSparseState:
                   stats=jnp.zeros((L, R, 2), jnp.int32))
 
     arrays = jax.jit(device, out_shardings=_placement(mesh))()
+    if eviction not in ops.EVICTIONS:
+      raise ValueError(f"eviction must be one of {ops.EVICTIONS}, got {eviction!r}")
     return cls(**arrays, host_pool=host_pool, page_size=page_size,
-               external=None if external_pool is None else external_pool.ref)
+               external=None if external_pool is None else external_pool.ref, eviction=eviction)
 
   @property
   def device_buffer_size(self) -> int:
@@ -424,7 +441,7 @@ class HiSparseState:
                                  self.host_pool, tables["host_pages"], self.page_size, self.external)
     return HiSparseDecodeView(self.index, tables["index_pages"], self.hot, self.slot_tokens, self.lru, self.stats,
                               tables["req_ids"], None, self.host_pool, tables["host_pages"], self.page_size,
-                              self.external)
+                              self.external, self.eviction)
 
   def absorb(self, view) -> "HiSparseState":
     return _absorb(self, view)

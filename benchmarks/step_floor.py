@@ -1,0 +1,164 @@
+r"""A decode step against its floor, measured in the same run: dense and HiSparse, batch 1 ... 256.
+
+  python benchmarks/step_floor.py [--quick] [--batches 1,8,32,256] [--prompt-len 64] [--steps 24] \
+      [--out benchmarks/results/step_floor]
+
+Model: the embedded default model (``hisparse_jax.default_model``), float32, on this machine's JAX backend.
+Per batch size B, B requests of ``--prompt-len`` random token ids decode ``--steps`` tokens each (greedy,
+EOS ignored) through ``Engine``; the step time is the wall time of the engine's compiled decode call until
+its tokens are ready (the median over the steps after the first three; the dispatch and the host->device
+copy of the step's tables are included, the Python scheduler around it is not). HiSparse runs with the
+model's own config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in.
+
+The floor of a step, from two references measured in the same process right after it:
+  * compute: the step's FLOPs (XLA's cost analysis of the compiled decode) at the rate a bare jitted GEMM of
+    the output projection (float32[B, hidden] @ float32[hidden, vocab], the step's largest matmul) reaches
+    at that batch;
+  * memory: the bytes of the weights a step reads (every parameter but the input embedding table, of which
+    it gathers B rows) at the bandwidth of a bare jitted read of as many bytes (``jnp.sum`` over a float32
+    array of that size): every step must stream those weights once.
+floor = max(compute, memory); ratio = step / floor (the goal is <= 1.3). Also reported: the bare GEMM's own
+time (its share of the floor), the step's bytes accessed by XLA's count, and transformers' step at the same
+batch from ``benchmarks/results/vs_transformers.json`` when that file exists (a 120-token prompt, the oracle
+env; ``vs_transformers.py`` measures it).
+
+Writes OUT.json and OUT.md. ``--quick``: batches 1 and 2, 6 steps (CI smoke: runs, sane numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli import positive_ints, write_results  # noqa: E402
+
+SKIP = 3  # first decode steps left out of the median (compilation of the batch bucket, warm caches)
+
+
+def _median_ms(fn, *args, repeats: int = 15) -> float:
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(times))
+
+
+def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> dict:
+  """One engine at batch B: its decode step, its cost analysis, and the two floor references."""
+  import jax
+  import jax.numpy as jnp
+  from hisparse_jax.engine import Engine, Request
+
+  kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max(256, prompt_len + steps + 8))
+  engine = Engine(model_dir, enable_hisparse=(mode == "hisparse"), **kw)
+  cfg = engine.config
+  rng = np.random.default_rng(B)
+  for i in range(B):
+    engine.submit(Request(f"r{i}", rng.integers(2, 100000, prompt_len).tolist(), steps, ignore_eos=True))
+  decode, times, last = engine._decode_fn, [], {}
+
+  def timed(*args, **kwargs):
+    t = time.perf_counter()
+    out = decode(*args, **kwargs)
+    jax.block_until_ready(out[0])
+    times.append(time.perf_counter() - t)
+    last["call"] = (args, kwargs)
+    return out
+
+  engine._decode_fn = timed
+  while engine.has_work():
+    engine.step()
+  if len(times) <= SKIP:
+    raise RuntimeError(f"only {len(times)} decode steps: raise --steps")
+  step_ms = 1e3 * float(np.median(times[SKIP:]))
+  args, kwargs = last["call"]
+  cost = decode.lower(*args, **kwargs).compile().cost_analysis() or {}
+  flops, step_bytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+  # The weights a step streams: all but the input embedding table, of which it gathers B rows.
+  leaves = jax.tree_util.tree_flatten_with_path(args[0])[0]
+  weight_bytes = sum(x.nbytes for path, x in leaves if "embed_tokens" not in jax.tree_util.keystr(path))
+  batch = int(args[1].shape[0])  # the step's batch bucket
+  engine.close()
+  del engine, args, kwargs, last
+
+  H, V = cfg.hidden_size, cfg.vocab_size
+  x = jnp.asarray(rng.standard_normal((batch, H)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((H, V)), jnp.float32)
+  gemm_ms = _median_ms(jax.jit(lambda x, w: x @ w), x, w)
+  gemm_flops = 2.0 * batch * H * V
+  big = jnp.ones((weight_bytes // 4,), jnp.float32)
+  read_ms = _median_ms(jax.jit(jnp.sum), big)
+  del big, w
+  compute_ms = flops / (gemm_flops / gemm_ms)
+  memory_ms = read_ms  # the weights' bytes at the bare read's bandwidth
+  floor_ms = max(compute_ms, memory_ms)
+  return dict(batch=B, bucket=batch, mode=mode, step_ms=step_ms, steps_timed=len(times) - SKIP, flops=flops,
+              step_bytes=step_bytes, weight_bytes=weight_bytes, gemm_ms=gemm_ms,
+              gemm_gflops_per_s=gemm_flops / gemm_ms / 1e6, read_gb_per_s=weight_bytes / read_ms / 1e6,
+              compute_floor_ms=compute_ms, memory_floor_ms=memory_ms, floor_ms=floor_ms,
+              ratio=step_ms / floor_ms, bound="compute" if compute_ms >= memory_ms else "memory")
+
+
+def transformers_steps(path: str) -> dict[int, float]:
+  """batch -> transformers' ms per decode step from a vs_transformers.py result, if there is one."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  rows = data.get("rows") if isinstance(data, dict) else None
+  return {int(b): float(r["transformers_step_ms"]) for b, r in (rows or {}).items()
+          if isinstance(r, dict) and "transformers_step_ms" in r}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--batches", type=positive_ints, default=[1, 8, 32, 256])
+  ap.add_argument("--prompt-len", type=int, default=96, help="tokens per prompt (> the hot buffer of 64)")
+  ap.add_argument("--steps", type=int, default=24, help="decode steps per request")
+  ap.add_argument("--modes", default="dense,hisparse")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_floor"))
+  ap.add_argument("--quick", action="store_true")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.batches, args.steps = [1, 2], 6
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  if not modes or any(m not in ("dense", "hisparse") for m in modes):
+    print(f"error: --modes: choose from dense,hisparse, got {args.modes!r}", file=sys.stderr)
+    return 2
+  if args.prompt_len < 1 or args.steps <= SKIP or args.batches[-1] > 1024:
+    print(f"error: need --prompt-len >= 1, --steps > {SKIP}, batches <= 1024", file=sys.stderr)
+    return 2
+  from hisparse_jax.default_model import ensure_default_model
+
+  model_dir = ensure_default_model()
+  t0 = time.perf_counter()
+  rows = [measure(model_dir, B, mode, args.prompt_len, args.steps) for B in args.batches for mode in modes]
+  theirs = transformers_steps(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                           "vs_transformers.json"))
+  import jax
+  lines = [f"Default model, float32, {jax.default_backend()}, {os.cpu_count()} cores; prompts of "
+           f"{args.prompt_len} tokens, {args.steps} decode steps, median after the first {SKIP}.", "",
+           "| batch | mode | step ms | floor ms (bound) | step / floor | GFLOP / step | bare GEMM ms (GFLOP/s) "
+           "| weight read GB/s | transformers step ms |", "|---" * 9 + "|"]
+  for r in rows:
+    hf = theirs.get(r["batch"])
+    lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} ({r['bound']}) | "
+                 f"{r['ratio']:.2f}x | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
+                 f"{r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |")
+  write_results(args.out, {"args": vars(args), "rows": rows, "transformers_step_ms": theirs,
+                           "seconds": time.perf_counter() - t0}, "\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

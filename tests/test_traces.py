@@ -1,0 +1,68 @@
+"""The calibrated decode-time indexer traces (benchmarks/calibrated_trace.py) and the eviction policies on them."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import calibrated_trace as ct  # noqa: E402
+import miss_rate  # noqa: E402
+
+
+def test_locality_is_in_the_published_bands():
+  """At the measured prompt length (TensorRT-LLM's 68,665 tokens; here 65,536) with top_k 2048: consecutive
+  steps share 35-50% of the top-k on deep layers and much less on the first ones (TensorRT-LLM tech blog 21);
+  adjacent layers share 70-100% (IndexCache, arXiv:2603.12201)."""
+  o = ct.overlaps(ct.calibrated_trace(65536, 12, 2048, seed=3))
+  temporal, adjacent = o["temporal"], o["adjacent"]
+  assert len(temporal) == 8 and len(adjacent) == 7
+  assert temporal[0] < 0.2 and temporal[1] < 0.3, temporal
+  assert all(0.35 <= x <= 0.50 for x in temporal[3:]), temporal
+  assert all(a <= b + 0.01 for a, b in zip(temporal, temporal[1:])), temporal  # deeper layers: more locality
+  assert all(0.70 <= x <= 1.0 for x in adjacent), adjacent
+
+
+def test_trace_structure_and_determinism():
+  model = ct.TraceModel(layers=3, sinks=4, recent=16)
+  steps = list(ct.calibrated_trace(300, 5, 64, model, seed=7))
+  assert len(steps) == 5
+  for t, (picked, scores) in enumerate(steps):
+    seq_len = 300 + t + 1
+    assert picked.dtype == np.int32 and picked.shape == (3, 64)
+    assert scores.dtype == np.float32 and scores.shape == (3, seq_len)
+    for layer in range(3):
+      row = picked[layer]
+      assert (np.diff(row) > 0).all() and row.min() >= 0 and row.max() < seq_len  # sorted, distinct, causal
+      assert {0, 1, 2, 3, seq_len - 1} <= set(row.tolist())  # sinks and the newest token
+      assert set(range(seq_len - 16, seq_len)) <= set(row.tolist())  # the recent window
+      rest = np.setdiff1d(np.arange(seq_len), row)
+      assert scores[layer, row].min() >= scores[layer, rest].max()  # the top-k of its own scores
+  again = list(ct.calibrated_trace(300, 5, 64, model, seed=7))
+  assert all((a[0] == b[0]).all() and (a[1] == b[1]).all() for a, b in zip(steps, again))
+  other = next(ct.calibrated_trace(300, 5, 64, model, seed=8))
+  assert (other[0] != steps[0][0]).any()
+
+
+def test_short_context_takes_every_position():
+  picked, scores = next(ct.calibrated_trace(10, 1, 64, ct.TraceModel(layers=2)))
+  np.testing.assert_array_equal(picked, np.tile(np.arange(11, dtype=np.int32), (2, 1)))
+  assert scores.shape == (2, 11)
+
+
+@pytest.mark.parametrize("D", [512, 768])  # 2 and 3 x top_k (at D = top_k every policy misses alike)
+def test_policies_on_a_calibrated_trace(D):
+  """Every kernel policy replayed on the same calibrated trace: the kernel's LRU and CLOCK equal the Python
+  replays step for step, Belady's optimum bounds every policy, and the score policies, which read the trace's
+  indexer scores, miss less than LRU."""
+  context, steps, top_k, layers = 4096, 60, 256, 4
+  replays = {p: miss_rate.KernelReplay(layers, context, steps, D, top_k, p)
+             for p in ("lru", "clock", "score", "score-ema")}
+  streams = miss_rate.calibrated_streams(context, steps, top_k, layers, 0, replays.values())
+  total = {p: sum(map(sum, r.misses)) for p, r in replays.items()}
+  assert replays["lru"].misses == [miss_rate.replay_lru(tr, c, D) for _, c, tr in streams]
+  assert replays["clock"].misses == [miss_rate.replay_clock(tr, c, D) for _, c, tr in streams]
+  belady = sum(sum(miss_rate.replay_belady(tr, c, D)) for _, c, tr in streams)
+  assert 0 < belady <= min(total.values())
+  assert total["score"] < total["lru"] and total["score-ema"] < total["lru"], total

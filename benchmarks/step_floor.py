@@ -4,11 +4,12 @@ r"""A decode step against its floor, measured in the same run: dense and HiSpars
       [--out benchmarks/results/step_floor]
 
 Model: the embedded default model (``hisparse_jax.default_model``), float32, on this machine's JAX backend.
-Per batch size B, B requests of ``--prompt-len`` random token ids decode ``--steps`` tokens each (greedy,
-EOS ignored) through ``Engine``; the step time is the wall time of the engine's compiled decode call until
-its tokens are ready (the median over the steps after the first three; the dispatch and the host->device
-copy of the step's tables are included, the Python scheduler around it is not). HiSparse runs with the
-model's own config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in.
+Per batch size B, B requests of ``--prompt-len`` random token ids are admitted and prefilled, then
+``--steps`` decode steps of the whole batch are timed (greedy, EOS ignored; a device KV budget that fits
+every request). Two times, medians over the steps after the first three: the decode call (the engine's
+compiled step from dispatch until its tokens are ready) and the engine step (``Engine.step()``: the
+scheduler, the step's tables and the tokens' delivery around the call). HiSparse runs with the model's own
+config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in.
 
 The floor of a step, from two references measured in the same process right after it:
   * compute: the step's FLOPs (XLA's cost analysis of the compiled decode) at the rate a bare jitted GEMM of
@@ -57,13 +58,26 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   import jax
   import jax.numpy as jnp
   from hisparse_jax.engine import Engine, Request
+  from hisparse_jax.engine.request import Phase
 
-  kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max(256, prompt_len + steps + 8))
+  # Room for the steps the first requests decode while the last prompts are admitted (HiSparse prefills
+  # what its staging pool holds, one max_seq_len prompt's pages: here 2 prompts per step).
+  extra = B + 32
+  max_seq_len = prompt_len + steps + extra
+  # Every request fits the device KV budget and every prompt one prefill chunk: the whole batch decodes.
+  kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len,
+            max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
   engine = Engine(model_dir, enable_hisparse=(mode == "hisparse"), **kw)
   cfg = engine.config
   rng = np.random.default_rng(B)
   for i in range(B):
-    engine.submit(Request(f"r{i}", rng.integers(2, 100000, prompt_len).tolist(), steps, ignore_eos=True))
+    engine.submit(Request(f"r{i}", rng.integers(2, 100000, prompt_len).tolist(), steps + extra - 8,
+                          ignore_eos=True))
+  reqs = list(engine.waiting)
+  while len(engine._decoding()) < B:  # admit and prefill every prompt first
+    engine.step()
+    if any(r.phase is Phase.FINISHED for r in reqs):
+      raise RuntimeError(f"a request finished before all {B} were decoding")
   decode, times, last = engine._decode_fn, [], {}
 
   def timed(*args, **kwargs):
@@ -75,11 +89,15 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
     return out
 
   engine._decode_fn = timed
-  while engine.has_work():
+  step_times = []
+  for _ in range(steps):  # decode steps of the whole batch (nothing left to prefill)
+    t = time.perf_counter()
     engine.step()
-  if len(times) <= SKIP:
-    raise RuntimeError(f"only {len(times)} decode steps: raise --steps")
+    step_times.append(time.perf_counter() - t)
+  if len(times) != steps or len(engine._decoding()) != B:
+    raise RuntimeError(f"{len(times)} decode calls for {steps} steps, {len(engine._decoding())} of {B} decoding")
   step_ms = 1e3 * float(np.median(times[SKIP:]))
+  engine_step_ms = 1e3 * float(np.median(step_times[SKIP:]))
   args, kwargs = last["call"]
   cost = decode.lower(*args, **kwargs).compile().cost_analysis() or {}
   flops, step_bytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
@@ -87,6 +105,8 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   leaves = jax.tree_util.tree_flatten_with_path(args[0])[0]
   weight_bytes = sum(x.nbytes for path, x in leaves if "embed_tokens" not in jax.tree_util.keystr(path))
   batch = int(args[1].shape[0])  # the step's batch bucket
+  for i in range(B):
+    engine.abort(f"r{i}")
   engine.close()
   del engine, args, kwargs, last
 
@@ -101,11 +121,13 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   compute_ms = flops / (gemm_flops / gemm_ms)
   memory_ms = read_ms  # the weights' bytes at the bare read's bandwidth
   floor_ms = max(compute_ms, memory_ms)
-  return dict(batch=B, bucket=batch, mode=mode, step_ms=step_ms, steps_timed=len(times) - SKIP, flops=flops,
+  return dict(batch=B, bucket=batch, mode=mode, step_ms=step_ms, engine_step_ms=engine_step_ms,
+              steps_timed=len(times) - SKIP, flops=flops,
               step_bytes=step_bytes, weight_bytes=weight_bytes, gemm_ms=gemm_ms,
               gemm_gflops_per_s=gemm_flops / gemm_ms / 1e6, read_gb_per_s=weight_bytes / read_ms / 1e6,
               compute_floor_ms=compute_ms, memory_floor_ms=memory_ms, floor_ms=floor_ms,
-              ratio=step_ms / floor_ms, bound="compute" if compute_ms >= memory_ms else "memory")
+              ratio=step_ms / floor_ms, engine_ratio=engine_step_ms / floor_ms,
+              bound="compute" if compute_ms >= memory_ms else "memory")
 
 
 def transformers_steps(path: str) -> dict[int, float]:
@@ -148,12 +170,12 @@ def main(argv=None) -> int:
   import jax
   lines = [f"Default model, float32, {jax.default_backend()}, {os.cpu_count()} cores; prompts of "
            f"{args.prompt_len} tokens, {args.steps} decode steps, median after the first {SKIP}.", "",
-           "| batch | mode | step ms | floor ms (bound) | step / floor | GFLOP / step | bare GEMM ms (GFLOP/s) "
-           "| weight read GB/s | transformers step ms |", "|---" * 9 + "|"]
+           "| batch | mode | decode call ms | engine step ms | floor ms (bound) | call / floor | engine step / floor "
+           "| GFLOP / step | bare GEMM ms (GFLOP/s) | weight read GB/s | transformers step ms |", "|---" * 11 + "|"]
   for r in rows:
     hf = theirs.get(r["batch"])
-    lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} ({r['bound']}) | "
-                 f"{r['ratio']:.2f}x | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
+    lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['engine_step_ms']:.2f} | "
+                 f"{r['floor_ms']:.2f} ({r['bound']}) | {r['ratio']:.2f}x | {r['engine_ratio']:.2f}x | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
                  f"{r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |")
   write_results(args.out, {"args": vars(args), "rows": rows, "transformers_step_ms": theirs,
                            "seconds": time.perf_counter() - t0}, "\n".join(lines))

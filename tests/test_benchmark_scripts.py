@@ -34,6 +34,21 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
   assert len(report["sweep"]) == 2
 
 
+def test_step_floor_quick(tmp_path):
+  out = tmp_path / "sf"
+  r = subprocess.run([sys.executable, "benchmarks/step_floor.py", "--quick", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  rows = json.loads((tmp_path / "sf.json").read_text())["rows"]
+  assert [(x["batch"], x["mode"]) for x in rows] == [(1, "dense"), (1, "hisparse"), (2, "dense"), (2, "hisparse")]
+  for x in rows:
+    assert x["bucket"] == x["batch"]  # the whole batch decoded in every timed step
+    assert x["flops"] > 2 * x["batch"] * 256 * 129280  # at least the output projection
+    assert 0 < x["floor_ms"] == max(x["compute_floor_ms"], x["memory_floor_ms"])
+    assert x["step_ms"] > 0 and x["engine_step_ms"] >= 0.5 * x["step_ms"]
+  assert "| 2 | hisparse |" in (tmp_path / "sf.md").read_text()
+
+
 def test_miss_rate_quick(tmp_path):
   out = tmp_path / "mr"
   r = subprocess.run([sys.executable, "benchmarks/miss_rate.py", "--quick", "--out", str(out)], cwd=REPO,

@@ -464,7 +464,7 @@ def with_policy(case, eviction, data):
   elif eviction == "score":
     B, D = len(case[3]), case[SLOTS].shape[2]
     scores = data.draw(hnp.arrays(np.float32, (B, D), elements=st.sampled_from(
-        [-np.inf, -1.0, 0.0, 0.5, 0.5, 2.0, 3.0, np.inf])))
+        [-np.inf, -1.0, -0.0, 0.0, 1e-40, 0.5, 0.5, 2.0, 3.0, np.inf])))
     case.append(scores)
   return case
 
@@ -550,6 +550,9 @@ def test_clock_worked_example():
     ([10, 3, 7, 12], [5.0, 9.0, 1.0, 1.0], 2, [0, 3, 2, 1]),  # lowest score; the tie goes to the older slot
     ([10, 3, 7, -1], [5.0, 9.0, 1.0, 100.0], 3, [0, 2, 3, 1]),  # an empty slot counts as -inf
     ([10, 3, 7, 12], [-np.inf, np.nan, 1.0, 1.0], 0, [2, 3, 0, 1]),  # a hit slot's NaN is never read
+    ([10, 3, 7, 12], [1e-39, 5.0, 0.0, 5.0], 2, [0, 3, 2, 1]),  # a subnormal is above 0 (no flush to zero)
+    ([10, 3, 7, 12], [0.0, 5.0, -0.0, 5.0], 2, [0, 3, 2, 1]),  # -0 before +0 (IEEE total order)
+    ([10, 3, 7, -1], [5.0, 9.0, -np.inf, 1.0], 3, [0, 2, 3, 1]),  # an empty slot before even -inf
 ])
 def test_score_worked_examples(tokens, scores, victim, new_lru):
   case = worked_example()

@@ -56,8 +56,7 @@ bool SameDims(const Buf& a, std::initializer_list<int64_t> dims) {
 // the steady-state hot path.
 struct Workspace {
   // Per thread: the scratch of the plan being computed.
-  std::vector<int32_t> need_token, slot_of, heap_pos;
-  std::vector<float> heap_score;
+  std::vector<int32_t> need_token, slot_of, heap_key, heap_pos;
   std::vector<uint8_t> slot_state;
   std::vector<uint64_t> bits;  // all zero between plans
   // Per request of the call (owned by the calling thread): plans kept until commit.
@@ -67,7 +66,7 @@ struct Workspace {
   void ReservePlan(int64_t K, int64_t D, int64_t S) {
     if (static_cast<int64_t>(need_token.size()) < K) {
       need_token.resize(K);
-      heap_score.resize(K);
+      heap_key.resize(K);
       heap_pos.resize(K);
     }
     if (static_cast<int64_t>(slot_state.size()) < D) slot_state.resize(D);
@@ -202,7 +201,7 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
     Workspace& ws = ThreadWorkspace();
     ws.ReservePlan(K, D, P * page_size);
     SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D,
-                          ws.heap_score.data(), ws.heap_pos.data()};
+                          ws.heap_key.data(), ws.heap_pos.data()};
     DirectPositionMap map = ws.Map();
     batch.misses[b] = PlanSwapIn(request(b, in_slots, in_order), map, scratch, out + b * K,
                                  batch.miss_tokens.data() + b * K, batch.miss_slots.data() + b * K,

@@ -92,12 +92,12 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
   int32_t* miss_slots = miss_tokens + K;
   int32_t* new_lru = miss_slots + K;
   int32_t* heap_pos = new_lru + D;
-  float* heap_score = reinterpret_cast<float*>(heap_pos + K);
-  uint8_t* slot_state = reinterpret_cast<uint8_t*>(heap_score + K);
+  int32_t* heap_key = heap_pos + K;
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(heap_key + K);
   for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) hash_keys[i] = -1;
   __syncthreads();
   return BlockPlan{HashPositionMap{hash_keys, hash_slots, cap - 1},
-                   SwapInScratch{need_token, slot_state, new_lru, heap_score, heap_pos}, miss_tokens, miss_slots};
+                   SwapInScratch{need_token, slot_state, new_lru, heap_key, heap_pos}, miss_tokens, miss_slots};
 }
 
 // Dry run of every request's plan (plans change nothing): error[0] = first

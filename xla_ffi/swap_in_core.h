@@ -26,10 +26,11 @@
 //                   start with a clear bit. New array = the ring read from the
 //                   hand's new position (a rotation), with the new bits.
 //       kEvictScore the slots whose tokens the indexer ranks lowest this step
-//                   (slot_scores, one float per slot: an empty slot counts as
-//                   -inf; ties go to the older slot in LRU order; a NaN score
-//                   is an error). Victims in ascending (score, LRU position);
-//                   the LRU order is updated as kEvictLru's.
+//                   (slot_scores, one float per slot, compared in IEEE total
+//                   order: -0 < +0, subnormals kept; an empty slot first; ties
+//                   go to the older slot in LRU order; a NaN score is an
+//                   error). Victims in ascending (score, LRU position); the LRU
+//                   order is updated as kEvictLru's.
 //   * Padding (-1) maps to row -1 and costs nothing.
 //   * The newest token's latent row (computed this step) is written by the handler
 //     to its slot: its own slot seq_len - 1 while seq_len <= D, else the reserved
@@ -43,6 +44,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define HISPARSE_HD __host__ __device__
@@ -156,7 +158,7 @@ struct SwapInScratch {
   int32_t* need_token;    // [K] distinct needed positions, first-appearance order
   uint8_t* slot_state;    // [D] kUntouched / kHit / kFilled in the low bits | the flags below
   int32_t* new_lru;       // [D] the LRU order to commit (slow path only)
-  float* heap_score;      // [K] score policy: the victims' (score, LRU position) max-heap
+  int32_t* heap_key;      // [K] score policy: the victims' (ScoreKey, LRU position) max-heap
   int32_t* heap_pos;      // [K]
 };
 
@@ -183,22 +185,40 @@ struct RequestLayer {
   const float* slot_scores;   // [D] score policy: the indexer's score of each slot's token; else unused
 };
 
-// (score, LRU position) a before b: the score policy's victim order.
-HISPARSE_HD inline bool ScoreBefore(float a, int32_t pa, float b, int32_t pb) {
+// A float score's bits as an int32 ordered like the floats (IEEE total order of non-NaN values: -0 before
+// +0, subnormals kept): comparing keys, not floats, gives the same victims on every device whatever its
+// flush-to-zero mode (XLA's CPU threads flush subnormals). An empty slot has the key below every score.
+constexpr int32_t kEmptySlotKey = INT32_MIN;
+HISPARSE_HD inline int32_t ScoreKey(uint32_t bits) {
+  return static_cast<int32_t>(bits ^ ((bits >> 31) ? 0x7fffffffu : 0u));
+}
+HISPARSE_HD inline bool IsNaNBits(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+HISPARSE_HD inline uint32_t FloatBits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+#endif
+}
+
+// (key, LRU position) a before b: the score policy's victim order.
+HISPARSE_HD inline bool ScoreBefore(int32_t a, int32_t pa, int32_t b, int32_t pb) {
   return a < b || (a == b && pa < pb);
 }
 
-HISPARSE_HD inline void SwapKeys(float* score, int32_t* pos, int32_t i, int32_t j) {
-  const float fs = score[i];
-  score[i] = score[j];
-  score[j] = fs;
+HISPARSE_HD inline void SwapKeys(int32_t* key, int32_t* pos, int32_t i, int32_t j) {
+  const int32_t ks = key[i];
+  key[i] = key[j];
+  key[j] = ks;
   const int32_t ps = pos[i];
   pos[i] = pos[j];
   pos[j] = ps;
 }
 
 // Restores the max-heap property (the root = the key LAST in victim order) below node i of an n-entry heap.
-HISPARSE_HD inline void SiftDown(float* score, int32_t* pos, int32_t n, int32_t i) {
+HISPARSE_HD inline void SiftDown(int32_t* score, int32_t* pos, int32_t n, int32_t i) {
   for (;;) {
     const int32_t l = 2 * i + 1, r = l + 1;
     int32_t top = i;
@@ -221,7 +241,9 @@ HISPARSE_HD inline int32_t ChooseVictims(const RequestLayer& r, uint8_t* slot_st
   if (r.eviction == kEvictClock) {
     int32_t hand = 0, taken = 0;
     while (taken < n) {
-      if (hand >= 3 * D) return kLruNotPermutation;  // a valid ring yields n victims within two laps
+      // A valid ring yields the n victims within two laps: the first clears every untouched slot's bit.
+      // (2 * D < 2^31: D < kRefBit.)
+      if (hand >= 2 * D) return kLruNotPermutation;
       const int32_t e = lru[hand % D];
       const int32_t s = e & ~kRefBit;
       ++hand;
@@ -239,7 +261,7 @@ HISPARSE_HD inline int32_t ChooseVictims(const RequestLayer& r, uint8_t* slot_st
     return kOk;
   }
   if (r.eviction == kEvictScore) {
-    float* hs = w.heap_score;
+    int32_t* hs = w.heap_key;
     int32_t* hp = w.heap_pos;
     int32_t size = 0;
     for (int32_t i = 0; i < D; ++i) {
@@ -248,9 +270,12 @@ HISPARSE_HD inline int32_t ChooseVictims(const RequestLayer& r, uint8_t* slot_st
       const uint8_t st = slot_state[s];
       slot_state[s] = st | kWalked;
       if ((st & kStateMask) != kUntouched) continue;
-      float score = r.slot_scores[s];
-      if (r.slot_tokens[s] < 0) score = -__builtin_huge_valf();
-      else if (score != score) return kBadScore;  // checked whether or not this step has a miss
+      const uint32_t bits = FloatBits(r.slot_scores[s]);
+      int32_t score = kEmptySlotKey;
+      if (r.slot_tokens[s] >= 0) {
+        if (IsNaNBits(bits)) return kBadScore;  // checked whether or not this step has a miss
+        score = ScoreKey(bits);
+      }
       if (n == 0) continue;
       if (size < n) {  // grow the heap: sift the new key up
         int32_t j = size++;

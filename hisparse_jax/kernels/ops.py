@@ -238,7 +238,8 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       whatever their score). Must be None for the other policies.
     page_size: tokens per host page (static; an FFI attribute).
     eviction: the victim policy (static): "lru" (HiSparse's), "clock" (second-chance CLOCK) or "score"
-      (the resident tokens the indexer ranks lowest this step; ties to the older slot in LRU order).
+      (the resident tokens the indexer ranks lowest this step, scores compared in IEEE total order: -0
+      before +0, subnormals kept; ties to the older slot in LRU order).
       ``hisparse_jax.kernels.reference`` defines each exactly.
 
   Returns:

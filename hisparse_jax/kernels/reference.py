@@ -22,8 +22,9 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
     whose bit is clear; filled slots start clear. New ``lru`` = the ring read from the hand's final
     position, with the new bits.
   * Eviction "score": victims are the untouched slots whose tokens the indexer ranks lowest this step
-    (``slot_scores``; an empty slot is -inf), in ascending (score, LRU position) order; a NaN score of an
-    untouched resident slot is an error (on every slow-path step). LRU updated as for "lru".
+    (``slot_scores`` compared by ``score_key``: IEEE total order, -0 before +0, subnormals kept; an empty
+    slot before any score), in ascending (score, LRU position) order; a NaN score of an untouched resident
+    slot is an error (on every slow-path step). LRU updated as for "lru".
   * Padding (-1) maps to row -1. Hits and misses count distinct positions; the
     newest token counts as a hit.
   * Errors (nothing is modified): a position >= seq_len or < -1, K > D, a
@@ -39,6 +40,14 @@ import math
 import numpy as np
 
 CLOCK_REF = 1 << 30  # the reference bit of a CLOCK ring entry
+EMPTY_SLOT_KEY = -(1 << 31)  # the score policy's key of an empty slot: below every score
+
+
+def score_key(x) -> int:
+  """A float32 score as an int ordered like IEEE's total order of non-NaN floats (-0 before +0; subnormals
+  kept, whatever a device's flush-to-zero mode): the score policy compares these."""
+  bits = int(np.float32(x).view(np.int32))
+  return bits ^ 0x7FFFFFFF if bits < 0 else bits
 
 
 class SwapInError(ValueError):
@@ -98,12 +107,12 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
       raise SwapInError(f"position {t} has host row {host_rows[t]} outside [0, {H})")
   old_lru = ring
   if eviction == "score":
-    def score(s):
-      return -math.inf if slot_tokens[s] < 0 else float(slot_scores[s])
-    candidates = [(score(s), i, s) for i, s in enumerate(old_lru) if s not in hit_slots]
-    if any(math.isnan(c[0]) for c in candidates):
+    resident = [s for s in old_lru if s not in hit_slots and slot_tokens[s] >= 0]
+    if any(math.isnan(slot_scores[s]) for s in resident):
       raise SwapInError("a resident slot's score is NaN")
-    victims = [s for _, _, s in sorted(candidates)[: len(misses)]]
+    key = {s: score_key(slot_scores[s]) if slot_tokens[s] >= 0 else EMPTY_SLOT_KEY for s in old_lru}
+    candidates = sorted((key[s], i, s) for i, s in enumerate(old_lru) if s not in hit_slots)
+    victims = [s for _, _, s in candidates[: len(misses)]]
   elif eviction == "clock":
     ref = {s: bool(e & CLOCK_REF) for s, e in zip(ring, entries)}
     for s in hit_slots:

@@ -397,10 +397,13 @@ class HiSparseState:
              eviction: str = "lru") -> "HiSparseState":
     """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
-    on ``mesh`` (``_placement``; not with external_pool). groups: DP groups, each with the sizes given (the
+    on ``mesh`` (``_placement``; not with external_pool). eviction: the swap-in's policy (``ops.EVICTIONS``;
+    ValueError otherwise, before anything is allocated). groups: DP groups, each with the sizes given (the
     arrays hold groups x index_pages pages, groups x (request_slots + 1) hot buffers, ...)."""
     if mesh is not None and external_pool is not None:
       raise ValueError("an extension-owned host pool serves one device; a mesh needs the pinned_host pool")
+    if eviction not in ops.EVICTIONS:
+      raise ValueError(f"eviction must be one of {ops.EVICTIONS}, got {eviction!r}")
     L, R, D = num_layers, groups * (request_slots + 1), device_buffer_size  # + each group's scratch slot
     H = groups * host_pages * page_size
     index_pages, staging_pages = groups * index_pages, groups * staging_pages
@@ -424,8 +427,6 @@ class HiSparseState:
                   stats=jnp.zeros((L, R, 2), jnp.int32))
 
     arrays = jax.jit(device, out_shardings=_placement(mesh))()
-    if eviction not in ops.EVICTIONS:
-      raise ValueError(f"eviction must be one of {ops.EVICTIONS}, got {eviction!r}")
     return cls(**arrays, host_pool=host_pool, page_size=page_size,
                external=None if external_pool is None else external_pool.ref, eviction=eviction)
 

@@ -470,7 +470,7 @@ def with_policy(case, eviction, data):
 
 
 @pytest.mark.parametrize("eviction", ["clock", "score"])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case_page=swap_in_cases(), data=st.data())
 def test_policy_kernel_matches_reference_and_invariants(eviction, case_page, data):
   case, page = case_page
@@ -495,7 +495,7 @@ def test_policy_kernel_matches_reference_and_invariants(eviction, case_page, dat
 
 
 @pytest.mark.parametrize("eviction", ["lru", "clock", "score"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31), D=st.integers(2, 12), data=st.data())
 def test_policy_state_carried_over_decode_steps(eviction, seed, D, data):
   """Eight decode steps of one request with the state carried over (the CLOCK ring and hand, the LRU order,

@@ -37,7 +37,7 @@ demo: $(VENV)/.installed
 # Two workers, one test module each at a time (module fixtures run once; tests/conftest.py puts the longest first).
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed $(ORACLE_VENV)/.installed
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30 tests
 
 # Everything but the transformers oracle comparison.
 test-fast: $(VENV)/.installed

@@ -94,7 +94,7 @@ def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", plat
   def step(pool, hot, slots, order, stats, top_k, seq_lens, host_rows):
     rows = []
     for l in range(L):
-      r, pool, hot, slots, order, stats = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_rows, newest, pool,
+      r, pool, hot, slots, order, stats, _ = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_rows, newest, pool,
                                                       hot, slots, order, stats, page_size=1, external=external)
       rows.append(r)
     return jnp.stack(rows), pool, hot, slots, order, stats

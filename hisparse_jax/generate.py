@@ -15,8 +15,8 @@ flushed) as soon as it and every line before it are done, so an interrupted run 
 Ctrl-C (or SIGTERM) exits with status 130 and a one-line message. ``--output`` may not be the prompts file. Lines have
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
 ``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only) — or
-``{"error": ..., "code": ...}`` for a line that cannot be served; the others
-are decoded anyway. All requests run through one continuous-batching engine.
+``{"error": ..., "code": ...}`` for a line that cannot be served (finish_reason ``"error"`` with an
+``error`` message when a kernel refused the request's row mid-run); the others are decoded anyway. All requests run through one continuous-batching engine.
 
 ``--dump-topk FILE.npz`` records the indexer's top-k positions at every decode
 step of every layer: for input line N, ``topk_N`` int32[steps, layers, index_topk]
@@ -228,6 +228,8 @@ def main(argv):
       for req in engine.step():
         out = {"output_ids": req.output_ids, "finish_reason": req.finish_reason,
                "prompt_tokens": len(req.prompt_ids)}
+        if req.finish_reason == "error":  # a kernel refused this request's row; the others went on
+          out["error"] = req.error
         if tokenizer is not None:
           out["text"] = req.text
         if hisparse is not None:

@@ -11,12 +11,19 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      mapped) named by attributes. A path works if the worked example gives the
      reference's rows, slot table, LRU and hot-buffer contents.
   2. Correctness: the worked example and random cases (reference.random_case)
-     through every working path, compared with reference.swap_in bit for bit;
-     plus one bad input that must come back as an error.
+     through every working path, compared with reference.swap_in bit for bit
+     (statuses included);
+     plus bad input (a position >= seq_len) that must come back as that row's
+     status with nothing changed.
   3. Timing: the benchmarks/swap_in.py sweep (B in {1, 64, 256}, K 2048,
      D in {2048, 4096}, W in {656, 1152} B, miss fraction in {0.001, 0.05, 0.2,
      1.0}, 2 layers per call) on the first working path, next to the measured
      pinned host -> device bandwidth of the same number of bytes.
+  4. Graph capture: a decode-like step (per layer: backup of the newest rows,
+     swap-in, a gather of the top-k rows and a matmul on them; 8 layers, B 32,
+     K 2048, D 4096, 32k context) timed with XLA's command buffers off and with
+     fusions and custom calls captured (the handlers declare themselves
+     command-buffer compatible), each in its own process (XLA_FLAGS).
 
 Writes one JSON with everything and prints a summary. ``--platform cpu`` runs
 the same script on the CPU handlers (a dry run for CI).
@@ -73,7 +80,7 @@ def _run_path(path, case, jax, platform, page_size):
 
 
 def _compare(got, want) -> str | None:
-  for name, g, w in zip(("rows", "pool", "hot", "slot_tokens", "lru", "stats"), got, want):
+  for name, g, w in zip(("rows", "pool", "hot", "slot_tokens", "lru", "stats", "status"), got, want):
     if not np.array_equal(g, w):
       return f"{name} differs"
   return None
@@ -109,12 +116,14 @@ def correctness(paths, platform, n_random) -> dict:
       if err:
         failures.append({"case": i, "error": err})
     bad = worked_example()
-    bad[1][0, 0] = 16  # position >= seq_len
+    bad[1][0, 0] = 16  # position >= seq_len: the row's status, nothing changed, no host synchronization
     try:
-      _run_path(path, bad, jax, platform, WORKED_EXAMPLE_PAGE_SIZE)
-      error_ok = False
+      got = _run_path(path, bad, jax, platform, WORKED_EXAMPLE_PAGE_SIZE)
+      error_ok = (int(got[6][0]) == reference.POSITION_OUT_OF_RANGE and (got[0] == -1).all() and
+                  all(np.array_equal(g, w) for g, w in zip(got[2:6], bad[7:11])))
     except Exception as e:  # noqa: BLE001
-      error_ok = "top-k position" in str(e)
+      print(f"  bad input raised instead of a status: {e}")
+      error_ok = False
     report[path] = {"cases": len(cases), "failures": failures, "bad_input_is_error": error_ok}
   return report
 
@@ -160,15 +169,73 @@ def sweep(path, platform, quick) -> list[dict]:
   return results
 
 
+# XLA_FLAGS of the two graph-step modes (flags must be set before JAX starts: one process each).
+GRAPH_MODES = {"eager": "--xla_gpu_enable_command_buffer=",
+               "graph": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"}
+
+
+def graph_step(platform, quick) -> dict:
+  """One decode-like step per call, timed (in the process XLA_FLAGS configured): ms per step, median."""
+  jax = _jax(platform)
+  import jax.numpy as jnp
+  from hisparse_jax.kernels import ops
+  L, B, K, D, S, W = (2, 4, 64, 128, 1024, 64) if quick else (8, 32, 2048, 4096, 32768, 656)
+  rng = np.random.default_rng(0)
+  R, H = B + 1, B * S
+  dev = jax.devices()[0]
+  pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
+  slot_tokens = np.stack([np.stack([rng.permutation(S - 1)[:D] for _ in range(R)]) for _ in range(L)])
+  lru = np.stack([np.stack([rng.permutation(D) for _ in range(R)]) for _ in range(L)])
+  state = [jax.device_put(jnp.asarray(x), dev) for x in (
+      np.zeros((L, R, D + 1, W), np.uint8), slot_tokens.astype(np.int32), lru.astype(np.int32),
+      np.zeros((L, R, 2), np.int32))]
+  host_pages = jnp.asarray(np.arange(B * S, dtype=np.int32).reshape(B, S))  # page size 1
+  req_ids = jnp.arange(B, dtype=jnp.int32)
+  seq_lens = jnp.full((B,), S, jnp.int32)
+  weight = jnp.ones((W, 256), jnp.bfloat16)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
+  def step(pool, hot, slots, order, stats, top_k, newest):
+    status = jnp.zeros((B,), jnp.int32)
+    acc = jnp.zeros((B, 256), jnp.float32)
+    for l in range(L):
+      pool, st = ops.backup(l, newest[None], host_pages[:, -1], pool)
+      rows, pool, hot, slots, order, stats, st2 = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_pages, newest,
+                                                              pool, hot, slots, order, stats, page_size=1)
+      status = jnp.maximum(status, jnp.maximum(st, st2))
+      kv = hot[l].reshape(-1, W)[jnp.maximum(rows, 0)].astype(jnp.bfloat16)  # [B, K, W]
+      acc = acc + jnp.einsum("bkw,wn->bn", kv, weight, preferred_element_type=jnp.float32)
+      newest = newest + acc[:, :1].astype(jnp.uint8)  # the next layer depends on this one
+    return pool, hot, slots, order, stats, acc, status
+
+  steps = 5 if quick else 30
+  top_ks = [jnp.asarray(rng.integers(0, S - 1, (L, B, K)), jnp.int32) for _ in range(steps + 3)]
+  newest = jnp.zeros((B, W), jnp.uint8)
+  times = []
+  for i, tk in enumerate(top_ks):
+    t0 = time.perf_counter()
+    *state_out, acc, status = step(pool, *state, tk, newest)
+    jax.block_until_ready(acc)
+    times.append(time.perf_counter() - t0)
+    pool, state = state_out[0], state_out[1:]
+    ops.check_status(status, "graph step")
+  return {"ms_per_step": statistics.median(times[3:]) * 1e3, "steps": steps,
+          "shape": dict(L=L, B=B, K=K, D=D, S=S, W=W), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(REPO, "out"), "gpu_check.json"))
   ap.add_argument("--quick", action="store_true", help="a few points only (dry runs)")
   ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
   ap.add_argument("--probe", choices=PATHS, help=argparse.SUPPRESS)
+  ap.add_argument("--graph-step", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.probe:
     print(json.dumps(probe(args.probe, args.platform)))
+    return 0
+  if args.graph_step:
+    print(json.dumps(graph_step(args.platform, args.quick)))
     return 0
 
   start = time.time()
@@ -196,6 +263,23 @@ def main():
             f"{c['bad_input_is_error']}")
     print(f"== 3. timing sweep on the {working[0]} path")
     report["sweep"] = sweep(working[0], args.platform, args.quick)
+    print("== 4. decode-like step, command buffers (CUDA graphs) off / on")
+    report["graph_step"] = {}
+    for mode, flags in GRAPH_MODES.items():
+      env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
+      cmd = [sys.executable, __file__, "--graph-step", "--platform", args.platform] + (["--quick"] if args.quick else [])
+      try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+        res = json.loads(line) if line.startswith("{") else {"error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"}
+      except subprocess.TimeoutExpired:
+        res = {"error": "timed out"}
+      report["graph_step"][mode] = res
+      print(f"  {mode:6s} " + (f"{res['ms_per_step']:.3f} ms per step" if "ms_per_step" in res else res["error"]))
+    g = report["graph_step"]
+    if all("ms_per_step" in g[m] for m in GRAPH_MODES):
+      g["graph_over_eager"] = g["graph"]["ms_per_step"] / g["eager"]["ms_per_step"]
+      print(f"  graph / eager: {g['graph_over_eager']:.3f}")
   report["seconds"] = time.time() - start
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

@@ -4,7 +4,8 @@
 # Builds the extension with CUDA straight from CMake (the lent image has jax + jax-cuda
 # plugins, CMake, nanobind and Python 3.12 but no scikit-build-core and no network),
 # drops the modules into hisparse_jax/, then runs scripts/gpu_check.py (<= 8 minutes):
-# host-pool path probe, CUDA == reference, the swap-in sweep next to pinned H2D bandwidth.
+# host-pool path probe, CUDA == reference, the swap-in sweep next to pinned H2D bandwidth,
+# a decode-like step with command buffers (CUDA graphs) off and on.
 # Results: $OUT/gpu_check.json (or out/gpu_check.json) and a printed summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,7 +15,9 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax import sharding
+from hisparse_jax.kernels import ops
 from hisparse_jax.memory import backend as kvmem
+from hisparse_jax.memory.views import kernel_status
 
 
 class KVHarness:
@@ -77,8 +79,10 @@ class KVHarness:
         kvs, finishing = [None] * G, [False] * G
         kvs[g], finishing[g] = kv, last
         tables = self.backend.prefill_tables(kvs, finishing)
-        logits, self.backend.state = self._prefill(self.params, jnp.asarray(tokens), jnp.asarray(positions),
-                                                   self.backend.state, _device(tables), self._blocks(start + chunk))
+        logits, self.backend.state, status = self._prefill(
+            self.params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, _device(tables),
+            self._blocks(start + chunk))
+        ops.check_status(status, "prefill")  # every row's backup done
       self.backend.prefill_finished(kv)
       out.append(np.asarray(logits[g]))
       self.kvs.append(kv)
@@ -99,9 +103,10 @@ class KVHarness:
     for i, r in enumerate(rows):
       kvs[r], toks[r], positions[r] = self.kvs[i], tokens[i], self.seq_lens[i]
     tables = self.backend.decode_tables(kvs)
-    logits, self.backend.state, topk = self._decode(self.params, jnp.asarray(toks), jnp.asarray(positions),
-                                                    self.backend.state, _device(tables),
-                                                    self._blocks(max(self.seq_lens) + 1))
+    logits, self.backend.state, topk, status = self._decode(self.params, jnp.asarray(toks), jnp.asarray(positions),
+                                                            self.backend.state, _device(tables),
+                                                            self._blocks(max(self.seq_lens) + 1))
+    ops.check_status(status, "decode")  # every row's backup and swap-in done
     logits = np.asarray(logits)
     assert np.isfinite(logits).all(), "non-finite decode logits (idle row included)"
     self.seq_lens = [s + 1 for s in self.seq_lens]
@@ -144,7 +149,7 @@ def _steps(graphdef):
     view = state.view(tables)
     logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, window=window, key_block=key_block,
                                                        score_block=score_block)
-    return logits, state.absorb(view).finish_prefill(tables)
+    return logits, state.absorb(view).finish_prefill(tables), kernel_status(view, tokens.shape[0])
 
   @functools.partial(jax.jit, donate_argnums=(3,), static_argnums=(5,))
   def decode(params, tokens, positions, state, tables, blocks):
@@ -153,6 +158,7 @@ def _steps(graphdef):
     logits, view, topk = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=True,
                                                             window=window, key_block=key_block,
                                                             score_block=score_block)
-    return logits, state.absorb(view), topk
+    return logits, state.absorb(view), topk, kernel_status(view, tokens.shape[0])
 
   return prefill, decode
+

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from hisparse_jax.kernels import ops
+from hisparse_jax.kernels import ops, reference
 from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE, host_rows_of, worked_example
 from tests.test_swap_in_kernel import POOL, device_args
 
@@ -41,13 +41,15 @@ def test_bazel_library_runs_the_worked_example(bazel_library):
   jax.ffi.register_ffi_target("hisparse_swap_in_bazel", jax.ffi.pycapsule(lib.HisparseSwapInCpu), platform="cpu")
   case = worked_example()
   call = jax.jit(lambda *a: ops.swap_in(*a, page_size=WORKED_EXAMPLE_PAGE_SIZE, target="hisparse_swap_in_bazel"))
-  rows, _, hot, slot_tokens, lru, stats = (np.asarray(x) for x in call(*device_args(case)))
+  rows, _, hot, slot_tokens, lru, stats, status = (np.asarray(x) for x in call(*device_args(case)))
+  assert status.tolist() == [0]
   np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
   np.testing.assert_array_equal(slot_tokens[0, 4], [8, 3, 7, 12])
   np.testing.assert_array_equal(lru[0, 4], [2, 3, 0, 1])
   host_row_of_8 = host_rows_of(case[4][0], WORKED_EXAMPLE_PAGE_SIZE)[8]
   np.testing.assert_array_equal(hot[0].reshape(-1, 3)[20], case[POOL][0, host_row_of_8])
-  # Same error contract as the pip-built module.
+  # Same error contract as the pip-built module: the row's status, nothing changed.
   case[1][0, 0] = 16
-  with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="top-k position is >= seq_len"):
-    jax.block_until_ready(call(*device_args(case)))
+  out = [np.asarray(x) for x in call(*device_args(case))]
+  assert out[6].tolist() == [reference.POSITION_OUT_OF_RANGE] and (out[0] == -1).all()
+  np.testing.assert_array_equal(out[4], case[9])

@@ -32,6 +32,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     c = report["correctness"][path]
     assert c["cases"] == 11 and not c["failures"] and c["bad_input_is_error"]
   assert len(report["sweep"]) == 2
+  for mode in ("eager", "graph"):  # the decode-like step runs in both modes (on CPU the flags change nothing)
+    assert report["graph_step"][mode]["ms_per_step"] > 0, report["graph_step"]
 
 
 def test_step_floor_quick(tmp_path):

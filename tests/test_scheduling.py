@@ -241,3 +241,39 @@ def test_requests_that_fit_pass_one_that_does_not_a_bounded_number_of_times(skip
   assert hog.times_passed == skips
   eng.run()
   assert all(r.finish_reason == "length" for r in [first, hog] + small) and all_kv_free(eng.loads())
+
+
+def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact():
+  """A decoding request's LRU row corrupted on the device: the swap-in leaves that row unchanged and reports it
+  in the step's status (read with the tokens, no extra synchronization); the engine ends that request alone
+  (finish_reason "error", the kernel's INVALID_ARGUMENT message), frees its pages, and the others' tokens
+  equal a run without it."""
+  import dataclasses
+  hs = HiSparseConfig(**TINY_HISPARSE)
+  prompts = {name: prompt(30, seed) for seed, name in enumerate(("a", "victim", "b"))}  # > D: the slow path
+  want = {}
+  for name in ("a", "b"):
+    eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=4, max_seq_len=128, deterministic=True, **SMALL)
+    eng.submit(r := Request(name, prompts[name], 6))
+    eng.run()
+    want[name] = r.output_ids
+  eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=4, max_seq_len=128, deterministic=True, **SMALL)
+  reqs = {name: Request(name, p, 6) for name, p in prompts.items()}
+  for r in reqs.values():
+    eng.submit(r)
+  while not all(r.output_ids for r in reqs.values()):
+    assert not eng.step()
+  victim = reqs["victim"]
+  slot = victim.kv.group * (eng.backend.slots_per_group + 1) + eng.backend.local_slot(victim.kv)
+  state = eng.backend.state
+  last = state.lru.shape[0] - 1  # the last layer: the earlier ones of this step are done for every row
+  eng.backend.state = dataclasses.replace(state, lru=state.lru.at[last, slot, 0].set(state.lru[last, slot, 1]))
+  emitted = len(victim.output_ids)
+  finished = eng.step()
+  assert finished == [victim] and victim.finish_reason == "error" and victim.kv is None
+  assert len(victim.output_ids) == emitted  # the failed row's token is not emitted
+  assert "INVALID_ARGUMENT: decode (swap-in / backup): row" in victim.error
+  assert "LRU order is not a permutation" in victim.error
+  eng.run()
+  assert {n: reqs[n].output_ids for n in ("a", "b")} == want
+  assert all_kv_free(eng.loads())

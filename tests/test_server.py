@@ -142,3 +142,40 @@ def test_malformed_request_bytes_are_invalid_argument(server):
   watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
   assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
   watch.cancel()
+
+
+def test_a_request_a_kernel_refuses_fails_alone_as_internal(server):
+  """A decoding request's LRU row corrupted on the device (inside the server's loop, before a step): that stream
+  ends with INTERNAL and the kernel's message; a concurrent stream's tokens are exact; the server keeps
+  serving and frees everything."""
+  import dataclasses
+  engine, stub, _ = server
+  rng = np.random.default_rng(11)
+  victim_prompt, other_prompt = rng.integers(2, 512, 40).tolist(), rng.integers(2, 512, 25).tolist()
+  solo = collect(stub, other_prompt, 12)[0]
+  step, corrupted = engine.step, []
+
+  def corrupting_step():
+    victim = next((r for r in engine.running if r.prompt_ids == victim_prompt and len(r.output_ids) >= 2), None)
+    if victim is not None and not corrupted:
+      state, last = engine.backend.state, engine.backend.state.lru.shape[0] - 1
+      slot = victim.kv.group * (engine.backend.slots_per_group + 1) + engine.backend.local_slot(victim.kv)
+      engine.backend.state = dataclasses.replace(state, lru=state.lru.at[last, slot, 0].set(state.lru[last, slot, 1]))
+      corrupted.append(victim)
+    return step()
+
+  engine.step = corrupting_step
+  try:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      bad = pool.submit(collect, stub, victim_prompt, 30)
+      good = pool.submit(collect, stub, other_prompt, 12)
+      with pytest.raises(grpc.RpcError) as e:
+        bad.result()
+      assert good.result()[0] == solo
+  finally:
+    engine.step = step
+  assert corrupted and e.value.code() == grpc.StatusCode.INTERNAL
+  assert "INVALID_ARGUMENT: decode (swap-in / backup)" in e.value.details()
+  assert "LRU order is not a permutation" in e.value.details()
+  assert collect(stub, other_prompt, 12)[0] == solo
+  assert all_kv_free(engine.loads_snapshot)

@@ -14,8 +14,10 @@ from hisparse_jax.kernels import ops, reference
 from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE as PAGE
 from hisparse_jax.kernels.reference import host_rows_of, worked_example
 
-# An FFI INVALID_ARGUMENT surfaces as JaxRuntimeError, or ValueError when the call is dispatched eagerly.
+# An FFI INVALID_ARGUMENT (what the compiled shapes decide) surfaces as JaxRuntimeError, or ValueError when the
+# call is dispatched eagerly; what the data decides is a per-row status (the 7th result).
 FFI_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
+NAMES = ["rows", "pool", "hot", "slot_tokens", "lru", "stats", "status"]
 # Argument positions: layer, top_k, seq_lens, req_ids, host_pages, newest | host_pool, hot, slot_tokens, lru, stats.
 NEWEST, POOL, HOT, SLOTS, LRU, STATS = 5, 6, 7, 8, 9, 10
 STATE = (POOL, HOT, SLOTS, LRU, STATS)
@@ -50,7 +52,8 @@ def run_reference(*case, page_size=PAGE, eviction="lru"):
 def test_worked_example(impl):
   args = worked_example()
   fn = run_kernel if impl == "kernel" else run_reference
-  rows, pool, hot, slot_tokens, lru, stats = fn(*args)
+  rows, pool, hot, slot_tokens, lru, stats, status = fn(*args)
+  assert status.tolist() == [0]
   np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
   np.testing.assert_array_equal(slot_tokens[0, 4], [8, 3, 7, 12])
   np.testing.assert_array_equal(lru[0, 4], [2, 3, 0, 1])
@@ -148,11 +151,12 @@ def test_kernel_matches_reference_and_invariants(case_page):
   case, page = case_page
   got = run_kernel(*case, page_size=page)
   want = run_reference(*case, page_size=page)
-  for name, g, w in zip(["rows", "pool", "hot", "slot_tokens", "lru", "stats"], got, want):
+  for name, g, w in zip(NAMES, got, want):
     np.testing.assert_array_equal(g, w, err_msg=name)
 
   layer, top_k, seq_lens, req_ids, host_pages, _, pool = case[:7]
-  rows, _, hot, slot_tokens, lru, stats = got
+  rows, _, hot, slot_tokens, lru, stats, status = got
+  assert not status.any()  # a valid case: every row done
   R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
   flat = hot[layer].reshape(R * D1, W)
   for b, r in enumerate(int(x) for x in req_ids):
@@ -187,7 +191,7 @@ def test_fast_path_no_io_lru_unchanged():
   case = worked_example()
   case[2][0] = 4  # seq_len <= D
   case[1][0] = [0, 3, 3, -1]
-  rows, _, hot, slot_tokens, lru, stats = run_kernel(*case)
+  rows, _, hot, slot_tokens, lru, stats, _ = run_kernel(*case)
   np.testing.assert_array_equal(rows[0], [20, 23, 23, -1])
   want = case[HOT].copy()
   want[0, 4, 3] = case[NEWEST][0]  # the newest token (position 3) goes to its own slot: no I/O
@@ -200,7 +204,7 @@ def test_fast_path_no_io_lru_unchanged():
 def test_duplicates_and_padding_copy_once():
   case = worked_example()
   case[1][0] = [8, 8, -1, 8]
-  rows, _, hot, _, _, stats = run_kernel(*case)
+  rows, _, hot, _, _, stats, _ = run_kernel(*case)
   np.testing.assert_array_equal(rows[0], [20, 20, -1, 20])
   np.testing.assert_array_equal(stats[0, 4], [0, 1])
   assert (hot != case[HOT]).any(-1).sum() == 2  # the miss, and the newest row in the reserved slot
@@ -216,32 +220,85 @@ def _with_idle_row(case):
   return case
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda c: c[1].__setitem__((0, 0), 16), "top-k position is >= seq_len"),
-    (lambda c: c[1].__setitem__((0, 0), -2), "top-k position is >= seq_len or < -1"),
-    (lambda c: c[4].__setitem__((0, 2), 999), "host-pool row"),
-    (lambda c: c[4].__setitem__((0, 2), -1), "host-pool row"),
-    (lambda c: c[4].__setitem__((0, 2), 2**30), "host-pool row"),  # page * page_size wraps in int32
-    (lambda c: c[LRU].__setitem__((0, 4, 0), 1), "not a permutation"),
-    (lambda c: c[2].__setitem__(0, 17), "seq_len"),
-    (lambda c: c.__setitem__(0, 1), "layer index"),
-    (lambda c: c[3].__setitem__(0, 5), "request id"),
-    (lambda c: c[3].__setitem__(0, -2), "request id"),
-    (lambda c: c[3].__setitem__(0, -1), "request id"),  # idle row with seq_len > 0
-    (lambda c: _with_idle_row(c)[3].__setitem__(1, 4), "request id"),  # the same request twice
-    (lambda c: c.__setitem__(NEWEST, np.zeros((1, 2), np.float32)), "newest must be"),
+@pytest.mark.parametrize("mutate, code, rows", [
+    (lambda c: c[1].__setitem__((0, 0), 16), reference.POSITION_OUT_OF_RANGE, [0]),
+    (lambda c: c[1].__setitem__((0, 0), -2), reference.POSITION_OUT_OF_RANGE, [0]),
+    (lambda c: c[4].__setitem__((0, 2), 999), reference.HOST_ROW_OUT_OF_RANGE, [0]),
+    (lambda c: c[4].__setitem__((0, 2), -1), reference.HOST_ROW_OUT_OF_RANGE, [0]),
+    (lambda c: c[4].__setitem__((0, 2), 2**30), reference.HOST_ROW_OUT_OF_RANGE, [0]),  # page * page_size wraps
+    (lambda c: c[LRU].__setitem__((0, 4, 0), 1), reference.LRU_NOT_PERMUTATION, [0]),
+    (lambda c: c[2].__setitem__(0, 17), reference.BAD_SEQ_LEN, [0]),
+    (lambda c: c.__setitem__(0, 1), reference.LAYER_OUT_OF_RANGE, [0]),
+    (lambda c: c[3].__setitem__(0, 5), reference.BAD_REQUEST_ID, [0]),
+    (lambda c: c[3].__setitem__(0, -2), reference.BAD_REQUEST_ID, [0]),
+    (lambda c: c[3].__setitem__(0, -1), reference.BAD_REQUEST_ID, [0]),  # idle row with seq_len > 0
+    # The same request twice: the later row fails, the first is done.
+    (lambda c: _with_idle_row(c)[3].__setitem__(1, 4) or c[2].__setitem__(1, 16), reference.BAD_REQUEST_ID, [1]),
 ])
-def test_bad_input_is_an_error_and_changes_nothing(mutate, message):
+def test_bad_input_is_a_row_status_and_changes_nothing(mutate, code, rows):
   case = worked_example()
   mutate(case)
   args = device_args(case)  # not donated here: the inputs stay readable
-  with pytest.raises(FFI_ERRORS, match=message):
-    jax.block_until_ready(ops.swap_in(*args, page_size=PAGE))
-  np.testing.assert_array_equal(np.asarray(args[HOT]), case[HOT])
-  np.testing.assert_array_equal(np.asarray(args[LRU]), case[LRU])
-  # A correct call still works afterwards.
-  rows = run_kernel(*worked_example())[0]
-  np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
+  got = [np.asarray(x) for x in ops.swap_in(*args, page_size=PAGE)]
+  status = got[6]
+  assert [b for b in range(len(status)) if status[b]] == rows and set(status[rows]) == {code}
+  assert (got[0][rows] == -1).all()
+  want = run_reference(*case)
+  for name, g, w in zip(NAMES, got, want):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  if rows == [0]:  # the only row failed: nothing changed
+    for i, name in zip((HOT, SLOTS, LRU, STATS), ("hot", "slot_tokens", "lru", "stats")):
+      np.testing.assert_array_equal(got[NAMES.index(name)], case[i], err_msg=name)
+  with pytest.raises(ops.KernelStatusError, match=f"INVALID_ARGUMENT: swap_in: row {rows[0]}: ") as e:
+    ops.check_status(status)
+  assert e.value.rows == rows and e.value.codes == [code] * len(rows)
+  assert ops.status_message(code) in str(e.value)
+
+
+def test_status_codes_and_messages():
+  """The reference's codes are the kernel's (xla_ffi/swap_in_core.h), each with its own message."""
+  want = {reference.BAD_SEQ_LEN: "seq_len", reference.POSITION_OUT_OF_RANGE: "top-k position",
+          reference.HOST_ROW_OUT_OF_RANGE: "host-pool row", reference.LRU_NOT_PERMUTATION: "not a permutation",
+          reference.LAYER_OUT_OF_RANGE: "layer index", reference.BAD_REQUEST_ID: "request id",
+          reference.BAD_SCORE: "NaN", reference.BACKUP_ROW_OUT_OF_RANGE: "backup destination"}
+  assert sorted(want) == list(range(1, ops._ffi_cpu.num_statuses))
+  for code, text in want.items():
+    assert text in ops.status_message(code)
+  assert ops.status_message(0) == "ok"
+  ops.check_status(np.zeros(3, np.int32))  # all done: no error
+
+
+def test_a_bad_row_fails_alone():
+  """Three requests; the middle one's LRU row is corrupt: the other two get exactly what they get alone."""
+  rng = np.random.default_rng(3)
+  case = reference.random_case(rng, L=1, B=3, R=4, D=8, K=6, S=40)
+  case[2][:] = [30, 35, 38]  # every row on the slow path (seq_len > D)
+  for b in range(3):
+    case[1][b] = rng.integers(0, case[2][b], 6)
+  case[3][:] = [0, 1, 2]
+  good = run_kernel(*case)
+  assert not good[6].any()
+  bad = [c.copy() if isinstance(c, np.ndarray) else c for c in case]
+  bad[LRU][case[0], 1, 0] = bad[LRU][case[0], 1, 1]  # request 1: not a permutation
+  got = run_kernel(*bad)
+  assert got[6].tolist() == [0, reference.LRU_NOT_PERMUTATION, 0]
+  for name in ("rows", "hot", "slot_tokens", "lru", "stats"):
+    i = NAMES.index(name)
+    g, w = got[i], good[i]
+    if name == "rows":
+      np.testing.assert_array_equal(g[[0, 2]], w[[0, 2]])
+      assert (g[1] == -1).all()
+    else:  # request slots 0 and 2 as when all were good; slot 1 as it came in
+      np.testing.assert_array_equal(g[:, [0, 2]], w[:, [0, 2]], err_msg=name)
+      np.testing.assert_array_equal(g[:, 1], bad[POOL + 1 + ("hot", "slot_tokens", "lru", "stats").index(name)][:, 1],
+                                    err_msg=name)
+
+
+def test_newest_of_the_wrong_shape_is_an_ffi_error():
+  case = worked_example()
+  case[NEWEST] = np.zeros((1, 2), np.float32)
+  with pytest.raises(FFI_ERRORS, match="newest must be"):
+    jax.block_until_ready(ops.swap_in(*device_args(case), page_size=PAGE))
   with pytest.raises(reference.SwapInError):
     run_reference(*case)
 
@@ -273,23 +330,30 @@ def test_backup_writes_rows_in_place():
   pool = to_host(np.zeros((L, H, W), np.float32))
   ptr = pool.unsafe_buffer_pointer()
   rows = jnp.arange(2 * 3 * W, dtype=jnp.float32).reshape(2, 3, W) + 1
-  out = backup_jit(1, rows, jnp.array([7, -1, 0], jnp.int32), pool)
+  out, status = backup_jit(1, rows, jnp.array([7, -1, 0], jnp.int32), pool)
   assert out.unsafe_buffer_pointer() == ptr and out.sharding.memory_kind == "pinned_host"
+  assert np.asarray(status).tolist() == [0, 0, 0]
   want = np.zeros((L, H, W), np.float32)
   want[1, 7], want[2, 7] = rows[0, 0], rows[1, 0]
   want[1, 0], want[2, 0] = rows[0, 2], rows[1, 2]
   np.testing.assert_array_equal(np.asarray(out), want)
 
 
-@pytest.mark.parametrize("layer, dst, message", [
-    (2, [0, 0, 0], r"layers \[2, 4\) outside \[0, 3\)"),
-    (0, [0, 10, 0], r"dst\[1\] = 10 outside \[-1, 10\)"),
-    (0, [-2, 0, 0], r"dst\[0\] = -2"),
+@pytest.mark.parametrize("layer, dst, status", [
+    (2, [0, 0, 0], [reference.LAYER_OUT_OF_RANGE] * 3),  # layers [2, 4) of 3: nothing written
+    (0, [0, 10, 5], [0, reference.BACKUP_ROW_OUT_OF_RANGE, 0]),  # that column alone is skipped
+    (0, [-2, -1, 3], [reference.BACKUP_ROW_OUT_OF_RANGE, 0, 0]),
 ])
-def test_backup_bad_input(layer, dst, message):
-  pool = to_host(np.zeros((3, 10, 4), np.float32))
-  with pytest.raises(FFI_ERRORS, match=message):
-    jax.block_until_ready(ops.backup(layer, jnp.ones((2, 3, 4)), jnp.array(dst, jnp.int32), pool))
+def test_backup_bad_input_is_a_column_status(layer, dst, status):
+  before = np.arange(3 * 10 * 4, dtype=np.float32).reshape(3, 10, 4)
+  rows = np.ones((2, 3, 4), np.float32) * 7
+  out, got = ops.backup(layer, jnp.asarray(rows), jnp.array(dst, jnp.int32), to_host(before))
+  assert np.asarray(got).tolist() == status
+  want_pool, want_status = reference.backup(layer, rows, dst, before)
+  np.testing.assert_array_equal(np.asarray(out), want_pool)
+  assert want_status.tolist() == status
+  with pytest.raises(ops.KernelStatusError, match="INVALID_ARGUMENT: backup: row"):
+    ops.check_status(got, "backup")
 
 
 def test_in_place_inside_a_jitted_step_has_no_pool_or_hot_buffer_copy():
@@ -302,8 +366,8 @@ def test_in_place_inside_a_jitted_step_has_no_pool_or_hot_buffer_copy():
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(pool, hot, slot_tokens, lru, stats, new_row, dst):
     for layer in (0, 0):
-      pool = ops.backup(layer, new_row, dst, pool)
-      rows, pool, hot, slot_tokens, lru, stats = ops.swap_in(
+      pool, _ = ops.backup(layer, new_row, dst, pool)
+      rows, pool, hot, slot_tokens, lru, stats, _ = ops.swap_in(
           layer, *map(jnp.asarray, case[1:NEWEST]), new_row[0], pool, hot, slot_tokens, lru, stats, page_size=PAGE)
       new_row = new_row + hot[layer].reshape(-1, W)[rows[0, 0]]  # the next layer depends on this one's rows
     return rows, pool, hot
@@ -390,8 +454,8 @@ def test_indices_are_never_silently_truncated():
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(swap_in_cases(), st.data())
 def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
-  """Corrupt a page-table entry, an LRU entry or a request id: both reject it (changing nothing) or both
-  accept it."""
+  """Corrupt a page-table entry, an LRU entry or a request id: kernel and reference give the same row statuses
+  and results (a failed row unchanged, the others done)."""
   case, page = case_page
   case = [c.copy() if isinstance(c, np.ndarray) else c for c in case]
   layer = case[0]
@@ -408,19 +472,9 @@ def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
     case[LRU][layer, r, i] = data.draw(st.sampled_from([-1, D, int(case[LRU][layer, r, (i + 1) % D])]))
   else:
     case[3][b] = data.draw(st.sampled_from([-2, -1, R, int(case[3][(b + 1) % B])]))
-  try:
-    want = run_reference(*case, page_size=page)
-  except reference.SwapInError:
-    want = None
-  if want is None:
-    args = device_args(case)
-    with pytest.raises(FFI_ERRORS):
-      jax.block_until_ready(ops.swap_in(*args, page_size=page))
-    np.testing.assert_array_equal(np.asarray(args[SLOTS]), case[SLOTS])
-    np.testing.assert_array_equal(np.asarray(args[LRU]), case[LRU])
-  else:
-    for g, w in zip(run_kernel(*case, page_size=page), want):
-      np.testing.assert_array_equal(g, w)
+  want = run_reference(*case, page_size=page)
+  for name, g, w in zip(NAMES, run_kernel(*case, page_size=page), want):
+    np.testing.assert_array_equal(g, w, err_msg=name)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -477,10 +531,11 @@ def test_policy_kernel_matches_reference_and_invariants(eviction, case_page, dat
   case = with_policy(case, eviction, data)
   got = run_kernel(*case, page_size=page, eviction=eviction)
   want = run_reference(*case, page_size=page, eviction=eviction)
-  for name, g, w in zip(["rows", "pool", "hot", "slot_tokens", "lru", "stats"], got, want):
+  for name, g, w in zip(NAMES, got, want):
     np.testing.assert_array_equal(g, w, err_msg=name)
   layer, top_k, seq_lens, req_ids, host_pages = case[:5]
-  rows, _, hot, slot_tokens, lru, stats = got
+  rows, _, hot, slot_tokens, lru, stats, status = got
+  assert not status.any()
   R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
   flat = hot[layer].reshape(R * D1, W)
   for b, r in enumerate(int(x) for x in req_ids):
@@ -529,7 +584,7 @@ def test_policy_state_carried_over_decode_steps(eviction, seed, D, data):
     rows = got[0][0]
     for k, t in enumerate(top_k[0]):
       np.testing.assert_array_equal(got[2][0].reshape(-1, W)[rows[k]], pool[0, host_rows[t]])
-    state = got[1:]
+    state = got[1:6]
 
 
 def test_clock_worked_example():
@@ -539,7 +594,7 @@ def test_clock_worked_example():
   case = worked_example()
   case[LRU][0, 4] = [0 | REF, 1, 2, 3]
   for fn in (run_kernel, run_reference):
-    rows, _, _, slot_tokens, lru, stats = fn(*case, eviction="clock")
+    rows, _, _, slot_tokens, lru, stats, _ = fn(*case, eviction="clock")
     np.testing.assert_array_equal(rows[0], [21, 24, 22, -1])
     np.testing.assert_array_equal(slot_tokens[0, 4], [10, 3, 8, 12])
     np.testing.assert_array_equal(lru[0, 4], [3, 0, 1 | REF, 2])
@@ -559,32 +614,36 @@ def test_score_worked_examples(tokens, scores, victim, new_lru):
   case[SLOTS][0, 4] = tokens
   case.append(np.array([scores], np.float32))
   for fn in (run_kernel, run_reference):
-    rows, _, _, slot_tokens, lru, _ = fn(*case, eviction="score")
+    rows, _, _, slot_tokens, lru, _, _ = fn(*case, eviction="score")
     np.testing.assert_array_equal(rows[0], [21, 24, 20 + victim, -1])
     assert slot_tokens[0, 4, victim] == 8
     np.testing.assert_array_equal(lru[0, 4], new_lru)
 
 
-@pytest.mark.parametrize("eviction, mutate, message", [
-    ("score", lambda c: c[-1].__setitem__((0, 2), np.nan), "score is NaN"),
-    ("score", lambda c: c.__setitem__(-1, np.zeros((1, 3), np.float32)), r"needs slot_scores f32\[B, D\]"),
-    ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 | REF), "not a permutation"),
-    ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 << 29), "not a permutation"),
-    ("lru", lambda c: c[LRU].__setitem__((0, 4, 0), 0 | REF), "not a permutation"),  # bits only under CLOCK
+@pytest.mark.parametrize("eviction, mutate, code", [
+    ("score", lambda c: c[-1].__setitem__((0, 2), np.nan), reference.BAD_SCORE),
+    ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 | REF), reference.LRU_NOT_PERMUTATION),
+    ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 << 29), reference.LRU_NOT_PERMUTATION),
+    ("lru", lambda c: c[LRU].__setitem__((0, 4, 0), 0 | REF), reference.LRU_NOT_PERMUTATION),  # bits only in CLOCK
 ])
-def test_policy_bad_input_changes_nothing(eviction, mutate, message):
+def test_policy_bad_input_changes_nothing(eviction, mutate, code):
   case = worked_example()
   if eviction == "score":
     case.append(np.array([[0.0, 1.0, 2.0, 3.0]], np.float32))
   mutate(case)
-  args = device_args(case)
-  with pytest.raises(FFI_ERRORS, match=message):
-    jax.block_until_ready(ops.swap_in(*args, page_size=PAGE, eviction=eviction))
-  np.testing.assert_array_equal(np.asarray(args[SLOTS]), case[SLOTS])
-  np.testing.assert_array_equal(np.asarray(args[LRU]), case[LRU])
-  if "slot_scores" not in message:
-    with pytest.raises(reference.SwapInError):
-      run_reference(*case, eviction=eviction)
+  got = [np.asarray(x) for x in ops.swap_in(*device_args(case), page_size=PAGE, eviction=eviction)]
+  assert got[6].tolist() == [code] and (got[0] == -1).all()
+  np.testing.assert_array_equal(got[3], case[SLOTS])
+  np.testing.assert_array_equal(got[4], case[LRU])
+  np.testing.assert_array_equal(got[2], case[HOT])
+  assert run_reference(*case, eviction=eviction)[6].tolist() == [code]
+
+
+def test_score_operand_of_the_wrong_shape_is_an_ffi_error():
+  case = worked_example()
+  case.append(np.zeros((1, 3), np.float32))
+  with pytest.raises(FFI_ERRORS, match=r"needs slot_scores f32\[B, D\]"):
+    jax.block_until_ready(ops.swap_in(*device_args(case), page_size=PAGE, eviction="score"))
 
 
 def test_policy_arguments_are_checked_at_trace_time():

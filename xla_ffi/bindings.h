@@ -1,6 +1,12 @@
 // The FFI signatures of the swap-in and backup handlers, shared by the CPU and
 // CUDA registrations (which differ only in the leading context they bind).
 // Buffer meanings: see the header of cpu_handlers.cc.
+//
+// Errors: what is known when the program is compiled (shapes, dtypes, attributes, the pool's registration)
+// is an FFI error. What depends on the data (positions, page tables, request ids, LRU state, scores, the
+// layer index) is a per-row status in the `status` result: a row whose status is not 0 is left unchanged
+// (its rows are -1) and the other rows are done. The handlers never synchronize with the device for it;
+// the caller reads the status when it reads its results (hisparse_jax.kernels.ops.check_status).
 #pragma once
 
 #include <cstdint>
@@ -80,6 +86,7 @@ auto BindSwapIn(Binding binding) {
       .template Ret<ffi::AnyBuffer>()                   // slot_tokens (aliased)
       .template Ret<ffi::AnyBuffer>()                   // lru (aliased)
       .template Ret<ffi::AnyBuffer>()                   // stats (aliased)
+      .template Ret<ffi::Buffer<ffi::S32>>()            // status [B] (SwapInStatus per row; 0 = done)
       .template Attr<int64_t>("page_size")              // tokens per host page
       .template Attr<int64_t>("eviction");              // an Eviction (swap_in_core.h)
 }
@@ -91,7 +98,8 @@ auto BindBackup(Binding binding) {
       .template Arg<ffi::AnyBuffer>()                   // rows
       .template Arg<ffi::Buffer<ffi::S32>>()            // dst
       .template Arg<ffi::AnyBuffer>()                   // host_pool
-      .template Ret<ffi::AnyBuffer>();                  // host_pool (aliased)
+      .template Ret<ffi::AnyBuffer>()                   // host_pool (aliased)
+      .template Ret<ffi::Buffer<ffi::S32>>();           // status [N] (SwapInStatus per column; 0 = written)
 }
 
 // The "_ext" variants: the host-pool operand is an s32[1] ordering token and

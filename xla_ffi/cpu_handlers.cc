@@ -16,7 +16,9 @@
 //   page_size    attribute i64      tokens per host page
 //   eviction     attribute i64      the eviction policy (swap_in_core.h Eviction)
 // Results: rows s32[B, K] (device row req_id*(D+1)+slot of hot[l], -1 for padding), then
-// host_pool, hot, slot_tokens, lru, stats aliased to their inputs.
+// host_pool, hot, slot_tokens, lru, stats aliased to their inputs, then status s32[B]: 0 for a row done,
+// else its SwapInStatus (swap_in_core.h; the row is left unchanged and its rows are -1). Shapes, dtypes
+// and attributes that do not fit are FFI errors (bindings.h).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -106,7 +108,8 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
                   ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
                   ffi::Result<ffi::Buffer<ffi::S32>> rows,
                   ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
+                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
+                  ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
   // ---- shapes --------------------------------------------------------------
   auto kd = top_k.dimensions();
   auto hd = hot.dimensions();
@@ -147,13 +150,28 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
     return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
   if (std::max({R * (D + 1), H, P * page_size, K}) > std::numeric_limits<int32_t>::max())
     return ffi::Error::InvalidArgument("swap_in: a dimension exceeds int32 indexing");
+  if (!SameDims(*status_out, {B}))
+    return ffi::Error::InvalidArgument("swap_in: status must be s32[B]");
+
+  // ---- data: a bad row gets a status and is left unchanged; the others are done ------------------------
+  // Outputs XLA did not alias to their inputs start as copies of them (every row's state must come out).
+  CopyIfDistinct(hot, hot_out);
+  CopyIfDistinct(slot_tokens, slot_tokens_out);
+  CopyIfDistinct(lru, lru_out);
+  CopyIfDistinct(stats, stats_out);
+  int32_t* status = status_out->typed_data();
+  int32_t* out = rows->typed_data();
   const int32_t layer = layer_buf.typed_data()[0];
-  if (layer < 0 || layer >= L)
-    return ffi::Error::InvalidArgument(std::string("swap_in: ") + StatusMessage(kLayerOutOfRange));
+  if (layer < 0 || layer >= L) {
+    std::fill(status, status + B, static_cast<int32_t>(kLayerOutOfRange));
+    std::fill(out, out + B * K, -1);
+    return ffi::Error::Success();
+  }
   const int32_t* ids = req_ids.typed_data();
   const int32_t* lens = seq_lens.typed_data();
 
-  // Request ids: in [-1, R), -1 only on idle rows, no id twice (rows of one request would race).
+  // Request ids: in [-1, R), -1 only on idle rows; a row repeating an earlier row's id fails (rows of one
+  // request would race).
   Workspace& batch = ThreadWorkspace();
   batch.ReserveBatch(B, K, D, R);
   for (int64_t b = 0; b < B; ++b) {
@@ -165,16 +183,10 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
       ok = !(word & bit);
       word |= bit;
     }
-    if (!ok) {
-      for (int64_t i = 0; i < b; ++i)
-        if (ids[i] >= 0) batch.seen[ids[i] >> 6] = 0;
-      if (id >= 0 && id < R) batch.seen[id >> 6] = 0;
-      return ffi::Error::InvalidArgument("swap_in: row " + std::to_string(b) + " (request id " +
-                                         std::to_string(id) + "): " + StatusMessage(kBadRequestId));
-    }
+    status[b] = ok ? kOk : kBadRequestId;
   }
   for (int64_t b = 0; b < B; ++b)
-    if (ids[b] >= 0) batch.seen[ids[b] >> 6] = 0;
+    if (ids[b] >= 0 && ids[b] < R) batch.seen[ids[b] >> 6] = 0;
 
   const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(hot.element_type());
   auto request = [&](int64_t b, int32_t* slots, int32_t* order) {
@@ -187,15 +199,13 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
                         slot_scores.typed_data() + (eviction == kEvictScore ? b * D : 0)};
   };
 
-  // Phase 1: plan every request without touching any state (each plan validates
-  // what it reads), so a bad call loses nothing.
-  int32_t* in_slots = static_cast<int32_t*>(slot_tokens.untyped_data());
-  int32_t* in_order = static_cast<int32_t*>(lru.untyped_data());
-  int32_t* out = rows->typed_data();
+  // Phase 1: plan every request without touching any state (each plan validates what it reads).
+  int32_t* in_slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
+  int32_t* in_order = static_cast<int32_t*>(lru_out->untyped_data());
   ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
-    if (ids[b] < 0) {  // idle row: all padding
+    batch.misses[b] = batch.hits[b] = 0;
+    if (ids[b] < 0 || status[b] != kOk) {  // an idle row (all padding), or a bad request id
       std::fill(out + b * K, out + (b + 1) * K, -1);
-      batch.misses[b] = batch.hits[b] = 0;
       return;
     }
     Workspace& ws = ThreadWorkspace();
@@ -203,21 +213,18 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
     SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D,
                           ws.heap_key.data(), ws.heap_pos.data()};
     DirectPositionMap map = ws.Map();
-    batch.misses[b] = PlanSwapIn(request(b, in_slots, in_order), map, scratch, out + b * K,
-                                 batch.miss_tokens.data() + b * K, batch.miss_slots.data() + b * K,
-                                 &batch.hits[b]);
+    const int32_t misses = PlanSwapIn(request(b, in_slots, in_order), map, scratch, out + b * K,
+                                      batch.miss_tokens.data() + b * K, batch.miss_slots.data() + b * K,
+                                      &batch.hits[b]);
+    if (misses < 0) {
+      status[b] = -misses;
+      std::fill(out + b * K, out + (b + 1) * K, -1);
+      return;
+    }
+    batch.misses[b] = misses;
   });
-  for (int64_t b = 0; b < B; ++b)
-    if (batch.misses[b] < 0)
-      return ffi::Error::InvalidArgument("swap_in: row " + std::to_string(b) + " (request id " +
-                                         std::to_string(ids[b]) + "), layer " + std::to_string(layer) +
-                                         ": " + StatusMessage(-batch.misses[b]));
 
-  // Phase 2: commit the plans, place each newest row, copy the missing rows host -> device.
-  CopyIfDistinct(hot, hot_out);
-  CopyIfDistinct(slot_tokens, slot_tokens_out);
-  CopyIfDistinct(lru, lru_out);
-  CopyIfDistinct(stats, stats_out);
+  // Phase 2: commit the good rows' plans, place each newest row, copy the missing rows host -> device.
   const char* pool = pool_view.base + static_cast<size_t>(layer) * H * row_bytes;
   char* dev = static_cast<char*>(hot_out->untyped_data()) +
               static_cast<size_t>(layer) * R * (D + 1) * row_bytes;
@@ -225,7 +232,7 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
   int32_t* order = static_cast<int32_t*>(lru_out->untyped_data());
   int32_t* counts = static_cast<int32_t*>(stats_out->untyped_data()) + static_cast<int64_t>(layer) * R * 2;
   ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
-    if (ids[b] < 0) return;
+    if (ids[b] < 0 || status[b] != kOk) return;
     const RequestLayer r = request(b, slots, order);
     const int32_t misses = batch.misses[b];
     const int32_t* miss_tokens = batch.miss_tokens.data() + b * K;
@@ -253,7 +260,8 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Result<ffi::Buffer<ffi::S32>> rows,
                       ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
                       ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                      ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size, int64_t eviction) {
+                      ffi::Result<ffi::AnyBuffer> stats_out, ffi::Result<ffi::Buffer<ffi::S32>> status_out,
+                      int64_t page_size, int64_t eviction) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
@@ -263,7 +271,7 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                 host_pool.element_type(), pd[2]};
   return SwapIn(thread_pool, view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
                 newest, hot,
-                slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+                slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
 }
 
 // Host pool owned by the extension; `pool_token` (s32[1], aliased) orders the calls that touch it.
@@ -275,21 +283,23 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
                          ffi::Result<ffi::Buffer<ffi::S32>> rows,
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
                          ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                         ffi::Result<ffi::AnyBuffer> stats_out, int64_t page_size, int64_t eviction,
-                         uint64_t pool_address,
+                         ffi::Result<ffi::AnyBuffer> stats_out, ffi::Result<ffi::Buffer<ffi::S32>> status_out,
+                         int64_t page_size, int64_t eviction, uint64_t pool_address,
                          int64_t pool_layers, int64_t pool_rows) {
   auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return SwapIn(thread_pool, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
                 newest, hot,
-                slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+                slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
 }
 
 // Backup: host_pool[layer + i, dst[n]] = rows[i, n] for every n with dst[n] >= 0.
-//   layer s32[], rows T[Lr, N, W], dst s32[N], host_pool T[L, H, W] (aliased to the result).
+//   layer s32[], rows T[Lr, N, W], dst s32[N], host_pool T[L, H, W] (aliased to the result); status s32[N]:
+//   kBackupRowOutOfRange for a dst outside [-1, H) (that column is skipped), kLayerOutOfRange on every column
+//   when [layer, layer + Lr) is outside [0, L) (nothing is written).
 ffi::Error Backup(PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf, ffi::AnyBuffer rows,
-                  ffi::Buffer<ffi::S32> dst) {
+                  ffi::Buffer<ffi::S32> dst, ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
   auto rd = rows.dimensions();
   if (rd.size() != 3 || layer_buf.element_count() != 1)
     return ffi::Error::InvalidArgument("backup: expected layer s32[], rows [Lr,N,W], host_pool [L,H,W]");
@@ -297,24 +307,21 @@ ffi::Error Backup(PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf, ffi::AnyB
   const int64_t L = pool_view.L, H = pool_view.H;
   if (pool_view.W != W || rows.element_type() != pool_view.dtype)
     return ffi::Error::InvalidArgument("backup: rows and host_pool differ in row width or dtype");
-  if (!SameDims(dst, {N}))
-    return ffi::Error::InvalidArgument("backup: dst must be s32[N] with N = rows.shape[1]");
-  const int32_t layer = layer_buf.typed_data()[0];
-  if (layer < 0 || layer + Lr > L)
-    return ffi::Error::InvalidArgument("backup: layers [" + std::to_string(layer) + ", " +
-                                       std::to_string(layer + Lr) + ") outside [0, " +
-                                       std::to_string(L) + ")");
+  if (!SameDims(dst, {N}) || !SameDims(*status_out, {N}))
+    return ffi::Error::InvalidArgument("backup: dst and status must be s32[N] with N = rows.shape[1]");
+  int32_t* status = status_out->typed_data();
+  const int64_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer + Lr > L) {
+    std::fill(status, status + N, static_cast<int32_t>(kLayerOutOfRange));
+    return ffi::Error::Success();
+  }
   const int32_t* d = dst.typed_data();
-  for (int64_t n = 0; n < N; ++n)
-    if (d[n] < -1 || d[n] >= H)
-      return ffi::Error::InvalidArgument("backup: dst[" + std::to_string(n) + "] = " +
-                                         std::to_string(d[n]) + " outside [-1, " +
-                                         std::to_string(H) + ")");
+  for (int64_t n = 0; n < N; ++n) status[n] = d[n] < -1 || d[n] >= H ? kBackupRowOutOfRange : kOk;
   const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(rows.element_type());
   const char* src = static_cast<const char*>(rows.untyped_data());
   for (int64_t i = 0; i < Lr; ++i)
     for (int64_t n = 0; n < N; ++n)
-      if (d[n] >= 0)
+      if (d[n] >= 0 && status[n] == kOk)
         std::memcpy(pool_view.base + ((layer + i) * H + d[n]) * row_bytes, src + (i * N + n) * row_bytes,
                     row_bytes);
   return ffi::Error::Success();
@@ -322,7 +329,8 @@ ffi::Error Backup(PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf, ffi::AnyB
 
 // Backup into a host pool passed as an XLA operand, aliased to the result.
 ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
-                      ffi::AnyBuffer host_pool, ffi::Result<ffi::AnyBuffer> host_pool_out) {
+                      ffi::AnyBuffer host_pool, ffi::Result<ffi::AnyBuffer> host_pool_out,
+                      ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("backup: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
@@ -330,17 +338,18 @@ ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buf
   CopyIfDistinct(host_pool, host_pool_out);
   return Backup(PoolView{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
                          host_pool.element_type(), pd[2]},
-                layer, rows, dst);
+                layer, rows, dst, status_out);
 }
 
 // Backup into an extension-owned host pool; pool_token (s32[1]) is aliased to the result.
 ffi::Error BackupExtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
                          ffi::AnyBuffer pool_token, ffi::Result<ffi::AnyBuffer> pool_token_out,
-                         uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> status_out, uint64_t pool_address, int64_t pool_layers,
+                         int64_t pool_rows) {
   auto view = RegisteredPool(pool_address, pool_layers, pool_rows, rows);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
-  return Backup(*view, layer, rows, dst);
+  return Backup(*view, layer, rows, dst, status_out);
 }
 
 }  // namespace

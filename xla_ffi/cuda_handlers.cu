@@ -4,14 +4,19 @@
 // planning runs the shared core (swap_in_core.h) and the copies read the host
 // pool directly over PCIe/NVLink-C2C (zero-copy from pinned host memory).
 //
-// Launch shape: one thread block per batch row (request). A first kernel
-// validates every row (its request id included) and reports the first error;
-// the handler reads it back and returns an FFI error before any state changes
-// (so a bad call loses nothing). The
-// second kernel plans in thread 0 with the scratch in shared memory, then the
-// whole block copies the missing rows with 16-byte loads where aligned.
+// Launch shape: one kernel, one thread block per batch row (request). Thread 0
+// checks the row (layer, request id) and plans it with the scratch in shared
+// memory; a row that fails gets its status (swap_in_core.h SwapInStatus) in the
+// status output, rows of -1, and no change. A good row is committed, then the
+// whole block copies its missing rows with 16-byte loads where aligned.
+//
+// Nothing here waits for the device: no host synchronization, no allocation,
+// no stream query. The handlers are declared command-buffer compatible (XLA
+// may capture them in a CUDA graph); the caller reads the status with the
+// step's other results (hisparse_jax.kernels.ops.check_status).
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -39,6 +44,7 @@ struct SwapInArgs {
   int32_t* lru;
   int32_t* stats;
   int32_t* rows;
+  int32_t* status;  // [B]
   const float* slot_scores;  // [B, D] (eviction score), else unused
   int32_t B, K, D, R, P, page_size, L, H, eviction;
   int64_t row_bytes;
@@ -100,53 +106,41 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
                    SwapInScratch{need_token, slot_state, new_lru, heap_key, heap_pos}, miss_tokens, miss_slots};
 }
 
-// Dry run of every request's plan (plans change nothing): error[0] = first
-// failing status, error[1] = its request index.
-__global__ void ValidateKernel(SwapInArgs a, int32_t* error) {
-  extern __shared__ int32_t smem[];
-  const int32_t layer = *a.layer;
-  if (layer < 0 || layer >= a.L) {
-    if (threadIdx.x == 0 && atomicCAS(&error[0], 0, kLayerOutOfRange) == 0) error[1] = blockIdx.x;
-    return;
-  }
-  BlockPlan p = CarveShared(smem, a.K, a.D);
-  if (threadIdx.x != 0) return;
-  if (!RequestIdOk(a, blockIdx.x)) {
-    if (atomicCAS(&error[0], 0, kBadRequestId) == 0) error[1] = blockIdx.x;
-    return;
-  }
-  if (a.req_ids[blockIdx.x] < 0) return;
-  int32_t hits = 0;
-  const int32_t misses = PlanSwapIn(MakeRequest(a, blockIdx.x, layer), p.map, p.scratch,
-                                    a.rows + static_cast<int64_t>(blockIdx.x) * a.K, p.miss_tokens,
-                                    p.miss_slots, &hits);
-  if (misses < 0 && atomicCAS(&error[0], 0, -misses) == 0) error[1] = blockIdx.x;
-}
-
-// One block per request: thread 0 plans and commits (the shared core), then the
-// block's warps copy the missing rows, 16 bytes per lane per load.
+// One block per request: thread 0 checks and plans the row, commits a good plan, then the block's warps
+// copy the missing rows, 16 bytes per lane per load. A bad row writes its status and changes nothing.
 __global__ void SwapInKernel(SwapInArgs a) {
   extern __shared__ int32_t smem[];
-  __shared__ int32_t num_misses;
+  __shared__ int32_t num_misses;  // < 0: the row failed with status -num_misses
   const int32_t b = blockIdx.x;
   const int32_t layer = *a.layer;
-  // An idle row (no request, or seq_len 0: all padding) costs one block that exits at once.
-  if (a.req_ids[b] < 0 || a.seq_lens[b] == 0) {
-    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) a.rows[static_cast<int64_t>(b) * a.K + k] = -1;
+  int32_t* rows = a.rows + static_cast<int64_t>(b) * a.K;
+  int32_t code = kOk;
+  if (layer < 0 || layer >= a.L) code = kLayerOutOfRange;
+  else if (!RequestIdOk(a, b)) code = kBadRequestId;
+  // An idle row (no request, or seq_len 0: all padding) or a bad one costs one block that exits at once.
+  if (code != kOk || a.req_ids[b] < 0 || a.seq_lens[b] == 0) {
+    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
+    if (threadIdx.x == 0) a.status[b] = code;
     return;
   }
   const RequestLayer r = MakeRequest(a, b, layer);
   BlockPlan p = CarveShared(smem, a.K, a.D);
   if (threadIdx.x == 0) {
     int32_t hits = 0;
-    num_misses = PlanSwapIn(r, p.map, p.scratch, a.rows + static_cast<int64_t>(b) * a.K, p.miss_tokens,
-                            p.miss_slots, &hits);
-    CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
-    int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
-    counts[0] += hits;
-    counts[1] += num_misses;
+    num_misses = PlanSwapIn(r, p.map, p.scratch, rows, p.miss_tokens, p.miss_slots, &hits);
+    a.status[b] = num_misses < 0 ? -num_misses : kOk;
+    if (num_misses >= 0) {
+      CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
+      int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
+      counts[0] += hits;
+      counts[1] += num_misses;
+    }
   }
   __syncthreads();
+  if (num_misses < 0) {  // the plan failed part-way: none of its rows is valid
+    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
+    return;
+  }
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
   if (threadIdx.x / 32 == kThreads / 32 - 1)  // the last warp places the newest row (the others take misses first)
@@ -165,6 +159,35 @@ size_t SwapInSharedBytes(int32_t K, int32_t D) {
 ffi::Error CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Once per device, the swap-in kernel is allowed the device's whole opt-in shared memory, so that the
+// steady state makes no configuration call (nothing but launches while XLA records a command buffer).
+// An error when a plan (K, D) needs more than the device has.
+ffi::Error AllowSharedMemory(size_t smem) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> optin[kMaxDevices] = {};  // 0: not configured yet
+  int device = 0;
+  if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
+  if (device < 0 || device >= kMaxDevices) return ffi::Error::Internal("swap_in: device ordinal >= 64");
+  int limit = optin[device].load(std::memory_order_acquire);
+  if (limit == 0) {
+    if (auto e = CudaStatus(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                            "cudaDeviceGetAttribute");
+        e.failure())
+      return e;
+    if (auto e = CudaStatus(cudaFuncSetAttribute(reinterpret_cast<const void*>(SwapInKernel),
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
+                            "cudaFuncSetAttribute");
+        e.failure())
+      return e;
+    optin[device].store(limit, std::memory_order_release);
+  }
+  if (smem > static_cast<size_t>(limit))
+    return ffi::Error::InvalidArgument("swap_in: top_k and device_buffer_size need " + std::to_string(smem) +
+                                       " bytes of shared memory per block; the device allows " +
+                                       std::to_string(limit));
+  return ffi::Error::Success();
 }
 
 ffi::Error CopyIfDistinct(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
@@ -186,22 +209,6 @@ ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, int64_t layers, int64_t ro
   return view;
 }
 
-// A mapped pinned word the kernels report errors through, read after a sync.
-ffi::ErrorOr<int32_t*> ErrorWord(int32_t** host) {
-  static thread_local int32_t* error = nullptr;
-  if (error == nullptr) {
-    if (auto e = CudaStatus(cudaHostAlloc(&error, 2 * sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc");
-        e.failure())
-      return e;
-  }
-  error[0] = error[1] = 0;
-  int32_t* device = nullptr;
-  if (auto e = CudaStatus(cudaHostGetDevicePointer(&device, error, 0), "cudaHostGetDevicePointer"); e.failure())
-    return e;
-  *host = error;
-  return device;
-}
-
 ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t eviction,
                   ffi::Buffer<ffi::F32> slot_scores, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
@@ -209,7 +216,8 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
                   ffi::AnyBuffer slot_tokens,
                   ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
                   ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out) {
+                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
+                  ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
   auto kd = top_k.dimensions();
   auto hd = hot.dimensions();
   auto pd = host_pages.dimensions();
@@ -256,6 +264,8 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
         "swap_in: expected slot_tokens/lru s32[L,R,D], stats s32[L,R,2], seq_lens/req_ids s32[B], layer s32[]");
   if (newest.element_count() != static_cast<size_t>(a.B) * pool.W || newest.element_type() != hot.element_type())
     return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
+  if (status_out->element_count() != static_cast<size_t>(a.B))
+    return ffi::Error::InvalidArgument("swap_in: status must be s32[B]");
   if (a.B == 0) return ffi::Error::Success();
   a.layer = layer.typed_data();
   a.top_k = top_k.typed_data();
@@ -268,25 +278,11 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
   a.slot_tokens = static_cast<int32_t*>(slot_tokens.untyped_data());
   a.lru = static_cast<int32_t*>(lru.untyped_data());
 
-  // Validate the inputs first; nothing is modified when they are bad.
-  int32_t* error = nullptr;
-  auto error_dev = ErrorWord(&error);
-  if (error_dev.has_error()) return error_dev.error();
   const size_t smem = SwapInSharedBytes(a.K, a.D);
-  for (const void* kernel : {reinterpret_cast<const void*>(ValidateKernel), reinterpret_cast<const void*>(SwapInKernel)}) {
-    if (auto e = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(smem)),
-                            "cudaFuncSetAttribute");
-        e.failure())
-      return e;
-  }
-  a.rows = rows->typed_data();  // the dry run already writes the (output) rows
-  ValidateKernel<<<a.B, kThreads, smem, stream>>>(a, *error_dev);
-  if (auto e = CudaStatus(cudaStreamSynchronize(stream), "swap_in validate"); e.failure()) return e;
-  if (error[0] != kOk)
-    return ffi::Error::InvalidArgument("swap_in: row " + std::to_string(error[1]) + ": " +
-                                       StatusMessage(error[0]));
-
+  if (auto e = AllowSharedMemory(smem); e.failure()) return e;
+  a.rows = rows->typed_data();
+  a.status = status_out->typed_data();
+  // Outputs XLA did not alias to their inputs start as copies of them (every row's state must come out).
   for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out},
                           std::pair{lru, lru_out}, std::pair{stats, stats_out}}) {
     if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
@@ -309,7 +305,7 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
                       ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> host_pool_out,
                       ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                       ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                      int64_t page_size, int64_t eviction) {
+                      ffi::Result<ffi::Buffer<ffi::S32>> status_out, int64_t page_size, int64_t eviction) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
@@ -317,7 +313,7 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]};
   return SwapIn(stream, view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
-                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
 }
 
 // Host pool owned by the extension (cudaHostAlloc, mapped); pool_token (s32[1]) orders the calls.
@@ -330,57 +326,54 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                          ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> pool_token_out,
                          ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                          ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                         int64_t page_size, int64_t eviction, uint64_t pool_address, int64_t pool_layers,
+                         ffi::Result<ffi::Buffer<ffi::S32>> status_out, int64_t page_size, int64_t eviction,
+                         uint64_t pool_address, int64_t pool_layers,
                          int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
-                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out);
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
 }
 
+// Grid (N, Lr): block (n, i) copies column n of layer layer + i; blocks of layer 0 write the column's status.
 __global__ void BackupKernel(const int32_t* layer, const char* rows, const int32_t* dst, char* pool,
-                             int32_t Lr, int32_t N, int32_t H, int64_t row_bytes) {
+                             int32_t Lr, int32_t L, int32_t N, int32_t H, int64_t row_bytes, int32_t* status) {
   const int32_t n = blockIdx.x, i = blockIdx.y;
-  const int32_t h = dst[n];
-  if (h < 0) return;
+  const int32_t first = *layer, h = dst[n];
+  const int32_t code = first < 0 || first > L - Lr ? kLayerOutOfRange
+                       : h < -1 || h >= H          ? kBackupRowOutOfRange
+                                                   : kOk;
+  if (i == 0 && threadIdx.x == 0) status[n] = code;
+  if (code != kOk || h < 0) return;
   CopyRow(rows + (static_cast<int64_t>(i) * N + n) * row_bytes,
-          pool + ((static_cast<int64_t>(*layer) + i) * H + h) * row_bytes, row_bytes);
-}
-
-__global__ void ValidateBackupKernel(const int32_t* layer, const int32_t* dst, int32_t Lr, int32_t L,
-                                     int32_t N, int32_t H, int32_t* error) {
-  for (int32_t n = threadIdx.x; n < N; n += blockDim.x)
-    if (dst[n] < -1 || dst[n] >= H) atomicCAS(&error[0], 0, 1);
-  if (threadIdx.x == 0 && (*layer < 0 || *layer + Lr > L)) atomicCAS(&error[0], 0, 2);
+          pool + ((static_cast<int64_t>(first) + i) * H + h) * row_bytes, row_bytes);
 }
 
 ffi::Error Backup(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
-                  ffi::Buffer<ffi::S32> dst) {
+                  ffi::Buffer<ffi::S32> dst, ffi::Result<ffi::Buffer<ffi::S32>> status) {
   auto rd = rows.dimensions();
   if (rd.size() != 3 || pool.W != rd[2] || rows.element_type() != pool.dtype ||
-      dst.element_count() != static_cast<size_t>(rd[1]) || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("backup: expected rows [Lr,N,W], dst s32[N], host_pool [L,H,W] of one dtype");
+      dst.element_count() != static_cast<size_t>(rd[1]) || status->element_count() != static_cast<size_t>(rd[1]) ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "backup: expected rows [Lr,N,W], dst and status s32[N], host_pool [L,H,W] of one dtype");
+  if (pool.L > INT32_MAX || pool.H > INT32_MAX || rd[0] > INT32_MAX || rd[1] > INT32_MAX)
+    return ffi::Error::InvalidArgument("backup: a dimension exceeds int32 indexing");
   const int32_t Lr = static_cast<int32_t>(rd[0]), N = static_cast<int32_t>(rd[1]);
-  if (Lr == 0 || N == 0) return ffi::Error::Success();
-  int32_t* error = nullptr;
-  auto error_dev = ErrorWord(&error);
-  if (error_dev.has_error()) return error_dev.error();
-  ValidateBackupKernel<<<1, kThreads, 0, stream>>>(layer.typed_data(), dst.typed_data(), Lr,
-                                                   static_cast<int32_t>(pool.L), N,
-                                                   static_cast<int32_t>(pool.H), *error_dev);
-  if (auto e = CudaStatus(cudaStreamSynchronize(stream), "backup validate"); e.failure()) return e;
-  if (error[0] == 1) return ffi::Error::InvalidArgument("backup: a dst row is outside [-1, H)");
-  if (error[0] == 2) return ffi::Error::InvalidArgument("backup: layer range outside [0, L)");
+  if (N == 0) return ffi::Error::Success();
+  if (Lr == 0)  // nothing to copy, but every column still gets its status
+    return CudaStatus(cudaMemsetAsync(status->typed_data(), 0, N * sizeof(int32_t), stream), "backup status");
   BackupKernel<<<dim3(N, Lr), 32, 0, stream>>>(layer.typed_data(), static_cast<const char*>(rows.untyped_data()),
-                                               dst.typed_data(), pool.base, Lr, N, static_cast<int32_t>(pool.H),
-                                               pool.W * ffi::ByteWidth(rows.element_type()));
+                                               dst.typed_data(), pool.base, Lr, static_cast<int32_t>(pool.L), N,
+                                               static_cast<int32_t>(pool.H),
+                                               pool.W * ffi::ByteWidth(rows.element_type()), status->typed_data());
   return CudaStatus(cudaGetLastError(), "backup launch");
 }
 
 ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
                       ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer host_pool,
-                      ffi::Result<ffi::AnyBuffer> host_pool_out) {
+                      ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::Buffer<ffi::S32>> status) {
   auto pd = host_pool.dimensions();
   if (pd.size() != 3) return ffi::Error::InvalidArgument("backup: host_pool must be [L, H, W]");
   if (!IsByteAddressable(host_pool.element_type()))
@@ -388,27 +381,33 @@ ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Any
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   return Backup(stream,
                 PoolView{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]},
-                layer, rows, dst);
+                layer, rows, dst, status);
 }
 
 ffi::Error BackupExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
                          ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_token,
-                         ffi::Result<ffi::AnyBuffer> pool_token_out, uint64_t pool_address, int64_t pool_layers,
-                         int64_t pool_rows) {
+                         ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> status,
+                         uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_layers, pool_rows, rows);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
-  return Backup(stream, *view, layer, rows, dst);
+  return Backup(stream, *view, layer, rows, dst, status);
 }
 
 }  // namespace
 }  // namespace hisparse
 
 #define HISPARSE_CUDA_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+// Stream-ordered work only (kernels, async copies), no allocation, no synchronization: XLA may record the
+// handlers into a command buffer (CUDA graph).
+#define HISPARSE_CUDA_TRAITS \
+  { ffi::Traits::kCmdBufferCompatible }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCuda, hisparse::SwapInImpl, hisparse::BindSwapIn(HISPARSE_CUDA_BIND));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCuda, hisparse::BackupImpl, hisparse::BindBackup(HISPARSE_CUDA_BIND));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInCuda, hisparse::SwapInImpl, hisparse::BindSwapIn(HISPARSE_CUDA_BIND),
+                              HISPARSE_CUDA_TRAITS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupCuda, hisparse::BackupImpl, hisparse::BindBackup(HISPARSE_CUDA_BIND),
+                              HISPARSE_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInExtCuda, hisparse::SwapInExtImpl,
-                              hisparse::BindExternalPool(hisparse::BindSwapIn(HISPARSE_CUDA_BIND)));
+                              hisparse::BindExternalPool(hisparse::BindSwapIn(HISPARSE_CUDA_BIND)), HISPARSE_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupExtCuda, hisparse::BackupExtImpl,
-                              hisparse::BindExternalPool(hisparse::BindBackup(HISPARSE_CUDA_BIND)));
+                              hisparse::BindExternalPool(hisparse::BindBackup(HISPARSE_CUDA_BIND)), HISPARSE_CUDA_TRAITS);

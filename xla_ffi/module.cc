@@ -2,6 +2,7 @@
 // and the allocator of extension-owned host pools (host_pool.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 
 #include <chrono>
 
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "host_pool.h"
+#include "swap_in_core.h"
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* HisparseSwapInCpu(XLA_FFI_CallFrame*);
@@ -84,6 +86,9 @@ NB_MODULE(_ffi_cpu, m) {
   m.def("free_host_pool", &FreeHostPool, nb::arg("address"));
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));
+  m.def("status_message", [](int32_t code) { return std::string(hisparse::StatusMessage(code)); }, nb::arg("code"),
+        "The text of a swap-in / backup status code (swap_in_core.h SwapInStatus; 'ok' for 0 or unknown).");
+  m.attr("num_statuses") = hisparse::kNumStatuses;
   m.def("copy_rows_seconds", &CopyRowsSeconds, nb::arg("src"), nb::arg("dst"), nb::arg("row_bytes"),
         nb::arg("src_rows"), nb::arg("dst_rows"), "Benchmark reference: a bare memcpy loop over rows.");
 }

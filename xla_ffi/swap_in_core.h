@@ -54,7 +54,8 @@
 
 namespace hisparse {
 
-// Error codes returned (negated) by the validation and planning functions.
+// Per-row status codes: returned (negated) by the validation and planning functions, and written by the
+// handlers to their status output (0 for a row done, else why the row was left unchanged).
 enum SwapInStatus : int32_t {
   kOk = 0,
   kBadSeqLen = 1,        // seq_len < 0 or > max_seq_len
@@ -64,7 +65,9 @@ enum SwapInStatus : int32_t {
   kLayerOutOfRange,      // layer index outside [0, L)
   kBadRequestId,         // request (hot-buffer) id outside [-1, R), repeated, or -1 with seq_len > 0
   kBadScore,             // score policy: a resident slot's score is NaN
+  kBackupRowOutOfRange,  // backup: a destination host row outside [-1, H)
 };
+constexpr int32_t kNumStatuses = kBackupRowOutOfRange + 1;
 
 // Eviction policies (the handlers' `eviction` attribute).
 enum Eviction : int32_t { kEvictLru = 0, kEvictClock = 1, kEvictScore = 2 };
@@ -84,6 +87,7 @@ inline const char* StatusMessage(int32_t status) {
       return "the LRU order is not a permutation of the D slot ids (CLOCK: ids | reference bit 2^30)";
     case kLayerOutOfRange: return "layer index is outside [0, num_layers)";
     case kBadScore: return "a resident slot's score is NaN (eviction \"score\")";
+    case kBackupRowOutOfRange: return "a backup destination host row is outside [-1, H)";
     default: return "ok";
   }
 }

@@ -60,7 +60,9 @@ from hisparse_jax.engine.args import DEFAULT_PROMPT_BYTES_PER_TOKEN, EngineArgs,
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
 from hisparse_jax.engine.sampling import sample
+from hisparse_jax.kernels import ops
 from hisparse_jax.memory import backend as kvmem
+from hisparse_jax.memory.views import kernel_status
 from hisparse_jax.sharding import MeshError, bytes_per_device, placer, set_expert_parallel
 from models.convert import load_model, model_fingerprint
 
@@ -244,21 +246,24 @@ class Engine:
       # first_token False (no row's prompt ends in this chunk): no lm_head, no sampling (XLA drops them).
       view = state.view(tables)
       logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, **blocks)
+      status = replicated(kernel_status(view, tokens.shape[0]))
       state = state.absorb(view).finish_prefill(tables)
       if not first_token:
-        return replicated(jnp.zeros(tokens.shape[:1], jnp.int32)), state
-      return replicated(sample(logits, *sampling, jnp.max(positions, axis=1) + 1)), state
+        return (replicated(jnp.zeros(tokens.shape[:1], jnp.int32)), status), state
+      return (replicated(sample(logits, *sampling, jnp.max(positions, axis=1) + 1)), status), state
 
     @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks)
     def decode(params, tokens, positions, state, tables, sampling, **blocks):
       view = state.view(tables)
       out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk, **blocks)
-      return (replicated(sample(out[0], *sampling, positions + 1)), state.absorb(out[1]),
+      status = replicated(kernel_status(out[1], tokens.shape[0]))
+      return ((replicated(sample(out[0], *sampling, positions + 1)), status), state.absorb(out[1]),
               *(replicated(x) for x in out[2:]))
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def import_kv(state, tables, latent, index, length):
-      return state.import_prompt(tables, latent, index, length)
+      state, status = state.import_prompt(tables, latent, index, length)
+      return state, replicated(status)
 
     @functools.partial(jax.jit, static_argnames=("size",))
     def export_kv(state, tables, length, *, size):
@@ -618,8 +623,11 @@ class Engine:
         self._params, self._put(tokens), self._put(positions), self.backend.state, tables,
         self._sampling(slots), query_block=self._query_block(B, C), first_token=any(finishing), **blocks)
     self.prefill_calls += 1
-    out = np.asarray(out)
+    out, status = jax.device_get(out)
     for b, (req, n) in zip(order, rows):
+      if status[b]:
+        self._fail(req, "prefill (backup)", b, status[b], finished)
+        continue
       req.prefilled += n
       if finishing[b]:
         if req.export_kv:
@@ -648,9 +656,15 @@ class Engine:
     kvs[req.kv.group] = req.kv
     tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     latent, index = req.prompt_kv
-    self.backend.state = self._import_fn(self.backend.state, tables, self._put(latent, self.dtype),
-                                         self._put(index, jnp.float32), self._put(np.int32(len(req.prompt_ids))))
-    req.prompt_kv, req.prefilled = None, len(req.prompt_ids)  # the arrays are in the pools now
+    self.backend.state, status = self._import_fn(self.backend.state, tables, self._put(latent, self.dtype),
+                                                 self._put(index, jnp.float32),
+                                                 self._put(np.int32(len(req.prompt_ids))))
+    req.prompt_kv = None  # the arrays are in the pools now
+    status = np.asarray(status)  # once per imported prompt (not per step)
+    if status.any():
+      self._fail(req, "import (backup)", int(np.flatnonzero(status)[0]), status.max(), finished)
+      return
+    req.prefilled = len(req.prompt_ids)
     req.phase = Phase.DECODING
     self._emit(req, int(req.first_token), finished)
 
@@ -697,16 +711,28 @@ class Engine:
         self._sampling(slots), **self._index_blocks(B, 1, int(positions.max())))
     self.decode_steps += 1
     self.last_decode_batch = B
-    out = np.asarray(out)
+    out, status = jax.device_get(out)
     if topk:
       trace = np.asarray(topk[0])  # [L, B, K]
       for b, req in enumerate(order):
-        if req is not None:
+        if req is not None and not status[b]:
           req.topk_trace.append(trace[:, b])
     for b, req in enumerate(order):
-      if req is not None:
+      if req is None:
+        continue
+      if status[b]:
+        self._fail(req, "decode (swap-in / backup)", b, status[b], finished)
+      else:
         self._emit(req, int(out[b]), finished)
     return True
+
+  def _fail(self, req: Request, where: str, row: int, code: int, finished: list[Request]) -> None:
+    """Ends a request whose batch row a kernel left unchanged (finish_reason "error"); the others go on."""
+    req.error = str(ops.KernelStatusError(where, [row], [int(code)]))
+    log.error("request %s failed: %s", req.request_id, req.error)
+    req.finish_reason = "error"
+    self._release(req)
+    finished.append(req)
 
   def _batch_rows(self, reqs, per_group: int | None = None, cap: bool = False,
                   by_slot: bool = False) -> tuple[list[int], int]:

@@ -68,7 +68,9 @@ class Request:
     output_ids: generated ids (new tokens only).
     text: the output text (with a tokenizer): complete once finished, truncated at a stop string.
     text_sent: characters of ``text`` already handed to on_token.
-    finish_reason: None while running, then "stop" (EOS), "stop_token", "stop_string", "length" or "abort".
+    finish_reason: None while running, then "stop" (EOS), "stop_token", "stop_string", "length", "abort", or
+      "error": a kernel left the request's row unchanged (``error`` says why; the other requests go on).
+    error: with finish_reason "error", the kernel's INVALID_ARGUMENT message (``ops.KernelStatusError``).
     matched_stop: the stop token id (as text) or stop string that matched.
     topk_trace: with ``Engine(record_topk=True)``, int32[L, K] top-k positions per decode step.
     hits / misses: swap-in hits and misses summed over layers and steps (HiSparse); layer_hits /
@@ -107,6 +109,7 @@ class Request:
   text: str = ""
   text_sent: int = 0
   finish_reason: str | None = None
+  error: str = ""
   matched_stop: str = ""
   hits: int = 0
   misses: int = 0

@@ -243,18 +243,23 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       ``hisparse_jax.kernels.reference`` defines each exactly.
 
   Returns:
-    (rows, host_pool, hot, slot_tokens, lru, stats): rows is int32[B, K], the row of
-    ``hot[l].reshape(R * (D + 1), W)`` holding each top-k entry (-1 for padding); the rest are
-    the updated state (aliased to the inputs).
+    (rows, host_pool, hot, slot_tokens, lru, stats, status): rows is int32[B, K], the row of
+    ``hot[l].reshape(R * (D + 1), W)`` holding each top-k entry (-1 for padding); then the updated state
+    (aliased to the inputs); status is int32[B], 0 for each row done, else the code of what was wrong
+    with that row's input (``status_message``), and that row is left unchanged (its rows are -1; the
+    other rows are done). Read it with the step's other results: ``check_status``.
+
+  Row statuses (the kernel never reads out of bounds, clamps or synchronizes for them): a position
+  >= seq_len or < -1, seq_len outside [0, P x page_size], a needed position with no host row in [0, H),
+  an LRU row that is not a permutation, a request id out of range, repeated (the later row fails) or -1
+  on an active row, (eviction "score") a resident slot's score that is NaN; the layer out of range fails
+  every row.
 
   Raises:
-    jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the failed result is first
-    read through NumPy) when K > D, a position is >= seq_len or < -1, seq_len exceeds P x
-    page_size, a needed position has no host row in [0, H), an LRU row is not a permutation, a
-    request id is out of range, repeated or -1 on an active row, the layer is out of range, newest
-    is not [B, W] of the hot buffer's dtype, or (eviction "score") a resident slot's score is NaN.
-    Nothing is modified in that case. ValueError (at trace time) for an unknown eviction, or slot_scores
-    given without eviction "score" / missing with it.
+    jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the call is dispatched eagerly)
+    for what the compiled shapes decide: K > D, newest not [B, W] of the hot buffer's dtype, operand
+    shapes that do not fit, a sub-byte dtype, an unknown extension pool. ValueError (at trace time) for
+    an unknown eviction, or slot_scores given without eviction "score" / missing with it.
 
   ``external`` selects the handler over an ExtensionHostPool; ``target`` names another
   registration of the same handler (e.g. the Bazel build's).
@@ -284,6 +289,7 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
           _like(slot_tokens),
           _like(lru),
           _like(stats),
+          jax.ShapeDtypeStruct((B,), jnp.int32),
       ),
       input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
   )
@@ -305,17 +311,47 @@ def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = No
       ``external`` the int32[1] ordering token of an ExtensionHostPool.
 
   Returns:
-    The updated host pool (or token).
+    (host_pool, status): the updated host pool (or token), and int32[N] with 0 for each column written or
+    skipped (dst -1), else its ``status_message`` code: a dst outside [-1, H) (that column is not
+    written), or [layer, layer + Lr) outside [0, L) (on every column; nothing is written).
 
   Raises:
-    jax.errors.JaxRuntimeError (INVALID_ARGUMENT) on a dst outside [-1, H), a
-    layer range outside [0, L), mismatched dtype / row width, or a dtype packed
-    below one byte per element; TypeError for a non-integer layer.
+    jax.errors.JaxRuntimeError (INVALID_ARGUMENT) on mismatched dtype / row width or a dtype packed below
+    one byte per element; TypeError for a non-integer layer.
   """
-  call = jax.ffi.ffi_call(BACKUP_EXT_TARGET if external else BACKUP_TARGET, _like(host_pool),
+  dst = _int32("dst", dst)
+  call = jax.ffi.ffi_call(BACKUP_EXT_TARGET if external else BACKUP_TARGET,
+                          (_like(host_pool), jax.ShapeDtypeStruct(dst.shape, jnp.int32)),
                           input_output_aliases={3: 0})
   attrs = external.attrs() if external else {}
-  return per_device(lambda *a: call(*a, **attrs))(_layer(layer), rows, _int32("dst", dst), host_pool)
+  return tuple(per_device(lambda *a: call(*a, **attrs))(_layer(layer), rows, dst, host_pool))
+
+
+def status_message(code: int) -> str:
+  """The text of a swap-in / backup status code (``xla_ffi/swap_in_core.h`` SwapInStatus; "ok" for 0)."""
+  return _ffi_cpu.status_message(int(code))
+
+
+class KernelStatusError(ValueError):
+  """Input a swap-in or backup call left unchanged (its INVALID_ARGUMENT), found by ``check_status``.
+
+  Attributes: op (the call's name), rows (int indices whose status is not 0), codes (their codes)."""
+
+  def __init__(self, op: str, rows, codes):
+    self.op, self.rows, self.codes = op, list(rows), list(codes)
+    first = f"row {self.rows[0]}: {status_message(self.codes[0])}"
+    more = f" (and {len(self.rows) - 1} more rows)" if len(self.rows) > 1 else ""
+    left = "those rows were" if more else "that row was"
+    super().__init__(f"INVALID_ARGUMENT: {op}: {first}{more}; {left} left unchanged")
+
+
+def check_status(status, op: str = "swap_in") -> None:
+  """Raises KernelStatusError if any entry of a swap-in / backup status (int array, read to the host here:
+  call it where the results are read anyway) is not 0."""
+  s = np.asarray(status).reshape(-1)
+  bad = np.flatnonzero(s)
+  if bad.size:
+    raise KernelStatusError(op, bad.tolist(), s[bad].tolist())
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

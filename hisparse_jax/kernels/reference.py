@@ -27,10 +27,11 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
     slot is an error (on every slow-path step). LRU updated as for "lru".
   * Padding (-1) maps to row -1. Hits and misses count distinct positions; the
     newest token counts as a hit.
-  * Errors (nothing is modified): a position >= seq_len or < -1, K > D, a
-    seq_len outside [0, S], a MISSING position whose page-table row is outside
-    [0, H), an LRU order that is not a permutation (slow path only), a request
-    id outside [-1, R), repeated, or -1 on a row with seq_len > 0.
+  * Row errors (a status code for the row, which is left unchanged with rows of -1; the other rows are
+    done): a position >= seq_len or < -1, a seq_len outside [0, S], a MISSING position whose page-table
+    row is outside [0, H), an LRU order that is not a permutation (slow path only), a NaN score (above),
+    a request id outside [-1, R), repeated (the later row), or -1 on a row with seq_len > 0; a layer
+    outside [0, L) fails every row. K > D or a newest of the wrong shape is an error of the whole call.
 """
 
 from __future__ import annotations
@@ -50,8 +51,25 @@ def score_key(x) -> int:
   return bits ^ 0x7FFFFFFF if bits < 0 else bits
 
 
+# Row status codes (xla_ffi/swap_in_core.h SwapInStatus): 0 = done.
+OK = 0
+BAD_SEQ_LEN = 1
+POSITION_OUT_OF_RANGE = 2
+HOST_ROW_OUT_OF_RANGE = 3
+LRU_NOT_PERMUTATION = 4
+LAYER_OUT_OF_RANGE = 5
+BAD_REQUEST_ID = 6
+BAD_SCORE = 7
+BACKUP_ROW_OUT_OF_RANGE = 8
+
+
 class SwapInError(ValueError):
-  """Input the kernel must reject (it returns an FFI INVALID_ARGUMENT error)."""
+  """Input the kernel must reject: ``status`` is the row's status code, or None for an error of the whole call
+  (the kernel returns an FFI INVALID_ARGUMENT error)."""
+
+  def __init__(self, message: str, status: int | None = None):
+    super().__init__(message)
+    self.status = status
 
 
 def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, lru, row_base, D, *,
@@ -79,11 +97,11 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
   if K > D:
     raise SwapInError(f"top_k ({K}) > device_buffer_size ({D})")
   if not 0 <= seq_len <= len(host_rows):
-    raise SwapInError(f"seq_len {seq_len} outside [0, {len(host_rows)}]")
+    raise SwapInError(f"seq_len {seq_len} outside [0, {len(host_rows)}]", BAD_SEQ_LEN)
   positions = [int(t) for t in top_k]
   for t in positions:
     if t < -1 or t >= seq_len:
-      raise SwapInError(f"top-k position {t} outside [-1, {seq_len})")
+      raise SwapInError(f"top-k position {t} outside [-1, {seq_len})", POSITION_OUT_OF_RANGE)
   distinct = list(dict.fromkeys(t for t in positions if t >= 0))
   if seq_len <= D:
     return np.array([-1 if t < 0 else row_base + t for t in positions], np.int32), len(distinct), 0
@@ -93,7 +111,7 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
   entries = [int(e) for e in lru]
   ring = [e & ~CLOCK_REF if eviction == "clock" and e >= 0 else e for e in entries]
   if sorted(ring) != list(range(D)):
-    raise SwapInError("LRU order is not a permutation of the slots")
+    raise SwapInError("LRU order is not a permutation of the slots", LRU_NOT_PERMUTATION)
 
   slot_of = {}
   for s in range(D):
@@ -104,12 +122,12 @@ def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, 
   misses = [t for t in distinct if t != newest and t not in slot_of]
   for t in misses:  # only rows that are read need a valid page-table entry
     if not 0 <= host_rows[t] < H:
-      raise SwapInError(f"position {t} has host row {host_rows[t]} outside [0, {H})")
+      raise SwapInError(f"position {t} has host row {host_rows[t]} outside [0, {H})", HOST_ROW_OUT_OF_RANGE)
   old_lru = ring
   if eviction == "score":
     resident = [s for s in old_lru if s not in hit_slots and slot_tokens[s] >= 0]
     if any(math.isnan(slot_scores[s]) for s in resident):
-      raise SwapInError("a resident slot's score is NaN")
+      raise SwapInError("a resident slot's score is NaN", BAD_SCORE)
     key = {s: score_key(slot_scores[s]) if slot_tokens[s] >= 0 else EMPTY_SLOT_KEY for s in old_lru}
     candidates = sorted((key[s], i, s) for i, s in enumerate(old_lru) if s not in hit_slots)
     victims = [s for _, _, s in candidates[: len(misses)]]
@@ -163,9 +181,9 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
             slot_scores=None, *, page_size, eviction="lru"):
   """Batched reference with the shapes and results of ``hisparse_jax.kernels.ops.swap_in``.
 
-  Works on copies; returns (rows, host_pool, hot, slot_tokens, lru, stats) as
-  NumPy arrays. Raises SwapInError where the kernel returns an FFI error (the
-  kernel then modifies nothing).
+  Works on copies; returns (rows, host_pool, hot, slot_tokens, lru, stats, status) as NumPy arrays, status
+  int32[B] the row codes above (a failed row is left unchanged, its rows -1). Raises SwapInError (status
+  None) where the kernel returns an FFI error: K > D, newest not [B, W] of the hot buffer's dtype.
   """
   hot = np.array(hot, copy=True)
   slot_tokens = np.array(slot_tokens, copy=True)
@@ -174,32 +192,58 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   host_pool = np.asarray(host_pool)
   L, R, D1, W = hot.shape
   D = D1 - 1
+  B = len(req_ids)
   if np.shape(top_k)[1] > D:
     raise SwapInError(f"top_k ({np.shape(top_k)[1]}) > device_buffer_size ({D})")
-  if not 0 <= layer < L:
-    raise SwapInError(f"layer {layer} outside [0, {L})")
-  if np.shape(newest) != (len(req_ids), W) or np.asarray(newest).dtype != hot.dtype:
+  if np.shape(newest) != (B, W) or np.asarray(newest).dtype != hot.dtype:
     raise SwapInError("newest must be [B, W] of the hot buffer's dtype")
+  rows = np.full(np.shape(top_k), -1, np.int32)
+  status = np.zeros(B, np.int32)
+  if not 0 <= layer < L:
+    status[:] = LAYER_OUT_OF_RANGE
+    return rows, host_pool, hot, slot_tokens, lru, stats, status
   seen = set()
   for b, r in enumerate(int(x) for x in req_ids):
     if not -1 <= r < R or (r < 0 and seq_lens[b] != 0) or r in seen:
-      raise SwapInError(f"row {b}: bad request id {r}")
-    if r >= 0:
+      status[b] = BAD_REQUEST_ID
+    elif r >= 0:
       seen.add(r)
   hot_l = hot[layer].reshape(R * D1, W)
-  rows = np.full(np.shape(top_k), -1, np.int32)
   for b, r in enumerate(int(x) for x in req_ids):
-    if r < 0:
+    if r < 0 or status[b]:
       continue
-    rows[b], hits, misses = swap_in_request(
-        np.asarray(top_k[b]), int(seq_lens[b]), host_rows_of(host_pages[b], page_size), host_pool[layer],
-        hot_l, slot_tokens[layer, r], lru[layer, r], r * D1, D, eviction=eviction,
-        slot_scores=None if slot_scores is None else np.asarray(slot_scores)[b])
+    try:
+      rows[b], hits, misses = swap_in_request(
+          np.asarray(top_k[b]), int(seq_lens[b]), host_rows_of(host_pages[b], page_size), host_pool[layer],
+          hot_l, slot_tokens[layer, r], lru[layer, r], r * D1, D, eviction=eviction,
+          slot_scores=None if slot_scores is None else np.asarray(slot_scores)[b])
+    except SwapInError as e:  # swap_in_request checks everything before it changes anything
+      status[b] = e.status
+      continue
     stats[layer, r] += (hits, misses)
     n = int(seq_lens[b])
-    if n > 0:  # the kernel changes nothing on error, so the reference writes the newest rows last
+    if n > 0:  # a failed row changes nothing, so the reference writes the newest rows last
       hot_l[r * D1 + (n - 1 if n <= D else D)] = newest[b]
-  return rows, host_pool, hot, slot_tokens, lru, stats
+  return rows, host_pool, hot, slot_tokens, lru, stats, status
+
+
+def backup(layer, rows, dst, host_pool):
+  """Reference of ``ops.backup``: (a copy of host_pool with ``pool[layer + i, dst[n]] = rows[i, n]`` where
+  dst[n] >= 0, status int32[N]): BACKUP_ROW_OUT_OF_RANGE for a dst outside [-1, H) (not written),
+  LAYER_OUT_OF_RANGE on every column when [layer, layer + Lr) is outside [0, L) (nothing written)."""
+  pool = np.array(host_pool, copy=True)
+  rows, dst = np.asarray(rows), np.asarray(dst)
+  L, H, _ = pool.shape
+  status = np.zeros(len(dst), np.int32)
+  if layer < 0 or layer + rows.shape[0] > L:
+    status[:] = LAYER_OUT_OF_RANGE
+    return pool, status
+  for n, h in enumerate(int(x) for x in dst):
+    if not -1 <= h < H:
+      status[n] = BACKUP_ROW_OUT_OF_RANGE
+    elif h >= 0:
+      pool[layer:layer + rows.shape[0], h] = rows[:, n]
+  return pool, status
 
 
 def random_case(rng: np.random.Generator, *, L=2, B=3, R=5, D=8, K=6, S=40, W=4, page_size=4, dtype=np.float32):

@@ -212,15 +212,16 @@ class DenseState:
     return self
 
   @per_group(replicated=(1, 2, 3))
-  def import_prompt(self, tables, latent, index, length) -> "DenseState":
-    """Writes one request's prompt KV computed elsewhere: latent T[L, P, W], index f32[L, P, Di] (P >= length:
+  def import_prompt(self, tables, latent, index, length) -> tuple["DenseState", jax.Array]:
+    """(state, status int32[1] per DP group: 0, no kernel runs) after writing one request's prompt KV
+    computed elsewhere: latent T[L, P, W], index f32[L, P, Di] (P >= length:
     a padded bucket) at positions 0..length-1 (length: an int32 scalar) through its page-table row (tables: a
     one-row-per-group decode batch)."""
     view = self.view(tables)
     positions = _prompt_positions(latent.shape[1], length)
     for l in range(latent.shape[0]):
       view = view.append(l, positions, latent[l][None], index[l][None])
-    return self.absorb(view)
+    return self.absorb(view), jnp.zeros((1,), jnp.int32)
 
   @per_group(replicated=(1,))
   def export_prompt(self, tables, length, size: int):
@@ -255,18 +256,32 @@ def _export(latent_pool, index_pool, latent_pages, index_pages, length, size, pa
 _HOST = ("host_pool", "host_pages")
 
 
-@_pytree(data=("index", "index_pages", "staging", "staging_pages") + _HOST, meta=("page_size", "external"))
+def kernel_status(view, rows: int) -> jax.Array:
+  """int32[rows]: each batch row's first nonzero swap-in / backup status in a view after the model ran (0 =
+  done; ``ops.check_status``). Dense views run no kernel: zeros."""
+  status = getattr(view, "status", None)
+  return jnp.zeros((rows,), jnp.int32) if status is None else status
+
+
+def _first_failure(status, new):
+  """A batch's int32[B] kernel status after one more call's: a row keeps its first nonzero code."""
+  return jnp.where(status == 0, new, status)
+
+
+@_pytree(data=("index", "index_pages", "staging", "staging_pages", "status") + _HOST, meta=("page_size", "external"))
 @dataclasses.dataclass
 class HiSparsePrefillView:
   """A HiSparse prefill batch: indexer keys to their device pages, latent rows to staging pages (attention
-  gathers from there) and, layer by layer, to the host pool (backup kernel)."""
+  gathers from there) and, layer by layer, to the host pool (backup kernel). status: int32[B], each row's
+  first nonzero backup status of the batch (``ops.check_status``; 0 = all written)."""
 
-  batch_fields = ("index_pages", "staging_pages", "host_pages")
+  batch_fields = ("index_pages", "staging_pages", "status", "host_pages")
 
   index: jax.Array
   index_pages: jax.Array
   staging: jax.Array
   staging_pages: jax.Array
+  status: jax.Array
   host_pool: jax.Array
   host_pages: jax.Array
   page_size: int
@@ -276,10 +291,10 @@ class HiSparsePrefillView:
   def append(self, layer, positions, latent, index_key):
     B, Q, W = latent.shape
     dst = host_rows(self.host_pages, positions, self.page_size).reshape(B * Q)
-    host_pool = ops.backup(layer, latent.reshape(1, B * Q, W).astype(self.staging.dtype), dst, self.host_pool,
-                           external=self.external)
+    host_pool, status = ops.backup(layer, latent.reshape(1, B * Q, W).astype(self.staging.dtype), dst,
+                                   self.host_pool, external=self.external)
     return dataclasses.replace(
-        self, host_pool=host_pool,
+        self, host_pool=host_pool, status=_first_failure(self.status, status.reshape(B, Q).max(axis=1)),
         staging=write_rows(self.staging, layer, self.staging_pages, positions, latent, self.page_size),
         index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
 
@@ -293,7 +308,7 @@ class HiSparsePrefillView:
     return gather_rows(self.staging, layer, self.staging_pages, top_k, self.page_size), self
 
 
-@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest") + _HOST,
+@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status") + _HOST,
          meta=("page_size", "external", "eviction"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
@@ -302,9 +317,10 @@ class HiSparseDecodeView:
   the request is no longer than D, else the reserved slot D); ``gather`` is the swap-in kernel, with the
   eviction policy ``eviction`` (``ops.EVICTIONS``). Under "score" it first scores the token of every slot
   with the layer's indexer queries (``index_scores`` over the indexer keys of the slots' positions: B x D
-  keys, gathered from the device's index pages)."""
+  keys, gathered from the device's index pages). status: int32[B], each row's first nonzero backup or
+  swap-in status of the step (``ops.check_status``; 0 = every layer done)."""
 
-  batch_fields = ("index_pages", "req_ids", "newest", "host_pages")
+  batch_fields = ("index_pages", "req_ids", "newest", "status", "host_pages")
 
   index: jax.Array
   index_pages: jax.Array
@@ -314,6 +330,7 @@ class HiSparseDecodeView:
   stats: jax.Array
   req_ids: jax.Array
   newest: jax.Array | None  # T[B, W], the rows append() received this layer, for the swap-in to place
+  status: jax.Array
   host_pool: jax.Array
   host_pages: jax.Array
   page_size: int
@@ -327,9 +344,9 @@ class HiSparseDecodeView:
     # aliased custom call, would not be done in place (XLA copies the whole buffer, every layer).
     dst = host_rows(self.host_pages, positions, self.page_size)[:, 0]
     newest = latent[:, 0].astype(self.hot.dtype)
-    host_pool = ops.backup(layer, newest[None], dst, self.host_pool, external=self.external)
+    host_pool, status = ops.backup(layer, newest[None], dst, self.host_pool, external=self.external)
     return dataclasses.replace(
-        self, newest=newest, host_pool=host_pool,
+        self, newest=newest, host_pool=host_pool, status=_first_failure(self.status, status),
         index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
 
   @per_group()
@@ -350,7 +367,7 @@ class HiSparseDecodeView:
       keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
     seq_lens = positions[:, 0] + 1  # idle rows: position -1 -> seq_len 0
-    rows, host_pool, hot, slot_tokens, lru, stats = ops.swap_in(
+    rows, host_pool, hot, slot_tokens, lru, stats, status = ops.swap_in(
         layer, top_k[:, 0], seq_lens, self.req_ids, self.host_pages, self.newest, self.host_pool, self.hot,
         self.slot_tokens, self.lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
         external=self.external)
@@ -358,7 +375,7 @@ class HiSparseDecodeView:
     out = hot[layer].reshape(R * D1, W)[jnp.maximum(rows, 0)]
     out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
     view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
-                               newest=None)
+                               newest=None, status=_first_failure(self.status, status))
     return out[:, None], view
 
 
@@ -437,19 +454,21 @@ class HiSparseState:
   def view(self, tables):
     """A prefill view for tables {"index_pages", "staging_pages", "host_pages", "hot_slot"}, a decode view
     for tables {"index_pages", "host_pages", "req_ids"} (all int32[B, P] / int32[B])."""
+    status = jnp.zeros(tables["host_pages"].shape[:1], jnp.int32)
     if "staging_pages" in tables:
-      return HiSparsePrefillView(self.index, tables["index_pages"], self.staging, tables["staging_pages"],
+      return HiSparsePrefillView(self.index, tables["index_pages"], self.staging, tables["staging_pages"], status,
                                  self.host_pool, tables["host_pages"], self.page_size, self.external)
     return HiSparseDecodeView(self.index, tables["index_pages"], self.hot, self.slot_tokens, self.lru, self.stats,
-                              tables["req_ids"], None, self.host_pool, tables["host_pages"], self.page_size,
-                              self.external, self.eviction)
+                              tables["req_ids"], None, status, self.host_pool, tables["host_pages"],
+                              self.page_size, self.external, self.eviction)
 
   def absorb(self, view) -> "HiSparseState":
     return _absorb(self, view)
 
   @per_group(replicated=(1, 2, 3))
-  def import_prompt(self, tables, latent, index, length) -> "HiSparseState":
-    """Writes one request's prompt KV computed elsewhere (latent T[L, P, W], index f32[L, P, Di], P >= length
+  def import_prompt(self, tables, latent, index, length) -> tuple["HiSparseState", jax.Array]:
+    """(state, status int32[1] per DP group: the backup's, ``ops.check_status``) after writing one request's
+    prompt KV computed elsewhere (latent T[L, P, W], index f32[L, P, Di], P >= length
     (an int32 scalar); positions 0..length-1; tables: a one-row-per-group decode batch): indexer keys to its
     device pages, latent rows to its host rows (backup kernel), and its hot buffer as a prefill leaves it (slot
     s = position s, s <= D; rows past the prompt are written by decode before they are read; LRU and stats
@@ -458,7 +477,7 @@ class HiSparseState:
     D1 = self.hot.shape[2]
     positions = _prompt_positions(P, length)
     dst = host_rows(tables["host_pages"], positions, self.page_size)[0]
-    host_pool = ops.backup(0, latent.astype(self.hot.dtype), dst, self.host_pool, external=self.external)
+    host_pool, status = ops.backup(0, latent.astype(self.hot.dtype), dst, self.host_pool, external=self.external)
     index_pool = self.index
     for l in range(L):
       index_pool = write_rows(index_pool, l, tables["index_pages"], positions, index[l][None], self.page_size)
@@ -469,7 +488,7 @@ class HiSparseState:
     return dataclasses.replace(
         self, index=index_pool, host_pool=host_pool, hot=self.hot.at[:, slot].set(rows),
         slot_tokens=self.slot_tokens.at[:, slot].set(slots), lru=self.lru.at[:, slot].set(slots),
-        stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)))
+        stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32))), status.max(keepdims=True)
 
   @per_group(replicated=(1,))
   def export_prompt(self, tables, length, size: int):

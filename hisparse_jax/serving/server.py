@@ -130,8 +130,8 @@ class EngineLoop(threading.Thread):
         if self.metrics is not None:
           self.metrics.on_finish(req)
         q = listeners.pop(req.request_id, None)
-        if q is not None:
-          q.put(_Event(done=req))
+        if q is not None:  # a request a kernel refused fails alone (INTERNAL: the engine built its input)
+          q.put(_Event(error=InternalError(req.error)) if req.finish_reason == "error" else _Event(done=req))
       self._update_metrics()
     for q in listeners.values():  # stopped with requests in flight
       q.put(_Event(error=Unavailable("server shutting down")))

@@ -58,6 +58,7 @@ bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) benchmarks/throughput.py --out $(RESULTS)/throughput; \
 	$(PY) benchmarks/vs_transformers.py --out $(RESULTS)/vs_transformers; \
 	$(PY) benchmarks/step_floor.py --out $(RESULTS)/step_floor; \
+	$(PY) benchmarks/residency.py --out $(RESULTS)/residency; \
 	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
 	$(PY) benchmarks/moe.py --ep 8 --out $(RESULTS)/moe; \
 	$(PY) benchmarks/sharded_load.py --out $(RESULTS)/sharded_load; \

@@ -270,6 +270,7 @@ class KernelReplay:
     self.ema = np.zeros((streams, S), np.float32) if eviction == "score-ema" else None
     self.fn = jax.jit(functools.partial(ops.swap_in, page_size=1, eviction=self.kernel_policy),
                       donate_argnums=(6, 7, 8, 9, 10))
+    self.check_status = ops.check_status
     self.misses = [[] for _ in range(streams)]
     self._prev = np.zeros(streams, np.int64)
 
@@ -295,9 +296,10 @@ class KernelReplay:
       # [N, D] positions; slots past seq_len (D > seq_len: the kernel's fast path reads no score) read the last
       tokens = np.clip(np.asarray(self.slots)[0], 0, seq_len - 1)
       slot_scores = jnp.asarray(np.take_along_axis(scores, tokens, axis=1), jnp.float32)
-    _, self.pool, self.hot, self.slots, self.lru, self.stats = self.fn(
+    _, self.pool, self.hot, self.slots, self.lru, self.stats, status = self.fn(
         0, jnp.asarray(tk), jnp.full((self.n,), seq_len, jnp.int32), self.req_ids, self.host_pages, self.newest,
         self.pool, self.hot, self.slots, self.lru, self.stats, slot_scores)
+    self.check_status(status, "miss_rate replay")  # every stream's row done
     total = np.asarray(self.stats)[0, :, 1].astype(np.int64)
     for b, m in enumerate(total - self._prev):
       self.misses[b].append(int(m))

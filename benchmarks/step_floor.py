@@ -9,7 +9,9 @@ Per batch size B, B requests of ``--prompt-len`` random token ids are admitted a
 every request). Two times, medians over the steps after the first three: the decode call (the engine's
 compiled step from dispatch until its tokens are ready) and the engine step (``Engine.step()``: the
 scheduler, the step's tables and the tokens' delivery around the call). HiSparse runs with the model's own
-config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in.
+config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in; "resident"
+is HiSparse with dynamic residency (resident_fraction 0.5): the budget holds every request's latent KV on
+device, so no step swaps in (the run checks: no offload, every step "all" resident).
 
 The floor of a step, from two references measured in the same process right after it:
   * compute: the step's FLOPs (XLA's cost analysis of the compiled decode) at the rate a bare jitted GEMM of
@@ -23,7 +25,7 @@ time (its share of the floor), the step's bytes accessed by XLA's count, and tra
 batch from ``benchmarks/results/vs_transformers.json`` when that file exists (a 120-token prompt, the oracle
 env; ``vs_transformers.py`` measures it).
 
-Writes OUT.json and OUT.md. ``--quick``: batches 1 and 2, 6 steps (CI smoke: runs, sane numbers).
+Writes OUT.json and OUT.md. ``--quick``: batch 2, 6 steps, each mode (CI smoke: runs, sane numbers).
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   # Every request fits the device KV budget and every prompt one prefill chunk: the whole batch decodes.
   kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len,
             max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
-  engine = Engine(model_dir, enable_hisparse=(mode == "hisparse"), **kw)
+  if mode == "resident":  # HiSparse with dynamic residency: every request keeps its latent KV on device
+    kw["hisparse_config"] = json.dumps({"resident_fraction": 0.5})
+  engine = Engine(model_dir, enable_hisparse=(mode != "dense"), **kw)
   cfg = engine.config
   rng = np.random.default_rng(B)
   for i in range(B):
@@ -96,6 +100,8 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
     step_times.append(time.perf_counter() - t)
   if len(times) != steps or len(engine._decoding()) != B:
     raise RuntimeError(f"{len(times)} decode calls for {steps} steps, {len(engine._decoding())} of {B} decoding")
+  if mode == "resident" and (engine.num_offloads or set(engine.residency_steps) != {"all"}):
+    raise RuntimeError(f"resident mode: {engine.num_offloads} offloads, steps by residency {engine.residency_steps}")
   step_ms = 1e3 * float(np.median(times[SKIP:]))
   engine_step_ms = 1e3 * float(np.median(step_times[SKIP:]))
   args, kwargs = last["call"]
@@ -149,15 +155,17 @@ def main(argv=None) -> int:
                   help="tokens per prompt (the default 96 exceeds the default model's hot buffer of 64, so HiSparse "
                        "swaps in every step)")
   ap.add_argument("--steps", type=int, default=24, help="decode steps per request")
-  ap.add_argument("--modes", default="dense,hisparse")
+  ap.add_argument("--modes", default="dense,hisparse,resident",
+                  help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
+                       "resident_fraction 0.5, no swap-in while the KV fits)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_floor"))
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
-    ap.set_defaults(batches=[1, 2], steps=6)
+    ap.set_defaults(batches=[2], steps=6)
   args = ap.parse_args(argv)
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-  if not modes or any(m not in ("dense", "hisparse") for m in modes):
-    print(f"error: --modes: choose from dense,hisparse, got {args.modes!r}", file=sys.stderr)
+  if not modes or any(m not in ("dense", "hisparse", "resident") for m in modes):
+    print(f"error: --modes: choose from dense,hisparse,resident, got {args.modes!r}", file=sys.stderr)
     return 2
   if args.prompt_len < 1 or args.steps <= SKIP or args.batches[-1] > 1024:
     print(f"error: need --prompt-len >= 1, --steps > {SKIP}, batches <= 1024", file=sys.stderr)

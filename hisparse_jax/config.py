@@ -36,16 +36,26 @@ class HiSparseConfig:
     eviction: which resident token a miss replaces: "lru" (HiSparse's least recently used, the default),
       "clock" (second-chance CLOCK) or "score" (the resident token the indexer ranks lowest this step;
       needs an indexer on every layer). Losslessness holds for each: only which rows are copied changes.
+    resident_fraction: dynamic residency (SGLang's "dynamic HiSparse"): the fraction, in [0, 1), of the device
+      KV budget left after the prefill staging pages and the hot buffers that holds the latent rows of
+      *resident* requests. A request stays resident after its prefill (its whole latent KV on device,
+      attended with no swap-in at all) while these pages last, and is offloaded to its hot buffer (its host
+      rows are already written: one device copy of D + 1 rows per layer) when a prompt or a resident request
+      needs its pages. 0 (the default) turns it off; the rest of the budget holds indexer keys as before.
   """
 
   top_k: int
   device_buffer_size: int
   host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
   eviction: str = DEFAULT_EVICTION
+  resident_fraction: float = 0.0
 
   def __post_init__(self):
     if self.eviction not in EVICTIONS:
       raise ConfigError(f"hisparse config: eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}")
+    f = self.resident_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+      raise ConfigError(f"hisparse config: resident_fraction must be a number in [0, 1), got {f!r}")
     for key in ("top_k", "device_buffer_size", "host_to_device_ratio"):
       value = getattr(self, key)
       if isinstance(value, bool) or not isinstance(value, int):
@@ -69,7 +79,7 @@ class HiSparseConfig:
     """Parses the ``--hisparse-config`` JSON against the model's ``index_topk``.
 
     Missing keys default to: top_k = model_top_k, device_buffer_size =
-    2 x top_k, host_to_device_ratio = 8, eviction = "lru".
+    2 x top_k, host_to_device_ratio = 8, eviction = "lru", resident_fraction = 0 (no dynamic residency).
 
     Raises:
       ConfigError: malformed JSON, not an object, unknown key, wrong type,
@@ -91,7 +101,7 @@ class HiSparseConfig:
         top_k=raw.get("top_k", model_top_k),
         device_buffer_size=raw.get("device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * model_top_k),
         host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO),
-        eviction=raw.get("eviction", DEFAULT_EVICTION))
+        eviction=raw.get("eviction", DEFAULT_EVICTION), resident_fraction=raw.get("resident_fraction", 0.0))
     if config.top_k != model_top_k:
       raise ConfigError(
           f"hisparse config: top_k ({config.top_k}) differs from the model's index_topk ({model_top_k})")

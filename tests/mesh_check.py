@@ -35,6 +35,7 @@ MODELS = {"deepseek_v32": {**TINY_CONFIG, **WIDE},
                           "model_type": "glm_moe_dsa"}}
 HS = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4)
 PROMPT_LENS = (5, 17, 30, 60)
+GLM_MESHES = ((8, 1, 8), (1, 8, 1))
 STEPS = 12
 
 
@@ -64,13 +65,20 @@ def _buffers(state):
           for s in getattr(state, name).addressable_shards]
 
 
-def engine_tokens(model_dir, mesh, hisparse, deterministic=True):
+def engine_tokens(model_dir, mesh, hisparse, deterministic=True, resident=False):
   """(tokens, hits, misses) per request from the engine on the mesh (deterministic: full-batch steps, each
-  request in its own slot's row; else power-of-two buckets per DP group)."""
+  request in its own slot's row; else power-of-two buckets per DP group). resident: HiSparse with dynamic
+  residency where a DP group's staging pages hold one 80-token context (16-token pages, a 200 kB budget), so
+  that two requests of a group do not both fit: mixed batches and per-group offloads."""
   from hisparse_jax.engine import Engine, Request
   kw = {"hisparse_config": json.dumps(dataclasses.asdict(HS))} if hisparse else {}
-  e = Engine(model_dir, max_seq_len=128, max_running_requests=8, deterministic=deterministic, enable_hisparse=hisparse,
-             dp_size=mesh.dp_size, tp_size=mesh.tp_size, ep_size=mesh.ep_size, **kw)
+  max_seq_len = 128
+  if resident:
+    kw = {"hisparse_config": json.dumps({**dataclasses.asdict(HS), "resident_fraction": 0.01}),
+          "max_device_kv_bytes": 200_000, "page_size": 16}
+    max_seq_len = 80
+  e = Engine(model_dir, max_seq_len=max_seq_len, max_running_requests=8, deterministic=deterministic,
+             enable_hisparse=hisparse, dp_size=mesh.dp_size, tp_size=mesh.tp_size, ep_size=mesh.ep_size, **kw)
   rng = np.random.default_rng(5)
   reqs = [Request(f"r{i}", rng.integers(2, 500, n).tolist(), max_new_tokens=10, ignore_eos=True)
           for i, n in enumerate(PROMPT_LENS)]
@@ -199,7 +207,9 @@ def main(meshes):
   for name, config in MODELS.items():
     model_dir = write_random_checkpoint(os.path.join(root, name), config, seed=3)
     base = {hs: run(model_dir, MeshConfig(), HS if hs else None) for hs in (False, True)}
-    for dp, tp, ep in meshes:
+    # GLM-5 differs from DeepSeek-V3.2 in its shared-indexer layers, not in how a mesh splits it: two meshes
+    # (experts over dp, everything over tp) cover it (time).
+    for dp, tp, ep in (meshes if name == "deepseek_v32" else [m for m in meshes if m in GLM_MESHES]):
       mesh = MeshConfig(dp, tp, ep)
       dense, hisparse = run(model_dir, mesh, None), run(model_dir, mesh, HS)
       out[f"{name} {dp},{tp},{ep}"] = {
@@ -216,6 +226,11 @@ def main(meshes):
         out[f"engine {name} {'hisparse' if hs else 'dense'} {','.join(map(str, meshes[0]))}"] = {
             "equal_one_device": engine_tokens(model_dir, MeshConfig(*meshes[0]), hs) == one,
             "equal_one_device_bucketed": engine_tokens(model_dir, MeshConfig(*meshes[0]), hs, False) == one}
+      # Dynamic residency on the second mesh (2 DP groups of 2 requests): one device's dense tokens.
+      got = engine_tokens(model_dir, MeshConfig(*meshes[1]), True, resident=True)
+      out[f"engine {name} resident {','.join(map(str, meshes[1]))}"] = {
+          "tokens_equal_dense": [t for t, _, _ in got] == [t for t, _, _ in engine_tokens(model_dir, MeshConfig(), False)],
+          "some_swapped": any(m for _, _, m in got), "some_resident": any(not h and not m for _, h, m in got)}
   out["loading"] = loading_check(model_dir, MeshConfig(*meshes[0]))
   out["moe"] = moe_check()
   # FP8 on two meshes (time): experts and their scales split over dp (all-to-all), and an expert width split

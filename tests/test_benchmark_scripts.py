@@ -42,13 +42,13 @@ def test_step_floor_quick(tmp_path):
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   rows = json.loads((tmp_path / "sf.json").read_text())["rows"]
-  assert [(x["batch"], x["mode"]) for x in rows] == [(1, "dense"), (1, "hisparse"), (2, "dense"), (2, "hisparse")]
+  assert [(x["batch"], x["mode"]) for x in rows] == [(2, "dense"), (2, "hisparse"), (2, "resident")]
   for x in rows:
     assert x["bucket"] == x["batch"]  # the whole batch decoded in every timed step
     assert x["flops"] > 2 * x["batch"] * 256 * 129280  # at least the output projection
     assert 0 < x["floor_ms"] == max(x["compute_floor_ms"], x["memory_floor_ms"])
     assert x["step_ms"] > 0 and x["engine_step_ms"] >= 0.5 * x["step_ms"]
-  assert "| 2 | hisparse |" in (tmp_path / "sf.md").read_text()
+  assert "| 2 | resident |" in (tmp_path / "sf.md").read_text()
 
 
 def test_miss_rate_quick(tmp_path):
@@ -138,3 +138,15 @@ def test_disaggregation_benchmark_quick(tmp_path):
     assert row["itl_samples"] > 0 and row["itl_p50_ms"] > 0 and row["ttft_mean_s"] > 0
   pd = res["latency"][1]
   assert pd["pd_prefill_mean_s"] > 0 and pd["pd_transfer_mean_s"] > 0
+
+
+def test_residency_benchmark_quick(tmp_path):
+  out = tmp_path / "res"
+  r = subprocess.run([sys.executable, "benchmarks/residency.py", "--quick", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1 if the resident engine swapped in
+  (row,) = json.loads((tmp_path / "res.json").read_text())["rows"]
+  assert row["batch"] == 1 and row["rounds"] == 5 and row["hisparse_misses_per_step"] > 0
+  for mode in ("dense", "hisparse", "resident"):
+    assert row[f"{mode}_ms"] > 0
+  assert 0 < row["resident_over_dense_iqr"][0] <= row["resident_over_dense"] <= row["resident_over_dense_iqr"][1]

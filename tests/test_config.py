@@ -16,6 +16,11 @@ def test_eviction_policy_key():
     assert HiSparseConfig.from_json(f'{{"eviction": "{policy}"}}', 32).eviction == policy
 
 
+def test_resident_fraction_key():
+  assert HiSparseConfig.from_json(None, 32).resident_fraction == 0.0
+  assert HiSparseConfig.from_json('{"resident_fraction": 0.25}', 32).resident_fraction == 0.25
+
+
 def test_full_sglang_config():
   c = HiSparseConfig.from_json('{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}', 2048)
   assert c == HiSparseConfig(2048, 4096, 8)
@@ -34,6 +39,11 @@ def test_full_sglang_config():
     ('{"eviction": "mru"}', r"eviction must be one of \['lru', 'clock', 'score'\], got 'mru'"),
     ('{"eviction": 1}', "eviction must be one of"),
     ('{"eviction": ["lru"]}', "eviction must be one of"),
+    ('{"resident_fraction": 1}', r"resident_fraction must be a number in \[0, 1\), got 1"),
+    ('{"resident_fraction": -0.1}', "resident_fraction must be a number in"),
+    ('{"resident_fraction": "0.5"}', "resident_fraction must be a number in"),
+    ('{"resident_fraction": true}', "resident_fraction must be a number in"),
+    ('{"resident_fraction": NaN}', "resident_fraction must be a number in"),
 ])
 def test_errors_name_the_key(text, message):
   with pytest.raises(ConfigError, match=message):

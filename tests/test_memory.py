@@ -65,6 +65,43 @@ def test_hisparse_plan_splits_the_budget_and_lowers_slots_to_fit():
     kvmem.plan(LAYOUT, budget=staging + hot, max_running_requests=8, max_seq_len=1000, page_size=16, hisparse=hs)
 
 
+def test_dynamic_residency_plan_and_backend():
+  """resident_fraction of what staging and the hot buffers leave becomes more staging pages (resident latent
+  rows), the rest index pages; a resident request keeps its staging pages after prefill, grows them, shows in
+  its decode tables, counts as reclaimable for admission, and gives them back when offloaded."""
+  hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=8, resident_fraction=0.5)
+  staging_page, index_page, hot = 16 * LAYOUT.latent_bytes, 16 * LAYOUT.index_bytes, LAYOUT.hot_buffer_bytes(16)
+  budget = 8 * staging_page + 3 * hot + 10 * staging_page  # max_seq_len 128: 8 staging pages for a prompt
+  p = kvmem.plan(LAYOUT, budget=budget, max_running_requests=3, max_seq_len=128, page_size=16, hisparse=hs)
+  assert p.request_slots == 3 and p.pools["staging"][1] == 8 + 5  # half of 10 staging pages' bytes
+  assert p.pools["index"][1] == min((5 * staging_page) // index_page, 3 * 8) and p.device_bytes <= budget
+  off = kvmem.plan(LAYOUT, budget=budget, max_running_requests=3, max_seq_len=128, page_size=16,
+                   hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=8))
+  assert off.pools["staging"][1] == 8  # resident_fraction 0: the plan of before
+  be = kvmem.HiSparseBackend(p, LAYOUT, np.float32, hs)
+  a = be.admit(40)
+  be.prefill_finished(a)
+  assert a.resident and len(a.pages["staging"]) == 3 and be.free_pages("staging") == 10
+  assert be.grow_resident(a, 49) and len(a.pages["staging"]) == 4
+  b = be.admit(20)
+  be.prefill_finished(b)
+  tables = be.decode_tables([a, None, b])
+  assert be.residency([a, None, b]) == "all" and (tables["resident_pages"][1] == -1).all()
+  np.testing.assert_array_equal(tables["resident_pages"][0, :4], a.pages["staging"])
+  # 13 staging pages, 6 held by residents: a 128-token prompt (8 pages) fits only by offloading them.
+  assert be.free_pages("staging") == 7 and not be.can_admit(120) and be.can_admit(120, resident=[a, b])
+  c = be.admit(100)  # takes the last 7 staging pages
+  assert not be.grow_resident(b, 40) and len(b.pages["staging"]) == 2  # a failed growth takes nothing
+  be.release(c)
+  be.offloaded(a)
+  assert not a.resident and a.pages["staging"] == [] and be.residency([a, b]) == "mixed"
+  assert "resident_pages" in be.decode_tables([a, b]) and be.residency([a]) == "none"
+  assert "resident_pages" not in be.decode_tables([a])
+  be.release(a)
+  be.release(b)
+  assert all(x.pages_free == x.pages_total for x in be.usage()) and not b.resident
+
+
 def roomy_host_pages(hs):
   return kvmem.plan(LAYOUT, budget=1 << 30, max_running_requests=40, max_seq_len=1000, page_size=16,
                     hisparse=hs).pools["host"][1]

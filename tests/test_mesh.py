@@ -25,7 +25,7 @@ def results():
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("key", [f"{model} {m}" for model in ("deepseek_v32", "glm_moe_dsa") for m in MESHES])
+@pytest.mark.parametrize("key", [f"deepseek_v32 {m}" for m in MESHES] + ["glm_moe_dsa 8,1,8", "glm_moe_dsa 1,8,1"])
 def test_mesh_decoding_equals_one_device(results, key):
   r = results[key]
   assert r["greedy_equal_one_device"], r
@@ -34,6 +34,13 @@ def test_mesh_decoding_equals_one_device(results, key):
   assert r["kv_updated_in_place"], r
   assert r["misses"] > 0  # prompts past the hot buffer really swapped rows in
   assert r["max_logit_diff_vs_one_device"] < 1e-4  # float32; partial sums over devices round differently
+
+
+def test_dynamic_residency_on_a_mesh_equals_one_device(results):
+  """HiSparse with dynamic residency on 2 DP groups, one request of each group offloaded under a tight budget
+  (mixed batches): dense KV's tokens on one device."""
+  r = results[f"engine deepseek_v32 resident {MESHES[1]}"]
+  assert r == {"tokens_equal_dense": True, "some_swapped": True, "some_resident": True}
 
 
 @pytest.mark.parametrize("mode", ["dense", "hisparse"])

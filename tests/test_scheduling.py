@@ -188,10 +188,13 @@ def test_exported_prompt_kv_decodes_as_a_colocated_prefill(prefill_mode):
     assert all_kv_free(decode.loads())
 
 
-@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE),
+                                      HiSparseConfig(**TINY_HISPARSE, resident_fraction=0.5)],
+                         ids=["dense", "hisparse", "resident"])
 def test_compiled_steps_update_every_pool_in_place(hisparse):
-  """The compiled prefill, decode and import calls hold no copy of any KV pool (an in-place update that XLA
-  cannot prove safe becomes a full copy of the buffer, per layer: the classic hidden cost)."""
+  """The compiled prefill, decode (each residency), import and offload calls hold no copy of any KV pool (an
+  in-place update that XLA cannot prove safe becomes a full copy of the buffer, per layer: the classic hidden
+  cost)."""
   import jax
   import jax.numpy as jnp
   eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128, **SMALL)
@@ -208,15 +211,21 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
   sampling = eng._sampling([r.kv.slot])
   tok, pos = jnp.zeros((1, 32), jnp.int32), jnp.arange(32, dtype=jnp.int32)[None]
   cfg = eng.config
+  residencies = ["none"] if not eng.backend.residency_on else ["all", "mixed"]
+  assert eng.backend.residency([r.kv]) == residencies[0]
   lowered = {
-      "decode": eng._decode_fn.lower(eng._params, tok[:, 0], pos[:, 0] + 20, state, decode_tables, sampling,
-                                     **eng._index_blocks(1, 1, 20)),
+      **{f"decode {res}": eng._decode_fn.lower(eng._params, tok[:, 0], pos[:, 0] + 20, state, decode_tables,
+                                               sampling, residency=res, **eng._index_blocks(1, 1, 20))
+         for res in residencies},
       **{f"prefill first_token={first}": eng._prefill_fn.lower(
           eng._params, tok, pos, state, prefill_tables, sampling, query_block=None, first_token=first,
           **eng._index_blocks(1, 32, 31)) for first in (True, False)},
       "import": eng._import_fn.lower(state, decode_tables, jnp.zeros((cfg.num_hidden_layers, 20, cfg.latent_dim)),
                                      jnp.zeros((cfg.num_hidden_layers, 20, cfg.index_head_dim)), jnp.int32(20)),
   }
+  if eng.backend.residency_on:
+    offload_tables = {k: jnp.asarray(v) for k, v in eng.backend.offload_tables(r.kv).items()}
+    lowered["offload"] = eng._offload_fn.lower(state, offload_tables)
   for name, low in lowered.items():
     hlo = low.compile().as_text()
     copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)]
@@ -277,3 +286,32 @@ def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact():
   eng.run()
   assert {n: reqs[n].output_ids for n in ("a", "b")} == want
   assert all_kv_free(eng.loads())
+
+
+def test_dynamic_residency_is_lossless_and_offloads_under_memory_pressure():
+  """resident_fraction > 0: requests stay resident after their prefill (no swap-in: zero hits and misses)
+  while staging pages last; with a small device budget they are offloaded to their hot buffers as prompts
+  arrive and residents grow (decode batches mix resident and swapped rows). Greedy tokens equal dense KV's in
+  both cases, and every page is freed."""
+  lens = (30, 5, 70, 17)
+  reqs = lambda: [Request(str(i), prompt(n, i), 40, ignore_eos=True) for i, n in enumerate(lens)]
+
+  def run(hisparse, **kw):
+    eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=160, **SMALL, **kw)
+    rs = reqs()
+    for r in rs:
+      eng.submit(r)
+    eng.run()
+    assert all_kv_free(eng.loads())
+    return [r.output_ids for r in rs], rs, eng
+
+  dense, _, _ = run(None)
+  roomy = HiSparseConfig(**TINY_HISPARSE, resident_fraction=0.5)
+  tokens, rs, eng = run(roomy)
+  assert tokens == dense and eng.num_offloads == 0
+  assert eng.residency_steps["all"] > 0 and not eng.residency_steps["none"]
+  assert all(r.hits == r.misses == 0 for r in rs)  # every step attended from device pages: no swap-in
+  tokens, rs, eng = run(roomy, max_device_kv_bytes=260_000)  # 16 staging pages (256 tokens) for 4 requests
+  assert eng.memory_plan.pools["staging"][1] < sum(-(-(n + 40) // 16) for n in lens)
+  assert tokens == dense and eng.num_offloads >= 1 and eng.residency_steps["mixed"] > 0
+  assert sum(r.misses for r in rs) > 0  # the offloaded ones swapped in

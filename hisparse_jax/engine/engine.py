@@ -252,9 +252,9 @@ class Engine:
         return (replicated(jnp.zeros(tokens.shape[:1], jnp.int32)), status), state
       return (replicated(sample(logits, *sampling, jnp.max(positions, axis=1) + 1)), status), state
 
-    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks)
-    def decode(params, tokens, positions, state, tables, sampling, **blocks):
-      view = state.view(tables)
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("residency",))
+    def decode(params, tokens, positions, state, tables, sampling, *, residency, **blocks):
+      view = state.view(tables, residency)
       out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk, **blocks)
       status = replicated(kernel_status(out[1], tokens.shape[0]))
       return ((replicated(sample(out[0], *sampling, positions + 1)), status), state.absorb(out[1]),
@@ -269,8 +269,14 @@ class Engine:
     def export_kv(state, tables, length, *, size):
       return state.export_prompt(tables, length, size)
 
-    self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn = (
-        self._on_mesh(f) for f in (prefill, decode, import_kv, export_kv))
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def offload(state, tables):
+      return state.offload(tables)
+
+    self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn = (
+        self._on_mesh(f) for f in (prefill, decode, import_kv, export_kv, offload))
+    self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
+    self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
 
   def _on_mesh(self, fn):
     """fn traced and run with the engine's mesh as the context mesh (the FFI calls run per device under it:
@@ -557,7 +563,8 @@ class Engine:
     while i < len(self.waiting) and self.backend.free_slots:
       req = self.waiting[i]
       prefill = req.prompt_kv is None
-      group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill)
+      resident = [r.kv for r in self.running if r.kv.resident]  # their staging pages can be freed for a prompt
+      group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill, resident)
       if group is None:
         blocked.append(req)
         i += 1
@@ -567,12 +574,33 @@ class Engine:
       del self.waiting[i]
       for r in blocked:
         r.times_passed += 1
+      if prefill and self.backend.residency_on:
+        self._reclaim_staging(group, len(req.prefill_ids))
       req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill, group=group)
       req.phase, req.prefilled = Phase.PREFILLING, 0
       s = req.kv.slot
       self._temperature[s], self._top_k[s], self._top_p[s], self._seed[s] = (
           req.temperature, req.top_k, req.top_p, req.seed)
       self.running.append(req)
+
+  # ------------------------------------------------------ dynamic residency
+  def _reclaim_staging(self, group: int, tokens: int) -> None:
+    """Offloads `group`'s resident requests, the most recently admitted first, until a prompt of `tokens`
+    tokens finds its staging pages free."""
+    need = -(-tokens // self.page_size)
+    for req in reversed(self.running):
+      if self.backend.free_pages("staging", group) >= need:
+        return
+      if req.kv.resident and req.kv.group == group:
+        self._offload(req)
+
+  def _offload(self, req: Request) -> None:
+    """Moves a resident request to its hot buffer (``HiSparseState.offload``) and frees its staging pages."""
+    tables = {k: self._put(v) for k, v in self.backend.offload_tables(req.kv).items()}
+    self.backend.state = self._offload_fn(self.backend.state, tables)
+    self.backend.offloaded(req.kv)
+    self.num_offloads += 1
+    log.info("offloading request %s (%d tokens) to its hot buffer", req.request_id, req.seq_len)
 
   def _sampling(self, slots) -> tuple:
     idx = np.asarray(slots, np.int64)
@@ -691,6 +719,10 @@ class Engine:
       while req.phase is Phase.DECODING and not self.backend.ensure(req.kv, req.seq_len):
         # The most recently admitted request of its DP group (only that group's pools can free pages for it).
         self._preempt(next(r for r in reversed(self.running) if r.kv.group == req.kv.group))
+    for req in self._decoding():
+      # A resident request's newest token needs a staging page too; if none is free it leaves residency.
+      if req.kv.resident and not self.backend.grow_resident(req.kv, req.seq_len):
+        self._offload(req)
     rows = self._decoding()
     if not rows:
       return False
@@ -706,9 +738,11 @@ class Engine:
         tokens[b], positions[b], slots[b] = req.output_ids[-1], req.seq_len - 1, req.kv.slot
     kvs = [None if r is None else r.kv for r in order]
     tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
+    residency = self.backend.residency(kvs)
+    self.residency_steps[residency] += 1
     out, self.backend.state, *topk = self._decode_fn(
         self._params, self._put(tokens), self._put(positions), self.backend.state, tables,
-        self._sampling(slots), **self._index_blocks(B, 1, int(positions.max())))
+        self._sampling(slots), residency=residency, **self._index_blocks(B, 1, int(positions.max())))
     self.decode_steps += 1
     self.last_decode_batch = B
     out, status = jax.device_get(out)

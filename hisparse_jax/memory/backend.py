@@ -128,7 +128,8 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
   (latent + index bytes per token)).
   HiSparse (SGLang's layout): "staging" pages for max_seq_len tokens (one longest prompt, or several
   shorter ones, can prefill at once); R = max_running_requests hot buffers of D + 1 rows, lowered so that
-  they take at most half of the budget left after staging; the rest is "index" pages; the host pool holds
+  they take at most half of the budget left after staging; of the rest, resident_fraction is more staging
+  pages (dynamic residency: resident requests' latent rows) and what remains is "index" pages; the host pool holds
   host_to_device_ratio x R x (D + 1) rows (SGLang's sizing), in pages, and never less than one max_seq_len
   request.
   A per-token pool never gets more pages than R requests of max_seq_len tokens could fill (R x P).
@@ -161,11 +162,15 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
         f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) cannot hold "
         f"HiSparse's staging pages for one --max-seq-len {max_seq_len} prompt ({staging} bytes) plus one hot buffer "
         f"(device_buffer_size {hisparse.device_buffer_size}: {hot} bytes) and one index page ({index_page} bytes)")
-  index_pages = min((budget - staging - slots * hot) // index_page, slots * P)
+  rest = budget - staging - slots * hot
+  # Dynamic residency: resident_fraction of the rest holds resident requests' latent rows (more staging pages).
+  resident_pages = min(int(rest * hisparse.resident_fraction) // staging_page, slots * P)
+  index_pages = min((rest - resident_pages * staging_page) // index_page, slots * P)
   host_pages = max(hisparse.host_pool_rows(slots) // page_size, P)  # at least one max_seq_len request
-  pools = {"index": ("device", index_pages, index_page), "staging": ("device", P, staging_page),
+  pools = {"index": ("device", index_pages, index_page), "staging": ("device", P + resident_pages, staging_page),
            "host": ("host", host_pages, staging_page)}
-  return MemoryPlan(page_size, slots, P, pools, staging + slots * hot + index_pages * index_page)
+  return MemoryPlan(page_size, slots, P, pools,
+                    staging + resident_pages * staging_page + slots * hot + index_pages * index_page)
 
 
 def request_bytes(layout: KVLayout, hisparse: HiSparseConfig | None, page_size: int, tokens: int) -> dict:
@@ -190,6 +195,7 @@ class RequestKV:
   pages: dict
   capacity: int = 0
   group: int = 0
+  resident: bool = False  # dynamic residency: its whole latent KV in staging pages, attended from there
 
 
 class KVBackend(abc.ABC):
@@ -210,6 +216,8 @@ class KVBackend(abc.ABC):
   token_pools: tuple[str, ...] = ()
   #: pools holding only the prompt, while it prefills
   prompt_pools: tuple[str, ...] = ()
+  #: dynamic residency (HiSparse with resident_fraction > 0): requests keep their staging pages after prefill
+  residency_on: bool = False
 
   def __init__(self, plan: MemoryPlan, layout: KVLayout, groups: int = 1):
     self.plan = plan
@@ -254,23 +262,33 @@ class KVBackend(abc.ABC):
                 f"{self.page_size} a page); the pool holds {have}")
     return None
 
-  def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True, group: int = 0) -> bool:
+  def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True, group: int = 0,
+                resident=()) -> bool:
     """A slot and pages of `group` for the prompt plus its first decoded token are free now, leaving
     reserve_pages free in each per-token pool (growth room for the running requests); prefill=False: the
-    prompt's KV arrives computed (an import) and needs no prompt-only pages."""
+    prompt's KV arrives computed (an import) and needs no prompt-only pages. Prompt-only pages that the
+    resident requests ``resident`` (RequestKVs) hold count as free: offloading them frees them."""
     lists = self._group_lists[group]
     if not self._group_slots[group].num_free:
       return False
     for name in self.token_pools:
       if self._pages(prompt_len + 1) + reserve_pages > lists[name].num_free:
         return False
-    return not prefill or all(self._pages(prompt_len) <= lists[name].num_free for name in self.prompt_pools)
+    reclaimable = {name: sum(len(kv.pages.get(name, ())) for kv in resident if kv.group == group)
+                   for name in self.prompt_pools}
+    return not prefill or all(self._pages(prompt_len) <= lists[name].num_free + reclaimable[name]
+                              for name in self.prompt_pools)
 
-  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True) -> int | None:
+  def free_pages(self, name: str, group: int = 0) -> int:
+    """Free pages of pool `name` in `group`."""
+    return self._group_lists[group][name].num_free
+
+  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True, resident=()) -> int | None:
     """The group a new request goes to: of those that can admit it now, the one with the most free request
-    slots (then the lowest index); None if none can. reserve_pages: an int, or one per group."""
+    slots (then the lowest index); None if none can. reserve_pages: an int, or one per group; resident: as
+    ``can_admit``."""
     reserve = reserve_pages if isinstance(reserve_pages, (list, tuple)) else [reserve_pages] * self.groups
-    fits = [g for g in range(self.groups) if self.can_admit(prompt_len, reserve[g], prefill, g)]
+    fits = [g for g in range(self.groups) if self.can_admit(prompt_len, reserve[g], prefill, g, resident)]
     return max(fits, key=lambda g: (self._group_slots[g].num_free, -g)) if fits else None
 
   # --------------------------------------------------------------- lifetime
@@ -314,7 +332,11 @@ class KVBackend(abc.ABC):
     kv.capacity = max(kv.capacity, tokens)
 
   def prefill_finished(self, kv: RequestKV) -> None:
-    """The request's prompt is in its KV: pools that held only the prompt are released."""
+    """The request's prompt is in its KV: pools that held only the prompt are released (with dynamic residency
+    the request keeps its staging pages and stays resident)."""
+    if self.residency_on and kv.pages.get("staging"):
+      kv.resident = True
+      return
     for name in self.prompt_pools:
       self._free_pool(kv, name)
 
@@ -323,7 +345,7 @@ class KVBackend(abc.ABC):
     for name in list(kv.pages):
       self._free_pool(kv, name)
     self._group_slots[kv.group].free([self.local_slot(kv)])
-    kv.pages, kv.capacity = {}, 0
+    kv.pages, kv.capacity, kv.resident = {}, 0, False
 
   def _free_pool(self, kv: RequestKV, name: str) -> None:
     pages = kv.pages.get(name, [])
@@ -350,6 +372,11 @@ class KVBackend(abc.ABC):
   @abc.abstractmethod
   def decode_tables(self, kvs) -> dict:
     """Page-table rows (and request slots) of a decode batch; kvs[b] None = idle row."""
+
+  def residency(self, kvs) -> str:
+    """Which rows of a decode batch are resident (``views.RESIDENCY``); "none" without dynamic residency."""
+    del kvs
+    return "none"
 
   # ------------------------------------------------------------------ stats
   def usage(self) -> list[PoolUsage]:
@@ -406,6 +433,7 @@ class HiSparseBackend(KVBackend):
     if host_pool not in HOST_POOL_KINDS:
       raise MemoryConfigError(f"--host-pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
     self.hisparse = hisparse
+    self.residency_on = hisparse.resident_fraction > 0
     self.mesh = mesh
     # One request slot's stats, whole on every device (every process can read it; the stats are split over
     # the DP groups).
@@ -429,8 +457,38 @@ class HiSparseBackend(KVBackend):
             "host_pages": self._rows("host", kvs), "hot_slot": hot_slot}
 
   def decode_tables(self, kvs) -> dict:
-    return {"index_pages": self._rows("index", kvs), "host_pages": self._rows("host", kvs),
-            "req_ids": np.array([-1 if kv is None else self.local_slot(kv) for kv in kvs], np.int32)}
+    tables = {"index_pages": self._rows("index", kvs), "host_pages": self._rows("host", kvs),
+              "req_ids": np.array([-1 if kv is None else self.local_slot(kv) for kv in kvs], np.int32)}
+    if self.residency(kvs) != "none":
+      tables["resident_pages"] = self._rows("staging", [kv if kv is not None and kv.resident else None for kv in kvs])
+    return tables
+
+  def residency(self, kvs) -> str:
+    """Which rows of a decode batch are resident (``views.RESIDENCY``): "none", "all" or "mixed"."""
+    active = [kv for kv in kvs if kv is not None]
+    resident = sum(kv.resident for kv in active)
+    return "none" if not resident else "all" if resident == len(active) else "mixed"
+
+  def grow_resident(self, kv: RequestKV, tokens: int) -> bool:
+    """A resident request's staging pages grown to cover positions [0, tokens); False (holding what it had)
+    if none are free: the engine offloads it (or another) then."""
+    try:
+      self._grow(kv, tokens, ("staging",))
+      return True
+    except OutOfPages:
+      return False
+
+  def offload_tables(self, kv: RequestKV) -> dict:
+    """Tables of ``state.offload`` for one resident request: one row per DP group (the others target the
+    scratch hot buffer)."""
+    kvs = [None] * self.groups
+    kvs[kv.group] = kv
+    return self.prefill_tables(kvs, [k is not None for k in kvs])
+
+  def offloaded(self, kv: RequestKV) -> None:
+    """After ``state.offload``: the request's staging pages are free and it decodes through its hot buffer."""
+    self._free_pool(kv, "staging")
+    kv.resident = False
 
   def usage(self) -> list[PoolUsage]:
     hot = self.layout.hot_buffer_bytes(self.hisparse.device_buffer_size)

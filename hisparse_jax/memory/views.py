@@ -146,9 +146,10 @@ def per_group(*, replicated=()):
 
 
 def _absorb(state, view):
-  """state with the arrays it shares (by field name) with view replaced by the view's."""
+  """state with the arrays it shares (by field name) with view replaced by the view's (a view leaves out, as
+  None, a pool it does not touch)."""
   names = {f.name for f in dataclasses.fields(state)} & {f.name for f in dataclasses.fields(view)}
-  return dataclasses.replace(state, **{n: getattr(view, n) for n in names})
+  return dataclasses.replace(state, **{n: getattr(view, n) for n in names if getattr(view, n) is not None})
 
 
 # ----------------------------------------------------------------------------------------------- dense
@@ -200,8 +201,10 @@ class DenseState:
     latent, index = z()
     return cls(latent, index, page_size)
 
-  def view(self, tables) -> DenseView:
-    """tables: {"pages": int32[B, P]}."""
+  def view(self, tables, residency: str = "none") -> DenseView:
+    """tables: {"pages": int32[B, P]} (every row's KV is on device: residency is "none")."""
+    if residency != "none":
+      raise ValueError("dense KV has no dynamic residency")
     return DenseView(self.latent, self.index, tables["pages"], self.page_size)
 
   def absorb(self, view) -> "DenseState":
@@ -308,8 +311,12 @@ class HiSparsePrefillView:
     return gather_rows(self.staging, layer, self.staging_pages, top_k, self.page_size), self
 
 
-@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status") + _HOST,
-         meta=("page_size", "external", "eviction"))
+RESIDENCY = ("none", "mixed", "all")  # which rows of a decode batch are resident (dynamic residency)
+
+
+@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status",
+               "staging", "resident_pages") + _HOST,
+         meta=("page_size", "external", "eviction", "residency"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
   """A HiSparse decode batch (one token per row): the newest latent row goes to the host pool (backup
@@ -318,9 +325,14 @@ class HiSparseDecodeView:
   eviction policy ``eviction`` (``ops.EVICTIONS``). Under "score" it first scores the token of every slot
   with the layer's indexer queries (``index_scores`` over the indexer keys of the slots' positions: B x D
   keys, gathered from the device's index pages). status: int32[B], each row's first nonzero backup or
-  swap-in status of the step (``ops.check_status``; 0 = every layer done)."""
+  swap-in status of the step (``ops.check_status``; 0 = every layer done).
 
-  batch_fields = ("index_pages", "req_ids", "newest", "status", "host_pages")
+  Dynamic residency: a row whose ``resident_pages`` row holds pages (its request's whole latent KV on device,
+  in staging pages) gets its newest row written there too and is gathered from there, with no swap-in (its
+  kernel row is idle). ``residency`` (static) says whether no row ("none": staging and resident_pages are
+  None), some ("mixed") or every active row ("all": no swap-in call at all) is resident."""
+
+  batch_fields = ("index_pages", "req_ids", "newest", "status", "resident_pages", "host_pages")
 
   index: jax.Array
   index_pages: jax.Array
@@ -331,11 +343,14 @@ class HiSparseDecodeView:
   req_ids: jax.Array
   newest: jax.Array | None  # T[B, W], the rows append() received this layer, for the swap-in to place
   status: jax.Array
+  staging: jax.Array | None
+  resident_pages: jax.Array | None  # int32[B, P]: staging pages of resident rows, -1 rows for the others
   host_pool: jax.Array
   host_pages: jax.Array
   page_size: int
   external: ops.ExternalPoolRef | None
   eviction: str = "lru"
+  residency: str = "none"
 
   @per_group()
   def append(self, layer, positions, latent, index_key):
@@ -345,8 +360,11 @@ class HiSparseDecodeView:
     dst = host_rows(self.host_pages, positions, self.page_size)[:, 0]
     newest = latent[:, 0].astype(self.hot.dtype)
     host_pool, status = ops.backup(layer, newest[None], dst, self.host_pool, external=self.external)
+    staging = self.staging
+    if self.residency != "none":  # resident rows keep their whole latent KV on device (-1 rows are dropped)
+      staging = write_rows(staging, layer, self.resident_pages, positions, latent, self.page_size)
     return dataclasses.replace(
-        self, newest=newest, host_pool=host_pool, status=_first_failure(self.status, status),
+        self, newest=newest, host_pool=host_pool, status=_first_failure(self.status, status), staging=staging,
         index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
 
   @per_group()
@@ -359,21 +377,31 @@ class HiSparseDecodeView:
       raise ValueError(f"HiSparse decode takes one query per row, got {top_k.shape[1]}")
     if self.newest is None:
       raise ValueError("HiSparse decode gathers a layer only after appending its newest rows")
+    req_ids, seq_lens = self.req_ids, positions[:, 0] + 1  # idle rows: position -1 -> seq_len 0
+    resident = resident_rows = None
+    if self.residency != "none":
+      # The stored rows bit for bit, as from the hot buffer (zeros at padding): losslessness holds per row.
+      resident_rows = gather_rows(self.staging, layer, self.resident_pages, top_k[:, 0], self.page_size)
+      if self.residency == "all":
+        return resident_rows[:, None], dataclasses.replace(self, newest=None)
+      resident = self.resident_pages[:, 0] >= 0
+      req_ids, seq_lens = jnp.where(resident, -1, req_ids), jnp.where(resident, 0, seq_lens)  # idle kernel rows
     slot_scores = None
     if self.eviction == "score":
       if index_q is None or index_w is None:
         raise ValueError(f'eviction "score" needs the indexer queries of layer {layer} (it has no indexer)')
-      slots = self.slot_tokens[layer][jnp.maximum(self.req_ids, 0)]  # [B, D] positions, -1 empty
+      slots = self.slot_tokens[layer][jnp.maximum(req_ids, 0)]  # [B, D] positions, -1 empty
       keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
-    seq_lens = positions[:, 0] + 1  # idle rows: position -1 -> seq_len 0
     rows, host_pool, hot, slot_tokens, lru, stats, status = ops.swap_in(
-        layer, top_k[:, 0], seq_lens, self.req_ids, self.host_pages, self.newest, self.host_pool, self.hot,
+        layer, top_k[:, 0], seq_lens, req_ids, self.host_pages, self.newest, self.host_pool, self.hot,
         self.slot_tokens, self.lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
         external=self.external)
     R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
     out = hot[layer].reshape(R * D1, W)[jnp.maximum(rows, 0)]
     out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
+    if resident is not None:
+      out = jnp.where(resident[:, None, None], resident_rows, out)
     view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
                                newest=None, status=_first_failure(self.status, status))
     return out[:, None], view
@@ -451,16 +479,21 @@ class HiSparseState:
   def device_buffer_size(self) -> int:
     return self.slot_tokens.shape[2]
 
-  def view(self, tables):
+  def view(self, tables, residency: str = "none"):
     """A prefill view for tables {"index_pages", "staging_pages", "host_pages", "hot_slot"}, a decode view
-    for tables {"index_pages", "host_pages", "req_ids"} (all int32[B, P] / int32[B])."""
+    for tables {"index_pages", "host_pages", "req_ids"} (all int32[B, P] / int32[B]), plus "resident_pages"
+    unless residency (``RESIDENCY``, static) is "none"."""
     status = jnp.zeros(tables["host_pages"].shape[:1], jnp.int32)
     if "staging_pages" in tables:
       return HiSparsePrefillView(self.index, tables["index_pages"], self.staging, tables["staging_pages"], status,
                                  self.host_pool, tables["host_pages"], self.page_size, self.external)
+    if residency not in RESIDENCY:
+      raise ValueError(f"residency must be one of {RESIDENCY}, got {residency!r}")
+    resident = residency != "none"
     return HiSparseDecodeView(self.index, tables["index_pages"], self.hot, self.slot_tokens, self.lru, self.stats,
-                              tables["req_ids"], None, status, self.host_pool, tables["host_pages"],
-                              self.page_size, self.external, self.eviction)
+                              tables["req_ids"], None, status, self.staging if resident else None,
+                              tables["resident_pages"] if resident else None, self.host_pool,
+                              tables["host_pages"], self.page_size, self.external, self.eviction, residency)
 
   def absorb(self, view) -> "HiSparseState":
     return _absorb(self, view)
@@ -504,6 +537,16 @@ class HiSparseState:
     the scratch slot R for the others): slots 0..D take positions 0..D from staging (slot s holds token s, as
     the swap-in's fast path assumes; rows past the prompt are written by decode before they are read), the
     slot table and LRU order restart as 0..D-1 and the stats at zero."""
+    return self._fill_hot(tables, True)
+
+  @per_group()
+  def offload(self, tables) -> "HiSparseState":
+    """Dynamic residency: resident requests move to their hot buffers (tables as ``finish_prefill``'s, from
+    the requests' staging pages, which hold every position; their host rows are already written), the
+    swap-in stats kept. The caller frees the staging pages afterwards."""
+    return self._fill_hot(tables, False)
+
+  def _fill_hot(self, tables, reset_stats: bool) -> "HiSparseState":
     L, R, D1, _ = self.hot.shape
     D = D1 - 1
     target = tables["hot_slot"]  # int32[B]
@@ -513,8 +556,8 @@ class HiSparseState:
     rows = self.staging[:, pid, pos % self.page_size]  # [L, B, D+1, W]
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
     inb = "promise_in_bounds"
+    stats = self.stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode=inb) if reset_stats else self.stats
     return dataclasses.replace(
         self, hot=self.hot.at[:, target].set(rows, mode=inb),
         slot_tokens=self.slot_tokens.at[:, target].set(slots, mode=inb),
-        lru=self.lru.at[:, target].set(slots, mode=inb),
-        stats=self.stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode=inb))
+        lru=self.lru.at[:, target].set(slots, mode=inb), stats=stats)

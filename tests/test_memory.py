@@ -93,6 +93,8 @@ def test_dynamic_residency_plan_and_backend():
   c = be.admit(100)  # takes the last 7 staging pages
   assert not be.grow_resident(b, 40) and len(b.pages["staging"]) == 2  # a failed growth takes nothing
   be.release(c)
+  assert not be.grow_resident(b, 16 * 8 + 1)  # past max_seq_len: refused before a page is taken
+  assert len(b.pages["staging"]) == 2 and be.free_pages("staging") == 7
   be.offloaded(a)
   assert not a.resident and a.pages["staging"] == [] and be.residency([a, b]) == "mixed"
   assert "resident_pages" in be.decode_tables([a, b]) and be.residency([a]) == "none"

@@ -318,6 +318,8 @@ class KVBackend(abc.ABC):
       return False
 
   def _grow(self, kv: RequestKV, tokens: int, pools) -> None:
+    if self._pages(tokens) > self.max_pages:  # checked before anything is taken from a free list
+      raise OutOfPages(f"{tokens} tokens exceed the page tables' {self.max_pages} pages (max_seq_len)")
     lists = self._group_lists[kv.group]
     need = {name: self._pages(tokens) - len(kv.pages[name]) for name in pools}
     for name, n in need.items():  # check all first: a failure allocates nothing

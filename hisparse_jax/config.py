@@ -40,8 +40,8 @@ class HiSparseConfig:
       KV budget left after the prefill staging pages and the hot buffers that holds the latent rows of
       *resident* requests. A request stays resident after its prefill (its whole latent KV on device,
       attended with no swap-in at all) while these pages last, and is offloaded to its hot buffer (its host
-      rows are already written: one device copy of D + 1 rows per layer) when a prompt or a resident request
-      needs its pages. 0 (the default) turns it off; the rest of the budget holds indexer keys as before.
+      rows are already written: one device copy of D + 1 rows per layer) when a prompt needs its pages (the
+      most recently admitted resident of the prompt's DP group first) or it cannot get its own next page. 0 (the default) turns it off; the rest of the budget holds indexer keys as before.
   """
 
   top_k: int

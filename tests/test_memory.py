@@ -78,6 +78,10 @@ def test_dynamic_residency_plan_and_backend():
   off = kvmem.plan(LAYOUT, budget=budget, max_running_requests=3, max_seq_len=128, page_size=16,
                    hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=8))
   assert off.pools["staging"][1] == 8  # resident_fraction 0: the plan of before
+  greedy = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=8, resident_fraction=0.99)
+  with pytest.raises(kvmem.MemoryConfigError, match="resident_fraction 0.99 leaves no index page"):
+    kvmem.plan(LAYOUT, budget=8 * staging_page + 3 * hot + staging_page, max_running_requests=3, max_seq_len=128,
+               page_size=16, hisparse=greedy)
   be = kvmem.HiSparseBackend(p, LAYOUT, np.float32, hs)
   a = be.admit(40)
   be.prefill_finished(a)

@@ -4,9 +4,9 @@
 // planning runs the shared core (swap_in_core.h) and the copies read the host
 // pool directly over PCIe/NVLink-C2C (zero-copy from pinned host memory).
 //
-// Launch shape: one kernel, one thread block per batch row (request). Thread 0
-// checks the row (layer, request id) and plans it with the scratch in shared
-// memory; a row that fails gets its status (swap_in_core.h SwapInStatus) in the
+// Launch shape: one kernel, one thread block per batch row (request). The block
+// checks the row (layer, request id) and thread 0 plans it with the scratch in
+// shared memory; a row that fails gets its status (swap_in_core.h SwapInStatus) in the
 // status output, rows of -1, and no change. A good row is committed, then the
 // whole block copies its missing rows with 16-byte loads where aligned.
 //
@@ -117,8 +117,9 @@ __global__ void SwapInKernel(SwapInArgs a) {
   int32_t code = kOk;
   if (layer < 0 || layer >= a.L) code = kLayerOutOfRange;
   else if (!RequestIdOk(a, b)) code = kBadRequestId;
-  // An idle row (no request, or seq_len 0: all padding) or a bad one costs one block that exits at once.
-  if (code != kOk || a.req_ids[b] < 0 || a.seq_lens[b] == 0) {
+  // An idle row (no request: all padding) or a bad one costs one block that exits at once. A row of a request
+  // with seq_len 0 is still planned (its positions checked), as on the CPU.
+  if (code != kOk || a.req_ids[b] < 0) {
     for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
     if (threadIdx.x == 0) a.status[b] = code;
     return;
@@ -143,7 +144,8 @@ __global__ void SwapInKernel(SwapInArgs a) {
   }
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
-  if (threadIdx.x / 32 == kThreads / 32 - 1)  // the last warp places the newest row (the others take misses first)
+  // The last warp places the newest row (the others take misses first); seq_len 0 has none.
+  if (threadIdx.x / 32 == kThreads / 32 - 1 && r.seq_len > 0)
     CopyRow(a.newest + static_cast<int64_t>(b) * a.row_bytes,
             dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * a.row_bytes, a.row_bytes);
   for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
@@ -336,7 +338,8 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                 lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
 }
 
-// Grid (N, Lr): block (n, i) copies column n of layer layer + i; blocks of layer 0 write the column's status.
+// Grid (N, max(Lr, 1)): block (n, i) copies column n of layer layer + i (none when Lr is 0); blocks i = 0
+// write the column's status.
 __global__ void BackupKernel(const int32_t* layer, const char* rows, const int32_t* dst, char* pool,
                              int32_t Lr, int32_t L, int32_t N, int32_t H, int64_t row_bytes, int32_t* status) {
   const int32_t n = blockIdx.x, i = blockIdx.y;
@@ -345,7 +348,7 @@ __global__ void BackupKernel(const int32_t* layer, const char* rows, const int32
                        : h < -1 || h >= H          ? kBackupRowOutOfRange
                                                    : kOk;
   if (i == 0 && threadIdx.x == 0) status[n] = code;
-  if (code != kOk || h < 0) return;
+  if (code != kOk || h < 0 || i >= Lr) return;
   CopyRow(rows + (static_cast<int64_t>(i) * N + n) * row_bytes,
           pool + ((static_cast<int64_t>(first) + i) * H + h) * row_bytes, row_bytes);
 }
@@ -362,9 +365,7 @@ ffi::Error Backup(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> laye
     return ffi::Error::InvalidArgument("backup: a dimension exceeds int32 indexing");
   const int32_t Lr = static_cast<int32_t>(rd[0]), N = static_cast<int32_t>(rd[1]);
   if (N == 0) return ffi::Error::Success();
-  if (Lr == 0)  // nothing to copy, but every column still gets its status
-    return CudaStatus(cudaMemsetAsync(status->typed_data(), 0, N * sizeof(int32_t), stream), "backup status");
-  BackupKernel<<<dim3(N, Lr), 32, 0, stream>>>(layer.typed_data(), static_cast<const char*>(rows.untyped_data()),
+  BackupKernel<<<dim3(N, Lr > 0 ? Lr : 1), 32, 0, stream>>>(layer.typed_data(), static_cast<const char*>(rows.untyped_data()),
                                                dst.typed_data(), pool.base, Lr, static_cast<int32_t>(pool.L), N,
                                                static_cast<int32_t>(pool.H),
                                                pool.W * ffi::ByteWidth(rows.element_type()), status->typed_data());

@@ -31,7 +31,9 @@ Semantics per request and layer (HiSparse, SGLang ``hisparse.cuh``):
     done): a position >= seq_len or < -1, a seq_len outside [0, S], a MISSING position whose page-table
     row is outside [0, H), an LRU order that is not a permutation (slow path only), a NaN score (above),
     a request id outside [-1, R), repeated (the later row), or -1 on a row with seq_len > 0; a layer
-    outside [0, L) fails every row. K > D or a newest of the wrong shape is an error of the whole call.
+    outside [0, L) fails every row. K > D or a newest of the wrong shape is an error of the whole call. A
+    row with several defects fails either way; which code it reports may then differ from the kernel's (the
+    kernel checks host rows and scores while choosing victims, before its final permutation pass).
 """
 
 from __future__ import annotations

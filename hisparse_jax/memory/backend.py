@@ -136,7 +136,7 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
 
   Raises:
     MemoryConfigError: the budget cannot hold one page (dense) or one hot buffer + the staging pages + one
-      index page (HiSparse); page_size < 1.
+      index page (HiSparse; also when resident_fraction leaves no index page); page_size < 1.
   """
   if page_size < 1:
     raise MemoryConfigError(f"--page-size must be >= 1, got {page_size}")
@@ -166,6 +166,10 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
   # Dynamic residency: resident_fraction of the rest holds resident requests' latent rows (more staging pages).
   resident_pages = min(int(rest * hisparse.resident_fraction) // staging_page, slots * P)
   index_pages = min((rest - resident_pages * staging_page) // index_page, slots * P)
+  if index_pages < 1:
+    raise MemoryConfigError(
+        f"--hisparse-config resident_fraction {hisparse.resident_fraction} leaves no index page in the device KV "
+        f"budget of {budget} bytes (index pages of {index_page} bytes hold every token's indexer keys): lower it")
   host_pages = max(hisparse.host_pool_rows(slots) // page_size, P)  # at least one max_seq_len request
   pools = {"index": ("device", index_pages, index_page), "staging": ("device", P + resident_pages, staging_page),
            "host": ("host", host_pages, staging_page)}
@@ -176,8 +180,9 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
 def request_bytes(layout: KVLayout, hisparse: HiSparseConfig | None, page_size: int, tokens: int) -> dict:
   """The most memory one request of `tokens` tokens holds while it decodes, in bytes per memory kind:
   dense {"device": pages x page x (latent + index bytes per token)}; HiSparse {"device": index pages + its
-  hot buffer, "host": latent pages}. (A HiSparse prompt's staging pages are shared and held only while it
-  prefills.) The same page sizes as ``plan``."""
+  hot buffer, "host": latent pages}. (A HiSparse prompt's staging pages are shared and held while it prefills,
+  and with dynamic residency while it stays resident: pages it gives back under pressure.) The same page sizes
+  as ``plan``."""
   nbytes = -(-tokens // page_size) * page_size
   if hisparse is None:
     return {"device": nbytes * (layout.latent_bytes + layout.index_bytes), "host": 0}
@@ -214,7 +219,7 @@ class KVBackend(abc.ABC):
 
   #: pools whose pages every token needs while the request runs (grown as it decodes)
   token_pools: tuple[str, ...] = ()
-  #: pools holding only the prompt, while it prefills
+  #: pools holding the prompt while it prefills (with dynamic residency, kept while the request is resident)
   prompt_pools: tuple[str, ...] = ()
   #: dynamic residency (HiSparse with resident_fraction > 0): requests keep their staging pages after prefill
   residency_on: bool = False
@@ -419,7 +424,8 @@ class DenseBackend(KVBackend):
 
 class HiSparseBackend(KVBackend):
   """HiSparse: indexer keys of every token on device, latent rows in the host pool, a hot buffer per
-  request slot, prompts staged on device while they prefill.
+  request slot, prompts staged on device while they prefill (and, with dynamic residency, kept there while
+  the request is resident).
 
   Args:
     host_pool: "jax" (a ``pinned_host`` JAX array) or "extension" (``ExtensionHostPool``: memory owned by
@@ -473,7 +479,7 @@ class HiSparseBackend(KVBackend):
 
   def grow_resident(self, kv: RequestKV, tokens: int) -> bool:
     """A resident request's staging pages grown to cover positions [0, tokens); False (holding what it had)
-    if none are free: the engine offloads it (or another) then."""
+    if none are free: the engine then offloads it."""
     try:
       self._grow(kv, tokens, ("staging",))
       return True

@@ -3,7 +3,8 @@
     DenseState       kv pages: latent T[L, N, page, W] + indexer keys f32[L, N, page, Di] (device)
       .view(tables)          -> DenseView             (prefill and decode)
     HiSparseState    indexer-key pages f32[L, Ni, page, Di] (device)
-                     staging latent pages T[L, Ns, page, W] (device; a prompt's rows while it prefills)
+                     staging latent pages T[L, Ns, page, W] (device; a prompt's rows while it prefills, and
+                     a resident request's rows while it stays resident: dynamic residency)
                      hot buffers T[L, R, D+1, W] + slot table, LRU, stats (device; one per request slot)
                      host pool T[L, Hp * page, W] (``pinned_host``, or an extension-owned pool)
       .view(tables)          -> HiSparsePrefillView   (tables of a prefill batch)

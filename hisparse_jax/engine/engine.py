@@ -670,8 +670,7 @@ class Engine:
     (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt)."""
     n = len(req.prefill_ids)
     size = max(self.page_size, _pow2_at_least(n))
-    kvs = [None] * self.groups  # one row per DP group: the request's group reads, the others idle
-    kvs[req.kv.group] = req.kv
+    kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group reads, the others idle
     tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, [False] * self.groups).items()}
     latent, index = self._export_fn(self.backend.state, tables, self._put(np.int32(n)), size=size)
     device = jax.local_devices()[0]
@@ -680,8 +679,7 @@ class Engine:
   def _import_kv(self, req: Request, finished: list[Request]) -> None:
     """Writes a request's prompt KV computed elsewhere into its pages (the same views, hence the same
     layout, as a prefill) and emits its given first token."""
-    kvs = [None] * self.groups  # one row per DP group: the request's group writes, the others idle
-    kvs[req.kv.group] = req.kv
+    kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group writes, the others idle
     tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     latent, index = req.prompt_kv
     self.backend.state, status = self._import_fn(self.backend.state, tables, self._put(latent, self.dtype),

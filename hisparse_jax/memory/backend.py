@@ -362,6 +362,13 @@ class KVBackend(abc.ABC):
       kv.pages[name] = []
 
   # ------------------------------------------------------------ batch tables
+  def group_rows(self, kv: RequestKV) -> list:
+    """A batch of one row per DP group for one request's own call (import, export, offload): kv in its
+    group's row, None (an idle row) in the others'."""
+    kvs = [None] * self.groups
+    kvs[kv.group] = kv
+    return kvs
+
   def _rows(self, name: str, kvs) -> np.ndarray:
     """int32[B, P]: the page-table rows of a batch (-1 rows for idle entries None; page ids local to each
     request's group)."""
@@ -489,8 +496,7 @@ class HiSparseBackend(KVBackend):
   def offload_tables(self, kv: RequestKV) -> dict:
     """Tables of ``state.offload`` for one resident request: one row per DP group (the others target the
     scratch hot buffer)."""
-    kvs = [None] * self.groups
-    kvs[kv.group] = kv
+    kvs = self.group_rows(kv)
     return self.prefill_tables(kvs, [k is not None for k in kvs])
 
   def offloaded(self, kv: RequestKV) -> None:

@@ -16,6 +16,10 @@ DEFAULT_HOST_TO_DEVICE_RATIO = 8
 # Eviction policies of the swap-in kernel (xla_ffi/swap_in_core.h; hisparse_jax/kernels/reference.py).
 EVICTIONS = ("lru", "clock", "score")
 DEFAULT_EVICTION = "lru"
+# Cross-layer prefetch: "none", or "next_layer" (layer l's top-k starts layer l+1's swap-in while layer l
+# computes; ops.prefetch_start / prefetch_wait).
+PREFETCHES = ("none", "next_layer")
+DEFAULT_PREFETCH = "none"
 
 
 class ConfigError(ValueError):
@@ -42,6 +46,15 @@ class HiSparseConfig:
       attended with no swap-in at all) while these pages last, and is offloaded to its hot buffer (its host
       rows are already written: one device copy of D + 1 rows per layer) when a prompt needs its pages (the
       most recently admitted resident of the prompt's DP group first) or it cannot get its own next page. 0 (the default) turns it off; the rest of the budget holds indexer keys as before.
+    prefetch: cross-layer prefetch: "none" (the default) or "next_layer": in each decode step layer l's top-k,
+      a prediction of layer l+1's (adjacent layers pick mostly the same tokens: 70-100% overlap on
+      DeepSeek-V3.2, IndexCache arXiv 2603.12201), starts layer l+1's swap-in (slot tables now, row copies on
+      the extension's copy threads / a side stream) while layer l's attention and MoE run; layer l+1's real
+      swap-in then finds most of its rows resident. Lossless (the real swap-in still serves every row). Needs
+      eviction "lru" or "clock" ("score" ranks by the layer's own scores, which do not exist yet).
+    prefetch_depth: how many of layer l's top-k positions the prefetch asks for: its top-scored
+      prefetch_depth (the indexer returns its top-k best first; the best are the likeliest to be in layer
+      l+1's top-k too). In [1, top_k]; default (None) top_k, all of them.
   """
 
   top_k: int
@@ -49,8 +62,16 @@ class HiSparseConfig:
   host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
   eviction: str = DEFAULT_EVICTION
   resident_fraction: float = 0.0
+  prefetch: str = DEFAULT_PREFETCH
+  prefetch_depth: int | None = None
 
   def __post_init__(self):
+    if self.prefetch not in PREFETCHES:
+      raise ConfigError(f"hisparse config: prefetch must be one of {list(PREFETCHES)}, got {self.prefetch!r}")
+    if self.prefetch != "none" and self.eviction == "score":
+      raise ConfigError('hisparse config: prefetch "next_layer" needs eviction "lru" or "clock": eviction "score" '
+                        "ranks slots by the layer's own indexer scores, which a prefetch (before the layer "
+                        "runs) does not have")
     if self.eviction not in EVICTIONS:
       raise ConfigError(f"hisparse config: eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}")
     f = self.resident_fraction
@@ -62,12 +83,21 @@ class HiSparseConfig:
         raise ConfigError(f"hisparse config: {key} must be an integer, got {value!r}")
     if self.top_k < 1:
       raise ConfigError(f"hisparse config: top_k must be >= 1, got {self.top_k}")
+    d = self.prefetch_depth
+    if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= self.top_k):
+      raise ConfigError(f"hisparse config: prefetch_depth must be an integer in [1, top_k = {self.top_k}], got {d!r}")
     if self.device_buffer_size < self.top_k:
       raise ConfigError(
           f"hisparse config: device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k})")
     if self.host_to_device_ratio < 1:
       raise ConfigError(
           f"hisparse config: host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
+
+  @property
+  def prefetch_positions(self) -> int:
+    """Positions of each layer's top-k that start the next layer's swap-in: 0 without the prefetch, else
+    prefetch_depth (default top_k)."""
+    return 0 if self.prefetch == "none" else (self.prefetch_depth or self.top_k)
 
   def host_pool_rows(self, num_requests: int) -> int:
     """Latent rows per layer the host pool holds for num_requests request slots:
@@ -79,7 +109,8 @@ class HiSparseConfig:
     """Parses the ``--hisparse-config`` JSON against the model's ``index_topk``.
 
     Missing keys default to: top_k = model_top_k, device_buffer_size =
-    2 x top_k, host_to_device_ratio = 8, eviction = "lru", resident_fraction = 0 (no dynamic residency).
+    2 x top_k, host_to_device_ratio = 8, eviction = "lru", resident_fraction = 0 (no dynamic residency),
+    prefetch = "none", prefetch_depth = top_k.
 
     Raises:
       ConfigError: malformed JSON, not an object, unknown key, wrong type,
@@ -101,7 +132,8 @@ class HiSparseConfig:
         top_k=raw.get("top_k", model_top_k),
         device_buffer_size=raw.get("device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * model_top_k),
         host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO),
-        eviction=raw.get("eviction", DEFAULT_EVICTION), resident_fraction=raw.get("resident_fraction", 0.0))
+        eviction=raw.get("eviction", DEFAULT_EVICTION), resident_fraction=raw.get("resident_fraction", 0.0),
+        prefetch=raw.get("prefetch", DEFAULT_PREFETCH), prefetch_depth=raw.get("prefetch_depth"))
     if config.top_k != model_top_k:
       raise ConfigError(
           f"hisparse config: top_k ({config.top_k}) differs from the model's index_topk ({model_top_k})")

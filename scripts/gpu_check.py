@@ -14,7 +14,9 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      through every working path, compared with reference.swap_in bit for bit
      (statuses included);
      plus bad input (a position >= seq_len) that must come back as that row's
-     status with nothing changed.
+     status with nothing changed; and the cross-layer prefetch (prefetch_start +
+     prefetch_wait, side stream + events) of each case's top-k with some entries
+     moved, compared with reference.prefetch.
   3. Timing: the benchmarks/swap_in.py sweep (B in {1, 64, 256}, K 2048,
      D in {2048, 4096}, W in {656, 1152} B, miss fraction in {0.001, 0.05, 0.2,
      1.0}, 2 layers per call) on the first working path, next to the measured
@@ -24,6 +26,9 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      K 2048, D 4096, 32k context) timed with XLA's command buffers off and with
      fusions and custom calls captured (the handlers declare themselves
      command-buffer compatible), each in its own process (XLA_FLAGS).
+  5. Cross-layer prefetch: benchmarks/prefetch.py (top_k 2048, D 4096, W 576
+     bf16, the calibrated trace; B 1, 8, 64): the step with misses / all hits,
+     without and with the prefetch, and the share of the miss cost hidden.
 
 Writes one JSON with everything and prints a summary. ``--platform cpu`` runs
 the same script on the CPU handlers (a dry run for CI).
@@ -79,6 +84,47 @@ def _run_path(path, case, jax, platform, page_size):
   return out
 
 
+def _run_prefetch(path, case, jax, platform, page_size):
+  """ops.prefetch_start + prefetch_wait of `case`'s top_k (a swap-in case) through `path`: numpy (hot,
+  slot_tokens, lru, prefetched)."""
+  import jax.numpy as jnp
+  from hisparse_jax.kernels import ops
+  layer, top_k, seq_lens, req_ids, host_pages, _, pool, hot, slot_tokens, lru, _ = case
+  dev = jax.devices()[0]
+  put = lambda x: jax.device_put(jnp.asarray(x), dev)
+  ext = None
+  if path == "pinned_host":
+    host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))(put(pool))
+  else:
+    ext = ops.ExtensionHostPool(*pool.shape, pool.dtype, platform="gpu" if platform == "gpu" else "cpu")
+    ext.write(pool)
+    host = ext.token()
+
+  def run(host, hot, slots, order, top_k, seq_lens, req_ids, host_pages):
+    host, hot, slots, order, n = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host, hot, slots,
+                                                    order, page_size=page_size, external=ext and ext.ref)
+    return ops.prefetch_wait(hot, slots, order, n, top_k)
+
+  out = jax.jit(run, donate_argnums=(0, 1, 2, 3))(host, put(hot), put(slot_tokens), put(lru), put(top_k),
+                                                  put(seq_lens), put(req_ids), put(host_pages))
+  out = [np.asarray(x) for x in out]
+  if ext is not None:
+    ext.close()
+  return out
+
+
+def _guess(case, rng):
+  """case with about a third of its top-k entries moved to other valid positions (a prediction)."""
+  case = list(case)
+  top_k, seq_lens = case[1].copy(), case[2]
+  for b in range(len(seq_lens)):
+    if seq_lens[b]:
+      move = rng.random(top_k.shape[1]) < 0.35
+      top_k[b, move] = rng.integers(-1, int(seq_lens[b]), int(move.sum()))
+  case[1] = top_k
+  return case
+
+
 def _compare(got, want) -> str | None:
   for name, g, w in zip(("rows", "pool", "hot", "slot_tokens", "lru", "stats", "status"), got, want):
     if not np.array_equal(g, w):
@@ -115,6 +161,13 @@ def correctness(paths, platform, n_random) -> dict:
       err = _compare(_run_path(path, case, jax, platform, page), reference.swap_in(*case, page_size=page))
       if err:
         failures.append({"case": i, "error": err})
+      guess = _guess(case, rng)
+      got = _run_prefetch(path, guess, jax, platform, page)
+      want = reference.prefetch(*guess[:5], *guess[6:10], page_size=page)
+      for name, g, w in zip(("hot", "slot_tokens", "lru", "prefetched"), got, want):
+        if not np.array_equal(g, w):
+          failures.append({"case": i, "error": f"prefetch: {name} differs"})
+          break
     bad = worked_example()
     bad[1][0, 0] = 16  # position >= seq_len: the row's status, nothing changed, no host synchronization
     try:
@@ -280,6 +333,19 @@ def main():
     if all("ms_per_step" in g[m] for m in GRAPH_MODES):
       g["graph_over_eager"] = g["graph"]["ms_per_step"] / g["eager"]["ms_per_step"]
       print(f"  graph / eager: {g['graph_over_eager']:.3f}")
+    print("== 5. cross-layer prefetch (benchmarks/prefetch.py)")
+    out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "prefetch")
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "prefetch.py"), "--out", out]
+    cmd += ["--quick"] if args.quick else ["--batches", "1,8,64", "--steps", "12"]
+    try:
+      r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **({"JAX_PLATFORMS": "cpu"} if args.platform == "cpu" else {})})
+      report["prefetch"] = (json.load(open(out + ".json"))["rows"] if r.returncode == 0 else
+                            {"error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"})
+      print(r.stdout.strip()[-1500:] if r.returncode == 0 else "  " + report["prefetch"]["error"])
+    except subprocess.TimeoutExpired:
+      report["prefetch"] = {"error": "timed out"}
+      print("  timed out")
   report["seconds"] = time.time() - start
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

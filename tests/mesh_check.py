@@ -69,12 +69,14 @@ def engine_tokens(model_dir, mesh, hisparse, deterministic=True, resident=False)
   """(tokens, hits, misses) per request from the engine on the mesh (deterministic: full-batch steps, each
   request in its own slot's row; else power-of-two buckets per DP group). resident: HiSparse with dynamic
   residency where a DP group's staging pages hold one 80-token context (16-token pages, a 200 kB budget), so
-  that two requests of a group do not both fit: mixed batches and per-group offloads."""
+  that two requests of a group do not both fit: mixed batches and per-group offloads; with the cross-layer
+  prefetch on too (its start and wait run per DP group, idle for resident rows)."""
   from hisparse_jax.engine import Engine, Request
   kw = {"hisparse_config": json.dumps(dataclasses.asdict(HS))} if hisparse else {}
   max_seq_len = 128
   if resident:
-    kw = {"hisparse_config": json.dumps({**dataclasses.asdict(HS), "resident_fraction": 0.01}),
+    kw = {"hisparse_config": json.dumps({**dataclasses.asdict(HS), "resident_fraction": 0.01,
+                                         "prefetch": "next_layer"}),
           "max_device_kv_bytes": 200_000, "page_size": 16}
     max_seq_len = 80
   e = Engine(model_dir, max_seq_len=max_seq_len, max_running_requests=8, deterministic=deterministic,

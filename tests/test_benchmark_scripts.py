@@ -34,6 +34,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
   assert len(report["sweep"]) == 2
   for mode in ("eager", "graph"):  # the decode-like step runs in both modes (on CPU the flags change nothing)
     assert report["graph_step"][mode]["ms_per_step"] > 0, report["graph_step"]
+  # benchmarks/prefetch.py --quick: the all-hits step copies nothing; the prefetch copies rows and the swap-ins
+  # after it copy fewer than without it (the calibrated trace's adjacent layers agree).
+  assert [row["batch"] for row in report["prefetch"]] == [1, 4], report["prefetch"]
+  for row in report["prefetch"]:
+    assert row["hits_copied_per_step"] == 0 and row["prefetched_per_step"] > 0
+    assert 0 < row["prefetch_copied_per_step"] < row["misses_copied_per_step"]
+    assert row["hits_ms"] > 0 and row["misses_ms"] > 0 and row["prefetch_ms"] > 0
 
 
 def test_step_floor_quick(tmp_path):

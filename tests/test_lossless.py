@@ -22,18 +22,27 @@ def prompts(seed=0):
   return [rng.integers(2, 512, n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("chunk, eviction", [(None, "lru"), (7, "lru"), (None, "clock"), (7, "score")])
-def test_logits_bitwise_equal_dense_vs_hisparse(chunk, eviction):
+@pytest.mark.parametrize("chunk, eviction, prefetch", [(None, "lru", "all"), (7, "lru", None), (None, "clock", 3),
+                                                      (7, "score", None)])
+def test_logits_bitwise_equal_dense_vs_hisparse(chunk, eviction, prefetch):
   """Teacher-forced decoding of 5 prompts over scattered pages: every logit is bitwise equal, whichever
-  eviction policy decides which rows stay on device."""
+  eviction policy decides which rows stay on device, with or without the cross-layer prefetch (of the whole
+  top-k, or of its 3 best positions; then the same policy without it too)."""
   cfg, model = load_hf(tiny_model_dir())
-  hs_cfg = HiSparseConfig(**TINY_HISPARSE, eviction=eviction)
+  hs_cfg = HiSparseConfig(**TINY_HISPARSE, eviction=eviction, prefetch="none" if prefetch is None else "next_layer",
+                          prefetch_depth=prefetch if isinstance(prefetch, int) else None)
   # Chunks of 7: the indexer also merges running top-ks over score blocks of 64 keys.
   score_block = None if chunk is None else 64
   dense = KVHarness(cfg, model, chunk=chunk, score_block=score_block)
   hs = KVHarness(cfg, model, hisparse=hs_cfg, chunk=chunk, score_block=score_block)
+  # With the prefetch, also the same policy without it: the prefetch must change which rows are copied.
+  plain = (KVHarness(cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction), chunk=chunk,
+                     score_block=score_block) if prefetch is not None else None)
   ps = prompts()
-  np.testing.assert_array_equal(hs.prefill(ps), dense.prefill(ps))
+  want = dense.prefill(ps)
+  np.testing.assert_array_equal(hs.prefill(ps), want)
+  if plain is not None:
+    np.testing.assert_array_equal(plain.prefill(ps), want)
   rng = np.random.default_rng(2)
   for step in range(24):
     tokens = rng.integers(2, 512, len(ps))  # teacher-forced, the same in both modes
@@ -41,7 +50,14 @@ def test_logits_bitwise_equal_dense_vs_hisparse(chunk, eviction):
     lh, topk_h = hs.decode(tokens, return_topk=True)
     np.testing.assert_array_equal(topk_h, topk_d, err_msg=f"step {step}")
     np.testing.assert_array_equal(lh, ld, err_msg=f"step {step}")
+    if plain is not None:
+      np.testing.assert_array_equal(plain.decode(tokens), ld, err_msg=f"step {step} without the prefetch")
   stats = hs.swap_stats()  # [L, N, 2]
+  if plain is not None:
+    base = plain.swap_stats()
+    np.testing.assert_array_equal(stats.sum(-1), base.sum(-1))  # the same positions served
+    np.testing.assert_array_equal(stats[0], base[0])  # layer 0 has no previous layer: never prefetched
+    assert (stats[1:, :, 1] != base[1:, :, 1]).any()  # the later layers' misses changed
   # Requests past the hot buffer really swapped rows in, in every layer.
   assert (stats[:, :, 1] > 0).all()  # every request ends past D=16 (the 5-token one after 12 steps)
   # Distinct KV in every layer of the host pool (a layer-offset mix-up would fail the comparison above).
@@ -185,3 +201,21 @@ def test_every_eviction_policy_gives_the_dense_tokens(engines):
     assert [r.hits + r.misses for r in got] == [r.hits + r.misses for r in lru]  # the same top-k served
     misses[eviction] = [r.misses for r in got]
   assert misses["score"] != misses["lru"], misses
+
+
+def test_cross_layer_prefetch_gives_the_dense_tokens(engines):
+  """The engine with the cross-layer prefetch: greedy tokens equal dense's, over the JAX pool (LRU, whole top-k)
+  and the extension's pool (CLOCK, the 3 best positions); the same positions are served (hits + misses) as
+  without it, and the prefetch changes the misses."""
+  dense, hs, _, _ = engines
+  ps = prompts(7)
+  want = run(dense, ps)
+  plain = run(hs, ps)
+  common = dict(max_running_requests=4, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64, deterministic=True)
+  for pool, eviction, depth in (("jax", "lru", None), ("extension", "clock", 3)):
+    cfg = HiSparseConfig(**TINY_HISPARSE, eviction=eviction, prefetch="next_layer", prefetch_depth=depth)
+    got = run(Engine(tiny_model_dir(), hisparse=cfg, host_pool=pool, **common), ps)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want], pool
+    assert [r.hits + r.misses for r in got] == [r.hits + r.misses for r in plain], pool
+    if eviction == "lru":
+      assert [r.misses for r in got] != [r.misses for r in plain]

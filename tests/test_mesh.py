@@ -37,8 +37,8 @@ def test_mesh_decoding_equals_one_device(results, key):
 
 
 def test_dynamic_residency_on_a_mesh_equals_one_device(results):
-  """HiSparse with dynamic residency on 2 DP groups, one request of each group offloaded under a tight budget
-  (mixed batches): dense KV's tokens on one device."""
+  """HiSparse with dynamic residency and the cross-layer prefetch on 2 DP groups, one request of each group
+  offloaded under a tight budget (mixed batches): dense KV's tokens on one device."""
   r = results[f"engine deepseek_v32 resident {MESHES[1]}"]
   assert r == {"tokens_equal_dense": True, "some_swapped": True, "some_resident": True}
 

@@ -656,3 +656,139 @@ def test_policy_arguments_are_checked_at_trace_time():
     ops.swap_in(*case, np.zeros((1, 4), np.float32), page_size=PAGE, eviction="clock")
   with pytest.raises(TypeError, match="slot_scores must be float32"):
     ops.swap_in(*case, np.zeros((1, 4), np.int32), page_size=PAGE, eviction="score")
+
+
+# ---------------------------------------------------------------------------------------- cross-layer prefetch
+# prefetch_start argument positions: layer, top_k, seq_lens, req_ids, host_pages | host_pool, hot, slot_tokens, lru.
+@functools.lru_cache(maxsize=None)
+def prefetch_jit(page_size, eviction="lru"):
+  def run(layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru):
+    pool, hot, slot_tokens, lru, n = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, pool, hot,
+                                                        slot_tokens, lru, page_size=page_size, eviction=eviction)
+    hot, slot_tokens, lru, n = ops.prefetch_wait(hot, slot_tokens, lru, n, layer)
+    return pool, hot, slot_tokens, lru, n
+  return jax.jit(run, donate_argnums=(5, 6, 7, 8))
+
+
+def run_prefetch(case, page_size, eviction="lru"):
+  """(hot, slot_tokens, lru, prefetched) of the kernel's prefetch of case's top_k (a swap-in case)."""
+  layer, top_k, seq_lens, req_ids, host_pages, _, pool, hot, slot_tokens, lru, _ = case
+  out = prefetch_jit(page_size, eviction)(layer, *map(jnp.asarray, (top_k, seq_lens, req_ids, host_pages)),
+                                          to_host(pool), *map(jnp.asarray, (hot, slot_tokens, lru)))
+  np.testing.assert_array_equal(np.asarray(out[0]), pool)  # the pool is only read
+  return [np.asarray(x) for x in out[1:]]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "clock"])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case_page=swap_in_cases(), predicted=st.data())
+def test_prefetch_then_swap_in_matches_reference_and_is_lossless(eviction, case_page, predicted):
+  """A prefetch of predicted positions (some right, some wrong) then the real swap-in: kernel and reference
+  agree on every array after each, and every served row is its token's KV (as without a prefetch)."""
+  case, page = case_page
+  case = with_policy(case, eviction, predicted)
+  top_k, seq_lens = case[1], case[2]
+  guess = top_k.copy()  # the prediction: the real top-k with some entries moved to other valid positions
+  for b in range(len(seq_lens)):
+    for k in range(guess.shape[1]):
+      if seq_lens[b] and predicted.draw(st.booleans()):
+        guess[b, k] = predicted.draw(st.integers(-1, int(seq_lens[b]) - 1))
+  pf_case = [case[0], guess, *case[2:]]
+  got = run_prefetch(pf_case, page, eviction)
+  want = reference.prefetch(*pf_case[:NEWEST], *pf_case[POOL:STATS], page_size=page, eviction=eviction)
+  for name, g, w in zip(["hot", "slot_tokens", "lru", "prefetched"], got, want):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  assert (got[3] >= 0).all()
+  after = [*case[:HOT], *got[:3], case[STATS]]
+  got2 = run_kernel(*after, page_size=page, eviction=eviction)
+  want2 = run_reference(*after, page_size=page, eviction=eviction)
+  for name, g, w in zip(NAMES, got2, want2):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  plain = run_kernel(*case, page_size=page, eviction=eviction)  # the same swap-in without a prefetch
+  layer, _, _, req_ids, host_pages = case[:5]
+  rows, hot = got2[0], got2[2]
+  R, D1, W = hot.shape[1:]
+  for b, r in enumerate(int(x) for x in req_ids):
+    for k, t in enumerate(top_k[b]):
+      if r >= 0 and t >= 0:
+        want_row = case[POOL][layer, host_rows_of(host_pages[b], page)[t]]
+        np.testing.assert_array_equal(hot[layer].reshape(R * D1, W)[rows[b, k]], want_row)
+        np.testing.assert_array_equal(plain[2][layer].reshape(R * D1, W)[plain[0][b, k]], want_row)
+  # The stats count what the swap-in found: a prefetched row is a hit. Hits + misses are the same.
+  np.testing.assert_array_equal(got2[5].sum(-1), plain[5].sum(-1))
+
+
+def test_prefetch_worked_example():
+  """The worked example (slots [10, 3, 7, 12], LRU [0, 1, 2, 3], seq_len 16) with predicted [3, 15, 8]: 3
+  hits, 15 is the newest (never copied), 8 takes the LRU slot 0; then the real top-k [3, 15, 8] hits all."""
+  case = worked_example()
+  hot, slot_tokens, lru, n = run_prefetch(case, PAGE)
+  assert n.tolist() == [1]  # one row copied
+  np.testing.assert_array_equal(slot_tokens[0, 4], [8, 3, 7, 12])
+  np.testing.assert_array_equal(lru[0, 4], [2, 3, 0, 1])
+  rows, _, _, _, _, stats, status = run_kernel(*case[:HOT], hot, slot_tokens, lru, case[STATS])
+  np.testing.assert_array_equal(rows[0], [21, 24, 20, -1])
+  assert stats[0, 4].tolist() == [3, 0] and not status.any()
+
+
+def test_prefetch_bad_row_is_left_alone_and_score_is_refused():
+  """A row with a position past its seq_len is skipped (-status, nothing changed), the others prefetched;
+  eviction "score" (it needs the layer's own scores) and unknown policies are errors at trace time."""
+  case = worked_example()
+  case[1] = case[1].copy()
+  case[1][0, 0] = 99
+  hot, slot_tokens, lru, n = run_prefetch(case, PAGE)
+  assert n.tolist() == [-reference.POSITION_OUT_OF_RANGE]
+  np.testing.assert_array_equal(hot, case[HOT])
+  np.testing.assert_array_equal(slot_tokens, case[SLOTS])
+  np.testing.assert_array_equal(lru, case[LRU])
+  for eviction in ("score", "fifo"):
+    with pytest.raises(ValueError, match="eviction"):
+      ops.prefetch_start(0, *case[1:NEWEST], case[POOL], case[HOT], case[SLOTS], case[LRU], page_size=PAGE,
+                         eviction=eviction)
+  with pytest.raises(FFI_ERRORS, match="top_k"):  # K > D: a shape error of the whole call
+    big = np.zeros((1, 5), np.int32)
+    ops.prefetch_start(0, big, *case[2:NEWEST], to_host(case[POOL]), *map(jnp.asarray, case[HOT:STATS]),
+                       page_size=PAGE)
+
+
+def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
+  """backup, swap-in of layer 0, gather, prefetch of layer 1 behind an optimization barrier, compute, then the
+  wait and layer 1's swap-in (a decode step's structure): no copy of the pool or the hot buffer in the
+  compiled step, buffers updated in place, rows exact."""
+  case = worked_example()
+  L, H, W = 2, *case[POOL].shape[1:]
+  pool = np.concatenate([case[POOL], case[POOL] + 100])
+  state = [np.concatenate([x, x]) for x in case[HOT:]]
+  head = [jnp.asarray(x) for x in case[1:NEWEST]]
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
+  def step(pool, hot, slot_tokens, lru, stats):
+    x = jnp.zeros((1, W), jnp.float32)
+    for layer in range(L):
+      if layer:
+        hot, slot_tokens, lru, n = ops.prefetch_wait(hot, slot_tokens, lru, n, x)
+      rows, pool, hot, slot_tokens, lru, stats, _ = ops.swap_in(
+          layer, *head, hot[layer, 4, 3][None], pool, hot, slot_tokens, lru, stats, page_size=PAGE)
+      out = hot[layer].reshape(-1, W)[jnp.maximum(rows[0], 0)]
+      if layer + 1 < L:
+        out, hot = jax.lax.optimization_barrier((out, hot))
+        pool, hot, slot_tokens, lru, n = ops.prefetch_start(layer + 1, head[0], *head[1:], pool, hot, slot_tokens,
+                                                            lru, page_size=PAGE)
+        out, n = jax.lax.optimization_barrier((out, n))
+      x = x + jnp.tanh(out).sum(0, keepdims=True)
+    return rows, pool, hot, stats, slot_tokens, lru
+
+  args = (to_host(pool), *map(jnp.asarray, state))
+  hlo = step.lower(*args).compile().as_text()
+  for shape in (f"f32[{L},{H},{W}]", "f32[{},{},{},{}]".format(*state[0].shape)):
+    copies = [l for l in hlo.splitlines() if " copy(" in l and shape in l]
+    assert not copies, copies
+  hot_ptr = args[1].unsafe_buffer_pointer()
+  rows, pool_out, hot, stats, _, _ = step(*args)
+  assert hot.unsafe_buffer_pointer() == hot_ptr
+  np.testing.assert_array_equal(np.asarray(rows)[0], [21, 24, 20, -1])
+  flat = np.asarray(hot)[1].reshape(-1, W)
+  np.testing.assert_array_equal(flat[20], pool[1, host_rows_of(case[4][0], PAGE)[8]])  # prefetched for layer 1
+  assert np.asarray(stats)[1, 4].tolist() == [3, 0]  # layer 1's swap-in: all hits (8 was prefetched)
+  assert np.asarray(stats)[0, 4].tolist() == [2, 1]

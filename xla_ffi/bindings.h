@@ -46,6 +46,20 @@ struct PoolView {
   int64_t W;
 };
 
+// The host pool passed as an XLA operand (`pinned_host` memory), viewed through its aliased result `out`
+// (the caller first copies the operand there if XLA did not alias them); an error unless it is [L, H, W] of
+// a whole-byte dtype. `op` names the handler in the message.
+inline xla::ffi::ErrorOr<PoolView> OperandPool(const char* op, xla::ffi::AnyBuffer pool,
+                                               xla::ffi::Result<xla::ffi::AnyBuffer>& out) {
+  namespace ffi = xla::ffi;
+  auto d = pool.dimensions();
+  if (d.size() != 3) return ffi::Error::InvalidArgument(std::string(op) + ": host_pool must be [L, H, W]");
+  if (!IsByteAddressable(pool.element_type()))
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": host_pool dtype packs below one byte per element (unsupported)");
+  return PoolView{static_cast<char*>(out->untyped_data()), d[0], d[1], pool.element_type(), d[2]};
+}
+
 // An extension-owned pool (host_pool.h) named by its address, viewed with the
 // dtype and row width of `like` (the hot buffer or the rows written); an error
 // unless the address is a live pool covering [L, H] such rows.
@@ -89,6 +103,45 @@ auto BindSwapIn(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()            // status [B] (SwapInStatus per row; 0 = done)
       .template Attr<int64_t>("page_size")              // tokens per host page
       .template Attr<int64_t>("eviction");              // an Eviction (swap_in_core.h)
+}
+
+// Prefetch start: a swap-in of predicted positions with no newest row, rows or stats, done in the background:
+// its results are complete once the prefetch wait of that hot buffer returns.
+template <typename Binding>
+auto BindPrefetchStart(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .template Arg<ffi::Buffer<ffi::S32>>()            // top_k (predicted)
+      .template Arg<ffi::Buffer<ffi::S32>>()            // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()            // req_ids
+      .template Arg<ffi::Buffer<ffi::S32>>()            // host_pages
+      .template Arg<ffi::AnyBuffer>()                   // host_pool
+      .template Arg<ffi::AnyBuffer>()                   // hot
+      .template Arg<ffi::AnyBuffer>()                   // slot_tokens
+      .template Arg<ffi::AnyBuffer>()                   // lru
+      .template Ret<ffi::AnyBuffer>()                   // host_pool (aliased)
+      .template Ret<ffi::AnyBuffer>()                   // hot (aliased; complete after the wait)
+      .template Ret<ffi::AnyBuffer>()                   // slot_tokens (aliased)
+      .template Ret<ffi::AnyBuffer>()                   // lru (aliased)
+      .template Ret<ffi::Buffer<ffi::S32>>()            // prefetched [B]: rows copied, or -status
+      .template Attr<int64_t>("page_size")
+      .template Attr<int64_t>("eviction");
+}
+
+// Prefetch wait: what the prefetch into hot writes (aliased to the results) once it is done; `after` only
+// orders the call.
+template <typename Binding>
+auto BindPrefetchWait(Binding binding) {
+  namespace ffi = xla::ffi;
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // hot
+      .template Arg<ffi::AnyBuffer>()                        // slot_tokens
+      .template Arg<ffi::AnyBuffer>()                        // lru
+      .template Arg<ffi::AnyBuffer>()                        // prefetched [B]
+      .template Arg<ffi::AnyBuffer>()                        // after (not read)
+      .template Ret<ffi::AnyBuffer>()                        // hot (aliased)
+      .template Ret<ffi::AnyBuffer>()                        // slot_tokens (aliased)
+      .template Ret<ffi::AnyBuffer>()                        // lru (aliased)
+      .template Ret<ffi::AnyBuffer>();                       // prefetched (aliased)
 }
 
 template <typename Binding>

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "copy_workers.h"
 #include "parallel_for.h"
 #include "swap_in_core.h"
 #include "xla/ffi/api/ffi.h"
@@ -64,6 +65,7 @@ struct Workspace {
   // Per request of the call (owned by the calling thread): plans kept until commit.
   std::vector<int32_t> new_lru, miss_tokens, miss_slots, misses, hits;
   std::vector<uint64_t> seen;  // request ids seen in the batch (all zero between calls)
+  std::vector<int32_t> prefetch_rows;  // a prefetch row's unused rows output [K]
 
   void ReservePlan(int64_t K, int64_t D, int64_t S) {
     if (static_cast<int64_t>(need_token.size()) < K) {
@@ -101,79 +103,64 @@ Workspace& ThreadWorkspace() {
 // than waking another thread.
 constexpr int64_t kMinRequestsPerTask = 4;
 
-ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page_size, int64_t eviction,
-                  ffi::Buffer<ffi::F32> slot_scores, ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
-                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
-                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
-                  ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
-                  ffi::Result<ffi::Buffer<ffi::S32>> rows,
-                  ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                  ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
-  // ---- shapes --------------------------------------------------------------
+// Shapes the swap-in and the prefetch share: top_k [B, K], hot [L, R, D+1, W] matching the pool, seq_lens /
+// req_ids [B], host_pages [B, P], slot_tokens / lru s32[L, R, D], the attributes, status [B].
+ffi::Error CheckPlanShapes(const char* op, const PoolView& pool_view, int64_t page_size, int64_t eviction,
+                           ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                           ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                           ffi::AnyBuffer lru, ffi::Buffer<ffi::S32>& status) {
+  const std::string name(op);
   auto kd = top_k.dimensions();
   auto hd = hot.dimensions();
   if (kd.size() != 2 || hd.size() != 4)
-    return ffi::Error::InvalidArgument(
-        "swap_in: expected top_k [B,K], host_pool [L,H,W], hot [L,R,D+1,W]");
+    return ffi::Error::InvalidArgument(name + ": expected top_k [B,K], host_pool [L,H,W], hot [L,R,D+1,W]");
   const int64_t B = kd[0], K = kd[1];
   const int64_t L = pool_view.L, H = pool_view.H, W = pool_view.W;
   const int64_t R = hd[1], D = hd[2] - 1;
   if (hd[0] != L || hd[3] != W || D < 1)
-    return ffi::Error::InvalidArgument("swap_in: hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
+    return ffi::Error::InvalidArgument(name + ": hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
   if (pool_view.dtype != hot.element_type())
-    return ffi::Error::InvalidArgument("swap_in: host_pool and hot dtypes differ");
+    return ffi::Error::InvalidArgument(name + ": host_pool and hot dtypes differ");
   if (K > D)
-    return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(K) +
-                                       ") > device_buffer_size (" + std::to_string(D) + ")");
+    return ffi::Error::InvalidArgument(name + ": top_k (" + std::to_string(K) + ") > device_buffer_size (" +
+                                       std::to_string(D) + ")");
   if (page_size < 1 || page_size > std::numeric_limits<int32_t>::max())
-    return ffi::Error::InvalidArgument("swap_in: page_size must be in [1, 2^31)");
+    return ffi::Error::InvalidArgument(name + ": page_size must be in [1, 2^31)");
   if (eviction < 0 || eviction >= kNumEvictions)
-    return ffi::Error::InvalidArgument("swap_in: eviction " + std::to_string(eviction) +
+    return ffi::Error::InvalidArgument(name + ": eviction " + std::to_string(eviction) +
                                        " is not a policy (0 lru, 1 clock, 2 score)");
-  if (D >= kRefBit) return ffi::Error::InvalidArgument("swap_in: device_buffer_size must be < 2^30");
-  if (!SameDims(slot_scores, {B, eviction == kEvictScore ? D : 0}))
-    return ffi::Error::InvalidArgument(eviction == kEvictScore
-                                           ? "swap_in: eviction \"score\" needs slot_scores f32[B, D]"
-                                           : "swap_in: slot_scores must be f32[B, 0] unless eviction is \"score\"");
+  if (D >= kRefBit) return ffi::Error::InvalidArgument(name + ": device_buffer_size must be < 2^30");
   auto pd = host_pages.dimensions();
   if (!SameDims(seq_lens, {B}) || !SameDims(req_ids, {B}) || pd.size() != 2 || pd[0] != B ||
-      !SameDims(slot_tokens, {L, R, D}) || !SameDims(lru, {L, R, D}) ||
-      !SameDims(stats, {L, R, 2}) || slot_tokens.element_type() != ffi::S32 ||
-      lru.element_type() != ffi::S32 || stats.element_type() != ffi::S32 ||
-      layer_buf.element_count() != 1)
+      !SameDims(slot_tokens, {L, R, D}) || !SameDims(lru, {L, R, D}) || slot_tokens.element_type() != ffi::S32 ||
+      lru.element_type() != ffi::S32 || layer_buf.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "swap_in: expected seq_lens/req_ids s32[B], host_pages s32[B,P], slot_tokens/lru s32[L,R,D], "
-        "stats s32[L,R,2], layer s32[]");
-  const int64_t P = pd[1];
-  if (!SameDims(newest, {B, W}) || newest.element_type() != hot.element_type())
-    return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
-  if (std::max({R * (D + 1), H, P * page_size, K}) > std::numeric_limits<int32_t>::max())
-    return ffi::Error::InvalidArgument("swap_in: a dimension exceeds int32 indexing");
-  if (!SameDims(*status_out, {B}))
-    return ffi::Error::InvalidArgument("swap_in: status must be s32[B]");
+        name + ": expected seq_lens/req_ids s32[B], host_pages s32[B,P], slot_tokens/lru s32[L,R,D], layer s32[]");
+  if (std::max({R * (D + 1), H, pd[1] * page_size, K}) > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument(name + ": a dimension exceeds int32 indexing");
+  if (!SameDims(status, {B})) return ffi::Error::InvalidArgument(name + ": status must be s32[B]");
+  return ffi::Error::Success();
+}
 
-  // ---- data: a bad row gets a status and is left unchanged; the others are done ------------------------
-  // Outputs XLA did not alias to their inputs start as copies of them (every row's state must come out).
-  CopyIfDistinct(hot, hot_out);
-  CopyIfDistinct(slot_tokens, slot_tokens_out);
-  CopyIfDistinct(lru, lru_out);
-  CopyIfDistinct(stats, stats_out);
-  int32_t* status = status_out->typed_data();
-  int32_t* out = rows->typed_data();
-  const int32_t layer = layer_buf.typed_data()[0];
-  if (layer < 0 || layer >= L) {
-    std::fill(status, status + B, static_cast<int32_t>(kLayerOutOfRange));
-    std::fill(out, out + B * K, -1);
-    return ffi::Error::Success();
-  }
-  const int32_t* ids = req_ids.typed_data();
-  const int32_t* lens = seq_lens.typed_data();
+// One swap-in or prefetch call, its shapes checked, its outputs' state copied in (raw pointers).
+struct PlanCall {
+  PoolView pool;
+  int64_t B, K, R, D, P, page_size, eviction;
+  const int32_t *layer, *top_k, *seq_lens, *req_ids, *host_pages;
+  const float* slot_scores;  // [B, D] (eviction score), else unused
+  const char* newest;        // [B, W] (swap-in only)
+  char* hot;
+  int32_t *slot_tokens, *lru, *stats;  // stats: swap-in only
+  int32_t* rows;                       // [B, K] (swap-in only)
+  int32_t* status;                     // [B]
+};
 
-  // Request ids: in [-1, R), -1 only on idle rows; a row repeating an earlier row's id fails (rows of one
-  // request would race).
-  Workspace& batch = ThreadWorkspace();
-  batch.ReserveBatch(B, K, D, R);
+// Request ids: in [-1, R), -1 only on idle rows (seq_len 0); a row repeating an earlier row's id fails (rows
+// of one request would race). status[b] = kOk or kBadRequestId.
+void CheckRequestIds(Workspace& batch, int64_t B, int64_t R, const int32_t* ids, const int32_t* lens,
+                     int32_t* status) {
+  if (static_cast<int64_t>(batch.seen.size()) < (R + 63) / 64) batch.seen.resize((R + 63) / 64, 0);
   for (int64_t b = 0; b < B; ++b) {
     const int32_t id = ids[b];
     bool ok = id >= -1 && id < R && (id >= 0 || lens[b] == 0);
@@ -187,21 +174,40 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
   }
   for (int64_t b = 0; b < B; ++b)
     if (ids[b] >= 0 && ids[b] < R) batch.seen[ids[b] >> 6] = 0;
+}
 
-  const size_t row_bytes = static_cast<size_t>(W) * ffi::ByteWidth(hot.element_type());
-  auto request = [&](int64_t b, int32_t* slots, int32_t* order) {
-    const int64_t table = (static_cast<int64_t>(layer) * R + ids[b]) * D;
-    return RequestLayer{top_k.typed_data() + b * K, static_cast<int32_t>(K), lens[b],
-                        static_cast<int32_t>(D), host_pages.typed_data() + b * P,
-                        static_cast<int32_t>(P), static_cast<int32_t>(page_size),
-                        static_cast<int32_t>(H), slots + table, order + table,
-                        static_cast<int32_t>(ids[b] * (D + 1)), static_cast<int32_t>(eviction),
-                        slot_scores.typed_data() + (eviction == kEvictScore ? b * D : 0)};
-  };
+// Row b's request at `layer` (its request id validated >= 0).
+RequestLayer MakeRequest(const PlanCall& c, int32_t layer, int64_t b) {
+  const int32_t id = c.req_ids[b];
+  const int64_t table = (static_cast<int64_t>(layer) * c.R + id) * c.D;
+  return RequestLayer{c.top_k + b * c.K, static_cast<int32_t>(c.K), c.seq_lens[b], static_cast<int32_t>(c.D),
+                      c.host_pages + b * c.P, static_cast<int32_t>(c.P), static_cast<int32_t>(c.page_size),
+                      static_cast<int32_t>(c.pool.H), c.slot_tokens + table, c.lru + table,
+                      static_cast<int32_t>(id * (c.D + 1)), static_cast<int32_t>(c.eviction),
+                      c.slot_scores + (c.eviction == kEvictScore ? b * c.D : 0)};
+}
 
-  // Phase 1: plan every request without touching any state (each plan validates what it reads).
-  int32_t* in_slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
-  int32_t* in_order = static_cast<int32_t*>(lru_out->untyped_data());
+// The swap-in of a call: plans every row (phase 1, nothing changed: each plan validates what it reads),
+// then commits the good rows' plans, places each newest row, copies the misses host -> device and counts
+// hits and misses (phase 2). Row statuses as in the file header.
+void RunSwapIn(ffi::ThreadPool& thread_pool, const PlanCall& c) {
+  const int64_t B = c.B, K = c.K, R = c.R, D = c.D, P = c.P, H = c.pool.H;
+  int32_t* status = c.status;
+  int32_t* out = c.rows;
+  const int32_t layer = c.layer[0];
+  if (layer < 0 || layer >= c.pool.L) {
+    std::fill(status, status + B, static_cast<int32_t>(kLayerOutOfRange));
+    std::fill(out, out + B * K, -1);
+    return;
+  }
+  const int32_t* ids = c.req_ids;
+  Workspace& batch = ThreadWorkspace();
+  batch.ReserveBatch(B, K, D, R);
+  CheckRequestIds(batch, B, R, ids, c.seq_lens, status);
+  const size_t row_bytes = static_cast<size_t>(c.pool.W) * ffi::ByteWidth(c.pool.dtype);
+  auto request = [&](int64_t b) { return MakeRequest(c, layer, b); };
+
+  // Phase 1: plan every request without touching any state.
   ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
     batch.misses[b] = batch.hits[b] = 0;
     if (ids[b] < 0 || status[b] != kOk) {  // an idle row (all padding), or a bad request id
@@ -209,13 +215,12 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
       return;
     }
     Workspace& ws = ThreadWorkspace();
-    ws.ReservePlan(K, D, P * page_size);
+    ws.ReservePlan(K, D, P * c.page_size);
     SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D,
                           ws.heap_key.data(), ws.heap_pos.data()};
     DirectPositionMap map = ws.Map();
-    const int32_t misses = PlanSwapIn(request(b, in_slots, in_order), map, scratch, out + b * K,
-                                      batch.miss_tokens.data() + b * K, batch.miss_slots.data() + b * K,
-                                      &batch.hits[b]);
+    const int32_t misses = PlanSwapIn(request(b), map, scratch, out + b * K, batch.miss_tokens.data() + b * K,
+                                      batch.miss_slots.data() + b * K, &batch.hits[b]);
     if (misses < 0) {
       status[b] = -misses;
       std::fill(out + b * K, out + (b + 1) * K, -1);
@@ -225,29 +230,155 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
   });
 
   // Phase 2: commit the good rows' plans, place each newest row, copy the missing rows host -> device.
-  const char* pool = pool_view.base + static_cast<size_t>(layer) * H * row_bytes;
-  char* dev = static_cast<char*>(hot_out->untyped_data()) +
-              static_cast<size_t>(layer) * R * (D + 1) * row_bytes;
-  int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
-  int32_t* order = static_cast<int32_t*>(lru_out->untyped_data());
-  int32_t* counts = static_cast<int32_t*>(stats_out->untyped_data()) + static_cast<int64_t>(layer) * R * 2;
+  const char* pool = c.pool.base + static_cast<size_t>(layer) * H * row_bytes;
+  char* dev = c.hot + static_cast<size_t>(layer) * R * (D + 1) * row_bytes;
+  int32_t* counts = c.stats + static_cast<int64_t>(layer) * R * 2;
   ParallelFor(thread_pool, B, kMinRequestsPerTask, [&](int64_t b) {
     if (ids[b] < 0 || status[b] != kOk) return;
-    const RequestLayer r = request(b, slots, order);
+    const RequestLayer r = request(b);
     const int32_t misses = batch.misses[b];
     const int32_t* miss_tokens = batch.miss_tokens.data() + b * K;
     const int32_t* miss_slots = batch.miss_slots.data() + b * K;
     CommitSwapIn(r, batch.new_lru.data() + b * D, miss_tokens, miss_slots, misses);
+    for (int32_t i = 0; i < misses; ++i)  // host rows validated by the plan
+      std::memcpy(dev + (r.row_base + miss_slots[i]) * row_bytes, pool + HostRow(r, miss_tokens[i]) * row_bytes,
+                  row_bytes);
     if (r.seq_len > 0)
-      std::memcpy(dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * row_bytes,
-                  static_cast<const char*>(newest.untyped_data()) + b * row_bytes, row_bytes);
-    for (int32_t i = 0; i < misses; ++i) {
-      const int64_t src = HostRow(r, miss_tokens[i]);  // validated by the plan
-      std::memcpy(dev + (r.row_base + miss_slots[i]) * row_bytes, pool + src * row_bytes, row_bytes);
-    }
+      std::memcpy(dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * row_bytes, c.newest + b * row_bytes, row_bytes);
     counts[ids[b] * 2] += batch.hits[b];
     counts[ids[b] * 2 + 1] += misses;
   });
+}
+
+ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page_size, int64_t eviction,
+                  ffi::Buffer<ffi::F32> slot_scores, ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
+                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
+                  ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer stats,
+                  ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                  ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
+                  ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
+  if (auto e = CheckPlanShapes("swap_in", pool_view, page_size, eviction, layer_buf, top_k, seq_lens, req_ids,
+                               host_pages, hot, slot_tokens, lru, *status_out);
+      e.failure())
+    return e;
+  const int64_t B = top_k.dimensions()[0], K = top_k.dimensions()[1];
+  const int64_t L = pool_view.L, W = pool_view.W, R = hot.dimensions()[1], D = hot.dimensions()[2] - 1;
+  if (!SameDims(slot_scores, {B, eviction == kEvictScore ? D : 0}))
+    return ffi::Error::InvalidArgument(eviction == kEvictScore
+                                           ? "swap_in: eviction \"score\" needs slot_scores f32[B, D]"
+                                           : "swap_in: slot_scores must be f32[B, 0] unless eviction is \"score\"");
+  if (!SameDims(stats, {L, R, 2}) || stats.element_type() != ffi::S32)
+    return ffi::Error::InvalidArgument("swap_in: expected stats s32[L,R,2]");
+  if (!SameDims(newest, {B, W}) || newest.element_type() != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
+
+  // ---- data: a bad row gets a status and is left unchanged; the others are done ------------------------
+  // Outputs XLA did not alias to their inputs start as copies of them (every row's state must come out).
+  CopyIfDistinct(hot, hot_out);
+  CopyIfDistinct(slot_tokens, slot_tokens_out);
+  CopyIfDistinct(lru, lru_out);
+  CopyIfDistinct(stats, stats_out);
+  RunSwapIn(thread_pool,
+            PlanCall{pool_view, B, K, R, D, host_pages.dimensions()[1], page_size, eviction, layer_buf.typed_data(),
+                   top_k.typed_data(), seq_lens.typed_data(), req_ids.typed_data(), host_pages.typed_data(),
+                   slot_scores.typed_data(), static_cast<const char*>(newest.untyped_data()),
+                   static_cast<char*>(hot_out->untyped_data()), static_cast<int32_t*>(slot_tokens_out->untyped_data()),
+                   static_cast<int32_t*>(lru_out->untyped_data()), static_cast<int32_t*>(stats_out->untyped_data()),
+                   rows->typed_data(), status_out->typed_data()});
+  return ffi::Error::Success();
+}
+
+// One prefetch call's work for the copy threads: its small inputs snapshotted (XLA may reuse their buffers
+// once the start returns), pointers into the state it updates (aliased through to the prefetch wait).
+struct PrefetchJob {
+  PlanCall call;  // top_k, seq_lens, req_ids, host_pages point into the vectors below
+  int32_t layer;
+  std::vector<int32_t> top_k, seq_lens, req_ids, host_pages;
+  int32_t* prefetched;  // [B]
+};
+
+// Rows [begin, end) of a prefetch: plan the predicted positions, commit, copy the misses. On a worker.
+void PrefetchRows(const PrefetchJob& job, int64_t begin, int64_t end) {
+  const PlanCall& c = job.call;
+  const size_t row_bytes = static_cast<size_t>(c.pool.W) * ffi::ByteWidth(c.pool.dtype);
+  const char* pool = c.pool.base + static_cast<size_t>(job.layer) * c.pool.H * row_bytes;
+  char* dev = c.hot + static_cast<size_t>(job.layer) * c.R * (c.D + 1) * row_bytes;
+  Workspace& ws = ThreadWorkspace();
+  ws.ReservePlan(c.K, c.D, c.P * c.page_size);
+  ws.ReserveBatch(1, c.K, c.D, c.R);
+  if (static_cast<int64_t>(ws.prefetch_rows.size()) < c.K) ws.prefetch_rows.resize(c.K);
+  for (int64_t b = begin; b < end; ++b) {
+    if (job.prefetched[b] != kOk || c.req_ids[b] < 0) {  // a bad request id (status), or an idle row (0)
+      job.prefetched[b] = -job.prefetched[b];
+      continue;
+    }
+    const RequestLayer r = MakeRequest(c, job.layer, b);
+    SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), ws.new_lru.data(), ws.heap_key.data(),
+                          ws.heap_pos.data()};
+    DirectPositionMap map = ws.Map();
+    int32_t hits = 0;
+    const int32_t misses = PlanSwapIn(r, map, scratch, ws.prefetch_rows.data(), ws.miss_tokens.data(),
+                                      ws.miss_slots.data(), &hits);
+    job.prefetched[b] = misses;  // or -status: the row is left unchanged
+    if (misses < 0) continue;
+    CommitSwapIn(r, ws.new_lru.data(), ws.miss_tokens.data(), ws.miss_slots.data(), misses);
+    for (int32_t i = 0; i < misses; ++i)  // host rows validated by the plan
+      std::memcpy(dev + (r.row_base + ws.miss_slots[i]) * row_bytes,
+                  pool + HostRow(r, ws.miss_tokens[i]) * row_bytes, row_bytes);
+  }
+}
+
+// Requests per prefetch task.
+constexpr int64_t kPrefetchRowsPerTask = 4;
+
+// Prefetch start (cross-layer prefetch): layer `layer`'s swap-in of the PREDICTED positions top_k (the
+// previous layer's top-k), without a newest row and without stats, run on the copy threads (copy_workers.h):
+// this call only checks the shapes, the layer and the request ids, snapshots its small inputs and queues the
+// work (plan, commit the slot table and LRU order, copy the misses host -> hot buffer) under the hot buffer's
+// address. Everything it returns (hot, slot_tokens, lru, prefetched) is complete only once PrefetchWait of
+// the same hot buffer returns. prefetched s32[B]: the rows each row copies, or -status for a row left alone
+// (its swap-in will report it).
+ffi::Error PrefetchStart(PoolView pool_view, int64_t page_size, int64_t eviction, ffi::Buffer<ffi::S32> layer_buf,
+                         ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                         ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot,
+                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> hot_out,
+                         ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                         ffi::Result<ffi::Buffer<ffi::S32>> prefetched) {
+  if (auto e = CheckPlanShapes("prefetch", pool_view, page_size, eviction, layer_buf, top_k, seq_lens, req_ids,
+                               host_pages, hot, slot_tokens, lru, *prefetched);
+      e.failure())
+    return e;
+  if (eviction == kEvictScore)
+    return ffi::Error::InvalidArgument("prefetch: eviction \"score\" needs this layer's scores, not known yet");
+  const int64_t B = top_k.dimensions()[0], K = top_k.dimensions()[1], P = host_pages.dimensions()[1];
+  CopyIfDistinct(hot, hot_out);
+  CopyIfDistinct(slot_tokens, slot_tokens_out);
+  CopyIfDistinct(lru, lru_out);
+  int32_t* count = prefetched->typed_data();
+  const int32_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= pool_view.L) {
+    std::fill(count, count + B, -static_cast<int32_t>(kLayerOutOfRange));
+    return ffi::Error::Success();
+  }
+  auto job = std::make_shared<PrefetchJob>();
+  job->layer = layer;
+  job->top_k.assign(top_k.typed_data(), top_k.typed_data() + B * K);
+  job->seq_lens.assign(seq_lens.typed_data(), seq_lens.typed_data() + B);
+  job->req_ids.assign(req_ids.typed_data(), req_ids.typed_data() + B);
+  job->host_pages.assign(host_pages.typed_data(), host_pages.typed_data() + B * P);
+  job->prefetched = count;
+  job->call = PlanCall{pool_view, B, K, hot.dimensions()[1], hot.dimensions()[2] - 1, P, page_size, eviction,
+                       nullptr, job->top_k.data(), job->seq_lens.data(), job->req_ids.data(),
+                       job->host_pages.data(), nullptr, nullptr, static_cast<char*>(hot_out->untyped_data()),
+                       static_cast<int32_t*>(slot_tokens_out->untyped_data()),
+                       static_cast<int32_t*>(lru_out->untyped_data()), nullptr, nullptr, count};
+  CheckRequestIds(ThreadWorkspace(), B, job->call.R, job->req_ids.data(), job->seq_lens.data(), count);
+  std::vector<CopyWorkers::Task> tasks;
+  for (int64_t begin = 0; begin < B; begin += kPrefetchRowsPerTask)
+    tasks.push_back([job, begin, end = std::min(B, begin + kPrefetchRowsPerTask)] { PrefetchRows(*job, begin, end); });
+  CopyWorkers::Get().Submit(hot_out->untyped_data(), std::move(tasks));
   return ffi::Error::Success();
 }
 
@@ -262,14 +393,10 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
                       ffi::Result<ffi::AnyBuffer> stats_out, ffi::Result<ffi::Buffer<ffi::S32>> status_out,
                       int64_t page_size, int64_t eviction) {
-  auto pd = host_pool.dimensions();
-  if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
-  if (!IsByteAddressable(host_pool.element_type()))
-    return ffi::Error::InvalidArgument("swap_in: host_pool dtype packs below one byte per element (unsupported)");
+  auto view = OperandPool("swap_in", host_pool, host_pool_out);
+  if (view.has_error()) return view.error();
   CopyIfDistinct(host_pool, host_pool_out);
-  PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
-                host_pool.element_type(), pd[2]};
-  return SwapIn(thread_pool, view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
+  return SwapIn(thread_pool, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
                 newest, hot,
                 slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
 }
@@ -292,6 +419,55 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
   return SwapIn(thread_pool, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
                 newest, hot,
                 slot_tokens, lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
+}
+
+// Prefetch start over a host pool passed as an XLA operand, aliased to a result (so that the next backup of
+// the pool is ordered after this call).
+ffi::Error PrefetchStartImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                             ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
+                             ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
+                             ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
+                             ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                             ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::Buffer<ffi::S32>> prefetched,
+                             int64_t page_size, int64_t eviction) {
+  auto view = OperandPool("prefetch", host_pool, host_pool_out);
+  if (view.has_error()) return view.error();
+  CopyIfDistinct(host_pool, host_pool_out);
+  return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
+                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
+}
+
+// Prefetch start over an extension-owned host pool; pool_token (s32[1]) is aliased to the result.
+ffi::Error PrefetchStartExtImpl(ffi::Buffer<ffi::S32> layer,
+                                ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                                ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages,
+                                ffi::AnyBuffer pool_token, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                                ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> pool_token_out,
+                                ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> prefetched, int64_t page_size, int64_t eviction,
+                                uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+  auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
+  if (view.has_error()) return view.error();
+  CopyIfDistinct(pool_token, pool_token_out);
+  return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
+                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
+}
+
+// Prefetch wait: returns once every prefetch task on this hot buffer is done; hot, slot_tokens, lru and
+// prefetched (what the tasks write) are aliased to the results, complete from here on. `after` is not read:
+// it orders the wait after the work the prefetch overlaps (XLA runs the wait once `after` exists).
+ffi::Error PrefetchWaitImpl(ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
+                            ffi::AnyBuffer prefetched, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> hot_out,
+                            ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                            ffi::Result<ffi::AnyBuffer> prefetched_out) {
+  (void)after;
+  CopyWorkers::Get().Wait(hot.untyped_data());
+  CopyIfDistinct(hot, hot_out);
+  CopyIfDistinct(slot_tokens, slot_tokens_out);
+  CopyIfDistinct(lru, lru_out);
+  CopyIfDistinct(prefetched, prefetched_out);
+  return ffi::Error::Success();
 }
 
 // Backup: host_pool[layer + i, dst[n]] = rows[i, n] for every n with dst[n] >= 0.
@@ -331,13 +507,10 @@ ffi::Error Backup(PoolView pool_view, ffi::Buffer<ffi::S32> layer_buf, ffi::AnyB
 ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
                       ffi::AnyBuffer host_pool, ffi::Result<ffi::AnyBuffer> host_pool_out,
                       ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
-  auto pd = host_pool.dimensions();
-  if (pd.size() != 3) return ffi::Error::InvalidArgument("backup: host_pool must be [L, H, W]");
-  if (!IsByteAddressable(host_pool.element_type()))
-    return ffi::Error::InvalidArgument("backup: host_pool dtype packs below one byte per element (unsupported)");
+  auto view = OperandPool("backup", host_pool, host_pool_out);
+  if (view.has_error()) return view.error();
   CopyIfDistinct(host_pool, host_pool_out);
-  return Backup(PoolView{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1],
-                         host_pool.element_type(), pd[2]},
+  return Backup(*view,
                 layer, rows, dst, status_out);
 }
 
@@ -367,3 +540,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInExtCpu, hisparse::SwapInExtImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupExtCpu, hisparse::BackupExtImpl,
                               hisparse::BindExternalPool(hisparse::BindBackup(ffi::Ffi::Bind())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparsePrefetchStartCpu, hisparse::PrefetchStartImpl,
+                              hisparse::BindPrefetchStart(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparsePrefetchStartExtCpu, hisparse::PrefetchStartExtImpl,
+                              hisparse::BindExternalPool(
+                                  hisparse::BindPrefetchStart(ffi::Ffi::Bind())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparsePrefetchWaitCpu, hisparse::PrefetchWaitImpl,
+                              hisparse::BindPrefetchWait(ffi::Ffi::Bind()));

@@ -18,7 +18,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "bindings.h"
 #include "swap_in_core.h"
@@ -43,11 +47,12 @@ struct SwapInArgs {
   int32_t* slot_tokens;
   int32_t* lru;
   int32_t* stats;
-  int32_t* rows;
-  int32_t* status;  // [B]
+  int32_t* rows;     // [B, K] (swap-in); unused by a prefetch (its rows go to shared memory)
+  int32_t* status;   // [B]: swap-in status; prefetch: rows copied, or -status
   const float* slot_scores;  // [B, D] (eviction score), else unused
   int32_t B, K, D, R, P, page_size, L, H, eviction;
   int64_t row_bytes;
+  bool prefetch;     // a prefetch start: predicted positions, no newest row, no stats
 };
 
 // Row b's request; only for rows whose request id was validated as >= 0.
@@ -87,6 +92,7 @@ struct BlockPlan {
   SwapInScratch scratch;
   int32_t* miss_tokens;
   int32_t* miss_slots;
+  int32_t* rows;  // [K] a prefetch's (unused) rows
 };
 
 __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
@@ -99,53 +105,60 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
   int32_t* new_lru = miss_slots + K;
   int32_t* heap_pos = new_lru + D;
   int32_t* heap_key = heap_pos + K;
-  uint8_t* slot_state = reinterpret_cast<uint8_t*>(heap_key + K);
+  int32_t* rows = heap_key + K;
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(rows + K);
   for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) hash_keys[i] = -1;
   __syncthreads();
   return BlockPlan{HashPositionMap{hash_keys, hash_slots, cap - 1},
-                   SwapInScratch{need_token, slot_state, new_lru, heap_key, heap_pos}, miss_tokens, miss_slots};
+                   SwapInScratch{need_token, slot_state, new_lru, heap_key, heap_pos}, miss_tokens, miss_slots, rows};
 }
 
 // One block per request: thread 0 checks and plans the row, commits a good plan, then the block's warps
 // copy the missing rows, 16 bytes per lane per load. A bad row writes its status and changes nothing.
+// A prefetch (a.prefetch) plans the predicted positions the same way, with no newest row and no stats, and
+// writes the rows it copies (or -status) instead of a status.
 __global__ void SwapInKernel(SwapInArgs a) {
   extern __shared__ int32_t smem[];
   __shared__ int32_t num_misses;  // < 0: the row failed with status -num_misses
   const int32_t b = blockIdx.x;
   const int32_t layer = *a.layer;
-  int32_t* rows = a.rows + static_cast<int64_t>(b) * a.K;
   int32_t code = kOk;
   if (layer < 0 || layer >= a.L) code = kLayerOutOfRange;
   else if (!RequestIdOk(a, b)) code = kBadRequestId;
   // An idle row (no request: all padding) or a bad one costs one block that exits at once. A row of a request
   // with seq_len 0 is still planned (its positions checked), as on the CPU.
   if (code != kOk || a.req_ids[b] < 0) {
-    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
-    if (threadIdx.x == 0) a.status[b] = code;
+    if (!a.prefetch)
+      for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) a.rows[static_cast<int64_t>(b) * a.K + k] = -1;
+    if (threadIdx.x == 0) a.status[b] = a.prefetch ? -code : code;
     return;
   }
   const RequestLayer r = MakeRequest(a, b, layer);
   BlockPlan p = CarveShared(smem, a.K, a.D);
+  int32_t* rows = a.prefetch ? p.rows : a.rows + static_cast<int64_t>(b) * a.K;
   if (threadIdx.x == 0) {
     int32_t hits = 0;
     num_misses = PlanSwapIn(r, p.map, p.scratch, rows, p.miss_tokens, p.miss_slots, &hits);
-    a.status[b] = num_misses < 0 ? -num_misses : kOk;
+    a.status[b] = a.prefetch ? num_misses : num_misses < 0 ? -num_misses : kOk;
     if (num_misses >= 0) {
       CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
-      int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
-      counts[0] += hits;
-      counts[1] += num_misses;
+      if (!a.prefetch) {
+        int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
+        counts[0] += hits;
+        counts[1] += num_misses;
+      }
     }
   }
   __syncthreads();
   if (num_misses < 0) {  // the plan failed part-way: none of its rows is valid
-    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
+    if (!a.prefetch)
+      for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
     return;
   }
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
   // The last warp places the newest row (the others take misses first); seq_len 0 has none.
-  if (threadIdx.x / 32 == kThreads / 32 - 1 && r.seq_len > 0)
+  if (!a.prefetch && threadIdx.x / 32 == kThreads / 32 - 1 && r.seq_len > 0)
     CopyRow(a.newest + static_cast<int64_t>(b) * a.row_bytes,
             dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * a.row_bytes, a.row_bytes);
   for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
@@ -155,7 +168,7 @@ __global__ void SwapInKernel(SwapInArgs a) {
 }
 
 size_t SwapInSharedBytes(int32_t K, int32_t D) {
-  return (2 * static_cast<size_t>(HashCapacity(K)) + 5 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
+  return (2 * static_cast<size_t>(HashCapacity(K)) + 6 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
 }
 
 ffi::Error CudaStatus(cudaError_t e, const char* what) {
@@ -211,26 +224,23 @@ ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, int64_t layers, int64_t ro
   return view;
 }
 
-ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t eviction,
-                  ffi::Buffer<ffi::F32> slot_scores, ffi::Buffer<ffi::S32> layer,
-                  ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
-                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
-                  ffi::AnyBuffer slot_tokens,
-                  ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
-                  ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                  ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
+// Checks what the swap-in and the prefetch share and fills those fields of `a`: top_k [B, K], hot
+// [L, R, D+1, W] matching the pool, host_pages [B, P], seq_lens / req_ids [B], slot_tokens / lru [L, R, D],
+// the attributes, a status / count output of B entries.
+ffi::Error FillArgs(const std::string& op, PoolView pool, int64_t page_size, int64_t eviction,
+                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                    ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot,
+                    ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, size_t status_count, SwapInArgs& a) {
   auto kd = top_k.dimensions();
   auto hd = hot.dimensions();
   auto pd = host_pages.dimensions();
   if (kd.size() != 2 || hd.size() != 4 || pd.size() != 2)
-    return ffi::Error::InvalidArgument(
-        "swap_in: expected top_k [B,K], host_pages [B,P], host_pool [L,H,W], hot [L,R,D+1,W]");
+    return ffi::Error::InvalidArgument(op +
+                                       ": expected top_k [B,K], host_pages [B,P], host_pool [L,H,W], hot [L,R,D+1,W]");
   if (page_size < 1 || page_size > INT32_MAX)
-    return ffi::Error::InvalidArgument("swap_in: page_size must be in [1, 2^31)");
+    return ffi::Error::InvalidArgument(op + ": page_size must be in [1, 2^31)");
   if (hd[1] * hd[2] > INT32_MAX || pool.H > INT32_MAX || pd[1] * page_size > INT32_MAX)
-    return ffi::Error::InvalidArgument("swap_in: a dimension exceeds int32 indexing");
-  SwapInArgs a{};
+    return ffi::Error::InvalidArgument(op + ": a dimension exceeds int32 indexing");
   a.B = static_cast<int32_t>(kd[0]);
   a.K = static_cast<int32_t>(kd[1]);
   a.L = static_cast<int32_t>(pool.L);
@@ -240,45 +250,60 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
   a.P = static_cast<int32_t>(pd[1]);
   a.page_size = static_cast<int32_t>(page_size);
   if (hd[0] != pool.L || hd[3] != pool.W || a.D < 1 || pd[0] != kd[0] || pool.dtype != hot.element_type())
-    return ffi::Error::InvalidArgument("swap_in: hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
+    return ffi::Error::InvalidArgument(op + ": hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
   if (a.K > a.D)
-    return ffi::Error::InvalidArgument("swap_in: top_k (" + std::to_string(a.K) +
-                                       ") > device_buffer_size (" + std::to_string(a.D) + ")");
+    return ffi::Error::InvalidArgument(op + ": top_k (" + std::to_string(a.K) + ") > device_buffer_size (" +
+                                       std::to_string(a.D) + ")");
   if (eviction < 0 || eviction >= kNumEvictions)
-    return ffi::Error::InvalidArgument("swap_in: eviction " + std::to_string(eviction) +
+    return ffi::Error::InvalidArgument(op + ": eviction " + std::to_string(eviction) +
                                        " is not a policy (0 lru, 1 clock, 2 score)");
-  if (a.D >= kRefBit) return ffi::Error::InvalidArgument("swap_in: device_buffer_size must be < 2^30");
+  if (a.D >= kRefBit) return ffi::Error::InvalidArgument(op + ": device_buffer_size must be < 2^30");
   a.eviction = static_cast<int32_t>(eviction);
-  {
-    auto sd = slot_scores.dimensions();
-    if (sd.size() != 2 || sd[0] != kd[0] || sd[1] != (eviction == kEvictScore ? a.D : 0))
-      return ffi::Error::InvalidArgument(eviction == kEvictScore
-                                             ? "swap_in: eviction \"score\" needs slot_scores f32[B, D]"
-                                             : "swap_in: slot_scores must be f32[B, 0] unless eviction is \"score\"");
-  }
-  a.slot_scores = slot_scores.typed_data();
   if (slot_tokens.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
       lru.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
-      stats.element_count() != static_cast<size_t>(a.L) * a.R * 2 ||
       seq_lens.element_count() != static_cast<size_t>(a.B) ||
       req_ids.element_count() != static_cast<size_t>(a.B) || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument(
-        "swap_in: expected slot_tokens/lru s32[L,R,D], stats s32[L,R,2], seq_lens/req_ids s32[B], layer s32[]");
-  if (newest.element_count() != static_cast<size_t>(a.B) * pool.W || newest.element_type() != hot.element_type())
-    return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
-  if (status_out->element_count() != static_cast<size_t>(a.B))
-    return ffi::Error::InvalidArgument("swap_in: status must be s32[B]");
-  if (a.B == 0) return ffi::Error::Success();
+    return ffi::Error::InvalidArgument(op +
+                                       ": expected slot_tokens/lru s32[L,R,D], seq_lens/req_ids s32[B], layer s32[]");
+  if (status_count != static_cast<size_t>(a.B)) return ffi::Error::InvalidArgument(op + ": status must be s32[B]");
   a.layer = layer.typed_data();
   a.top_k = top_k.typed_data();
   a.seq_lens = seq_lens.typed_data();
   a.req_ids = req_ids.typed_data();
   a.host_pages = host_pages.typed_data();
-  a.newest = static_cast<const char*>(newest.untyped_data());
   a.pool = pool.base;
   a.row_bytes = pool.W * ffi::ByteWidth(hot.element_type());
-  a.slot_tokens = static_cast<int32_t*>(slot_tokens.untyped_data());
-  a.lru = static_cast<int32_t*>(lru.untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t eviction,
+                  ffi::Buffer<ffi::F32> slot_scores, ffi::Buffer<ffi::S32> layer,
+                  ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                  ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer newest, ffi::AnyBuffer hot,
+                  ffi::AnyBuffer slot_tokens,
+                  ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
+                  ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                  ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
+                  ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
+  SwapInArgs a{};
+  if (auto e = FillArgs("swap_in", pool, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
+                        slot_tokens, lru, status_out->element_count(), a);
+      e.failure())
+    return e;
+  {
+    auto sd = slot_scores.dimensions();
+    if (sd.size() != 2 || sd[0] != a.B || sd[1] != (eviction == kEvictScore ? a.D : 0))
+      return ffi::Error::InvalidArgument(eviction == kEvictScore
+                                             ? "swap_in: eviction \"score\" needs slot_scores f32[B, D]"
+                                             : "swap_in: slot_scores must be f32[B, 0] unless eviction is \"score\"");
+  }
+  a.slot_scores = slot_scores.typed_data();
+  if (stats.element_count() != static_cast<size_t>(a.L) * a.R * 2)
+    return ffi::Error::InvalidArgument("swap_in: expected stats s32[L,R,2]");
+  if (newest.element_count() != static_cast<size_t>(a.B) * pool.W || newest.element_type() != hot.element_type())
+    return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
+  if (a.B == 0) return ffi::Error::Success();
+  a.newest = static_cast<const char*>(newest.untyped_data());
 
   const size_t smem = SwapInSharedBytes(a.K, a.D);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
@@ -297,6 +322,127 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
   return CudaStatus(cudaGetLastError(), "swap_in launch");
 }
 
+// ---- cross-layer prefetch ----------------------------------------------------------------------------------
+// The prefetch kernel (SwapInKernel with a.prefetch) runs on a side stream of the device, after an event of
+// XLA's stream, and records an event that the prefetch wait makes XLA's stream wait for: layer l's attention
+// and MoE on XLA's stream overlap layer l+1's copies. Its small inputs (layer, top_k, seq_lens, req_ids,
+// host_pages) are first copied, on XLA's stream, into a scratch buffer of the hot buffer's: XLA may reuse
+// their memory for other work once the start returns. One prefetch per hot buffer is in flight at a time (the
+// view waits before the next start), so each hot buffer has one scratch, one start and one done event.
+struct PrefetchSlot {
+  cudaEvent_t ready = nullptr, done = nullptr;
+  int32_t* scratch = nullptr;
+  size_t scratch_ints = 0;
+  bool pending = false;
+};
+
+class PrefetchRegistry {
+ public:
+  static PrefetchRegistry& Get() {
+    static PrefetchRegistry* registry = new PrefetchRegistry();  // never destroyed (no CUDA calls at exit)
+    return *registry;
+  }
+  std::mutex mu;
+  std::map<int, cudaStream_t> side;                           // device -> side stream
+  std::map<std::pair<int, const void*>, PrefetchSlot> slots;  // (device, hot buffer) -> its prefetch
+};
+
+ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t eviction,
+                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
+                         ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot,
+                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> hot_out,
+                         ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                         ffi::Result<ffi::Buffer<ffi::S32>> prefetched) {
+  SwapInArgs a{};
+  if (auto e = FillArgs("prefetch", pool, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
+                        slot_tokens, lru, prefetched->element_count(), a);
+      e.failure())
+    return e;
+  if (eviction == kEvictScore)
+    return ffi::Error::InvalidArgument("prefetch: eviction \"score\" needs this layer's scores, not known yet");
+  a.prefetch = true;
+  for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out}, std::pair{lru, lru_out}}) {
+    if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
+  }
+  if (a.B == 0) return ffi::Error::Success();
+  const size_t smem = SwapInSharedBytes(a.K, a.D);
+  if (auto e = AllowSharedMemory(smem); e.failure()) return e;
+  int device = 0;
+  if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
+  auto& reg = PrefetchRegistry::Get();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  cudaStream_t& side = reg.side[device];
+  if (side == nullptr)
+    if (auto e = CudaStatus(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate"); e.failure())
+      return e;
+  PrefetchSlot& slot = reg.slots[{device, hot_out->untyped_data()}];
+  if (slot.ready == nullptr) {
+    for (cudaEvent_t* ev : {&slot.ready, &slot.done})
+      if (auto e = CudaStatus(cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "cudaEventCreate"); e.failure())
+        return e;
+  }
+  // Scratch: layer | top_k [B*K] | seq_lens [B] | req_ids [B] | host_pages [B*P].
+  const size_t n_topk = static_cast<size_t>(a.B) * a.K, n_pages = static_cast<size_t>(a.B) * a.P;
+  const size_t need = 1 + n_topk + 2 * static_cast<size_t>(a.B) + n_pages;
+  if (slot.scratch_ints < need) {
+    if (slot.scratch != nullptr) cudaFree(slot.scratch);  // its last prefetch was waited for
+    slot.scratch = nullptr;
+    slot.scratch_ints = 0;
+    if (auto e = CudaStatus(cudaMalloc(&slot.scratch, need * sizeof(int32_t)), "prefetch scratch"); e.failure())
+      return e;
+    slot.scratch_ints = need;
+  }
+  int32_t* at = slot.scratch;
+  for (auto [dst, src, n] : {std::tuple{&a.layer, a.layer, size_t{1}}, std::tuple{&a.top_k, a.top_k, n_topk},
+                             std::tuple{&a.seq_lens, a.seq_lens, static_cast<size_t>(a.B)},
+                             std::tuple{&a.req_ids, a.req_ids, static_cast<size_t>(a.B)},
+                             std::tuple{&a.host_pages, a.host_pages, n_pages}}) {
+    if (auto e = CudaStatus(cudaMemcpyAsync(at, src, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream),
+                            "prefetch snapshot");
+        e.failure())
+      return e;
+    *dst = at;
+    at += n;
+  }
+  a.hot = static_cast<char*>(hot_out->untyped_data());
+  a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
+  a.lru = static_cast<int32_t*>(lru_out->untyped_data());
+  a.status = prefetched->typed_data();
+  if (auto e = CudaStatus(cudaEventRecord(slot.ready, stream), "cudaEventRecord"); e.failure()) return e;
+  if (auto e = CudaStatus(cudaStreamWaitEvent(side, slot.ready, 0), "cudaStreamWaitEvent"); e.failure()) return e;
+  SwapInKernel<<<a.B, kThreads, smem, side>>>(a);
+  if (auto e = CudaStatus(cudaGetLastError(), "prefetch launch"); e.failure()) return e;
+  if (auto e = CudaStatus(cudaEventRecord(slot.done, side), "cudaEventRecord"); e.failure()) return e;
+  slot.pending = true;
+  return ffi::Error::Success();
+}
+
+// Prefetch wait: XLA's stream waits for the prefetch into this hot buffer (no host synchronization); the
+// arrays it writes are aliased to the results.
+ffi::Error PrefetchWaitImpl(cudaStream_t stream, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
+                            ffi::AnyBuffer prefetched, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> hot_out,
+                            ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                            ffi::Result<ffi::AnyBuffer> prefetched_out) {
+  (void)after;
+  int device = 0;
+  if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
+  {
+    auto& reg = PrefetchRegistry::Get();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.slots.find({device, hot.untyped_data()});
+    if (it != reg.slots.end() && it->second.pending) {
+      if (auto e = CudaStatus(cudaStreamWaitEvent(stream, it->second.done, 0), "cudaStreamWaitEvent"); e.failure())
+        return e;
+      it->second.pending = false;
+    }
+  }
+  for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out}, std::pair{lru, lru_out},
+                          std::pair{prefetched, prefetched_out}}) {
+    if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
 // Host pool as an XLA operand (`pinned_host` memory), aliased to a result.
 ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
                       ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
@@ -308,13 +454,10 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
                       ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                       ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
                       ffi::Result<ffi::Buffer<ffi::S32>> status_out, int64_t page_size, int64_t eviction) {
-  auto pd = host_pool.dimensions();
-  if (pd.size() != 3) return ffi::Error::InvalidArgument("swap_in: host_pool must be [L, H, W]");
-  if (!IsByteAddressable(host_pool.element_type()))
-    return ffi::Error::InvalidArgument("swap_in: host_pool dtype packs below one byte per element (unsupported)");
+  auto view = OperandPool("swap_in", host_pool, host_pool_out);
+  if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
-  PoolView view{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]};
-  return SwapIn(stream, view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
+  return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
                 lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
 }
 
@@ -336,6 +479,37 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
                 lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
+}
+
+// Prefetch start over a `pinned_host` pool operand, aliased to a result.
+ffi::Error PrefetchStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                             ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
+                             ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> host_pool_out,
+                             ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                             ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::Buffer<ffi::S32>> prefetched,
+                             int64_t page_size, int64_t eviction) {
+  auto view = OperandPool("prefetch", host_pool, host_pool_out);
+  if (view.has_error()) return view.error();
+  if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
+  return PrefetchStart(stream, *view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
+                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
+}
+
+// Prefetch start over an extension-owned pinned pool; pool_token (s32[1]) is aliased to the result.
+ffi::Error PrefetchStartExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                                ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
+                                ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
+                                ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
+                                ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> prefetched, int64_t page_size, int64_t eviction,
+                                uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+  auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
+  if (view.has_error()) return view.error();
+  if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
+  return PrefetchStart(stream, *view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
+                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
 }
 
 // Grid (N, max(Lr, 1)): block (n, i) copies column n of layer layer + i (none when Lr is 0); blocks i = 0
@@ -375,13 +549,11 @@ ffi::Error Backup(cudaStream_t stream, PoolView pool, ffi::Buffer<ffi::S32> laye
 ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
                       ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer host_pool,
                       ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::Buffer<ffi::S32>> status) {
-  auto pd = host_pool.dimensions();
-  if (pd.size() != 3) return ffi::Error::InvalidArgument("backup: host_pool must be [L, H, W]");
-  if (!IsByteAddressable(host_pool.element_type()))
-    return ffi::Error::InvalidArgument("backup: host_pool dtype packs below one byte per element (unsupported)");
+  auto view = OperandPool("backup", host_pool, host_pool_out);
+  if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   return Backup(stream,
-                PoolView{static_cast<char*>(host_pool_out->untyped_data()), pd[0], pd[1], host_pool.element_type(), pd[2]},
+                *view,
                 layer, rows, dst, status);
 }
 
@@ -412,3 +584,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSwapInExtCuda, hisparse::SwapInExtImpl,
                               hisparse::BindExternalPool(hisparse::BindSwapIn(HISPARSE_CUDA_BIND)), HISPARSE_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseBackupExtCuda, hisparse::BackupExtImpl,
                               hisparse::BindExternalPool(hisparse::BindBackup(HISPARSE_CUDA_BIND)), HISPARSE_CUDA_TRAITS);
+
+// The prefetch handlers use a side stream and events (their overlap with XLA's stream is the point): not
+// command-buffer compatible, so XLA runs them outside any CUDA graph it captures.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparsePrefetchStartCuda, hisparse::PrefetchStartImpl,
+                              hisparse::BindPrefetchStart(HISPARSE_CUDA_BIND));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparsePrefetchStartExtCuda, hisparse::PrefetchStartExtImpl,
+                              hisparse::BindExternalPool(hisparse::BindPrefetchStart(HISPARSE_CUDA_BIND)));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparsePrefetchWaitCuda, hisparse::PrefetchWaitImpl,
+                              hisparse::BindPrefetchWait(HISPARSE_CUDA_BIND));

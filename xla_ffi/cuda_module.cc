@@ -16,6 +16,9 @@ extern "C" XLA_FFI_Error* HisparseSwapInCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseSwapInExtCuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupExtCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparsePrefetchStartCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparsePrefetchStartExtCuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparsePrefetchWaitCuda(XLA_FFI_CallFrame*);
 
 namespace nb = nanobind;
 using hisparse::HostPoolRegistry;
@@ -59,6 +62,9 @@ NB_MODULE(_ffi_cuda, m) {
     d["hisparse_backup"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupCuda));
     d["hisparse_swap_in_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseSwapInExtCuda));
     d["hisparse_backup_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupExtCuda));
+    d["hisparse_prefetch_start"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchStartCuda));
+    d["hisparse_prefetch_start_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchStartExtCuda));
+    d["hisparse_prefetch_wait"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchWaitCuda));
     return d;
   });
   m.def("alloc_host_pool", &AllocPinnedHostPool, nb::arg("bytes"),

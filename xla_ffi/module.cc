@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "copy_workers.h"
 #include "host_pool.h"
 #include "swap_in_core.h"
 #include "xla/ffi/api/c_api.h"
@@ -21,6 +22,9 @@ extern "C" XLA_FFI_Error* HisparseTopKCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseSwapInExtCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupExtCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparsePrefetchStartCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparsePrefetchStartExtCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparsePrefetchWaitCpu(XLA_FFI_CallFrame*);
 
 namespace nb = nanobind;
 using hisparse::HostPoolRegistry;
@@ -78,6 +82,9 @@ NB_MODULE(_ffi_cpu, m) {
     d["hisparse_backup"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupCpu));
     d["hisparse_swap_in_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseSwapInExtCpu));
     d["hisparse_backup_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparseBackupExtCpu));
+    d["hisparse_prefetch_start"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchStartCpu));
+    d["hisparse_prefetch_start_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchStartExtCpu));
+    d["hisparse_prefetch_wait"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchWaitCpu));
     d["hisparse_top_k"] = nb::capsule(reinterpret_cast<void*>(&HisparseTopKCpu));
     return d;
   });
@@ -89,6 +96,8 @@ NB_MODULE(_ffi_cpu, m) {
   m.def("status_message", [](int32_t code) { return std::string(hisparse::StatusMessage(code)); }, nb::arg("code"),
         "The text of a swap-in / backup status code (swap_in_core.h SwapInStatus; 'ok' for 0 or unknown).");
   m.attr("num_statuses") = hisparse::kNumStatuses;
+  m.def("prefetch_threads", []() { return hisparse::CopyWorkers::Get().Threads(); },
+        "The copy threads of the cross-layer prefetch (HISPARSE_PREFETCH_THREADS; 0: copies run in the wait).");
   m.def("copy_rows_seconds", &CopyRowsSeconds, nb::arg("src"), nb::arg("dst"), nb::arg("row_bytes"),
         nb::arg("src_rows"), nb::arg("dst_rows"), "Benchmark reference: a bare memcpy loop over rows.");
 }

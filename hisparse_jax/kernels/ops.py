@@ -54,6 +54,9 @@ BACKUP_TARGET = "hisparse_backup"
 # Variants over a host pool owned by the extension (ExtensionHostPool).
 SWAP_IN_EXT_TARGET = "hisparse_swap_in_ext"
 BACKUP_EXT_TARGET = "hisparse_backup_ext"
+PREFETCH_START_TARGET = "hisparse_prefetch_start"
+PREFETCH_START_EXT_TARGET = "hisparse_prefetch_start_ext"
+PREFETCH_WAIT_TARGET = "hisparse_prefetch_wait"
 
 
 def _register() -> None:
@@ -207,6 +210,18 @@ class ExtensionHostPool:
       pass
 
 
+def _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction):
+  """The swap-in's and the prefetch's shared arguments checked: the index arrays as int32 (ValueError /
+  TypeError as ``_int32``), page_size a positive integer and eviction a policy (ValueError)."""
+  arrays = tuple(_int32(n, x) for n, x in (("top_k", top_k), ("seq_lens", seq_lens), ("req_ids", req_ids),
+                                           ("host_pages", host_pages)))
+  if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+    raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+  if eviction not in EVICTIONS:
+    raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+  return arrays
+
+
 def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
             slot_scores=None, *, page_size: int, eviction: str = "lru", external: ExternalPoolRef | None = None,
             target: str | None = None):
@@ -266,13 +281,7 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
 
   Semantics: ``hisparse_jax.kernels.reference.swap_in`` (HiSparse, SGLang).
   """
-  top_k, seq_lens, req_ids, host_pages = (
-      _int32(n, x) for n, x in (("top_k", top_k), ("seq_lens", seq_lens), ("req_ids", req_ids),
-                                ("host_pages", host_pages)))
-  if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
-    raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
-  if eviction not in EVICTIONS:
-    raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+  top_k, seq_lens, req_ids, host_pages = _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction)
   B, K = top_k.shape
   if (slot_scores is None) != (eviction != "score"):
     raise ValueError('slot_scores (float32[B, D]) are given exactly when eviction is "score"')
@@ -298,6 +307,68 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
                                     **attrs))(
       _layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
       slot_scores)
+
+
+def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, *,
+                   page_size: int, eviction: str = "lru", external: ExternalPoolRef | None = None):
+  """Cross-layer prefetch, first half: start making layer ``layer``'s PREDICTED top-k resident.
+
+  A swap-in of the predicted positions top_k (typically the previous layer's top-k: adjacent layers pick
+  mostly the same tokens; IndexCache, arXiv 2603.12201, measures 70-100% overlap on DeepSeek-V3.2) with no
+  newest row and no stats: hits move to the recent end of the LRU order, each missing position takes a
+  victim slot and its row is copied host pool -> hot buffer. The work runs in the background (CPU: the
+  extension's copy threads, ``prefetch_threads``; the call itself only checks and queues) until
+  ``prefetch_wait`` of the same hot buffer; the layer's real ``swap_in`` after the wait finds the rows
+  resident. The real swap-in still makes every needed row resident, so results are bit for bit those
+  without a prefetch (a wrong prediction costs only the rows it copied and what it evicted).
+
+  Contract: ``hot``, ``slot_tokens``, ``lru`` and ``prefetched`` returned here are complete only after
+  ``prefetch_wait``: pass them straight to it, and use its results instead (an ``optimization_barrier`` with
+  ``prefetched`` may order other work after this call: it reads nothing). Whatever read ``hot``,
+  ``slot_tokens`` or ``lru`` before this call must be ordered before it (in a decode step: the previous
+  layer's gather, through an ``optimization_barrier``), and every start must be waited for.
+
+  Args: as ``swap_in`` (top_k int32[B, K] the predicted positions, each < seq_len; seq_lens, req_ids,
+    host_pages, host_pool, hot, slot_tokens, lru, page_size), with eviction "lru" or "clock" ("score" needs
+    the layer's indexer scores, which do not exist yet: ValueError).
+
+  Returns:
+    (host_pool, hot, slot_tokens, lru, prefetched), aliased to the inputs: the pool (orders the next backup
+    after this call), the hot buffer, slot table and LRU order, and int32[B] the rows each batch row copies,
+    or -status for a row whose input is bad (left unchanged: its swap-in reports the status).
+
+  Raises: as ``swap_in`` for shapes; ValueError for eviction "score" or an unknown one.
+  """
+  top_k, seq_lens, req_ids, host_pages = _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction)
+  if eviction == "score":
+    raise ValueError('prefetch: eviction "score" ranks slots by the layer\'s own indexer scores, which a '
+                     'prefetch (before the layer runs) does not have; use "lru" or "clock"')
+  B = top_k.shape[0]
+  call = jax.ffi.ffi_call(
+      PREFETCH_START_EXT_TARGET if external else PREFETCH_START_TARGET,
+      (_like(host_pool), _like(hot), _like(slot_tokens), _like(lru), jax.ShapeDtypeStruct((B,), jnp.int32)),
+      input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3})
+  attrs = external.attrs() if external else {}
+  return tuple(per_device(lambda *a: call(*a, page_size=np.int64(page_size),
+                                          eviction=np.int64(EVICTIONS.index(eviction)), **attrs))(
+      _layer(layer), top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru))
+
+
+def prefetch_threads() -> int:
+  """The CPU extension's copy threads for ``prefetch_start`` (``HISPARSE_PREFETCH_THREADS``, read once per
+  process; default a quarter of the cores, 1 to 4). 0: the copies run inside ``prefetch_wait`` (no overlap)."""
+  return int(_ffi_cpu.prefetch_threads())
+
+
+def prefetch_wait(hot, slot_tokens, lru, prefetched, after):
+  """Cross-layer prefetch, second half: (hot, slot_tokens, lru, prefetched) once the ``prefetch_start`` into
+  hot is done (the arrays it returned, aliased to the results: updated in place, complete from here on).
+
+  ``after`` (any array, not read) orders the wait: XLA runs it only once ``after`` exists, so give it a value
+  computed after the work the prefetch should overlap (in a decode step: the layer's newest latent rows)."""
+  call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru), _like(prefetched)),
+                          input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})
+  return tuple(per_device(call)(hot, slot_tokens, lru, prefetched, after))
 
 
 def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = None):

@@ -186,6 +186,7 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   Works on copies; returns (rows, host_pool, hot, slot_tokens, lru, stats, status) as NumPy arrays, status
   int32[B] the row codes above (a failed row is left unchanged, its rows -1). Raises SwapInError (status
   None) where the kernel returns an FFI error: K > D, newest not [B, W] of the hot buffer's dtype.
+  newest None: a prefetch (no newest row written, stats unchanged; ``prefetch``).
   """
   hot = np.array(hot, copy=True)
   slot_tokens = np.array(slot_tokens, copy=True)
@@ -197,7 +198,7 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   B = len(req_ids)
   if np.shape(top_k)[1] > D:
     raise SwapInError(f"top_k ({np.shape(top_k)[1]}) > device_buffer_size ({D})")
-  if np.shape(newest) != (B, W) or np.asarray(newest).dtype != hot.dtype:
+  if newest is not None and (np.shape(newest) != (B, W) or np.asarray(newest).dtype != hot.dtype):
     raise SwapInError("newest must be [B, W] of the hot buffer's dtype")
   rows = np.full(np.shape(top_k), -1, np.int32)
   status = np.zeros(B, np.int32)
@@ -222,11 +223,29 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
     except SwapInError as e:  # swap_in_request checks everything before it changes anything
       status[b] = e.status
       continue
+    if newest is None:  # a prefetch: the rows it copied
+      status[b] = -misses
+      continue
     stats[layer, r] += (hits, misses)
     n = int(seq_lens[b])
     if n > 0:  # a failed row changes nothing, so the reference writes the newest rows last
       hot_l[r * D1 + (n - 1 if n <= D else D)] = newest[b]
   return rows, host_pool, hot, slot_tokens, lru, stats, status
+
+
+def prefetch(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, *, page_size,
+             eviction="lru"):
+  """Reference of ``ops.prefetch_start`` + ``ops.prefetch_wait``: the swap-in of the predicted positions
+  top_k with no newest row and no stats (eviction "lru" or "clock"). Works on copies; returns (hot,
+  slot_tokens, lru, prefetched), prefetched int32[B] the rows each row copied, or -status for a row left
+  unchanged (codes above)."""
+  if eviction not in ("lru", "clock"):
+    raise SwapInError(f"prefetch takes eviction lru or clock, not {eviction!r}")
+  L, R = np.shape(slot_tokens)[:2]
+  _, _, hot, slot_tokens, lru, _, status = swap_in(
+      layer, top_k, seq_lens, req_ids, host_pages, None, host_pool, hot, slot_tokens, lru,
+      np.zeros((L, R, 2), np.int32), page_size=page_size, eviction=eviction)
+  return hot, slot_tokens, lru, -status
 
 
 def backup(layer, rows, dst, host_pool):

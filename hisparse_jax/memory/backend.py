@@ -462,7 +462,8 @@ class HiSparseBackend(KVBackend):
         index_dim=layout.index_dim, dtype=dtype, index_pages=plan.pools["index"][1],
         staging_pages=plan.pools["staging"][1], request_slots=plan.request_slots,
         device_buffer_size=hisparse.device_buffer_size, host_pages=plan.pools["host"][1],
-        external_pool=self.external_pool, mesh=mesh, groups=groups, eviction=hisparse.eviction)
+        external_pool=self.external_pool, mesh=mesh, groups=groups, eviction=hisparse.eviction,
+        prefetch_depth=hisparse.prefetch_positions)
 
   def prefill_tables(self, kvs, finishing) -> dict:
     scratch = self.slots_per_group  # the state's scratch hot-buffer slot (in every group)

@@ -316,8 +316,8 @@ RESIDENCY = ("none", "mixed", "all")  # which rows of a decode batch are residen
 
 
 @_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status",
-               "staging", "resident_pages") + _HOST,
-         meta=("page_size", "external", "eviction", "residency"))
+               "staging", "resident_pages", "prefetched") + _HOST,
+         meta=("page_size", "external", "eviction", "residency", "prefetch_depth"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
   """A HiSparse decode batch (one token per row): the newest latent row goes to the host pool (backup
@@ -331,9 +331,15 @@ class HiSparseDecodeView:
   Dynamic residency: a row whose ``resident_pages`` row holds pages (its request's whole latent KV on device,
   in staging pages) gets its newest row written there too and is gathered from there, with no swap-in (its
   kernel row is idle). ``residency`` (static) says whether no row ("none": staging and resident_pages are
-  None), some ("mixed") or every active row ("all": no swap-in call at all) is resident."""
+  None), some ("mixed") or every active row ("all": no swap-in call at all) is resident.
 
-  batch_fields = ("index_pages", "req_ids", "newest", "status", "resident_pages", "host_pages")
+  Cross-layer prefetch (``prefetch_depth`` > 0): after layer l's swap-in and gather, the first prefetch_depth
+  positions of its top-k (the top-scored) start layer l+1's swap-in (``ops.prefetch_start``: in the background) while layer l's
+  attention and MoE run; layer l+1's gather waits for the copies (``ops.prefetch_wait``, ordered after the
+  layer's newest rows, i.e. after layer l's compute) before its own swap-in. ``prefetched`` holds the
+  in-flight prefetch's per-row counts between the two (None when none is in flight)."""
+
+  batch_fields = ("index_pages", "req_ids", "newest", "status", "resident_pages", "prefetched", "host_pages")
 
   index: jax.Array
   index_pages: jax.Array
@@ -346,12 +352,14 @@ class HiSparseDecodeView:
   status: jax.Array
   staging: jax.Array | None
   resident_pages: jax.Array | None  # int32[B, P]: staging pages of resident rows, -1 rows for the others
+  prefetched: jax.Array | None  # int32[B] of the prefetch in flight for the next layer (``prefetch``), else None
   host_pool: jax.Array
   host_pages: jax.Array
   page_size: int
   external: ops.ExternalPoolRef | None
   eviction: str = "lru"
   residency: str = "none"
+  prefetch_depth: int = 0
 
   @per_group()
   def append(self, layer, positions, latent, index_key):
@@ -394,17 +402,32 @@ class HiSparseDecodeView:
       slots = self.slot_tokens[layer][jnp.maximum(req_ids, 0)]  # [B, D] positions, -1 empty
       keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
+    hot = self.hot
+    if self.prefetched is not None:  # this layer's prefetch is done before its swap-in reads the hot buffer
+      hot, slot_tokens, lru, _ = ops.prefetch_wait(hot, self.slot_tokens, self.lru, self.prefetched, self.newest)
+    else:
+      slot_tokens, lru = self.slot_tokens, self.lru
     rows, host_pool, hot, slot_tokens, lru, stats, status = ops.swap_in(
-        layer, top_k[:, 0], seq_lens, req_ids, self.host_pages, self.newest, self.host_pool, self.hot,
-        self.slot_tokens, self.lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
+        layer, top_k[:, 0], seq_lens, req_ids, self.host_pages, self.newest, self.host_pool, hot,
+        slot_tokens, lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
         external=self.external)
     R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
     out = hot[layer].reshape(R * D1, W)[jnp.maximum(rows, 0)]
     out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
     if resident is not None:
       out = jnp.where(resident[:, None, None], resident_rows, out)
+    started = None
+    if self.prefetch_depth and layer + 1 < hot.shape[0]:
+      # The gather above reads the hot buffer before the prefetch writes it (barrier), and the prefetch
+      # starts before this layer's attention uses its rows (second barrier): the copies overlap that work.
+      out, hot = jax.lax.optimization_barrier((out, hot))
+      host_pool, hot, slot_tokens, lru, started = ops.prefetch_start(
+          layer + 1, top_k[:, 0, :self.prefetch_depth], seq_lens, req_ids, self.host_pages, host_pool, hot,
+          slot_tokens, lru,
+          page_size=self.page_size, eviction=self.eviction, external=self.external)
+      out, started = jax.lax.optimization_barrier((out, started))
     view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
-                               newest=None, status=_first_failure(self.status, status))
+                               newest=None, status=_first_failure(self.status, status), prefetched=started)
     return out[:, None], view
 
 
@@ -415,7 +438,7 @@ def host_rows(host_pages, positions, page_size):
 
 
 @_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "host_pool"),
-         meta=("page_size", "external", "eviction"))
+         meta=("page_size", "external", "eviction", "prefetch_depth"))
 @dataclasses.dataclass
 class HiSparseState:
   """HiSparse KV memory (see the module docstring). hot: T[L, R+1, D+1, W]; slot_tokens, lru: int32[L, R+1, D];
@@ -435,21 +458,27 @@ class HiSparseState:
   page_size: int
   external: ops.ExternalPoolRef | None = None
   eviction: str = "lru"
+  prefetch_depth: int = 0
 
   @classmethod
   def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
              request_slots, device_buffer_size, host_pages,
              external_pool: ops.ExtensionHostPool | None = None, mesh=None, groups: int = 1,
-             eviction: str = "lru") -> "HiSparseState":
+             eviction: str = "lru", prefetch_depth: int = 0) -> "HiSparseState":
     """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
     on ``mesh`` (``_placement``; not with external_pool). eviction: the swap-in's policy (``ops.EVICTIONS``;
-    ValueError otherwise, before anything is allocated). groups: DP groups, each with the sizes given (the
+    ValueError otherwise, before anything is allocated); prefetch_depth: the decode views' cross-layer
+    prefetch (``HiSparseDecodeView``; 0: none; > 0 needs eviction "lru" or "clock"). groups: DP groups, each with the sizes given (the
     arrays hold groups x index_pages pages, groups x (request_slots + 1) hot buffers, ...)."""
     if mesh is not None and external_pool is not None:
       raise ValueError("an extension-owned host pool serves one device; a mesh needs the pinned_host pool")
     if eviction not in ops.EVICTIONS:
       raise ValueError(f"eviction must be one of {ops.EVICTIONS}, got {eviction!r}")
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0 or (
+        prefetch_depth and eviction == "score"):
+      raise ValueError(f"prefetch_depth must be an integer >= 0 (> 0 with eviction lru or clock), got "
+                       f"{prefetch_depth!r} with eviction {eviction!r}")
     L, R, D = num_layers, groups * (request_slots + 1), device_buffer_size  # + each group's scratch slot
     H = groups * host_pages * page_size
     index_pages, staging_pages = groups * index_pages, groups * staging_pages
@@ -474,7 +503,8 @@ class HiSparseState:
 
     arrays = jax.jit(device, out_shardings=_placement(mesh))()
     return cls(**arrays, host_pool=host_pool, page_size=page_size,
-               external=None if external_pool is None else external_pool.ref, eviction=eviction)
+               external=None if external_pool is None else external_pool.ref, eviction=eviction,
+               prefetch_depth=prefetch_depth)
 
   @property
   def device_buffer_size(self) -> int:
@@ -493,8 +523,9 @@ class HiSparseState:
     resident = residency != "none"
     return HiSparseDecodeView(self.index, tables["index_pages"], self.hot, self.slot_tokens, self.lru, self.stats,
                               tables["req_ids"], None, status, self.staging if resident else None,
-                              tables["resident_pages"] if resident else None, self.host_pool,
-                              tables["host_pages"], self.page_size, self.external, self.eviction, residency)
+                              tables["resident_pages"] if resident else None, None, self.host_pool,
+                              tables["host_pages"], self.page_size, self.external, self.eviction, residency,
+                              self.prefetch_depth)
 
   def absorb(self, view) -> "HiSparseState":
     return _absorb(self, view)

@@ -1,0 +1,207 @@
+r"""Cross-layer prefetch: a decode step with misses against the same step with all hits, with and without it.
+
+  python benchmarks/prefetch.py [--quick] [--batches 1,8,64] [--context 6144] [--layers 4] [--steps 12] \
+      [--heads 2] [--depth 2048] [--out benchmarks/results/prefetch]
+
+The real-size kernel configuration: top_k 2048, device_buffer_size 4096, latent rows of W = 576 bfloat16
+(DeepSeek-V3.2's 512 + 64), a ``--context``-token prompt per request (> D: every step is on the slow path)
+in a ``pinned_host`` pool. The access pattern is the calibrated DeepSeek-V3.2 indexer trace
+(``calibrated_trace.py``: consecutive steps share 35-50% of their top-k on deep layers, adjacent layers 70-100%),
+two seeds alternating over the batch's requests.
+
+One jitted decode-like step per mode, ``--layers`` layers each: backup of the newest row, swap-in, gather of the
+K rows, then the layer's compute on them: the absorbed MLA attention of ``--heads`` heads over the K latent
+rows (scores, softmax, values) and a dense MLP of 1024 -> 2048 -> 1024 on the batch (a stand-in for the MoE).
+The next layer's input depends on this layer's output. Three states, stepped in a rotated order each step:
+  hits        the trace's first top-k repeated every step: after the first step every row is resident (no copy);
+  misses      the trace as it is, no prefetch;
+  prefetch    the trace, with ``prefetch`` "next_layer" (layer l's top-k starts layer l+1's swap-in while layer
+              l computes; the copies run on the extension's copy threads); --depth: how many of layer l's top-k (its
+              top-scored) are prefetched.
+Reported per batch: median step time of each mode after ``SKIP`` warm-up steps; misses / hits and prefetch / hits,
+each the median (and interquartile range) over steps of the step's own ratio (the goal of issue 14 section 3:
+prefetch / hits <= 1.05), the share of the miss cost the prefetch hides, (misses - prefetch) / (misses - hits)
+from those medians, and the rows copied per step (by the real swap-ins and by the prefetch).
+Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from calibrated_trace import TraceModel, calibrated_trace  # noqa: E402
+from cli import positive_ints, write_results  # noqa: E402
+
+TOP_K, D, W = 2048, 4096, 576
+SKIP = 3
+MODES = ("hits", "misses", "prefetch")
+MLP = (1024, 2048)
+
+
+def traces(context: int, steps: int, layers: int, seeds=(0, 1)) -> np.ndarray:
+  """int32[seeds, steps, layers, TOP_K] calibrated top-k positions (step t at seq_len context + t + 1), each
+  layer's in descending score order, as the model's indexer returns them."""
+  model = TraceModel(layers=layers)
+  out = []
+  for s in seeds:
+    steps_ = []
+    for tk, sc in calibrated_trace(context, steps, TOP_K, model, seed=s):
+      steps_.append(np.stack([t[np.argsort(-sc[l][t], kind="stable")] for l, t in enumerate(tk)]))
+    out.append(np.stack(steps_))
+  return np.stack(out).astype(np.int32)
+
+
+def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K):
+  """(step functions by mode, initial states by mode, per-step inputs by mode)."""
+  import jax
+  import jax.numpy as jnp
+
+  from hisparse_jax.kernels import ops
+
+  dt = jnp.bfloat16
+  L, S = layers, context + steps + 1
+  pages = S  # page_size 1: host row of position t of request b = b * S + t
+  key = jax.random.key(0)
+  k_pool, k_q, k_w1, k_w2, k_x = jax.random.split(key, 5)
+
+  def fresh_state():
+    pool = jax.jit(lambda: jax.device_put(jax.random.normal(k_pool, (L, B * S, W), dt), jax.memory.Space.Host))()
+    # As after a prefill of the first D positions: slot s holds token s.
+    slot_rows = jnp.arange(B)[:, None] * S + jnp.arange(D + 1)[None]
+    hot = jax.jit(lambda p: jax.device_put(p, jax.memory.Space.Device)[:, slot_rows])(pool)
+    slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
+    return dict(pool=pool, hot=hot, slot_tokens=slots + 0, lru=slots + 1 - 1, stats=jnp.zeros((L, B, 2), jnp.int32))
+
+  wq = (jax.random.normal(k_q, (MLP[0], heads * W), jnp.float32) * MLP[0] ** -0.5).astype(dt)
+  w1 = (jax.random.normal(k_w1, MLP, jnp.float32) * MLP[0] ** -0.5).astype(dt)
+  w2 = (jax.random.normal(k_w2, MLP[::-1], jnp.float32) * MLP[1] ** -0.5).astype(dt)
+  wkv = (jax.random.normal(k_x, (MLP[0], W), jnp.float32) * MLP[0] ** -0.5).astype(dt)
+  host_pages = jnp.asarray(np.arange(B)[:, None] * S + np.arange(S)[None], jnp.int32)
+  req_ids = jnp.arange(B, dtype=jnp.int32)
+
+  def layer_compute(x, rows):
+    """x [B, 2048], rows [B, K, W] -> x: absorbed MLA attention of `heads` heads over the rows, then the MLP."""
+    q = (x @ wq).reshape(B, heads, W)
+    s = jnp.einsum("bhw,bkw->bhk", q, rows, preferred_element_type=jnp.float32) * W ** -0.5
+    p = jax.nn.softmax(s, axis=-1).astype(dt)
+    o = jnp.einsum("bhk,bkw->bhw", p, rows).mean(1)  # [B, W]
+    h = x + jnp.pad(o, ((0, 0), (0, MLP[0] - W)))
+    return h + jax.nn.gelu(h @ w1) @ w2
+
+  def step(prefetch, state, x, top_k, seq_lens):
+    pool, hot, slots, lru, stats = (state[k] for k in ("pool", "hot", "slot_tokens", "lru", "stats"))
+    started, n = [], None
+    dst = host_pages[:, 0] + seq_lens - 1  # host row of each newest token
+    for l in range(L):
+      newest = (x @ wkv).astype(dt)
+      pool, _ = ops.backup(l, newest[None], dst, pool)
+      if prefetch and l:
+        hot, slots, lru, n = ops.prefetch_wait(hot, slots, lru, n, newest)
+        started.append(n)
+      rows, pool, hot, slots, lru, stats, _ = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_pages, newest,
+                                                          pool, hot, slots, lru, stats, page_size=1)
+      out = hot[l].reshape(B * (D + 1), W)[rows]
+      if prefetch and l + 1 < L:
+        out, hot = jax.lax.optimization_barrier((out, hot))
+        pool, hot, slots, lru, n = ops.prefetch_start(l + 1, top_k[l][:, :depth], seq_lens, req_ids, host_pages, pool, hot,
+                                                      slots, lru, page_size=1)
+        out, n = jax.lax.optimization_barrier((out, n))
+      x = layer_compute(x, out)
+    fetched = jnp.stack(started).sum() if started else jnp.zeros((), jnp.int32)
+    return dict(pool=pool, hot=hot, slot_tokens=slots, lru=lru, stats=stats), x, fetched
+
+  fns = {m: jax.jit(functools.partial(step, m == "prefetch"), donate_argnums=(0,)) for m in MODES}
+  states = {m: fresh_state() for m in MODES}
+  tr = traces(context, steps, L)  # [2, steps, L, K]
+  per_req = tr[np.arange(B) % tr.shape[0]]  # [B, steps, L, K]
+  inputs = {}
+  for m in MODES:
+    src = per_req[:, :1].repeat(steps, 1) if m == "hits" else per_req
+    inputs[m] = [jnp.asarray(src[:, t].transpose(1, 0, 2)) for t in range(steps)]  # [L, B, K] per step
+  x0 = jax.random.normal(k_x, (B, MLP[0]), jnp.float32).astype(dt)
+  return fns, states, inputs, x0
+
+
+def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  fns, states, inputs, x0 = build(B, context, layers, heads, steps, depth)
+  times = {m: [] for m in MODES}
+  fetched = {m: 0 for m in MODES}
+  misses = {m: [] for m in MODES}
+  for t in range(steps):
+    seq_lens = jnp.full((B,), context + t + 1, jnp.int32)
+    order = MODES[t % 3:] + MODES[:t % 3]
+    for m in order:
+      before = np.asarray(states[m]["stats"])[..., 1].sum()
+      t0 = time.perf_counter()
+      states[m], x, n = fns[m](states[m], x0, inputs[m][t], seq_lens)
+      jax.block_until_ready((states[m], x))
+      times[m].append(time.perf_counter() - t0)
+      if t >= SKIP:
+        misses[m].append(int(np.asarray(states[m]["stats"])[..., 1].sum() - before))
+        fetched[m] += int(n)
+  row = {"batch": B, "steps": steps - SKIP}
+  for m in MODES:
+    row[f"{m}_ms"] = 1e3 * float(np.median(times[m][SKIP:]))
+    row[f"{m}_copied_per_step"] = float(np.mean(misses[m]))
+  row["prefetched_per_step"] = fetched["prefetch"] / (steps - SKIP)
+  hits = np.array(times["hits"][SKIP:])
+  for m in ("misses", "prefetch"):  # per-step ratios: the three modes of a step run back to back
+    ratio = np.array(times[m][SKIP:]) / hits
+    row[f"{m}_over_hits"] = float(np.median(ratio))
+    row[f"{m}_over_hits_iqr"] = [float(np.percentile(ratio, 25)), float(np.percentile(ratio, 75))]
+  cost = row["misses_over_hits"] - 1
+  row["hidden_share"] = (row["misses_over_hits"] - row["prefetch_over_hits"]) / cost if cost > 0 else float("nan")
+  return row
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--batches", type=positive_ints, default=[1, 8, 64])
+  ap.add_argument("--context", type=int, default=6144)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--steps", type=int, default=12)
+  ap.add_argument("--heads", type=int, default=2)
+  ap.add_argument("--depth", type=int, default=TOP_K, help="positions prefetched: the top-scored of each top-k")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "prefetch"))
+  ap.add_argument("--quick", action="store_true")
+  if ap.parse_known_args(argv)[0].quick:
+    ap.set_defaults(batches=[1, 4], steps=6, layers=3)
+  args = ap.parse_args(argv)
+  if (args.context <= D or args.layers < 2 or args.steps <= SKIP or args.heads < 1 or args.batches[-1] > 256
+      or not 1 <= args.depth <= TOP_K):
+    print(f"error: need --context > {D}, --layers >= 2, --steps > {SKIP}, --heads >= 1, batches <= 256, "
+          f"--depth in [1, {TOP_K}]", file=sys.stderr)
+    return 2
+  from hisparse_jax.kernels import ops
+  t0 = time.perf_counter()
+  rows = [measure(B, args.context, args.layers, args.heads, args.steps, args.depth) for B in args.batches]
+  lines = [f"top_k {TOP_K}, D {D}, W {W} bf16, {args.context}-token prompts, {args.layers} layers, prefetch depth "
+           f"{args.depth}, calibrated "
+           f"DeepSeek-V3.2 trace; {os.cpu_count()} cores, {ops.prefetch_threads()} copy thread(s); median of "
+           f"{args.steps - SKIP} steps after {SKIP}.", "",
+           "| batch | hits ms | misses ms | prefetch ms | misses / hits (IQR) | prefetch / hits (IQR) | miss cost hidden "
+           "| rows copied / step (no prefetch) | by swap-in / by prefetch (prefetch) |", "|---" * 9 + "|"]
+  for r in rows:
+    mi, pi = r["misses_over_hits_iqr"], r["prefetch_over_hits_iqr"]
+    lines.append(f"| {r['batch']} | {r['hits_ms']:.1f} | {r['misses_ms']:.1f} | {r['prefetch_ms']:.1f} | "
+                 f"{r['misses_over_hits']:.3f} ({mi[0]:.2f}-{mi[1]:.2f}) | {r['prefetch_over_hits']:.3f} "
+                 f"({pi[0]:.2f}-{pi[1]:.2f}) | {100 * r['hidden_share']:.0f}% | "
+                 f"{r['misses_copied_per_step']:.0f} | {r['prefetch_copied_per_step']:.0f} / "
+                 f"{r['prefetched_per_step']:.0f} |")
+  write_results(args.out, {"args": vars(args), "prefetch_threads": ops.prefetch_threads(), "rows": rows,
+                           "seconds": time.perf_counter() - t0}, "\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

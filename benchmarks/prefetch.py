@@ -97,22 +97,21 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
 
   def step(prefetch, state, x, top_k, seq_lens):
     pool, hot, slots, lru, stats = (state[k] for k in ("pool", "hot", "slot_tokens", "lru", "stats"))
-    started, n = [], None
+    started, ticket = [], None
     dst = host_pages[:, 0] + seq_lens - 1  # host row of each newest token
     for l in range(L):
       newest = (x @ wkv).astype(dt)
       pool, _ = ops.backup(l, newest[None], dst, pool)
       if prefetch and l:
-        hot, slots, lru, n = ops.prefetch_wait(hot, slots, lru, n, newest)
+        hot, slots, lru, n = ops.prefetch_wait(ticket, hot, slots, lru, newest, batch=B)
         started.append(n)
       rows, pool, hot, slots, lru, stats, _ = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_pages, newest,
                                                           pool, hot, slots, lru, stats, page_size=1)
       out = hot[l].reshape(B * (D + 1), W)[rows]
       if prefetch and l + 1 < L:
-        out, hot = jax.lax.optimization_barrier((out, hot))
-        pool, hot, slots, lru, n = ops.prefetch_start(l + 1, top_k[l][:, :depth], seq_lens, req_ids, host_pages, pool, hot,
-                                                      slots, lru, page_size=1)
-        out, n = jax.lax.optimization_barrier((out, n))
+        pool, ticket = ops.prefetch_start(l + 1, top_k[l][:, :depth], seq_lens, req_ids, host_pages, pool, hot,
+                                          slots, lru, page_size=1)
+        out, ticket = jax.lax.optimization_barrier((out, ticket))
       x = layer_compute(x, out)
     fetched = jnp.stack(started).sum() if started else jnp.zeros((), jnp.int32)
     return dict(pool=pool, hot=hot, slot_tokens=slots, lru=lru, stats=stats), x, fetched

@@ -86,6 +86,8 @@ class HiSparseConfig:
     d = self.prefetch_depth
     if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= self.top_k):
       raise ConfigError(f"hisparse config: prefetch_depth must be an integer in [1, top_k = {self.top_k}], got {d!r}")
+    if d is not None and self.prefetch == "none":
+      raise ConfigError('hisparse config: prefetch_depth is set but prefetch is "none" (set "prefetch": "next_layer")')
     if self.device_buffer_size < self.top_k:
       raise ConfigError(
           f"hisparse config: device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k})")

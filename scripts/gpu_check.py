@@ -101,9 +101,9 @@ def _run_prefetch(path, case, jax, platform, page_size):
     host = ext.token()
 
   def run(host, hot, slots, order, top_k, seq_lens, req_ids, host_pages):
-    host, hot, slots, order, n = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host, hot, slots,
-                                                    order, page_size=page_size, external=ext and ext.ref)
-    return ops.prefetch_wait(hot, slots, order, n, top_k)
+    host, ticket = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host, hot, slots, order,
+                                      page_size=page_size, external=ext and ext.ref)
+    return ops.prefetch_wait(ticket, hot, slots, order, top_k, batch=top_k.shape[0])
 
   out = jax.jit(run, donate_argnums=(0, 1, 2, 3))(host, put(hot), put(slot_tokens), put(lru), put(top_k),
                                                   put(seq_lens), put(req_ids), put(host_pages))

@@ -26,7 +26,6 @@ def test_prefetch_key():
   c = HiSparseConfig.from_json('{"prefetch": "next_layer", "eviction": "clock"}', 32)
   assert c.prefetch == "next_layer" and c.prefetch_positions == 32
   assert HiSparseConfig.from_json('{"prefetch": "next_layer", "prefetch_depth": 8}', 32).prefetch_positions == 8
-  assert HiSparseConfig.from_json('{"prefetch_depth": 8}', 32).prefetch_positions == 0  # no prefetch
 
 
 def test_full_sglang_config():
@@ -54,9 +53,10 @@ def test_full_sglang_config():
     ('{"resident_fraction": NaN}', "resident_fraction must be a number in"),
     ('{"prefetch": "yes"}', r"prefetch must be one of \['none', 'next_layer'\], got 'yes'"),
     ('{"prefetch": true}', "prefetch must be one of"),
-    ('{"prefetch_depth": 33}', r"prefetch_depth must be an integer in \[1, top_k = 32\], got 33"),
-    ('{"prefetch_depth": 0}', "prefetch_depth must be an integer in"),
-    ('{"prefetch_depth": 2.0}', "prefetch_depth must be an integer in"),
+    ('{"prefetch_depth": 8}', r'prefetch_depth is set but prefetch is "none"'),
+    ('{"prefetch": "next_layer", "prefetch_depth": 33}', r"prefetch_depth must be an integer in \[1, top_k = 32\], got 33"),
+    ('{"prefetch": "next_layer", "prefetch_depth": 0}', "prefetch_depth must be an integer in"),
+    ('{"prefetch": "next_layer", "prefetch_depth": 2.0}', "prefetch_depth must be an integer in"),
     ('{"prefetch": "next_layer", "eviction": "score"}', r'prefetch "next_layer" needs eviction "lru" or "clock"'),
 ])
 def test_errors_name_the_key(text, message):

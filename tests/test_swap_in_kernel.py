@@ -1,6 +1,10 @@
 """The swap-in and backup FFI handlers against the NumPy reference, the worked example and bad input."""
 
+import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -260,7 +264,8 @@ def test_status_codes_and_messages():
   want = {reference.BAD_SEQ_LEN: "seq_len", reference.POSITION_OUT_OF_RANGE: "top-k position",
           reference.HOST_ROW_OUT_OF_RANGE: "host-pool row", reference.LRU_NOT_PERMUTATION: "not a permutation",
           reference.LAYER_OUT_OF_RANGE: "layer index", reference.BAD_REQUEST_ID: "request id",
-          reference.BAD_SCORE: "NaN", reference.BACKUP_ROW_OUT_OF_RANGE: "backup destination"}
+          reference.BAD_SCORE: "NaN", reference.BACKUP_ROW_OUT_OF_RANGE: "backup destination",
+          reference.PREFETCH_STALE: "prefetch dropped"}
   assert sorted(want) == list(range(1, ops._ffi_cpu.num_statuses))
   for code, text in want.items():
     assert text in ops.status_message(code)
@@ -663,9 +668,9 @@ def test_policy_arguments_are_checked_at_trace_time():
 @functools.lru_cache(maxsize=None)
 def prefetch_jit(page_size, eviction="lru"):
   def run(layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru):
-    pool, hot, slot_tokens, lru, n = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, pool, hot,
-                                                        slot_tokens, lru, page_size=page_size, eviction=eviction)
-    hot, slot_tokens, lru, n = ops.prefetch_wait(hot, slot_tokens, lru, n, layer)
+    pool, ticket = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru,
+                                      page_size=page_size, eviction=eviction)
+    hot, slot_tokens, lru, n = ops.prefetch_wait(ticket, hot, slot_tokens, lru, layer, batch=top_k.shape[0])
     return pool, hot, slot_tokens, lru, n
   return jax.jit(run, donate_argnums=(5, 6, 7, 8))
 
@@ -752,10 +757,39 @@ def test_prefetch_bad_row_is_left_alone_and_score_is_refused():
                        page_size=PAGE)
 
 
+def test_prefetch_commits_into_whatever_arrays_the_wait_gets():
+  """The background never writes an XLA buffer: the wait commits into its own operands. Eagerly (every
+  operand a fresh buffer), with the wait's `after` aliasing its operands, or with the ticket lost (a fresh one:
+  nothing to commit), the results are the reference's or unchanged; a slot table changed between start and
+  wait drops that row's prefetch (PREFETCH_STALE) and leaves it as the wait got it."""
+  case = worked_example()
+  want = reference.prefetch(*case[:NEWEST], *case[POOL:STATS], page_size=PAGE)
+  pool, hot, slots, order = to_host(case[POOL]), *map(jnp.asarray, case[HOT:STATS])
+  head = [jnp.asarray(x) for x in case[:NEWEST]]
+  for after in ("slots", "hot", "ticket"):
+    _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE)  # eager: no donation
+    anchor = {"slots": slots, "hot": hot, "ticket": ticket}[after]
+    got = [np.asarray(x) for x in ops.prefetch_wait(ticket, hot, slots, order, anchor, batch=1)]
+    for name, g, w in zip(["hot", "slot_tokens", "lru", "prefetched"], got, want):
+      np.testing.assert_array_equal(g, w, err_msg=f"{name}, after={after}")
+  _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE)
+  got = ops.prefetch_wait(jnp.zeros((1, 2), jnp.int32), hot, slots, order, 0, batch=1)  # an unknown ticket
+  for g, w in zip(got, (case[HOT], case[SLOTS], case[LRU], [0])):
+    np.testing.assert_array_equal(np.asarray(g), w)
+  ops.prefetch_wait(ticket, hot, slots, order, 0, batch=1)  # the real one, left over: taken and committed
+  moved = slots.at[0, 4, 0].set(11)  # request 4's slot table changed after the start
+  _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE)
+  got = [np.asarray(x) for x in ops.prefetch_wait(ticket, hot, moved, order, 0, batch=1)]
+  assert got[3].tolist() == [-reference.PREFETCH_STALE]
+  np.testing.assert_array_equal(got[0], case[HOT])
+  np.testing.assert_array_equal(got[1], np.asarray(moved))
+  assert "changed between prefetch start and wait" in ops.status_message(reference.PREFETCH_STALE)
+
+
 def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
-  """backup, swap-in of layer 0, gather, prefetch of layer 1 behind an optimization barrier, compute, then the
-  wait and layer 1's swap-in (a decode step's structure): no copy of the pool or the hot buffer in the
-  compiled step, buffers updated in place, rows exact."""
+  """swap-in of layer 0, gather, prefetch of layer 1 ordered before the compute by an optimization barrier,
+  then the wait and layer 1's swap-in (a decode step's structure): no copy of the pool or the hot buffer in
+  the compiled step, buffers updated in place, rows exact."""
   case = worked_example()
   L, H, W = 2, *case[POOL].shape[1:]
   pool = np.concatenate([case[POOL], case[POOL] + 100])
@@ -767,17 +801,15 @@ def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
     x = jnp.zeros((1, W), jnp.float32)
     for layer in range(L):
       if layer:
-        hot, slot_tokens, lru, n = ops.prefetch_wait(hot, slot_tokens, lru, n, x)
+        hot, slot_tokens, lru, n = ops.prefetch_wait(ticket, hot, slot_tokens, lru, x, batch=1)
       rows, pool, hot, slot_tokens, lru, stats, _ = ops.swap_in(
           layer, *head, hot[layer, 4, 3][None], pool, hot, slot_tokens, lru, stats, page_size=PAGE)
       out = hot[layer].reshape(-1, W)[jnp.maximum(rows[0], 0)]
       if layer + 1 < L:
-        out, hot = jax.lax.optimization_barrier((out, hot))
-        pool, hot, slot_tokens, lru, n = ops.prefetch_start(layer + 1, head[0], *head[1:], pool, hot, slot_tokens,
-                                                            lru, page_size=PAGE)
-        out, n = jax.lax.optimization_barrier((out, n))
+        pool, ticket = ops.prefetch_start(layer + 1, head[0], *head[1:], pool, hot, slot_tokens, lru, page_size=PAGE)
+        out, ticket = jax.lax.optimization_barrier((out, ticket))
       x = x + jnp.tanh(out).sum(0, keepdims=True)
-    return rows, pool, hot, stats, slot_tokens, lru
+    return rows, pool, hot, stats, slot_tokens, lru, n
 
   args = (to_host(pool), *map(jnp.asarray, state))
   hlo = step.lower(*args).compile().as_text()
@@ -785,10 +817,46 @@ def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
     copies = [l for l in hlo.splitlines() if " copy(" in l and shape in l]
     assert not copies, copies
   hot_ptr = args[1].unsafe_buffer_pointer()
-  rows, pool_out, hot, stats, _, _ = step(*args)
+  rows, pool_out, hot, stats, _, _, n = step(*args)
+  assert np.asarray(n).tolist() == [1]  # token 8 prefetched for layer 1
   assert hot.unsafe_buffer_pointer() == hot_ptr
   np.testing.assert_array_equal(np.asarray(rows)[0], [21, 24, 20, -1])
   flat = np.asarray(hot)[1].reshape(-1, W)
   np.testing.assert_array_equal(flat[20], pool[1, host_rows_of(case[4][0], PAGE)[8]])  # prefetched for layer 1
   assert np.asarray(stats)[1, 4].tolist() == [3, 0]  # layer 1's swap-in: all hits (8 was prefetched)
   assert np.asarray(stats)[0, 4].tolist() == [2, 1]
+
+
+def test_a_decode_view_with_a_prefetch_in_flight_is_refused():
+  """HiSparseState.create checks prefetch_depth; absorbing a decode view whose last prefetch was never waited for
+  (a layer gathered, the next not) is a trace-time error, not rows landing in a buffer XLA may free."""
+  from hisparse_jax.memory.views import HiSparseState
+  kw = dict(num_layers=2, page_size=4, latent_dim=3, index_dim=2, dtype=jnp.float32, index_pages=4,
+            staging_pages=2, request_slots=2, device_buffer_size=4, host_pages=4)
+  for bad in (-1, True, 1.5):
+    with pytest.raises(ValueError, match="prefetch_depth"):
+      HiSparseState.create(**kw, prefetch_depth=bad)
+  with pytest.raises(ValueError, match="prefetch_depth"):
+    HiSparseState.create(**kw, eviction="score", prefetch_depth=2)
+  state = HiSparseState.create(**kw, prefetch_depth=2)
+  tables = {"index_pages": jnp.zeros((1, 2), jnp.int32), "host_pages": jnp.zeros((1, 2), jnp.int32),
+            "req_ids": jnp.zeros((1,), jnp.int32)}
+  view = state.view(tables)
+  assert view.prefetch_depth == 2 and view.prefetch_ticket is None
+  state.absorb(view)
+  with pytest.raises(ValueError, match="prefetch is still in flight"):
+    state.absorb(dataclasses.replace(view, prefetch_ticket=jnp.zeros((1, 2), jnp.int32)))
+
+
+def test_layer_and_prefetch_thread_settings_are_checked():
+  """A NumPy layer outside [0, 2^31) is an error, not a wrap; a HISPARSE_PREFETCH_THREADS that is not an
+  integer in [0, 64] stops the import with a message naming it (0 works: the work runs in the wait)."""
+  for layer in (np.int64(2**32), np.int64(-1)):
+    with pytest.raises(ValueError, match="layer"):
+      ops._layer(layer)
+  for value, ok in (("abc", False), ("100000", False), ("0", True)):
+    r = subprocess.run([sys.executable, "-c", "from hisparse_jax.kernels import ops; print(ops.prefetch_threads())"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HISPARSE_PREFETCH_THREADS": value})
+    assert (r.returncode == 0) == ok, r.stderr[-500:]
+    assert ok and r.stdout.strip() == "0" or "HISPARSE_PREFETCH_THREADS must be an integer" in r.stderr

@@ -105,8 +105,9 @@ auto BindSwapIn(Binding binding) {
       .template Attr<int64_t>("eviction");              // an Eviction (swap_in_core.h)
 }
 
-// Prefetch start: a swap-in of predicted positions with no newest row, rows or stats, done in the background:
-// its results are complete once the prefetch wait of that hot buffer returns.
+// Prefetch start: a swap-in of predicted positions with no newest row and no stats, planned and staged in the
+// background; the ticket names it for the prefetch wait, which commits it. hot, slot_tokens and lru are read
+// for their shapes and the plan's snapshot only.
 template <typename Binding>
 auto BindPrefetchStart(Binding binding) {
   namespace ffi = xla::ffi;
@@ -120,28 +121,25 @@ auto BindPrefetchStart(Binding binding) {
       .template Arg<ffi::AnyBuffer>()                   // slot_tokens
       .template Arg<ffi::AnyBuffer>()                   // lru
       .template Ret<ffi::AnyBuffer>()                   // host_pool (aliased)
-      .template Ret<ffi::AnyBuffer>()                   // hot (aliased; complete after the wait)
-      .template Ret<ffi::AnyBuffer>()                   // slot_tokens (aliased)
-      .template Ret<ffi::AnyBuffer>()                   // lru (aliased)
-      .template Ret<ffi::Buffer<ffi::S32>>()            // prefetched [B]: rows copied, or -status
+      .template Ret<ffi::Buffer<ffi::S32>>()            // ticket [2]
       .template Attr<int64_t>("page_size")
       .template Attr<int64_t>("eviction");
 }
 
-// Prefetch wait: what the prefetch into hot writes (aliased to the results) once it is done; `after` only
-// orders the call.
+// Prefetch wait: the ticket's prefetch committed into hot, slot_tokens and lru (aliased to the results) and
+// its per-row counts; `after` only orders the call.
 template <typename Binding>
 auto BindPrefetchWait(Binding binding) {
   namespace ffi = xla::ffi;
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // hot
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // ticket [2]
+      .template Arg<ffi::AnyBuffer>()                        // hot
       .template Arg<ffi::AnyBuffer>()                        // slot_tokens
       .template Arg<ffi::AnyBuffer>()                        // lru
-      .template Arg<ffi::AnyBuffer>()                        // prefetched [B]
       .template Arg<ffi::AnyBuffer>()                        // after (not read)
       .template Ret<ffi::AnyBuffer>()                        // hot (aliased)
       .template Ret<ffi::AnyBuffer>()                        // slot_tokens (aliased)
       .template Ret<ffi::AnyBuffer>()                        // lru (aliased)
-      .template Ret<ffi::AnyBuffer>();                       // prefetched (aliased)
+      .template Ret<ffi::Buffer<ffi::S32>>();                // prefetched [B]: rows placed, or -status
 }
 
 template <typename Binding>

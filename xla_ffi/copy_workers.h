@@ -1,11 +1,11 @@
 // The CPU extension's own threads: the asynchronous half of the cross-layer prefetch.
 //
-// A prefetch start (cpu_handlers.cc) checks its call, snapshots its small inputs and hands the work (plan
-// layer l+1's predicted positions, commit the slot tables, copy the missing rows host pool -> hot buffer)
-// to these threads, keyed by the hot buffer's address; it returns at once, so layer l's attention and MoE
-// run meanwhile. The prefetch wait of layer l+1 (just before that layer's swap-in) blocks until every task
-// under its hot buffer is done, running queued tasks itself rather than sleeping (so a call never waits on
-// a thread that has not started: the pool may be busy, or have no thread at all).
+// A prefetch start (cpu_handlers.cc) checks its call, snapshots what it reads and hands the work (plan layer
+// l+1's predicted positions, stage the missing rows from the host pool) to these threads, keyed by its job;
+// it returns at once, so layer l's attention and MoE run meanwhile. The prefetch wait of layer l+1 (just
+// before that layer's swap-in) blocks until every task of its job is done, running queued tasks itself
+// rather than sleeping (so a call never waits on a thread that has not started: the pool may be busy, or
+// have no thread at all). Tasks write only their job's memory.
 //
 // Threads: HISPARSE_PREFETCH_THREADS (default: a quarter of the cores, 1 to 4); 0 runs every task in the
 // waiting call (no overlap, same results).
@@ -36,8 +36,7 @@ class CopyWorkers {
     return *workers;
   }
 
-  // Queues tasks under `key` (the hot buffer's address). Until Wait(key) returns, nothing else may touch
-  // what they write.
+  // Queues tasks under `key` (their job).
   void Submit(const void* key, std::vector<Task> tasks) {
     if (tasks.empty()) return;
     std::lock_guard<std::mutex> lock(mu_);
@@ -65,6 +64,12 @@ class CopyWorkers {
       lock.lock();
       Finish(e.key);
     }
+  }
+
+  // Returns once no task of any key is queued or running (before a host pool the tasks read is freed).
+  void WaitAll() {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_.empty(); });
   }
 
   int Threads() const { return threads_; }

@@ -24,6 +24,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -104,12 +107,12 @@ Workspace& ThreadWorkspace() {
 constexpr int64_t kMinRequestsPerTask = 4;
 
 // Shapes the swap-in and the prefetch share: top_k [B, K], hot [L, R, D+1, W] matching the pool, seq_lens /
-// req_ids [B], host_pages [B, P], slot_tokens / lru s32[L, R, D], the attributes, status [B].
+// req_ids [B], host_pages [B, P], slot_tokens / lru s32[L, R, D], the attributes.
 ffi::Error CheckPlanShapes(const char* op, const PoolView& pool_view, int64_t page_size, int64_t eviction,
                            ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> top_k,
                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
                            ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                           ffi::AnyBuffer lru, ffi::Buffer<ffi::S32>& status) {
+                           ffi::AnyBuffer lru) {
   const std::string name(op);
   auto kd = top_k.dimensions();
   auto hd = hot.dimensions();
@@ -139,7 +142,6 @@ ffi::Error CheckPlanShapes(const char* op, const PoolView& pool_view, int64_t pa
         name + ": expected seq_lens/req_ids s32[B], host_pages s32[B,P], slot_tokens/lru s32[L,R,D], layer s32[]");
   if (std::max({R * (D + 1), H, pd[1] * page_size, K}) > std::numeric_limits<int32_t>::max())
     return ffi::Error::InvalidArgument(name + ": a dimension exceeds int32 indexing");
-  if (!SameDims(status, {B})) return ffi::Error::InvalidArgument(name + ": status must be s32[B]");
   return ffi::Error::Success();
 }
 
@@ -260,10 +262,11 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
                   ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
                   ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
   if (auto e = CheckPlanShapes("swap_in", pool_view, page_size, eviction, layer_buf, top_k, seq_lens, req_ids,
-                               host_pages, hot, slot_tokens, lru, *status_out);
+                               host_pages, hot, slot_tokens, lru);
       e.failure())
     return e;
   const int64_t B = top_k.dimensions()[0], K = top_k.dimensions()[1];
+  if (!SameDims(*status_out, {B})) return ffi::Error::InvalidArgument("swap_in: status must be s32[B]");
   const int64_t L = pool_view.L, W = pool_view.W, R = hot.dimensions()[1], D = hot.dimensions()[2] - 1;
   if (!SameDims(slot_scores, {B, eviction == kEvictScore ? D : 0}))
     return ffi::Error::InvalidArgument(eviction == kEvictScore
@@ -290,95 +293,152 @@ ffi::Error SwapIn(ffi::ThreadPool& thread_pool, PoolView pool_view, int64_t page
   return ffi::Error::Success();
 }
 
-// One prefetch call's work for the copy threads: its small inputs snapshotted (XLA may reuse their buffers
-// once the start returns), pointers into the state it updates (aliased through to the prefetch wait).
+// ---- cross-layer prefetch -------------------------------------------------------------------------------
+// The start snapshots what it reads (top-k, seq_lens, request ids, page tables, and each row's slot table and
+// LRU order of the layer) and queues the work on the copy threads (copy_workers.h): plan the predicted
+// positions on the snapshot, copy the missing rows from the host pool into the job's own staging memory. The
+// wait (on XLA's thread) takes the job by its ticket, finishes it, and commits each row into the arrays XLA
+// hands it: the planned slot table and LRU order and the staged rows into the hot buffer, if the row's slot
+// table and LRU order are still the snapshot's (else the row's prefetch is dropped: kPrefetchStale). So the
+// background never writes an XLA buffer, whatever XLA copies or frees between the two calls.
 struct PrefetchJob {
-  PlanCall call;  // top_k, seq_lens, req_ids, host_pages point into the vectors below
+  PoolView pool;
+  int64_t B, K, R, D, P, page_size, eviction;
   int32_t layer;
+  size_t row_bytes;
   std::vector<int32_t> top_k, seq_lens, req_ids, host_pages;
-  int32_t* prefetched;  // [B]
+  std::vector<int32_t> old_slots, old_lru;  // [B, D] the snapshot the plan started from
+  std::vector<int32_t> new_slots, new_lru;  // [B, D] the plan's result
+  std::vector<int32_t> counts;              // [B] rows staged (>= 0), or -status; 0 for an idle row
+  std::vector<int32_t> miss_slots;          // [B, K] the slot of each staged row
+  std::vector<std::vector<char>> rows;      // [B] staged rows, counts[b] x row_bytes
 };
 
-// Rows [begin, end) of a prefetch: plan the predicted positions, commit, copy the misses. On a worker.
-void PrefetchRows(const PrefetchJob& job, int64_t begin, int64_t end) {
-  const PlanCall& c = job.call;
-  const size_t row_bytes = static_cast<size_t>(c.pool.W) * ffi::ByteWidth(c.pool.dtype);
-  const char* pool = c.pool.base + static_cast<size_t>(job.layer) * c.pool.H * row_bytes;
-  char* dev = c.hot + static_cast<size_t>(job.layer) * c.R * (c.D + 1) * row_bytes;
+// Jobs by ticket, from the start to the wait that takes them. A ticket never waited for (a program that
+// stopped between the two) is dropped once kMaxPendingJobs newer ones exist.
+class PrefetchJobs {
+ public:
+  static PrefetchJobs& Get() {
+    static PrefetchJobs* jobs = new PrefetchJobs();
+    return *jobs;
+  }
+  int64_t Add(std::shared_ptr<PrefetchJob> job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t ticket = ++last_;
+    jobs_[ticket] = std::move(job);
+    while (jobs_.size() > kMaxPendingJobs) jobs_.erase(jobs_.begin());
+    return ticket;
+  }
+  std::shared_ptr<PrefetchJob> Take(int64_t ticket) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(ticket);
+    if (it == jobs_.end()) return nullptr;
+    auto job = std::move(it->second);
+    jobs_.erase(it);
+    return job;
+  }
+
+ private:
+  static constexpr size_t kMaxPendingJobs = 4096;
+  std::mutex mu_;
+  int64_t last_ = 0;
+  std::map<int64_t, std::shared_ptr<PrefetchJob>> jobs_;
+};
+
+// Rows [begin, end) of a prefetch job: plan the predicted positions on the snapshot, stage the misses.
+void PrefetchRows(PrefetchJob& job, int64_t begin, int64_t end) {
+  const int64_t K = job.K, D = job.D;
+  const char* pool = job.pool.base + static_cast<size_t>(job.layer) * job.pool.H * job.row_bytes;
   Workspace& ws = ThreadWorkspace();
-  ws.ReservePlan(c.K, c.D, c.P * c.page_size);
-  ws.ReserveBatch(1, c.K, c.D, c.R);
-  if (static_cast<int64_t>(ws.prefetch_rows.size()) < c.K) ws.prefetch_rows.resize(c.K);
+  ws.ReservePlan(K, D, job.P * job.page_size);
+  ws.ReserveBatch(1, K, D, job.R);
+  if (static_cast<int64_t>(ws.prefetch_rows.size()) < K) ws.prefetch_rows.resize(K);
   for (int64_t b = begin; b < end; ++b) {
-    if (job.prefetched[b] != kOk || c.req_ids[b] < 0) {  // a bad request id (status), or an idle row (0)
-      job.prefetched[b] = -job.prefetched[b];
+    if (job.counts[b] != kOk || job.req_ids[b] < 0) {  // a bad request id (its status), or an idle row (0)
+      job.counts[b] = -job.counts[b];
       continue;
     }
-    const RequestLayer r = MakeRequest(c, job.layer, b);
+    const RequestLayer r{job.top_k.data() + b * K, static_cast<int32_t>(K), job.seq_lens[b],
+                         static_cast<int32_t>(D), job.host_pages.data() + b * job.P, static_cast<int32_t>(job.P),
+                         static_cast<int32_t>(job.page_size), static_cast<int32_t>(job.pool.H),
+                         job.new_slots.data() + b * D, job.new_lru.data() + b * D, 0,
+                         static_cast<int32_t>(job.eviction), nullptr};
     SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), ws.new_lru.data(), ws.heap_key.data(),
                           ws.heap_pos.data()};
     DirectPositionMap map = ws.Map();
     int32_t hits = 0;
-    const int32_t misses = PlanSwapIn(r, map, scratch, ws.prefetch_rows.data(), ws.miss_tokens.data(),
-                                      ws.miss_slots.data(), &hits);
-    job.prefetched[b] = misses;  // or -status: the row is left unchanged
+    int32_t* slots = job.miss_slots.data() + b * K;
+    const int32_t misses = PlanSwapIn(r, map, scratch, ws.prefetch_rows.data(), ws.miss_tokens.data(), slots, &hits);
+    job.counts[b] = misses;  // or -status: the row is left alone
     if (misses < 0) continue;
-    CommitSwapIn(r, ws.new_lru.data(), ws.miss_tokens.data(), ws.miss_slots.data(), misses);
+    CommitSwapIn(r, ws.new_lru.data(), ws.miss_tokens.data(), slots, misses);  // into the job's copy
+    std::vector<char>& staged = job.rows[b];
+    staged.resize(static_cast<size_t>(misses) * job.row_bytes);
     for (int32_t i = 0; i < misses; ++i)  // host rows validated by the plan
-      std::memcpy(dev + (r.row_base + ws.miss_slots[i]) * row_bytes,
-                  pool + HostRow(r, ws.miss_tokens[i]) * row_bytes, row_bytes);
+      std::memcpy(staged.data() + i * job.row_bytes, pool + HostRow(r, ws.miss_tokens[i]) * job.row_bytes,
+                  job.row_bytes);
   }
 }
 
 // Requests per prefetch task.
 constexpr int64_t kPrefetchRowsPerTask = 4;
 
-// Prefetch start (cross-layer prefetch): layer `layer`'s swap-in of the PREDICTED positions top_k (the
-// previous layer's top-k), without a newest row and without stats, run on the copy threads (copy_workers.h):
-// this call only checks the shapes, the layer and the request ids, snapshots its small inputs and queues the
-// work (plan, commit the slot table and LRU order, copy the misses host -> hot buffer) under the hot buffer's
-// address. Everything it returns (hot, slot_tokens, lru, prefetched) is complete only once PrefetchWait of
-// the same hot buffer returns. prefetched s32[B]: the rows each row copies, or -status for a row left alone
-// (its swap-in will report it).
+// Prefetch start: layer `layer`'s swap-in of the PREDICTED positions top_k (the previous layer's top-k) with
+// no newest row and no stats, queued for the copy threads; ticket s64 as s32[2] (low, high word) names the
+// job for PrefetchWait. Checks the shapes, the layer and the request ids here; reads slot_tokens / lru (not
+// returned: the wait commits into its own operands).
 ffi::Error PrefetchStart(PoolView pool_view, int64_t page_size, int64_t eviction, ffi::Buffer<ffi::S32> layer_buf,
                          ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
                          ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot,
-                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> hot_out,
-                         ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                         ffi::Result<ffi::Buffer<ffi::S32>> prefetched) {
+                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
+  auto job = std::make_shared<PrefetchJob>();
+  const int64_t B = top_k.dimensions()[0];
   if (auto e = CheckPlanShapes("prefetch", pool_view, page_size, eviction, layer_buf, top_k, seq_lens, req_ids,
-                               host_pages, hot, slot_tokens, lru, *prefetched);
+                               host_pages, hot, slot_tokens, lru);
       e.failure())
     return e;
+  job->counts.assign(B, 0);
   if (eviction == kEvictScore)
     return ffi::Error::InvalidArgument("prefetch: eviction \"score\" needs this layer's scores, not known yet");
-  const int64_t B = top_k.dimensions()[0], K = top_k.dimensions()[1], P = host_pages.dimensions()[1];
-  CopyIfDistinct(hot, hot_out);
-  CopyIfDistinct(slot_tokens, slot_tokens_out);
-  CopyIfDistinct(lru, lru_out);
-  int32_t* count = prefetched->typed_data();
-  const int32_t layer = layer_buf.typed_data()[0];
-  if (layer < 0 || layer >= pool_view.L) {
-    std::fill(count, count + B, -static_cast<int32_t>(kLayerOutOfRange));
-    return ffi::Error::Success();
+  if (ticket->element_count() != 2) return ffi::Error::InvalidArgument("prefetch: ticket must be s32[1, 2]");
+  const int64_t K = top_k.dimensions()[1], P = host_pages.dimensions()[1];
+  const int64_t R = hot.dimensions()[1], D = hot.dimensions()[2] - 1;
+  PrefetchJob& j = *job;
+  j.pool = pool_view;
+  j.B = B, j.K = K, j.R = R, j.D = D, j.P = P, j.page_size = page_size, j.eviction = eviction;
+  j.layer = layer_buf.typed_data()[0];
+  j.row_bytes = static_cast<size_t>(pool_view.W) * ffi::ByteWidth(pool_view.dtype);
+  if (j.layer < 0 || j.layer >= pool_view.L) {
+    std::fill(j.counts.begin(), j.counts.end(), -static_cast<int32_t>(kLayerOutOfRange));
+  } else {
+    j.top_k.assign(top_k.typed_data(), top_k.typed_data() + B * K);
+    j.seq_lens.assign(seq_lens.typed_data(), seq_lens.typed_data() + B);
+    j.req_ids.assign(req_ids.typed_data(), req_ids.typed_data() + B);
+    j.host_pages.assign(host_pages.typed_data(), host_pages.typed_data() + B * P);
+    CheckRequestIds(ThreadWorkspace(), B, R, j.req_ids.data(), j.seq_lens.data(), j.counts.data());
+    j.old_slots.assign(B * D, -1);
+    j.old_lru.assign(B * D, 0);
+    const int32_t* slots = static_cast<const int32_t*>(slot_tokens.untyped_data());
+    const int32_t* order = static_cast<const int32_t*>(lru.untyped_data());
+    for (int64_t b = 0; b < B; ++b) {
+      if (j.counts[b] != kOk || j.req_ids[b] < 0) continue;
+      const int64_t table = (static_cast<int64_t>(j.layer) * R + j.req_ids[b]) * D;
+      std::memcpy(j.old_slots.data() + b * D, slots + table, D * sizeof(int32_t));
+      std::memcpy(j.old_lru.data() + b * D, order + table, D * sizeof(int32_t));
+    }
+    j.new_slots = j.old_slots;
+    j.new_lru = j.old_lru;
+    j.miss_slots.assign(B * K, -1);
+    j.rows.resize(B);
   }
-  auto job = std::make_shared<PrefetchJob>();
-  job->layer = layer;
-  job->top_k.assign(top_k.typed_data(), top_k.typed_data() + B * K);
-  job->seq_lens.assign(seq_lens.typed_data(), seq_lens.typed_data() + B);
-  job->req_ids.assign(req_ids.typed_data(), req_ids.typed_data() + B);
-  job->host_pages.assign(host_pages.typed_data(), host_pages.typed_data() + B * P);
-  job->prefetched = count;
-  job->call = PlanCall{pool_view, B, K, hot.dimensions()[1], hot.dimensions()[2] - 1, P, page_size, eviction,
-                       nullptr, job->top_k.data(), job->seq_lens.data(), job->req_ids.data(),
-                       job->host_pages.data(), nullptr, nullptr, static_cast<char*>(hot_out->untyped_data()),
-                       static_cast<int32_t*>(slot_tokens_out->untyped_data()),
-                       static_cast<int32_t*>(lru_out->untyped_data()), nullptr, nullptr, count};
-  CheckRequestIds(ThreadWorkspace(), B, job->call.R, job->req_ids.data(), job->seq_lens.data(), count);
+  const int64_t id = PrefetchJobs::Get().Add(job);
+  ticket->typed_data()[0] = static_cast<int32_t>(id & 0xffffffff);
+  ticket->typed_data()[1] = static_cast<int32_t>(id >> 32);
+  if (j.layer < 0 || j.layer >= pool_view.L) return ffi::Error::Success();
   std::vector<CopyWorkers::Task> tasks;
   for (int64_t begin = 0; begin < B; begin += kPrefetchRowsPerTask)
     tasks.push_back([job, begin, end = std::min(B, begin + kPrefetchRowsPerTask)] { PrefetchRows(*job, begin, end); });
-  CopyWorkers::Get().Submit(hot_out->untyped_data(), std::move(tasks));
+  CopyWorkers::Get().Submit(job.get(), std::move(tasks));
   return ffi::Error::Success();
 }
 
@@ -427,46 +487,86 @@ ffi::Error PrefetchStartImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> 
                              ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
                              ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
                              ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
-                             ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
-                             ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                             ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::Buffer<ffi::S32>> prefetched,
+                             ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
                              int64_t page_size, int64_t eviction) {
   auto view = OperandPool("prefetch", host_pool, host_pool_out);
   if (view.has_error()) return view.error();
   CopyIfDistinct(host_pool, host_pool_out);
-  return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
-                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
+  return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
+                       lru, ticket);
 }
 
 // Prefetch start over an extension-owned host pool; pool_token (s32[1]) is aliased to the result.
-ffi::Error PrefetchStartExtImpl(ffi::Buffer<ffi::S32> layer,
-                                ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
-                                ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages,
-                                ffi::AnyBuffer pool_token, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
-                                ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> pool_token_out,
-                                ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                                ffi::Result<ffi::Buffer<ffi::S32>> prefetched, int64_t page_size, int64_t eviction,
-                                uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+ffi::Error PrefetchStartExtImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k,
+                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
+                                ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
+                                ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
+                                ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
+                                int64_t page_size, int64_t eviction, uint64_t pool_address, int64_t pool_layers,
+                                int64_t pool_rows) {
   auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
-  return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
-                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
+  return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
+                       lru, ticket);
 }
 
-// Prefetch wait: returns once every prefetch task on this hot buffer is done; hot, slot_tokens, lru and
-// prefetched (what the tasks write) are aliased to the results, complete from here on. `after` is not read:
-// it orders the wait after the work the prefetch overlaps (XLA runs the wait once `after` exists).
-ffi::Error PrefetchWaitImpl(ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
-                            ffi::AnyBuffer prefetched, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> hot_out,
+// Prefetch wait: finishes the job of `ticket` (running its queued tasks here) and commits each of its rows
+// into hot, slot_tokens and lru (aliased to the results) if the row's slot table and LRU order of the layer
+// are still those the plan started from; prefetched s32[B]: the rows placed, 0 for an idle row or without a
+// job (an unknown ticket), -status for a row left alone (kPrefetchStale: its tables changed meanwhile).
+// `after` is not read: it orders the wait after the work the prefetch overlaps.
+ffi::Error PrefetchWaitImpl(ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens,
+                            ffi::AnyBuffer lru, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> hot_out,
                             ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                            ffi::Result<ffi::AnyBuffer> prefetched_out) {
+                            ffi::Result<ffi::Buffer<ffi::S32>> prefetched) {
   (void)after;
-  CopyWorkers::Get().Wait(hot.untyped_data());
+  if (ticket.element_count() != 2) return ffi::Error::InvalidArgument("prefetch_wait: ticket must be s32[1, 2]");
   CopyIfDistinct(hot, hot_out);
   CopyIfDistinct(slot_tokens, slot_tokens_out);
   CopyIfDistinct(lru, lru_out);
-  CopyIfDistinct(prefetched, prefetched_out);
+  const int64_t id = static_cast<int64_t>(static_cast<uint32_t>(ticket.typed_data()[0])) |
+                     (static_cast<int64_t>(ticket.typed_data()[1]) << 32);
+  auto job = PrefetchJobs::Get().Take(id);
+  int32_t* count = prefetched->typed_data();
+  std::fill(count, count + prefetched->element_count(), 0);
+  if (job == nullptr) return ffi::Error::Success();
+  CopyWorkers::Get().Wait(job.get());
+  const PrefetchJob& j = *job;
+  auto hd = hot.dimensions();
+  if (!SameDims(*prefetched, {j.B}) || hd.size() != 4 || hd[1] != j.R || hd[2] != j.D + 1 ||
+      hd[3] * ffi::ByteWidth(hot.element_type()) != static_cast<int64_t>(j.row_bytes) ||
+      !SameDims(slot_tokens, {hd[0], j.R, j.D}) || !SameDims(lru, {hd[0], j.R, j.D}) || j.layer >= hd[0])
+    return ffi::Error::InvalidArgument(
+        "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the prefetch_start of the ticket");
+  if (j.layer < 0) {  // the start found the layer out of range
+    std::copy(j.counts.begin(), j.counts.end(), count);
+    return ffi::Error::Success();
+  }
+  int32_t* slots = static_cast<int32_t*>(slot_tokens_out->untyped_data());
+  int32_t* order = static_cast<int32_t*>(lru_out->untyped_data());
+  char* dev = static_cast<char*>(hot_out->untyped_data()) + static_cast<size_t>(j.layer) * j.R * (j.D + 1) * j.row_bytes;
+  const size_t table_bytes = j.D * sizeof(int32_t);
+  for (int64_t b = 0; b < j.B; ++b) {
+    const int32_t c = j.counts[b];
+    if (c < 0 || j.req_ids[b] < 0) {
+      count[b] = c;
+      continue;
+    }
+    const int64_t table = (static_cast<int64_t>(j.layer) * j.R + j.req_ids[b]) * j.D;
+    if (std::memcmp(slots + table, j.old_slots.data() + b * j.D, table_bytes) != 0 ||
+        std::memcmp(order + table, j.old_lru.data() + b * j.D, table_bytes) != 0) {
+      count[b] = -kPrefetchStale;
+      continue;
+    }
+    std::memcpy(slots + table, j.new_slots.data() + b * j.D, table_bytes);
+    std::memcpy(order + table, j.new_lru.data() + b * j.D, table_bytes);
+    const char* staged = j.rows[b].data();
+    for (int32_t i = 0; i < c; ++i)
+      std::memcpy(dev + (static_cast<int64_t>(j.req_ids[b]) * (j.D + 1) + j.miss_slots[b * j.K + i]) * j.row_bytes,
+                  staged + i * j.row_bytes, j.row_bytes);
+    count[b] = c;
+  }
   return ffi::Error::Success();
 }
 

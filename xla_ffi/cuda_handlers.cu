@@ -47,12 +47,11 @@ struct SwapInArgs {
   int32_t* slot_tokens;
   int32_t* lru;
   int32_t* stats;
-  int32_t* rows;     // [B, K] (swap-in); unused by a prefetch (its rows go to shared memory)
-  int32_t* status;   // [B]: swap-in status; prefetch: rows copied, or -status
+  int32_t* rows;
+  int32_t* status;  // [B]
   const float* slot_scores;  // [B, D] (eviction score), else unused
   int32_t B, K, D, R, P, page_size, L, H, eviction;
   int64_t row_bytes;
-  bool prefetch;     // a prefetch start: predicted positions, no newest row, no stats
 };
 
 // Row b's request; only for rows whose request id was validated as >= 0.
@@ -115,50 +114,44 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
 
 // One block per request: thread 0 checks and plans the row, commits a good plan, then the block's warps
 // copy the missing rows, 16 bytes per lane per load. A bad row writes its status and changes nothing.
-// A prefetch (a.prefetch) plans the predicted positions the same way, with no newest row and no stats, and
-// writes the rows it copies (or -status) instead of a status.
 __global__ void SwapInKernel(SwapInArgs a) {
   extern __shared__ int32_t smem[];
   __shared__ int32_t num_misses;  // < 0: the row failed with status -num_misses
   const int32_t b = blockIdx.x;
   const int32_t layer = *a.layer;
+  int32_t* rows = a.rows + static_cast<int64_t>(b) * a.K;
   int32_t code = kOk;
   if (layer < 0 || layer >= a.L) code = kLayerOutOfRange;
   else if (!RequestIdOk(a, b)) code = kBadRequestId;
   // An idle row (no request: all padding) or a bad one costs one block that exits at once. A row of a request
   // with seq_len 0 is still planned (its positions checked), as on the CPU.
   if (code != kOk || a.req_ids[b] < 0) {
-    if (!a.prefetch)
-      for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) a.rows[static_cast<int64_t>(b) * a.K + k] = -1;
-    if (threadIdx.x == 0) a.status[b] = a.prefetch ? -code : code;
+    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
+    if (threadIdx.x == 0) a.status[b] = code;
     return;
   }
   const RequestLayer r = MakeRequest(a, b, layer);
   BlockPlan p = CarveShared(smem, a.K, a.D);
-  int32_t* rows = a.prefetch ? p.rows : a.rows + static_cast<int64_t>(b) * a.K;
   if (threadIdx.x == 0) {
     int32_t hits = 0;
     num_misses = PlanSwapIn(r, p.map, p.scratch, rows, p.miss_tokens, p.miss_slots, &hits);
-    a.status[b] = a.prefetch ? num_misses : num_misses < 0 ? -num_misses : kOk;
+    a.status[b] = num_misses < 0 ? -num_misses : kOk;
     if (num_misses >= 0) {
       CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
-      if (!a.prefetch) {
-        int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
-        counts[0] += hits;
-        counts[1] += num_misses;
-      }
+      int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
+      counts[0] += hits;
+      counts[1] += num_misses;
     }
   }
   __syncthreads();
   if (num_misses < 0) {  // the plan failed part-way: none of its rows is valid
-    if (!a.prefetch)
-      for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
+    for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
     return;
   }
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
   // The last warp places the newest row (the others take misses first); seq_len 0 has none.
-  if (!a.prefetch && threadIdx.x / 32 == kThreads / 32 - 1 && r.seq_len > 0)
+  if (threadIdx.x / 32 == kThreads / 32 - 1 && r.seq_len > 0)
     CopyRow(a.newest + static_cast<int64_t>(b) * a.row_bytes,
             dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * a.row_bytes, a.row_bytes);
   for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
@@ -323,17 +316,28 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
 }
 
 // ---- cross-layer prefetch ----------------------------------------------------------------------------------
-// The prefetch kernel (SwapInKernel with a.prefetch) runs on a side stream of the device, after an event of
-// XLA's stream, and records an event that the prefetch wait makes XLA's stream wait for: layer l's attention
-// and MoE on XLA's stream overlap layer l+1's copies. Its small inputs (layer, top_k, seq_lens, req_ids,
-// host_pages) are first copied, on XLA's stream, into a scratch buffer of the hot buffer's: XLA may reuse
-// their memory for other work once the start returns. One prefetch per hot buffer is in flight at a time (the
-// view waits before the next start), so each hot buffer has one scratch, one start and one done event.
-struct PrefetchSlot {
+// As on the CPU (cpu_handlers.cc), the background never writes an XLA buffer. The start, on XLA's stream,
+// snapshots its inputs and each row's slot table and LRU order of the layer into the device's prefetch
+// scratch, then a plan kernel on a side stream (after an event of XLA's stream) plans the predicted
+// positions on the snapshot and stages the missing rows host -> scratch (the PCIe reads: what the prefetch
+// hides behind layer l's compute); the wait makes XLA's stream wait for it (no host synchronization) and a
+// commit kernel places each row whose tables are still the snapshot's. One prefetch per device is in flight
+// (the decode view waits before it starts the next; XLA runs a device's programs in stream order), so the
+// scratch is per device and the ticket output is not needed (it is zeroed).
+struct PrefetchScratch {
+  int32_t *layer, *top_k, *seq_lens, *req_ids, *host_pages, *old_slots, *old_lru, *new_slots, *new_lru, *counts,
+      *miss_slots;
+  char* staged;  // [B, K, row_bytes]
+};
+
+struct PrefetchDevice {
+  cudaStream_t side = nullptr;
   cudaEvent_t ready = nullptr, done = nullptr;
-  int32_t* scratch = nullptr;
-  size_t scratch_ints = 0;
+  char* buffer = nullptr;
+  size_t bytes = 0;
   bool pending = false;
+  SwapInArgs args{};  // of the prefetch in flight (its shapes, for the wait)
+  PrefetchScratch scratch{};
 };
 
 class PrefetchRegistry {
@@ -343,104 +347,227 @@ class PrefetchRegistry {
     return *registry;
   }
   std::mutex mu;
-  std::map<int, cudaStream_t> side;                           // device -> side stream
-  std::map<std::pair<int, const void*>, PrefetchSlot> slots;  // (device, hot buffer) -> its prefetch
+  std::map<int, PrefetchDevice> devices;
 };
+
+// Carves the scratch of a (B, K, D, P, row_bytes) prefetch out of `base` (nullptr: just sizes it); returns
+// the bytes it needs.
+size_t CarveScratch(char* base, const SwapInArgs& a, PrefetchScratch* out) {
+  size_t at = 0;
+  auto ints = [&](size_t n) {
+    int32_t* p = reinterpret_cast<int32_t*>(base + at);
+    at += (n * sizeof(int32_t) + 15) / 16 * 16;
+    return p;
+  };
+  const size_t B = a.B, K = a.K, D = a.D, P = a.P;
+  PrefetchScratch s;
+  s.layer = ints(1);
+  s.top_k = ints(B * K);
+  s.seq_lens = ints(B);
+  s.req_ids = ints(B);
+  s.host_pages = ints(B * P);
+  s.old_slots = ints(B * D);
+  s.old_lru = ints(B * D);
+  s.new_slots = ints(B * D);
+  s.new_lru = ints(B * D);
+  s.counts = ints(B);
+  s.miss_slots = ints(B * K);
+  s.staged = base + at;
+  at += B * K * static_cast<size_t>(a.row_bytes);
+  if (out) *out = s;
+  return at;
+}
+
+// Start, on XLA's stream: row b's validation code into counts[b] and its slot table / LRU order of the layer
+// into old_* and new_* (the plan's starting point).
+__global__ void PrefetchSnapshotKernel(SwapInArgs a, PrefetchScratch s) {
+  const int32_t b = blockIdx.x;
+  const int32_t layer = *s.layer;
+  int32_t code = kOk;
+  if (layer < 0 || layer >= a.L) code = kLayerOutOfRange;
+  else if (!RequestIdOk(a, b)) code = kBadRequestId;
+  if (threadIdx.x == 0) s.counts[b] = code;
+  if (code != kOk || a.req_ids[b] < 0) return;
+  const int64_t table = (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * a.D;
+  for (int32_t i = threadIdx.x; i < a.D; i += blockDim.x) {
+    const int64_t at = static_cast<int64_t>(b) * a.D + i;
+    s.old_slots[at] = s.new_slots[at] = a.slot_tokens[table + i];
+    s.old_lru[at] = s.new_lru[at] = a.lru[table + i];
+  }
+}
+
+// Side stream: plan row b's predicted positions on its snapshot (thread 0), stage the misses (the warps).
+__global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
+  extern __shared__ int32_t smem[];
+  __shared__ int32_t num_misses;
+  const int32_t b = blockIdx.x;
+  if (s.counts[b] != kOk || a.req_ids[b] < 0) {  // a bad row (-status) or an idle one (0)
+    if (threadIdx.x == 0) s.counts[b] = -s.counts[b];
+    return;
+  }
+  const int32_t layer = *s.layer;
+  const RequestLayer r{a.top_k + static_cast<int64_t>(b) * a.K, a.K, a.seq_lens[b], a.D,
+                       a.host_pages + static_cast<int64_t>(b) * a.P, a.P, a.page_size, a.H,
+                       s.new_slots + static_cast<int64_t>(b) * a.D, s.new_lru + static_cast<int64_t>(b) * a.D, 0,
+                       a.eviction, nullptr};
+  BlockPlan p = CarveShared(smem, a.K, a.D);
+  if (threadIdx.x == 0) {
+    int32_t hits = 0;
+    num_misses = PlanSwapIn(r, p.map, p.scratch, p.rows, p.miss_tokens, p.miss_slots, &hits);
+    s.counts[b] = num_misses;  // or -status
+    if (num_misses >= 0) CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
+  }
+  __syncthreads();
+  if (num_misses <= 0) return;
+  const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
+  for (int32_t i = threadIdx.x; i < num_misses; i += blockDim.x) s.miss_slots[static_cast<int64_t>(b) * a.K + i] = p.miss_slots[i];
+  for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32)
+    CopyRow(pool + HostRow(r, p.miss_tokens[i]) * a.row_bytes,
+            s.staged + (static_cast<int64_t>(b) * a.K + i) * a.row_bytes, a.row_bytes);
+}
+
+// Wait, on XLA's stream after the plan: row b's plan and staged rows into the arrays XLA hands the wait,
+// if its tables are still the snapshot's (else kPrefetchStale).
+__global__ void PrefetchCommitKernel(SwapInArgs a, PrefetchScratch s, int32_t* prefetched) {
+  const int32_t b = blockIdx.x;
+  const int32_t c = s.counts[b];
+  if (c < 0 || s.req_ids[b] < 0) {
+    if (threadIdx.x == 0) prefetched[b] = c;
+    return;
+  }
+  const int32_t layer = *s.layer;
+  const int64_t table = (static_cast<int64_t>(layer) * a.R + s.req_ids[b]) * a.D;
+  const int64_t mine = static_cast<int64_t>(b) * a.D;
+  int changed = 0;
+  for (int32_t i = threadIdx.x; i < a.D; i += blockDim.x)
+    changed |= a.slot_tokens[table + i] != s.old_slots[mine + i] || a.lru[table + i] != s.old_lru[mine + i];
+  if (__syncthreads_or(changed)) {
+    if (threadIdx.x == 0) prefetched[b] = -kPrefetchStale;
+    return;
+  }
+  for (int32_t i = threadIdx.x; i < a.D; i += blockDim.x) {
+    a.slot_tokens[table + i] = s.new_slots[mine + i];
+    a.lru[table + i] = s.new_lru[mine + i];
+  }
+  char* dev = a.hot + (static_cast<int64_t>(layer) * a.R + s.req_ids[b]) * (a.D + 1) * a.row_bytes;
+  for (int32_t i = threadIdx.x / 32; i < c; i += kThreads / 32)
+    CopyRow(s.staged + (static_cast<int64_t>(b) * a.K + i) * a.row_bytes,
+            dev + s.miss_slots[static_cast<int64_t>(b) * a.K + i] * a.row_bytes, a.row_bytes);
+  if (threadIdx.x == 0) prefetched[b] = c;
+}
 
 ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t eviction,
                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
                          ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot,
-                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> hot_out,
-                         ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                         ffi::Result<ffi::Buffer<ffi::S32>> prefetched) {
+                         ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
   SwapInArgs a{};
   if (auto e = FillArgs("prefetch", pool, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
-                        slot_tokens, lru, prefetched->element_count(), a);
+                        slot_tokens, lru, seq_lens.element_count(), a);
       e.failure())
     return e;
   if (eviction == kEvictScore)
     return ffi::Error::InvalidArgument("prefetch: eviction \"score\" needs this layer's scores, not known yet");
-  a.prefetch = true;
-  for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out}, std::pair{lru, lru_out}}) {
-    if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
-  }
-  if (a.B == 0) return ffi::Error::Success();
+  if (ticket->element_count() != 2) return ffi::Error::InvalidArgument("prefetch: ticket must be s32[1, 2]");
+  if (auto e = CudaStatus(cudaMemsetAsync(ticket->typed_data(), 0, 2 * sizeof(int32_t), stream), "ticket");
+      e.failure())
+    return e;
   const size_t smem = SwapInSharedBytes(a.K, a.D);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
+  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PrefetchPlanKernel),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess)
+    return ffi::Error::Internal("prefetch: cudaFuncSetAttribute failed");
   int device = 0;
   if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
   auto& reg = PrefetchRegistry::Get();
   std::lock_guard<std::mutex> lock(reg.mu);
-  cudaStream_t& side = reg.side[device];
-  if (side == nullptr)
-    if (auto e = CudaStatus(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate"); e.failure())
+  PrefetchDevice& d = reg.devices[device];
+  if (d.side == nullptr) {
+    if (auto e = CudaStatus(cudaStreamCreateWithFlags(&d.side, cudaStreamNonBlocking), "cudaStreamCreate");
+        e.failure())
       return e;
-  PrefetchSlot& slot = reg.slots[{device, hot_out->untyped_data()}];
-  if (slot.ready == nullptr) {
-    for (cudaEvent_t* ev : {&slot.ready, &slot.done})
+    for (cudaEvent_t* ev : {&d.ready, &d.done})
       if (auto e = CudaStatus(cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "cudaEventCreate"); e.failure())
         return e;
   }
-  // Scratch: layer | top_k [B*K] | seq_lens [B] | req_ids [B] | host_pages [B*P].
-  const size_t n_topk = static_cast<size_t>(a.B) * a.K, n_pages = static_cast<size_t>(a.B) * a.P;
-  const size_t need = 1 + n_topk + 2 * static_cast<size_t>(a.B) + n_pages;
-  if (slot.scratch_ints < need) {
-    if (slot.scratch != nullptr) cudaFree(slot.scratch);  // its last prefetch was waited for
-    slot.scratch = nullptr;
-    slot.scratch_ints = 0;
-    if (auto e = CudaStatus(cudaMalloc(&slot.scratch, need * sizeof(int32_t)), "prefetch scratch"); e.failure())
-      return e;
-    slot.scratch_ints = need;
+  d.pending = false;
+  if (a.B == 0) return ffi::Error::Success();
+  const size_t need = CarveScratch(nullptr, a, nullptr);
+  if (d.bytes < need) {
+    if (d.buffer != nullptr) cudaFree(d.buffer);  // synchronizes: its last prefetch is done
+    d.buffer = nullptr;
+    d.bytes = 0;
+    if (auto e = CudaStatus(cudaMalloc(&d.buffer, need), "prefetch scratch"); e.failure()) return e;
+    d.bytes = need;
   }
-  int32_t* at = slot.scratch;
-  for (auto [dst, src, n] : {std::tuple{&a.layer, a.layer, size_t{1}}, std::tuple{&a.top_k, a.top_k, n_topk},
-                             std::tuple{&a.seq_lens, a.seq_lens, static_cast<size_t>(a.B)},
-                             std::tuple{&a.req_ids, a.req_ids, static_cast<size_t>(a.B)},
-                             std::tuple{&a.host_pages, a.host_pages, n_pages}}) {
-    if (auto e = CudaStatus(cudaMemcpyAsync(at, src, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream),
+  PrefetchScratch& s = d.scratch;
+  CarveScratch(d.buffer, a, &s);
+  for (auto [dst, src, n] : {std::tuple{s.layer, a.layer, size_t{1}},
+                             std::tuple{s.top_k, a.top_k, static_cast<size_t>(a.B) * a.K},
+                             std::tuple{s.seq_lens, a.seq_lens, static_cast<size_t>(a.B)},
+                             std::tuple{s.req_ids, a.req_ids, static_cast<size_t>(a.B)},
+                             std::tuple{s.host_pages, a.host_pages, static_cast<size_t>(a.B) * a.P}}) {
+    if (auto e = CudaStatus(cudaMemcpyAsync(dst, src, n * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream),
                             "prefetch snapshot");
         e.failure())
       return e;
-    *dst = at;
-    at += n;
   }
-  a.hot = static_cast<char*>(hot_out->untyped_data());
-  a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
-  a.lru = static_cast<int32_t*>(lru_out->untyped_data());
-  a.status = prefetched->typed_data();
-  if (auto e = CudaStatus(cudaEventRecord(slot.ready, stream), "cudaEventRecord"); e.failure()) return e;
-  if (auto e = CudaStatus(cudaStreamWaitEvent(side, slot.ready, 0), "cudaStreamWaitEvent"); e.failure()) return e;
-  SwapInKernel<<<a.B, kThreads, smem, side>>>(a);
-  if (auto e = CudaStatus(cudaGetLastError(), "prefetch launch"); e.failure()) return e;
-  if (auto e = CudaStatus(cudaEventRecord(slot.done, side), "cudaEventRecord"); e.failure()) return e;
-  slot.pending = true;
+  a.top_k = s.top_k;
+  a.seq_lens = s.seq_lens;
+  a.req_ids = s.req_ids;
+  a.host_pages = s.host_pages;
+  a.slot_tokens = static_cast<int32_t*>(slot_tokens.untyped_data());
+  a.lru = static_cast<int32_t*>(lru.untyped_data());
+  PrefetchSnapshotKernel<<<a.B, kThreads, 0, stream>>>(a, s);
+  if (auto e = CudaStatus(cudaGetLastError(), "prefetch snapshot launch"); e.failure()) return e;
+  a.slot_tokens = a.lru = nullptr;  // the plan works on the snapshot only
+  if (auto e = CudaStatus(cudaEventRecord(d.ready, stream), "cudaEventRecord"); e.failure()) return e;
+  if (auto e = CudaStatus(cudaStreamWaitEvent(d.side, d.ready, 0), "cudaStreamWaitEvent"); e.failure()) return e;
+  PrefetchPlanKernel<<<a.B, kThreads, smem, d.side>>>(a, s);
+  if (auto e = CudaStatus(cudaGetLastError(), "prefetch plan launch"); e.failure()) return e;
+  if (auto e = CudaStatus(cudaEventRecord(d.done, d.side), "cudaEventRecord"); e.failure()) return e;
+  d.args = a;
+  d.pending = true;
   return ffi::Error::Success();
 }
 
-// Prefetch wait: XLA's stream waits for the prefetch into this hot buffer (no host synchronization); the
-// arrays it writes are aliased to the results.
-ffi::Error PrefetchWaitImpl(cudaStream_t stream, ffi::AnyBuffer hot, ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
-                            ffi::AnyBuffer prefetched, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> hot_out,
-                            ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                            ffi::Result<ffi::AnyBuffer> prefetched_out) {
+// Prefetch wait: XLA's stream waits for the device's prefetch in flight (no host synchronization), then the
+// commit kernel places it into hot, slot_tokens and lru (aliased to the results); prefetched s32[B] as on the
+// CPU (0 on every row when none is in flight).
+ffi::Error PrefetchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer hot,
+                            ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::AnyBuffer after,
+                            ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
+                            ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::Buffer<ffi::S32>> prefetched) {
+  (void)ticket;
   (void)after;
-  int device = 0;
-  if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
-  {
-    auto& reg = PrefetchRegistry::Get();
-    std::lock_guard<std::mutex> lock(reg.mu);
-    auto it = reg.slots.find({device, hot.untyped_data()});
-    if (it != reg.slots.end() && it->second.pending) {
-      if (auto e = CudaStatus(cudaStreamWaitEvent(stream, it->second.done, 0), "cudaStreamWaitEvent"); e.failure())
-        return e;
-      it->second.pending = false;
-    }
-  }
-  for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out}, std::pair{lru, lru_out},
-                          std::pair{prefetched, prefetched_out}}) {
+  for (auto [src, dst] : {std::pair{hot, hot_out}, std::pair{slot_tokens, slot_tokens_out}, std::pair{lru, lru_out}}) {
     if (auto e = CopyIfDistinct(stream, src, dst); e.failure()) return e;
   }
-  return ffi::Error::Success();
+  const size_t B = prefetched->element_count();
+  if (auto e = CudaStatus(cudaMemsetAsync(prefetched->typed_data(), 0, B * sizeof(int32_t), stream), "prefetched");
+      e.failure())
+    return e;
+  int device = 0;
+  if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
+  auto& reg = PrefetchRegistry::Get();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.devices.find(device);
+  if (it == reg.devices.end() || !it->second.pending) return ffi::Error::Success();
+  PrefetchDevice& d = it->second;
+  d.pending = false;
+  SwapInArgs a = d.args;
+  auto hd = hot.dimensions();
+  if (B != static_cast<size_t>(a.B) || hd.size() != 4 || hd[0] != a.L || hd[1] != a.R || hd[2] != a.D + 1 ||
+      hd[3] * ffi::ByteWidth(hot.element_type()) != a.row_bytes ||
+      slot_tokens.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
+      lru.element_count() != static_cast<size_t>(a.L) * a.R * a.D)
+    return ffi::Error::InvalidArgument(
+        "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the device's prefetch in flight");
+  if (auto e = CudaStatus(cudaStreamWaitEvent(stream, d.done, 0), "cudaStreamWaitEvent"); e.failure()) return e;
+  a.hot = static_cast<char*>(hot_out->untyped_data());
+  a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
+  a.lru = static_cast<int32_t*>(lru_out->untyped_data());
+  PrefetchCommitKernel<<<a.B, kThreads, 0, stream>>>(a, d.scratch, prefetched->typed_data());
+  return CudaStatus(cudaGetLastError(), "prefetch commit launch");
 }
 
 // Host pool as an XLA operand (`pinned_host` memory), aliased to a result.
@@ -486,14 +613,12 @@ ffi::Error PrefetchStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, f
                              ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
                              ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer host_pool, ffi::AnyBuffer hot,
                              ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::AnyBuffer> host_pool_out,
-                             ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
-                             ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::Buffer<ffi::S32>> prefetched,
-                             int64_t page_size, int64_t eviction) {
+                             ffi::Result<ffi::Buffer<ffi::S32>> ticket, int64_t page_size, int64_t eviction) {
   auto view = OperandPool("prefetch", host_pool, host_pool_out);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   return PrefetchStart(stream, *view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
-                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
+                       slot_tokens, lru, ticket);
 }
 
 // Prefetch start over an extension-owned pinned pool; pool_token (s32[1]) is aliased to the result.
@@ -501,15 +626,14 @@ ffi::Error PrefetchStartExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer
                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> req_ids,
                                 ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
                                 ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
-                                ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
-                                ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
-                                ffi::Result<ffi::Buffer<ffi::S32>> prefetched, int64_t page_size, int64_t eviction,
-                                uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
+                                ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
+                                int64_t page_size, int64_t eviction, uint64_t pool_address, int64_t pool_layers,
+                                int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return PrefetchStart(stream, *view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
-                       slot_tokens, lru, hot_out, slot_tokens_out, lru_out, prefetched);
+                       slot_tokens, lru, ticket);
 }
 
 // Grid (N, max(Lr, 1)): block (n, i) copies column n of layer layer + i (none when Lr is 0); blocks i = 0

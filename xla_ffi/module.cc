@@ -43,6 +43,7 @@ uintptr_t AllocHostPool(size_t bytes) {
 }
 
 void FreeHostPool(uintptr_t address) {
+  hisparse::CopyWorkers::Get().WaitAll();  // a prefetch task may still read the pool
   if (HostPoolRegistry::Get().Remove(address) == 0)
     throw std::invalid_argument("free_host_pool: " + std::to_string(address) + " is not a live host pool");
   std::free(reinterpret_cast<void*>(address));

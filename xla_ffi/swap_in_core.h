@@ -66,8 +66,9 @@ enum SwapInStatus : int32_t {
   kBadRequestId,         // request (hot-buffer) id outside [-1, R), repeated, or -1 with seq_len > 0
   kBadScore,             // score policy: a resident slot's score is NaN
   kBackupRowOutOfRange,  // backup: a destination host row outside [-1, H)
+  kPrefetchStale,        // prefetch: the row's slot table or LRU order changed between start and wait
 };
-constexpr int32_t kNumStatuses = kBackupRowOutOfRange + 1;
+constexpr int32_t kNumStatuses = kPrefetchStale + 1;
 
 // Eviction policies (the handlers' `eviction` attribute).
 enum Eviction : int32_t { kEvictLru = 0, kEvictClock = 1, kEvictScore = 2 };
@@ -88,6 +89,8 @@ inline const char* StatusMessage(int32_t status) {
     case kLayerOutOfRange: return "layer index is outside [0, num_layers)";
     case kBadScore: return "a resident slot's score is NaN (eviction \"score\")";
     case kBackupRowOutOfRange: return "a backup destination host row is outside [-1, H)";
+    case kPrefetchStale:
+      return "the row's slot table or LRU order changed between prefetch start and wait (prefetch dropped)";
     default: return "ok";
   }
 }

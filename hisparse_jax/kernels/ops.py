@@ -41,6 +41,9 @@ def _load_cpu_module():
   return module
 
 
+_threads = os.environ.get("HISPARSE_PREFETCH_THREADS")
+if _threads is not None and not (_threads.strip().isdigit() and int(_threads) <= 64):
+  raise ValueError(f"HISPARSE_PREFETCH_THREADS must be an integer in [0, 64], got {_threads!r}")
 _ffi_cpu = _load_cpu_module()
 
 try:  # Built only where nvcc was found at install time.
@@ -108,8 +111,8 @@ def _layer(layer) -> jax.Array:
   dtype = getattr(layer, "dtype", None)
   if isinstance(layer, (bool, float)) or (dtype is not None and not jnp.issubdtype(dtype, jnp.integer)):
     raise TypeError(f"layer must be an integer, got {layer!r}")
-  if isinstance(layer, int) and not 0 <= layer < 2**31:
-    raise ValueError(f"layer {layer} is outside the int32 range")
+  if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < 2**31:
+    raise ValueError(f"layer {layer} is outside [0, 2^31)")
   return jnp.asarray(layer, jnp.int32)
 
 
@@ -315,27 +318,23 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
 
   A swap-in of the predicted positions top_k (typically the previous layer's top-k: adjacent layers pick
   mostly the same tokens; IndexCache, arXiv 2603.12201, measures 70-100% overlap on DeepSeek-V3.2) with no
-  newest row and no stats: hits move to the recent end of the LRU order, each missing position takes a
-  victim slot and its row is copied host pool -> hot buffer. The work runs in the background (CPU: the
-  extension's copy threads, ``prefetch_threads``; the call itself only checks and queues) until
-  ``prefetch_wait`` of the same hot buffer; the layer's real ``swap_in`` after the wait finds the rows
-  resident. The real swap-in still makes every needed row resident, so results are bit for bit those
-  without a prefetch (a wrong prediction costs only the rows it copied and what it evicted).
-
-  Contract: ``hot``, ``slot_tokens``, ``lru`` and ``prefetched`` returned here are complete only after
-  ``prefetch_wait``: pass them straight to it, and use its results instead (an ``optimization_barrier`` with
-  ``prefetched`` may order other work after this call: it reads nothing). Whatever read ``hot``,
-  ``slot_tokens`` or ``lru`` before this call must be ordered before it (in a decode step: the previous
-  layer's gather, through an ``optimization_barrier``), and every start must be waited for.
+  newest row and no stats, run in the background: the call checks its input, snapshots what it reads (the
+  rows' slot tables and LRU orders of the layer included) and queues the work; planning (hits move to the
+  recent end of the LRU order, each missing position takes a victim slot) and reading the missing rows from
+  the host pool into staging memory then run on the CPU extension's copy threads (``prefetch_threads``) or,
+  on a GPU, in a kernel on a side stream. Nothing in the background writes ``hot``, ``slot_tokens`` or
+  ``lru``: ``prefetch_wait`` commits the prefetch into the arrays it is given, so whatever XLA does between
+  the two calls cannot corrupt them, and the layer's real ``swap_in`` after the wait still makes every needed
+  row resident: results are bit for bit those without a prefetch.
 
   Args: as ``swap_in`` (top_k int32[B, K] the predicted positions, each < seq_len; seq_lens, req_ids,
-    host_pages, host_pool, hot, slot_tokens, lru, page_size), with eviction "lru" or "clock" ("score" needs
-    the layer's indexer scores, which do not exist yet: ValueError).
+    host_pages, host_pool, hot (read for its shape only), slot_tokens, lru, page_size), with eviction "lru"
+    or "clock" ("score" needs the layer's indexer scores, which do not exist yet: ValueError).
 
   Returns:
-    (host_pool, hot, slot_tokens, lru, prefetched), aliased to the inputs: the pool (orders the next backup
-    after this call), the hot buffer, slot table and LRU order, and int32[B] the rows each batch row copies,
-    or -status for a row whose input is bad (left unchanged: its swap-in reports the status).
+    (host_pool, ticket): the pool, aliased (orders the next backup after this call: that backup writes only
+    the newest rows, which a prefetch never reads), and int32[1, 2], the job for ``prefetch_wait`` (each
+    device's own; on a GPU zeros: a device has one prefetch in flight).
 
   Raises: as ``swap_in`` for shapes; ValueError for eviction "score" or an unknown one.
   """
@@ -343,11 +342,9 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
   if eviction == "score":
     raise ValueError('prefetch: eviction "score" ranks slots by the layer\'s own indexer scores, which a '
                      'prefetch (before the layer runs) does not have; use "lru" or "clock"')
-  B = top_k.shape[0]
   call = jax.ffi.ffi_call(
       PREFETCH_START_EXT_TARGET if external else PREFETCH_START_TARGET,
-      (_like(host_pool), _like(hot), _like(slot_tokens), _like(lru), jax.ShapeDtypeStruct((B,), jnp.int32)),
-      input_output_aliases={5: 0, 6: 1, 7: 2, 8: 3})
+      (_like(host_pool), jax.ShapeDtypeStruct((1, 2), jnp.int32)), input_output_aliases={5: 0})
   attrs = external.attrs() if external else {}
   return tuple(per_device(lambda *a: call(*a, page_size=np.int64(page_size),
                                           eviction=np.int64(EVICTIONS.index(eviction)), **attrs))(
@@ -356,19 +353,30 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
 
 def prefetch_threads() -> int:
   """The CPU extension's copy threads for ``prefetch_start`` (``HISPARSE_PREFETCH_THREADS``, read once per
-  process; default a quarter of the cores, 1 to 4). 0: the copies run inside ``prefetch_wait`` (no overlap)."""
+  process; default a quarter of the cores, 1 to 4). 0: the work runs inside ``prefetch_wait`` (no overlap)."""
   return int(_ffi_cpu.prefetch_threads())
 
 
-def prefetch_wait(hot, slot_tokens, lru, prefetched, after):
-  """Cross-layer prefetch, second half: (hot, slot_tokens, lru, prefetched) once the ``prefetch_start`` into
-  hot is done (the arrays it returned, aliased to the results: updated in place, complete from here on).
+def prefetch_wait(ticket, hot, slot_tokens, lru, after, *, batch: int):
+  """Cross-layer prefetch, second half: (hot, slot_tokens, lru, prefetched) with the ``prefetch_start`` of
+  ``ticket`` committed.
 
-  ``after`` (any array, not read) orders the wait: XLA runs it only once ``after`` exists, so give it a value
-  computed after the work the prefetch should overlap (in a decode step: the layer's newest latent rows)."""
-  call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru), _like(prefetched)),
-                          input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})
-  return tuple(per_device(call)(hot, slot_tokens, lru, prefetched, after))
+  Waits for the job (the CPU runs its queued tasks here; a GPU's stream waits for the side stream's event,
+  no host synchronization), then commits each row whose slot table and LRU order of the layer are still
+  those the start saw: the planned tables, and the staged rows into their slots of ``hot``. ``after`` (any
+  array, not read) orders the wait: XLA runs it once ``after`` exists, so give it a value computed after the
+  work the prefetch should overlap (in a decode step: the layer's newest latent rows). batch: B, the start's
+  batch rows (static).
+
+  Returns: hot, slot_tokens, lru aliased to the inputs (updated in place), and prefetched int32[B]: the rows
+  each batch row placed, 0 for an idle row or an unknown ticket, or -status for a row left unchanged (its
+  input was bad: its swap-in reports it; or ``PREFETCH_STALE``: its tables changed after the start).
+
+  Raises: JaxRuntimeError (INVALID_ARGUMENT) when the arrays do not match the start's shapes."""
+  call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru),
+                                                 jax.ShapeDtypeStruct((batch,), jnp.int32)),
+                          input_output_aliases={1: 0, 2: 1, 3: 2})
+  return tuple(per_device(call)(ticket, hot, slot_tokens, lru, after))
 
 
 def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = None):

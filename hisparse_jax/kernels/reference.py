@@ -63,6 +63,7 @@ LAYER_OUT_OF_RANGE = 5
 BAD_REQUEST_ID = 6
 BAD_SCORE = 7
 BACKUP_ROW_OUT_OF_RANGE = 8
+PREFETCH_STALE = 9  # a prefetch whose row's slot table or LRU order changed between start and wait (dropped)
 
 
 class SwapInError(ValueError):
@@ -235,10 +236,10 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
 
 def prefetch(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, *, page_size,
              eviction="lru"):
-  """Reference of ``ops.prefetch_start`` + ``ops.prefetch_wait``: the swap-in of the predicted positions
-  top_k with no newest row and no stats (eviction "lru" or "clock"). Works on copies; returns (hot,
-  slot_tokens, lru, prefetched), prefetched int32[B] the rows each row copied, or -status for a row left
-  unchanged (codes above)."""
+  """Reference of ``ops.prefetch_start`` + ``ops.prefetch_wait`` with nothing changed in between: the
+  swap-in of the predicted positions top_k with no newest row and no stats (eviction "lru" or "clock").
+  Works on copies; returns (hot, slot_tokens, lru, prefetched), prefetched int32[B] the rows each row
+  copied (0 for an idle row), or -status for a row left unchanged (codes above)."""
   if eviction not in ("lru", "clock"):
     raise SwapInError(f"prefetch takes eviction lru or clock, not {eviction!r}")
   L, R = np.shape(slot_tokens)[:2]

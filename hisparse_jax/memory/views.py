@@ -316,7 +316,7 @@ RESIDENCY = ("none", "mixed", "all")  # which rows of a decode batch are residen
 
 
 @_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status",
-               "staging", "resident_pages", "prefetched") + _HOST,
+               "staging", "resident_pages", "prefetch_ticket") + _HOST,
          meta=("page_size", "external", "eviction", "residency", "prefetch_depth"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
@@ -334,12 +334,13 @@ class HiSparseDecodeView:
   None), some ("mixed") or every active row ("all": no swap-in call at all) is resident.
 
   Cross-layer prefetch (``prefetch_depth`` > 0): after layer l's swap-in and gather, the first prefetch_depth
-  positions of its top-k (the top-scored) start layer l+1's swap-in (``ops.prefetch_start``: in the background) while layer l's
-  attention and MoE run; layer l+1's gather waits for the copies (``ops.prefetch_wait``, ordered after the
-  layer's newest rows, i.e. after layer l's compute) before its own swap-in. ``prefetched`` holds the
-  in-flight prefetch's per-row counts between the two (None when none is in flight)."""
+  positions of its top-k (the top-scored) start layer l+1's swap-in in the background (``ops.prefetch_start``)
+  while layer l's attention and MoE run; layer l+1's gather waits for it (``ops.prefetch_wait``, ordered after
+  the layer's newest rows, i.e. after layer l's compute) before its own swap-in. ``prefetch_ticket`` names the
+  prefetch in flight between the two (None when none is): the model must gather every layer in order
+  (``HiSparseState.absorb`` refuses a view with a prefetch in flight)."""
 
-  batch_fields = ("index_pages", "req_ids", "newest", "status", "resident_pages", "prefetched", "host_pages")
+  batch_fields = ("index_pages", "req_ids", "newest", "status", "resident_pages", "prefetch_ticket", "host_pages")
 
   index: jax.Array
   index_pages: jax.Array
@@ -352,7 +353,7 @@ class HiSparseDecodeView:
   status: jax.Array
   staging: jax.Array | None
   resident_pages: jax.Array | None  # int32[B, P]: staging pages of resident rows, -1 rows for the others
-  prefetched: jax.Array | None  # int32[B] of the prefetch in flight for the next layer (``prefetch``), else None
+  prefetch_ticket: jax.Array | None  # int32[1, 2] per DP group: the next layer's prefetch in flight, else None
   host_pool: jax.Array
   host_pages: jax.Array
   page_size: int
@@ -402,11 +403,10 @@ class HiSparseDecodeView:
       slots = self.slot_tokens[layer][jnp.maximum(req_ids, 0)]  # [B, D] positions, -1 empty
       keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
-    hot = self.hot
-    if self.prefetched is not None:  # this layer's prefetch is done before its swap-in reads the hot buffer
-      hot, slot_tokens, lru, _ = ops.prefetch_wait(hot, self.slot_tokens, self.lru, self.prefetched, self.newest)
-    else:
-      slot_tokens, lru = self.slot_tokens, self.lru
+    hot, slot_tokens, lru = self.hot, self.slot_tokens, self.lru
+    if self.prefetch_ticket is not None:  # this layer's prefetch lands before its swap-in
+      hot, slot_tokens, lru, _ = ops.prefetch_wait(self.prefetch_ticket, hot, slot_tokens, lru, self.newest,
+                                                   batch=req_ids.shape[0])
     rows, host_pool, hot, slot_tokens, lru, stats, status = ops.swap_in(
         layer, top_k[:, 0], seq_lens, req_ids, self.host_pages, self.newest, self.host_pool, hot,
         slot_tokens, lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
@@ -416,18 +416,16 @@ class HiSparseDecodeView:
     out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
     if resident is not None:
       out = jnp.where(resident[:, None, None], resident_rows, out)
-    started = None
+    ticket = None
     if self.prefetch_depth and layer + 1 < hot.shape[0]:
-      # The gather above reads the hot buffer before the prefetch writes it (barrier), and the prefetch
-      # starts before this layer's attention uses its rows (second barrier): the copies overlap that work.
-      out, hot = jax.lax.optimization_barrier((out, hot))
-      host_pool, hot, slot_tokens, lru, started = ops.prefetch_start(
+      # The prefetch starts before this layer's attention uses its rows (the barrier), so the background work
+      # overlaps that work.
+      host_pool, ticket = ops.prefetch_start(
           layer + 1, top_k[:, 0, :self.prefetch_depth], seq_lens, req_ids, self.host_pages, host_pool, hot,
-          slot_tokens, lru,
-          page_size=self.page_size, eviction=self.eviction, external=self.external)
-      out, started = jax.lax.optimization_barrier((out, started))
+          slot_tokens, lru, page_size=self.page_size, eviction=self.eviction, external=self.external)
+      out, ticket = jax.lax.optimization_barrier((out, ticket))
     view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
-                               newest=None, status=_first_failure(self.status, status), prefetched=started)
+                               newest=None, status=_first_failure(self.status, status), prefetch_ticket=ticket)
     return out[:, None], view
 
 
@@ -469,8 +467,9 @@ class HiSparseState:
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
     on ``mesh`` (``_placement``; not with external_pool). eviction: the swap-in's policy (``ops.EVICTIONS``;
     ValueError otherwise, before anything is allocated); prefetch_depth: the decode views' cross-layer
-    prefetch (``HiSparseDecodeView``; 0: none; > 0 needs eviction "lru" or "clock"). groups: DP groups, each with the sizes given (the
-    arrays hold groups x index_pages pages, groups x (request_slots + 1) hot buffers, ...)."""
+    prefetch (``HiSparseDecodeView``; 0: none; > 0 needs eviction "lru" or "clock"). groups: DP groups, each
+    with the sizes given (the arrays hold groups x index_pages pages, groups x (request_slots + 1) hot
+    buffers, ...)."""
     if mesh is not None and external_pool is not None:
       raise ValueError("an extension-owned host pool serves one device; a mesh needs the pinned_host pool")
     if eviction not in ops.EVICTIONS:
@@ -528,6 +527,10 @@ class HiSparseState:
                               self.prefetch_depth)
 
   def absorb(self, view) -> "HiSparseState":
+    """The state with the view's updated arrays. ValueError (at trace time) for a decode view whose last
+    prefetch was never waited for (a layer not gathered: its rows could still be landing)."""
+    if getattr(view, "prefetch_ticket", None) is not None:
+      raise ValueError("a cross-layer prefetch is still in flight: the model gathered a layer but not the next")
     return _absorb(self, view)
 
   @per_group(replicated=(1, 2, 3))

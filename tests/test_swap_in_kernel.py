@@ -747,6 +747,10 @@ def test_prefetch_bad_row_is_left_alone_and_score_is_refused():
   np.testing.assert_array_equal(hot, case[HOT])
   np.testing.assert_array_equal(slot_tokens, case[SLOTS])
   np.testing.assert_array_equal(lru, case[LRU])
+  out_of_range = [5, *case[1:]]  # the layer (an int32 operand inside jit) past the pool's one layer
+  hot, slot_tokens, lru, n = run_prefetch(out_of_range, PAGE)
+  assert n.tolist() == [-reference.LAYER_OUT_OF_RANGE]
+  np.testing.assert_array_equal(slot_tokens, case[SLOTS])
   for eviction in ("score", "fifo"):
     with pytest.raises(ValueError, match="eviction"):
       ops.prefetch_start(0, *case[1:NEWEST], case[POOL], case[HOT], case[SLOTS], case[LRU], page_size=PAGE,

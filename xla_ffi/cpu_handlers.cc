@@ -391,12 +391,12 @@ ffi::Error PrefetchStart(PoolView pool_view, int64_t page_size, int64_t eviction
                          ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::S32> seq_lens,
                          ffi::Buffer<ffi::S32> req_ids, ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer hot,
                          ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru, ffi::Result<ffi::Buffer<ffi::S32>> ticket) {
-  auto job = std::make_shared<PrefetchJob>();
-  const int64_t B = top_k.dimensions()[0];
   if (auto e = CheckPlanShapes("prefetch", pool_view, page_size, eviction, layer_buf, top_k, seq_lens, req_ids,
                                host_pages, hot, slot_tokens, lru);
       e.failure())
     return e;
+  auto job = std::make_shared<PrefetchJob>();
+  const int64_t B = top_k.dimensions()[0];
   job->counts.assign(B, 0);
   if (eviction == kEvictScore)
     return ffi::Error::InvalidArgument("prefetch: eviction \"score\" needs this layer's scores, not known yet");
@@ -534,12 +534,12 @@ ffi::Error PrefetchWaitImpl(ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer hot, ff
   CopyWorkers::Get().Wait(job.get());
   const PrefetchJob& j = *job;
   auto hd = hot.dimensions();
-  if (!SameDims(*prefetched, {j.B}) || hd.size() != 4 || hd[1] != j.R || hd[2] != j.D + 1 ||
+  if (!SameDims(*prefetched, {j.B}) || hd.size() != 4 || hd[0] != j.pool.L || hd[1] != j.R || hd[2] != j.D + 1 ||
       hd[3] * ffi::ByteWidth(hot.element_type()) != static_cast<int64_t>(j.row_bytes) ||
-      !SameDims(slot_tokens, {hd[0], j.R, j.D}) || !SameDims(lru, {hd[0], j.R, j.D}) || j.layer >= hd[0])
+      !SameDims(slot_tokens, {hd[0], j.R, j.D}) || !SameDims(lru, {hd[0], j.R, j.D}))
     return ffi::Error::InvalidArgument(
         "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the prefetch_start of the ticket");
-  if (j.layer < 0) {  // the start found the layer out of range
+  if (j.layer < 0 || j.layer >= j.pool.L) {  // the start found the layer out of range
     std::copy(j.counts.begin(), j.counts.end(), count);
     return ffi::Error::Success();
   }

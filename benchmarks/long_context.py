@@ -266,7 +266,9 @@ def main(argv=None) -> int:
   if "prefill" in args.sections:
     res["prefill"] = run_prefill(args.prompts, ("hisparse", "dense"), args.dense_max_prompt)
   if "itl" in args.sections:
-    res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0])
+    # --quick: 4 streams of 300 tokens (the scenario's shape, not its load).
+    res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0], **({"streams": 4, "stream_prompt": 300}
+                                                                    if args.quick else {}))
   if "bucket" in args.sections:
     res["bucket"] = (run_bucket(100, 4, fixed=(8, 32), modes=("dense",)) if args.quick else run_bucket(1000, 16))
   res["seconds"] = time.perf_counter() - t0

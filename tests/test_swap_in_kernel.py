@@ -854,13 +854,18 @@ def test_a_decode_view_with_a_prefetch_in_flight_is_refused():
 
 def test_layer_and_prefetch_thread_settings_are_checked():
   """A NumPy layer outside [0, 2^31) is an error, not a wrap; a HISPARSE_PREFETCH_THREADS that is not an
-  integer in [0, 64] stops the import with a message naming it (0 works: the work runs in the wait)."""
+  integer in [0, 64] stops the import with a message naming it (0 works: the work runs in the wait, or when
+  the pool it reads is closed)."""
   for layer in (np.int64(2**32), np.int64(-1)):
     with pytest.raises(ValueError, match="layer"):
       ops._layer(layer)
+  # With 0 threads a start never waited for stays queued: closing an extension pool runs it (it reads the pool).
+  script = ("import numpy as np; from hisparse_jax.kernels import ops, reference as r; c = r.worked_example(); "
+            "p = ops.ExtensionHostPool(*c[6].shape, np.float32); p.write(c[6]); "
+            "ops.prefetch_start(*c[:5], p.token(), *c[7:10], page_size=r.WORKED_EXAMPLE_PAGE_SIZE, external=p.ref); "
+            "p.close(); print(ops.prefetch_threads())")
   for value, ok in (("abc", False), ("100000", False), ("0", True)):
-    r = subprocess.run([sys.executable, "-c", "from hisparse_jax.kernels import ops; print(ops.prefetch_threads())"],
-                       capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HISPARSE_PREFETCH_THREADS": value})
     assert (r.returncode == 0) == ok, r.stderr[-500:]
     assert ok and r.stdout.strip() == "0" or "HISPARSE_PREFETCH_THREADS must be an integer" in r.stderr

@@ -66,10 +66,22 @@ class CopyWorkers {
     }
   }
 
-  // Returns once no task of any key is queued or running (before a host pool the tasks read is freed).
+  // Returns once no task of any key is queued or running (before a host pool the tasks read is freed); runs
+  // the queued ones on this thread.
   void WaitAll() {
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return pending_.empty(); });
+    while (!pending_.empty()) {
+      if (queue_.empty()) {  // the rest are running on the workers
+        done_cv_.wait(lock);
+        continue;
+      }
+      Entry e = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      e.task();
+      lock.lock();
+      Finish(e.key);
+    }
   }
 
   int Threads() const { return threads_; }

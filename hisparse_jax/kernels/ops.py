@@ -325,7 +325,8 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
   on a GPU, in a kernel on a side stream. Nothing in the background writes ``hot``, ``slot_tokens`` or
   ``lru``: ``prefetch_wait`` commits the prefetch into the arrays it is given, so whatever XLA does between
   the two calls cannot corrupt them, and the layer's real ``swap_in`` after the wait still makes every needed
-  row resident: results are bit for bit those without a prefetch.
+  row resident: results are bit for bit those without a prefetch. The background reads the host pool until
+  the wait: keep the returned pool alive and wait for every start (``ExtensionHostPool.close`` waits for all).
 
   Args: as ``swap_in`` (top_k int32[B, K] the predicted positions, each < seq_len; seq_lens, req_ids,
     host_pages, host_pool, hot (read for its shape only), slot_tokens, lru, page_size), with eviction "lru"

@@ -57,12 +57,7 @@ class CopyWorkers {
         done_cv_.wait(lock);
         continue;
       }
-      Entry e = std::move(*it);
-      queue_.erase(it);
-      lock.unlock();
-      e.task();
-      lock.lock();
-      Finish(e.key);
+      Run(it, lock);
     }
   }
 
@@ -75,12 +70,7 @@ class CopyWorkers {
         done_cv_.wait(lock);
         continue;
       }
-      Entry e = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      e.task();
-      lock.lock();
-      Finish(e.key);
+      Run(queue_.begin(), lock);
     }
   }
 
@@ -102,11 +92,17 @@ class CopyWorkers {
     for (int i = 0; i < threads; ++i) std::thread([this] { Loop(); }).detach();
   }
 
-  // With mu_ held: one task of `key` is done.
-  void Finish(const void* key) {
-    auto it = pending_.find(key);
-    if (--it->second == 0) {
-      pending_.erase(it);
+  // With mu_ held (by `lock`): takes the queued task `it` out of the queue, runs it with mu_ released, and
+  // counts it done.
+  void Run(std::deque<Entry>::iterator it, std::unique_lock<std::mutex>& lock) {
+    Entry e = std::move(*it);
+    queue_.erase(it);
+    lock.unlock();
+    e.task();
+    lock.lock();
+    auto count = pending_.find(e.key);
+    if (--count->second == 0) {
+      pending_.erase(count);
       done_cv_.notify_all();
     }
   }
@@ -115,12 +111,7 @@ class CopyWorkers {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       work_cv_.wait(lock, [this] { return !queue_.empty(); });
-      Entry e = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      e.task();
-      lock.lock();
-      Finish(e.key);
+      Run(queue_.begin(), lock);
     }
   }
 

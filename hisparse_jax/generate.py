@@ -14,7 +14,8 @@ Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 flushed) as soon as it and every line before it are done, so an interrupted run keeps what it finished;
 Ctrl-C (or SIGTERM) exits with status 130 and a one-line message. ``--output`` may not be the prompts file. Lines have
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
-``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only) — or
+``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only), ``prefetched`` (rows
+the cross-layer prefetch copied, with ``"prefetch": "next_layer"``) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served (finish_reason ``"error"`` with an
 ``error`` message when a kernel refused the request's row mid-run); the others are decoded anyway. All requests run through one continuous-batching engine.
 
@@ -234,6 +235,8 @@ def main(argv):
           out["text"] = req.text
         if hisparse is not None:
           out["hits"], out["misses"] = req.hits, req.misses
+          if hisparse.prefetch != "none":
+            out["prefetched"] = req.prefetched
         results[index[req.request_id]] = out
       write_ready()
   except KeyboardInterrupt:
@@ -280,8 +283,10 @@ def main(argv):
   if hisparse is not None:
     hits = sum(r.hits for _, r in requests)
     misses = sum(r.misses for _, r in requests)
+    prefetched = (f", {sum(r.prefetched for _, r in requests)} rows prefetched"
+                  if hisparse.prefetch != "none" else "")
     print(f"[generate] swap-in: {hits} hits, {misses} misses "
-          f"(miss rate {misses / max(1, hits + misses):.3f})", file=sys.stderr)
+          f"(miss rate {misses / max(1, hits + misses):.3f}){prefetched}", file=sys.stderr)
 
 
 if __name__ == "__main__":

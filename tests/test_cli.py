@@ -68,13 +68,16 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   assert "no tokenizer.json" in res[4]["error"]
   assert "outside the vocabulary" in res[6]["error"]
   assert "not JSON" in res[7]["error"]
-  # FP8 deployment numerics run end to end (a different numerics: only shape and validity are checked).
+  # FP8 deployment numerics run end to end (a different numerics: only shape and validity are checked), here
+  # with the cross-layer prefetch, whose rows each line reports.
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(tmp_path / "fp8.jsonl"), "--max-new-tokens", "6", "--enable-hisparse",
-          "--hisparse-config", json.dumps(TINY_HISPARSE), "--fp8-numerics")
+          "--hisparse-config", json.dumps(dict(TINY_HISPARSE, prefetch="next_layer")), "--fp8-numerics")
   assert r.returncode == 0, r.stderr[-2000:]
   fp8 = [json.loads(l) for l in (tmp_path / "fp8.jsonl").read_text().splitlines()]
   assert len(fp8[0]["output_ids"]) == 6 and all(0 <= t < 512 for t in fp8[0]["output_ids"])
+  assert fp8[0]["prefetched"] > 0 and "prefetched" not in res[0]
+  assert f"{sum(l.get('prefetched', 0) for l in fp8)} rows prefetched" in r.stderr
   # Dense mode gives the same tokens (lossless).
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(tmp_path / "dense.jsonl"), "--max-new-tokens", "6")

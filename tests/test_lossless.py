@@ -8,6 +8,7 @@ from flax import nnx
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, Request
+from hisparse_jax.serving.metrics import ServerMetrics
 from models.kv_protocol import ContiguousKVCache
 from models.loader import load_hf
 from tests.kv_harness import KVHarness
@@ -220,3 +221,15 @@ def test_cross_layer_prefetch_gives_the_dense_tokens(engines):
     assert [r.hits + r.misses for r in got] == [r.hits + r.misses for r in plain], pool
     if eviction == "lru":
       assert [r.misses for r in got] != [r.misses for r in plain]
+    # The prefetch counts: none for layer 0 (no previous layer), never more than depth rows per layer and
+    # decode step (a request decodes at most len(output_ids) - 1 steps), and some rows really copied.
+    assert all(len(r.layer_prefetched) == len(r.layer_hits) and r.layer_prefetched[0] == 0 for r in got)
+    assert all(r.prefetched == sum(r.layer_prefetched) for r in got) and sum(r.prefetched for r in got) > 0
+    assert all(p <= (depth or TINY_HISPARSE["top_k"]) * (len(r.output_ids) - 1)
+               for r in got for p in r.layer_prefetched), [r.layer_prefetched for r in got]
+    metrics = ServerMetrics(row_bytes=4)  # the server's counters see the same rows
+    for r in got:
+      metrics.on_finish(r)
+    assert sum(metrics.registry.get_sample_value("hisparse_prefetch_rows_total", {"layer": str(l)})
+               for l in range(len(got[0].layer_prefetched))) == sum(r.prefetched for r in got)
+  assert all(r.prefetched == 0 and not any(r.layer_prefetched) for r in plain)

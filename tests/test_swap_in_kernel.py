@@ -418,6 +418,21 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
   too_big = ops.ExternalPoolRef(pool.address, 1, 10**6)
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
     jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), pool.token(), external=too_big))
+  # A pool of other rows: fewer rows than it holds, rows of another byte size (the handler's exact check),
+  # or the same bytes as another dtype / width (the ref's trace-time check); nothing is written.
+  before = pool.read()
+  for ref, rows, error, match in (
+      (ops.ExternalPoolRef(pool.address, 1, 16), new_rows, FFI_ERRORS, "the pool has 384"),
+      (ops.ExternalPoolRef(pool.address, 1, 32), new_rows.astype(jnp.float16), FFI_ERRORS, "32 rows of 3 x 2"),
+      (pool.ref, new_rows.astype(jnp.int32), ValueError, "holds rows of 3 x float32, but the rows written"),
+      (pool.ref, jnp.full((1, 1, 6), 7.0, jnp.float16), ValueError, "are 6 x float16")):
+    with pytest.raises(error, match=match):
+      jax.block_until_ready(ops.backup(0, rows, jnp.array([1], jnp.int32), pool.token(), external=ref))
+  with pytest.raises(ValueError, match="swap_in: the extension host pool holds rows of 3 x float32"):
+    ops.swap_in(0, *map(jnp.asarray, case[1:NEWEST]), jnp.zeros((1, 3), jnp.int32), pool.token(),
+                jnp.zeros(case[HOT].shape, jnp.int32), *map(jnp.asarray, case[HOT + 1:]), page_size=PAGE,
+                external=pool.ref)
+  np.testing.assert_array_equal(pool.read(), before)
   ref = pool.ref
   pool.close()
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):

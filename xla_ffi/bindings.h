@@ -62,7 +62,8 @@ inline xla::ffi::ErrorOr<PoolView> OperandPool(const char* op, xla::ffi::AnyBuff
 
 // An extension-owned pool (host_pool.h) named by its address, viewed with the
 // dtype and row width of `like` (the hot buffer or the rows written); an error
-// unless the address is a live pool covering [L, H] such rows.
+// unless the address is a live pool of exactly [L, H] such rows (a pool of
+// another row size would be read as rows it does not hold).
 inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, int64_t layers, int64_t rows,
                                                   xla::ffi::AnyBuffer like) {
   namespace ffi = xla::ffi;
@@ -70,12 +71,18 @@ inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, int64_t laye
   const int64_t W = dims.size() ? dims[dims.size() - 1] : 0;
   if (!IsByteAddressable(like.element_type()))
     return ffi::Error::InvalidArgument("host pool rows: dtype packs below one byte per element (unsupported)");
-  const size_t need = static_cast<size_t>(layers) * rows * W * ffi::ByteWidth(like.element_type());
+  size_t need = 0;
+  const bool overflow = layers < 1 || rows < 0 || W < 0 ||
+                        __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &need) ||
+                        __builtin_mul_overflow(need, static_cast<size_t>(W) * ffi::ByteWidth(like.element_type()),
+                                               &need);
   const size_t have = HostPoolRegistry::Get().Size(static_cast<uintptr_t>(address));
-  if (layers < 1 || rows < 0 || have == 0 || need > have)
-    return ffi::Error::InvalidArgument("host pool at " + std::to_string(address) +
-                                       " is not a live extension pool of at least " + std::to_string(need) +
-                                       " bytes");
+  if (overflow || have == 0 || need != have)
+    return ffi::Error::InvalidArgument(
+        "host pool at " + std::to_string(address) + " is not a live extension pool of " + std::to_string(layers) +
+        " x " + std::to_string(rows) + " rows of " + std::to_string(W) + " x " +
+        std::to_string(ffi::ByteWidth(like.element_type())) + " bytes (" + std::to_string(need) + " bytes; " +
+        (have ? "the pool has " + std::to_string(have) + ")" : "no live pool there)"));
   return PoolView{reinterpret_cast<char*>(address), layers, rows, like.element_type(), W};
 }
 

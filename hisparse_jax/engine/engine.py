@@ -831,12 +831,11 @@ class Engine:
   def _collect_swap_stats(self, req: Request) -> None:
     stats = self.backend.swap_stats(req.kv)
     if stats is not None:
-      hits, misses = stats
-      if req.layer_hits:
-        hits = tuple(a + b for a, b in zip(req.layer_hits, hits))
-        misses = tuple(a + b for a, b in zip(req.layer_misses, misses))
-      req.layer_hits, req.layer_misses = hits, misses
-      req.hits, req.misses = sum(hits), sum(misses)
+      if req.layer_hits:  # a preempted request adds its earlier admissions' counts
+        stats = tuple(tuple(a + b for a, b in zip(old, new))
+                      for old, new in zip((req.layer_hits, req.layer_misses, req.layer_prefetched), stats))
+      req.layer_hits, req.layer_misses, req.layer_prefetched = stats
+      req.hits, req.misses, req.prefetched = (sum(s) for s in stats)
 
   def _release(self, req: Request) -> None:
     if req.kv is not None:

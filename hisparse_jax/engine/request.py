@@ -74,7 +74,9 @@ class Request:
     matched_stop: the stop token id (as text) or stop string that matched.
     topk_trace: with ``Engine(record_topk=True)``, int32[L, K] top-k positions per decode step.
     hits / misses: swap-in hits and misses summed over layers and steps (HiSparse); layer_hits /
-      layer_misses the same per layer.
+      layer_misses the same per layer. prefetched / layer_prefetched: the rows the cross-layer prefetch
+      (``"prefetch": "next_layer"``) copied ahead of their layer's swap-in, likewise (a prefetched row the
+      layer then needs counts as a hit, one it does not need is a wasted copy).
     num_preemptions: times the request was preempted (its KV freed and recomputed on re-admission) because
       memory ran out while it ran.
     arrival / first_token_time / finish_time: time.monotonic() stamps.
@@ -115,6 +117,8 @@ class Request:
   misses: int = 0
   layer_hits: tuple[int, ...] = ()
   layer_misses: tuple[int, ...] = ()
+  prefetched: int = 0
+  layer_prefetched: tuple[int, ...] = ()
   topk_trace: list[np.ndarray] = dataclasses.field(default_factory=list)
   num_preemptions: int = 0
   times_passed: int = 0       # admissions of later requests while this one waited and did not fit

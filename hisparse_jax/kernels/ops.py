@@ -142,11 +142,28 @@ def byte_addressable(dtype) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ExternalPoolRef:
-  """Static description of an ExtensionHostPool, passed to the "_ext" handlers as attributes."""
+  """Static description of an ExtensionHostPool, passed to the "_ext" handlers as attributes.
+
+  dtype and width (its rows' element dtype and W), when known, are checked at trace time against the hot
+  buffer or the rows a call passes (``attrs_for``); the handlers themselves refuse an address that is not a
+  live pool of exactly L x H rows of the passed rows' byte size."""
 
   address: int
   layers: int
   rows: int
+  dtype: np.dtype | None = None
+  width: int | None = None
+
+  def attrs_for(self, like, op: str) -> dict:
+    """``attrs()`` after checking that ``like`` (an array [..., W]) has this pool's dtype and row width.
+
+    Raises: ValueError naming both when it has not (the handler would view the pool's bytes as other rows).
+    """
+    if self.dtype is not None and (jnp.dtype(like.dtype) != self.dtype or like.shape[-1] != self.width):
+      raise ValueError(f"{op}: the extension host pool holds rows of {self.width} x {self.dtype}, but the "
+                       f"{'hot buffer' if op != 'backup' else 'rows written'} are {like.shape[-1]} x "
+                       f"{jnp.dtype(like.dtype)}")
+    return self.attrs()
 
   def attrs(self) -> dict:
     return dict(pool_address=np.uint64(self.address), pool_layers=np.int64(self.layers),
@@ -183,7 +200,7 @@ class ExtensionHostPool:
     self.shape = (int(layers), int(rows), int(width))
     self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
     self.address = self._module.alloc_host_pool(self.nbytes)
-    self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1])
+    self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1], self.dtype, self.shape[2])
 
   def token(self) -> jax.Array:
     """A fresh int32[1] ordering token for a cache that uses this pool."""
@@ -276,8 +293,10 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   Raises:
     jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the call is dispatched eagerly)
     for what the compiled shapes decide: K > D, newest not [B, W] of the hot buffer's dtype, operand
-    shapes that do not fit, a sub-byte dtype, an unknown extension pool. ValueError (at trace time) for
-    an unknown eviction, or slot_scores given without eviction "score" / missing with it.
+    shapes that do not fit, a sub-byte dtype, an address that is not a live extension pool of exactly
+    L x H rows of the hot buffer's row size. ValueError (at trace time) for an unknown eviction,
+    slot_scores given without eviction "score" / missing with it, or an ``external`` pool whose dtype or
+    row width is not the hot buffer's.
 
   ``external`` selects the handler over an ExtensionHostPool; ``target`` names another
   registration of the same handler (e.g. the Bazel build's).
@@ -305,7 +324,7 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       ),
       input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
   )
-  attrs = external.attrs() if external else {}
+  attrs = external.attrs_for(hot, "swap_in") if external else {}
   return per_device(lambda *a: call(*a, page_size=np.int64(page_size), eviction=np.int64(EVICTIONS.index(eviction)),
                                     **attrs))(
       _layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
@@ -346,7 +365,7 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
   call = jax.ffi.ffi_call(
       PREFETCH_START_EXT_TARGET if external else PREFETCH_START_TARGET,
       (_like(host_pool), jax.ShapeDtypeStruct((1, 2), jnp.int32)), input_output_aliases={5: 0})
-  attrs = external.attrs() if external else {}
+  attrs = external.attrs_for(hot, "prefetch_start") if external else {}
   return tuple(per_device(lambda *a: call(*a, page_size=np.int64(page_size),
                                           eviction=np.int64(EVICTIONS.index(eviction)), **attrs))(
       _layer(layer), top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru))
@@ -397,13 +416,14 @@ def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = No
 
   Raises:
     jax.errors.JaxRuntimeError (INVALID_ARGUMENT) on mismatched dtype / row width or a dtype packed below
-    one byte per element; TypeError for a non-integer layer.
+    one byte per element, or (``external``) an address that is not a live pool of exactly L x H such rows;
+    ValueError for an ``external`` pool of another dtype or row width; TypeError for a non-integer layer.
   """
   dst = _int32("dst", dst)
   call = jax.ffi.ffi_call(BACKUP_EXT_TARGET if external else BACKUP_TARGET,
                           (_like(host_pool), jax.ShapeDtypeStruct(dst.shape, jnp.int32)),
                           input_output_aliases={3: 0})
-  attrs = external.attrs() if external else {}
+  attrs = external.attrs_for(rows, "backup") if external else {}
   return tuple(per_device(lambda *a: call(*a, **attrs))(_layer(layer), rows, dst, host_pool))
 
 

@@ -404,9 +404,9 @@ class KVBackend(abc.ABC):
     """Bytes per memory kind a request of `tokens` tokens holds at most (module function ``request_bytes``)."""
     return request_bytes(self.layout, getattr(self, "hisparse", None), self.page_size, tokens)
 
-  def swap_stats(self, kv: RequestKV) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(hits per layer, misses per layer) of the request in kv's slot since its admission; None in dense
-    mode. Reads the device (call between steps)."""
+  def swap_stats(self, kv: RequestKV) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """(hits per layer, misses per layer, rows prefetched per layer) of the request in kv's slot since its
+    admission; None in dense mode. Reads the device (call between steps)."""
     return None
 
 
@@ -453,7 +453,8 @@ class HiSparseBackend(KVBackend):
     # One request slot's stats, whole on every device (every process can read it; the stats are split over
     # the DP groups).
     out = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-    self._slot_stats = jax.jit(lambda stats, slot: jnp.take(stats, slot, axis=1), out_shardings=out)
+    self._slot_stats = jax.jit(lambda stats, prefetched, slot: jnp.concatenate(
+        [jnp.take(stats, slot, axis=1), jnp.take(prefetched, slot, axis=1)[:, None]], axis=1), out_shardings=out)
     host_rows = plan.pools["host"][1] * plan.page_size
     self.external_pool = (ExtensionHostPool(layout.num_layers, host_rows, layout.latent_dim, dtype)
                           if host_pool == "extension" else None)
@@ -513,8 +514,8 @@ class HiSparseBackend(KVBackend):
     # Each group's state shard holds slots_per_group + 1 hot buffers (the last a scratch one).
     slot = np.int32(kv.group * (self.slots_per_group + 1) + self.local_slot(kv))
     slot = jnp.asarray(slot) if self.mesh is None else jax.device_put(slot, NamedSharding(self.mesh, PartitionSpec()))
-    per_layer = np.asarray(self._slot_stats(self.state.stats, slot))
-    return tuple(per_layer[:, 0].tolist()), tuple(per_layer[:, 1].tolist())
+    per_layer = np.asarray(self._slot_stats(self.state.stats, self.state.prefetched, slot))
+    return tuple(tuple(per_layer[:, i].tolist()) for i in range(3))
 
 
 def create_backend(layout: KVLayout, dtype, *, budget: int, max_running_requests: int, max_seq_len: int,

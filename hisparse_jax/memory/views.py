@@ -316,7 +316,7 @@ RESIDENCY = ("none", "mixed", "all")  # which rows of a decode batch are residen
 
 
 @_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status",
-               "staging", "resident_pages", "prefetch_ticket") + _HOST,
+               "staging", "resident_pages", "prefetch_ticket", "prefetched") + _HOST,
          meta=("page_size", "external", "eviction", "residency", "prefetch_depth"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
@@ -361,6 +361,7 @@ class HiSparseDecodeView:
   eviction: str = "lru"
   residency: str = "none"
   prefetch_depth: int = 0
+  prefetched: jax.Array | None = None  # int32[L, R]: the state's rows placed by the prefetch, per request slot
 
   @per_group()
   def append(self, layer, positions, latent, index_key):
@@ -403,10 +404,12 @@ class HiSparseDecodeView:
       slots = self.slot_tokens[layer][jnp.maximum(req_ids, 0)]  # [B, D] positions, -1 empty
       keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
-    hot, slot_tokens, lru = self.hot, self.slot_tokens, self.lru
+    hot, slot_tokens, lru, prefetched = self.hot, self.slot_tokens, self.lru, self.prefetched
     if self.prefetch_ticket is not None:  # this layer's prefetch lands before its swap-in
-      hot, slot_tokens, lru, _ = ops.prefetch_wait(self.prefetch_ticket, hot, slot_tokens, lru, self.newest,
-                                                   batch=req_ids.shape[0])
+      hot, slot_tokens, lru, placed = ops.prefetch_wait(self.prefetch_ticket, hot, slot_tokens, lru, self.newest,
+                                                        batch=req_ids.shape[0])
+      prefetched = self.prefetched.at[layer, jnp.where(req_ids >= 0, req_ids, hot.shape[1])].add(
+          jnp.maximum(placed, 0), mode="drop")  # a stale or failed row (-code) placed nothing
     rows, host_pool, hot, slot_tokens, lru, stats, status = ops.swap_in(
         layer, top_k[:, 0], seq_lens, req_ids, self.host_pages, self.newest, self.host_pool, hot,
         slot_tokens, lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
@@ -425,7 +428,8 @@ class HiSparseDecodeView:
           slot_tokens, lru, page_size=self.page_size, eviction=self.eviction, external=self.external)
       out, ticket = jax.lax.optimization_barrier((out, ticket))
     view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
-                               newest=None, status=_first_failure(self.status, status), prefetch_ticket=ticket)
+                               newest=None, status=_first_failure(self.status, status), prefetch_ticket=ticket,
+                               prefetched=prefetched)
     return out[:, None], view
 
 
@@ -435,12 +439,13 @@ def host_rows(host_pages, positions, page_size):
   return jnp.where(pid >= 0, pid * page_size + jnp.maximum(positions, 0) % page_size, -1)
 
 
-@_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "host_pool"),
+@_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "prefetched", "host_pool"),
          meta=("page_size", "external", "eviction", "prefetch_depth"))
 @dataclasses.dataclass
 class HiSparseState:
   """HiSparse KV memory (see the module docstring). hot: T[L, R+1, D+1, W]; slot_tokens, lru: int32[L, R+1, D];
-  stats: int32[L, R+1, 2] cumulative swap-in (hits, misses) of the request in each slot; host_pool:
+  stats: int32[L, R+1, 2] cumulative swap-in (hits, misses) of the request in each slot; prefetched: int32[L,
+  R+1] the rows the cross-layer prefetch placed for it (``ops.prefetch_wait``; zeros without one); host_pool:
   T[L, H, W] in ``pinned_host`` memory, or the int32[1] ordering token of the extension pool ``external``.
 
   Request slot R is a scratch slot no request owns: prefill rows that do not end a prompt write their (unused)
@@ -452,6 +457,7 @@ class HiSparseState:
   slot_tokens: jax.Array
   lru: jax.Array
   stats: jax.Array
+  prefetched: jax.Array
   host_pool: jax.Array
   page_size: int
   external: ops.ExternalPoolRef | None = None
@@ -498,7 +504,7 @@ class HiSparseState:
       return dict(index=jnp.zeros((L, index_pages, page_size, index_dim), jnp.float32),
                   staging=jnp.zeros((L, staging_pages, page_size, latent_dim), dtype),
                   hot=jnp.zeros((L, R, D + 1, latent_dim), dtype), slot_tokens=slots, lru=slots + 0,
-                  stats=jnp.zeros((L, R, 2), jnp.int32))
+                  stats=jnp.zeros((L, R, 2), jnp.int32), prefetched=jnp.zeros((L, R), jnp.int32))
 
     arrays = jax.jit(device, out_shardings=_placement(mesh))()
     return cls(**arrays, host_pool=host_pool, page_size=page_size,
@@ -524,7 +530,7 @@ class HiSparseState:
                               tables["req_ids"], None, status, self.staging if resident else None,
                               tables["resident_pages"] if resident else None, None, self.host_pool,
                               tables["host_pages"], self.page_size, self.external, self.eviction, residency,
-                              self.prefetch_depth)
+                              self.prefetch_depth, self.prefetched)
 
   def absorb(self, view) -> "HiSparseState":
     """The state with the view's updated arrays. ValueError (at trace time) for a decode view whose last
@@ -556,7 +562,8 @@ class HiSparseState:
     return dataclasses.replace(
         self, index=index_pool, host_pool=host_pool, hot=self.hot.at[:, slot].set(rows),
         slot_tokens=self.slot_tokens.at[:, slot].set(slots), lru=self.lru.at[:, slot].set(slots),
-        stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32))), status.max(keepdims=True)
+        stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)),
+        prefetched=self.prefetched.at[:, slot].set(0)), status.max(keepdims=True)
 
   @per_group(replicated=(1,))
   def export_prompt(self, tables, length, size: int):
@@ -571,7 +578,7 @@ class HiSparseState:
     """Hot buffers of the rows whose prompt ended in this call (tables["hot_slot"][b] = its request slot;
     the scratch slot R for the others): slots 0..D take positions 0..D from staging (slot s holds token s, as
     the swap-in's fast path assumes; rows past the prompt are written by decode before they are read), the
-    slot table and LRU order restart as 0..D-1 and the stats at zero."""
+    slot table and LRU order restart as 0..D-1 and the stats and prefetch counts at zero."""
     return self._fill_hot(tables, True)
 
   @per_group()
@@ -591,8 +598,11 @@ class HiSparseState:
     rows = self.staging[:, pid, pos % self.page_size]  # [L, B, D+1, W]
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
     inb = "promise_in_bounds"
-    stats = self.stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode=inb) if reset_stats else self.stats
+    stats, prefetched = self.stats, self.prefetched
+    if reset_stats:
+      stats = stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode=inb)
+      prefetched = prefetched.at[:, target].set(jnp.zeros((L, B), jnp.int32), mode=inb)
     return dataclasses.replace(
         self, hot=self.hot.at[:, target].set(rows, mode=inb),
         slot_tokens=self.slot_tokens.at[:, target].set(slots, mode=inb),
-        lru=self.lru.at[:, target].set(slots, mode=inb), stats=stats)
+        lru=self.lru.at[:, target].set(slots, mode=inb), stats=stats, prefetched=prefetched)

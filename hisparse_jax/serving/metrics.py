@@ -10,6 +10,7 @@ otherwise):
   hisparse_swap_in_hits_total{layer}, hisparse_swap_in_misses_total{layer}
                                                                  counters (distinct positions per step)
   hisparse_swap_in_bytes_total{layer}                            counter (misses x latent row bytes)
+  hisparse_prefetch_rows_total{layer}                            counter (rows the cross-layer prefetch copied)
   hisparse_host_pool_rows{state="used"|"free"}                   gauge (host-pool tokens)
   hisparse_device_kv_bytes{state="used"|"budget"}                gauge
   hisparse_kv_pool_pages{pool, memory, state="used"|"free"}      gauge (every KV pool, Engine.loads()["pools"])
@@ -52,6 +53,8 @@ class ServerMetrics:
                           registry=r)
     self.miss_bytes = Counter("hisparse_swap_in_bytes", "Bytes copied host->device by the swap-in", ["layer"],
                               registry=r)
+    self.prefetched = Counter("hisparse_prefetch_rows", "Rows the cross-layer prefetch copied ahead of the "
+                              "layer's swap-in", ["layer"], registry=r)
     self.host_rows = Gauge("hisparse_host_pool_rows", "HiSparse host-pool rows", ["state"], registry=r)
     self.device_kv = Gauge("hisparse_device_kv_bytes", "Device KV memory: allocated / all pools", ["state"],
                            registry=r)
@@ -98,10 +101,11 @@ class ServerMetrics:
       self.transfer_seconds.observe(req.transfer_seconds)
       self.transfer_bytes.inc(req.transfer_bytes)
       self.transfer_rate.set(req.transfer_bytes / max(req.transfer_seconds, 1e-9) / 1e9)
-    for layer, (h, m) in enumerate(zip(req.layer_hits, req.layer_misses)):
+    for layer, (h, m, p) in enumerate(zip(req.layer_hits, req.layer_misses, req.layer_prefetched)):
       self.hits.labels(layer=str(layer)).inc(int(h))
       self.misses.labels(layer=str(layer)).inc(int(m))
       self.miss_bytes.labels(layer=str(layer)).inc(int(m) * self.row_bytes)
+      self.prefetched.labels(layer=str(layer)).inc(int(p))
 
   def update(self, loads: dict) -> None:
     self.running.set(loads["running"])

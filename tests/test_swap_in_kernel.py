@@ -328,6 +328,17 @@ def test_top_k_larger_than_buffer_is_an_error():
     run_kernel(*case)
   with pytest.raises(reference.SwapInError):
     run_reference(*case)
+  # A hot buffer with only the newest token's slot (D = 0) says so, for the swap-in and the prefetch.
+  case = worked_example()
+  L, R, _, W = case[HOT].shape
+  case[1] = np.zeros((1, 0), np.int32)
+  case[HOT] = np.zeros((L, R, 1, W), case[HOT].dtype)
+  case[SLOTS] = case[LRU] = np.zeros((L, R, 0), np.int32)
+  with pytest.raises(FFI_ERRORS, match=r"swap_in: hot \[L, R, D\+1, W\] has D\+1 = 1: it needs D >= 1 slots"):
+    run_kernel(*case)
+  with pytest.raises(FFI_ERRORS, match=r"prefetch: hot \[L, R, D\+1, W\] has D\+1 = 1"):
+    jax.block_until_ready(ops.prefetch_start(0, *map(jnp.asarray, case[1:NEWEST]), to_host(case[POOL]),
+                                             *map(jnp.asarray, case[HOT:STATS]), page_size=PAGE))
 
 
 def test_backup_writes_rows_in_place():

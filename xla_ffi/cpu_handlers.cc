@@ -121,7 +121,10 @@ ffi::Error CheckPlanShapes(const char* op, const PoolView& pool_view, int64_t pa
   const int64_t B = kd[0], K = kd[1];
   const int64_t L = pool_view.L, H = pool_view.H, W = pool_view.W;
   const int64_t R = hd[1], D = hd[2] - 1;
-  if (hd[0] != L || hd[3] != W || D < 1)
+  if (D < 1)
+    return ffi::Error::InvalidArgument(name + ": hot [L, R, D+1, W] has D+1 = " + std::to_string(hd[2]) +
+                                       ": it needs D >= 1 slots per request besides the newest token's");
+  if (hd[0] != L || hd[3] != W)
     return ffi::Error::InvalidArgument(name + ": hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
   if (pool_view.dtype != hot.element_type())
     return ffi::Error::InvalidArgument(name + ": host_pool and hot dtypes differ");

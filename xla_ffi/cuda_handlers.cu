@@ -242,7 +242,10 @@ ffi::Error FillArgs(const std::string& op, PoolView pool, int64_t page_size, int
   a.D = static_cast<int32_t>(hd[2] - 1);
   a.P = static_cast<int32_t>(pd[1]);
   a.page_size = static_cast<int32_t>(page_size);
-  if (hd[0] != pool.L || hd[3] != pool.W || a.D < 1 || pd[0] != kd[0] || pool.dtype != hot.element_type())
+  if (a.D < 1)
+    return ffi::Error::InvalidArgument(op + ": hot [L, R, D+1, W] has D+1 = " + std::to_string(hd[2]) +
+                                       ": it needs D >= 1 slots per request besides the newest token's");
+  if (hd[0] != pool.L || hd[3] != pool.W || pd[0] != kd[0] || pool.dtype != hot.element_type())
     return ffi::Error::InvalidArgument(op + ": hot must be [L, R, D+1, W] matching host_pool [L, H, W]");
   if (a.K > a.D)
     return ffi::Error::InvalidArgument(op + ": top_k (" + std::to_string(a.K) + ") > device_buffer_size (" +

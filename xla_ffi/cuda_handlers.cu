@@ -91,10 +91,11 @@ struct BlockPlan {
   SwapInScratch scratch;
   int32_t* miss_tokens;
   int32_t* miss_slots;
-  int32_t* rows;  // [K] a prefetch's (unused) rows
+  int32_t* rows;  // [K] a prefetch's (unused) rows; null for the swap-in, which writes its rows output
 };
 
-__device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
+// with_rows: the prefetch's layout, K more entries for the plan's rows (SwapInSharedBytes).
+__device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D, bool with_rows) {
   const int32_t cap = HashCapacity(K);
   int32_t* hash_keys = smem;
   int32_t* hash_slots = hash_keys + cap;
@@ -104,8 +105,8 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D) {
   int32_t* new_lru = miss_slots + K;
   int32_t* heap_pos = new_lru + D;
   int32_t* heap_key = heap_pos + K;
-  int32_t* rows = heap_key + K;
-  uint8_t* slot_state = reinterpret_cast<uint8_t*>(rows + K);
+  int32_t* rows = with_rows ? heap_key + K : nullptr;
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(heap_key + (with_rows ? 2 : 1) * K);
   for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) hash_keys[i] = -1;
   __syncthreads();
   return BlockPlan{HashPositionMap{hash_keys, hash_slots, cap - 1},
@@ -131,7 +132,7 @@ __global__ void SwapInKernel(SwapInArgs a) {
     return;
   }
   const RequestLayer r = MakeRequest(a, b, layer);
-  BlockPlan p = CarveShared(smem, a.K, a.D);
+  BlockPlan p = CarveShared(smem, a.K, a.D, false);
   if (threadIdx.x == 0) {
     int32_t hits = 0;
     num_misses = PlanSwapIn(r, p.map, p.scratch, rows, p.miss_tokens, p.miss_slots, &hits);
@@ -160,8 +161,12 @@ __global__ void SwapInKernel(SwapInArgs a) {
   }
 }
 
-size_t SwapInSharedBytes(int32_t K, int32_t D) {
-  return (2 * static_cast<size_t>(HashCapacity(K)) + 6 * static_cast<size_t>(K) + D) * sizeof(int32_t) + D;
+// Dynamic shared memory of CarveShared's layout: the hash map (2 x capacity), need_token, miss_tokens,
+// miss_slots, heap_pos, heap_key (K each; with_rows: one more K for the prefetch's rows), new_lru (D) ints,
+// and slot_state (D bytes).
+size_t SwapInSharedBytes(int32_t K, int32_t D, bool with_rows) {
+  return (2 * static_cast<size_t>(HashCapacity(K)) + (with_rows ? 6 : 5) * static_cast<size_t>(K) + D) *
+             sizeof(int32_t) + D;
 }
 
 ffi::Error CudaStatus(cudaError_t e, const char* what) {
@@ -301,7 +306,7 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
   if (a.B == 0) return ffi::Error::Success();
   a.newest = static_cast<const char*>(newest.untyped_data());
 
-  const size_t smem = SwapInSharedBytes(a.K, a.D);
+  const size_t smem = SwapInSharedBytes(a.K, a.D, false);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
   a.rows = rows->typed_data();
   a.status = status_out->typed_data();
@@ -413,7 +418,7 @@ __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
                        a.host_pages + static_cast<int64_t>(b) * a.P, a.P, a.page_size, a.H,
                        s.new_slots + static_cast<int64_t>(b) * a.D, s.new_lru + static_cast<int64_t>(b) * a.D, 0,
                        a.eviction, nullptr};
-  BlockPlan p = CarveShared(smem, a.K, a.D);
+  BlockPlan p = CarveShared(smem, a.K, a.D, true);
   if (threadIdx.x == 0) {
     int32_t hits = 0;
     num_misses = PlanSwapIn(r, p.map, p.scratch, p.rows, p.miss_tokens, p.miss_slots, &hits);
@@ -474,7 +479,7 @@ ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, 
   if (auto e = CudaStatus(cudaMemsetAsync(ticket->typed_data(), 0, 2 * sizeof(int32_t), stream), "ticket");
       e.failure())
     return e;
-  const size_t smem = SwapInSharedBytes(a.K, a.D);
+  const size_t smem = SwapInSharedBytes(a.K, a.D, true);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
   if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PrefetchPlanKernel),
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess)

@@ -122,7 +122,7 @@ class HiSparseConfig:
     if text:
       try:
         raw = json.loads(text)
-      except json.JSONDecodeError as e:
+      except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
         raise ConfigError(f"hisparse config is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
       raise ConfigError(f"hisparse config must be a JSON object, got {type(raw).__name__}")

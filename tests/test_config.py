@@ -43,6 +43,7 @@ def test_full_sglang_config():
     ('{"top_k": true}', "top_k must be an integer"),
     ('[1, 2]', "must be a JSON object"),
     ('{top_k: 1}', "not valid JSON"),
+    ('{"device_buffer_size": ' + "9" * 5000 + '}', "not valid JSON.*digits"),  # past int()'s digit limit
     ('{"eviction": "mru"}', r"eviction must be one of \['lru', 'clock', 'score'\], got 'mru'"),
     ('{"eviction": 1}', "eviction must be one of"),
     ('{"eviction": ["lru"]}', "eviction must be one of"),

@@ -423,18 +423,18 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
   jax.block_until_ready(ops.backup(0, new_rows, jnp.array([5], jnp.int32), pool.token(), external=pool.ref))
   assert (pool.read()[0, 5] == 7).all()
   # A forged or freed address is an error, never a wild access.
-  forged = ops.ExternalPoolRef(pool.address + 64, 1, 32)
+  forged = ops.ExternalPoolRef(pool.address + 64, 1, 32, np.float32, 3)
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
     jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), pool.token(), external=forged))
-  too_big = ops.ExternalPoolRef(pool.address, 1, 10**6)
+  too_big = ops.ExternalPoolRef(pool.address, 1, 10**6, np.float32, 3)
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
     jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), pool.token(), external=too_big))
   # A pool of other rows: fewer rows than it holds, rows of another byte size (the handler's exact check),
   # or the same bytes as another dtype / width (the ref's trace-time check); nothing is written.
   before = pool.read()
   for ref, rows, error, match in (
-      (ops.ExternalPoolRef(pool.address, 1, 16), new_rows, FFI_ERRORS, "the pool has 384"),
-      (ops.ExternalPoolRef(pool.address, 1, 32), new_rows.astype(jnp.float16), FFI_ERRORS, "32 rows of 3 x 2"),
+      (ops.ExternalPoolRef(pool.address, 1, 16, np.float32, 3), new_rows, FFI_ERRORS, "the pool has 384"),
+      (ops.ExternalPoolRef(pool.address, 1, 32, np.float16, 3), new_rows.astype(jnp.float16), FFI_ERRORS, "32 rows of 3 x 2"),
       (pool.ref, new_rows.astype(jnp.int32), ValueError, "holds rows of 3 x float32, but the rows written"),
       (pool.ref, jnp.full((1, 1, 6), 7.0, jnp.float16), ValueError, "are 6 x float16")):
     with pytest.raises(error, match=match):
@@ -463,6 +463,20 @@ def test_sub_byte_dtypes_are_rejected(dtype):
                                       *map(jnp.asarray, case[HOT + 1:]), page_size=PAGE))
   with pytest.raises(TypeError, match="below one byte"):
     ops.ExtensionHostPool(1, 4, 4, dtype)
+
+
+@pytest.mark.parametrize("shape,dtype,error,match", [
+    ((2, -4, -4), np.float32, ValueError, "rows must be an integer >= 0, got -4"),
+    ((0, 4, 4), np.float32, ValueError, "layers must be an integer >= 1, got 0"),
+    ((2.5, 4, 4), np.float32, ValueError, "layers must be an integer"),
+    ((True, 4, 4), np.float32, ValueError, "layers must be an integer"),
+    ((1, 4, 4), np.bool_, TypeError, "must be a float or integer type, got bool"),
+    ((1, 4, 4), np.complex64, TypeError, "must be a float or integer type"),
+    ((1, 4, 4), object, TypeError, "must be a float or integer type"),
+])
+def test_extension_pool_refuses_bad_geometry_and_dtypes(shape, dtype, error, match):
+  with pytest.raises(error, match=match):
+    ops.ExtensionHostPool(*shape, dtype)
 
 
 def test_indices_are_never_silently_truncated():
@@ -814,6 +828,11 @@ def test_prefetch_commits_into_whatever_arrays_the_wait_gets():
   np.testing.assert_array_equal(got[0], case[HOT])
   np.testing.assert_array_equal(got[1], np.asarray(moved))
   assert "changed between prefetch start and wait" in ops.status_message(reference.PREFETCH_STALE)
+  # A wait handed a hot buffer of another dtype (same bytes a row, or the same shape) is an error.
+  for other in (hot.astype(jnp.int32), jnp.zeros(hot.shape[:3] + (2 * hot.shape[3],), jnp.float16)):
+    _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE)
+    with pytest.raises(FFI_ERRORS, match="do not match the prefetch_start of the ticket"):
+      jax.block_until_ready(ops.prefetch_wait(ticket, other, slots, order, 0, batch=1))
 
 
 def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
@@ -890,7 +909,7 @@ def test_layer_and_prefetch_thread_settings_are_checked():
             "p = ops.ExtensionHostPool(*c[6].shape, np.float32); p.write(c[6]); "
             "ops.prefetch_start(*c[:5], p.token(), *c[7:10], page_size=r.WORKED_EXAMPLE_PAGE_SIZE, external=p.ref); "
             "p.close(); print(ops.prefetch_threads())")
-  for value, ok in (("abc", False), ("100000", False), ("0", True)):
+  for value, ok in (("abc", False), ("100000", False), ("\u00b2", False), ("1\u0663", False), ("0", True)):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HISPARSE_PREFETCH_THREADS": value})
     assert (r.returncode == 0) == ok, r.stderr[-500:]

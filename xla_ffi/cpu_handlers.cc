@@ -538,7 +538,7 @@ ffi::Error PrefetchWaitImpl(ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer hot, ff
   const PrefetchJob& j = *job;
   auto hd = hot.dimensions();
   if (!SameDims(*prefetched, {j.B}) || hd.size() != 4 || hd[0] != j.pool.L || hd[1] != j.R || hd[2] != j.D + 1 ||
-      hd[3] * ffi::ByteWidth(hot.element_type()) != static_cast<int64_t>(j.row_bytes) ||
+      hd[3] != j.pool.W || hot.element_type() != j.pool.dtype ||
       !SameDims(slot_tokens, {hd[0], j.R, j.D}) || !SameDims(lru, {hd[0], j.R, j.D}))
     return ffi::Error::InvalidArgument(
         "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the prefetch_start of the ticket");

@@ -345,6 +345,7 @@ struct PrefetchDevice {
   size_t bytes = 0;
   bool pending = false;
   SwapInArgs args{};  // of the prefetch in flight (its shapes, for the wait)
+  ffi::DataType dtype = ffi::DataType::INVALID;  // its hot buffer's, for the wait
   PrefetchScratch scratch{};
 };
 
@@ -534,6 +535,7 @@ ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, 
   if (auto e = CudaStatus(cudaGetLastError(), "prefetch plan launch"); e.failure()) return e;
   if (auto e = CudaStatus(cudaEventRecord(d.done, d.side), "cudaEventRecord"); e.failure()) return e;
   d.args = a;
+  d.dtype = hot.element_type();
   d.pending = true;
   return ffi::Error::Success();
 }
@@ -565,7 +567,7 @@ ffi::Error PrefetchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, f
   SwapInArgs a = d.args;
   auto hd = hot.dimensions();
   if (B != static_cast<size_t>(a.B) || hd.size() != 4 || hd[0] != a.L || hd[1] != a.R || hd[2] != a.D + 1 ||
-      hd[3] * ffi::ByteWidth(hot.element_type()) != a.row_bytes ||
+      hot.element_type() != d.dtype || hd[3] * ffi::ByteWidth(hot.element_type()) != a.row_bytes ||
       slot_tokens.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
       lru.element_count() != static_cast<size_t>(a.L) * a.R * a.D)
     return ffi::Error::InvalidArgument(

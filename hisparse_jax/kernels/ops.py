@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,8 @@ def _load_cpu_module():
 
 
 _threads = os.environ.get("HISPARSE_PREFETCH_THREADS")
-if _threads is not None and not (_threads.strip().isdigit() and int(_threads) <= 64):
+# ASCII digits only: the extension reads the same variable with atoi (str.isdigit() also takes "²" or "٣").
+if _threads is not None and not (re.fullmatch(r"[ \t]*[0-9]{1,3}[ \t]*", _threads) and int(_threads) <= 64):
   raise ValueError(f"HISPARSE_PREFETCH_THREADS must be an integer in [0, 64], got {_threads!r}")
 _ffi_cpu = _load_cpu_module()
 
@@ -144,22 +146,25 @@ def byte_addressable(dtype) -> bool:
 class ExternalPoolRef:
   """Static description of an ExtensionHostPool, passed to the "_ext" handlers as attributes.
 
-  dtype and width (its rows' element dtype and W), when known, are checked at trace time against the hot
-  buffer or the rows a call passes (``attrs_for``); the handlers themselves refuse an address that is not a
-  live pool of exactly L x H rows of the passed rows' byte size."""
+  dtype and width (its rows' element dtype and W) are checked at trace time against the hot buffer or the
+  rows a call passes (``attrs_for``); the handlers themselves refuse an address that is not a live pool of
+  exactly L x H rows of the passed rows' byte size."""
 
   address: int
   layers: int
   rows: int
-  dtype: np.dtype | None = None
-  width: int | None = None
+  dtype: np.dtype
+  width: int
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
   def attrs_for(self, like, op: str) -> dict:
     """``attrs()`` after checking that ``like`` (an array [..., W]) has this pool's dtype and row width.
 
     Raises: ValueError naming both when it has not (the handler would view the pool's bytes as other rows).
     """
-    if self.dtype is not None and (jnp.dtype(like.dtype) != self.dtype or like.shape[-1] != self.width):
+    if jnp.dtype(like.dtype) != self.dtype or like.shape[-1] != self.width:
       raise ValueError(f"{op}: the extension host pool holds rows of {self.width} x {self.dtype}, but the "
                        f"{'hot buffer' if op != 'backup' else 'rows written'} are {like.shape[-1]} x "
                        f"{jnp.dtype(like.dtype)}")
@@ -176,8 +181,8 @@ class ExtensionHostPool:
   On CPU it is page-aligned host memory; on a GPU it is pinned, mapped host
   memory (``cudaHostAlloc``) that the CUDA kernels read directly. JAX sees only
   ``token()``, an int32[1] array threaded through the swap-in and backup calls
-  to order them; the handlers accept only live pools of this registry with
-  enough bytes for the rows they touch.
+  to order them; the handlers accept only live pools of this registry of
+  exactly the bytes of the rows they are told it holds.
 
   Args:
     layers, rows, width: L, H, W of the pool (rows of W elements).
@@ -185,6 +190,8 @@ class ExtensionHostPool:
     platform: "cpu" or "gpu" (default: JAX's default backend).
 
   Raises:
+    ValueError: layers < 1, rows < 0, width < 1, or one of them not an integer.
+    TypeError: a dtype that is not a float or integer type, or packs below one byte.
     RuntimeError: the CUDA handlers are not built but a GPU pool is asked for.
     MemoryError: the allocation failed.
   """
@@ -195,10 +202,15 @@ class ExtensionHostPool:
       raise RuntimeError("a GPU host pool needs the CUDA handlers, which this build lacks")
     self._module = _ffi_cuda if platform == "gpu" else _ffi_cpu
     self.dtype = np.dtype(dtype)
+    if not (jnp.issubdtype(self.dtype, jnp.floating) or jnp.issubdtype(self.dtype, jnp.integer)):
+      raise TypeError(f"host pool dtype must be a float or integer type, got {self.dtype}")
     if not byte_addressable(self.dtype):
       raise TypeError(f"host pool dtype {self.dtype} packs below one byte per element (unsupported)")
+    for name, v, low in (("layers", layers, 1), ("rows", rows, 0), ("width", width, 1)):
+      if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < low:
+        raise ValueError(f"host pool {name} must be an integer >= {low}, got {v!r}")
     self.shape = (int(layers), int(rows), int(width))
-    self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+    self.nbytes = self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize  # Python ints: no wrap
     self.address = self._module.alloc_host_pool(self.nbytes)
     self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1], self.dtype, self.shape[2])
 

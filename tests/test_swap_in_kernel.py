@@ -423,18 +423,23 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
   jax.block_until_ready(ops.backup(0, new_rows, jnp.array([5], jnp.int32), pool.token(), external=pool.ref))
   assert (pool.read()[0, 5] == 7).all()
   # A forged or freed address is an error, never a wild access.
-  forged = ops.ExternalPoolRef(pool.address + 64, 1, 32, np.float32, 3)
+  forged = ops.ExternalPoolRef(pool.address + 64, 1, 32, np.float32, 3, pool.ref.serial)
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
     jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), pool.token(), external=forged))
-  too_big = ops.ExternalPoolRef(pool.address, 1, 10**6, np.float32, 3)
+  too_big = ops.ExternalPoolRef(pool.address, 1, 10**6, np.float32, 3, pool.ref.serial)
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
     jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), pool.token(), external=too_big))
   # A pool of other rows: fewer rows than it holds, rows of another byte size (the handler's exact check),
   # or the same bytes as another dtype / width (the ref's trace-time check); nothing is written.
   before = pool.read()
   for ref, rows, error, match in (
-      (ops.ExternalPoolRef(pool.address, 1, 16, np.float32, 3), new_rows, FFI_ERRORS, "the pool has 384"),
-      (ops.ExternalPoolRef(pool.address, 1, 32, np.float16, 3), new_rows.astype(jnp.float16), FFI_ERRORS, "32 rows of 3 x 2"),
+      (ops.ExternalPoolRef(pool.address, 1, 16, np.float32, 3, pool.ref.serial), new_rows, FFI_ERRORS,
+       r"the pool has 1 x 32 rows, 384 bytes"),
+      (ops.ExternalPoolRef(pool.address, 2, 16, np.float32, 3, pool.ref.serial), new_rows, FFI_ERRORS,
+       r"not a live extension pool of 2 x 16 rows"),  # the same bytes split into other layers and rows
+      (ops.ExternalPoolRef(pool.address, 1, 32, np.float32, 3, pool.ref.serial + 1), new_rows, FFI_ERRORS,
+       r"freed, or never allocated"),
+      (ops.ExternalPoolRef(pool.address, 1, 32, np.float16, 3, pool.ref.serial), new_rows.astype(jnp.float16), FFI_ERRORS, "32 rows of 3 x 2"),
       (pool.ref, new_rows.astype(jnp.int32), ValueError, "holds rows of 3 x float32, but the rows written"),
       (pool.ref, jnp.full((1, 1, 6), 7.0, jnp.float16), ValueError, "are 6 x float16")):
     with pytest.raises(error, match=match):
@@ -449,6 +454,15 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
     jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), jnp.zeros((1,), jnp.int32),
                                      external=ref))
+  # A new pool at the freed pool's address (the allocator reuses it soon) is not reached by the old ref.
+  pools = [ops.ExtensionHostPool(*case[POOL].shape, np.float32) for _ in range(32)]
+  again = [p for p in pools if p.address == ref.address]
+  for p in again:
+    with pytest.raises(FFI_ERRORS, match="freed, or never allocated"):
+      jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), p.token(), external=ref))
+    assert not p.read().any()
+  for p in pools:
+    p.close()
 
 
 @pytest.mark.parametrize("dtype", [jnp.int4, jnp.float4_e2m1fn])
@@ -466,7 +480,8 @@ def test_sub_byte_dtypes_are_rejected(dtype):
 
 
 @pytest.mark.parametrize("shape,dtype,error,match", [
-    ((2, -4, -4), np.float32, ValueError, "rows must be an integer >= 0, got -4"),
+    ((2, -4, -4), np.float32, ValueError, "rows must be an integer >= 1, got -4"),
+    ((2, 0, 4), np.float32, ValueError, "rows must be an integer >= 1, got 0"),
     ((0, 4, 4), np.float32, ValueError, "layers must be an integer >= 1, got 0"),
     ((2.5, 4, 4), np.float32, ValueError, "layers must be an integer"),
     ((True, 4, 4), np.float32, ValueError, "layers must be an integer"),

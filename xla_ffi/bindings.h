@@ -60,11 +60,11 @@ inline xla::ffi::ErrorOr<PoolView> OperandPool(const char* op, xla::ffi::AnyBuff
   return PoolView{static_cast<char*>(out->untyped_data()), d[0], d[1], pool.element_type(), d[2]};
 }
 
-// An extension-owned pool (host_pool.h) named by its address, viewed with the
-// dtype and row width of `like` (the hot buffer or the rows written); an error
-// unless the address is a live pool of exactly [L, H] such rows (a pool of
-// another row size would be read as rows it does not hold).
-inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, int64_t layers, int64_t rows,
+// An extension-owned pool (host_pool.h) named by its address and serial number, viewed with the dtype and
+// row width of `like` (the hot buffer or the rows written); an error unless the address holds that pool,
+// still live, of exactly [L, H] such rows (a pool of another geometry would be read as rows it does not
+// hold; a freed pool's ref must not reach a new pool at the same address).
+inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, uint64_t serial, int64_t layers, int64_t rows,
                                                   xla::ffi::AnyBuffer like) {
   namespace ffi = xla::ffi;
   auto dims = like.dimensions();
@@ -76,13 +76,16 @@ inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, int64_t laye
                         __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &need) ||
                         __builtin_mul_overflow(need, static_cast<size_t>(W) * ffi::ByteWidth(like.element_type()),
                                                &need);
-  const size_t have = HostPoolRegistry::Get().Size(static_cast<uintptr_t>(address));
-  if (overflow || have == 0 || need != have)
+  const HostPoolEntry pool = HostPoolRegistry::Get().Find(static_cast<uintptr_t>(address));
+  std::string what = "host pool at " + std::to_string(address) + " (serial " + std::to_string(serial) + ")";
+  if (pool.bytes == 0 || pool.serial != serial)
+    return ffi::Error::InvalidArgument(what + " is not a live extension pool (freed, or never allocated)");
+  if (overflow || pool.layers != layers || pool.rows != rows || need != pool.bytes)
     return ffi::Error::InvalidArgument(
-        "host pool at " + std::to_string(address) + " is not a live extension pool of " + std::to_string(layers) +
-        " x " + std::to_string(rows) + " rows of " + std::to_string(W) + " x " +
-        std::to_string(ffi::ByteWidth(like.element_type())) + " bytes (" + std::to_string(need) + " bytes; " +
-        (have ? "the pool has " + std::to_string(have) + ")" : "no live pool there)"));
+        what + " is not a live extension pool of " + std::to_string(layers) + " x " + std::to_string(rows) +
+        " rows of " + std::to_string(W) + " x " + std::to_string(ffi::ByteWidth(like.element_type())) +
+        " bytes (" + std::to_string(need) + " bytes; the pool has " + std::to_string(pool.layers) + " x " +
+        std::to_string(pool.rows) + " rows, " + std::to_string(pool.bytes) + " bytes)");
   return PoolView{reinterpret_cast<char*>(address), layers, rows, like.element_type(), W};
 }
 
@@ -166,6 +169,7 @@ template <typename Binding>
 auto BindExternalPool(Binding binding) {
   return std::move(binding)
       .template Attr<uint64_t>("pool_address")
+      .template Attr<uint64_t>("pool_serial")
       .template Attr<int64_t>("pool_layers")
       .template Attr<int64_t>("pool_rows");
 }

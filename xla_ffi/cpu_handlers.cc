@@ -474,9 +474,9 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
                          ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
                          ffi::Result<ffi::AnyBuffer> stats_out, ffi::Result<ffi::Buffer<ffi::S32>> status_out,
-                         int64_t page_size, int64_t eviction, uint64_t pool_address,
+                         int64_t page_size, int64_t eviction, uint64_t pool_address, uint64_t pool_serial,
                          int64_t pool_layers, int64_t pool_rows) {
-  auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
+  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return SwapIn(thread_pool, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
@@ -505,9 +505,10 @@ ffi::Error PrefetchStartExtImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S3
                                 ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
                                 ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
                                 ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
-                                int64_t page_size, int64_t eviction, uint64_t pool_address, int64_t pool_layers,
+                                int64_t page_size, int64_t eviction, uint64_t pool_address,
+                                uint64_t pool_serial, int64_t pool_layers,
                                 int64_t pool_rows) {
-  auto view = RegisteredPool(pool_address, pool_layers, pool_rows, hot);
+  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
@@ -620,9 +621,10 @@ ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buf
 // Backup into an extension-owned host pool; pool_token (s32[1]) is aliased to the result.
 ffi::Error BackupExtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
                          ffi::AnyBuffer pool_token, ffi::Result<ffi::AnyBuffer> pool_token_out,
-                         ffi::Result<ffi::Buffer<ffi::S32>> status_out, uint64_t pool_address, int64_t pool_layers,
+                         ffi::Result<ffi::Buffer<ffi::S32>> status_out, uint64_t pool_address,
+                                uint64_t pool_serial, int64_t pool_layers,
                          int64_t pool_rows) {
-  auto view = RegisteredPool(pool_address, pool_layers, pool_rows, rows);
+  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, rows);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return Backup(*view, layer, rows, dst, status_out);

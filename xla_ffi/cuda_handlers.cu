@@ -211,8 +211,9 @@ ffi::Error CopyIfDistinct(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<f
 }
 
 // An extension-owned pinned pool (alloc_host_pool), viewed through its device pointer.
-ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, int64_t layers, int64_t rows, ffi::AnyBuffer like) {
-  auto view = RegisteredPool(address, layers, rows, like);
+ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, uint64_t serial, int64_t layers, int64_t rows,
+                                    ffi::AnyBuffer like) {
+  auto view = RegisteredPool(address, serial, layers, rows, like);
   if (view.has_error()) return view;
   void* device = nullptr;
   if (auto e = CudaStatus(cudaHostGetDevicePointer(&device, view->base, 0), "cudaHostGetDevicePointer");
@@ -609,9 +610,10 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                          ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                          ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
                          ffi::Result<ffi::Buffer<ffi::S32>> status_out, int64_t page_size, int64_t eviction,
-                         uint64_t pool_address, int64_t pool_layers,
+                         uint64_t pool_address,
+                                uint64_t pool_serial, int64_t pool_layers,
                          int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
+  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
@@ -637,9 +639,10 @@ ffi::Error PrefetchStartExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer
                                 ffi::Buffer<ffi::S32> host_pages, ffi::AnyBuffer pool_token, ffi::AnyBuffer hot,
                                 ffi::AnyBuffer slot_tokens, ffi::AnyBuffer lru,
                                 ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> ticket,
-                                int64_t page_size, int64_t eviction, uint64_t pool_address, int64_t pool_layers,
+                                int64_t page_size, int64_t eviction, uint64_t pool_address,
+                                uint64_t pool_serial, int64_t pool_layers,
                                 int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_layers, pool_rows, hot);
+  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return PrefetchStart(stream, *view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
@@ -694,8 +697,9 @@ ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Any
 ffi::Error BackupExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
                          ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_token,
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                         uint64_t pool_address, int64_t pool_layers, int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_layers, pool_rows, rows);
+                         uint64_t pool_address,
+                                uint64_t pool_serial, int64_t pool_layers, int64_t pool_rows) {
+  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, rows);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return Backup(stream, *view, layer, rows, dst, status);

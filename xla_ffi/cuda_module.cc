@@ -30,11 +30,16 @@ void Check(cudaError_t e, const char* what) {
 }
 
 // Pinned, mapped (device-readable over PCIe / NVLink-C2C), portable across contexts.
-uintptr_t AllocPinnedHostPool(size_t bytes) {
+uintptr_t AllocPinnedHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
+  size_t bytes = 0;
+  if (layers < 1 || rows < 1 ||
+      __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &bytes) ||
+      __builtin_mul_overflow(bytes, row_bytes, &bytes) || bytes > (size_t{1} << 62))
+    throw std::invalid_argument("alloc_host_pool: layers and rows must be >= 1, and the pool under 2^62 bytes");
   void* p = nullptr;
   Check(cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
   std::memset(p, 0, bytes);
-  HostPoolRegistry::Get().Add(reinterpret_cast<uintptr_t>(p), bytes);
+  HostPoolRegistry::Get().Add(reinterpret_cast<uintptr_t>(p), bytes, layers, rows);
   return reinterpret_cast<uintptr_t>(p);
 }
 
@@ -67,8 +72,10 @@ NB_MODULE(_ffi_cuda, m) {
     d["hisparse_prefetch_wait"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchWaitCuda));
     return d;
   });
-  m.def("alloc_host_pool", &AllocPinnedHostPool, nb::arg("bytes"),
-        "Allocates a zeroed pinned, mapped host pool (cudaHostAlloc); returns its address.");
+  m.def("alloc_host_pool", &AllocPinnedHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),
+        "Allocates a zeroed pinned, mapped host pool (cudaHostAlloc) of layers x rows rows; returns its address.");
+  m.def("host_pool_serial", &hisparse::HostPoolSerial, nb::arg("address"),
+        "The serial number of the live pool at address (the handlers' pool_serial attribute).");
   m.def("free_host_pool", &FreePinnedHostPool, nb::arg("address"));
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));

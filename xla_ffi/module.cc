@@ -33,12 +33,17 @@ namespace {
 
 constexpr size_t kAlignment = 4096;
 
-uintptr_t AllocHostPool(size_t bytes) {
+uintptr_t AllocHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
+  size_t bytes = 0;
+  if (layers < 1 || rows < 1 ||
+      __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &bytes) ||
+      __builtin_mul_overflow(bytes, row_bytes, &bytes) || bytes > (size_t{1} << 62))
+    throw std::invalid_argument("alloc_host_pool: layers and rows must be >= 1, and the pool under 2^62 bytes");
   const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
   if (p == nullptr) throw std::bad_alloc();
   std::memset(p, 0, rounded);
-  HostPoolRegistry::Get().Add(reinterpret_cast<uintptr_t>(p), bytes);
+  HostPoolRegistry::Get().Add(reinterpret_cast<uintptr_t>(p), bytes, layers, rows);
   return reinterpret_cast<uintptr_t>(p);
 }
 
@@ -89,8 +94,10 @@ NB_MODULE(_ffi_cpu, m) {
     d["hisparse_top_k"] = nb::capsule(reinterpret_cast<void*>(&HisparseTopKCpu));
     return d;
   });
-  m.def("alloc_host_pool", &AllocHostPool, nb::arg("bytes"),
-        "Allocates a zeroed, page-aligned host pool; returns its address.");
+  m.def("alloc_host_pool", &AllocHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),
+        "Allocates a zeroed, page-aligned host pool of layers x rows rows; returns its address.");
+  m.def("host_pool_serial", &hisparse::HostPoolSerial, nb::arg("address"),
+        "The serial number of the live pool at address (the handlers' pool_serial attribute).");
   m.def("free_host_pool", &FreeHostPool, nb::arg("address"));
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));

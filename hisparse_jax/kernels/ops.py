@@ -155,7 +155,7 @@ class ExternalPoolRef:
   rows: int
   dtype: np.dtype
   width: int
-
+  serial: int  # the registry's number for this allocation: a ref to a freed pool never reaches a new one
   def __post_init__(self):
     object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
@@ -171,7 +171,8 @@ class ExternalPoolRef:
     return self.attrs()
 
   def attrs(self) -> dict:
-    return dict(pool_address=np.uint64(self.address), pool_layers=np.int64(self.layers),
+    return dict(pool_address=np.uint64(self.address), pool_serial=np.uint64(self.serial),
+                pool_layers=np.int64(self.layers),
                 pool_rows=np.int64(self.rows))
 
 
@@ -190,7 +191,7 @@ class ExtensionHostPool:
     platform: "cpu" or "gpu" (default: JAX's default backend).
 
   Raises:
-    ValueError: layers < 1, rows < 0, width < 1, or one of them not an integer.
+    ValueError: layers, rows or width < 1, or one of them not an integer.
     TypeError: a dtype that is not a float or integer type, or packs below one byte.
     RuntimeError: the CUDA handlers are not built but a GPU pool is asked for.
     MemoryError: the allocation failed.
@@ -206,13 +207,14 @@ class ExtensionHostPool:
       raise TypeError(f"host pool dtype must be a float or integer type, got {self.dtype}")
     if not byte_addressable(self.dtype):
       raise TypeError(f"host pool dtype {self.dtype} packs below one byte per element (unsupported)")
-    for name, v, low in (("layers", layers, 1), ("rows", rows, 0), ("width", width, 1)):
+    for name, v, low in (("layers", layers, 1), ("rows", rows, 1), ("width", width, 1)):
       if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < low:
         raise ValueError(f"host pool {name} must be an integer >= {low}, got {v!r}")
     self.shape = (int(layers), int(rows), int(width))
     self.nbytes = self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize  # Python ints: no wrap
-    self.address = self._module.alloc_host_pool(self.nbytes)
-    self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1], self.dtype, self.shape[2])
+    self.address = self._module.alloc_host_pool(self.shape[0], self.shape[1], self.shape[2] * self.dtype.itemsize)
+    self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1], self.dtype, self.shape[2],
+                               self._module.host_pool_serial(self.address))
 
   def token(self) -> jax.Array:
     """A fresh int32[1] ordering token for a cache that uses this pool."""

@@ -31,11 +31,7 @@ void Check(cudaError_t e, const char* what) {
 
 // Pinned, mapped (device-readable over PCIe / NVLink-C2C), portable across contexts.
 uintptr_t AllocPinnedHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
-  size_t bytes = 0;
-  if (layers < 1 || rows < 1 ||
-      __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &bytes) ||
-      __builtin_mul_overflow(bytes, row_bytes, &bytes) || bytes > (size_t{1} << 62))
-    throw std::invalid_argument("alloc_host_pool: layers and rows must be >= 1, and the pool under 2^62 bytes");
+  const size_t bytes = hisparse::HostPoolBytes(layers, rows, row_bytes);
   void* p = nullptr;
   Check(cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
   std::memset(p, 0, bytes);

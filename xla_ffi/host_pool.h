@@ -68,6 +68,17 @@ inline char* PoolRange(uintptr_t address, size_t offset, size_t size, const char
   return reinterpret_cast<char*>(address) + offset;
 }
 
+// The bytes of a pool of layers x rows rows of row_bytes; throws std::invalid_argument (a Python ValueError)
+// unless layers, rows >= 1 and the pool is under 2^62 bytes.
+inline size_t HostPoolBytes(int64_t layers, int64_t rows, size_t row_bytes) {
+  size_t bytes = 0;
+  if (layers < 1 || rows < 1 ||
+      __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &bytes) ||
+      __builtin_mul_overflow(bytes, row_bytes, &bytes) || bytes > (size_t{1} << 62))
+    throw std::invalid_argument("alloc_host_pool: layers and rows must be >= 1, and the pool under 2^62 bytes");
+  return bytes;
+}
+
 // The serial number of the live pool at address, for Python's refs; throws std::invalid_argument otherwise.
 inline uint64_t HostPoolSerial(uintptr_t address) {
   const HostPoolEntry pool = HostPoolRegistry::Get().Find(address);

@@ -34,11 +34,7 @@ namespace {
 constexpr size_t kAlignment = 4096;
 
 uintptr_t AllocHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
-  size_t bytes = 0;
-  if (layers < 1 || rows < 1 ||
-      __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &bytes) ||
-      __builtin_mul_overflow(bytes, row_bytes, &bytes) || bytes > (size_t{1} << 62))
-    throw std::invalid_argument("alloc_host_pool: layers and rows must be >= 1, and the pool under 2^62 bytes");
+  const size_t bytes = hisparse::HostPoolBytes(layers, rows, row_bytes);
   const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
   if (p == nullptr) throw std::bad_alloc();

@@ -130,13 +130,13 @@ class HiSparseConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
       raise ConfigError(f"hisparse config: unknown key(s) {unknown}; known keys: {sorted(known)}")
+    top_k = raw.get("top_k", model_top_k)
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k != model_top_k:  # before what depends on it
+      raise ConfigError(f"hisparse config: top_k ({top_k}) differs from the model's index_topk ({model_top_k})")
     config = cls(
-        top_k=raw.get("top_k", model_top_k),
+        top_k=top_k,
         device_buffer_size=raw.get("device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * model_top_k),
         host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO),
         eviction=raw.get("eviction", DEFAULT_EVICTION), resident_fraction=raw.get("resident_fraction", 0.0),
         prefetch=raw.get("prefetch", DEFAULT_PREFETCH), prefetch_depth=raw.get("prefetch_depth"))
-    if config.top_k != model_top_k:
-      raise ConfigError(
-          f"hisparse config: top_k ({config.top_k}) differs from the model's index_topk ({model_top_k})")
     return config

@@ -37,6 +37,7 @@ def test_full_sglang_config():
     ('{"top_k": 32, "device_buffer_size": 16}', r"device_buffer_size \(16\) must be >= top_k \(32\)"),
     ('{"host_to_device_ratio": 0}', "host_to_device_ratio must be >= 1"),
     ('{"top_k": 64}', r"top_k \(64\) differs from the model's index_topk \(32\)"),
+    ('{"top_k": 4, "prefetch": "next_layer", "prefetch_depth": 6}', r"top_k \(4\) differs"),  # the cause first
     ('{"buffer": 1}', r"unknown key\(s\) \['buffer'\]"),
     ('{"device_buffer_size": "64"}', "device_buffer_size must be an integer"),
     ('{"device_buffer_size": 64.0}', "device_buffer_size must be an integer"),

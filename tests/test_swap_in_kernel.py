@@ -843,6 +843,9 @@ def test_prefetch_commits_into_whatever_arrays_the_wait_gets():
   np.testing.assert_array_equal(got[0], case[HOT])
   np.testing.assert_array_equal(got[1], np.asarray(moved))
   assert "changed between prefetch start and wait" in ops.status_message(reference.PREFETCH_STALE)
+  for batch in (-1, 1.0, True):
+    with pytest.raises(ValueError, match="batch must be an integer >= 0"):
+      ops.prefetch_wait(ticket, hot, slots, order, 0, batch=batch)
   # A wait handed a hot buffer of another dtype (same bytes a row, or the same shape) is an error.
   for other in (hot.astype(jnp.int32), jnp.zeros(hot.shape[:3] + (2 * hot.shape[3],), jnp.float16)):
     _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE)

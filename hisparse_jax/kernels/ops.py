@@ -406,7 +406,10 @@ def prefetch_wait(ticket, hot, slot_tokens, lru, after, *, batch: int):
   each batch row placed, 0 for an idle row or an unknown ticket, or -status for a row left unchanged (its
   input was bad: its swap-in reports it; or ``PREFETCH_STALE``: its tables changed after the start).
 
-  Raises: JaxRuntimeError (INVALID_ARGUMENT) when the arrays do not match the start's shapes."""
+  Raises: JaxRuntimeError (INVALID_ARGUMENT) when the arrays do not match the start's shapes; ValueError for a
+  batch that is not an integer >= 0."""
+  if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 0:
+    raise ValueError(f"prefetch_wait: batch must be an integer >= 0 (the start's batch rows), got {batch!r}")
   call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru),
                                                  jax.ShapeDtypeStruct((batch,), jnp.int32)),
                           input_output_aliases={1: 0, 2: 1, 3: 2})

@@ -622,7 +622,7 @@ ffi::Error BackupImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buf
 ffi::Error BackupExtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dst,
                          ffi::AnyBuffer pool_token, ffi::Result<ffi::AnyBuffer> pool_token_out,
                          ffi::Result<ffi::Buffer<ffi::S32>> status_out, uint64_t pool_address,
-                                uint64_t pool_serial, int64_t pool_layers,
+                         uint64_t pool_serial, int64_t pool_layers,
                          int64_t pool_rows) {
   auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, rows);
   if (view.has_error()) return view.error();

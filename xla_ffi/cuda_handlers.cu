@@ -610,8 +610,7 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                          ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                          ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
                          ffi::Result<ffi::Buffer<ffi::S32>> status_out, int64_t page_size, int64_t eviction,
-                         uint64_t pool_address,
-                                uint64_t pool_serial, int64_t pool_layers,
+                         uint64_t pool_address, uint64_t pool_serial, int64_t pool_layers,
                          int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
@@ -697,8 +696,7 @@ ffi::Error BackupImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Any
 ffi::Error BackupExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows,
                          ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_token,
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                         uint64_t pool_address,
-                                uint64_t pool_serial, int64_t pool_layers, int64_t pool_rows) {
+                         uint64_t pool_address, uint64_t pool_serial, int64_t pool_layers, int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, rows);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;

@@ -3,11 +3,13 @@
 // GPUs where XLA does not hand a `pinned_host` operand to a custom call as a host pointer.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "host_pool.h"
 #include "xla/ffi/api/c_api.h"
@@ -30,13 +32,14 @@ void Check(cudaError_t e, const char* what) {
 }
 
 // Pinned, mapped (device-readable over PCIe / NVLink-C2C), portable across contexts.
-uintptr_t AllocPinnedHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
+// (address, serial number) of a new pool.
+std::pair<uintptr_t, uint64_t> AllocPinnedHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
   const size_t bytes = hisparse::HostPoolBytes(layers, rows, row_bytes);
   void* p = nullptr;
-  Check(cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+  Check(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");  // bytes >= 1
   std::memset(p, 0, bytes);
-  HostPoolRegistry::Get().Add(reinterpret_cast<uintptr_t>(p), bytes, layers, rows);
-  return reinterpret_cast<uintptr_t>(p);
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  return {address, HostPoolRegistry::Get().Add(address, bytes, layers, rows)};
 }
 
 void FreePinnedHostPool(uintptr_t address) {
@@ -69,9 +72,8 @@ NB_MODULE(_ffi_cuda, m) {
     return d;
   });
   m.def("alloc_host_pool", &AllocPinnedHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),
-        "Allocates a zeroed pinned, mapped host pool (cudaHostAlloc) of layers x rows rows; returns its address.");
-  m.def("host_pool_serial", &hisparse::HostPoolSerial, nb::arg("address"),
-        "The serial number of the live pool at address (the handlers' pool_serial attribute).");
+        "Allocates a zeroed pinned, mapped host pool (cudaHostAlloc) of layers x rows rows; returns (address, "
+        "serial number).");
   m.def("free_host_pool", &FreePinnedHostPool, nb::arg("address"));
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));

@@ -79,12 +79,4 @@ inline size_t HostPoolBytes(int64_t layers, int64_t rows, size_t row_bytes) {
   return bytes;
 }
 
-// The serial number of the live pool at address, for Python's refs; throws std::invalid_argument otherwise.
-inline uint64_t HostPoolSerial(uintptr_t address) {
-  const HostPoolEntry pool = HostPoolRegistry::Get().Find(address);
-  if (pool.serial == 0)
-    throw std::invalid_argument("host_pool_serial: " + std::to_string(address) + " is not a live host pool");
-  return pool.serial;
-}
-
 }  // namespace hisparse

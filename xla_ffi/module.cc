@@ -2,6 +2,7 @@
 // and the allocator of extension-owned host pools (host_pool.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "copy_workers.h"
 #include "host_pool.h"
@@ -33,14 +35,15 @@ namespace {
 
 constexpr size_t kAlignment = 4096;
 
-uintptr_t AllocHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
+// (address, serial number) of a new pool.
+std::pair<uintptr_t, uint64_t> AllocHostPool(int64_t layers, int64_t rows, size_t row_bytes) {
   const size_t bytes = hisparse::HostPoolBytes(layers, rows, row_bytes);
   const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+  void* p = std::aligned_alloc(kAlignment, rounded);  // bytes >= 1 (HostPoolBytes)
   if (p == nullptr) throw std::bad_alloc();
   std::memset(p, 0, rounded);
-  HostPoolRegistry::Get().Add(reinterpret_cast<uintptr_t>(p), bytes, layers, rows);
-  return reinterpret_cast<uintptr_t>(p);
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  return {address, HostPoolRegistry::Get().Add(address, bytes, layers, rows)};
 }
 
 void FreeHostPool(uintptr_t address) {
@@ -91,9 +94,7 @@ NB_MODULE(_ffi_cpu, m) {
     return d;
   });
   m.def("alloc_host_pool", &AllocHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),
-        "Allocates a zeroed, page-aligned host pool of layers x rows rows; returns its address.");
-  m.def("host_pool_serial", &hisparse::HostPoolSerial, nb::arg("address"),
-        "The serial number of the live pool at address (the handlers' pool_serial attribute).");
+        "Allocates a zeroed, page-aligned host pool of layers x rows rows; returns (address, serial number).");
   m.def("free_host_pool", &FreeHostPool, nb::arg("address"));
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));

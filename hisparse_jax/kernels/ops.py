@@ -156,6 +156,7 @@ class ExternalPoolRef:
   dtype: np.dtype
   width: int
   serial: int  # the registry's number for this allocation: a ref to a freed pool never reaches a new one
+
   def __post_init__(self):
     object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
@@ -212,9 +213,9 @@ class ExtensionHostPool:
         raise ValueError(f"host pool {name} must be an integer >= {low}, got {v!r}")
     self.shape = (int(layers), int(rows), int(width))
     self.nbytes = self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize  # Python ints: no wrap
-    self.address = self._module.alloc_host_pool(self.shape[0], self.shape[1], self.shape[2] * self.dtype.itemsize)
-    self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1], self.dtype, self.shape[2],
-                               self._module.host_pool_serial(self.address))
+    self.address, serial = self._module.alloc_host_pool(self.shape[0], self.shape[1],
+                                                        self.shape[2] * self.dtype.itemsize)
+    self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1], self.dtype, self.shape[2], serial)
 
   def token(self) -> jax.Array:
     """A fresh int32[1] ordering token for a cache that uses this pool."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from typing import Any
 
 # SGLang's HiSparse default: hot buffer = 2 x top_k, host pool = 8 x device.
@@ -24,6 +26,20 @@ DEFAULT_PREFETCH = "none"
 
 class ConfigError(ValueError):
   """An invalid configuration; the message names the offending key."""
+
+
+PREFETCH_THREADS_ENV = "HISPARSE_PREFETCH_THREADS"
+MAX_PREFETCH_THREADS = 64
+
+
+def check_prefetch_threads_env(environ=os.environ) -> None:
+  """ConfigError unless ``HISPARSE_PREFETCH_THREADS`` (the CPU extension's prefetch copy threads, read there
+  with ``atoi`` and clamped) is unset or an integer in [0, 64] written in ASCII digits (``str.isdigit``
+  would also take "²" or "٣", which ``atoi`` reads differently)."""
+  value = environ.get(PREFETCH_THREADS_ENV)
+  if value is not None and not (re.fullmatch(r"[ \t]*[0-9]{1,3}[ \t]*", value)
+                                and int(value) <= MAX_PREFETCH_THREADS):
+    raise ConfigError(f"{PREFETCH_THREADS_ENV} must be an integer in [0, {MAX_PREFETCH_THREADS}], got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,9 @@ def _load_script(path):
   return mod
 
 
-def run(*args, timeout=300):
-  return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def run(*args, timeout=300, env=None):
+  return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                        env=None if env is None else {**os.environ, **env})
 
 
 def test_generate_jsonl_with_bad_lines(tmp_path):
@@ -116,6 +117,19 @@ def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message)
   r = run(*args, *flags, timeout=120)
   assert r.returncode != 0
   assert message in r.stderr
+  assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("script", ["generate", "server"])
+def test_bad_prefetch_threads_env_exits_with_a_message(script):
+  """HISPARSE_PREFETCH_THREADS (the CPU extension's copy threads) is checked with the flags: a start-up error
+  naming it, not a traceback from the kernel module's import."""
+  args = (["-m", "hisparse_jax.generate", "--prompts", os.devnull] if script == "generate"
+          else ["run_server.py", "--port", "0"])
+  r = run(*args, "--model-path", tiny_model_dir(), "--enable-hisparse", timeout=120,
+          env={"HISPARSE_PREFETCH_THREADS": "many"})
+  assert r.returncode != 0
+  assert "error: HISPARSE_PREFETCH_THREADS must be an integer in [0, 64], got 'many'" in r.stderr, r.stderr[-2000:]
   assert "Traceback" not in r.stderr
 
 

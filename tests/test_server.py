@@ -20,8 +20,10 @@ from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 
 @pytest.fixture(scope="module")
 def server():
-  # Deterministic: a request's tokens do not depend on what else runs, so concurrent == solo exactly.
-  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=4,
+  # Deterministic: a request's tokens do not depend on what else runs, so concurrent == solo exactly. With the
+  # cross-layer prefetch (whose rows the final message counts).
+  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE, prefetch="next_layer"),
+                  max_running_requests=4,
                   max_seq_len=256, page_size=16, chunked_prefill_size=64, deterministic=True)
   srv, loop, port = serve(engine, None, "127.0.0.1", 0)
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -70,6 +72,8 @@ def test_concurrent_streams_equal_solo_and_bad_requests_fail_alone(server):
     assert final.finish_reason == hisparse_pb2.LENGTH and final.prompt_tokens == len(p)
   assert [r[0] for r in results[:2]] == solo
   assert sum(r[1].swap_in_misses for r in results) > 0
+  assert sum(r[1].swap_in_prefetched for r in results) > 0
+  assert all(r[1].swap_in_prefetched <= r[1].swap_in_hits + r[1].swap_in_misses for r in results)
   # The server still serves, and released everything.
   assert collect(stub, prompts[0], 10)[0] == solo[0]
   assert all_kv_free(engine.loads_snapshot)

@@ -917,8 +917,8 @@ def test_a_decode_view_with_a_prefetch_in_flight_is_refused():
 
 def test_layer_and_prefetch_thread_settings_are_checked():
   """A NumPy layer outside [0, 2^31) is an error, not a wrap; a HISPARSE_PREFETCH_THREADS that is not an
-  integer in [0, 64] stops the import with a message naming it (0 works: the work runs in the wait, or when
-  the pool it reads is closed)."""
+  integer in [0, 64] stops the first prefetch_start with a message naming it (0 works: the work runs in the
+  wait, or when the pool it reads is closed)."""
   for layer in (np.int64(2**32), np.int64(-1)):
     with pytest.raises(ValueError, match="layer"):
       ops._layer(layer)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hisparse_jax.config import ConfigError, HiSparseConfig
+from hisparse_jax.config import ConfigError, HiSparseConfig, check_prefetch_threads_env
 from hisparse_jax.default_model import ensure_default_model
 from hisparse_jax.sharding import MeshConfig, MeshError
 from models.config import DSAConfig
@@ -172,6 +172,10 @@ class EngineArgs:
                          "host pool)")
     if self.hisparse_config is not None and not self.enable_hisparse:
       raise StartupError("--hisparse-config was given without --enable-hisparse")
+    try:
+      check_prefetch_threads_env()
+    except ConfigError as e:
+      raise StartupError(str(e)) from None
     if self.max_running_requests < 1:
       raise StartupError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
     if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -17,14 +17,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 # The swap-in kernel's eviction policies, by the index its `eviction` attribute takes (swap_in_core.h).
-from hisparse_jax.config import EVICTIONS
+from hisparse_jax.config import EVICTIONS, check_prefetch_threads_env
 
 
 def _load_cpu_module():
@@ -42,10 +41,6 @@ def _load_cpu_module():
   return module
 
 
-_threads = os.environ.get("HISPARSE_PREFETCH_THREADS")
-# ASCII digits only: the extension reads the same variable with atoi (str.isdigit() also takes "²" or "٣").
-if _threads is not None and not (re.fullmatch(r"[ \t]*[0-9]{1,3}[ \t]*", _threads) and int(_threads) <= 64):
-  raise ValueError(f"HISPARSE_PREFETCH_THREADS must be an integer in [0, 64], got {_threads!r}")
 _ffi_cpu = _load_cpu_module()
 
 try:  # Built only where nvcc was found at install time.
@@ -371,8 +366,10 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
     the newest rows, which a prefetch never reads), and int32[1, 2], the job for ``prefetch_wait`` (each
     device's own; on a GPU zeros: a device has one prefetch in flight).
 
-  Raises: as ``swap_in`` for shapes; ValueError for eviction "score" or an unknown one.
+  Raises: as ``swap_in`` for shapes; ValueError for eviction "score" or an unknown one; ConfigError (a
+    ValueError) for a HISPARSE_PREFETCH_THREADS that is not an integer in [0, 64].
   """
+  check_prefetch_threads_env()  # before the extension's copy threads read it
   top_k, seq_lens, req_ids, host_pages = _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction)
   if eviction == "score":
     raise ValueError('prefetch: eviction "score" ranks slots by the layer\'s own indexer scores, which a '
@@ -388,7 +385,9 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
 
 def prefetch_threads() -> int:
   """The CPU extension's copy threads for ``prefetch_start`` (``HISPARSE_PREFETCH_THREADS``, read once per
-  process; default a quarter of the cores, 1 to 4). 0: the work runs inside ``prefetch_wait`` (no overlap)."""
+  process; default a quarter of the cores, 1 to 4). 0: the work runs inside ``prefetch_wait`` (no overlap).
+  ConfigError (a ValueError) for a setting that is not an integer in [0, 64]."""
+  check_prefetch_threads_env()
   return int(_ffi_cpu.prefetch_threads())
 
 
@@ -407,8 +406,10 @@ def prefetch_wait(ticket, hot, slot_tokens, lru, after, *, batch: int):
   each batch row placed, 0 for an idle row or an unknown ticket, or -status for a row left unchanged (its
   input was bad: its swap-in reports it; or ``PREFETCH_STALE``: its tables changed after the start).
 
-  Raises: JaxRuntimeError (INVALID_ARGUMENT) when the arrays do not match the start's shapes; ValueError for a
-  batch that is not an integer >= 0."""
+  Raises: JaxRuntimeError (INVALID_ARGUMENT) when the arrays do not match the start's shapes (the job is
+  still consumed and its staged rows dropped, nothing committed: a later wait on the ticket finds it unknown,
+  and the layer's swap-in copies what the prefetch would have); ValueError for a batch that is not an
+  integer >= 0."""
   if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 0:
     raise ValueError(f"prefetch_wait: batch must be an integer >= 0 (the start's batch rows), got {batch!r}")
   call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru),

@@ -125,7 +125,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses", "matched_stop", "num_preemptions", "prefill_seconds", "transfer_seconds", "transfer_bytes", "decode_seconds")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "swap_in_hits", "swap_in_misses", "matched_stop", "num_preemptions", "prefill_seconds", "transfer_seconds", "transfer_bytes", "decode_seconds", "swap_in_prefetched")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class GenerateResponse(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -156,7 +157,8 @@ class GenerateResponse(_message.Message):
     transfer_seconds: float
     transfer_bytes: int
     decode_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ..., matched_stop: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
+    swap_in_prefetched: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., swap_in_hits: _Optional[int] = ..., swap_in_misses: _Optional[int] = ..., matched_stop: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., decode_seconds: _Optional[float] = ..., swap_in_prefetched: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -129,6 +129,7 @@ def main(argv):
           print(f"\n[client] finish={reason} prompt_tokens={msg.prompt_tokens} "
                 f"completion_tokens={msg.completion_tokens} swap_in_hits={msg.swap_in_hits} "
                 f"swap_in_misses={msg.swap_in_misses}"
+                + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
                 + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else ""))
     except grpc.RpcError as e:
       sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")

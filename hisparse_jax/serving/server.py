@@ -343,6 +343,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
               request_id=rid if first else "", finished=True, finish_reason=_FINISH[fin.finish_reason],
               text=fin.text[sent:], prompt_tokens=len(fin.prompt_ids),
               completion_tokens=len(fin.output_ids), swap_in_hits=fin.hits, swap_in_misses=fin.misses,
+              swap_in_prefetched=fin.prefetched,
               matched_stop=fin.matched_stop, num_preemptions=fin.num_preemptions,
               prefill_seconds=fin.prefill_seconds, transfer_seconds=fin.transfer_seconds,
               transfer_bytes=fin.transfer_bytes,

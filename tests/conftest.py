@@ -1,5 +1,30 @@
-"""Test-suite ordering: the longest modules first, so that under ``pytest -n 2 --dist loadfile`` (the Makefile's
-``make test``) no worker is left alone with a long module at the end."""
+"""Test-suite set-up.
+
+Ordering: the longest modules first, so that under ``pytest -n 2 --dist loadfile`` (the Makefile's
+``make test``) no worker is left alone with a long module at the end.
+
+Compilation: one JAX persistent compilation cache for the whole run, shared by the xdist workers and every
+subprocess they start (the variables are inherited): the suite builds many engines, CLI runs and servers on
+the same tiny models, each of which would compile the same programs again. It lives in a fresh directory
+per run (removed at the end), so nothing compiled by another checkout or jaxlib is ever loaded; a run that
+sets JAX_COMPILATION_CACHE_DIR itself keeps its own.
+"""
+
+import os
+import shutil
+import tempfile
+
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ
+if _OWN_CACHE:  # the controller (or a run without xdist), before any worker or JAX starts
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="hisparse-jax-test-jit-cache-")
+  # Programs that compile in under 0.1 s are not worth a file.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE:
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 # Slowest first (seconds on 2 cores, make test): mesh ~420, throughput benchmarks ~260, multiprocess ~200,
 # benchmark scripts ~200, disaggregation ~100.

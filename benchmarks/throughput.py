@@ -223,7 +223,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   e2e_c = {ctx: E2E_CONCURRENCY.get(ctx, 1) for ctx in args.e2e_contexts}
   if args.quick:
-    args.contexts, args.concurrency = [4224], [1, 8]
+    args.contexts, args.concurrency = [4224], [8]
     e2e_c = {4224: 2}
   if min(args.contexts + list(e2e_c)) < 4096 + NEW or any(c % PAGE for c in args.contexts + list(e2e_c)):
     ap.error(f"--contexts: multiples of {PAGE}, at least {4096 + NEW} (longer than the hot buffer)")

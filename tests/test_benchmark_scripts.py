@@ -54,6 +54,7 @@ def test_step_floor_quick(tmp_path):
     assert x["bucket"] == x["batch"]  # the whole batch decoded in every timed step
     assert x["flops"] > 2 * x["batch"] * 256 * 129280  # at least the output projection
     assert 0 < x["floor_ms"] == max(x["compute_floor_ms"], x["memory_floor_ms"])
+    assert 0 < x["gemm_ms"] == min(x["gemm_hv_ms"], x["gemm_vh_ms"])  # the faster weight layout
     assert x["step_ms"] > 0 and x["engine_step_ms"] >= 0.5 * x["step_ms"]
   assert "| 2 | resident |" in (tmp_path / "sf.md").read_text()
 

@@ -32,11 +32,11 @@ PREFETCH_THREADS_ENV = "HISPARSE_PREFETCH_THREADS"
 MAX_PREFETCH_THREADS = 64
 
 
-def check_prefetch_threads_env(environ=os.environ) -> None:
+def check_prefetch_threads_env() -> None:
   """ConfigError unless ``HISPARSE_PREFETCH_THREADS`` (the CPU extension's prefetch copy threads, read there
   with ``atoi`` and clamped) is unset or an integer in [0, 64] written in ASCII digits (``str.isdigit``
   would also take "²" or "٣", which ``atoi`` reads differently)."""
-  value = environ.get(PREFETCH_THREADS_ENV)
+  value = os.environ.get(PREFETCH_THREADS_ENV)
   if value is not None and not (re.fullmatch(r"[ \t]*[0-9]{1,3}[ \t]*", value)
                                 and int(value) <= MAX_PREFETCH_THREADS):
     raise ConfigError(f"{PREFETCH_THREADS_ENV} must be an integer in [0, {MAX_PREFETCH_THREADS}], got {value!r}")

@@ -21,6 +21,11 @@ def _load_script(path):
   return mod
 
 
+# How each script is started when only its start-up checks matter.
+STARTUP_ARGS = {"generate": ["-m", "hisparse_jax.generate", "--prompts", os.devnull],
+                "server": ["run_server.py", "--port", "0"]}
+
+
 def run(*args, timeout=300, env=None):
   return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                         env=None if env is None else {**os.environ, **env})
@@ -112,8 +117,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
 def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message):
   if "--model-path" not in flags:
     flags = ["--model-path", tiny_model_dir(), *flags]
-  args = (["-m", "hisparse_jax.generate", "--prompts", os.devnull] if script == "generate"
-          else ["run_server.py", "--port", "0"])
+  args = STARTUP_ARGS[script]
   r = run(*args, *flags, timeout=120)
   assert r.returncode != 0
   assert message in r.stderr
@@ -124,8 +128,7 @@ def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message)
 def test_bad_prefetch_threads_env_exits_with_a_message(script):
   """HISPARSE_PREFETCH_THREADS (the CPU extension's copy threads) is checked with the flags: a start-up error
   naming it, not a traceback from the kernel module's import."""
-  args = (["-m", "hisparse_jax.generate", "--prompts", os.devnull] if script == "generate"
-          else ["run_server.py", "--port", "0"])
+  args = STARTUP_ARGS[script]
   r = run(*args, "--model-path", tiny_model_dir(), "--enable-hisparse", timeout=120,
           env={"HISPARSE_PREFETCH_THREADS": "many"})
   assert r.returncode != 0

@@ -34,14 +34,17 @@ oracle: $(ORACLE_VENV)/.installed
 demo: $(VENV)/.installed
 	@bash scripts/demo.sh
 
-# Two workers, one test module each at a time (module fixtures run once; tests/conftest.py puts the longest first).
+# Two workers, one test module each at a time (module fixtures run once). tests/conftest.py puts the longest
+# modules first; --no-loadscope-reorder keeps that order (xdist would otherwise sort modules by test count,
+# which left a 4-test module of benchmark runs for the end of the run).
 PYTEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed $(ORACLE_VENV)/.installed
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q $(PYTEST_XDIST) --durations=30 tests
 
 # Everything but the transformers oracle comparison.
 test-fast: $(VENV)/.installed
-	env -u CI HISPARSE_ORACLE_PYTHON=/nonexistent $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+	env -u CI HISPARSE_ORACLE_PYTHON=/nonexistent $(PY) -m pytest -q $(PYTEST_XDIST) tests
 
 # Every benchmark of BENCHMARKS.md, results in benchmarks/results/ (about 30 minutes on 2 cores).
 RESULTS := benchmarks/results

@@ -60,11 +60,17 @@ class TraceModel:
 
 
 def calibrated_trace(context: int, steps: int, top_k: int, model: TraceModel = TraceModel(),
-                     seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                     seed: int = 0, *, with_forecast: bool = False) -> Iterator[tuple[np.ndarray, ...]]:
   """Yields, for each of ``steps`` decode steps after a ``context``-token prompt (step t attends at seq_len =
   context + t + 1; position seq_len - 1 is the newest token): (top_k int32[layers, top_k] distinct positions
   < seq_len, sorted; scores float32[layers, seq_len], the indexer scores they were picked by: sinks and recent
-  positions are +inf). Deterministic in ``seed``."""
+  positions are +inf). Deterministic in ``seed``; ``with_forecast`` draws the same trace.
+
+  With ``with_forecast`` each step also yields forecast float32[layers, seq_len]: the expectation of every
+  position's score at the NEXT step given the true content field, E[s[l, t+1, p] | C[l, t]] =
+  sqrt(a_l) rho_content C[l, t, p] (+inf for the sinks and the next step's recent window). No real system can
+  read it: it is what an online policy would know if it had inferred the content part perfectly, while the
+  next step's query part stays unknown (the content-oracle policy of miss_rate.py)."""
   m = model
   L = m.layers
   rng = np.random.default_rng(seed)
@@ -96,7 +102,13 @@ def calibrated_trace(context: int, steps: int, top_k: int, model: TraceModel = T
     scores[:, max(0, seq_len - m.recent):] = np.inf
     k = min(top_k, seq_len)
     picked = np.sort(np.argpartition(-scores, k - 1, axis=1)[:, :k], axis=1).astype(np.int32)
-    yield picked, scores
+    if not with_forecast:
+      yield picked, scores
+      continue
+    forecast = (np.sqrt(shares) * rho)[:, None] * content[:, :seq_len]
+    forecast[:, :min(m.sinks, seq_len)] = np.inf
+    forecast[:, max(0, seq_len + 1 - m.recent):] = np.inf
+    yield picked, scores, forecast
 
 
 def overlaps(trace) -> dict:

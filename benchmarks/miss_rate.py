@@ -24,13 +24,16 @@ position costs one copy):
   score             the handler's "score" policy fed each step's indexer scores of the resident tokens
   score-ema         the same policy fed an exponential moving average of each position's scores
                     (``KernelReplay``); calibrated traces only, as score
+  content-oracle    evict the token with the lowest expected next-step score given the calibrated trace's
+                    true content field, which no system can read (``ContentOracleReplay``): where the best
+                    online policy could get to on that trace; reported, never counted as "best online"
   fifo              evict the slot filled longest ago
   lfu               evict the least frequently used slot (ties: least recently used)
   belady            offline optimum: evict the slot whose token is needed furthest in the future
 
 Writes OUT.json (per-step misses, the measured overlaps, a summary), OUT.md (table: mean misses per step,
-LRU's and the best online policy's excess over Belady) and OUT.png (misses per step, rolling mean over 100
-steps, one line per policy x size).
+LRU's, the best online policy's and the content oracle's excess over Belady) and OUT.png (misses per step,
+rolling mean over 100 steps, one line per policy x size).
 """
 
 from __future__ import annotations
@@ -128,28 +131,36 @@ def load_recorded(path: str):
   return streams
 
 
-def _replay(trace, context, D, choose_victims, on_hit=None, on_fill=None):
-  """Generic replay: slots hold tokens 0..D-1 after prefill; returns misses per step."""
-  slot_of = {t: t for t in range(D)}  # token -> slot
-  token_in = list(range(D))           # slot -> token
-  misses = []
-  for step, topk in enumerate(trace):
-    newest = context + step
+class _HotBuffer:
+  """One stream's hot buffer as a replay sees it: D slots holding tokens 0..D-1 after the prefill."""
+
+  def __init__(self, D: int):
+    self.slot_of = {t: t for t in range(D)}  # token -> slot
+    self.token_in = list(range(D))           # slot -> token
+
+  def step(self, step, topk, newest, choose_victims, on_hit=None, on_fill=None) -> int:
+    """One decode step's swap-in with the kernel's semantics; returns its misses. choose_victims(n, hit
+    slots, token_in, step, needed set) -> n slots, none of them a hit."""
+    slot_of, token_in = self.slot_of, self.token_in
     needed = [int(t) for t in topk if t != newest and t >= 0]
-    need_set = set(needed)
     hit_slots = {slot_of[t] for t in needed if t in slot_of}
     for s in hit_slots:
       if on_hit:
         on_hit(s, step)
     missing = [t for t in needed if t not in slot_of]
-    victims = choose_victims(len(missing), hit_slots, token_in, step, need_set)
+    victims = choose_victims(len(missing), hit_slots, token_in, step, set(needed))
     for t, s in zip(missing, victims):
       del slot_of[token_in[s]]
       slot_of[t], token_in[s] = s, t
       if on_fill:
         on_fill(s, step)
-    misses.append(len(missing))
-  return misses
+    return len(missing)
+
+
+def _replay(trace, context, D, choose_victims, on_hit=None, on_fill=None):
+  """Generic replay of one stream; returns misses per step."""
+  buf = _HotBuffer(D)
+  return [buf.step(step, topk, context + step, choose_victims, on_hit, on_fill) for step, topk in enumerate(trace)]
 
 
 def replay_lru(trace, context, D):
@@ -274,8 +285,9 @@ class KernelReplay:
     self.misses = [[] for _ in range(streams)]
     self._prev = np.zeros(streams, np.int64)
 
-  def step(self, step: int, top_k, scores=None):
-    """top_k: int32[N, <= K] distinct positions (a list of arrays or an array); scores: float32[N, seq_len]."""
+  def step(self, step: int, top_k, scores=None, forecast=None):
+    """top_k: int32[N, <= K] distinct positions (a list of arrays or an array); scores: float32[N, seq_len];
+    forecast: unused (``ContentOracleReplay``'s)."""
     import jax.numpy as jnp
 
     seq_len = self.context + step + 1
@@ -306,6 +318,36 @@ class KernelReplay:
     self._prev = total
 
 
+class ContentOracleReplay:
+  """The content oracle (calibrated traces only): evicts the resident token with the lowest expected score at
+  the next step given the trace's true content field (``calibrated_trace(with_forecast=True)``). No system can
+  read that field; a policy that knew it exactly and ranked by it is what the best online policy could hope
+  for on this trace, since the part of each step's scores drawn afresh (the query) is independent of the past
+  (calibrated_trace.py's model). Its excess over Belady is therefore what is out of reach of any policy that
+  cannot see the future, whatever it reads. Python, N streams stepped together like ``KernelReplay``."""
+
+  def __init__(self, streams: int, context: int, D: int):
+    self.context = context
+    self.buffers = [_HotBuffer(D) for _ in range(streams)]
+    self.misses = [[] for _ in range(streams)]
+
+  def step(self, step: int, top_k, scores=None, forecast=None):
+    """top_k: the N streams' positions; forecast: float32[N, seq_len] (``calibrated_trace``'s)."""
+    if forecast is None:
+      raise ValueError("the content oracle needs the calibrated trace's forecast (with_forecast=True)")
+    for b, (buf, row) in enumerate(zip(self.buffers, top_k)):
+      value = forecast[b]
+
+      def choose(n, hits, token_in, _step, _need):
+        if not n:
+          return []
+        cand = np.array([s for s in range(len(token_in)) if s not in hits], np.int64)
+        keep = value[np.minimum(np.asarray(token_in, np.int64)[cand], len(value) - 1)]
+        return cand[np.argsort(keep, kind="stable")[:n]].tolist()
+
+      self.misses[b].append(buf.step(step, row, self.context + step, choose))
+
+
 def replay_kernel(trace, context, D, eviction="lru"):
   """One stream's misses per step under the real kernel (no scores: lru or clock)."""
   replay = KernelReplay(1, context, len(trace), D, max(1, max(len(t) for t in trace)), eviction)
@@ -328,15 +370,16 @@ SCORED = ("score-kernel", "score-ema-kernel")
 
 
 def calibrated_streams(context, steps, top_k, layers, seed, replays):
-  """Generates a calibrated trace (calibrated_trace.py) once, feeding each step to every KernelReplay in
-  ``replays``; returns the streams (one per layer) for the Python policies."""
+  """Generates a calibrated trace (calibrated_trace.py) once, feeding each step (top-k, scores, forecast) to
+  every replay in ``replays`` (``KernelReplay``, ``ContentOracleReplay``); returns the streams (one per layer)
+  for the Python policies."""
   from calibrated_trace import TraceModel, calibrated_trace
 
   per_layer = [[] for _ in range(layers)]
-  for step, (picked, scores) in enumerate(calibrated_trace(context, steps, top_k, TraceModel(layers=layers),
-                                                           seed=seed)):
+  trace = calibrated_trace(context, steps, top_k, TraceModel(layers=layers), seed=seed, with_forecast=True)
+  for step, (picked, scores, forecast) in enumerate(trace):
     for replay in replays:
-      replay.step(step, picked, scores)
+      replay.step(step, picked, scores, forecast)
     for layer in range(layers):
       per_layer[layer].append(picked[layer])
   return [(f"layer {layer}", context, per_layer[layer]) for layer in range(layers)]
@@ -416,6 +459,7 @@ def main(argv=None) -> int:
   if args.trace is None and args.trace_model == "calibrated":
     replays = {f"{p}@{D}": KernelReplay(args.layers, args.context, steps, D, top_k, p.removesuffix("-kernel"))
                for D in buffers for p in KERNEL_POLICIES}
+    replays.update({f"content-oracle@{D}": ContentOracleReplay(args.layers, args.context, D) for D in buffers})
     streams = calibrated_streams(args.context, steps, top_k, args.layers, args.seed, replays.values())
     per_stream.update({k: r.misses for k, r in replays.items()})
     source = (f"Calibrated trace (calibrated_trace.py, seed {args.seed}): {args.layers} layers (one stream each), "
@@ -433,28 +477,33 @@ def main(argv=None) -> int:
       if per_stream[f"{p}@{D}"] != per_stream[f"{p}-kernel@{D}"]:
         print(f"error: Python {p} and the kernel disagree at D={D}", file=sys.stderr)
         return 1
-  policies = [p for p in ("lru", "clock", "fifo", "lfu", "score-kernel", "score-ema-kernel", "belady")
-              if f"{p}@{buffers[0]}" in per_stream]
-  online = [p for p in policies if p != "belady"]
+  policies = [p for p in ("lru", "clock", "fifo", "lfu", "score-kernel", "score-ema-kernel", "content-oracle",
+                           "belady") if f"{p}@{buffers[0]}" in per_stream]
+  online = [p for p in policies if p not in ("belady", "content-oracle")]  # what a system can run
   results = {k: _mean_curve(v).tolist() for k, v in per_stream.items()}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   temporal, adjacent = stream_overlaps(streams)
   label = {"score-kernel": "score", "score-ema-kernel": "score-ema"}
+  oracle = "content-oracle" in policies
   lines = [f"{source} ({time.perf_counter() - t0:.1f} s).", "",
-           "| D | " + " | ".join(label.get(p, p) for p in policies) + " | LRU vs Belady | best online vs Belady |",
-           "|---" * (len(policies) + 3) + "|"]
+           "| D | " + " | ".join(label.get(p, p) for p in policies) + " | LRU vs Belady | best online vs Belady |"
+           + (" content oracle vs Belady |" if oracle else ""),
+           "|---" * (len(policies) + 3 + oracle) + "|"]
   summary = {}
   for D in buffers:
     means = {p: float(np.mean(np.concatenate(per_stream[f"{p}@{D}"]))) for p in policies}
     best = min(online, key=lambda p: means[p])
+    gapped = ("lru", best) + (("content-oracle",) if oracle else ())
     if means["belady"] > 0:
-      gaps = {p: means[p] / means["belady"] - 1 for p in ("lru", best)}
-      lru_gap, best_gap = (f"+{100 * gaps[p]:.0f}%" for p in ("lru", best))
+      gaps = {p: means[p] / means["belady"] - 1 for p in gapped}
+      shown = {p: f"+{100 * gaps[p]:.0f}%" for p in gapped}
     else:  # nothing misses even with perfect foresight (D covers the whole context)
-      gaps, lru_gap, best_gap = {}, "n/a", "n/a"
-    summary[D] = {"means": means, "best": best, "best_gap": gaps.get(best), "lru_gap": gaps.get("lru")}
+      gaps, shown = {}, dict.fromkeys(gapped, "n/a")
+    summary[D] = {"means": means, "best": best, "best_gap": gaps.get(best), "lru_gap": gaps.get("lru"),
+                  "content_oracle_gap": gaps.get("content-oracle")}
     lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in policies) +
-                 f" | {lru_gap} | {label.get(best, best)} {best_gap} |")
+                 f" | {shown['lru']} | {label.get(best, best)} {shown[best]} |" +
+                 (f" {shown['content-oracle']} |" if oracle else ""))
   if args.trace is None and args.trace_model == "calibrated":
     lines += ["", "Measured locality: consecutive steps' top-k overlap per layer " +
               ", ".join(f"{x:.2f}" for x in temporal) + "; adjacent layers " +

@@ -26,10 +26,13 @@ def pytest_unconfigure(config):
   if _OWN_CACHE:
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
-# Slowest first (seconds on 2 cores, make test): mesh ~420, throughput benchmarks ~260, multiprocess ~200,
-# benchmark scripts ~200, disaggregation ~100.
-FIRST = ("test_mesh.py", "test_throughput_benchmark.py", "test_multiprocess.py", "test_benchmark_scripts.py",
-         "test_disaggregation.py", "test_lossless.py")
+# Slowest first (seconds of one worker in a 2-worker `make test`, 2026-12-02): the mesh subprocess ~800,
+# benchmark scripts ~570, throughput benchmarks ~450, scheduling ~390, lossless ~300, multiprocess ~290; then
+# collection order. The Makefile passes --no-loadscope-reorder, without which xdist orders modules by their
+# number of tests instead.
+FIRST = ("test_mesh.py", "test_benchmark_scripts.py", "test_throughput_benchmark.py", "test_scheduling.py",
+         "test_lossless.py", "test_multiprocess.py", "test_fp8_checkpoint.py", "test_model_oracle.py",
+         "test_cli.py", "test_disaggregation.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

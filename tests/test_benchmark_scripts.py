@@ -68,7 +68,7 @@ def test_miss_rate_quick(tmp_path):
   for D in (128, 256):
     assert data[f"lru@{D}"] == data[f"lru-kernel@{D}"] and data[f"clock@{D}"] == data[f"clock-kernel@{D}"]
     # Belady is the lower bound of every policy; a bigger buffer never misses more under it.
-    for p in ("lru", "fifo", "clock", "lfu", "score-kernel", "score-ema-kernel"):
+    for p in ("lru", "fifo", "clock", "lfu", "score-kernel", "score-ema-kernel", "content-oracle"):
       assert sum(data[f"belady@{D}"]) <= sum(data[f"{p}@{D}"])
   assert sum(data["belady@256"]) <= sum(data["belady@128"])
   assert (tmp_path / "mr.png").stat().st_size > 10_000 and "| 256 |" in (tmp_path / "mr.md").read_text()

@@ -45,6 +45,28 @@ def test_trace_structure_and_determinism():
   assert (other[0] != steps[0][0]).any()
 
 
+def test_forecast_is_the_expected_next_score():
+  """with_forecast draws the same trace and adds E[next step's score | content]: regressing the next step's
+  scores on it gives slope 1 and intercept 0 (the query and noise parts are fresh, mean 0), and it is +inf
+  exactly on the sinks and the next step's recent window."""
+  model = ct.TraceModel(layers=3, sinks=4, recent=16)
+  plain = list(ct.calibrated_trace(20000, 4, 256, model, seed=5))
+  steps = list(ct.calibrated_trace(20000, 4, 256, model, seed=5, with_forecast=True))
+  for (p0, s0), (p1, s1, forecast) in zip(plain, steps):
+    np.testing.assert_array_equal(p0, p1)
+    np.testing.assert_array_equal(s0, s1)
+    assert forecast.dtype == np.float32 and forecast.shape == s1.shape
+  for t in range(3):
+    forecast, after = steps[t][2], steps[t + 1][1]
+    seq_len = forecast.shape[1]
+    inf = ~np.isfinite(forecast)
+    assert inf[:, :4].all() and inf[:, seq_len + 1 - 16:].all() and not inf[:, 4:seq_len + 1 - 16].any()
+    for layer in range(3):
+      f, s = forecast[layer, ~inf[layer]], after[layer, :seq_len][~inf[layer]]
+      slope, intercept = np.polyfit(f, s, 1)
+      assert abs(slope - 1) < 0.06 and abs(intercept) < 0.03, (layer, slope, intercept)
+
+
 def test_short_context_takes_every_position():
   picked, scores = next(ct.calibrated_trace(10, 1, 64, ct.TraceModel(layers=2)))
   np.testing.assert_array_equal(picked, np.tile(np.arange(11, dtype=np.int32), (2, 1)))
@@ -59,6 +81,7 @@ def test_policies_on_a_calibrated_trace(D):
   context, steps, top_k, layers = 4096, 60, 256, 4
   replays = {p: miss_rate.KernelReplay(layers, context, steps, D, top_k, p)
              for p in ("lru", "clock", "score", "score-ema")}
+  replays["content-oracle"] = miss_rate.ContentOracleReplay(layers, context, D)
   streams = miss_rate.calibrated_streams(context, steps, top_k, layers, 0, replays.values())
   total = {p: sum(map(sum, r.misses)) for p, r in replays.items()}
   assert replays["lru"].misses == [miss_rate.replay_lru(tr, c, D) for _, c, tr in streams]
@@ -66,3 +89,6 @@ def test_policies_on_a_calibrated_trace(D):
   belady = sum(sum(miss_rate.replay_belady(tr, c, D)) for _, c, tr in streams)
   assert 0 < belady <= min(total.values())
   assert total["score"] < total["lru"] and total["score-ema"] < total["lru"], total
+  # Knowing the content part exactly beats estimating it from past scores (the EMA); Belady, who also sees
+  # the future queries, beats both.
+  assert belady < total["content-oracle"] < total["score-ema"], total

@@ -157,6 +157,11 @@ def _scenario(stub, long_prompts: list[int], seed: int, new_tokens: int, vocab: 
       call.cancel()
     for f in streams:
       f.result()
+    ended = min(ts[-1] for ts in stamps.values())
+    if ended <= t_done:  # no inter-token gap to measure "during": a scenario too short for this machine
+      raise RuntimeError(f"a stream finished {ended - t_arrive:+.3f} s after the long prompts arrived, before "
+                         f"their last first token (+{t_done - t_arrive:.3f} s): give the streams more new tokens "
+                         "or a shorter wait before the arrival")
     return dict(stamps=stamps, t_ready=t_ready, t_arrive=t_arrive, t_done=t_done, ttfts=ttfts,
                 prefill_s=[p for _, p, _ in longs], transfer_s=[x for _, _, x in longs])
 
@@ -266,7 +271,9 @@ def main(argv=None) -> int:
       from tests.tiny_model import TINY_HISPARSE
       flags = [f"--model-path={tiny_model_dir()}", "--max-seq-len=512", "--page-size=16", "--chunked-prefill-size=32",
                "--max-running-requests=16"]
-      res["latency"] = run_latency([100, 200], flags, 240, 512, 0.3, TINY_HISPARSE, stream_prompt=260,
+      # 60 + 440 tokens fill the tiny model's 512 positions: the streams (~1.5 ms a token here) outlive the
+      # arrival 50 ms after their warm-up and the long prompts' prefill (~15 ms) on a fast machine too.
+      res["latency"] = run_latency([100, 200], flags, 440, 512, 0.05, TINY_HISPARSE, stream_prompt=60,
                                    setups=[("colocated", "dense"), ("pd", "hisparse")], warm_runs=1)
     else:
       flags = ["--dtype=float32", "--max-seq-len=8192", "--chunked-prefill-size=512", "--max-running-requests=16"]

@@ -157,11 +157,6 @@ def _scenario(stub, long_prompts: list[int], seed: int, new_tokens: int, vocab: 
       call.cancel()
     for f in streams:
       f.result()
-    ended = min(ts[-1] for ts in stamps.values())
-    if ended <= t_done:  # no inter-token gap to measure "during": a scenario too short for this machine
-      raise RuntimeError(f"a stream finished {ended - t_arrive:+.3f} s after the long prompts arrived, before "
-                         f"their last first token (+{t_done - t_arrive:.3f} s): give the streams more new tokens "
-                         "or a shorter wait before the arrival")
     return dict(stamps=stamps, t_ready=t_ready, t_arrive=t_arrive, t_done=t_done, ttfts=ttfts,
                 prefill_s=[p for _, p, _ in longs], transfer_s=[x for _, _, x in longs])
 
@@ -211,6 +206,11 @@ def run_latency(long_prompts: list[int], model_flags: list[str], new_tokens: int
         _scenario(stub, long_prompts, seed, new_tokens, vocab, before_s, stream_prompt)  # of joins varies)
         time.sleep(2)  # the cancelled streams leave
       run = _scenario(stub, long_prompts, warm_runs + 1, new_tokens, vocab, before_s, stream_prompt)
+      ended = min(ts[-1] for ts in run["stamps"].values())
+      if ended <= run["t_done"]:  # no inter-token gap to measure "during": a scenario too short for this machine
+        raise RuntimeError(f"a stream finished {ended - run['t_arrive']:+.3f} s after the long prompts arrived, "
+                           f"before their last first token (+{run['t_done'] - run['t_arrive']:.3f} s): give the "
+                           "streams more new tokens or a shorter wait before the arrival")
       during = _itl(run["stamps"], run["t_arrive"], run["t_done"])
       before = _itl(run["stamps"], run["t_ready"], run["t_arrive"])
       ttfts = np.asarray(run["ttfts"])

@@ -1,4 +1,4 @@
-"""Command-line pieces shared by the benchmark scripts: argparse types and the results writer."""
+"""Command-line pieces shared by the benchmark scripts: argparse types, the results path and writer."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def sections(choices):
     return names
 
   return parse
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+OUT_HELP = ("results path without extension (default: benchmarks/results/NAME, the committed results BENCHMARKS.md "
+            "quotes; with --quick benchmarks/results/quick/NAME, which git ignores)")
+
+
+def default_out(name: str, quick: bool) -> str:
+  """Where a benchmark writes when --out is not given: a --quick (smoke) run never overwrites the committed
+  full results."""
+  return os.path.join(RESULTS, "quick", name) if quick else os.path.join(RESULTS, name)
 
 
 def write_results(out: str, results: dict, markdown: str) -> None:

@@ -1,7 +1,7 @@
 r"""Swap-in miss rates by eviction policy and hot-buffer size, replayed on the same top-k traces.
 
   python benchmarks/miss_rate.py [--quick] [--context 65536] [--steps 500] [--top-k 2048] [--layers 8] \
-      [--buffers 2048,4096,6144] [--seed 0] [--out benchmarks/results/miss_rate_calibrated_64k]
+      [--buffers 2048,4096,6144] [--seed 0] [--out benchmarks/results/miss_rate]
   python benchmarks/miss_rate.py --trace-model synthetic --context 16384 --steps 1000 --out ...
   python benchmarks/miss_rate.py --trace trace.npz --buffers 2048,4096 --out ...
 
@@ -45,11 +45,15 @@ import json
 import os
 import sys
 import time
+import zipfile
+import zlib
 
 import numpy as np
 
+MAX_POSITIONS = 1 << 22  # context + steps and hot-buffer sizes a replay accepts (4M tokens; DSA models: 160k)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import positive_ints  # noqa: E402
+from cli import OUT_HELP, default_out, positive_ints  # noqa: E402
 
 
 def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sinks: int = 16,
@@ -110,20 +114,38 @@ def load_recorded(path: str):
   if magic != b"PK\x03\x04":  # .npz files are zip archives
     raise ValueError(f"{path}: not an .npz archive (write one with --dump-topk)")
   try:
+    return _load_recorded(path)
+  except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # a damaged archive or member
+    raise ValueError(f"{path}: not a readable .npz trace ({e})") from None
+
+
+def _load_recorded(path: str):
+  try:
     z = np.load(path, allow_pickle=False)
   except (OSError, ValueError) as e:
     raise ValueError(f"{path}: not a readable .npz trace ({e})") from None
   streams = []
   keys = [k for k in z.files if k.startswith("topk_")]
-  if not keys or not all(k[5:].isdigit() and f"prompt_tokens_{k[5:]}" in z.files for k in keys):
+  if not keys or not all(k[5:].isascii() and k[5:].isdigit() and f"prompt_tokens_{k[5:]}" in z.files for k in keys):
     raise ValueError(f"{path}: expected topk_<line> and prompt_tokens_<line> arrays (from --dump-topk), "
                      f"found {sorted(z.files)[:6]}")
   for key in sorted(keys, key=lambda k: int(k[5:])):
     line = key[5:]
-    steps = z[key]  # [steps, L, K]
-    if steps.ndim != 3 or not np.issubdtype(steps.dtype, np.integer):
-      raise ValueError(f"{path}: {key} must be an integer array [steps, layers, top_k], got {steps.dtype}{steps.shape}")
-    context = int(z[f"prompt_tokens_{line}"])
+    steps, context = z[key], z[f"prompt_tokens_{line}"]  # [steps, L, K], a scalar
+    if not isinstance(steps, np.ndarray) or steps.ndim != 3 or not np.issubdtype(steps.dtype, np.integer):
+      raise ValueError(f"{path}: {key} must be an integer array [steps, layers, top_k], got "
+                       f"{getattr(steps, 'dtype', type(steps).__name__)}{getattr(steps, 'shape', '')}")
+    if (not isinstance(context, np.ndarray) or context.shape or not np.issubdtype(context.dtype, np.integer)
+        or not 1 <= int(context) <= MAX_POSITIONS - len(steps)):
+      raise ValueError(f"{path}: prompt_tokens_{line} must be an integer in [1, {MAX_POSITIONS} - decode steps], "
+                       f"got {context!r}")
+    context = int(context)
+    # Decode step t attends at seq_len = context + t + 1: its positions are in [0, context + t] (-1: padding).
+    limit = context + np.arange(len(steps), dtype=np.int64)[:, None, None]
+    if steps.size and ((steps < -1) | (steps > limit)).any():
+      raise ValueError(f"{path}: {key} has a position outside [-1, prompt_tokens + step] (step t attends at "
+                       f"prompt_tokens + t + 1 positions)")
+    steps = steps.astype(np.int32)
     for layer in range(steps.shape[1] if len(steps) else 0):
       streams.append((f"line {line} layer {layer}", context, [t[t >= 0] for t in steps[:, layer]]))
   if not streams:
@@ -418,15 +440,28 @@ def main(argv=None) -> int:
   ap.add_argument("--buffers", default="2048,4096,6144", type=positive_ints,
                   help="hot-buffer sizes D (comma-separated, each >= top_k)")
   ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead (no scores: no score policies)")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "miss_rate"))
+  ap.add_argument("--out", help=OUT_HELP)
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(context=1024, steps=40, top_k=128, buffers=[128, 256], layers=3)
   args = ap.parse_args(argv)
+  args.out = args.out or default_out("miss_rate", args.quick)
   for name in ("context", "steps", "top_k", "layers"):
     if getattr(args, name) < 1:
       print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
       return 2
+  if args.context + args.steps > MAX_POSITIONS or args.buffers[-1] > MAX_POSITIONS:
+    print(f"error: --context + --steps and --buffers must be <= {MAX_POSITIONS} positions", file=sys.stderr)
+    return 2
+  if args.trace is None and args.trace_model == "synthetic" and args.context < args.top_k + 16 + args.top_k // 8:
+    print("error: --trace-model synthetic needs --context >= top_k + its 16 sinks + its top_k / 8 recent window "
+          f"({args.top_k + 16 + args.top_k // 8})", file=sys.stderr)
+    return 2
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  except OSError as e:
+    print(f"error: --out {args.out}: {e.strerror}", file=sys.stderr)
+    return 2
   if args.layers > 64:
     print("error: --layers must be <= 64", file=sys.stderr)
     return 2

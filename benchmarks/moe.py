@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from cli import positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
 
 
 def run(tokens: list[int], experts: int, active: int, hidden: int, inter: int, repeats: int) -> list[dict]:
@@ -144,8 +144,9 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--ep", type=int, default=0, help="also time expert parallelism over this many simulated CPU "
                   "devices (DP attention): all-to-all dispatch vs psum")
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "moe"))
+  ap.add_argument("--out", help=OUT_HELP)
   args = ap.parse_args(argv)
+  args.out = args.out or default_out("moe", args.quick)
   if not 0 < args.active <= args.experts:
     ap.error(f"--active must be in 1..--experts ({args.experts}), got {args.active}")
   if args.quick:

@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from calibrated_trace import TraceModel, calibrated_trace  # noqa: E402
-from cli import positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
 
 TOP_K, D, W = 2048, 4096, 576
 SKIP = 3
@@ -171,11 +171,12 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--heads", type=int, default=2)
   ap.add_argument("--depth", type=int, default=TOP_K, help="positions prefetched: the top-scored of each top-k")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "prefetch"))
+  ap.add_argument("--out", help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:
     ap.set_defaults(batches=[1, 4], steps=6, layers=3)
   args = ap.parse_args(argv)
+  args.out = args.out or default_out("prefetch", args.quick)
   if (args.context <= D or args.layers < 2 or args.steps <= SKIP or args.heads < 1 or args.batches[-1] > 256
       or not 1 <= args.depth <= TOP_K):
     print(f"error: need --context > {D}, --layers >= 2, --steps > {SKIP}, --heads >= 1, batches <= 256, "

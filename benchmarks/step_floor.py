@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
 
 SKIP = 3  # first decode steps left out of the median (compilation of the batch bucket, warm caches)
 
@@ -164,11 +164,12 @@ def main(argv=None) -> int:
   ap.add_argument("--modes", default="dense,hisparse,resident",
                   help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
                        "resident_fraction 0.5, no swap-in while the KV fits)")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "step_floor"))
+  ap.add_argument("--out", help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(batches=[2], steps=6)
   args = ap.parse_args(argv)
+  args.out = args.out or default_out("step_floor", args.quick)
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
   if not modes or any(m not in ("dense", "hisparse", "resident") for m in modes):
     print(f"error: --modes: choose from dense,hisparse,resident, got {args.modes!r}", file=sys.stderr)

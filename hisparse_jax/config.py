@@ -140,6 +140,8 @@ class HiSparseConfig:
         raw = json.loads(text)
       except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
         raise ConfigError(f"hisparse config is not valid JSON: {e}") from None
+      except RecursionError:
+        raise ConfigError("hisparse config is not valid JSON: nested too deeply") from None
     if not isinstance(raw, dict):
       raise ConfigError(f"hisparse config must be a JSON object, got {type(raw).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}

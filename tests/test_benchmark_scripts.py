@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -59,19 +60,28 @@ def test_step_floor_quick(tmp_path):
   assert "| 2 | resident |" in (tmp_path / "sf.md").read_text()
 
 
-def test_miss_rate_quick(tmp_path):
-  out = tmp_path / "mr"
-  r = subprocess.run([sys.executable, "benchmarks/miss_rate.py", "--quick", "--out", str(out)], cwd=REPO,
+def test_miss_rate_quick():
+  """Without --out a quick run writes under benchmarks/results/quick/ (git-ignored), not over the committed
+  results of the same name."""
+  committed = os.path.join(REPO, "benchmarks", "results", "miss_rate.json")
+  before = open(committed, "rb").read()
+  quick = pathlib.Path(REPO, "benchmarks", "results", "quick")
+  for f in quick.glob("miss_rate.*"):  # an earlier run's
+    f.unlink()
+  r = subprocess.run([sys.executable, "benchmarks/miss_rate.py", "--quick"], cwd=REPO,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1 if Python LRU != the kernel
-  data = json.loads((tmp_path / "mr.json").read_text())["misses"]
+  assert open(committed, "rb").read() == before
+  assert subprocess.run(["git", "check-ignore", "-q", str(quick / "miss_rate.json")], cwd=REPO).returncode == 0
+  out = quick / "miss_rate"
+  data = json.loads(out.with_suffix(".json").read_text())["misses"]
   for D in (128, 256):
     assert data[f"lru@{D}"] == data[f"lru-kernel@{D}"] and data[f"clock@{D}"] == data[f"clock-kernel@{D}"]
     # Belady is the lower bound of every policy; a bigger buffer never misses more under it.
     for p in ("lru", "fifo", "clock", "lfu", "score-kernel", "score-ema-kernel", "content-oracle"):
       assert sum(data[f"belady@{D}"]) <= sum(data[f"{p}@{D}"])
   assert sum(data["belady@256"]) <= sum(data["belady@128"])
-  assert (tmp_path / "mr.png").stat().st_size > 10_000 and "| 256 |" in (tmp_path / "mr.md").read_text()
+  assert out.with_suffix(".png").stat().st_size > 10_000 and "| 256 |" in out.with_suffix(".md").read_text()
 
 
 def test_vs_transformers_quick(tmp_path):

@@ -45,6 +45,8 @@ def test_full_sglang_config():
     ('[1, 2]', "must be a JSON object"),
     ('{top_k: 1}', "not valid JSON"),
     ('{"device_buffer_size": ' + "9" * 5000 + '}', "not valid JSON.*digits"),  # past int()'s digit limit
+    ("[" * 100_000, "not valid JSON: nested too deeply"),  # json's recursion, not a traceback
+    ('{"a":' * 100_000, "not valid JSON: nested too deeply"),
     ('{"eviction": "mru"}', r"eviction must be one of \['lru', 'clock', 'score'\], got 'mru'"),
     ('{"eviction": 1}', "eviction must be one of"),
     ('{"eviction": ["lru"]}', "eviction must be one of"),

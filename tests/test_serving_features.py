@@ -107,17 +107,26 @@ def test_admission_by_free_pages_and_queue_bound():
   loads = eng.loads()
   assert loads["running"] == 2 and loads["queued"] == 1  # two prompts' pages fit, the third waits
   assert loads["device_kv_bytes_used"] == 6 * per_page and loads["device_kv_bytes_budget"] == 8 * per_page
-  eng.submit(Request("q1", [5, 6], 2))
-  eng.submit(Request("q2", [5, 6], 2))
+  # The queue bound (3) counts waiting requests beyond the 2 free request slots: 1 + 4 more wait, a 6th fails.
+  for i in range(4):
+    eng.submit(Request(f"q{i}", [5, 6], 2))
   with pytest.raises(RequestError, match="queue full") as e:
-    eng.submit(Request("q3", [5, 6], 2))
-  assert e.value.code == "RESOURCE_EXHAUSTED"
+    eng.submit(Request("q4", [5, 6], 2))
+  assert e.value.code == "RESOURCE_EXHAUSTED" and len(eng.waiting) == 5
   with pytest.raises(RequestError, match="needs 10 pages of the kv pool") as e:
     eng.submit(Request("big", list(range(2, 152)), 10))  # 160 tokens: 10 pages, the pool holds 8
   assert e.value.code == "RESOURCE_EXHAUSTED"
   eng.run()
   assert all(r.finish_reason == "length" for r in reqs) and all_kv_free(eng.loads())
   assert eng.num_preemptions == 0
+  # A burst of max_running_requests + max_queued_requests (4 + 3) on the idle engine is accepted whole.
+  burst = [Request(f"b{i}", [5, 6, 7], 2) for i in range(7)]
+  for r in burst:
+    eng.submit(r)
+  with pytest.raises(RequestError, match="queue full"):
+    eng.submit(Request("b7", [5, 6, 7], 2))
+  eng.run()
+  assert all(r.finish_reason == "length" for r in burst) and all_kv_free(eng.loads())
   # Same tokens as without a budget.
   assert [r.output_ids for r in run(probe, [Request(str(i), list(range(2, 47)), 10) for i in range(3)])] == \
       [r.output_ids for r in reqs]

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 
@@ -87,6 +88,20 @@ def test_benchmark_scripts_refuse_bad_input(tmp_path):
   fails([mr, "--trace", str(tmp_path / "other.npz")], "expected topk_<line> and prompt_tokens_<line>")
   fails([mr, "--trace", str(tmp_path / "text.npz")], "not an .npz archive")
   fails([mr, "--trace", str(tmp_path / "missing.npz")], "No such file or directory")
+  (tmp_path / "cut.npz").write_bytes((tmp_path / "none.npz").read_bytes()[:100])  # a truncated archive
+  fails([mr, "--trace", str(tmp_path / "cut.npz")], "not a readable .npz trace")
+  with zipfile.ZipFile(tmp_path / "junk.npz", "w") as z:  # a member that is not an .npy array
+    z.writestr("topk_1.npy", b"garbage")
+    z.writestr("prompt_tokens_1.npy", b"garbage")
+  fails([mr, "--trace", str(tmp_path / "junk.npz")], "topk_1 must be an integer array [steps, layers, top_k]")
+  np.savez(tmp_path / "far.npz", topk_1=np.array([[[0, 6]]], np.int32), prompt_tokens_1=np.int64(5))
+  fails([mr, "--trace", str(tmp_path / "far.npz")], "topk_1 has a position outside [-1, prompt_tokens + step]")
+  np.savez(tmp_path / "two.npz", topk_1=np.array([[[0, 5]]], np.int32), prompt_tokens_1=np.array([5, 6]))
+  fails([mr, "--trace", str(tmp_path / "two.npz")], "prompt_tokens_1 must be an integer in [1, 4194304")
+  fails([mr, "--trace-model", "synthetic", "--context", "10", "--top-k", "64", "--buffers", "64"],
+        "--trace-model synthetic needs --context >= top_k")
+  fails([mr, "--context", str(10**11)], "--context + --steps and --buffers must be <= 4194304")
+  fails([mr, "--quick", "--out", "/proc/nope/x"], "--out /proc/nope/x")
   fails([mr, "--buffers", "8,abc"], "expected comma-separated integers")
   fails([mr, "--top-k", "128", "--buffers", "64"], "must be >= top_k (128)")
   fails(["benchmarks/throughput.py", "--sections", "foo"], "unknown section(s) ['foo']")

@@ -60,7 +60,8 @@ class EngineArgs:
     max_device_kv_bytes / mem_fraction_static: device KV budget in bytes / as a fraction of the device's
       memory limit (the smaller wins); neither: DEFAULT_MEM_FRACTION of the memory left after the weights,
       or DEFAULT_CPU_KV_BYTES on a device that reports no limit (CPU).
-    max_queued_requests: waiting requests beyond this fail with RESOURCE_EXHAUSTED (None: unbounded).
+    max_queued_requests: waiting requests beyond this (and beyond the free request slots, which take waiting
+      requests at the next step) fail with RESOURCE_EXHAUSTED (None: unbounded).
     max_admission_skips: a waiting request that does not fit the free memory yet may be passed by later
       requests that do at most this many times; then nothing behind it is admitted until it is (0: strict
       first come, first served).
@@ -120,7 +121,8 @@ class EngineArgs:
       "page_size": "Tokens per KV page (a power of two).",
       "max_device_kv_bytes": "Device KV budget in bytes (pools are sized from it).",
       "mem_fraction_static": "Device KV budget as a fraction of the device memory limit (GPU).",
-      "max_queued_requests": "Requests waiting beyond this fail with RESOURCE_EXHAUSTED.",
+      "max_queued_requests": "Requests waiting beyond this (and the free request slots) fail with "
+                             "RESOURCE_EXHAUSTED.",
       "max_admission_skips": "Times a waiting request that does not fit yet may be passed by later ones that "
                              "do before admission waits for it (0: strict first come, first served).",
       "max_prompt_bytes": "Text prompts longer than this many UTF-8 bytes are refused before tokenizing "
@@ -255,7 +257,10 @@ class EngineArgs:
     try:
       return HiSparseConfig.from_json(text, model_top_k=model_cfg.index_topk)
     except ConfigError as e:
-      raise StartupError(f"{source}: {e}") from None
+      hint = ""
+      if source == "--hisparse-config" and os.path.isfile(text.strip()):
+        hint = f" (it takes the JSON itself, not a file: --hisparse-config \"$(cat {text.strip()})\")"
+      raise StartupError(f"{source}: {e}{hint}") from None
 
   def device_kv_budget(self, weight_bytes: int = 0) -> int:
     """The device KV budget in bytes of this process's first device (``kv_budget``)."""

@@ -382,10 +382,16 @@ class Engine:
         raise InvalidRequest("a request with prompt_kv needs its first generated token (first_token) in the vocabulary")
 
   def submit(self, req: Request) -> None:
-    """Validates and queues a request (RequestError if it can never be served or the queue is full)."""
+    """Validates and queues a request (RequestError if it can never be served or the queue is full).
+
+    The queue bound counts the waiting requests beyond the free request slots: requests that arrive between
+    two steps wait for the next step's admission even when slots are free, and up to that many of them take a
+    slot there (a burst of max_running_requests + max_queued_requests on an idle engine is accepted whole)."""
     self.validate(req)
-    if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests:
-      raise ResourceExhausted(f"queue full ({self.max_queued_requests} requests waiting)")
+    if (self.max_queued_requests is not None
+        and len(self.waiting) >= self.max_queued_requests + self.backend.free_slots):
+      raise ResourceExhausted(f"queue full ({self.max_queued_requests} requests waiting beyond the "
+                              f"{self.backend.free_slots} free request slots)")
     if req.seed is None:
       req.seed = int.from_bytes(os.urandom(4), "little")
     req.stop_token_ids = frozenset(req.stop_token_ids)

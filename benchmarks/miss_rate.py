@@ -70,8 +70,13 @@ def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sink
       comes back, the case an LRU hot buffer has to hold);
     * a ``noise`` share of uniformly random older positions;
     * the rest filled with more positions drawn near the visited clusters.
+
+  Raises ValueError if context < top_k + sinks + window (the clusters' range would be empty).
   """
   window = top_k // 8 if window is None else window  # 256 at top_k 2048
+  if context < top_k + sinks + window:
+    raise ValueError(f"context {context} < top_k + {sinks} sinks + a {window}-position recent window "
+                     f"({top_k + sinks + window})")
   cluster_width = max(4, top_k // 21) if cluster_width is None else cluster_width  # 97 at top_k 2048
   rng = np.random.default_rng(seed)
   centres = rng.uniform(sinks, context, clusters)
@@ -453,10 +458,6 @@ def main(argv=None) -> int:
   if args.context + args.steps > MAX_POSITIONS or args.buffers[-1] > MAX_POSITIONS:
     print(f"error: --context + --steps and --buffers must be <= {MAX_POSITIONS} positions", file=sys.stderr)
     return 2
-  if args.trace is None and args.trace_model == "synthetic" and args.context < args.top_k + 16 + args.top_k // 8:
-    print("error: --trace-model synthetic needs --context >= top_k + its 16 sinks + its top_k / 8 recent window "
-          f"({args.top_k + 16 + args.top_k // 8})", file=sys.stderr)
-    return 2
   try:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   except OSError as e:
@@ -485,7 +486,12 @@ def main(argv=None) -> int:
   else:
     top_k, steps = args.top_k, args.steps
     if args.trace_model == "synthetic":
-      streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]
+      try:
+        streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]
+      except ValueError as e:
+        print(f"error: --trace-model synthetic needs --context >= top_k + its sinks and recent window: {e}",
+              file=sys.stderr)
+        return 2
       source = f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k}"
   if min(buffers) < top_k:
     print(f"error: --buffers: every hot-buffer size must be >= top_k ({top_k}); got {min(buffers)}",
@@ -516,7 +522,6 @@ def main(argv=None) -> int:
                            "belady") if f"{p}@{buffers[0]}" in per_stream]
   online = [p for p in policies if p not in ("belady", "content-oracle")]  # what a system can run
   results = {k: _mean_curve(v).tolist() for k, v in per_stream.items()}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   temporal, adjacent = stream_overlaps(streams)
   label = {"score-kernel": "score", "score-ema-kernel": "score-ema"}
   oracle = "content-oracle" in policies

@@ -22,8 +22,12 @@ position costs one copy):
                     clock-kernel in OUT.json) AND the same policies in Python: they must agree step for
                     step (exit 1 otherwise); the table shows them once
   score             the handler's "score" policy fed each step's indexer scores of the resident tokens
-  score-ema         the same policy fed an exponential moving average of each position's scores
-                    (``KernelReplay``); calibrated traces only, as score
+  score-ema         the engine's ``"eviction": "score_ema"``: the same policy fed each slot's moving average of
+                    its token's scores since it entered the hot buffer (memory/views.py ``slot_score_ema``,
+                    ``restart_score_ema``; ``KernelReplay``); calibrated traces only, as score
+  position-ema      the same policy fed a moving average of every position's scores over the whole decode,
+                    resident or not (what a per-position score pool beside the indexer keys would hold; the
+                    engine has none); calibrated traces only
   content-oracle    evict the token with the lowest expected next-step score given the calibrated trace's
                     true content field, which no system can read (``ContentOracleReplay``): where the best
                     online policy could get to on that trace; reported, never counted as "best online"
@@ -282,9 +286,11 @@ class KernelReplay:
   after the prefill, as in ``_replay``. ``step`` takes the step's top-k of every stream and, for the score
   policies, the indexer scores of every position; ``misses`` collects misses per step per stream.
 
-  eviction "score-ema" is the kernel's score policy fed an exponential moving average of each position's
-  scores (weight ``ema`` on the past; infinite scores of sinks / the recent window clipped to +-EMA_CLIP)
-  instead of this step's scores."""
+  eviction "score-ema" is the engine's "score_ema": the kernel's score policy fed each slot's moving average of
+  its token's scores since the token entered the hot buffer, with the engine's functions (``slot_score_ema``,
+  weight ``ema`` on the past; ``restart_score_ema``); "position-ema" feeds it the moving average of every
+  position's scores since the decode began. Both clip the trace's infinite scores of sinks / the recent window
+  to +-EMA_CLIP (a real indexer's scores are finite)."""
 
   EMA_CLIP = 8.0
 
@@ -294,7 +300,7 @@ class KernelReplay:
     from hisparse_jax.kernels import ops
 
     self.n, self.context, self.K, self.D = streams, context, K, D
-    self.kernel_policy = "score" if eviction == "score-ema" else eviction
+    self.kernel_policy = "score" if eviction in ("score-ema", "position-ema") else eviction
     self.eviction, self.ema_weight = eviction, ema
     S = context + steps + 1
     self.pool = jax.jit(lambda: jax.device_put(jnp.zeros((1, S, 1), jnp.float32), jax.memory.Space.Host))()
@@ -305,7 +311,8 @@ class KernelReplay:
     self.host_pages = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (streams, S)) + 0
     self.req_ids = jnp.arange(streams, dtype=jnp.int32)
     self.newest = jnp.zeros((streams, 1), jnp.float32)
-    self.ema = np.zeros((streams, S), np.float32) if eviction == "score-ema" else None
+    self.ema = np.zeros((streams, S), np.float32) if eviction == "position-ema" else None
+    self.slot_ema = jnp.full((streams, D), jnp.nan, jnp.float32) if eviction == "score-ema" else None
     self.fn = jax.jit(functools.partial(ops.swap_in, page_size=1, eviction=self.kernel_policy),
                       donate_argnums=(6, 7, 8, 9, 10))
     self.check_status = ops.check_status
@@ -316,29 +323,35 @@ class KernelReplay:
     """top_k: int32[N, <= K] distinct positions (a list of arrays or an array); scores: float32[N, seq_len];
     forecast: unused (``ContentOracleReplay``'s)."""
     import jax.numpy as jnp
+    from hisparse_jax.memory.views import restart_score_ema, slot_score_ema
 
     seq_len = self.context + step + 1
     tk = np.full((self.n, self.K), -1, np.int32)
     for b, row in enumerate(top_k):
       tk[b, :len(row)] = row
     slot_scores = None
+    before = np.asarray(self.slots)[0]  # [N, D] positions (the call donates the slot table)
     if self.kernel_policy == "score":
       if scores is None:
         raise ValueError(f"eviction {self.eviction} needs the indexer scores of the trace")
+      if self.eviction != "score":
+        scores = np.clip(scores, -self.EMA_CLIP, self.EMA_CLIP)
       if self.ema is not None:
-        clipped = np.clip(scores, -self.EMA_CLIP, self.EMA_CLIP)
         old = self.ema[:, :seq_len]
         fresh = np.zeros(seq_len, bool)
         fresh[seq_len - 1] = True  # a new position starts at its own score
-        old[:] = np.where(fresh, clipped, self.ema_weight * old + (1 - self.ema_weight) * clipped)
+        old[:] = np.where(fresh, scores, self.ema_weight * old + (1 - self.ema_weight) * scores)
         scores = old
-      # [N, D] positions; slots past seq_len (D > seq_len: the kernel's fast path reads no score) read the last
-      tokens = np.clip(np.asarray(self.slots)[0], 0, seq_len - 1)
-      slot_scores = jnp.asarray(np.take_along_axis(scores, tokens, axis=1), jnp.float32)
+      # Slots past seq_len (D > seq_len: the kernel's fast path reads no score) read the last position's.
+      slot_scores = jnp.asarray(np.take_along_axis(scores, np.minimum(before, seq_len - 1), axis=1), jnp.float32)
+      if self.slot_ema is not None:
+        slot_scores = slot_score_ema(self.slot_ema, slot_scores, self.ema_weight)
     _, self.pool, self.hot, self.slots, self.lru, self.stats, status = self.fn(
         0, jnp.asarray(tk), jnp.full((self.n,), seq_len, jnp.int32), self.req_ids, self.host_pages, self.newest,
         self.pool, self.hot, self.slots, self.lru, self.stats, slot_scores)
     self.check_status(status, "miss_rate replay")  # every stream's row done
+    if self.slot_ema is not None:
+      self.slot_ema = restart_score_ema(slot_scores, before, self.slots[0], jnp.full((self.n,), seq_len))
     total = np.asarray(self.stats)[0, :, 1].astype(np.int64)
     for b, m in enumerate(total - self._prev):
       self.misses[b].append(int(m))
@@ -392,8 +405,7 @@ def replay_kernel_lru(trace, context, D):
 # the kernel's own policies driven step by step (the score policies need the trace's indexer scores).
 POLICIES = {"lru": replay_lru, "fifo": replay_fifo, "clock": replay_clock, "lfu": replay_lfu,
             "belady": replay_belady}
-KERNEL_POLICIES = ("lru-kernel", "clock-kernel", "score-kernel", "score-ema-kernel")
-SCORED = ("score-kernel", "score-ema-kernel")
+KERNEL_POLICIES = ("lru-kernel", "clock-kernel", "score-kernel", "score-ema-kernel", "position-ema-kernel")
 
 
 def calibrated_streams(context, steps, top_k, layers, seed, replays):
@@ -518,12 +530,12 @@ def main(argv=None) -> int:
       if per_stream[f"{p}@{D}"] != per_stream[f"{p}-kernel@{D}"]:
         print(f"error: Python {p} and the kernel disagree at D={D}", file=sys.stderr)
         return 1
-  policies = [p for p in ("lru", "clock", "fifo", "lfu", "score-kernel", "score-ema-kernel", "content-oracle",
-                           "belady") if f"{p}@{buffers[0]}" in per_stream]
+  policies = [p for p in ("lru", "clock", "fifo", "lfu", "score-kernel", "score-ema-kernel", "position-ema-kernel",
+                           "content-oracle", "belady") if f"{p}@{buffers[0]}" in per_stream]
   online = [p for p in policies if p not in ("belady", "content-oracle")]  # what a system can run
   results = {k: _mean_curve(v).tolist() for k, v in per_stream.items()}
   temporal, adjacent = stream_overlaps(streams)
-  label = {"score-kernel": "score", "score-ema-kernel": "score-ema"}
+  label = {"score-kernel": "score", "score-ema-kernel": "score-ema", "position-ema-kernel": "position-ema"}
   oracle = "content-oracle" in policies
   lines = [f"{source} ({time.perf_counter() - t0:.1f} s).", "",
            "| D | " + " | ".join(label.get(p, p) for p in policies) + " | LRU vs Belady | best online vs Belady |"

@@ -15,9 +15,18 @@ from typing import Any
 # SGLang's HiSparse default: hot buffer = 2 x top_k, host pool = 8 x device.
 DEFAULT_BUFFER_PER_TOP_K = 2
 DEFAULT_HOST_TO_DEVICE_RATIO = 8
-# Eviction policies of the swap-in kernel (xla_ffi/swap_in_core.h; hisparse_jax/kernels/reference.py).
-EVICTIONS = ("lru", "clock", "score")
+# Eviction policies of the swap-in kernel (xla_ffi/swap_in_core.h; hisparse_jax/kernels/reference.py); the
+# position in this tuple is the kernel's ``eviction`` attribute.
+KERNEL_EVICTIONS = ("lru", "clock", "score")
+# The config's policies: the kernel's, and "score_ema" (the kernel's "score" fed each hot-buffer slot's moving
+# average of its token's indexer scores, kept by the decode view: memory/views.py ``slot_score_ema``).
+EVICTIONS = KERNEL_EVICTIONS + ("score_ema",)
+SCORED_EVICTIONS = ("score", "score_ema")  # the policies that read the layer's own indexer scores
 DEFAULT_EVICTION = "lru"
+# score_ema's weight on the past: ema <- w * ema + (1 - w) * score each decode step. Measured on the calibrated
+# DeepSeek-V3.2 trace (benchmarks/miss_rate.py, 64k context, D 4096): 0.6 and 0.8 give the same misses, 0.9 1.3%
+# more (BENCHMARKS.md).
+SCORE_EMA_WEIGHT = 0.8
 # Cross-layer prefetch: "none", or "next_layer" (layer l's top-k starts layer l+1's swap-in while layer l
 # computes; ops.prefetch_start / prefetch_wait).
 PREFETCHES = ("none", "next_layer")
@@ -54,8 +63,10 @@ class HiSparseConfig:
     host_to_device_ratio: host-pool rows per hot-buffer row (>= 1). The host
       pool holds ratio x (requests x (D + 1)) latent rows per layer.
     eviction: which resident token a miss replaces: "lru" (HiSparse's least recently used, the default),
-      "clock" (second-chance CLOCK) or "score" (the resident token the indexer ranks lowest this step;
-      needs an indexer on every layer). Losslessness holds for each: only which rows are copied changes.
+      "clock" (second-chance CLOCK), "score" (the resident token the indexer ranks lowest this step) or
+      "score_ema" (the resident token with the lowest moving average of its scores since it entered the hot
+      buffer, weight SCORE_EMA_WEIGHT on the past; one float32 per slot more). The score policies need an
+      indexer on every layer. Losslessness holds for each: only which rows are copied changes.
     resident_fraction: dynamic residency (SGLang's "dynamic HiSparse"): the fraction, in [0, 1), of the device
       KV budget left after the prefill staging pages and the hot buffers that holds the latent rows of
       *resident* requests. A request stays resident after its prefill (its whole latent KV on device,
@@ -67,7 +78,7 @@ class HiSparseConfig:
       DeepSeek-V3.2, IndexCache arXiv 2603.12201), starts layer l+1's swap-in (slot tables now, row copies on
       the extension's copy threads / a side stream) while layer l's attention and MoE run; layer l+1's real
       swap-in then finds most of its rows resident. Lossless (the real swap-in still serves every row). Needs
-      eviction "lru" or "clock" ("score" ranks by the layer's own scores, which do not exist yet).
+      eviction "lru" or "clock" (the score policies rank by the layer's own scores, which do not exist yet).
     prefetch_depth: how many of layer l's top-k positions the prefetch asks for: its top-scored
       prefetch_depth (the indexer returns its top-k best first; the best are the likeliest to be in layer
       l+1's top-k too). In [1, top_k]; default (None) top_k, all of them.
@@ -84,10 +95,10 @@ class HiSparseConfig:
   def __post_init__(self):
     if self.prefetch not in PREFETCHES:
       raise ConfigError(f"hisparse config: prefetch must be one of {list(PREFETCHES)}, got {self.prefetch!r}")
-    if self.prefetch != "none" and self.eviction == "score":
-      raise ConfigError('hisparse config: prefetch "next_layer" needs eviction "lru" or "clock": eviction "score" '
-                        "ranks slots by the layer's own indexer scores, which a prefetch (before the layer "
-                        "runs) does not have")
+    if self.prefetch != "none" and self.eviction in SCORED_EVICTIONS:
+      raise ConfigError(f'hisparse config: prefetch "next_layer" needs eviction "lru" or "clock": eviction '
+                        f'"{self.eviction}" ranks slots by the layer\'s own indexer scores, which a prefetch (before '
+                        "the layer runs) does not have")
     if self.eviction not in EVICTIONS:
       raise ConfigError(f"hisparse config: eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}")
     f = self.resident_fraction

@@ -170,7 +170,8 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
   # admitted(R) <= R is the smaller of what grows with R (hot buffers, host pool) and what shrinks (index pages
   # left beside R hot buffers): the best R is where all R requests still fit, or one more. Binary search for it.
   index_bytes = pages_needed * page_size * layout.index_bytes
-  lo, hi = 0, min(budget // layout.hot_buffer_bytes(hs.device_buffer_size), budget // max(index_bytes, 1)) + 1
+  hot = layout.hot_buffer_bytes(hs.device_buffer_size, hs.eviction)
+  lo, hi = 0, min(budget // hot, budget // max(index_bytes, 1)) + 1
   while lo < hi:  # the largest R in [0, hi] with admitted(R) >= R
     mid = (lo + hi + 1) // 2
     if admitted(mid)[0] >= mid:

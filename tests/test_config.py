@@ -12,7 +12,7 @@ def test_defaults_from_model_top_k():
 
 def test_eviction_policy_key():
   assert HiSparseConfig.from_json(None, 32).eviction == "lru"
-  for policy in ("lru", "clock", "score"):
+  for policy in ("lru", "clock", "score", "score_ema"):
     assert HiSparseConfig.from_json(f'{{"eviction": "{policy}"}}', 32).eviction == policy
 
 
@@ -47,7 +47,7 @@ def test_full_sglang_config():
     ('{"device_buffer_size": ' + "9" * 5000 + '}', "not valid JSON.*digits"),  # past int()'s digit limit
     ("[" * 100_000, "not valid JSON: nested too deeply"),  # json's recursion, not a traceback
     ('{"a":' * 100_000, "not valid JSON: nested too deeply"),
-    ('{"eviction": "mru"}', r"eviction must be one of \['lru', 'clock', 'score'\], got 'mru'"),
+    ('{"eviction": "mru"}', r"eviction must be one of \['lru', 'clock', 'score', 'score_ema'\], got 'mru'"),
     ('{"eviction": 1}', "eviction must be one of"),
     ('{"eviction": ["lru"]}', "eviction must be one of"),
     ('{"resident_fraction": 1}', r"resident_fraction must be a number in \[0, 1\), got 1"),
@@ -62,6 +62,7 @@ def test_full_sglang_config():
     ('{"prefetch": "next_layer", "prefetch_depth": 0}', "prefetch_depth must be an integer in"),
     ('{"prefetch": "next_layer", "prefetch_depth": 2.0}', "prefetch_depth must be an integer in"),
     ('{"prefetch": "next_layer", "eviction": "score"}', r'prefetch "next_layer" needs eviction "lru" or "clock"'),
+    ('{"prefetch": "next_layer", "eviction": "score_ema"}', r'needs eviction "lru" or "clock": eviction "score_ema"'),
 ])
 def test_errors_name_the_key(text, message):
   with pytest.raises(ConfigError, match=message):

@@ -250,15 +250,16 @@ class _SpyCache:
 
 def test_score_eviction_needs_an_indexer_on_every_layer(tmp_path):
     """A model with shared-indexer layers has no scores there: eviction "score" is a start-up error naming the
-    key and the layers, not a silent fallback; lru and clock start."""
+    key and the layers, not a silent fallback (so is "score_ema"); lru and clock start."""
     from hisparse_jax.config import HiSparseConfig
     from hisparse_jax.engine import Engine
     from hisparse_jax.engine.args import StartupError
 
     ck = write_random_checkpoint(tmp_path / "ck", OURS_CONFIG, seed=5)
     top_k = OURS_CONFIG["index_topk"]
-    with pytest.raises(StartupError, match=r'eviction "score" needs every layer.*layers \[1\]'):
-        Engine(ck, hisparse=HiSparseConfig(top_k, 2 * top_k, 2, eviction="score"), max_seq_len=64)
+    for eviction in ("score", "score_ema"):
+        with pytest.raises(StartupError, match=rf'eviction "{eviction}" needs every layer.*layers \[1\]'):
+            Engine(ck, hisparse=HiSparseConfig(top_k, 2 * top_k, 2, eviction=eviction), max_seq_len=64)
     Engine(ck, hisparse=HiSparseConfig(top_k, 2 * top_k, 2, eviction="clock"), max_seq_len=64).close()
 
 

@@ -68,6 +68,36 @@ def test_logits_bitwise_equal_dense_vs_hisparse(chunk, eviction, prefetch):
   assert not np.array_equal(pool[0, r], pool[1, r]) and not np.array_equal(pool[1, r], pool[2, r])
 
 
+def test_score_ema_is_lossless_and_restarts_the_averages_it_refills():
+  """Eviction "score_ema" (each slot's moving average of its token's indexer scores): teacher-forced logits
+  bitwise equal dense's; the averages are NaN ("no history") right after each prefill, and after each decode
+  step exactly at the slots that do not hold a written token yet (position >= seq_len) or that the step's
+  swap-in refilled (a request past D: one slot per miss), finite at every other slot."""
+  cfg, model = load_hf(tiny_model_dir())
+  dense = KVHarness(cfg, model)
+  hs = KVHarness(cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE, eviction="score_ema"))
+  ps = prompts(3)
+  np.testing.assert_array_equal(hs.prefill(ps), dense.prefill(ps))
+  per = hs.backend.slots_per_group + 1
+  slots = [kv.group * per + hs.backend.local_slot(kv) for kv in hs.kvs]
+  assert np.isnan(np.asarray(hs.backend.state.score_ema)[:, slots]).all()
+  D = TINY_HISPARSE["device_buffer_size"]
+  rng = np.random.default_rng(5)
+  misses = hs.swap_stats()[..., 1]
+  for step in range(6):
+    tokens = rng.integers(2, 512, len(ps))
+    np.testing.assert_array_equal(hs.decode(tokens), dense.decode(tokens), err_msg=f"step {step}")
+    ema = np.asarray(hs.backend.state.score_ema)[:, slots]  # [L, N, D]
+    tokens_now = np.asarray(hs.backend.state.slot_tokens)[:, slots]
+    step_misses, misses = hs.swap_stats()[..., 1] - misses, hs.swap_stats()[..., 1]
+    for i, seq_len in enumerate(hs.seq_lens):
+      if seq_len <= D:  # the fast path: slot s holds position s, no swap-in
+        np.testing.assert_array_equal(np.isnan(ema[:, i]), tokens_now[:, i] >= seq_len)
+      else:
+        np.testing.assert_array_equal(np.isnan(ema[:, i]).sum(-1), step_misses[:, i], err_msg=f"{step} {i}")
+  assert step_misses[:, [i for i, n in enumerate(hs.seq_lens) if n > D]].sum() > 0  # refills happened
+
+
 def test_paged_and_contiguous_caches_agree():
   """The paged dense view returns the same rows as the simplest contiguous cache: same logits."""
   cfg, model = load_hf(tiny_model_dir())
@@ -187,8 +217,9 @@ def test_edge_lengths_equal_dense(engines, device_buffer_size):
 
 
 def test_every_eviction_policy_gives_the_dense_tokens(engines):
-  """Greedy tokens of the CLOCK and score policies equal dense; the policies really evict differently (the
-  score policy's misses differ from LRU's on the same requests)."""
+  """Greedy tokens of the CLOCK and both score policies equal dense; the policies really evict differently (the
+  score policy's misses differ from LRU's, and the score averages' from the score policy's, on the same
+  requests)."""
   dense, hs, _, _ = engines
   ps = prompts(4)
   want = [r.output_ids for r in run(dense, ps)]
@@ -196,13 +227,13 @@ def test_every_eviction_policy_gives_the_dense_tokens(engines):
   assert [r.output_ids for r in lru] == want
   common = dict(max_running_requests=4, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64, deterministic=True)
   misses = {"lru": [r.misses for r in lru]}
-  for eviction in ("clock", "score"):
+  for eviction in ("clock", "score", "score_ema"):
     engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction), **common)
     got = run(engine, ps)
     assert [r.output_ids for r in got] == want, eviction
     assert [r.hits + r.misses for r in got] == [r.hits + r.misses for r in lru]  # the same top-k served
     misses[eviction] = [r.misses for r in got]
-  assert misses["score"] != misses["lru"], misses
+  assert misses["score"] != misses["lru"] and misses["score_ema"] != misses["score"], misses
 
 
 def test_cross_layer_prefetch_gives_the_dense_tokens(engines):

@@ -29,7 +29,8 @@ def test_free_list_alloc_free_and_errors():
 
 def test_layout_bytes_follow_the_model():
   assert LAYOUT.latent_bytes == 3 * 48 * 4 and LAYOUT.index_bytes == 3 * 16 * 4
-  assert LAYOUT.hot_buffer_bytes(16) == 17 * 3 * 48 * 4 + 3 * (8 * 16 + 8)
+  assert LAYOUT.hot_buffer_bytes(16) == 17 * 3 * 48 * 4 + 3 * (8 * 16 + 12)
+  assert LAYOUT.hot_buffer_bytes(16, "score_ema") == LAYOUT.hot_buffer_bytes(16) + 3 * 16 * 4  # the score averages
 
 
 def test_dense_plan_is_the_budget_in_pages():

@@ -103,10 +103,11 @@ def test_dense_and_hisparse_capacity_by_hand(dsv32):
   assert p.dense.request_device_bytes == ctx * (latent_tok + index_tok)
   assert p.dense.requests_per_group == budget // (page * (latent_tok + index_tok)) // (ctx // page)
   assert p.dense.requests == 8 * p.dense.requests_per_group
-  # HiSparse: staging for one 32k prompt, then per request a hot buffer of D + 1 rows (+ slot table, LRU,
-  # stats) and the indexer keys of its 32k tokens; hot buffers may take at most half of what staging leaves.
+  # HiSparse: staging for one 32k prompt, then per request a hot buffer of D + 1 rows (+ slot table, LRU, stats,
+  # prefetch count) and the indexer keys of its 32k tokens; hot buffers may take at most half of what staging
+  # leaves.
   staging = ctx * latent_tok
-  hot = (4096 + 1) * latent_tok + L * (8 * 4096 + 8)
+  hot = (4096 + 1) * latent_tok + L * (8 * 4096 + 12)
   per_req = hot + ctx * index_tok
   n = (budget - staging) // per_req
   assert n * hot <= (budget - staging) // 2

@@ -903,8 +903,13 @@ def test_a_decode_view_with_a_prefetch_in_flight_is_refused():
   for bad in (-1, True, 1.5):
     with pytest.raises(ValueError, match="prefetch_depth"):
       HiSparseState.create(**kw, prefetch_depth=bad)
-  with pytest.raises(ValueError, match="prefetch_depth"):
-    HiSparseState.create(**kw, eviction="score", prefetch_depth=2)
+  for eviction in ("score", "score_ema"):
+    with pytest.raises(ValueError, match="prefetch_depth"):
+      HiSparseState.create(**kw, eviction=eviction, prefetch_depth=2)
+  with pytest.raises(ValueError, match="eviction must be one of"):
+    HiSparseState.create(**kw, eviction="score-ema")
+  assert HiSparseState.create(**kw).score_ema is None  # only "score_ema" keeps the averages
+  assert np.isnan(np.asarray(HiSparseState.create(**kw, eviction="score_ema").score_ema)).all()
   state = HiSparseState.create(**kw, prefetch_depth=2)
   tables = {"index_pages": jnp.zeros((1, 2), jnp.int32), "host_pages": jnp.zeros((1, 2), jnp.int32),
             "req_ids": jnp.zeros((1,), jnp.int32)}

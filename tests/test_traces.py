@@ -80,7 +80,7 @@ def test_policies_on_a_calibrated_trace(D):
   indexer scores, miss less than LRU."""
   context, steps, top_k, layers = 4096, 60, 256, 4
   replays = {p: miss_rate.KernelReplay(layers, context, steps, D, top_k, p)
-             for p in ("lru", "clock", "score", "score-ema")}
+             for p in ("lru", "clock", "score", "score-ema", "position-ema")}
   replays["content-oracle"] = miss_rate.ContentOracleReplay(layers, context, D)
   streams = miss_rate.calibrated_streams(context, steps, top_k, layers, 0, replays.values())
   total = {p: sum(map(sum, r.misses)) for p, r in replays.items()}
@@ -88,7 +88,49 @@ def test_policies_on_a_calibrated_trace(D):
   assert replays["clock"].misses == [miss_rate.replay_clock(tr, c, D) for _, c, tr in streams]
   belady = sum(sum(miss_rate.replay_belady(tr, c, D)) for _, c, tr in streams)
   assert 0 < belady <= min(total.values())
-  assert total["score"] < total["lru"] and total["score-ema"] < total["lru"], total
-  # Knowing the content part exactly beats estimating it from past scores (the EMA); Belady, who also sees
+  assert max(total["score"], total["score-ema"], total["position-ema"]) < total["lru"], total
+  # Knowing the content part exactly beats estimating it from past scores (the EMAs); Belady, who also sees
   # the future queries, beats both.
-  assert belady < total["content-oracle"] < total["score-ema"], total
+  assert belady < total["content-oracle"] < min(total["score-ema"], total["position-ema"]), total
+
+
+def test_score_ema_replay_is_the_reference_policy_on_slot_averages():
+  """The engine's "score_ema" as miss_rate replays it (the CPU kernel's score policy fed ``slot_score_ema`` and
+  ``restart_score_ema``, the decode view's functions) equals, step for step, the NumPy reference swap-in fed
+  per-slot averages kept here by hand: a slot's average restarts (its first score) when the swap-in puts a new
+  token in it, and otherwise moves by SCORE_EMA_WEIGHT. Its misses differ from the plain score policy's."""
+  import jax.numpy as jnp
+
+  from hisparse_jax.config import SCORE_EMA_WEIGHT
+  from hisparse_jax.kernels import reference
+  from hisparse_jax.memory.views import slot_score_ema
+
+  context, steps, top_k, layers, D = 2048, 40, 128, 3, 320
+  kernel = miss_rate.KernelReplay(layers, context, steps, D, top_k, "score-ema", ema=SCORE_EMA_WEIGHT)
+  plain = miss_rate.KernelReplay(layers, context, steps, D, top_k, "score")
+  S = context + steps + 1
+  host_rows, pool = np.arange(S), np.zeros((S, 1), np.float32)
+  slot_tokens = [np.arange(D, dtype=np.int64) for _ in range(layers)]
+  lru = [np.arange(D, dtype=np.int64) for _ in range(layers)]
+  ema = [np.full(D, np.nan, np.float32) for _ in range(layers)]
+  want = [[] for _ in range(layers)]
+  for step, (picked, scores) in enumerate(ct.calibrated_trace(context, steps, top_k, ct.TraceModel(layers=layers),
+                                                              seed=5)):
+    kernel.step(step, picked, scores)
+    plain.step(step, picked, scores)
+    clipped = np.clip(scores, -kernel.EMA_CLIP, kernel.EMA_CLIP)
+    for l in range(layers):
+      now = np.asarray(slot_score_ema(jnp.asarray(ema[l]), jnp.asarray(clipped[l, slot_tokens[l]])))
+      cur, kept = clipped[l, slot_tokens[l]], ~np.isnan(ema[l])  # by hand: the first score, else the EMA step
+      np.testing.assert_array_equal(now[~kept], cur[~kept])
+      np.testing.assert_allclose(now[kept], SCORE_EMA_WEIGHT * ema[l][kept] + (1 - SCORE_EMA_WEIGHT) * cur[kept],
+                                 rtol=1e-6, atol=1e-7)
+      assert not step or (kept.any() and (~kept).any())  # both cases occur
+      before = slot_tokens[l].copy()
+      _, _, misses = reference.swap_in_request(
+          picked[l], context + step + 1, host_rows, pool, np.zeros((D + 1, 1), np.float32), slot_tokens[l], lru[l],
+          0, D, eviction="score", slot_scores=now)
+      ema[l] = np.where(before == slot_tokens[l], now, np.nan).astype(np.float32)
+      want[l].append(misses)
+  assert kernel.misses == want
+  assert kernel.misses != plain.misses

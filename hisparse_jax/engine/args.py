@@ -46,7 +46,7 @@ class EngineArgs:
     dtype: compute / KV dtype ("float32", "bfloat16"); None: the checkpoint's.
     enable_hisparse: latent KV in a host pool, a hot buffer per request on device.
     hisparse_config: JSON with top_k, device_buffer_size, host_to_device_ratio (SGLang's flag), eviction
-      (lru | clock | score), resident_fraction, prefetch (none | next_layer) and prefetch_depth
+      (lru | clock | score | score_ema), resident_fraction, prefetch (none | next_layer) and prefetch_depth
       (HiSparseConfig); None: the
       model directory's hisparse_config.json, else defaults.
     host_pool: HiSparse host pool: "jax" (a ``pinned_host`` JAX array) or "extension" (memory owned by the
@@ -109,8 +109,8 @@ class EngineArgs:
       "dtype": "float32 or bfloat16 (default: the checkpoint's dtype).",
       "enable_hisparse": "Keep the latent KV in a host pool with per-request hot buffers on device.",
       "hisparse_config": "HiSparse sizes and policy as JSON: top_k, device_buffer_size, host_to_device_ratio, "
-                         "eviction (lru | clock | score), resident_fraction, prefetch (none | next_layer), "
-                         "prefetch_depth.",
+                         "eviction (lru | clock | score | score_ema), resident_fraction, prefetch "
+                         "(none | next_layer), prefetch_depth.",
       "host_pool": "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' (memory owned by the "
                    "FFI extension).",
       "max_running_requests": "Requests decoded concurrently.",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The swap-in kernel's eviction policies, by the index its `eviction` attribute takes (swap_in_core.h).
-from hisparse_jax.config import EVICTIONS, check_prefetch_threads_env
+from hisparse_jax.config import KERNEL_EVICTIONS as EVICTIONS, check_prefetch_threads_env
 
 
 def _load_cpu_module():

@@ -74,11 +74,12 @@ class KVLayout:
     """One token's indexer keys, all layers: L x Di x 4."""
     return self.num_layers * self.index_dim * 4
 
-  def hot_buffer_bytes(self, device_buffer_size: int) -> int:
+  def hot_buffer_bytes(self, device_buffer_size: int, eviction: str = "lru") -> int:
     """One request's hot buffer on device: (D + 1) latent rows + slot table and LRU (int32[D] each) +
-    stats (int32[2]), all layers."""
+    stats (int32[2]) + prefetch count (int32) + under eviction "score_ema" the slots' score averages
+    (float32[D]), all layers."""
     D = device_buffer_size
-    return (D + 1) * self.latent_bytes + self.num_layers * (8 * D + 8)
+    return (D + 1) * self.latent_bytes + self.num_layers * (8 * D + 12 + (4 * D if eviction == "score_ema" else 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,7 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
   index_page = page_size * layout.index_bytes
   staging_page = page_size * layout.latent_bytes
   staging = P * staging_page
-  hot = layout.hot_buffer_bytes(hisparse.device_buffer_size)
+  hot = layout.hot_buffer_bytes(hisparse.device_buffer_size, hisparse.eviction)
   avail = budget - staging
   # Hot buffers take at most half of what staging leaves (the rest holds the indexer keys of every token);
   # at least one hot buffer with one index page must fit.
@@ -186,8 +187,8 @@ def request_bytes(layout: KVLayout, hisparse: HiSparseConfig | None, page_size: 
   nbytes = -(-tokens // page_size) * page_size
   if hisparse is None:
     return {"device": nbytes * (layout.latent_bytes + layout.index_bytes), "host": 0}
-  return {"device": nbytes * layout.index_bytes + layout.hot_buffer_bytes(hisparse.device_buffer_size),
-          "host": nbytes * layout.latent_bytes}
+  hot = layout.hot_buffer_bytes(hisparse.device_buffer_size, hisparse.eviction)
+  return {"device": nbytes * layout.index_bytes + hot, "host": nbytes * layout.latent_bytes}
 
 
 @dataclasses.dataclass
@@ -507,7 +508,7 @@ class HiSparseBackend(KVBackend):
     kv.resident = False
 
   def usage(self) -> list[PoolUsage]:
-    hot = self.layout.hot_buffer_bytes(self.hisparse.device_buffer_size)
+    hot = self.layout.hot_buffer_bytes(self.hisparse.device_buffer_size, self.hisparse.eviction)
     return super().usage() + [PoolUsage("hot", "device", 1, self.request_slots, self.free_slots, hot)]
 
   def swap_stats(self, kv: RequestKV):

@@ -36,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hisparse_jax.config import EVICTIONS, SCORE_EMA_WEIGHT, SCORED_EVICTIONS
 from hisparse_jax.kernels import ops
 from models.kv_protocol import index_scores
 
@@ -315,18 +316,37 @@ class HiSparsePrefillView:
 RESIDENCY = ("none", "mixed", "all")  # which rows of a decode batch are resident (dynamic residency)
 
 
+def slot_score_ema(ema, scores, weight=SCORE_EMA_WEIGHT):
+  """Eviction "score_ema": each slot's moving average of its token's indexer scores after this step's scores,
+  float32[B, D] from ema (float32[B, D], NaN for a slot whose token entered the hot buffer since the last
+  step, or since the request's hot buffer was filled) and scores (float32[B, D], this step's scores of the
+  slots' tokens): ``weight * ema + (1 - weight) * scores``, the scores themselves where ema is NaN. What the
+  swap-in's "score" policy ranks (the lowest is evicted first); finite wherever scores are."""
+  return jnp.where(jnp.isnan(ema), scores, weight * ema + (1 - weight) * scores)
+
+
+def restart_score_ema(ema, tokens_before, tokens_after, seq_lens):
+  """ema (float32[B, D]) with NaN ("no history") at the slots whose token the swap-in replaced (slot tables
+  int32[B, D] before and after it) or is not written yet (position >= seq_lens int32[B]: a short request's
+  slots hold its future positions, whose index keys are not there to score): a token's average starts when it
+  enters the hot buffer."""
+  return jnp.where((tokens_before == tokens_after) & (tokens_after < seq_lens[:, None]), ema, jnp.nan)
+
+
 @_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status",
-               "staging", "resident_pages", "prefetch_ticket", "prefetched") + _HOST,
+               "staging", "resident_pages", "prefetch_ticket", "prefetched", "score_ema") + _HOST,
          meta=("page_size", "external", "eviction", "residency", "prefetch_depth"))
 @dataclasses.dataclass
 class HiSparseDecodeView:
   """A HiSparse decode batch (one token per row): the newest latent row goes to the host pool (backup
   kernel) and, placed by the swap-in kernel in ``gather``, to the request's hot buffer (its own slot while
   the request is no longer than D, else the reserved slot D); ``gather`` is the swap-in kernel, with the
-  eviction policy ``eviction`` (``ops.EVICTIONS``). Under "score" it first scores the token of every slot
+  eviction policy ``eviction`` (``config.EVICTIONS``). Under "score" it first scores the token of every slot
   with the layer's indexer queries (``index_scores`` over the indexer keys of the slots' positions: B x D
-  keys, gathered from the device's index pages). status: int32[B], each row's first nonzero backup or
-  swap-in status of the step (``ops.check_status``; 0 = every layer done).
+  keys, gathered from the device's index pages); under "score_ema" the kernel's "score" policy ranks each
+  slot's moving average of those scores instead (``slot_score_ema``; the averages float32[L, R, D] live in
+  ``score_ema`` and restart, ``restart_score_ema``, for the slots the swap-in refills). status: int32[B], each
+  row's first nonzero backup or swap-in status of the step (``ops.check_status``; 0 = every layer done).
 
   Dynamic residency: a row whose ``resident_pages`` row holds pages (its request's whole latent KV on device,
   in staging pages) gets its newest row written there too and is gathered from there, with no swap-in (its
@@ -362,6 +382,7 @@ class HiSparseDecodeView:
   residency: str = "none"
   prefetch_depth: int = 0
   prefetched: jax.Array | None = None  # int32[L, R]: the state's rows placed by the prefetch, per request slot
+  score_ema: jax.Array | None = None  # float32[L, R, D] under eviction "score_ema" (``slot_score_ema``), else None
 
   @per_group()
   def append(self, layer, positions, latent, index_key):
@@ -397,13 +418,16 @@ class HiSparseDecodeView:
         return resident_rows[:, None], dataclasses.replace(self, newest=None)
       resident = self.resident_pages[:, 0] >= 0
       req_ids, seq_lens = jnp.where(resident, -1, req_ids), jnp.where(resident, 0, seq_lens)  # idle kernel rows
-    slot_scores = None
-    if self.eviction == "score":
+    slot_scores = slots = None
+    if self.eviction in SCORED_EVICTIONS:
       if index_q is None or index_w is None:
-        raise ValueError(f'eviction "score" needs the indexer queries of layer {layer} (it has no indexer)')
+        raise ValueError(f'eviction "{self.eviction}" needs the indexer queries of layer {layer} (it has no '
+                         "indexer)")
       slots = self.slot_tokens[layer][jnp.maximum(req_ids, 0)]  # [B, D] positions, -1 empty
       keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
+      if self.eviction == "score_ema":
+        slot_scores = slot_score_ema(self.score_ema[layer][jnp.maximum(req_ids, 0)], slot_scores)
     hot, slot_tokens, lru, prefetched = self.hot, self.slot_tokens, self.lru, self.prefetched
     if self.prefetch_ticket is not None:  # this layer's prefetch lands before its swap-in
       hot, slot_tokens, lru, placed = ops.prefetch_wait(self.prefetch_ticket, hot, slot_tokens, lru, self.newest,
@@ -412,9 +436,13 @@ class HiSparseDecodeView:
           jnp.maximum(placed, 0), mode="drop")  # a stale or failed row (-code) placed nothing
     rows, host_pool, hot, slot_tokens, lru, stats, status = ops.swap_in(
         layer, top_k[:, 0], seq_lens, req_ids, self.host_pages, self.newest, self.host_pool, hot,
-        slot_tokens, lru, self.stats, slot_scores, page_size=self.page_size, eviction=self.eviction,
-        external=self.external)
+        slot_tokens, lru, self.stats, slot_scores, page_size=self.page_size,
+        eviction="score" if self.eviction == "score_ema" else self.eviction, external=self.external)
     R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
+    score_ema = self.score_ema
+    if score_ema is not None:  # idle and resident rows (req_ids -1) write nothing
+      ema = restart_score_ema(slot_scores, slots, slot_tokens[layer][jnp.maximum(req_ids, 0)], seq_lens)
+      score_ema = score_ema.at[layer, jnp.where(req_ids >= 0, req_ids, R)].set(ema, mode="drop")
     out = hot[layer].reshape(R * D1, W)[jnp.maximum(rows, 0)]
     out = jnp.where((top_k[:, 0] >= 0)[..., None], out, jnp.zeros((), out.dtype))
     if resident is not None:
@@ -429,7 +457,7 @@ class HiSparseDecodeView:
       out, ticket = jax.lax.optimization_barrier((out, ticket))
     view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
                                newest=None, status=_first_failure(self.status, status), prefetch_ticket=ticket,
-                               prefetched=prefetched)
+                               prefetched=prefetched, score_ema=score_ema)
     return out[:, None], view
 
 
@@ -439,14 +467,16 @@ def host_rows(host_pages, positions, page_size):
   return jnp.where(pid >= 0, pid * page_size + jnp.maximum(positions, 0) % page_size, -1)
 
 
-@_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "prefetched", "host_pool"),
+@_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "prefetched", "host_pool", "score_ema"),
          meta=("page_size", "external", "eviction", "prefetch_depth"))
 @dataclasses.dataclass
 class HiSparseState:
   """HiSparse KV memory (see the module docstring). hot: T[L, R+1, D+1, W]; slot_tokens, lru: int32[L, R+1, D];
   stats: int32[L, R+1, 2] cumulative swap-in (hits, misses) of the request in each slot; prefetched: int32[L,
   R+1] the rows the cross-layer prefetch placed for it (``ops.prefetch_wait``; zeros without one); host_pool:
-  T[L, H, W] in ``pinned_host`` memory, or the int32[1] ordering token of the extension pool ``external``.
+  T[L, H, W] in ``pinned_host`` memory, or the int32[1] ordering token of the extension pool ``external``;
+  score_ema: float32[L, R+1, D] each slot's score average under eviction "score_ema" (NaN: restarts at the
+  next step; ``HiSparseDecodeView``), None under the other policies.
 
   Request slot R is a scratch slot no request owns: prefill rows that do not end a prompt write their (unused)
   hot-buffer rows there, so every hot-buffer write is in bounds."""
@@ -463,6 +493,7 @@ class HiSparseState:
   external: ops.ExternalPoolRef | None = None
   eviction: str = "lru"
   prefetch_depth: int = 0
+  score_ema: jax.Array | None = None
 
   @classmethod
   def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
@@ -471,17 +502,17 @@ class HiSparseState:
              eviction: str = "lru", prefetch_depth: int = 0) -> "HiSparseState":
     """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
-    on ``mesh`` (``_placement``; not with external_pool). eviction: the swap-in's policy (``ops.EVICTIONS``;
+    on ``mesh`` (``_placement``; not with external_pool). eviction: the swap-in's policy (``config.EVICTIONS``;
     ValueError otherwise, before anything is allocated); prefetch_depth: the decode views' cross-layer
     prefetch (``HiSparseDecodeView``; 0: none; > 0 needs eviction "lru" or "clock"). groups: DP groups, each
     with the sizes given (the arrays hold groups x index_pages pages, groups x (request_slots + 1) hot
     buffers, ...)."""
     if mesh is not None and external_pool is not None:
       raise ValueError("an extension-owned host pool serves one device; a mesh needs the pinned_host pool")
-    if eviction not in ops.EVICTIONS:
-      raise ValueError(f"eviction must be one of {ops.EVICTIONS}, got {eviction!r}")
+    if eviction not in EVICTIONS:
+      raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
     if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0 or (
-        prefetch_depth and eviction == "score"):
+        prefetch_depth and eviction in SCORED_EVICTIONS):
       raise ValueError(f"prefetch_depth must be an integer >= 0 (> 0 with eviction lru or clock), got "
                        f"{prefetch_depth!r} with eviction {eviction!r}")
     L, R, D = num_layers, groups * (request_slots + 1), device_buffer_size  # + each group's scratch slot
@@ -501,10 +532,13 @@ class HiSparseState:
 
     def device():
       slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, R, D))
-      return dict(index=jnp.zeros((L, index_pages, page_size, index_dim), jnp.float32),
-                  staging=jnp.zeros((L, staging_pages, page_size, latent_dim), dtype),
-                  hot=jnp.zeros((L, R, D + 1, latent_dim), dtype), slot_tokens=slots, lru=slots + 0,
-                  stats=jnp.zeros((L, R, 2), jnp.int32), prefetched=jnp.zeros((L, R), jnp.int32))
+      arrays = dict(index=jnp.zeros((L, index_pages, page_size, index_dim), jnp.float32),
+                    staging=jnp.zeros((L, staging_pages, page_size, latent_dim), dtype),
+                    hot=jnp.zeros((L, R, D + 1, latent_dim), dtype), slot_tokens=slots, lru=slots + 0,
+                    stats=jnp.zeros((L, R, 2), jnp.int32), prefetched=jnp.zeros((L, R), jnp.int32))
+      if eviction == "score_ema":
+        arrays["score_ema"] = jnp.full((L, R, D), jnp.nan, jnp.float32)
+      return arrays
 
     arrays = jax.jit(device, out_shardings=_placement(mesh))()
     return cls(**arrays, host_pool=host_pool, page_size=page_size,
@@ -530,7 +564,7 @@ class HiSparseState:
                               tables["req_ids"], None, status, self.staging if resident else None,
                               tables["resident_pages"] if resident else None, None, self.host_pool,
                               tables["host_pages"], self.page_size, self.external, self.eviction, residency,
-                              self.prefetch_depth, self.prefetched)
+                              self.prefetch_depth, self.prefetched, self.score_ema)
 
   def absorb(self, view) -> "HiSparseState":
     """The state with the view's updated arrays. ValueError (at trace time) for a decode view whose last
@@ -546,7 +580,7 @@ class HiSparseState:
     (an int32 scalar); positions 0..length-1; tables: a one-row-per-group decode batch): indexer keys to its
     device pages, latent rows to its host rows (backup kernel), and its hot buffer as a prefill leaves it (slot
     s = position s, s <= D; rows past the prompt are written by decode before they are read; LRU and stats
-    reset), with no staging pages."""
+    reset, score averages restarted), with no staging pages."""
     L, P, _ = latent.shape
     D1 = self.hot.shape[2]
     positions = _prompt_positions(P, length)
@@ -559,11 +593,12 @@ class HiSparseState:
     slot = tables["req_ids"][0]
     rows = jnp.zeros((L, D1, latent.shape[2]), self.hot.dtype).at[:, :n].set(latent[:, :n].astype(self.hot.dtype))
     slots = jnp.broadcast_to(jnp.arange(D1 - 1, dtype=jnp.int32), (L, D1 - 1))
+    score_ema = None if self.score_ema is None else self.score_ema.at[:, slot].set(jnp.nan)
     return dataclasses.replace(
         self, index=index_pool, host_pool=host_pool, hot=self.hot.at[:, slot].set(rows),
         slot_tokens=self.slot_tokens.at[:, slot].set(slots), lru=self.lru.at[:, slot].set(slots),
         stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)),
-        prefetched=self.prefetched.at[:, slot].set(0)), status.max(keepdims=True)
+        prefetched=self.prefetched.at[:, slot].set(0), score_ema=score_ema), status.max(keepdims=True)
 
   @per_group(replicated=(1,))
   def export_prompt(self, tables, length, size: int):
@@ -578,14 +613,15 @@ class HiSparseState:
     """Hot buffers of the rows whose prompt ended in this call (tables["hot_slot"][b] = its request slot;
     the scratch slot R for the others): slots 0..D take positions 0..D from staging (slot s holds token s, as
     the swap-in's fast path assumes; rows past the prompt are written by decode before they are read), the
-    slot table and LRU order restart as 0..D-1 and the stats and prefetch counts at zero."""
+    slot table and LRU order restart as 0..D-1, the stats and prefetch counts at zero and the score averages
+    (eviction "score_ema") with no history."""
     return self._fill_hot(tables, True)
 
   @per_group()
   def offload(self, tables) -> "HiSparseState":
     """Dynamic residency: resident requests move to their hot buffers (tables as ``finish_prefill``'s, from
     the requests' staging pages, which hold every position; their host rows are already written), the
-    swap-in stats kept. The caller frees the staging pages afterwards."""
+    swap-in stats kept, the score averages restarted. The caller frees the staging pages afterwards."""
     return self._fill_hot(tables, False)
 
   def _fill_hot(self, tables, reset_stats: bool) -> "HiSparseState":
@@ -602,7 +638,8 @@ class HiSparseState:
     if reset_stats:
       stats = stats.at[:, target].set(jnp.zeros((L, B, 2), jnp.int32), mode=inb)
       prefetched = prefetched.at[:, target].set(jnp.zeros((L, B), jnp.int32), mode=inb)
+    score_ema = None if self.score_ema is None else self.score_ema.at[:, target].set(jnp.nan, mode=inb)
     return dataclasses.replace(
         self, hot=self.hot.at[:, target].set(rows, mode=inb),
         slot_tokens=self.slot_tokens.at[:, target].set(slots, mode=inb),
-        lru=self.lru.at[:, target].set(slots, mode=inb), stats=stats, prefetched=prefetched)
+        lru=self.lru.at[:, target].set(slots, mode=inb), stats=stats, prefetched=prefetched, score_ema=score_ema)

@@ -556,6 +556,9 @@ def main(argv=None) -> int:
     lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in policies) +
                  f" | {shown['lru']} | {label.get(best, best)} {shown[best]} |" +
                  (f" {shown['content-oracle']} |" if oracle else ""))
+  if "position-ema-kernel" in policies:
+    lines += ["", "position-ema (a moving average of every position's scores) is not an engine option; the "
+              "engine's policies are lru, clock, score and score-ema (`\"eviction\": \"score_ema\"`)."]
   if args.trace is None and args.trace_model == "calibrated":
     lines += ["", "Measured locality: consecutive steps' top-k overlap per layer " +
               ", ".join(f"{x:.2f}" for x in temporal) + "; adjacent layers " +

@@ -51,6 +51,16 @@ def check_prefetch_threads_env() -> None:
     raise ConfigError(f"{PREFETCH_THREADS_ENV} must be an integer in [0, {MAX_PREFETCH_THREADS}], got {value!r}")
 
 
+def _unique_keys(pairs) -> dict:
+  """json object hook: a key given twice is an error (json keeps the last silently)."""
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise ConfigError(f"hisparse config: key {key!r} is given more than once")
+    out[key] = value
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class HiSparseConfig:
   """Sizes of the hierarchical KV cache.
@@ -122,6 +132,18 @@ class HiSparseConfig:
       raise ConfigError(
           f"hisparse config: host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
 
+  def check_model(self, model_cfg) -> None:
+    """ConfigError unless the model can run this config's eviction: the score policies read each layer's
+    own indexer scores, so every layer needs an indexer (``model_cfg.has_indexer(layer)``; GLM-5's
+    shared-indexer layers have none). A start-up error, never a silent fallback."""
+    if self.eviction not in SCORED_EVICTIONS:
+      return
+    shared = [l for l in range(model_cfg.num_hidden_layers) if not model_cfg.has_indexer(l)]
+    if shared:
+      raise ConfigError(f'hisparse config: eviction "{self.eviction}" needs every layer\'s indexer scores; layers '
+                        f"{shared[:8]}{'...' if len(shared) > 8 else ''} of this model share another layer's "
+                        'top-k and have no indexer (use "lru" or "clock")')
+
   @property
   def prefetch_positions(self) -> int:
     """Positions of each layer's top-k that start the next layer's swap-in: 0 without the prefetch, else
@@ -142,13 +164,15 @@ class HiSparseConfig:
     prefetch = "none", prefetch_depth = top_k.
 
     Raises:
-      ConfigError: malformed JSON, not an object, unknown key, wrong type,
+      ConfigError: malformed JSON, not an object, unknown or repeated key, wrong type,
         invalid value, or a top_k different from the model's index_topk.
     """
     raw: Any = {}
     if text:
       try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=_unique_keys)
+      except ConfigError:
+        raise
       except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
         raise ConfigError(f"hisparse config is not valid JSON: {e}") from None
       except RecursionError:

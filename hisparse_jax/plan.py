@@ -210,8 +210,8 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
     budget = int(DEFAULT_MEM_FRACTION * (device_memory - per_device))
     if budget <= 0:
       hint = "more devices" if weight_dtype == "fp8" else "--weight-dtype fp8 or more devices"
-      raise StartupError(f"the weights take {per_device / GIB:.1f} GiB per device, more than --device-memory "
-                         f"{device_memory / GIB:.1f} GiB (try {hint})")
+      raise StartupError(f"the weights take {per_device / GIB:.3g} GiB per device, more than --device-memory "
+                         f"{device_memory / GIB:.3g} GiB (try {hint})")
   else:
     budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
   layout = kvmem.KVLayout.of(model_cfg, model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
@@ -280,6 +280,7 @@ def main(argv) -> None:
   mesh = MeshConfig(dp_size=dp, tp_size=tp, ep_size=ep)
   try:
     hs = HiSparseConfig.from_json(F("hisparse-config") or json.dumps(SGLANG_HISPARSE), model_top_k=model_cfg.index_topk)
+    hs.check_model(model_cfg)
   except ConfigError as e:
     sys.exit(f"--hisparse-config: {e}")
   for flag, v in (("--device-memory", F("device-memory")), ("--host-memory", F("host-memory")), ("--context", F("context"))):

@@ -47,6 +47,7 @@ def test_full_sglang_config():
     ('{"device_buffer_size": ' + "9" * 5000 + '}', "not valid JSON.*digits"),  # past int()'s digit limit
     ("[" * 100_000, "not valid JSON: nested too deeply"),  # json's recursion, not a traceback
     ('{"a":' * 100_000, "not valid JSON: nested too deeply"),
+    ('{"eviction": "score_ema", "eviction": "lru"}', "key 'eviction' is given more than once"),  # json keeps the last
     ('{"eviction": "mru"}', r"eviction must be one of \['lru', 'clock', 'score', 'score_ema'\], got 'mru'"),
     ('{"eviction": 1}', "eviction must be one of"),
     ('{"eviction": ["lru"]}', "eviction must be one of"),

@@ -195,6 +195,25 @@ def test_cli_errors_exit_1_without_traceback(args, message):
   assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_refuses_score_eviction_without_an_indexer_on_every_layer(tmp_path):
+  """The planner applies the engine's start-up rule: "score" / "score_ema" need every layer's indexer scores,
+  so a GLM-5 config whose layers share the top-k in pairs is refused (exit 1, the layers named); DeepSeek-V3.2
+  (an indexer on every layer) plans with "score_ema"."""
+  glm = json.loads((DATA / "glm5_config.json").read_text())
+  glm["index_topk_freq"] = 2
+  shared = tmp_path / "glm_shared.json"
+  shared.write_text(json.dumps(glm))
+  for eviction in ("score", "score_ema"):
+    r = _cli(f"--model-config={shared}", "--weight-dtype=fp8", f'--hisparse-config={{"eviction": "{eviction}"}}')
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f'eviction "{eviction}" needs every layer' in r.stderr and "layers [2, 4, 6" in r.stderr, r.stderr
+  assert _cli(f"--model-config={shared}", "--weight-dtype=fp8").returncode == 0  # lru: plans
+  r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", "--weight-dtype=fp8",
+           '--hisparse-config={"eviction": "score_ema"}', "--json")
+  assert r.returncode == 0, r.stderr
+  assert json.loads(r.stdout)["hisparse"]["requests"] > 0
+
+
 def test_planner_answers_huge_memories_quickly(dsv32):
   """The HiSparse search is a binary search (a linear one never finished at a petabyte): it answers for a
   petabyte-scale device, and on a real budget its answer is the best a linear scan finds."""

@@ -55,7 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hisparse_jax import distributed
-from hisparse_jax.config import SCORED_EVICTIONS, HiSparseConfig
+from hisparse_jax.config import ConfigError, HiSparseConfig
 from hisparse_jax.engine.args import DEFAULT_PROMPT_BYTES_PER_TOKEN, EngineArgs, StartupError, check_host_memory
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
@@ -150,11 +150,11 @@ class Engine:
     if self.hisparse is not None and self.hisparse.top_k != model_cfg.index_topk:
       raise StartupError(f"hisparse top_k ({self.hisparse.top_k}) differs from the model's index_topk "
                          f"({model_cfg.index_topk})")
-    shared = [l for l in range(model_cfg.num_hidden_layers) if not model_cfg.has_indexer(l)]
-    if self.hisparse is not None and self.hisparse.eviction in SCORED_EVICTIONS and shared:
-      raise StartupError(f'hisparse config: eviction "{self.hisparse.eviction}" needs every layer\'s indexer '
-                         f"scores; layers {shared[:8]}{'...' if len(shared) > 8 else ''} of this model share another "
-                         'layer\'s top-k and have no indexer (use "lru" or "clock")')
+    if self.hisparse is not None:
+      try:
+        self.hisparse.check_model(model_cfg)
+      except ConfigError as e:
+        raise StartupError(str(e)) from None
     self.max_seq_len = args.resolve_max_seq_len(model_cfg)
     # Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (see EngineArgs).
     self.max_prompt_bytes = args.max_prompt_bytes or DEFAULT_PROMPT_BYTES_PER_TOKEN * self.max_seq_len

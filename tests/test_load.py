@@ -127,7 +127,7 @@ def test_abort_storm_leaves_the_rest_unchanged(server, solo):
 def test_tiny_pools_under_a_burst_queue_or_refuse_then_recover():
   # One request slot and an index pool of 4 pages of 16 tokens: a 100-token request can never fit.
   hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4)
-  staging, hot, index_page = 8 * 16 * 3 * 48 * 4, 17 * 3 * 48 * 4 + 3 * (8 * 16 + 8), 16 * 3 * 16 * 4
+  staging, hot, index_page = 8 * 16 * 3 * 48 * 4, 17 * 3 * 48 * 4 + 3 * (8 * 16 + 12), 16 * 3 * 16 * 4
   eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=1, max_seq_len=128, page_size=16,
                chunked_prefill_size=64, max_device_kv_bytes=staging + hot + 4 * index_page)
   assert eng.memory_plan.pools["index"][1] == 4 and eng.memory_plan.request_slots == 1

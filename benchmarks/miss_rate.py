@@ -330,8 +330,8 @@ class KernelReplay:
     for b, row in enumerate(top_k):
       tk[b, :len(row)] = row
     slot_scores = None
-    before = np.asarray(self.slots)[0]  # [N, D] positions (the call donates the slot table)
     if self.kernel_policy == "score":
+      before = np.asarray(self.slots)[0]  # [N, D] positions (the call donates the slot table)
       if scores is None:
         raise ValueError(f"eviction {self.eviction} needs the indexer scores of the trace")
       if self.eviction != "score":

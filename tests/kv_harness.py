@@ -130,11 +130,15 @@ class KVHarness:
         o.append(int(t))
     return outs
 
+  def state_slots(self) -> list[int]:
+    """Each request's index on the HiSparse state's request-slot axis (dimension 1 of stats, slot_tokens,
+    score_ema, ...): each group's shard holds slots per group + a scratch slot."""
+    per = self.backend.slots_per_group + 1
+    return [kv.group * per + self.backend.local_slot(kv) for kv in self.kvs]
+
   def swap_stats(self) -> np.ndarray:
     """int32[L, N, 2] (hits, misses) per layer and request (HiSparse)."""
-    stats = np.asarray(self.backend.state.stats)  # each group's shard: slots per group + a scratch slot
-    per = self.backend.slots_per_group + 1
-    return stats[:, [kv.group * per + self.backend.local_slot(kv) for kv in self.kvs]]
+    return np.asarray(self.backend.state.stats)[:, self.state_slots()]
 
 
 def _device(tables):

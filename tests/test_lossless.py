@@ -78,8 +78,7 @@ def test_score_ema_is_lossless_and_restarts_the_averages_it_refills():
   hs = KVHarness(cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE, eviction="score_ema"))
   ps = prompts(3)
   np.testing.assert_array_equal(hs.prefill(ps), dense.prefill(ps))
-  per = hs.backend.slots_per_group + 1
-  slots = [kv.group * per + hs.backend.local_slot(kv) for kv in hs.kvs]
+  slots = hs.state_slots()
   assert np.isnan(np.asarray(hs.backend.state.score_ema)[:, slots]).all()
   D = TINY_HISPARSE["device_buffer_size"]
   rng = np.random.default_rng(5)

@@ -15,6 +15,7 @@ the tests are skipped only when it does not exist.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 
@@ -164,22 +165,23 @@ def test_greedy_continuation_matches_transformers(oracle, name):
         assert ref[f"cached_{i}"].tolist() == expect
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("kind", ["dense", "hisparse"])
+@pytest.mark.parametrize("kind, chunk", [(k, c) for k in ("dense", "hisparse") for c in CHUNKS] +
+                         [("score_ema", 16)])  # HiSparse evicting by score averages: one chunk size (time)
 @pytest.mark.parametrize("name", ["yarn_rope_scaling", "ours"])
 def test_chunked_prefill_over_paged_caches_matches_transformers(oracle, name, kind, chunk):
     """The runtime's paged caches (scattered 16-token pages), the prompt prefilled in chunks of 1..2048
-    tokens: the same greedy tokens as transformers, dense and HiSparse."""
+    tokens: the same greedy tokens as transformers, dense and HiSparse (LRU; and eviction "score_ema")."""
     ck, prompts, ref = oracle[name]
     cfg, model = load_hf(ck)
+    hisparse = {"dense": None, "hisparse": HISPARSE,
+                "score_ema": dataclasses.replace(HISPARSE, eviction="score_ema")}[kind]
     # HiSparse also scores keys in blocks of 16 with running top-ks merged over score blocks of 32.
-    blocks = dict(key_block=16, score_block=32) if kind == "hisparse" else {}
-    h = KVHarness(cfg, model, hisparse=HISPARSE if kind == "hisparse" else None, max_seq_len=MAX_SEQ,
-                  page_size=16, chunk=chunk, **blocks)
+    blocks = dict(key_block=16, score_block=32) if hisparse else {}
+    h = KVHarness(cfg, model, hisparse=hisparse, max_seq_len=MAX_SEQ, page_size=16, chunk=chunk, **blocks)
     ours = h.greedy(prompts, MAX_NEW)
     for i, p in enumerate(prompts):
         assert ours[i] == ref[f"greedy_{i}"].tolist(), (name, kind, chunk, len(p))
-    if kind == "hisparse":  # the prompts longer than the hot buffer really swapped rows in
+    if hisparse:  # the prompts longer than the hot buffer really swapped rows in
         assert (h.swap_stats()[:, -1, 1] > 0).all()
 
 

@@ -36,9 +36,10 @@ demo: $(VENV)/.installed
 
 # Two workers, one test module each at a time (module fixtures run once). tests/conftest.py puts the longest
 # modules first; --no-loadscope-reorder keeps that order (xdist would otherwise sort modules by test count,
-# which left a 4-test module of benchmark runs for the end of the run).
+# which left a 4-test module of benchmark runs for the end of the run). A worker that dies ends the run
+# (--max-worker-restart 0): under --dist loadfile, xdist's replacement worker can wait forever for work.
 PYTEST_WORKERS ?= 2
-PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0
 test: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_XDIST) --durations=30 tests
 

@@ -3,11 +3,18 @@
 Ordering: the longest modules first, so that under ``pytest -n 2 --dist loadfile`` (the Makefile's
 ``make test``) no worker is left alone with a long module at the end.
 
-Compilation: one JAX persistent compilation cache for the whole run, shared by the xdist workers and every
-subprocess they start (the variables are inherited): the suite builds many engines, CLI runs and servers on
-the same tiny models, each of which would compile the same programs again. It lives in a fresh directory
+Compilation: one JAX persistent compilation cache for the whole run, shared by every subprocess the tests
+start (CLI runs, benchmark scripts, servers, the mesh and multi-process checks; the variables are inherited),
+which would otherwise compile the same programs on the same tiny models again. It lives in a fresh directory
 per run (removed at the end), so nothing compiled by another checkout or jaxlib is ever loaded; a run that
 sets JAX_COMPILATION_CACHE_DIR itself keeps its own.
+
+The pytest processes themselves (the xdist workers, or the one process of a run without xdist) do not use
+it: twice in full runs on 2026-12-02 a worker died of a segmentation fault inside jaxlib while writing a
+cache entry (``compilation_cache.put_executable_and_time``, once during an in-process gRPC server test whose
+engine thread was compiling), and under ``--dist loadfile`` xdist then hung until CI's time limit. Those
+processes live for the whole run, hold hundreds of executables and run engine threads next to the test's
+own; the short-lived subprocesses never crashed this way.
 """
 
 import os
@@ -20,6 +27,11 @@ if _OWN_CACHE:  # the controller (or a run without xdist), before any worker or 
   # Programs that compile in under 0.1 s are not worth a file.
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+import jax  # noqa: E402  (after the variables above, which subprocesses inherit)
+
+# This process compiles without the persistent cache (see above); the environment keeps it for subprocesses.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_unconfigure(config):

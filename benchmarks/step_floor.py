@@ -5,15 +5,17 @@ r"""A decode step against its floor, measured in the same run: dense and HiSpars
 
 Model: the embedded default model (``hisparse_jax.default_model``), float32, on this machine's JAX backend.
 Per batch size B, B requests of ``--prompt-len`` random token ids are admitted and prefilled, then
-``--steps`` decode steps of the whole batch are timed (greedy, EOS ignored; a device KV budget that fits
-every request). Two times, medians over the steps after the first three: the decode call (the engine's
-compiled step from dispatch until its tokens are ready) and the engine step (``Engine.step()``: the
-scheduler, the step's tables and the tokens' delivery around the call). HiSparse runs with the model's own
+``--steps`` decode steps of the whole batch are run (greedy, EOS ignored; a device KV budget that fits
+every request), the first three untimed. Two times per step: the decode call (the engine's compiled step
+from dispatch until its tokens are ready) and the engine step (``Engine.step()``: the scheduler, the step's
+tables and the tokens' delivery around the call). HiSparse runs with the model's own
 config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in; "resident"
 is HiSparse with dynamic residency (resident_fraction 0.5): the budget holds every request's latent KV on
 device, so no step swaps in (the run checks: no offload, every step "all" resident).
 
-The floor of a step, from two references measured in the same process right after it:
+The floor of a step, from references measured in the same process, interleaved with the steps: each timed
+step is one round with one run of each reference, in an order rotated every round, so that a shared
+machine's drift moves a step and its floor together:
   * compute: the step's FLOPs (XLA's cost analysis of the compiled decode) at the rate a bare jitted GEMM of
     the output projection (float32[B, hidden] times the float32 weight, the step's largest matmul) reaches
     at that batch, the faster of the weight's two layouts ([hidden, vocab] as the model holds it, and
@@ -21,7 +23,8 @@ The floor of a step, from two references measured in the same process right afte
   * memory: the bytes of the weights a step reads (every parameter but the input embedding table, of which
     it gathers B rows) at the bandwidth of a bare jitted read of as many bytes (``jnp.sum`` over a float32
     array of that size): every step must stream those weights once.
-floor = max(compute, memory); ratio = step / floor (the goal is <= 1.3). Also reported: the bare GEMM's own
+floor = max(compute, memory), from each round's own references; ratio = the median over rounds of step / floor
+(interquartile range in brackets; the goal is <= 1.3). The times in the table are medians. Also reported: the bare GEMM's own
 time (its share of the floor), the step's bytes accessed by XLA's count, and transformers' step at the same
 batch from ``benchmarks/results/vs_transformers.json`` when that file exists (a 120-token prompt, the oracle
 env; ``vs_transformers.py`` measures it).
@@ -43,17 +46,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
 
 SKIP = 3  # first decode steps left out of the median (compilation of the batch bucket, warm caches)
-
-
-def _median_ms(fn, *args, repeats: int = 15) -> float:
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
 
 
 def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> dict:
@@ -95,16 +87,14 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
 
   engine._decode_fn = timed
   step_times = []
-  for _ in range(steps):  # decode steps of the whole batch (nothing left to prefill)
+
+  def engine_step():
     t = time.perf_counter()
     engine.step()
     step_times.append(time.perf_counter() - t)
-  if len(times) != steps or len(engine._decoding()) != B:
-    raise RuntimeError(f"{len(times)} decode calls for {steps} steps, {len(engine._decoding())} of {B} decoding")
-  if mode == "resident" and (engine.num_offloads or set(engine.residency_steps) != {"all"}):
-    raise RuntimeError(f"resident mode: {engine.num_offloads} offloads, steps by residency {engine.residency_steps}")
-  step_ms = 1e3 * float(np.median(times[SKIP:]))
-  engine_step_ms = 1e3 * float(np.median(step_times[SKIP:]))
+
+  for _ in range(SKIP):  # the batch bucket's compilation, warm caches: not timed
+    engine_step()
   args, kwargs = last["call"]
   cost = decode.lower(*args, **kwargs).compile().cost_analysis() or {}
   flops, step_bytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
@@ -112,34 +102,69 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   leaves = jax.tree_util.tree_flatten_with_path(args[0])[0]
   weight_bytes = sum(x.nbytes for path, x in leaves if "embed_tokens" not in jax.tree_util.keystr(path))
   batch = int(args[1].shape[0])  # the step's batch bucket
-  for i in range(B):
-    engine.abort(f"r{i}")
-  engine.close()
-  del engine, args, kwargs, last
+  del args, kwargs
 
   H, V = cfg.hidden_size, cfg.vocab_size
   x = jnp.asarray(rng.standard_normal((batch, H)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((H, V)), jnp.float32)
+  w_hv = jnp.asarray(rng.standard_normal((H, V)), jnp.float32)
+  w_vh = jnp.asarray(w_hv.T)
+  big = jnp.ones((weight_bytes // 4,), jnp.float32)
   # The weight in both layouts: the model's [hidden, vocab] and the checkpoint's [vocab, hidden] (row-major),
   # which XLA:CPU's GEMM may run at different rates; the floor takes the faster.
-  gemm_hv_ms = _median_ms(jax.jit(lambda x, w: x @ w), x, w)
-  gemm_vh_ms = _median_ms(jax.jit(lambda x, w: jnp.einsum("bh,vh->bv", x, w)), x, jnp.asarray(w.T))
-  gemm_ms = min(gemm_hv_ms, gemm_vh_ms)
+  refs = {"gemm_hv": (jax.jit(lambda x, w: x @ w), (x, w_hv)),
+          "gemm_vh": (jax.jit(lambda x, w: jnp.einsum("bh,vh->bv", x, w)), (x, w_vh)),
+          "read": (jax.jit(jnp.sum), (big,))}
+  ref_times = {name: [] for name in refs}
+  for fn, fn_args in refs.values():
+    jax.block_until_ready(fn(*fn_args))  # compiled before the rounds
+
+  def reference(name):
+    fn, fn_args = refs[name]
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*fn_args))
+    ref_times[name].append(time.perf_counter() - t)
+
+  # Rounds of one engine step and one run of each reference, in an order rotated every round, so that the
+  # machine's drift (this is a shared VM) moves a step and its floor together.
+  order = ["step", *refs]
+  for k in range(steps - SKIP):
+    for name in order[k % len(order):] + order[:k % len(order)]:
+      engine_step() if name == "step" else reference(name)
+  if len(times) != steps or len(engine._decoding()) != B:
+    raise RuntimeError(f"{len(times)} decode calls for {steps} steps, {len(engine._decoding())} of {B} decoding")
+  if mode == "resident" and (engine.num_offloads or set(engine.residency_steps) != {"all"}):
+    raise RuntimeError(f"resident mode: {engine.num_offloads} offloads, steps by residency {engine.residency_steps}")
+  for i in range(B):
+    engine.abort(f"r{i}")
+  engine.close()
+  del engine, last, big, w_hv, w_vh, refs
+
+  ms = lambda v: 1e3 * np.asarray(v)  # noqa: E731
+  call, eng = ms(times[SKIP:]), ms(step_times[SKIP:])
+  hv, vh, read = ms(ref_times["gemm_hv"]), ms(ref_times["gemm_vh"]), ms(ref_times["read"])
   gemm_flops = 2.0 * batch * H * V
-  big = jnp.ones((weight_bytes // 4,), jnp.float32)
-  read_ms = _median_ms(jax.jit(jnp.sum), big)
-  del big, w
+  # Each round's floor from that round's references: the step's FLOPs at the faster GEMM's rate, or the
+  # weights' bytes at the bare read's bandwidth.
+  round_floor = np.maximum(flops / (gemm_flops / np.minimum(hv, vh)), read)
+  quartiles = lambda v: [float(q) for q in np.percentile(v, [25, 75])]  # noqa: E731
+  gemm_hv_ms, gemm_vh_ms, read_ms = float(np.median(hv)), float(np.median(vh)), float(np.median(read))
+  gemm_ms = min(gemm_hv_ms, gemm_vh_ms)
   compute_ms = flops / (gemm_flops / gemm_ms)
   memory_ms = read_ms  # the weights' bytes at the bare read's bandwidth
-  floor_ms = max(compute_ms, memory_ms)
-  return dict(batch=B, bucket=batch, mode=mode, step_ms=step_ms, engine_step_ms=engine_step_ms,
-              steps_timed=len(times) - SKIP, flops=flops,
+  return dict(batch=B, bucket=batch, mode=mode, step_ms=float(np.median(call)), engine_step_ms=float(np.median(eng)),
+              steps_timed=len(call), flops=flops,
               step_bytes=step_bytes, weight_bytes=weight_bytes, gemm_ms=gemm_ms, gemm_hv_ms=gemm_hv_ms,
               gemm_vh_ms=gemm_vh_ms,
               gemm_gflops_per_s=gemm_flops / gemm_ms / 1e6, read_gb_per_s=weight_bytes / read_ms / 1e6,
-              compute_floor_ms=compute_ms, memory_floor_ms=memory_ms, floor_ms=floor_ms,
-              ratio=step_ms / floor_ms, engine_ratio=engine_step_ms / floor_ms,
+              compute_floor_ms=compute_ms, memory_floor_ms=memory_ms, floor_ms=max(compute_ms, memory_ms),
+              ratio=float(np.median(call / round_floor)), ratio_iqr=quartiles(call / round_floor),
+              engine_ratio=float(np.median(eng / round_floor)), engine_ratio_iqr=quartiles(eng / round_floor),
               bound="compute" if compute_ms >= memory_ms else "memory")
+
+
+def _ratio(row: dict, key: str) -> str:
+  lo, hi = row[f"{key}_iqr"]
+  return f"{row[key]:.2f}x ({lo:.2f}-{hi:.2f})"
 
 
 def transformers_steps(path: str) -> dict[int, float]:
@@ -160,7 +185,7 @@ def main(argv=None) -> int:
   ap.add_argument("--prompt-len", type=int, default=96,
                   help="tokens per prompt (the default 96 exceeds the default model's hot buffer of 64, so HiSparse "
                        "swaps in every step)")
-  ap.add_argument("--steps", type=int, default=24, help="decode steps per request")
+  ap.add_argument("--steps", type=int, default=40, help="decode steps per request (the first 3 untimed)")
   ap.add_argument("--modes", default="dense,hisparse,resident",
                   help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
                        "resident_fraction 0.5, no swap-in while the KV fits)")
@@ -186,14 +211,15 @@ def main(argv=None) -> int:
                                            "vs_transformers.json"))
   import jax
   lines = [f"Default model, float32, {jax.default_backend()}, {os.cpu_count()} cores; prompts of "
-           f"{args.prompt_len} tokens, {args.steps} decode steps, median after the first {SKIP}.", "",
+           f"{args.prompt_len} tokens, {args.steps} decode steps, the first {SKIP} untimed; each timed step one round "
+           "with the floor's references. Ratios: median over rounds of step / that round's floor (IQR).", "",
            "| batch | mode | decode call ms | engine step ms | floor ms (bound) | call / floor | engine step / floor "
            "| GFLOP / step | bare GEMM ms (GFLOP/s) | GEMM [H,V] / [V,H] ms | weight read GB/s | transformers step ms |",
            "|---" * 12 + "|"]
   for r in rows:
     hf = theirs.get(r["batch"])
     lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['engine_step_ms']:.2f} | "
-                 f"{r['floor_ms']:.2f} ({r['bound']}) | {r['ratio']:.2f}x | {r['engine_ratio']:.2f}x | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
+                 f"{r['floor_ms']:.2f} ({r['bound']}) | {_ratio(r, 'ratio')} | {_ratio(r, 'engine_ratio')} | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
                  f"{r['gemm_hv_ms']:.2f} / {r['gemm_vh_ms']:.2f} | {r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |")
   write_results(args.out, {"args": vars(args), "rows": rows, "transformers_step_ms": theirs,
                            "seconds": time.perf_counter() - t0}, "\n".join(lines))

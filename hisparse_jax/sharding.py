@@ -41,7 +41,7 @@ AXES = ("dp", "tp")
 # like their weights, where their block counts divide (``MeshConfig.spec``).
 LOGICAL_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^embed_tokens$", ("vocab", "embed")),
-    (r"^lm_head/kernel(_scale)?$", ("embed", "vocab")),
+    (r"^lm_head/weight$", ("vocab", "embed")),
     (r"self_attn/q_b_proj/kernel(_scale)?$", ("q_lora", "heads")),
     (r"self_attn/kv_b_proj/kernel(_scale)?$", ("kv_lora", "heads")),
     (r"self_attn/o_proj/kernel(_scale)?$", ("heads", "embed")),

@@ -28,6 +28,9 @@ from models.loader import load_hf, param_path
 
 ORBAX_MARKER = "hisparse_orbax.json"
 PARAMS_DIR = "params"
+# The parameter layout an orbax directory holds, recorded in its marker. 2: lm_head/weight [vocab, hidden]
+# (``models.deepseek_v32.LMHead``); directories without the key hold layout 1, lm_head/kernel [hidden, vocab].
+ORBAX_LAYOUT = 2
 # Files copied from the HF directory next to the orbax parameters when present.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "hisparse_config.json", "generation_config.json")
 
@@ -96,7 +99,8 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
     if os.path.exists(os.path.join(hf_dir, name)):
       shutil.copyfile(os.path.join(hf_dir, name), os.path.join(output, name))
   with open(os.path.join(output, ORBAX_MARKER), "w") as f:
-    json.dump({"format": "orbax", "params": PARAMS_DIR, "dtype": cfg.dtype, "source": os.path.abspath(hf_dir)}, f)
+    json.dump({"format": "orbax", "layout": ORBAX_LAYOUT, "params": PARAMS_DIR, "dtype": cfg.dtype,
+               "source": os.path.abspath(hf_dir)}, f)
   return output
 
 
@@ -107,10 +111,21 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
   The parameters are restored straight into their final shardings (the default
   device, or ``sharding(path, shape)`` per parameter: each device reads only its
   slice) with the stored dtype; a different ``dtype`` casts after restoring.
+
+  Raises:
+    ValueError: the directory holds an older parameter layout (its marker's "layout" below ORBAX_LAYOUT, and
+      the model has a separate lm_head): convert the HF checkpoint again.
   """
   import orbax.checkpoint as ocp
 
   cfg = DSAConfig.from_pretrained(path).replace(fp8_numerics=fp8_numerics)
+  with open(os.path.join(path, ORBAX_MARKER)) as f:
+    layout = json.load(f).get("layout", 1)
+  if layout != ORBAX_LAYOUT and not cfg.tie_word_embeddings:
+    was = " (lm_head as a [hidden, vocab] kernel, written by an earlier hisparse-jax)" if layout == 1 else ""
+    raise ValueError(f"{path} holds parameter layout {layout!r}{was}; this hisparse-jax reads layout {ORBAX_LAYOUT} "
+                     "(lm_head [vocab, hidden]). Convert the HF checkpoint again: "
+                     "python -m models.convert --model-path HF_DIR --output NEW_DIR")
   stored = jnp.dtype(cfg.dtype)
   abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored))
   graphdef, abstract_state = nnx.split(abstract)

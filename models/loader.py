@@ -139,7 +139,7 @@ def hf_param_table(cfg: DSAConfig) -> list[ParamSpec]:
     specs: list[ParamSpec] = [ParamSpec(("embed_tokens",), ("model.embed_tokens.weight",), _ID)]
     specs.append(ParamSpec(("norm", "weight"), ("model.norm.weight",), _ID))
     if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec(("lm_head", "kernel"), ("lm_head.weight",), _T))
+        specs.append(ParamSpec(("lm_head", "weight"), ("lm_head.weight",), _ID))
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -426,7 +426,8 @@ def load_hf(
         if chosen is None:
             missing = next(k for k in spec.hf_keys if k not in store)
             raise ValueError(f"checkpoint {model_dir} is missing tensor {missing!r}")
-        quantized = fp8_weights and all(store.is_fp8(k) for k in chosen[0])
+        # FP8-resident: the Linear kernels and expert stacks; an FP8 lm_head (DeepSeek's is not) is dequantized here.
+        quantized = fp8_weights and spec.path[0] != "lm_head" and all(store.is_fp8(k) for k in chosen[0])
         if quantized and chosen[0] != spec.hf_keys:
             raise ValueError(f"FP8-resident weights: {chosen[0][0]!r} keeps its experts fused; only per-expert "
                              "FP8 tensors are supported")

@@ -70,3 +70,21 @@ def test_convert_to_bfloat16_and_refuses_non_empty_output(orbax_dir, tmp_path):
   r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", orbax_dir],
                      cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode != 0 and "exists and is not empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_older_layout_is_refused_with_the_fix(orbax_dir, tmp_path):
+  """A directory converted before lm_head became [vocab, hidden] (no "layout" in its marker) is an error naming
+  the fix, not a shape mismatch deep in orbax; the directory is left as it was."""
+  assert not load_model(orbax_dir)[0].tie_word_embeddings  # the tiny model has its own lm_head
+  old = tmp_path / "old"
+  old.mkdir()
+  os.symlink(os.path.join(orbax_dir, "params"), old / "params")
+  for name in os.listdir(orbax_dir):
+    if name != "params":
+      (old / name).write_bytes(open(os.path.join(orbax_dir, name), "rb").read())
+  marker = json.loads((old / "hisparse_orbax.json").read_text())
+  assert marker.pop("layout") == 2
+  (old / "hisparse_orbax.json").write_text(json.dumps(marker))
+  with pytest.raises(ValueError, match=r"layout 1 \(lm_head as a \[hidden, vocab\] kernel.*python -m models.convert"):
+    load_model(str(old))
+  assert json.loads((old / "hisparse_orbax.json").read_text()) == marker

@@ -81,7 +81,7 @@ def test_fp8_weights_count_one_byte_plus_block_scales(dsv32):
   H, Im = c.hidden_size, c.moe_intermediate_size
   # One expert stack [E, H, I]: E x H x I bytes + E x ceil(H/128) x ceil(I/128) float32 scales.
   assert itemsize("layers/3/mlp/gate_proj", (256, H, Im), "bfloat16") == 256 * H * Im + 4 * 256 * 56 * 16
-  assert itemsize("lm_head/kernel", (H, c.vocab_size), "bfloat16") == 2 * H * c.vocab_size
+  assert itemsize("lm_head/weight", (c.vocab_size, H), "bfloat16") == 2 * H * c.vocab_size
   assert itemsize("layers/0/self_attn/indexer/weights_proj/kernel", (H, 64), "float32") == 4 * H * 64
   total_fp8 = bytes_per_device(MeshConfig(), params, itemsize)
   total_bf16 = bytes_per_device(MeshConfig(), params, P.weight_itemsize("bfloat16", c.dtype))

@@ -99,8 +99,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   cost = decode.lower(*args, **kwargs).compile().cost_analysis() or {}
   flops, step_bytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   # The weights a step streams: all but the input embedding table, of which it gathers B rows.
-  leaves = jax.tree_util.tree_flatten_with_path(args[0])[0]
-  weight_bytes = sum(x.nbytes for path, x in leaves if "embed_tokens" not in jax.tree_util.keystr(path))
+  weight_bytes = sum(x.nbytes for name, x in zip(engine._param_names, args[0]) if "embed_tokens" not in name)
   batch = int(args[1].shape[0])  # the step's batch bucket
   del args, kwargs
 

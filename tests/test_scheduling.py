@@ -57,6 +57,39 @@ def test_decode_batch_is_a_bucket_of_the_running_requests():
   assert det.last_decode_batch == 8  # deterministic: always the full batch
 
 
+def test_a_prefill_call_computes_at_most_the_chunk_budget_of_padded_slots():
+  """A prefill call computes a [B, C] bucket (B rows a power of two, C the power of two covering the longest
+  row): a prompt whose row would grow it past --chunked-prefill-size waits for the next step, in order."""
+  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, **SMALL)  # 32 tokens per step
+  shapes, call = [], eng._prefill_fn
+
+  def record(params, tokens, *args, **kwargs):
+    shapes.append(tuple(tokens.shape))
+    return call(params, tokens, *args, **kwargs)
+
+  eng._prefill_fn = record
+  # 3 prompts of 10 tokens fit the 32-token budget, but as 4 rows x 16 columns = 64 slots: two go first.
+  reqs = [Request(str(i), prompt(10, i), 2) for i in range(3)]
+  for r in reqs:
+    eng.submit(r)
+  eng.step()
+  assert shapes == [(2, 16)] and [bool(r.output_ids) for r in reqs] == [True, True, False]
+  eng.run()
+  assert shapes == [(2, 16), (1, 16)]
+  # A 28-token prompt (32 columns) and a 4-token one: 2 x 32 slots would be 64; the short one goes next.
+  long, short = Request("long", prompt(28, 5), 2), Request("short", prompt(4, 6), 2)
+  eng.submit(long)
+  eng.submit(short)
+  eng.run()
+  assert shapes[2:] == [(1, 32), (1, 16)]
+  assert all(b * c <= 32 for b, c in shapes)
+  for r in reqs + [long, short]:  # the same tokens as each request alone
+    alone = Request("alone", r.prompt_ids, r.max_new_tokens)
+    eng.submit(alone)
+    eng.run()
+    assert alone.output_ids == r.output_ids
+
+
 def test_memory_follows_tokens_and_max_seq_len_defaults_to_the_model():
   eng = Engine(tiny_model_dir(), max_running_requests=4, **SMALL)
   assert eng.max_seq_len == eng.config.max_position_embeddings == 512

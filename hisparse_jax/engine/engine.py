@@ -631,7 +631,7 @@ class Engine:
     call, or (deterministic) one call per request with chunks at fixed offsets of its prompt."""
     for req in [r for r in self.running if r.phase is Phase.PREFILLING and r.prompt_kv is not None]:
       self._import_kv(req, finished)
-    budget, rows = self.chunked_prefill_size, []
+    budget, rows, longest, per_group = self.chunked_prefill_size, [], 0, collections.Counter()
     for req in self.running:
       if req.phase is not Phase.PREFILLING:
         continue
@@ -641,19 +641,35 @@ class Engine:
       n = min(n, budget)
       if n <= 0:
         break
+      if rows and not self.deterministic:
+        # The call computes a padded [B, C] bucket (_prefill_call): a row that would grow it past the chunk
+        # budget waits for the next step (17 prompts of 120 tokens would take 32 x 128 slots, 16 take 2048).
+        fullest = max(max(per_group.values()), per_group[req.kv.group] + 1)
+        if self._prefill_bucket(fullest, max(longest, n)) > self.chunked_prefill_size:
+          break
       rows.append((req, n))
       budget -= n
+      longest = max(longest, n)
+      per_group[req.kv.group] += 1
     if self.deterministic:
       for row in rows:
         self._prefill_call([row], finished)
     elif rows:
       self._prefill_call(rows, finished)
 
+  def _prefill_width(self, longest: int) -> int:
+    """C, the token columns of a (non-deterministic) prefill call whose longest row computes `longest` tokens."""
+    return min(max(MIN_PREFILL_BUCKET, _pow2_at_least(longest)), self.chunked_prefill_size)
+
+  def _prefill_bucket(self, fullest: int, longest: int) -> int:
+    """Token slots B x C of a prefill call whose fullest DP group has `fullest` rows (B as ``_batch_rows``
+    makes it) and whose longest row computes `longest` tokens."""
+    return self.groups * _pow2_at_least(fullest) * self._prefill_width(longest)
+
   def _prefill_call(self, rows, finished) -> None:
     """One jitted prefill call over rows [(request, tokens of its prompt to compute now)]."""
     longest = max(n for _, n in rows)
-    C = (self.chunked_prefill_size if self.deterministic else
-         min(max(MIN_PREFILL_BUCKET, _pow2_at_least(longest)), self.chunked_prefill_size))
+    C = self.chunked_prefill_size if self.deterministic else self._prefill_width(longest)
     order, B = self._batch_rows([req for req, _ in rows], 1 if self.deterministic else None)
     tokens = np.zeros((B, C), np.int32)
     positions = np.full((B, C), -1, np.int32)

@@ -1,5 +1,10 @@
 """The engine as a scheduler: chunked prefill interleaved with decode, batch buckets, paging, preemption."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -7,6 +12,7 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, InvalidRequest, Request, ResourceExhausted, StartupError
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = dict(page_size=16, chunked_prefill_size=32)
 
 
@@ -88,6 +94,35 @@ def test_a_prefill_call_computes_at_most_the_chunk_budget_of_padded_slots():
     eng.submit(alone)
     eng.run()
     assert alone.output_ids == r.output_ids
+
+
+DP_PREFILL = """
+import numpy as np
+from hisparse_jax.engine import Engine, Request
+from tests.tiny_model import tiny_model_dir
+eng = Engine(tiny_model_dir(), dp_size=2, max_running_requests=4, max_seq_len=128, page_size=16,
+             chunked_prefill_size=32)
+shapes, call = [], eng._prefill_fn
+def record(params, tokens, *args, **kwargs):
+  shapes.append(tuple(tokens.shape))
+  return call(params, tokens, *args, **kwargs)
+eng._prefill_fn = record
+a = Request("a", np.arange(2, 22).tolist(), 8)
+b = Request("b", np.arange(30, 38).tolist(), 8)
+eng.submit(a)
+eng.submit(b)
+eng.step()
+print(shapes, a.kv.group, b.kv.group, b.prefilled)
+"""
+
+
+def test_a_prefill_row_in_another_dp_groups_padding_goes_in_the_same_call():
+  """With 2 DP groups every prefill call has a row per group: a 20-token prompt's call is [2, 32], over the
+  32-token budget by itself; an 8-token prompt of the other group fills its padding row in that call."""
+  r = subprocess.run([sys.executable, "-c", DP_PREFILL], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.split("\n")[-2] == "[(2, 32)] 0 1 8"
 
 
 def test_memory_follows_tokens_and_max_seq_len_defaults_to_the_model():

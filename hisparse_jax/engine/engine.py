@@ -644,8 +644,10 @@ class Engine:
       if rows and not self.deterministic:
         # The call computes a padded [B, C] bucket (_prefill_call): a row that would grow it past the chunk
         # budget waits for the next step (17 prompts of 120 tokens would take 32 x 128 slots, 16 take 2048).
+        # A row the bucket already holds (another DP group's padding row) costs nothing and goes.
         fullest = max(max(per_group.values()), per_group[req.kv.group] + 1)
-        if self._prefill_bucket(fullest, max(longest, n)) > self.chunked_prefill_size:
+        now = self._prefill_bucket(max(per_group.values()), longest)
+        if self._prefill_bucket(fullest, max(longest, n)) > max(now, self.chunked_prefill_size):
           break
       rows.append((req, n))
       budget -= n

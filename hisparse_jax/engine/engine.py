@@ -645,9 +645,10 @@ class Engine:
         # The call computes a padded [B, C] bucket (_prefill_call): a row that would grow it past the chunk
         # budget waits for the next step (17 prompts of 120 tokens would take 32 x 128 slots, 16 take 2048).
         # A row the bucket already holds (another DP group's padding row) costs nothing and goes.
-        fullest = max(max(per_group.values()), per_group[req.kv.group] + 1)
-        now = self._prefill_bucket(max(per_group.values()), longest)
-        if self._prefill_bucket(fullest, max(longest, n)) > max(now, self.chunked_prefill_size):
+        fullest = max(per_group.values())
+        now = self._prefill_bucket(fullest, longest)
+        grown = self._prefill_bucket(max(fullest, per_group[req.kv.group] + 1), max(longest, n))
+        if grown > max(now, self.chunked_prefill_size):
           break
       rows.append((req, n))
       budget -= n

@@ -30,9 +30,9 @@ def test_greedy_argmax_is_jnp_argmax_exactly(rows, vocab, special_rate, seed):
 
 def test_chunked_pass_is_exact_without_nan_and_flags_the_rows_it_cannot_decide():
   """The chunked pass alone: the first maximum across and inside chunks for finite / -inf rows, and the flag
-  set exactly for the rows with a NaN or +inf (whose index the caller recomputes)."""
+  set exactly for the rows with a NaN or +inf, or whose sum overflows (whose index the caller recomputes)."""
   V = 8 * ARGMAX_CHUNK
-  x = np.zeros((6, V), np.float32)
+  x = np.zeros((7, V), np.float32)
   x[0, [ARGMAX_CHUNK - 1, ARGMAX_CHUNK]] = 2.0  # a tie across a chunk boundary: the first wins
   x[1] = -np.inf
   x[2, 5:] = -0.0  # +0.0 ties -0.0: the first zero wins
@@ -40,12 +40,14 @@ def test_chunked_pass_is_exact_without_nan_and_flags_the_rows_it_cannot_decide()
   x[3, 3 * ARGMAX_CHUNK + 7] = np.nan
   x[4, V - 1] = np.inf
   x[5, [700, 701]] = 1.0
+  x[6, [9, 300, 301]] = [3e38, 3.2e38, 3.2e38]  # finite, but the row's sum overflows to +inf
   first, special = jax.jit(_chunked_argmax_rows)(jnp.asarray(x))
-  np.testing.assert_array_equal(np.asarray(special), [False, False, False, True, True, False])
+  np.testing.assert_array_equal(np.asarray(special), [False, False, False, True, True, False, True])
   np.testing.assert_array_equal(np.asarray(first)[[0, 1, 2, 5]], [ARGMAX_CHUNK - 1, 0, 5, 700])
-  # The whole argmax takes the exact path for that batch: the NaN's index, the +inf's index.
+  # The whole argmax takes the exact path for that batch: the NaN's index, the +inf's index, the first of the
+  # two largest finite values.
   np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))),
-                                [ARGMAX_CHUNK - 1, 0, 5, 3 * ARGMAX_CHUNK + 7, V - 1, 700])
+                                [ARGMAX_CHUNK - 1, 0, 5, 3 * ARGMAX_CHUNK + 7, V - 1, 700, 300])
 
 
 def test_argmax_chunks_rows_and_keeps_the_first_maximum():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ARGMAX_ROWS = 8  # rows per pass of argmax(): their logits stay in cache between its reductions
+ARGMAX_ROWS = 8  # rows per pass of the exact path: their logits stay in cache between its two reductions
 ARGMAX_CHUNK = 128  # vocabulary entries per chunk of argmax()'s chunked pass
 
 
@@ -35,18 +35,21 @@ def _argmax_rows(x):
 
 
 def _chunked_argmax_rows(x):
-  """(int32[R] first maximum of each row of float32[R, V], bool[R] row holds a NaN or +inf).
+  """(int32[R] first maximum of each row of float32[R, V], bool[R] the row may hold a NaN or +inf).
 
-  One max-reduction per ARGMAX_CHUNK entries (NaN counted as +inf), then jnp.argmax over the R x V / C chunk
-  maxima (the first chunk holding the row's maximum) and over that one chunk. The index is exact for a row
-  without NaN and +inf; for the others the flag is set and the caller takes ``_argmax_rows``."""
+  One plain max-reduction per ARGMAX_CHUNK entries, then jnp.argmax over the R x V / C chunk maxima (the first
+  chunk holding the row's maximum) and over that one chunk. XLA:CPU's vectorized max-reduction may drop a NaN,
+  so a second reduction sums each row: the sum is below +inf exactly when the row holds no NaN and no +inf
+  (a NaN makes any sum NaN; a +inf makes it +inf, or NaN beside a -inf), or when finite values overflow to
+  +inf. A row whose sum is below +inf gets its exact first maximum (-inf and +-0 included); the others are
+  flagged (also those that only overflow) and the caller recomputes them."""
   R, V = x.shape
   C = ARGMAX_CHUNK
-  chunk_max = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x).reshape(R, V // C, C), axis=-1)
+  chunks = x.reshape(R, V // C, C)
+  chunk_max = jnp.max(chunks, axis=-1)
   c = jnp.argmax(chunk_max, axis=-1).astype(jnp.int32)
-  chunk = jnp.take_along_axis(x.reshape(R, V // C, C), c[:, None, None], axis=1)[:, 0]
-  best = jnp.take_along_axis(chunk_max, c[:, None], axis=1)[:, 0]
-  return c * C + jnp.argmax(chunk, axis=-1).astype(jnp.int32), best == jnp.inf
+  chunk = jnp.take_along_axis(chunks, c[:, None, None], axis=1)[:, 0]
+  return c * C + jnp.argmax(chunk, axis=-1).astype(jnp.int32), ~(jnp.sum(x, axis=-1) < jnp.inf)
 
 
 def _by_row_blocks(fn, x):
@@ -63,18 +66,19 @@ def argmax(logits: jax.Array) -> jax.Array:
   it has one, else its first maximum.
 
   XLA:CPU lowers jnp.argmax to a variadic (value, index) reduction that is not vectorized (9.3 ms for 32 rows
-  of V = 129280, 73 ms for 256). Here, when V is a multiple of ARGMAX_CHUNK, one pass of chunk maxima over
-  ARGMAX_ROWS rows at a time finds each row's first maximum (1.4-1.7 ms for 32 rows, 10-13 ms for 256); if
-  any row of the batch holds a NaN or +inf, the batch instead takes two plain max-reductions per row block
-  (the exact path for those values; 2.5-2.9 and 19-20 ms), as does a V that is not a multiple.
-  benchmarks/step_floor.py measures the decode step this is part of."""
+  of V = 129280, 73 ms for 256). Here, when V is a multiple of ARGMAX_CHUNK, two plain reductions over the
+  whole batch (chunk maxima and row sums, ``_chunked_argmax_rows``) find each row's first maximum (0.8 ms
+  for 32 rows, 6.4 ms for 256); if some row of the batch may hold a NaN or +inf, the batch instead takes two
+  masked max-reductions per block of ARGMAX_ROWS rows (the exact path for those values; 2.5-2.9 and 19-20
+  ms), as does a V that is not a multiple. benchmarks/step_floor.py measures the decode step this is part
+  of."""
   B, V = logits.shape
   if V >= 2**22:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   exact = lambda x: _by_row_blocks(_argmax_rows, x)  # noqa: E731
   if V % ARGMAX_CHUNK:
     return exact(logits)
-  first_max, special = _by_row_blocks(_chunked_argmax_rows, logits)
+  first_max, special = _chunked_argmax_rows(logits)
   return jax.lax.cond(jnp.any(special), exact, lambda x: first_max, logits)
 
 

@@ -53,3 +53,11 @@ def test_bazel_library_runs_the_worked_example(bazel_library):
   out = [np.asarray(x) for x in call(*device_args(case))]
   assert out[6].tolist() == [reference.POSITION_OUT_OF_RANGE] and (out[0] == -1).all()
   np.testing.assert_array_equal(out[4], case[9])
+
+
+def test_bazel_library_exports_the_argmax(bazel_library):
+  lib = ctypes.cdll.LoadLibrary(str(bazel_library))
+  jax.ffi.register_ffi_target("hisparse_argmax_bazel", jax.ffi.pycapsule(lib.HisparseArgmaxCpu), platform="cpu")
+  x = np.float32([[1, 3, 3, -np.inf], [np.nan, 2, np.nan, 9], [-np.inf] * 4])
+  call = jax.ffi.ffi_call("hisparse_argmax_bazel", jax.ShapeDtypeStruct((3,), np.int32))
+  np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), [1, 0, 0])

@@ -1,58 +1,77 @@
-"""The greedy path's argmax: exactly jnp.argmax, faster on XLA:CPU (benchmarks/step_floor.py)."""
+"""The greedy path's argmax (the CPU FFI handler xla_ffi/argmax.cc): exactly jnp.argmax, as int32."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax.engine.sampling import ARGMAX_CHUNK, ARGMAX_ROWS, _chunked_argmax_rows, argmax
+from hisparse_jax.engine.sampling import argmax
+from hisparse_jax.kernels import ops
+
+CHUNK = 2048  # xla_ffi/argmax.cc kChunk: entries per chunk of the handler's first pass
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 40), st.one_of(st.integers(1, 3000), st.integers(1, 24).map(lambda n: n * ARGMAX_CHUNK)),
-       st.sampled_from([0.0, 0.0, 0.001, 0.01]), st.integers(0, 2**31))
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40),
+       st.one_of(st.integers(1, 3000), st.integers(1, 6).flatmap(lambda n: st.sampled_from([n * CHUNK - 1, n * CHUNK,
+                                                                                           n * CHUNK + 1]))),
+       st.sampled_from([0.0, 0.0, 0.0005, 0.01]), st.integers(0, 2**31))
 def test_greedy_argmax_is_jnp_argmax_exactly(rows, vocab, special_rate, seed):
-  """argmax equals jnp.argmax on ties, +-0, +-inf and NaN: the chunked pass (vocab a multiple of the chunk, no
-  NaN or +inf in the batch), its fallback (some row holds one) and the two-reduction path (other vocab sizes)."""
+  """argmax equals jnp.argmax on exact ties (within and across chunks), +-0, +-inf, NaN and whole -inf rows, for
+  vocabularies on both sides of the handler's chunk and lane multiples."""
   rng = np.random.default_rng(seed)
   x = np.round(rng.standard_normal((rows, vocab)) * 2).astype(np.float32)  # many exact ties, +0.0 and -0.0
   x[x == 0] *= np.where(rng.random(int((x == 0).sum())) < 0.5, -1, 1).astype(np.float32)
   special = rng.random(x.shape)
   x[special < special_rate] = np.inf
-  x[(special > 0.5) & (special < 0.5 + max(special_rate, 0.01))] = -np.inf  # -inf does not leave the fast path
+  x[(special > 0.5) & (special < 0.5 + max(special_rate, 0.01))] = -np.inf
   x[special > 1 - special_rate / 2] = np.nan
   x[rng.random(rows) < 0.2] = -np.inf  # whole rows at -inf
   got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
   np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+  np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
   assert got.dtype == np.int32
 
 
-def test_chunked_pass_is_exact_without_nan_and_flags_the_rows_it_cannot_decide():
-  """The chunked pass alone: the first maximum across and inside chunks for finite / -inf rows, and the flag
-  set exactly for the rows with a NaN or +inf, or whose sum overflows (whose index the caller recomputes)."""
-  V = 8 * ARGMAX_CHUNK
-  x = np.zeros((7, V), np.float32)
-  x[0, [ARGMAX_CHUNK - 1, ARGMAX_CHUNK]] = 2.0  # a tie across a chunk boundary: the first wins
+def test_argmax_awkward_rows():
+  """Each case where a chunked pass could go wrong: the first maximum in a later chunk than an equal one,
+  a NaN after (and before) the maximum, in the last partial chunk, -0.0 before +0.0, values near the float32 maximum."""
+  V = 3 * CHUNK + 5  # a partial last chunk, and not a multiple of the 16 lanes
+  x = np.zeros((10, V), np.float32)
+  x[0, [CHUNK - 1, CHUNK]] = 2.0  # a tie across a chunk boundary: the first wins
   x[1] = -np.inf
-  x[2, 5:] = -0.0  # +0.0 ties -0.0: the first zero wins
   x[2, :5] = -1.0
-  x[3, 3 * ARGMAX_CHUNK + 7] = np.nan
-  x[4, V - 1] = np.inf
-  x[5, [700, 701]] = 1.0
-  x[6, [9, 300, 301]] = [3e38, 3.2e38, 3.2e38]  # finite, but the row's sum overflows to +inf
-  first, special = jax.jit(_chunked_argmax_rows)(jnp.asarray(x))
-  np.testing.assert_array_equal(np.asarray(special), [False, False, False, True, True, False, True])
-  np.testing.assert_array_equal(np.asarray(first)[[0, 1, 2, 5]], [ARGMAX_CHUNK - 1, 0, 5, 700])
-  # The whole argmax takes the exact path for that batch: the NaN's index, the +inf's index, the first of the
-  # two largest finite values.
-  np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))),
-                                [ARGMAX_CHUNK - 1, 0, 5, 3 * ARGMAX_CHUNK + 7, V - 1, 700, 300])
+  x[2, 5:9] = -0.0  # -0.0 first, then +0.0: equal, so the first zero (5) wins
+  x[3, [10, 2 * CHUNK + 3]] = [5.0, np.nan]  # a NaN in a later chunk than the maximum
+  x[4, [CHUNK + 1, CHUNK + 2, 7]] = [np.nan, np.nan, 9.0]  # the first of two NaN, after the maximum's chunk
+  x[5, V - 1] = np.nan  # in the partial chunk
+  x[6, [V - 2, V - 1]] = [np.inf, np.inf]
+  x[7, [9, 3 * CHUNK, 3 * CHUNK + 1]] = [3e38, 3.2e38, 3.2e38]  # finite; a row sum would overflow
+  x[8] = np.nan
+  x[9, [CHUNK + 100, 2 * CHUNK + 100]] = [-np.inf, 1e-30]  # a tiny positive value beats the zeros
+  want = [CHUNK - 1, 0, 5, 2 * CHUNK + 3, CHUNK + 1, V - 1, V - 2, 3 * CHUNK, 0, 2 * CHUNK + 100]
+  np.testing.assert_array_equal(np.argmax(x, axis=-1), want)  # the cases mean what they say
+  np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), want)
+  # A denormal: XLA:CPU runs with denormals as zero (so jnp.argmax sees a row of zeros), and so does the handler.
+  d = jnp.asarray(np.where(np.arange(V) == 4000, np.float32(1e-45), np.float32(0))[None])
+  np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(d)), np.asarray(jnp.argmax(d, axis=-1)))
 
 
-def test_argmax_chunks_rows_and_keeps_the_first_maximum():
-  x = np.zeros((4 * ARGMAX_ROWS, 129280), np.float32)
-  x[:, 100] = x[:, 129279] = 1.0  # a tie: the first wins
-  x[3, 50] = np.nan
-  got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
-  assert got[3] == 50 and (np.delete(got, 3) == 100).all()
+def test_argmax_leading_dims_vmap_many_rows_and_bad_input():
+  x = jax.random.normal(jax.random.key(0), (3, 4, 5000), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(ops.argmax)(x)), np.asarray(jnp.argmax(x, axis=-1)))
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(ops.argmax))(x)), np.asarray(jnp.argmax(x, axis=-1)))
+  # 256 rows of the real vocabulary (the multi-threaded path), a tie at both ends of every row.
+  y = jax.random.normal(jax.random.key(1), (256, 129280), jnp.float32)
+  y = y.at[:, 0].set(9.0).at[:, -1].set(9.0).at[17, 70000].set(jnp.nan)
+  got = np.asarray(jax.jit(ops.argmax)(y))
+  assert got[17] == 70000 and (np.delete(got, 17) == 0).all()
+  assert int(jax.jit(ops.argmax)(jnp.float32([7.0]))) == 0
+  with pytest.raises(TypeError, match="float32"):
+    ops.argmax(jnp.zeros((2, 4), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"rows of 1 \.\. 2\*\*31 - 1 entries, got shape \(2, 0\)"):
+    ops.argmax(jnp.zeros((2, 0), jnp.float32))
+  with pytest.raises(ValueError, match=r"got shape \(\)"):
+    ops.argmax(jnp.float32(1.0))

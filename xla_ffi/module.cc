@@ -21,6 +21,7 @@
 
 extern "C" XLA_FFI_Error* HisparseSwapInCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseTopKCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparseArgmaxCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseSwapInExtCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupExtCpu(XLA_FFI_CallFrame*);
@@ -91,6 +92,7 @@ NB_MODULE(_ffi_cpu, m) {
     d["hisparse_prefetch_start_ext"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchStartExtCpu));
     d["hisparse_prefetch_wait"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchWaitCpu));
     d["hisparse_top_k"] = nb::capsule(reinterpret_cast<void*>(&HisparseTopKCpu));
+    d["hisparse_argmax"] = nb::capsule(reinterpret_cast<void*>(&HisparseArgmaxCpu));
     return d;
   });
   m.def("alloc_host_pool", &AllocHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),

@@ -19,67 +19,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ARGMAX_ROWS = 8  # rows per pass of the exact path: their logits stay in cache between its two reductions
-ARGMAX_CHUNK = 128  # vocabulary entries per chunk of argmax()'s chunked pass
-
-
-def _argmax_rows(x):
-  """Exactly jnp.argmax over the last axis of float32[R, V] (V < 2**22) by two plain max-reductions."""
-  V = x.shape[-1]
-  nan = jnp.isnan(x)
-  best = jnp.max(jnp.where(nan, -jnp.inf, x), axis=-1, keepdims=True)
-  pos = jax.lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)  # exact: V < 2**23
-  # One max-reduction finds the first NaN (2V - pos > V) or else the first maximum (V - pos <= V).
-  r = jnp.max(jnp.where(nan, 2 * V - pos, jnp.where(x == best, V - pos, -jnp.inf)), axis=-1)
-  return jnp.where(r > V, 2 * V - r, V - r).astype(jnp.int32)
-
-
-def _chunked_argmax_rows(x):
-  """(int32[R] first maximum of each row of float32[R, V], bool[R] the row may hold a NaN or +inf).
-
-  One plain max-reduction per ARGMAX_CHUNK entries, then jnp.argmax over the R x V / C chunk maxima (the first
-  chunk holding the row's maximum) and over that one chunk. XLA:CPU's vectorized max-reduction may drop a NaN,
-  so a second reduction sums each row: the sum is below +inf exactly when the row holds no NaN and no +inf
-  (a NaN makes any sum NaN; a +inf makes it +inf, or NaN beside a -inf), or when finite values overflow to
-  +inf. A row whose sum is below +inf gets its exact first maximum (-inf and +-0 included); the others are
-  flagged (also those that only overflow) and the caller recomputes them."""
-  R, V = x.shape
-  C = ARGMAX_CHUNK
-  chunks = x.reshape(R, V // C, C)
-  chunk_max = jnp.max(chunks, axis=-1)
-  c = jnp.argmax(chunk_max, axis=-1).astype(jnp.int32)
-  chunk = jnp.take_along_axis(chunks, c[:, None, None], axis=1)[:, 0]
-  return c * C + jnp.argmax(chunk, axis=-1).astype(jnp.int32), ~(jnp.sum(x, axis=-1) < jnp.inf)
-
-
-def _by_row_blocks(fn, x):
-  """fn over blocks of ARGMAX_ROWS rows of float32[B, V] (lax.map), or over all rows at once."""
-  B, V = x.shape
-  if B <= ARGMAX_ROWS or B % ARGMAX_ROWS:
-    return fn(x)
-  out = jax.lax.map(fn, x.reshape(B // ARGMAX_ROWS, ARGMAX_ROWS, V))
-  return jax.tree.map(lambda a: a.reshape(B), out)
+from hisparse_jax.kernels import ops
 
 
 def argmax(logits: jax.Array) -> jax.Array:
-  """Exactly ``jnp.argmax(logits, axis=-1)`` (int32[B] for float32[B, V], V < 2**22): the first NaN of a row if
-  it has one, else its first maximum.
+  """Greedy decoding's token: exactly ``jnp.argmax(logits, axis=-1)`` as int32[B] for float32[B, V] (the first
+  NaN of a row if it has one, else its first maximum).
 
-  XLA:CPU lowers jnp.argmax to a variadic (value, index) reduction that is not vectorized (9.3 ms for 32 rows
-  of V = 129280, 73 ms for 256). Here, when V is a multiple of ARGMAX_CHUNK, two plain reductions over the
-  whole batch (chunk maxima and row sums, ``_chunked_argmax_rows``) find each row's first maximum (0.8 ms
-  for 32 rows, 6.4 ms for 256); if some row of the batch may hold a NaN or +inf, the batch instead takes two
-  masked max-reductions per block of ARGMAX_ROWS rows (the exact path for those values; 2.5-2.9 and 19-20
-  ms), as does a V that is not a multiple. benchmarks/step_floor.py measures the decode step this is part
-  of."""
-  B, V = logits.shape
-  if V >= 2**22:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  exact = lambda x: _by_row_blocks(_argmax_rows, x)  # noqa: E731
-  if V % ARGMAX_CHUNK:
-    return exact(logits)
-  first_max, special = _chunked_argmax_rows(logits)
-  return jax.lax.cond(jnp.any(special), exact, lambda x: first_max, logits)
+  ``kernels.ops.argmax``: on CPU an FFI handler (one vectorized pass per row; XLA:CPU's own argmax is a
+  variadic reduction it does not vectorize, 5.9 ms for 32 rows of V = 129280 against 0.43 ms), elsewhere
+  ``jnp.argmax``. benchmarks/step_floor.py measures the decode step this is part of."""
+  return ops.argmax(logits)
 
 
 def sample(logits, temperature, top_k, top_p, seed, position):

@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - depends on the build machine
 
 SWAP_IN_TARGET = "hisparse_swap_in"
 TOP_K_TARGET = "hisparse_top_k"
+ARGMAX_TARGET = "hisparse_argmax"
 BACKUP_TARGET = "hisparse_backup"
 # Variants over a host pool owned by the extension (ExtensionHostPool).
 SWAP_IN_EXT_TARGET = "hisparse_swap_in_ext"
@@ -494,4 +495,28 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
                                       default=lambda x: tuple(jax.lax.top_k(x, k)))
 
   # Rows are independent: under data-parallel attention each group takes the top-k of its own rows.
+  return per_device(local, batch_axis="dp")(x)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+  """Exactly ``jnp.argmax(x, axis=-1)`` as int32 for float32 x[..., N], 1 <= N < 2**31: per row, the index of
+  its first NaN if it holds one, else of its first maximum (-0.0 equals +0.0; a row of -inf gives 0).
+
+  On CPU an FFI handler (``xla_ffi/argmax.cc``: one vectorized pass of chunk maxima and NaN flags per row,
+  then a pass over the one chunk that holds the first maximum; rows over XLA's thread pool) replaces
+  XLA:CPU's argmax, a variadic reduction it does not vectorize (5.9 ms for 32 rows of a 129280-entry
+  vocabulary against 0.43 ms); other platforms use ``jnp.argmax``. Raises TypeError for a dtype other than
+  float32, ValueError for a 0-d array or rows of 0 or >= 2**31 entries.
+  """
+  if x.dtype != jnp.float32:
+    raise TypeError(f"argmax takes float32, got {x.dtype}")
+  if x.ndim < 1 or not 1 <= x.shape[-1] < 2**31:
+    raise ValueError(f"argmax needs rows of 1 .. 2**31 - 1 entries, got shape {x.shape}")
+
+  def local(x):  # this device's rows
+    call = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
+                            vmap_method="broadcast_all")
+    return jax.lax.platform_dependent(x, cpu=call, default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
+
+  # Rows are independent: under data-parallel attention each group takes the argmax of its own rows.
   return per_device(local, batch_axis="dp")(x)

@@ -18,8 +18,9 @@ step is one round with one run of each reference, in an order rotated every roun
 machine's drift moves a step and its floor together:
   * compute: the step's FLOPs (XLA's cost analysis of the compiled decode) at the rate a bare jitted GEMM of
     the output projection (float32[B, hidden] times the float32 weight, the step's largest matmul) reaches
-    at that batch, the faster of the weight's two layouts ([hidden, vocab] as the model holds it, and
-    [vocab, hidden]: XLA:CPU runs them at different rates);
+    at that batch, the fastest of three forms XLA:CPU runs at different rates: the weight [hidden, vocab]
+    or [vocab, hidden] (as the model holds it) with the output [B, vocab], and the weight [vocab, hidden]
+    with the output [vocab, B] (the engine's decode layout up to ``VOCAB_MAJOR_MAX_BATCH`` rows on CPU);
   * memory: the bytes of the weights a step reads (every parameter but the input embedding table, of which
     it gathers B rows) at the bandwidth of a bare jitted read of as many bytes (``jnp.sum`` over a float32
     array of that size): every step must stream those weights once.
@@ -108,10 +109,12 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   w_hv = jnp.asarray(rng.standard_normal((H, V)), jnp.float32)
   w_vh = jnp.asarray(w_hv.T)
   big = jnp.ones((weight_bytes // 4,), jnp.float32)
-  # The weight in both layouts: the model's [hidden, vocab] and the checkpoint's [vocab, hidden] (row-major),
-  # which XLA:CPU's GEMM may run at different rates; the floor takes the faster.
+  # The weight in both layouts ([hidden, vocab], and [vocab, hidden] as the model and checkpoints hold it,
+  # row-major) and the output both ways, which XLA:CPU's GEMM runs at different rates; the floor takes the
+  # fastest.
   refs = {"gemm_hv": (jax.jit(lambda x, w: x @ w), (x, w_hv)),
           "gemm_vh": (jax.jit(lambda x, w: jnp.einsum("bh,vh->bv", x, w)), (x, w_vh)),
+          "gemm_vb": (jax.jit(lambda x, w: jnp.einsum("vh,bh->vb", w, x)), (x, w_vh)),
           "read": (jax.jit(jnp.sum), (big,))}
   ref_times = {name: [] for name in refs}
   for fn, fn_args in refs.values():
@@ -140,20 +143,22 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
 
   ms = lambda v: 1e3 * np.asarray(v)  # noqa: E731
   call, eng = ms(times[SKIP:]), ms(step_times[SKIP:])
-  hv, vh, read = ms(ref_times["gemm_hv"]), ms(ref_times["gemm_vh"]), ms(ref_times["read"])
+  hv, vh, vb = ms(ref_times["gemm_hv"]), ms(ref_times["gemm_vh"]), ms(ref_times["gemm_vb"])
+  read = ms(ref_times["read"])
   gemm_flops = 2.0 * batch * H * V
-  # Each round's floor from that round's references: the step's FLOPs at the faster GEMM's rate, or the
+  # Each round's floor from that round's references: the step's FLOPs at the fastest GEMM's rate, or the
   # weights' bytes at the bare read's bandwidth.
-  round_floor = np.maximum(flops / (gemm_flops / np.minimum(hv, vh)), read)
+  round_floor = np.maximum(flops / (gemm_flops / np.minimum(np.minimum(hv, vh), vb)), read)
   quartiles = lambda v: [float(q) for q in np.percentile(v, [25, 75])]  # noqa: E731
-  gemm_hv_ms, gemm_vh_ms, read_ms = float(np.median(hv)), float(np.median(vh)), float(np.median(read))
-  gemm_ms = min(gemm_hv_ms, gemm_vh_ms)
+  gemm_hv_ms, gemm_vh_ms, gemm_vb_ms = float(np.median(hv)), float(np.median(vh)), float(np.median(vb))
+  read_ms = float(np.median(read))
+  gemm_ms = min(gemm_hv_ms, gemm_vh_ms, gemm_vb_ms)
   compute_ms = flops / (gemm_flops / gemm_ms)
   memory_ms = read_ms  # the weights' bytes at the bare read's bandwidth
   return dict(batch=B, bucket=batch, mode=mode, step_ms=float(np.median(call)), engine_step_ms=float(np.median(eng)),
               steps_timed=len(call), flops=flops,
               step_bytes=step_bytes, weight_bytes=weight_bytes, gemm_ms=gemm_ms, gemm_hv_ms=gemm_hv_ms,
-              gemm_vh_ms=gemm_vh_ms,
+              gemm_vh_ms=gemm_vh_ms, gemm_vb_ms=gemm_vb_ms,
               gemm_gflops_per_s=gemm_flops / gemm_ms / 1e6, read_gb_per_s=weight_bytes / read_ms / 1e6,
               compute_floor_ms=compute_ms, memory_floor_ms=memory_ms, floor_ms=max(compute_ms, memory_ms),
               ratio=float(np.median(call / round_floor)), ratio_iqr=quartiles(call / round_floor),
@@ -213,13 +218,14 @@ def main(argv=None) -> int:
            f"{args.prompt_len} tokens, {args.steps} decode steps, the first {SKIP} untimed; each timed step one round "
            "with the floor's references. Ratios: median over rounds of step / that round's floor (IQR).", "",
            "| batch | mode | decode call ms | engine step ms | floor ms (bound) | call / floor | engine step / floor "
-           "| GFLOP / step | bare GEMM ms (GFLOP/s) | GEMM [H,V] / [V,H] ms | weight read GB/s | transformers step ms |",
+           "| GFLOP / step | bare GEMM ms (GFLOP/s) | GEMM ms: w [H,V] / w [V,H] / out [V,B] | weight read GB/s "
+           "| transformers step ms |",
            "|---" * 12 + "|"]
   for r in rows:
     hf = theirs.get(r["batch"])
     lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['engine_step_ms']:.2f} | "
                  f"{r['floor_ms']:.2f} ({r['bound']}) | {_ratio(r, 'ratio')} | {_ratio(r, 'engine_ratio')} | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
-                 f"{r['gemm_hv_ms']:.2f} / {r['gemm_vh_ms']:.2f} | {r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |")
+                 f"{r['gemm_hv_ms']:.2f} / {r['gemm_vh_ms']:.2f} / {r['gemm_vb_ms']:.2f} | {r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |")
   write_results(args.out, {"args": vars(args), "rows": rows, "transformers_step_ms": theirs,
                            "seconds": time.perf_counter() - t0}, "\n".join(lines))
   return 0

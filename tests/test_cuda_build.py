@@ -31,6 +31,7 @@ def test_cuda_handler_built_for_sm90a():
                                            ops.BACKUP_EXT_TARGET, ops.PREFETCH_START_TARGET,
                                            ops.PREFETCH_START_EXT_TARGET, ops.PREFETCH_WAIT_TARGET}
   # The CPU module registers the same targets (plus its top-k and argmax: other platforms use XLA's own).
-  assert set(ops._ffi_cpu.registrations()) == set(_ffi_cuda.registrations()) | {ops.TOP_K_TARGET, ops.ARGMAX_TARGET}
+  assert set(ops._ffi_cpu.registrations()) == set(_ffi_cuda.registrations()) | {ops.TOP_K_TARGET, ops.ARGMAX_TARGET,
+                                                                                 ops.ARGMAX_COLUMNS_TARGET}
   fatbin = _section(pathlib.Path(_ffi_cuda.__file__), ".nv_fatbin")
   assert len(fatbin) > 1000 and b"sm_90a" in fatbin

@@ -73,5 +73,67 @@ def test_argmax_leading_dims_vmap_many_rows_and_bad_input():
     ops.argmax(jnp.zeros((2, 4), jnp.bfloat16))
   with pytest.raises(ValueError, match=r"rows of 1 \.\. 2\*\*31 - 1 entries, got shape \(2, 0\)"):
     ops.argmax(jnp.zeros((2, 0), jnp.float32))
-  with pytest.raises(ValueError, match=r"got shape \(\)"):
+  with pytest.raises(ValueError, match=r"at least one dimension, got shape \(\)"):
     ops.argmax(jnp.float32(1.0))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 300), st.one_of(st.integers(1, 70), st.sampled_from([128, 256, 257, 300])),
+       st.sampled_from([0.0, 0.0, 0.002, 0.02]), st.integers(0, 2**31))
+def test_argmax_over_columns_is_jnp_argmax_exactly(rows, columns, special_rate, seed):
+  """axis 0 of [N, C] (logits held [vocab, batch]): exact first maximum / first NaN per column, for column counts
+  that divide the 16 lanes, are multiples of them, are neither (periods of lcm(C, 16) lanes), and past the
+  handler's largest period (257: every entry on the scalar pass); N not a whole number of periods."""
+  rng = np.random.default_rng(seed)
+  x = np.round(rng.standard_normal((rows, columns)) * 2).astype(np.float32)
+  x[x == 0] *= np.where(rng.random(int((x == 0).sum())) < 0.5, -1, 1).astype(np.float32)
+  special = rng.random(x.shape)
+  x[special < special_rate] = np.inf
+  x[(special > 0.5) & (special < 0.5 + max(special_rate, 0.02))] = -np.inf
+  x[special > 1 - special_rate / 2] = np.nan
+  x[:, rng.random(columns) < 0.2] = -np.inf  # whole columns at -inf
+  got = np.asarray(jax.jit(lambda a: argmax(a, vocab_major=True))(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, np.argmax(x, axis=0))
+  assert got.dtype == np.int32 and got.shape == (columns,)
+
+
+def test_argmax_over_columns_awkward_and_large():
+  x = np.zeros((40, 32), np.float32)
+  x[[3, 20], 0] = 2.0  # a tie in one lane's residue class... and across the two vectors of a period
+  x[[20, 3], 1] = [2.0, 2.0]
+  x[:, 2] = -np.inf
+  x[[5, 7], 3] = [np.nan, np.nan]
+  x[6, 3] = np.inf
+  x[39, 4] = np.nan  # in the last period
+  x[:10, 5] = -0.0  # -0.0 then +0.0: the first row
+  x[[1, 2], 6] = [1e38, 3e38]
+  want = np.argmax(x, axis=0)
+  assert want[:7].tolist() == [3, 3, 0, 5, 39, 0, 2]
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: ops.argmax(a, axis=0))(jnp.asarray(x))), want)
+  # The decode layout at batch 32 (many periods, the multi-threaded pass): the transposed row argmax.
+  y = jax.random.normal(jax.random.key(2), (129280, 32), jnp.float32).at[100000, 9].set(jnp.nan)
+  y = y.at[0, 4].set(9.0).at[-1, 4].set(9.0)
+  got = np.asarray(jax.jit(lambda a: ops.argmax(a, axis=0))(y))
+  np.testing.assert_array_equal(got, np.asarray(ops.argmax(jnp.asarray(y.T))))
+  assert got[9] == 100000 and got[4] == 0
+  with pytest.raises(ValueError, match="axis 0 of a 2-D array; got axis 1 of shape"):
+    ops.argmax(jnp.zeros((2, 3, 4), jnp.float32), axis=1)
+  with pytest.raises(ValueError, match=r"\[N, C\] with N, C >= 1"):
+    ops.argmax(jnp.zeros((0, 4), jnp.float32), axis=0)
+
+
+def test_sampling_vocab_major_matches_batch_major():
+  """sample() on logits held [vocab, batch] draws exactly the tokens it draws from [batch, vocab], greedy rows
+  (the argmax over columns) and sampling rows (the transposed logits) alike."""
+  B, V = 6, 3000
+  logits = jax.random.normal(jax.random.key(3), (B, V), jnp.float32) * 3
+  temperature = jnp.float32([0, 0.7, 0, 1.0, 1.3, 0])
+  top_k = jnp.int32([0, 50, 0, 0, 7, 0])
+  top_p = jnp.float32([1, 0.9, 1, 0.5, 1, 1])
+  seed, position = jnp.arange(B, dtype=jnp.uint32) + 11, jnp.arange(B, dtype=jnp.int32) + 40
+  from hisparse_jax.engine.sampling import sample
+  args = (temperature, top_k, top_p, seed, position)
+  want = np.asarray(jax.jit(sample)(logits, *args))
+  got = np.asarray(jax.jit(lambda lt, *a: sample(lt, *a, vocab_major=True))(logits.T, *args))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(want[[0, 2, 5]], np.argmax(np.asarray(logits), axis=-1)[[0, 2, 5]])

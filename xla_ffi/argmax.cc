@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
+#include <vector>
 
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,11 +37,15 @@ constexpr int64_t kChunk = 2048;  // entries per chunk: 8 KiB, still in L1 for t
 typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-// The largest non-NaN value of x[0, n) (-inf if none) and whether x[0, n) holds a NaN.
-// Compiled for AVX-512 / AVX2 / baseline x86-64, picked at load time by the CPU it runs on.
+// The scans below are compiled for AVX-512 / AVX2 / baseline x86-64, picked at load time by the CPU.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+#define HISPARSE_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HISPARSE_SIMD_CLONES
 #endif
+
+// The largest non-NaN value of x[0, n) (-inf if none) and whether x[0, n) holds a NaN.
+HISPARSE_SIMD_CLONES
 float ChunkMax(const float* x, int64_t n, bool* has_nan) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   Floats acc;
@@ -105,6 +111,107 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
+
+// ------------------------------------------------------------------------------------ argmax over columns
+// x f32[N, C] -> s32[C]: jnp.argmax(x, axis=0), for logits held vocabulary-major ([vocab, batch]: XLA:CPU
+// computes the output projection 15-20% faster that way at batch 8-64). Row-major x is one flat array in
+// which entry k is (row k / C, column k % C); a period of L = lcm(C, 16) entries maps each of its L lanes
+// to one column, so kLanes-wide vectors stepping L entries at a time keep, per lane, the largest value and
+// the flat index of its first occurrence, and the flat index of the first NaN. The lanes of a column (and
+// the entries past the last whole period) are then combined: the first NaN's row if any, else the smallest
+// row holding the maximum (-0.0 equals +0.0; a column of -inf gives 0).
+
+constexpr int64_t kMaxPeriod = 4096;  // lanes kept per scan (C of 1 .. 256 and any multiple of 16 up to it)
+
+// Per lane over x[begin, end) (whole periods of 16 * nv entries, nv = NV when NV > 0): val / idx the largest
+// non-NaN value and the flat index of its first occurrence (-1: none above -inf), nan the flat index of the
+// first NaN (-1: none); each 16 * nv long (plain arrays: the vectors live in this frame, which the compiler
+// aligns). A fixed NV (the batch buckets up to 64 columns) keeps the accumulators in registers.
+template <int64_t NV>
+HISPARSE_SIMD_CLONES void ScanPeriods(const float* x, int64_t begin, int64_t end, int64_t nv, float* val_out,
+                                      int32_t* idx_out, int32_t* nan_out) {
+  constexpr int64_t kSlots = NV > 0 ? NV : kMaxPeriod / kLanes;
+  if (NV > 0) nv = NV;
+  Floats val[kSlots];
+  Ints idx[kSlots], nan[kSlots];
+  Ints iota;
+  for (int64_t j = 0; j < kLanes; ++j) iota[j] = static_cast<int32_t>(j);
+  const Floats neg_inf = Floats{} - std::numeric_limits<float>::infinity();
+  const Ints none = Ints{} - 1;
+  for (int64_t v = 0; v < nv; ++v) {
+    val[v] = neg_inf;
+    idx[v] = none;
+    nan[v] = none;
+  }
+  for (int64_t base = begin; base < end; base += kLanes * nv) {
+    for (int64_t v = 0; v < nv; ++v) {
+      const int64_t off = base + kLanes * v;
+      Floats xv;
+      std::memcpy(&xv, x + off, sizeof(xv));
+      const Ints k = iota + static_cast<int32_t>(off);
+      // Masks are -1 / 0 per lane; blends as bit operations (GCC scalarizes a ternary on these).
+      const Ints gt = xv > val[v];  // strictly: a lane keeps its first maximum; a NaN compares false
+      val[v] = gt ? xv : val[v];
+      idx[v] = (k & gt) | (idx[v] & ~gt);
+      const Ints first_nan = ~(xv == xv) & (nan[v] >> 31);  // NaN here, none before (nan[v] still -1)
+      nan[v] = (k & first_nan) | (nan[v] & ~first_nan);
+    }
+  }
+  std::memcpy(val_out, val, nv * sizeof(Floats));
+  std::memcpy(idx_out, idx, nv * sizeof(Ints));
+  std::memcpy(nan_out, nan, nv * sizeof(Ints));
+}
+
+ffi::Error ArgmaxColumnsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Result<ffi::Buffer<ffi::S32>> index) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("argmax over columns: x must be [rows, columns]");
+  const int64_t n = dims[0], c = dims[1];
+  if (n < 1 || c < 1 || n * c > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("argmax over columns: x of " + std::to_string(n) + " x " + std::to_string(c) +
+                                       " entries; need 1 .. 2^31 - 1 in all, at least one row and column");
+  if (static_cast<int64_t>(index->element_count()) != c)
+    return ffi::Error::InvalidArgument("argmax over columns: the result must hold one index per column");
+  const float* in = x.typed_data();
+  int32_t* out = index->typed_data();
+  const int64_t total = n * c;
+  const int64_t period = c / std::gcd(c, kLanes) * kLanes;  // lcm(c, kLanes)
+  const int64_t nv = period <= kMaxPeriod ? period / kLanes : 0;  // 0: every entry takes the scalar pass
+  const int64_t periods = nv ? total / period : 0;
+  // Pieces of whole periods, ~256K entries (1 MiB) each, scanned in parallel and combined in order.
+  const int64_t pieces = periods ? std::clamp<int64_t>(periods * period >> 18, 1, 64) : 0;
+  const int64_t lanes = nv * kLanes;  // = period when nv > 0
+  std::vector<float> val(pieces * lanes);
+  std::vector<int32_t> idx(pieces * lanes), nan(pieces * lanes);
+  auto scan = nv == 1 ? &ScanPeriods<1> : nv == 2 ? &ScanPeriods<2> : nv == 4 ? &ScanPeriods<4> : &ScanPeriods<0>;
+  ParallelFor(thread_pool, pieces, 1, [&](int64_t i) {
+    scan(in, periods * i / pieces * period, periods * (i + 1) / pieces * period, nv, &val[i * lanes],
+         &idx[i * lanes], &nan[i * lanes]);
+  });
+  std::vector<float> best(c, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> best_row(c, 0), nan_row(c, n);  // nan_row n: no NaN
+  auto offer = [&](int64_t k, float v) {  // entry k (row k / c, column k % c), v not NaN
+    const int64_t col = k % c, row = k / c;
+    if (v > best[col] || (v == best[col] && row < best_row[col])) {
+      best[col] = v;
+      best_row[col] = row;
+    }
+  };
+  for (int64_t i = 0; i < pieces * lanes; ++i) {
+    if (idx[i] >= 0) offer(idx[i], val[i]);
+    if (nan[i] >= 0) nan_row[nan[i] % c] = std::min<int64_t>(nan_row[nan[i] % c], nan[i] / c);
+  }
+  for (int64_t k = periods * period; k < total; ++k) {  // past the last whole period (or all, for nv = 0)
+    if (in[k] != in[k])
+      nan_row[k % c] = std::min(nan_row[k % c], k / c);
+    else
+      offer(k, in[k]);
+  }
+  for (int64_t col = 0; col < c; ++col)
+    out[col] = static_cast<int32_t>(nan_row[col] < n ? nan_row[col] : best_row[col]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace hisparse
 
@@ -113,3 +220,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseArgmaxCpu, hisparse::ArgmaxImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Ret<ffi::Buffer<ffi::S32>>());  // index
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseArgmaxColumnsCpu, hisparse::ArgmaxColumnsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, columns]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // index [columns]

@@ -22,6 +22,7 @@
 extern "C" XLA_FFI_Error* HisparseSwapInCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseTopKCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseArgmaxCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* HisparseArgmaxColumnsCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseSwapInExtCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* HisparseBackupExtCpu(XLA_FFI_CallFrame*);
@@ -93,6 +94,7 @@ NB_MODULE(_ffi_cpu, m) {
     d["hisparse_prefetch_wait"] = nb::capsule(reinterpret_cast<void*>(&HisparsePrefetchWaitCpu));
     d["hisparse_top_k"] = nb::capsule(reinterpret_cast<void*>(&HisparseTopKCpu));
     d["hisparse_argmax"] = nb::capsule(reinterpret_cast<void*>(&HisparseArgmaxCpu));
+    d["hisparse_argmax_columns"] = nb::capsule(reinterpret_cast<void*>(&HisparseArgmaxColumnsCpu));
     return d;
   });
   m.def("alloc_host_pool", &AllocHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),

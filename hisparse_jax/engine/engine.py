@@ -69,6 +69,10 @@ from models.convert import load_model, model_fingerprint
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_BUCKET = 16
+# Decode batches up to this many rows take their logits vocabulary-major ([vocab, batch]) on one CPU device:
+# XLA:CPU's output projection runs 15-20% faster with that output layout at 2-64 rows, equal at 1, 2-5% slower
+# at 128-256 (benchmarks/step_floor.py's GEMM columns), and greedy rows take the argmax over columns.
+VOCAB_MAJOR_MAX_BATCH = 64
 # Indexer windows (keys scored) are powers of two covering the newest position, at least this: one compiled
 # step per window bucket, at most 2x the keys a step needs.
 MIN_INDEX_WINDOW = 256
@@ -242,6 +246,7 @@ class Engine:
 
     blocks = ("window", "key_block", "score_block")
     mesh = self.mesh
+    vocab_major_decode = mesh is None and jax.default_backend() == "cpu"  # (VOCAB_MAJOR_MAX_BATCH)
 
     def replicated(x):
       # What comes back to the host (tokens, top-k traces) is whole on every device, so that every process
@@ -264,10 +269,12 @@ class Engine:
     def decode(params, tokens, positions, state, tables, sampling, *, residency, **blocks):
       view = state.view(tables, residency)
       params = jax.tree_util.tree_unflatten(param_def, params)
-      out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk, **blocks)
+      vocab_major = vocab_major_decode and tokens.shape[0] <= VOCAB_MAJOR_MAX_BATCH
+      out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
+                                               vocab_major=vocab_major, **blocks)
       status = replicated(kernel_status(out[1], tokens.shape[0]))
-      return ((replicated(sample(out[0], *sampling, positions + 1)), status), state.absorb(out[1]),
-              *(replicated(x) for x in out[2:]))
+      return ((replicated(sample(out[0], *sampling, positions + 1, vocab_major=vocab_major)), status),
+              state.absorb(out[1]), *(replicated(x) for x in out[2:]))
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def import_kv(state, tables, latent, index, length):

@@ -22,21 +22,22 @@ import jax.numpy as jnp
 from hisparse_jax.kernels import ops
 
 
-def argmax(logits: jax.Array) -> jax.Array:
-  """Greedy decoding's token: exactly ``jnp.argmax(logits, axis=-1)`` as int32[B] for float32[B, V] (the first
-  NaN of a row if it has one, else its first maximum).
+def argmax(logits: jax.Array, *, vocab_major: bool = False) -> jax.Array:
+  """Greedy decoding's token: exactly ``jnp.argmax(logits, axis=-1)`` as int32[B] for float32[B, V]
+  (vocab_major: ``axis=0`` of float32[V, B]): the first NaN of a row if it has one, else its first maximum.
 
-  ``kernels.ops.argmax``: on CPU an FFI handler (one vectorized pass per row; XLA:CPU's own argmax is a
-  variadic reduction it does not vectorize, 5.9 ms for 32 rows of V = 129280 against 0.43 ms), elsewhere
+  ``kernels.ops.argmax``: on CPU an FFI handler (one vectorized pass; XLA:CPU's own argmax is a variadic
+  reduction it does not vectorize, 5.9 ms for 32 rows of V = 129280 against 0.43 ms), elsewhere
   ``jnp.argmax``. benchmarks/step_floor.py measures the decode step this is part of."""
-  return ops.argmax(logits)
+  return ops.argmax(logits, axis=0 if vocab_major else -1)
 
 
-def sample(logits, temperature, top_k, top_p, seed, position):
+def sample(logits, temperature, top_k, top_p, seed, position, *, vocab_major: bool = False):
   """Next tokens for a batch.
 
   Args:
-    logits: float32[B, V].
+    logits: float32[B, V], or float32[V, B] with vocab_major (transposed only in a step where some row
+      samples).
     temperature: float32[B]; <= 0 means greedy.
     top_k: int32[B]; <= 0 disables.
     top_p: float32[B]; <= 0 or >= 1 disables.
@@ -46,14 +47,15 @@ def sample(logits, temperature, top_k, top_p, seed, position):
   Returns:
     int32[B] token ids.
   """
-  greedy = argmax(logits)
+  greedy = argmax(logits, vocab_major=vocab_major)
   do_sample = temperature > 0
 
   def draw():
-    B, V = logits.shape
+    logits_bv = logits.T if vocab_major else logits
+    B, V = logits_bv.shape
     t = jnp.where(do_sample, temperature, 1.0)[:, None]
-    order = jnp.argsort(-logits, axis=-1)  # descending
-    vals = jnp.take_along_axis(logits, order, axis=-1) / t
+    order = jnp.argsort(-logits_bv, axis=-1)  # descending
+    vals = jnp.take_along_axis(logits_bv, order, axis=-1) / t
     rank = jnp.arange(V)[None, :]
     keep = jnp.where((top_k > 0)[:, None], rank < top_k[:, None], True)
     probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)

@@ -51,6 +51,7 @@ except ImportError:  # pragma: no cover - depends on the build machine
 SWAP_IN_TARGET = "hisparse_swap_in"
 TOP_K_TARGET = "hisparse_top_k"
 ARGMAX_TARGET = "hisparse_argmax"
+ARGMAX_COLUMNS_TARGET = "hisparse_argmax_columns"
 BACKUP_TARGET = "hisparse_backup"
 # Variants over a host pool owned by the extension (ExtensionHostPool).
 SWAP_IN_EXT_TARGET = "hisparse_swap_in_ext"
@@ -498,19 +499,32 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return per_device(local, batch_axis="dp")(x)
 
 
-def argmax(x: jax.Array) -> jax.Array:
-  """Exactly ``jnp.argmax(x, axis=-1)`` as int32 for float32 x[..., N], 1 <= N < 2**31: per row, the index of
-  its first NaN if it holds one, else of its first maximum (-0.0 equals +0.0; a row of -inf gives 0).
+def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Exactly ``jnp.argmax(x, axis=axis)`` as int32, for float32 x: per row (axis -1: x[..., N], 1 <= N < 2**31)
+  or per column (axis 0: x[N, C] only, N * C < 2**31, e.g. logits held [vocab, batch]), the index of its first
+  NaN if it holds one, else of its first maximum (-0.0 equals +0.0; all -inf gives 0).
 
-  On CPU an FFI handler (``xla_ffi/argmax.cc``: one vectorized pass of chunk maxima and NaN flags per row,
-  then a pass over the one chunk that holds the first maximum; rows over XLA's thread pool) replaces
-  XLA:CPU's argmax, a variadic reduction it does not vectorize (5.9 ms for 32 rows of a 129280-entry
-  vocabulary against 0.43 ms); other platforms use ``jnp.argmax``. Raises TypeError for a dtype other than
-  float32, ValueError for a 0-d array or rows of 0 or >= 2**31 entries.
+  On CPU FFI handlers (``xla_ffi/argmax.cc``; rows: one vectorized pass of chunk maxima and NaN flags per row,
+  then a pass over the one chunk that holds the first maximum; columns: one vectorized pass keeping each
+  lane's maximum, its first index and its first NaN, then a merge of each column's lanes; the work over XLA's
+  thread pool) replace XLA:CPU's argmax, a variadic reduction it does not vectorize (5.9 ms for 32 rows of a
+  129280-entry vocabulary against 0.43 ms); other platforms use ``jnp.argmax``. Raises TypeError for a dtype
+  other than float32, ValueError for another axis or shapes outside those bounds.
   """
   if x.dtype != jnp.float32:
     raise TypeError(f"argmax takes float32, got {x.dtype}")
-  if x.ndim < 1 or not 1 <= x.shape[-1] < 2**31:
+  if x.ndim < 1:
+    raise ValueError(f"argmax needs at least one dimension, got shape {x.shape}")
+  if axis == 0 and x.ndim == 2:
+    if not (x.shape[0] >= 1 and x.shape[1] >= 1 and x.size < 2**31):
+      raise ValueError(f"argmax over axis 0 needs [N, C] with N, C >= 1 and N * C < 2**31, got shape {x.shape}")
+    call = jax.ffi.ffi_call(ARGMAX_COLUMNS_TARGET, jax.ShapeDtypeStruct(x.shape[1:], jnp.int32))
+    local = lambda x: jax.lax.platform_dependent(  # noqa: E731
+        x, cpu=call, default=lambda x: jnp.argmax(x, axis=0).astype(jnp.int32))
+    return per_device(local)(x)  # on a mesh: the whole array on every device (columns are not split)
+  if axis not in (-1, x.ndim - 1):
+    raise ValueError(f"argmax takes axis -1, or axis 0 of a 2-D array; got axis {axis} of shape {x.shape}")
+  if not 1 <= x.shape[-1] < 2**31:
     raise ValueError(f"argmax needs rows of 1 .. 2**31 - 1 entries, got shape {x.shape}")
 
   def local(x):  # this device's rows

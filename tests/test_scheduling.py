@@ -283,7 +283,8 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
   assert eng.backend.residency([r.kv]) == residencies[0]
   lowered = {
       **{f"decode {res}": eng._decode_fn.lower(eng._params, tok[:, 0], pos[:, 0] + 20, state, decode_tables,
-                                               sampling, residency=res, **eng._index_blocks(1, 1, 20))
+                                               sampling, eng._logits_buffer(1), residency=res,
+                                               **eng._index_blocks(1, 1, 20))
          for res in residencies},
       **{f"prefill first_token={first}": eng._prefill_fn.lower(
           eng._params, tok, pos, state, prefill_tables, sampling, query_block=None, first_token=first,

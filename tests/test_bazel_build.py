@@ -61,3 +61,7 @@ def test_bazel_library_exports_the_argmax(bazel_library):
   x = np.float32([[1, 3, 3, -np.inf], [np.nan, 2, np.nan, 9], [-np.inf] * 4])
   call = jax.ffi.ffi_call("hisparse_argmax_bazel", jax.ShapeDtypeStruct((3,), np.int32))
   np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), [1, 0, 0])
+  jax.ffi.register_ffi_target("hisparse_argmax_columns_bazel", jax.ffi.pycapsule(lib.HisparseArgmaxColumnsCpu),
+                              platform="cpu")
+  columns = jax.ffi.ffi_call("hisparse_argmax_columns_bazel", jax.ShapeDtypeStruct((4,), np.int32))
+  np.testing.assert_array_equal(np.asarray(jax.jit(columns)(x)), [1, 0, 1, 1])

@@ -137,3 +137,29 @@ def test_sampling_vocab_major_matches_batch_major():
   got = np.asarray(jax.jit(lambda lt, *a: sample(lt, *a, vocab_major=True))(logits.T, *args))
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(want[[0, 2, 5]], np.argmax(np.asarray(logits), axis=-1)[[0, 2, 5]])
+
+
+def test_argmax_over_columns_across_pieces_and_axis_forms():
+  """Arrays large enough to be split into several pieces scanned in parallel (1 MiB each), with the first
+  maximum and the first NaN of a column in different pieces; the generic period (255 columns: 255 vectors a
+  period); axis given as -2; vmap over the column handler; bad axes."""
+  rng = np.random.default_rng(5)
+  x = np.round(rng.standard_normal((300_000, 8)) * 3).astype(np.float32)  # ~9 pieces
+  x[[10, 250_000], 0] = 50.0  # a tie across pieces: the first wins
+  x[[270_000, 280_000], 1] = np.nan  # NaN only in late pieces
+  x[5, 1] = 60.0
+  x[:, 2] = -np.inf
+  x[299_999, 3] = np.inf
+  y = np.round(rng.standard_normal((3000, 255)) * 3).astype(np.float32)  # 2 pieces of the 255-vector period
+  y[2990, 7] = np.nan
+  for a in (x, y):
+    got = np.asarray(jax.jit(lambda v: ops.argmax(v, axis=-2))(jnp.asarray(a)))
+    np.testing.assert_array_equal(got, np.argmax(a, axis=0))
+  assert np.asarray(jax.jit(lambda v: ops.argmax(v, axis=0))(jnp.asarray(x)))[:4].tolist() == [10, 270_000, 0,
+                                                                                                299_999]
+  z = jnp.asarray(np.round(rng.standard_normal((3, 50, 6)) * 2), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(lambda v: ops.argmax(v, axis=0)))(z)),
+                                np.argmax(np.asarray(z), axis=1))
+  for bad in (2, -3, True):
+    with pytest.raises(ValueError, match="out of range"):
+      ops.argmax(jnp.zeros((2, 3), jnp.float32), axis=bad)

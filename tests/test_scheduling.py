@@ -384,3 +384,28 @@ def test_dynamic_residency_is_lossless_and_offloads_under_memory_pressure():
   assert eng.memory_plan.pools["staging"][1] < sum(-(-(n + 40) // 16) for n in lens)
   assert tokens == dense and eng.num_offloads >= 1 and eng.residency_steps["mixed"] > 0
   assert sum(r.misses for r in rs) > 0  # the offloaded ones swapped in
+
+
+def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
+  """On one CPU device a decode step writes its [vocab, B] logits into the buffer the previous step at that
+  batch bucket returned (donated: that one is deleted), only the current bucket's buffer is kept, and a reset
+  drops it."""
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, **SMALL)
+  for i, n in enumerate([3, 3, 6, 10]):  # the batch bucket changes as requests join (one prefill a step) and end
+    eng.submit(Request(f"r{i}", prompt(20, i), n, ignore_eos=True))
+  donated, buckets = [], []
+  while eng.waiting or eng.running:
+    before = dict(eng._logits_buffers)
+    steps = eng.decode_steps
+    eng.step()
+    if eng.decode_steps == steps:
+      continue
+    B = eng.last_decode_batch
+    buckets.append(B)
+    assert list(eng._logits_buffers) == [B] and eng._logits_buffers[B].shape == (eng.config.vocab_size, B)
+    if B in before:
+      donated.append(before[B].is_deleted() and eng._logits_buffers[B] is not before[B])
+  assert buckets[0] == 1 and 2 in buckets and buckets[-1] == 1  # buckets 1 -> 2 -> 1: new buffers each change
+  assert len(donated) >= 6 and all(donated)
+  eng.reset()
+  assert eng._logits_buffers == {}

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -162,8 +163,8 @@ HISPARSE_SIMD_CLONES void ScanPeriods(const float* x, int64_t begin, int64_t end
   std::memcpy(nan_out, nan, nv * sizeof(Ints));
 }
 
-ffi::Error ArgmaxColumnsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x,
-                             ffi::Result<ffi::Buffer<ffi::S32>> index) {
+ffi::Error ArgmaxColumns(ffi::ThreadPool& thread_pool, ffi::Buffer<ffi::F32>& x,
+                         ffi::Result<ffi::Buffer<ffi::S32>>& index) {
   auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("argmax over columns: x must be [rows, columns]");
   const int64_t n = dims[0], c = dims[1];
@@ -210,6 +211,15 @@ ffi::Error ArgmaxColumnsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> 
   for (int64_t col = 0; col < c; ++col)
     out[col] = static_cast<int32_t>(nan_row[col] < n ? nan_row[col] : best_row[col]);
   return ffi::Error::Success();
+}
+
+ffi::Error ArgmaxColumnsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Result<ffi::Buffer<ffi::S32>> index) {
+  try {  // its per-column and per-piece vectors: a failed allocation must not unwind through XLA's C ABI
+    return ArgmaxColumns(thread_pool, x, index);
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "argmax over columns: out of host memory");
+  }
 }
 
 }  // namespace

@@ -275,9 +275,10 @@ class Engine:
       out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
                                                vocab_major=vocab_major, **blocks)
       status = replicated(kernel_status(out[1], tokens.shape[0]))
+      # The logits written into the donated buffer (the update covers it all, so XLA computes them there).
+      logits = None if logits_buffer is None else jax.lax.dynamic_update_slice(logits_buffer, out[0], (0, 0))
       return ((replicated(sample(out[0], *sampling, positions + 1, vocab_major=vocab_major)), status),
-              state.absorb(out[1]), None if logits_buffer is None else out[0],
-              *(replicated(x) for x in out[2:]))
+              state.absorb(out[1]), logits, *(replicated(x) for x in out[2:]))
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def import_kv(state, tables, latent, index, length):
@@ -294,17 +295,17 @@ class Engine:
 
     self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn = (
         self._on_mesh(f) for f in (prefill, decode, import_kv, export_kv, offload))
-    self._logits_buffers: dict[int, jax.Array] = {}  # batch bucket -> the last decode step's logits there
     self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
     self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
 
   def _logits_buffer(self, B: int) -> jax.Array | None:
-    """The float32[vocab, B] buffer the decode step at batch bucket B writes its logits over (donated), or None
-    (a mesh, a platform other than CPU, or B > VOCAB_MAJOR_MAX_BATCH). On CPU, XLA allocates each call's
-    temporaries afresh: at batch 32 the logits (16 MiB) were new zero pages every step, ~4000 page faults that
-    took the output projection from 14 to 17.6 ms. (At 128-256 rows the GEMM's own scratch of the logits' size
-    faults the same way whatever this does, so larger buckets keep no buffer.) Only the current bucket's is
-    kept."""
+    """The float32[vocab, B] buffer the decode step at batch bucket B writes its logits into (donated: the
+    step returns it, updated in place, and it is kept for the next step), or None (a mesh, a platform other
+    than CPU, or B > VOCAB_MAJOR_MAX_BATCH). On CPU, XLA allocates each call's temporaries afresh: at batch 32
+    the logits (16 MiB) were new zero pages every step, ~4000 page faults that took the output projection from
+    14 to 17.6 ms. (At 128-256 rows the GEMM's own scratch of the logits' size faults the same way whatever
+    this does, so larger buckets keep no buffer.) Only the current bucket's buffer is kept; a step that fails
+    after taking it leaves it deleted, and a new one is made."""
     if self.mesh is not None or jax.default_backend() != "cpu" or B > VOCAB_MAJOR_MAX_BATCH:
       return None
     buf = self._logits_buffers.get(B)
@@ -342,6 +343,7 @@ class Engine:
   def reset(self) -> None:
     """Drops every request and starts from empty KV pools (after a failed step)."""
     a = self.args
+    self._logits_buffers = {}
     self.backend = None  # the old pools go before the new ones are allocated
     self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype, self.mesh, self.groups)
                     if self.hisparse is None else
@@ -804,10 +806,11 @@ class Engine:
         self._params, self._put(tokens), self._put(positions), self.backend.state, tables,
         self._sampling(slots), self._logits_buffer(B), residency=residency,
         **self._index_blocks(B, 1, int(positions.max())))
-    self._logits_buffers = {} if logits is None else {B: logits}
     self.decode_steps += 1
     self.last_decode_batch = B
     out, status = jax.device_get(out)
+    # Kept only once the step is known to have run: a failed step's outputs are errors, not buffers.
+    self._logits_buffers = {} if logits is None else {B: logits}
     if topk:
       trace = np.asarray(topk[0])  # [L, B, K]
       for b, req in enumerate(order):

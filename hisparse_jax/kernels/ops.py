@@ -515,15 +515,19 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
     raise TypeError(f"argmax takes float32, got {x.dtype}")
   if x.ndim < 1:
     raise ValueError(f"argmax needs at least one dimension, got shape {x.shape}")
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"argmax: axis {axis!r} out of range for shape {x.shape}")
+  axis = int(axis) % x.ndim
   if axis == 0 and x.ndim == 2:
     if not (x.shape[0] >= 1 and x.shape[1] >= 1 and x.size < 2**31):
       raise ValueError(f"argmax over axis 0 needs [N, C] with N, C >= 1 and N * C < 2**31, got shape {x.shape}")
-    call = jax.ffi.ffi_call(ARGMAX_COLUMNS_TARGET, jax.ShapeDtypeStruct(x.shape[1:], jnp.int32))
+    call = jax.ffi.ffi_call(ARGMAX_COLUMNS_TARGET, jax.ShapeDtypeStruct(x.shape[1:], jnp.int32),
+                            vmap_method="sequential")
     local = lambda x: jax.lax.platform_dependent(  # noqa: E731
         x, cpu=call, default=lambda x: jnp.argmax(x, axis=0).astype(jnp.int32))
     return per_device(local)(x)  # on a mesh: the whole array on every device (columns are not split)
-  if axis not in (-1, x.ndim - 1):
-    raise ValueError(f"argmax takes axis -1, or axis 0 of a 2-D array; got axis {axis} of shape {x.shape}")
+  if axis != x.ndim - 1:
+    raise ValueError(f"argmax takes the last axis, or axis 0 of a 2-D array; got axis {axis} of shape {x.shape}")
   if not 1 <= x.shape[-1] < 2**31:
     raise ValueError(f"argmax needs rows of 1 .. 2**31 - 1 entries, got shape {x.shape}")
 

@@ -246,7 +246,6 @@ class Engine:
 
     blocks = ("window", "key_block", "score_block")
     mesh = self.mesh
-    vocab_major_decode = mesh is None and jax.default_backend() == "cpu"  # (VOCAB_MAJOR_MAX_BATCH)
 
     def replicated(x):
       # What comes back to the host (tokens, top-k traces) is whole on every device, so that every process
@@ -271,7 +270,7 @@ class Engine:
       # this step's logits are written over it (returned in its place) rather than into a fresh temporary.
       view = state.view(tables, residency)
       params = jax.tree_util.tree_unflatten(param_def, params)
-      vocab_major = vocab_major_decode and tokens.shape[0] <= VOCAB_MAJOR_MAX_BATCH
+      vocab_major = self._vocab_major(tokens.shape[0])
       out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
                                                vocab_major=vocab_major, **blocks)
       status = replicated(kernel_status(out[1], tokens.shape[0]))
@@ -298,15 +297,21 @@ class Engine:
     self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
     self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
 
+  def _vocab_major(self, B: int) -> bool:
+    """Whether the decode step at batch bucket B takes its logits [vocab, B] (VOCAB_MAJOR_MAX_BATCH)."""
+    return self.mesh is None and jax.default_backend() == "cpu" and B <= VOCAB_MAJOR_MAX_BATCH
+
   def _logits_buffer(self, B: int) -> jax.Array | None:
     """The float32[vocab, B] buffer the decode step at batch bucket B writes its logits into (donated: the
-    step returns it, updated in place, and it is kept for the next step), or None (a mesh, a platform other
-    than CPU, or B > VOCAB_MAJOR_MAX_BATCH). On CPU, XLA allocates each call's temporaries afresh: at batch 32
-    the logits (16 MiB) were new zero pages every step, ~4000 page faults that took the output projection from
-    14 to 17.6 ms. (At 128-256 rows the GEMM's own scratch of the logits' size faults the same way whatever
-    this does, so larger buckets keep no buffer.) Only the current bucket's buffer is kept; a step that fails
-    after taking it leaves it deleted, and a new one is made."""
-    if self.mesh is not None or jax.default_backend() != "cpu" or B > VOCAB_MAJOR_MAX_BATCH:
+    step returns it, updated in place, and it is kept for the next step), or None where the step's logits are
+    not vocabulary-major (``_vocab_major``: a mesh, a platform other than CPU, B > VOCAB_MAJOR_MAX_BATCH).
+
+    On CPU, XLA allocates each call's temporaries afresh: at batch 32 the logits (16 MiB) were new zero pages
+    every step, ~4000 page faults that took the output projection from 14 to 17.6 ms. (At 128-256 rows the
+    GEMM's own scratch of the logits' size faults the same way whatever this does, so larger buckets keep no
+    buffer.) Only the current bucket's buffer is kept; a step that fails after taking it leaves it deleted,
+    and a new one is made."""
+    if not self._vocab_major(B):
       return None
     buf = self._logits_buffers.get(B)
     if buf is None or buf.is_deleted():  # a new bucket, or a failed step consumed it

@@ -13,6 +13,23 @@ from hisparse_jax.kernels import ops
 CHUNK = 2048  # xla_ffi/argmax.cc kChunk: entries per chunk of the handler's first pass
 
 
+def awkward(rng, shape, special_rate, *, min_neg_inf_rate, whole_lines):
+  """float32[shape] with many exact ties, +0.0 and -0.0, +inf and NaN at special_rate (NaN at half of it), -inf at
+  least at min_neg_inf_rate, and ~20% of the rows (whole_lines 0) or columns (1) entirely -inf."""
+  x = np.round(rng.standard_normal(shape) * 2).astype(np.float32)
+  x[x == 0] *= np.where(rng.random(int((x == 0).sum())) < 0.5, -1, 1).astype(np.float32)
+  special = rng.random(x.shape)
+  x[special < special_rate] = np.inf
+  x[(special > 0.5) & (special < 0.5 + max(special_rate, min_neg_inf_rate))] = -np.inf
+  x[special > 1 - special_rate / 2] = np.nan
+  whole = rng.random(shape[whole_lines]) < 0.2
+  if whole_lines == 0:
+    x[whole] = -np.inf
+  else:
+    x[:, whole] = -np.inf
+  return x
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 40),
        st.one_of(st.integers(1, 3000), st.integers(1, 6).flatmap(lambda n: st.sampled_from([n * CHUNK - 1, n * CHUNK,
@@ -21,14 +38,7 @@ CHUNK = 2048  # xla_ffi/argmax.cc kChunk: entries per chunk of the handler's fir
 def test_greedy_argmax_is_jnp_argmax_exactly(rows, vocab, special_rate, seed):
   """argmax equals jnp.argmax on exact ties (within and across chunks), +-0, +-inf, NaN and whole -inf rows, for
   vocabularies on both sides of the handler's chunk and lane multiples."""
-  rng = np.random.default_rng(seed)
-  x = np.round(rng.standard_normal((rows, vocab)) * 2).astype(np.float32)  # many exact ties, +0.0 and -0.0
-  x[x == 0] *= np.where(rng.random(int((x == 0).sum())) < 0.5, -1, 1).astype(np.float32)
-  special = rng.random(x.shape)
-  x[special < special_rate] = np.inf
-  x[(special > 0.5) & (special < 0.5 + max(special_rate, 0.01))] = -np.inf
-  x[special > 1 - special_rate / 2] = np.nan
-  x[rng.random(rows) < 0.2] = -np.inf  # whole rows at -inf
+  x = awkward(np.random.default_rng(seed), (rows, vocab), special_rate, min_neg_inf_rate=0.01, whole_lines=0)
   got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
   np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
   np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
@@ -36,8 +46,8 @@ def test_greedy_argmax_is_jnp_argmax_exactly(rows, vocab, special_rate, seed):
 
 
 def test_argmax_awkward_rows():
-  """Each case where a chunked pass could go wrong: the first maximum in a later chunk than an equal one,
-  a NaN after (and before) the maximum, in the last partial chunk, -0.0 before +0.0, values near the float32 maximum."""
+  """Each case where a chunked pass could go wrong: the first maximum in a later chunk than an equal one, a NaN
+  after (and before) the maximum, in the last partial chunk, -0.0 before +0.0, values near the float32 maximum."""
   V = 3 * CHUNK + 5  # a partial last chunk, and not a multiple of the 16 lanes
   x = np.zeros((10, V), np.float32)
   x[0, [CHUNK - 1, CHUNK]] = 2.0  # a tie across a chunk boundary: the first wins
@@ -84,14 +94,7 @@ def test_argmax_over_columns_is_jnp_argmax_exactly(rows, columns, special_rate, 
   """axis 0 of [N, C] (logits held [vocab, batch]): exact first maximum / first NaN per column, for column counts
   that divide the 16 lanes, are multiples of them, are neither (periods of lcm(C, 16) lanes), and past the
   handler's largest period (257: every entry on the scalar pass); N not a whole number of periods."""
-  rng = np.random.default_rng(seed)
-  x = np.round(rng.standard_normal((rows, columns)) * 2).astype(np.float32)
-  x[x == 0] *= np.where(rng.random(int((x == 0).sum())) < 0.5, -1, 1).astype(np.float32)
-  special = rng.random(x.shape)
-  x[special < special_rate] = np.inf
-  x[(special > 0.5) & (special < 0.5 + max(special_rate, 0.02))] = -np.inf
-  x[special > 1 - special_rate / 2] = np.nan
-  x[:, rng.random(columns) < 0.2] = -np.inf  # whole columns at -inf
+  x = awkward(np.random.default_rng(seed), (rows, columns), special_rate, min_neg_inf_rate=0.02, whole_lines=1)
   got = np.asarray(jax.jit(lambda a: argmax(a, vocab_major=True))(jnp.asarray(x)))
   np.testing.assert_array_equal(got, np.argmax(x, axis=0))
   assert got.dtype == np.int32 and got.shape == (columns,)

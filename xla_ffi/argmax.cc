@@ -1,4 +1,5 @@
-// CPU XLA FFI handler: the argmax of each row of a float32 array, for greedy decoding over the vocabulary.
+// CPU XLA FFI handlers: the argmax of each row (HisparseArgmaxCpu) or of each column of a 2-D array
+// (HisparseArgmaxColumnsCpu, below) of a float32 array, for greedy decoding over the vocabulary.
 //
 //   x  f32[..., N]   (rows are all leading dimensions), 1 <= N < 2^31
 // Result: s32[...] -- exactly jnp.argmax(x, axis=-1): the index of the row's first NaN if it holds one,
@@ -7,11 +8,11 @@
 //
 // Why: XLA:CPU lowers jnp.argmax to a variadic (value, index) reduction that it does not vectorize
 // (5.9 ms for 32 rows of DeepSeek-V3's 129280-entry vocabulary, 54 ms for 256; here 0.43 and 5.1 ms),
-// and the plain max-reductions it does vectorize may drop a NaN. Here one pass over each row takes, per chunk of
-// kChunk entries, the lane-wise maximum and a lane-wise "saw a NaN" flag (both vectorize); the first
-// chunk whose maximum beats every earlier chunk's holds the row's first maximum, and a second pass over
-// that one chunk (still in L1) finds it. A chunk holding a NaN ends the row: its first NaN is the answer.
-// Rows are spread over XLA's intra-op thread pool.
+// and the plain max-reductions it does vectorize may drop a NaN. Here one pass over each row takes, per
+// chunk of kChunk entries, the lane-wise maximum and a lane-wise "saw a NaN" flag (both vectorize); the
+// first chunk whose maximum beats every earlier chunk's holds the row's first maximum, and a second pass
+// over that one chunk (still in L1) finds it. A chunk holding a NaN ends the row: its first NaN is the
+// answer. Rows are spread over XLA's intra-op thread pool.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -111,7 +112,6 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi:
   ParallelFor(thread_pool, rows, per_task, [&](int64_t r) { out[r] = ArgmaxRow(in + r * n, n); });
   return ffi::Error::Success();
 }
-
 
 // ------------------------------------------------------------------------------------ argmax over columns
 // x f32[N, C] -> s32[C]: jnp.argmax(x, axis=0), for logits held vocabulary-major ([vocab, batch]: XLA:CPU

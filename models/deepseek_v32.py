@@ -611,10 +611,12 @@ def prefill_step(graphdef, state, tokens, positions, cache, *, all_logits=False,
                                               key_block=key_block)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("window", "key_block"), donate_argnums=(4,))
-def decode_step(graphdef, state, tokens, positions, cache, *, window=None, key_block=256):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("window", "key_block", "vocab_major"),
+                   donate_argnums=(4,))
+def decode_step(graphdef, state, tokens, positions, cache, *, window=None, key_block=256, vocab_major=False):
     """Jitted ``model.decode`` with the cache donated (window None: the cache's whole length, for the
-    contiguous test cache). Returns (logits float32[B, V], cache)."""
+    contiguous test cache). Returns (logits float32[B, V], or [V, B] with vocab_major, cache)."""
     if window is None:
         window = -(-cache.latent.shape[2] // key_block) * key_block
-    return nnx.merge(graphdef, state).decode(tokens, positions, cache, window=window, key_block=key_block)
+    return nnx.merge(graphdef, state).decode(tokens, positions, cache, window=window, key_block=key_block,
+                                             vocab_major=vocab_major)

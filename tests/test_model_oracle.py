@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import sampling
 from models.deepseek_v32 import decode_step, prefill_prompts, split_model
 from models.kv_protocol import ContiguousKVCache
 from models.loader import load_hf
@@ -116,9 +117,10 @@ def _prefill_batch(model, prompts, max_len=PAD_TO):
     return prefill_prompts(model, jnp.asarray(toks), jnp.asarray(lengths), max_len=max_len)
 
 
-def _greedy_contiguous(model, prompts, max_new):
+def _greedy_contiguous(model, prompts, max_new, vocab_major=False):
     """Batched padded prefill into a contiguous cache, then a jitted decode loop; a trailing idle row
-    (position -1) rides along to check it stays harmless."""
+    (position -1) rides along to check it stays harmless. vocab_major: the engine's CPU decode path for
+    batches up to 64 rows, logits [V, B] and the greedy token from ``sampling.argmax`` over their columns."""
     graphdef, state = split_model(model)
     n = len(prompts)
     logits, cache = _prefill_batch(model, prompts + [[0]], max_len=MAX_SEQ)
@@ -128,10 +130,10 @@ def _greedy_contiguous(model, prompts, max_new):
         nxt[i] = int(jnp.argmax(logits[i, len(p) - 1]))
     outs = [[int(nxt[i])] for i in range(n)]
     for _ in range(max_new - 1):
-        lg, cache = decode_step(graphdef, state, jnp.asarray(nxt), jnp.asarray(pos), cache)
-        lg = np.asarray(lg)
-        assert np.isfinite(lg).all(), "non-finite decode logits (idle row included)"
-        nxt[:n] = lg[:n].argmax(-1)
+        lg, cache = decode_step(graphdef, state, jnp.asarray(nxt), jnp.asarray(pos), cache,
+                                vocab_major=vocab_major)
+        assert np.isfinite(np.asarray(lg)).all(), "non-finite decode logits (idle row included)"
+        nxt[:n] = np.asarray(sampling.argmax(lg, vocab_major=True) if vocab_major else np.asarray(lg).argmax(-1))[:n]
         pos[:n] += 1
         for i in range(n):
             outs[i].append(int(nxt[i]))
@@ -153,11 +155,12 @@ def test_prefill_logits_match_transformers(oracle, name):
         assert err <= TOL, (name, len(p), err)
 
 
+@pytest.mark.parametrize("vocab_major", [False, True], ids=["batch_major", "vocab_major"])
 @pytest.mark.parametrize("name", list(CONFIGS) + ["ours"])
-def test_greedy_continuation_matches_transformers(oracle, name):
+def test_greedy_continuation_matches_transformers(oracle, name, vocab_major):
     ck, prompts, ref = oracle[name]
     cfg, model = load_hf(ck)
-    ours = _greedy_contiguous(model, prompts, MAX_NEW)
+    ours = _greedy_contiguous(model, prompts, MAX_NEW, vocab_major)
     for i, p in enumerate(prompts):
         expect = ref[f"greedy_{i}"].tolist()
         assert ours[i] == expect, (name, len(p), ours[i], expect)

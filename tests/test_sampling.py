@@ -1,5 +1,10 @@
 """The greedy path's argmax (the CPU FFI handler xla_ffi/argmax.cc): exactly jnp.argmax, as int32."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +15,7 @@ from hypothesis import strategies as st
 from hisparse_jax.engine.sampling import argmax
 from hisparse_jax.kernels import ops
 
+ROOT = pathlib.Path(__file__).parent.parent
 CHUNK = 2048  # xla_ffi/argmax.cc kChunk: entries per chunk of the handler's first pass
 
 
@@ -166,3 +172,44 @@ def test_argmax_over_columns_across_pieces_and_axis_forms():
   for bad in (2, -3, True):
     with pytest.raises(ValueError, match="out of range"):
       ops.argmax(jnp.zeros((2, 3), jnp.float32), axis=bad)
+
+
+def test_argmax_differentiates_like_jnp_argmax():
+  """The index carries no derivative (a float0 zero tangent), and a function that picks x at its argmax has the
+  one-hot gradient jnp.argmax gives, over rows and over columns."""
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((5, 7)), jnp.float32)
+  out, tangent = jax.jvp(ops.argmax, (x,), (jnp.ones_like(x),))
+  np.testing.assert_array_equal(np.asarray(out), np.argmax(np.asarray(x), axis=-1))
+  assert tangent.dtype == jax.dtypes.float0 and tangent.shape == (5,)
+  for axis, pick in ((-1, lambda v, i: jnp.take_along_axis(v, i[:, None], 1)),
+                     (0, lambda v, i: jnp.take_along_axis(v, i[None, :], 0))):
+    ours = jax.jit(jax.grad(lambda v: pick(v, ops.argmax(v, axis=axis)).sum()))(x)
+    ref = jax.grad(lambda v: pick(v, jnp.argmax(v, axis=axis)).sum())(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+    assert float(ours.sum()) == (x.shape[0] if axis == -1 else x.shape[1])  # one 1.0 per row / column
+
+
+ON_A_MESH = """
+import jax, jax.numpy as jnp, numpy as np
+from hisparse_jax.kernels import ops
+rng = np.random.default_rng(0)
+arrays = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(10,), (3, 10), (4, 10), (2, 4, 10), (1, 4, 10)]]
+bad = 0
+for kind in ("Auto", "Explicit"):
+  mesh = jax.make_mesh((2,), ("dp",), axis_types=(getattr(jax.sharding.AxisType, kind),))
+  with jax.set_mesh(mesh):
+    for x in arrays:
+      bad += not np.array_equal(np.asarray(jax.jit(ops.argmax)(x)), np.argmax(np.asarray(x), axis=-1))
+      if x.ndim == 2:
+        bad += not np.array_equal(np.asarray(jax.jit(lambda v: ops.argmax(v, 0))(x)), np.argmax(np.asarray(x), 0))
+print("mismatches", bad)
+"""
+
+
+def test_argmax_on_a_two_device_mesh():
+  """Under a context mesh with a dp axis of 2 (Auto and Explicit axes): 1-D rows, leading dimensions dp does and
+  does not divide, columns; every result is jnp.argmax's (rows split over dp only where it divides them)."""
+  r = subprocess.run([sys.executable, "-c", ON_A_MESH], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip().splitlines()[-1] == "mismatches 0"

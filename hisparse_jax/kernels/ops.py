@@ -15,6 +15,7 @@ the same hot-buffer updates: their copies of the hot buffers never diverge.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -502,14 +503,17 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
   """Exactly ``jnp.argmax(x, axis=axis)`` as int32, for float32 x: per row (axis -1: x[..., N], 1 <= N < 2**31)
   or per column (axis 0: x[N, C] only, N * C < 2**31, e.g. logits held [vocab, batch]), the index of its first
-  NaN if it holds one, else of its first maximum (-0.0 equals +0.0; all -inf gives 0).
+  NaN if it holds one, else of its first maximum (-0.0 equals +0.0; all -inf gives 0). Differentiable as
+  ``jnp.argmax`` is: the tangent of the (integer) result is a float0 zero.
 
   On CPU FFI handlers (``xla_ffi/argmax.cc``; rows: one vectorized pass of chunk maxima and NaN flags per row,
   then a pass over the one chunk that holds the first maximum; columns: one vectorized pass keeping each
   lane's maximum, its first index and its first NaN, then a merge of each column's lanes; the work over XLA's
   thread pool) replace XLA:CPU's argmax, a variadic reduction it does not vectorize (5.9 ms for 32 rows of a
-  129280-entry vocabulary against 0.43 ms); other platforms use ``jnp.argmax``. Raises TypeError for a dtype
-  other than float32, ValueError for another axis or shapes outside those bounds.
+  129280-entry vocabulary against 0.43 ms); other platforms use ``jnp.argmax``. Under a context mesh of
+  several devices the handler runs per device (``per_device``: rows split over a ``dp`` axis when it divides
+  the leading dimension, else whole on every device); a mesh with Explicit axes takes ``jnp.argmax``. Raises
+  TypeError for a dtype other than float32, ValueError for another axis or shapes outside those bounds.
   """
   if x.dtype != jnp.float32:
     raise TypeError(f"argmax takes float32, got {x.dtype}")
@@ -521,20 +525,41 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
   if axis == 0 and x.ndim == 2:
     if not (x.shape[0] >= 1 and x.shape[1] >= 1 and x.size < 2**31):
       raise ValueError(f"argmax over axis 0 needs [N, C] with N, C >= 1 and N * C < 2**31, got shape {x.shape}")
+  elif axis != x.ndim - 1:
+    raise ValueError(f"argmax takes the last axis, or axis 0 of a 2-D array; got axis {axis} of shape {x.shape}")
+  elif not 1 <= x.shape[-1] < 2**31:
+    raise ValueError(f"argmax needs rows of 1 .. 2**31 - 1 entries, got shape {x.shape}")
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return jnp.argmax(x, axis=axis).astype(jnp.int32)  # shard_map would need x's own sharding as its spec
+  return _argmax(x, axis)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _argmax(x: jax.Array, axis: int) -> jax.Array:
+  """``argmax`` on checked arguments (axis 0 of a 2-D x, or its last axis)."""
+  if axis == 0 and x.ndim == 2:
     call = jax.ffi.ffi_call(ARGMAX_COLUMNS_TARGET, jax.ShapeDtypeStruct(x.shape[1:], jnp.int32),
                             vmap_method="sequential")
     local = lambda x: jax.lax.platform_dependent(  # noqa: E731
         x, cpu=call, default=lambda x: jnp.argmax(x, axis=0).astype(jnp.int32))
     return per_device(local)(x)  # on a mesh: the whole array on every device (columns are not split)
-  if axis != x.ndim - 1:
-    raise ValueError(f"argmax takes the last axis, or axis 0 of a 2-D array; got axis {axis} of shape {x.shape}")
-  if not 1 <= x.shape[-1] < 2**31:
-    raise ValueError(f"argmax needs rows of 1 .. 2**31 - 1 entries, got shape {x.shape}")
 
   def local(x):  # this device's rows
     call = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
                             vmap_method="broadcast_all")
     return jax.lax.platform_dependent(x, cpu=call, default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
-  # Rows are independent: under data-parallel attention each group takes the argmax of its own rows.
-  return per_device(local, batch_axis="dp")(x)
+  # Rows are independent: under data-parallel attention each group takes the argmax of its own rows (when the
+  # groups divide them; otherwise every device takes all of them).
+  mesh = jax.sharding.get_abstract_mesh()
+  dp = 1 if mesh.empty else mesh.shape.get("dp", 1)
+  split = x.ndim >= 2 and x.shape[0] % dp == 0
+  return per_device(local, batch_axis="dp" if split else None)(x)
+
+
+@_argmax.defjvp
+def _argmax_jvp(axis, primals, tangents):
+  del tangents
+  out = _argmax(primals[0], axis)
+  return out, np.zeros(out.shape, jax.dtypes.float0)

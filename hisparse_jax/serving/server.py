@@ -123,7 +123,9 @@ class EngineLoop(threading.Thread):
         log.exception("decode step failed; failing running requests")
         for rid in list(listeners):
           listeners.pop(rid).put(_Event(error=InternalError(f"internal error: {e}")))
-        self.engine.reset()
+        for req in self.engine.reset():  # every request in flight, finished as an error
+          if self.metrics is not None:
+            self.metrics.on_finish(req)  # (drops its per-request timing entries)
         self._update_metrics()
         continue
       for req in finished:

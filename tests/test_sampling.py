@@ -87,6 +87,8 @@ def test_argmax_leading_dims_vmap_many_rows_and_bad_input():
   assert int(jax.jit(ops.argmax)(jnp.float32([7.0]))) == 0
   with pytest.raises(TypeError, match="float32"):
     ops.argmax(jnp.zeros((2, 4), jnp.bfloat16))
+  with pytest.raises(TypeError, match="a float32 array, got list"):
+    ops.argmax([1.0, 2.0])
   with pytest.raises(ValueError, match=r"rows of 1 \.\. 2\*\*31 - 1 entries, got shape \(2, 0\)"):
     ops.argmax(jnp.zeros((2, 0), jnp.float32))
   with pytest.raises(ValueError, match=r"at least one dimension, got shape \(\)"):

@@ -515,6 +515,8 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
   the leading dimension, else whole on every device); a mesh with Explicit axes takes ``jnp.argmax``. Raises
   TypeError for a dtype other than float32, ValueError for another axis or shapes outside those bounds.
   """
+  if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+    raise TypeError(f"argmax takes a float32 array, got {type(x).__name__}")
   if x.dtype != jnp.float32:
     raise TypeError(f"argmax takes float32, got {x.dtype}")
   if x.ndim < 1:

@@ -132,8 +132,9 @@ def _greedy_contiguous(model, prompts, max_new, vocab_major=False):
     for _ in range(max_new - 1):
         lg, cache = decode_step(graphdef, state, jnp.asarray(nxt), jnp.asarray(pos), cache,
                                 vocab_major=vocab_major)
-        assert np.isfinite(np.asarray(lg)).all(), "non-finite decode logits (idle row included)"
-        nxt[:n] = np.asarray(sampling.argmax(lg, vocab_major=True) if vocab_major else np.asarray(lg).argmax(-1))[:n]
+        host = np.asarray(lg)  # one copy of the logits to the host
+        assert np.isfinite(host).all(), "non-finite decode logits (idle row included)"
+        nxt[:n] = (np.asarray(sampling.argmax(lg, vocab_major=True)) if vocab_major else host.argmax(-1))[:n]
         pos[:n] += 1
         for i in range(n):
             outs[i].append(int(nxt[i]))

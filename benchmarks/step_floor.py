@@ -8,13 +8,18 @@ Per batch size B, B requests of ``--prompt-len`` random token ids are admitted a
 ``--steps`` decode steps of the whole batch are run (greedy, EOS ignored; a device KV budget that fits
 every request), the first three untimed. Two times per step: the decode call (the engine's compiled step
 from dispatch until its tokens are ready) and the engine step (``Engine.step()``: the scheduler, the step's
-tables and the tokens' delivery around the call). HiSparse runs with the model's own
+tables and the tokens' delivery around the call), the latter twice: without overlap (each step launches its
+call and reads its tokens) and overlapped (``overlap_schedule``, the engine's default: each step launches the
+next step's call before reading its own tokens, so that the host's work runs while the device computes; timed
+over blocks of ``OVERLAP_BLOCK`` consecutive steps, which launch OVERLAP_BLOCK + 1 calls back to back, the last
+waited for inside the block: a step is the block's time over its calls). HiSparse runs with the model's own
 config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in; "resident"
 is HiSparse with dynamic residency (resident_fraction 0.5): the budget holds every request's latent KV on
 device, so no step swaps in (the run checks: no offload, every step "all" resident).
 
 The floor of a step, from references measured in the same process, interleaved with the steps: each timed
-step is one round with one run of each reference, in an order rotated every round, so that a shared
+step is one round with one run of each reference and one overlapped block, in an order rotated every round,
+so that a shared
 machine's drift moves a step and its floor together:
   * compute: the step's FLOPs (XLA's cost analysis of the compiled decode) at the rate a bare jitted GEMM of
     the output projection (float32[B, hidden] times the float32 weight, the step's largest matmul) reaches
@@ -47,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
 
 SKIP = 3  # first decode steps left out of the median (compilation of the batch bucket, warm caches)
+OVERLAP_BLOCK = 4  # consecutive overlapped engine steps per round
 
 
 def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> dict:
@@ -59,9 +65,10 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   # Room for the steps the first requests decode while the last prompts are admitted (HiSparse prefills
   # what its staging pool holds, one max_seq_len prompt's pages: here 2 prompts per step).
   extra = B + 32
-  max_seq_len = prompt_len + steps + extra
+  decode_steps = steps + (steps - SKIP) * (OVERLAP_BLOCK + 1)  # each round: one step, one block, one to drain it
+  max_seq_len = prompt_len + decode_steps + extra
   # Every request fits the device KV budget and every prompt one prefill chunk: the whole batch decodes.
-  kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len,
+  kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len, overlap_schedule=False,
             max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
   if mode == "resident":  # HiSparse with dynamic residency: every request keeps its latent KV on device
     kw["hisparse_config"] = json.dumps({"resident_fraction": 0.5})
@@ -69,7 +76,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   cfg = engine.config
   rng = np.random.default_rng(B)
   for i in range(B):
-    engine.submit(Request(f"r{i}", rng.integers(2, 100000, prompt_len).tolist(), steps + extra - 8,
+    engine.submit(Request(f"r{i}", rng.integers(2, 100000, prompt_len).tolist(), decode_steps + extra - 8,
                           ignore_eos=True))
   reqs = list(engine.waiting)
   while len(engine._decoding()) < B:  # admit and prefill every prompt first
@@ -87,12 +94,28 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
     return out
 
   engine._decode_fn = timed
+  decode_steps0 = engine.decode_steps
   step_times = []
 
   def engine_step():
     t = time.perf_counter()
     engine.step()
     step_times.append(time.perf_counter() - t)
+
+  overlapped_times = []
+
+  def overlapped_block():
+    # The engine's own call (not the timing wrapper, which waits for each call's tokens at its launch).
+    engine._decode_fn, engine.overlap_schedule = decode, True
+    t = time.perf_counter()
+    for _ in range(OVERLAP_BLOCK):
+      engine.step()
+    jax.block_until_ready(engine._next.out)  # the block's last launched call
+    # The block ran OVERLAP_BLOCK + 1 calls back to back (its first step launched two: its own and the next).
+    overlapped_times.append((time.perf_counter() - t) / (OVERLAP_BLOCK + 1))
+    engine.overlap_schedule = False
+    engine.step()  # reads that call, launches nothing (untimed)
+    engine._decode_fn = timed
 
   for _ in range(SKIP):  # the batch bucket's compilation, warm caches: not timed
     engine_step()
@@ -128,12 +151,13 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
 
   # Rounds of one engine step and one run of each reference, in an order rotated every round, so that the
   # machine's drift (this is a shared VM) moves a step and its floor together.
-  order = ["step", *refs]
+  order = ["step", "overlapped", *refs]
   for k in range(steps - SKIP):
     for name in order[k % len(order):] + order[:k % len(order)]:
-      engine_step() if name == "step" else reference(name)
-  if len(times) != steps or len(engine._decoding()) != B:
-    raise RuntimeError(f"{len(times)} decode calls for {steps} steps, {len(engine._decoding())} of {B} decoding")
+      engine_step() if name == "step" else overlapped_block() if name == "overlapped" else reference(name)
+  if engine.decode_steps - decode_steps0 != decode_steps or len(times) != steps or len(engine._decoding()) != B:
+    raise RuntimeError(f"{engine.decode_steps - decode_steps0} decode calls ({len(times)} timed) for {decode_steps} "
+                       f"({steps}), {len(engine._decoding())} of {B} decoding")
   if mode == "resident" and (engine.num_offloads or set(engine.residency_steps) != {"all"}):
     raise RuntimeError(f"resident mode: {engine.num_offloads} offloads, steps by residency {engine.residency_steps}")
   for i in range(B):
@@ -142,7 +166,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   del engine, last, big, w_hv, w_vh, refs
 
   ms = lambda v: 1e3 * np.asarray(v)  # noqa: E731
-  call, eng = ms(times[SKIP:]), ms(step_times[SKIP:])
+  call, eng, over = ms(times[SKIP:]), ms(step_times[SKIP:]), ms(overlapped_times)
   hv, vh, vb = ms(ref_times["gemm_hv"]), ms(ref_times["gemm_vh"]), ms(ref_times["gemm_vb"])
   read = ms(ref_times["read"])
   gemm_flops = 2.0 * batch * H * V
@@ -163,6 +187,8 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
               compute_floor_ms=compute_ms, memory_floor_ms=memory_ms, floor_ms=max(compute_ms, memory_ms),
               ratio=float(np.median(call / round_floor)), ratio_iqr=quartiles(call / round_floor),
               engine_ratio=float(np.median(eng / round_floor)), engine_ratio_iqr=quartiles(eng / round_floor),
+              overlapped_step_ms=float(np.median(over)), overlapped_ratio=float(np.median(over / round_floor)),
+              overlapped_ratio_iqr=quartiles(over / round_floor), overlap_speedup=float(np.median(eng / over)),
               bound="compute" if compute_ms >= memory_ms else "memory")
 
 
@@ -216,15 +242,16 @@ def main(argv=None) -> int:
   import jax
   lines = [f"Default model, float32, {jax.default_backend()}, {os.cpu_count()} cores; prompts of "
            f"{args.prompt_len} tokens, {args.steps} decode steps, the first {SKIP} untimed; each timed step one round "
-           "with the floor's references. Ratios: median over rounds of step / that round's floor (IQR).", "",
-           "| batch | mode | decode call ms | engine step ms | floor ms (bound) | call / floor | engine step / floor "
-           "| GFLOP / step | bare GEMM ms (GFLOP/s) | GEMM ms: w [H,V] / w [V,H] / out [V,B] | weight read GB/s "
-           "| transformers step ms |",
-           "|---" * 12 + "|"]
+           f"with the floor's references and a block of {OVERLAP_BLOCK} overlapped steps. Ratios: median over rounds of step / that round's floor (IQR).", "",
+           "| batch | mode | decode call ms | engine step ms: no overlap / overlapped | floor ms (bound) | call / floor "
+           "| engine step / floor: no overlap | overlapped | GFLOP / step | bare GEMM ms (GFLOP/s) "
+           "| GEMM ms: w [H,V] / w [V,H] / out [V,B] | weight read GB/s | transformers step ms |",
+           "|---" * 13 + "|"]
   for r in rows:
     hf = theirs.get(r["batch"])
-    lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['engine_step_ms']:.2f} | "
-                 f"{r['floor_ms']:.2f} ({r['bound']}) | {_ratio(r, 'ratio')} | {_ratio(r, 'engine_ratio')} | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
+    lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['engine_step_ms']:.2f} / "
+                 f"{r['overlapped_step_ms']:.2f} | {r['floor_ms']:.2f} ({r['bound']}) | {_ratio(r, 'ratio')} | "
+                 f"{_ratio(r, 'engine_ratio')} | {_ratio(r, 'overlapped_ratio')} | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
                  f"{r['gemm_hv_ms']:.2f} / {r['gemm_vh_ms']:.2f} / {r['gemm_vb_ms']:.2f} | {r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |")
   write_results(args.out, {"args": vars(args), "rows": rows, "transformers_step_ms": theirs,
                            "seconds": time.perf_counter() - t0}, "\n".join(lines))

@@ -57,8 +57,9 @@ def test_step_floor_quick(tmp_path):
     assert 0 < x["floor_ms"] == max(x["compute_floor_ms"], x["memory_floor_ms"])
     assert 0 < x["gemm_ms"] == min(x["gemm_hv_ms"], x["gemm_vh_ms"], x["gemm_vb_ms"])  # the fastest GEMM form
     assert x["step_ms"] > 0 and x["engine_step_ms"] >= 0.5 * x["step_ms"]
+    assert x["overlapped_step_ms"] >= 0.5 * x["step_ms"]  # an overlapped step still computes a whole call
     assert x["steps_timed"] == 6 - 3  # one round per timed step, the first 3 untimed
-    for key in ("ratio", "engine_ratio"):  # medians over rounds, inside their quartiles
+    for key in ("ratio", "engine_ratio", "overlapped_ratio"):  # medians over rounds, inside their quartiles
       lo, hi = x[f"{key}_iqr"]
       assert 0 < lo <= x[key] <= hi
   assert "| 2 | resident |" in (tmp_path / "sf.md").read_text()

@@ -47,7 +47,8 @@ def test_long_prompt_prefills_in_chunks_while_running_requests_keep_decoding(his
 
 
 def test_decode_batch_is_a_bucket_of_the_running_requests():
-  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, **SMALL)
+  # (Overlapped, requests whose prefill ends join the decode a step later: the plain schedule here.)
+  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, overlap_schedule=False, **SMALL)
   reqs = [Request(str(i), prompt(10, i), 3) for i in range(3)]
   eng.submit(reqs[0])
   eng.step()
@@ -126,7 +127,8 @@ def test_a_prefill_row_in_another_dp_groups_padding_goes_in_the_same_call():
 
 
 def test_memory_follows_tokens_and_max_seq_len_defaults_to_the_model():
-  eng = Engine(tiny_model_dir(), max_running_requests=4, **SMALL)
+  # (Overlapped steps take the next token's page a step earlier: the counts below are the plain schedule's.)
+  eng = Engine(tiny_model_dir(), max_running_requests=4, overlap_schedule=False, **SMALL)
   assert eng.max_seq_len == eng.config.max_position_embeddings == 512
   kv = lambda: next(p for p in eng.loads()["pools"] if p["name"] == "kv")
   free0 = kv()["pages_free"]
@@ -321,11 +323,13 @@ def test_requests_that_fit_pass_one_that_does_not_a_bounded_number_of_times(skip
   assert all(r.finish_reason == "length" for r in [first, hog] + small) and all_kv_free(eng.loads())
 
 
-def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact():
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact(overlap):
   """A decoding request's LRU row corrupted on the device: the swap-in leaves that row unchanged and reports it
   in the step's status (read with the tokens, no extra synchronization); the engine ends that request alone
   (finish_reason "error", the kernel's INVALID_ARGUMENT message), frees its pages, and the others' tokens
-  equal a run without it."""
+  equal a run without it. Overlapped, the call launched before the corruption delivers its token first and the
+  next step's call reports the error."""
   import dataclasses
   hs = HiSparseConfig(**TINY_HISPARSE)
   prompts = {name: prompt(30, seed) for seed, name in enumerate(("a", "victim", "b"))}  # > D: the slow path
@@ -335,7 +339,8 @@ def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact():
     eng.submit(r := Request(name, prompts[name], 6))
     eng.run()
     want[name] = r.output_ids
-  eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=4, max_seq_len=128, deterministic=True, **SMALL)
+  eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=4, max_seq_len=128, deterministic=True,
+               overlap_schedule=overlap, **SMALL)
   reqs = {name: Request(name, p, 6) for name, p in prompts.items()}
   for r in reqs.values():
     eng.submit(r)
@@ -348,7 +353,13 @@ def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact():
   eng.backend.state = dataclasses.replace(state, lru=state.lru.at[last, slot, 0].set(state.lru[last, slot, 1]))
   emitted = len(victim.output_ids)
   finished = eng.step()
-  assert finished == [victim] and victim.finish_reason == "error" and victim.kv is None
+  if overlap:
+    assert finished == [] and len(victim.output_ids) == emitted + 1  # the call launched before the corruption
+    emitted += 1
+    finished = eng.step()
+  # (Overlapped, "a" reaches its length in that step too.)
+  assert victim in finished and all(r.finish_reason == "length" for r in finished if r is not victim)
+  assert victim.finish_reason == "error" and victim.kv is None
   assert len(victim.output_ids) == emitted  # the failed row's token is not emitted
   assert "INVALID_ARGUMENT: decode (swap-in / backup): row" in victim.error
   assert "LRU order is not a permutation" in victim.error
@@ -390,7 +401,7 @@ def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
   """On one CPU device a decode step writes its [vocab, B] logits into the buffer the previous step at that
   batch bucket returned (donated: that one is deleted), only the current bucket's buffer is kept, and a reset
   drops it, finishing the requests in flight as errors."""
-  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, **SMALL)
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, overlap_schedule=False, **SMALL)
   for i, n in enumerate([3, 3, 6, 10]):  # the batch bucket changes as requests join (one prefill a step) and end
     eng.submit(Request(f"r{i}", prompt(20, i), n, ignore_eos=True))
   donated, buckets = [], []

@@ -70,6 +70,13 @@ class EngineArgs:
     deterministic: run every decode step at the full max_running_requests batch with each request in its
       own row, and prefill one request per call in fixed chunks, so a request's tokens never depend on its
       neighbours (XLA's CPU matmuls are not batch-invariant). Costs a full-batch step even for one request.
+    overlap_schedule: (default on) launch each decode step before the previous step's tokens are read,
+      feeding them to it on the device, so that reading and delivering tokens and scheduling the next step
+      overlap the device's compute (SGLang's overlap scheduler, vLLM's async scheduling). Each call computes
+      what the plain schedule's would for its rows (with deterministic, the same tokens bit for bit). A
+      request that ends on a stop token, a stop string or an error computes one more token, dropped (its
+      HiSparse hit / miss counts include that step); a request whose prefill ends joins the decode one step
+      later; the next token's page is taken a step earlier.
     fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``).
     weight_dtype: "fp8": keep an FP8 block-quantized checkpoint's quantized matrices in float8_e4m3fn with
       their 128 x 128 float32 scales on device, dequantized inside the jitted matmuls (about half the weight
@@ -97,6 +104,7 @@ class EngineArgs:
   max_admission_skips: int = 16
   max_prompt_bytes: int = 0
   deterministic: bool = False
+  overlap_schedule: bool = True
   fp8_numerics: bool = False
   dp_size: int = 1
   tp_size: int = 1
@@ -129,6 +137,8 @@ class EngineArgs:
                           "(0: 8 x --max-seq-len).",
       "deterministic": "Fixed full-batch decode steps and one-request prefill chunks: a request's tokens do not "
                        "depend on its neighbours (costs a full-batch step per token).",
+      "overlap_schedule": "Launch each decode step before the previous step's tokens are read (fed on the "
+                          "device), overlapping token delivery and scheduling with the device's compute.",
       "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
                       "latent KV cache (fake-quantized).",
       "dp_size": "Data-parallel attention groups: each runs its share of the requests, its KV on its devices.",

@@ -121,6 +121,18 @@ def index_blocks(batch: int, queries: int, newest: int, *, heads: int, top_k: in
   return dict(window=window, key_block=key_block, score_block=None if score_block >= window else score_block)
 
 
+@dataclasses.dataclass
+class _Launched:
+  """A decode call dispatched and not read yet: its rows (Request or None per row), the positions it feeds
+  (int32[B], -1 idle) and its outputs (device arrays: (tokens int32[B], status int32[B]), the logits buffer or
+  None, the top-k trace if recorded)."""
+  order: list
+  positions: np.ndarray
+  out: tuple
+  logits: jax.Array | None
+  topk: list
+
+
 class Engine:
   """Continuous-batching decoder over a dense or HiSparse KV backend (greedy by default, per-request sampling).
 
@@ -234,6 +246,7 @@ class Engine:
     self.page_size = args.page_size
     self.chunked_prefill_size = args.chunked_prefill_size
     self.deterministic = args.deterministic
+    self.overlap_schedule = args.overlap_schedule
     self.max_queued_requests = args.max_queued_requests
     self.max_admission_skips = args.max_admission_skips
     self.reset()
@@ -292,8 +305,14 @@ class Engine:
     def offload(state, tables):
       return state.offload(tables)
 
-    self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn = (
-        self._on_mesh(f) for f in (prefill, decode, import_kv, export_kv, offload))
+    @jax.jit
+    def merge_tokens(launched_tokens, from_launched, host_tokens):
+      # overlap_schedule: a step's tokens from the step before it (still on the device) and from the host.
+      return replicated(jnp.where(from_launched >= 0, launched_tokens[jnp.maximum(from_launched, 0)], host_tokens))
+
+    self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn, self._merge_fn = (
+        self._compiling_alone(self._on_mesh(f), skip) for f, skip in (
+            (prefill, 1), (decode, 1), (import_kv, 0), (export_kv, 0), (offload, 0), (merge_tokens, 0)))
     self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
     self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
 
@@ -315,7 +334,9 @@ class Engine:
       return None
     buf = self._logits_buffers.get(B)
     if buf is None or buf.is_deleted():  # a new bucket, or a failed step consumed it
-      buf = jnp.zeros((self.config.vocab_size, B), jnp.float32)
+      # Committed to the device, as the buffers the steps return are: jit compiles a program per combination
+      # of committed and uncommitted operands (an uncommitted first buffer compiled every bucket twice).
+      buf = jnp.zeros((self.config.vocab_size, B), jnp.float32, device=jax.local_devices()[0])
     return buf
 
   def _on_mesh(self, fn):
@@ -324,14 +345,40 @@ class Engine:
     if self.mesh is None:
       return fn
 
-    @functools.wraps(fn)
     def call(*args, **kwargs):
       with jax.set_mesh(self.mesh):
         return fn(*args, **kwargs)
+
+    def lower(*args, **kwargs):
+      with jax.set_mesh(self.mesh):
+        return fn.lower(*args, **kwargs)
+
+    call.lower = lower
     return call
 
-  def _put(self, x, dtype=None) -> jax.Array | np.ndarray:
-    """A host array as a jitted call's operand: as a NumPy array (one device: the call puts it there), or
+  def _compiling_alone(self, fn, skip: int):
+    """fn, first waiting for this engine's calls in flight when it is about to compile: called with operands
+    (past the first ``skip``, the weights) or static arguments it has not run with. With ``overlap_schedule`` a
+    call is launched while the previous one computes; XLA:CPU compiling alongside a running call crashed a
+    test process once (a segfault inside ``backend_compile_and_load``), so a compile waits for the KV state, the
+    output of every earlier call. Costs one wait per new shape (batch bucket, prefill bucket, residency)."""
+    seen = set()
+
+    def call(*args, **kwargs):
+      leaves, treedef = jax.tree_util.tree_flatten(args[skip:])
+      key = (treedef, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
+             tuple(sorted(kwargs.items())))
+      if key not in seen:
+        jax.block_until_ready(self.backend.state)
+        seen.add(key)
+      return fn(*args, **kwargs)
+
+    call.lower = fn.lower  # (tests and benchmarks/step_floor.py read the compiled programs)
+    return call
+
+  def _put(self, x, dtype=None, commit: bool = False) -> jax.Array | np.ndarray:
+    """A host array as a jitted call's operand: as a NumPy array (one device: the call puts it there; with
+    ``commit``, put on the device here, where the same operand is at other times a committed device array), or
     whole on every device of the mesh (every process passes the same values: the schedule is the same
     everywhere)."""
     if isinstance(x, jax.Array):  # already on a device (a pulled prompt KV): no trip through the host
@@ -341,7 +388,7 @@ class Engine:
     if self.mesh is None:
       # The host array itself: the jitted call's C++ dispatch puts it on the device, ~10x cheaper per array
       # than jnp.asarray's Python path (a decode step passes 7-10 such tables and sampling arrays).
-      return x
+      return jax.device_put(x, jax.local_devices()[0]) if commit else x
     return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
 
   # ----------------------------------------------------------------- state
@@ -356,6 +403,7 @@ class Engine:
       req.finish_reason, req.error = "error", "dropped by Engine.reset() (after a failed step)"
     a = self.args
     self._logits_buffers = {}
+    self._next: _Launched | None = None  # overlap_schedule: the decode step launched ahead of its step()
     self.backend = None  # the old pools go before the new ones are allocated
     self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype, self.mesh, self.groups)
                     if self.hisparse is None else
@@ -460,8 +508,9 @@ class Engine:
   def abort(self, request_id: str) -> Request | None:
     """Stops a waiting or running request (finish_reason "abort") and returns it (None if unknown).
 
-    Called between steps, so no call of this engine is still writing the request's slot or pages;
-    whatever reuses them later is ordered after every earlier call by the KV state's data dependencies.
+    Called between steps. A call may still be computing the request's row (with ``overlap_schedule``, the step
+    launched ahead; its token for the request is dropped): whatever reuses its slot or pages later is ordered
+    after every earlier call by the KV state's data dependencies.
     With several processes the leader tells the followers first (releasing a request reads its swap-in
     stats from the devices: every process must do that at the same point).
     """
@@ -788,55 +837,124 @@ class Engine:
 
   # ---------------------------------------------------------------- decode
   def _decode(self, finished: list[Request]) -> bool:
-    """One decode step for every decoding request; False if there was none."""
-    for req in self._decoding():
-      # The token to feed sits at position seq_len - 1: its page must exist.
-      while req.phase is Phase.DECODING and not self.backend.ensure(req.kv, req.seq_len):
-        # The most recently admitted request of its DP group (only that group's pools can free pages for it).
-        self._preempt(next(r for r in reversed(self.running) if r.kv.group == req.kv.group))
-    for req in self._decoding():
-      # A resident request's newest token needs a staging page too; if none is free it leaves residency.
-      if req.kv.resident and not self.backend.grow_resident(req.kv, req.seq_len):
-        self._offload(req)
-    rows = self._decoding()
-    if not rows:
-      return False
-    rows_of, B = self._batch_rows(rows, cap=True, by_slot=self.deterministic)
-    order = [None] * B
-    for b, req in zip(rows_of, rows):
-      order[b] = req
-    tokens = np.zeros(B, np.int32)
-    positions = np.full(B, -1, np.int32)
-    slots = np.zeros(B, np.int32)
-    for b, req in enumerate(order):
-      if req is not None:
-        tokens[b], positions[b], slots[b] = req.output_ids[-1], req.seq_len - 1, req.kv.slot
+    """One decode step for every decoding request; False if there was none.
+
+    With ``overlap_schedule`` the step may already be running: the previous step launched it (``_launch_next``)
+    before reading its own tokens. Requests that started decoding since (their prefill ended this step) are
+    not in it and join the next step."""
+    launched, self._next = self._next, None
+    if launched is not None and not any(self._alive(req) for req in launched.order):
+      launched = None  # every row of it ended (stop token, abort): nothing to read, the rows are rebuilt
+    if launched is None:
+      for req in self._decoding():
+        # The token to feed sits at position seq_len - 1: its page must exist.
+        while req.phase is Phase.DECODING and not self.backend.ensure(req.kv, req.seq_len):
+          # The most recently admitted request of its DP group (only that group's pools can free pages for it).
+          self._preempt(next(r for r in reversed(self.running) if r.kv.group == req.kv.group))
+      for req in self._decoding():
+        # A resident request's newest token needs a staging page too; if none is free it leaves residency.
+        if req.kv.resident and not self.backend.grow_resident(req.kv, req.seq_len):
+          self._offload(req)
+      rows = self._decoding()
+      if not rows:
+        return False
+      rows_of, B = self._batch_rows(rows, cap=True, by_slot=self.deterministic)
+      order = [None] * B
+      for b, req in zip(rows_of, rows):
+        order[b] = req
+      tokens = np.zeros(B, np.int32)
+      positions = np.full(B, -1, np.int32)
+      for b, req in enumerate(order):
+        if req is not None:
+          tokens[b], positions[b] = req.output_ids[-1], req.seq_len - 1
+      # Committed, as the tokens of a step launched ahead (``_launch_next``) are: one compiled program for both.
+      launched = self._launch(order, self._put(tokens, commit=True), positions, self._logits_buffer(B))
+    if self.overlap_schedule:
+      self._next = self._launch_next(launched)
+    self._read(launched, finished)
+    return True
+
+  def _launch(self, order: list, tokens, positions: np.ndarray, logits_buffer) -> _Launched:
+    """Dispatches one decode call over rows ``order`` (Request, or None for an idle row) feeding ``tokens``
+    (int32[B], host or device) at ``positions`` (int32[B], -1 idle); returns without waiting for it."""
+    B = len(order)
     kvs = [None if r is None else r.kv for r in order]
+    slots = [0 if r is None else r.kv.slot for r in order]
     tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     residency = self.backend.residency(kvs)
     self.residency_steps[residency] += 1
     out, self.backend.state, logits, *topk = self._decode_fn(
-        self._params, self._put(tokens), self._put(positions), self.backend.state, tables,
-        self._sampling(slots), self._logits_buffer(B), residency=residency,
-        **self._index_blocks(B, 1, int(positions.max())))
+        self._params, tokens, self._put(positions), self.backend.state, tables, self._sampling(slots),
+        logits_buffer, residency=residency, **self._index_blocks(B, 1, int(positions.max())))
     self.decode_steps += 1
     self.last_decode_batch = B
-    out, status = jax.device_get(out)
-    # Kept only once the step is known to have run: a failed step's outputs are errors, not buffers.
-    self._logits_buffers = {} if logits is None else {B: logits}
-    if topk:
-      trace = np.asarray(topk[0])  # [L, B, K]
-      for b, req in enumerate(order):
-        if req is not None and not status[b]:
+    return _Launched(order, positions, out, logits, topk)
+
+  def _launch_next(self, launched: _Launched) -> _Launched | None:
+    """``overlap_schedule``: launches the step after ``launched`` before launched's tokens are read, so that
+    reading and delivering them (and this scheduling) overlap the device's compute. Its rows are what the next
+    step would decode: every decoding request but those that launched's token ends by their length limit, in
+    the rows ``_batch_rows`` gives them; a request in launched is fed launched's token for it on the device
+    (``_merge_fn``), one that started decoding since its last token from the host. A request that launched's
+    token ends otherwise (stop token, stop string, kernel error) or that is aborted before the read computes a
+    token that is dropped.
+
+    None (the next step is scheduled after the read, as without overlap) where a row's next token needs a page
+    that is not free (preemption) or a resident row's staging page that is not (offload), or with a recorded
+    top-k trace."""
+    if self.record_topk:
+      return None
+    src = {id(req): b for b, req in enumerate(launched.order) if self._alive(req)}
+    rows = [req for req in self._decoding()
+            if not (id(req) in src and len(req.output_ids) + 1 >= req.max_new_tokens)]
+    if not rows:
+      return None
+    for req in rows:
+      end = req.seq_len + 1 if id(req) in src else req.seq_len  # the fed token's position + 1
+      if not self.backend.ensure(req.kv, end) or (req.kv.resident and not self.backend.grow_resident(req.kv, end)):
+        return None  # (pages taken so far stay with their request: its next step needs them anyway)
+    rows_of, B = self._batch_rows(rows, cap=True, by_slot=self.deterministic)
+    order = [None] * B
+    positions = np.full(B, -1, np.int32)
+    from_launched = np.full(B, -1, np.int32)  # the row of launched whose token a row feeds (-1: host_tokens)
+    host_tokens = np.zeros(B, np.int32)
+    for b, req in zip(rows_of, rows):
+      order[b] = req
+      if id(req) in src:
+        from_launched[b], positions[b] = src[id(req)], req.seq_len
+      else:
+        host_tokens[b], positions[b] = req.output_ids[-1], req.seq_len - 1
+    same_bucket = B == len(launched.order)
+    if same_bucket and all(from_launched[b] == b for b in range(B) if order[b] is not None):
+      tokens = launched.out[0]  # every row where it was (an idle row's token is not read): nothing to merge
+    else:
+      tokens = self._merge_fn(launched.out[0], self._put(from_launched), self._put(host_tokens))
+    logits_buffer = launched.logits if same_bucket and launched.logits is not None else self._logits_buffer(B)
+    return self._launch(order, tokens, positions, logits_buffer)
+
+  @staticmethod
+  def _alive(req: Request | None) -> bool:
+    return req is not None and req.phase is Phase.DECODING
+
+  def _read(self, launched: _Launched, finished: list[Request]) -> None:
+    """Waits for a launched decode step and delivers its tokens (rows whose request ended since are dropped)."""
+    out, status = jax.device_get(launched.out)
+    # Kept only once the step is known to have run: a failed step's outputs are errors, not buffers (and a
+    # buffer the next step took is its, not ours).
+    if launched.logits is not None and not launched.logits.is_deleted():
+      self._logits_buffers = {len(launched.order): launched.logits}
+    if launched.topk:
+      trace = np.asarray(launched.topk[0])  # [L, B, K]
+      for b, req in enumerate(launched.order):
+        if self._alive(req) and not status[b]:
           req.topk_trace.append(trace[:, b])
-    for b, req in enumerate(order):
-      if req is None:
+    for b, req in enumerate(launched.order):
+      if not self._alive(req):
         continue
       if status[b]:
         self._fail(req, "decode (swap-in / backup)", b, status[b], finished)
       else:
         self._emit(req, int(out[b]), finished)
-    return True
 
   def _fail(self, req: Request, where: str, row: int, code: int, finished: list[Request]) -> None:
     """Ends a request whose batch row a kernel left unchanged (finish_reason "error"); the others go on."""

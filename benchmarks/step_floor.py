@@ -13,8 +13,8 @@ call and reads its tokens) and overlapped (``overlap_schedule``, the engine's de
 next step's call before reading its own tokens, so that the host's work runs while the device computes; timed
 over blocks of ``OVERLAP_BLOCK`` consecutive steps, which launch OVERLAP_BLOCK + 1 calls back to back, the last
 waited for inside the block: a step is the block's time over its calls). HiSparse runs with the model's own
-config (top_k 32, hot buffer 64) and prompts longer than the hot buffer, so every step swaps in; "resident"
-is HiSparse with dynamic residency (resident_fraction 0.5): the budget holds every request's latent KV on
+config (top_k 32, hot buffer 64; its host pool sized to hold every sequence whole) and prompts longer than the
+hot buffer, so every step swaps in; "resident" is HiSparse with dynamic residency (resident_fraction 0.5): the budget holds every request's latent KV on
 device, so no step swaps in (the run checks: no offload, every step "all" resident).
 
 The floor of a step, from references measured in the same process, interleaved with the steps: each timed
@@ -70,8 +70,14 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   # Every request fits the device KV budget and every prompt one prefill chunk: the whole batch decodes.
   kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len, overlap_schedule=False,
             max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
-  if mode == "resident":  # HiSparse with dynamic residency: every request keeps its latent KV on device
-    kw["hisparse_config"] = json.dumps({"resident_fraction": 0.5})
+  if mode != "dense":  # the model's HiSparse sizes, with a host pool that holds every request's whole sequence
+    with open(os.path.join(model_dir, "hisparse_config.json")) as f:
+      hisparse = json.load(f)
+    hisparse["host_to_device_ratio"] = max(hisparse["host_to_device_ratio"],  # ratio x (D + 1) tokens a slot
+                                           -(-max_seq_len // (hisparse["device_buffer_size"] + 1)))
+    if mode == "resident":  # dynamic residency: every request keeps its latent KV on device
+      hisparse["resident_fraction"] = 0.5
+    kw["hisparse_config"] = json.dumps(hisparse)
   engine = Engine(model_dir, enable_hisparse=(mode != "dense"), **kw)
   cfg = engine.config
   rng = np.random.default_rng(B)

@@ -113,6 +113,11 @@ def test_abort_with_a_step_in_flight_and_preemption_under_overlap():
     eng.submit(alone)
     eng.run()
     assert alone.output_ids[:len(r.output_ids)] == r.output_ids, r.request_id
+  # The last request ending on a stop token with the next call launched: nothing of that call is kept.
+  last = Request("last", reqs[0].prompt_ids, 40, stop_token_ids=[reqs[0].output_ids[3]])
+  eng.submit(last)
+  eng.run()
+  assert last.finish_reason == "stop_token" and not eng.has_work() and eng._next is None
 
 
 def test_a_step_that_fails_with_a_step_in_flight_is_reset_cleanly():

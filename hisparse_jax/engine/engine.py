@@ -527,6 +527,7 @@ class Engine:
       if req.request_id == request_id:
         req.finish_reason = "abort"
         self._release(req)
+        self._drop_ended_next()
         self._publish()
         return req
     return None
@@ -647,6 +648,7 @@ class Engine:
     self.prefill_seconds += t1 - t0
     if self._decode(finished):
       self.decode_seconds += time.perf_counter() - t1
+    self._drop_ended_next()
     self._publish()
     return finished
 
@@ -935,6 +937,12 @@ class Engine:
   @staticmethod
   def _alive(req: Request | None) -> bool:
     return req is not None and req.phase is Phase.DECODING
+
+  def _drop_ended_next(self) -> None:
+    """Forgets a call launched ahead whose every row has ended (stop token, abort): nothing of it will be read,
+    and an idle engine should not hold its requests and logits buffer. Its KV state is the engine's already."""
+    if self._next is not None and not any(self._alive(req) for req in self._next.order):
+      self._next = None
 
   def _read(self, launched: _Launched, finished: list[Request]) -> None:
     """Waits for a launched decode step and delivers its tokens (rows whose request ended since are dropped)."""

@@ -844,9 +844,7 @@ class Engine:
     With ``overlap_schedule`` the step may already be running: the previous step launched it (``_launch_next``)
     before reading its own tokens. Requests that started decoding since (their prefill ended this step) are
     not in it and join the next step."""
-    launched, self._next = self._next, None
-    if launched is not None and not any(self._alive(req) for req in launched.order):
-      launched = None  # every row of it ended (stop token, abort): nothing to read, the rows are rebuilt
+    launched, self._next = self._next, None  # (one whose every row ended was dropped: _drop_ended_next)
     if launched is None:
       for req in self._decoding():
         # The token to feed sits at position seq_len - 1: its page must exist.
@@ -860,10 +858,8 @@ class Engine:
       rows = self._decoding()
       if not rows:
         return False
-      rows_of, B = self._batch_rows(rows, cap=True, by_slot=self.deterministic)
-      order = [None] * B
-      for b, req in zip(rows_of, rows):
-        order[b] = req
+      order = self._decode_order(rows)
+      B = len(order)
       tokens = np.zeros(B, np.int32)
       positions = np.full(B, -1, np.int32)
       for b, req in enumerate(order):
@@ -875,6 +871,15 @@ class Engine:
       self._next = self._launch_next(launched)
     self._read(launched, finished)
     return True
+
+  def _decode_order(self, rows: list[Request]) -> list[Request | None]:
+    """The batch of a decode step over ``rows``: the request in each row (None: an idle row), B = the batch
+    bucket (``_batch_rows`` with the bucket capped at a group's slots; by slot when deterministic)."""
+    rows_of, B = self._batch_rows(rows, cap=True, by_slot=self.deterministic)
+    order = [None] * B
+    for b, req in zip(rows_of, rows):
+      order[b] = req
+    return order
 
   def _launch(self, order: list, tokens, positions: np.ndarray, logits_buffer) -> _Launched:
     """Dispatches one decode call over rows ``order`` (Request, or None for an idle row) feeding ``tokens``
@@ -915,13 +920,14 @@ class Engine:
       end = req.seq_len + 1 if id(req) in src else req.seq_len  # the fed token's position + 1
       if not self.backend.ensure(req.kv, end) or (req.kv.resident and not self.backend.grow_resident(req.kv, end)):
         return None  # (pages taken so far stay with their request: its next step needs them anyway)
-    rows_of, B = self._batch_rows(rows, cap=True, by_slot=self.deterministic)
-    order = [None] * B
+    order = self._decode_order(rows)
+    B = len(order)
     positions = np.full(B, -1, np.int32)
     from_launched = np.full(B, -1, np.int32)  # the row of launched whose token a row feeds (-1: host_tokens)
     host_tokens = np.zeros(B, np.int32)
-    for b, req in zip(rows_of, rows):
-      order[b] = req
+    for b, req in enumerate(order):
+      if req is None:
+        continue
       if id(req) in src:
         from_launched[b], positions[b] = src[id(req)], req.seq_len
       else:

@@ -119,18 +119,29 @@ def run_prefill(prompts: list[int], modes, dense_max: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- itl
-def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt: int = 1100) -> list[dict]:
+_COMPILES = [0]  # XLA compilations in this process (run_itl: none may fall in a measured window)
+
+
+def _count_compile(event: str, _secs: float, **_kw) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt: int = 1100,
+            warm_steps: int = 20, baseline_steps: int = 60) -> list[dict]:
   """ITL of `streams` running requests while one `long_prompt` prompt is prefilled, per chunk size (0: one
   shot), and without the long prompt (the baseline), from the long prompt's arrival to the streams' first
   token after its prefill. No compilation is timed: each variant first runs the same scenario once with other
   prompts of the same lengths (compiling its prefill chunks, and the decode batch buckets and indexer windows
   of the streams alone and with the long request), and the measured streams decode `warm_steps` steps before
-  the long prompt arrives."""
+  the long prompt arrives. The baseline measures `baseline_steps` steps. Each row counts the XLA compilations
+  in its measured window (``compiles``: 0 unless the warm-up missed a shape)."""
+  import jax
   from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG, ensure_default_model
   from hisparse_jax.engine import Engine, Request
   d = ensure_default_model()
-  warm_steps = 20
-  new = long_prompt // min(c for c in chunks if c) + 2 * warm_steps
+  jax.monitoring.register_event_duration_secs_listener(_count_compile)
+  new = long_prompt // min(c for c in chunks if c) + 2 * warm_steps + 16  # (no stream ends while measured)
   D = DEFAULT_HISPARSE_CONFIG["device_buffer_size"]
   tokens = 2 * long_prompt + streams * (stream_prompt + new)  # host rows for everything at once
   hisparse = dict(DEFAULT_HISPARSE_CONFIG, host_to_device_ratio=math.ceil(tokens / ((streams + 1) * (D + 1))))
@@ -142,9 +153,12 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
                  chunked_prefill_size=size, page_size=math.gcd(PAGE, size))
     if chunk is not None:  # the scenario once, untimed: every shape it uses compiles here
       warm = [Request(f"warm-s{i}", _prompt(stream_prompt, 10 * i + 1), new, ignore_eos=True) for i in range(streams)]
-      warm.append(Request("warm-long", _prompt(long_prompt - 32, 98), 3, ignore_eos=True))
       for r in warm:
         eng.submit(r)
+      while any(len(r.output_ids) < 2 for r in warm):  # the streams decoding together
+        eng.step()
+      warm.append(Request("warm-long", _prompt(long_prompt - 32, 98), 3, ignore_eos=True))
+      eng.submit(warm[-1])
       while len(warm[-1].output_ids) < 2:  # the long request decoded once with the streams
         eng.step()
       for r in warm:
@@ -158,7 +172,7 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
       eng.submit(r)
     while any(len(r.output_ids) < warm_steps for r in reqs):  # all running, decode compiled
       eng.step()
-    t_submit = time.monotonic()
+    t_submit, compiles = time.monotonic(), _COMPILES[0]
     ttft = None
     if chunk is not None:
       long = Request("long", _prompt(long_prompt - 32, 99), 4, ignore_eos=True)
@@ -169,7 +183,7 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
       eng.step()  # the streams' token of the step that ended the prefill, and one step with the long request
       t_end = time.monotonic()
     else:
-      for _ in range(60):
+      for _ in range(baseline_steps):
         eng.step()
       t_end = time.monotonic()
     gaps = []
@@ -179,9 +193,9 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
       prev = ts[ts <= t_submit][-1:]
       gaps += np.diff(np.concatenate([prev, sel])).tolist()
     gaps = np.array(gaps)
-    rows.append(dict(chunk=chunk, long_prompt=long_prompt if chunk is not None else 0, ttft_s=ttft,
+    rows.append(dict(chunk=chunk, streams=streams, long_prompt=long_prompt if chunk is not None else 0, ttft_s=ttft,
                      itl_p50_ms=1e3 * float(np.percentile(gaps, 50)), itl_p99_ms=1e3 * float(np.percentile(gaps, 99)),
-                     itl_max_ms=1e3 * float(gaps.max()), samples=len(gaps)))
+                     itl_max_ms=1e3 * float(gaps.max()), samples=len(gaps), compiles=_COMPILES[0] - compiles))
     print(f"itl chunk {chunk}: {rows[-1]}", flush=True)
   return rows
 
@@ -226,7 +240,7 @@ def _markdown(res: dict) -> str:
                    f"{r['decode_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | {growth} | {kv} |")
     lines.append("")
   if res.get("itl"):
-    lines += [f"8 running streams while a {res['itl'][1]['long_prompt']}-token prompt is admitted (HiSparse):", "",
+    lines += [f"{res['itl'][0]['streams']} running streams while a {res['itl'][1]['long_prompt']}-token prompt is admitted (HiSparse):", "",
               "| long prompt prefill | ITL p50 ms | ITL p99 ms | ITL max ms | p99 / no long prompt | long prompt TTFT s |",
               "|---|---|---|---|---|---|"]
     base = res["itl"][0]["itl_p99_ms"]
@@ -267,9 +281,9 @@ def main(argv=None) -> int:
   if "prefill" in args.sections:
     res["prefill"] = run_prefill(args.prompts, ("hisparse", "dense"), args.dense_max_prompt)
   if "itl" in args.sections:
-    # --quick: 4 streams of 300 tokens (the scenario's shape, not its load).
-    res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0], **({"streams": 4, "stream_prompt": 300}
-                                                                    if args.quick else {}))
+    # --quick: 2 streams of 300 tokens, few steps (the scenario's shape, not its load).
+    quick = {"streams": 2, "stream_prompt": 300, "warm_steps": 4, "baseline_steps": 8}
+    res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0], **(quick if args.quick else {}))
   if "bucket" in args.sections:
     res["bucket"] = (run_bucket(100, 4, fixed=(8, 32), modes=("dense",)) if args.quick else run_bucket(1000, 16))
   res["seconds"] = time.perf_counter() - t0

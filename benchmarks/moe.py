@@ -154,7 +154,8 @@ def main(argv=None) -> int:
   if args.ep:
     if args.experts % args.ep:
       ap.error(f"--ep {args.ep} does not divide --experts {args.experts}")
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.ep}"  # (before JAX starts)
+    os.environ["XLA_FLAGS"] = (  # (before JAX starts; the caller's flags kept)
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.ep}".strip())
   t0 = time.perf_counter()
   rows = run(args.tokens, args.experts, args.active, args.hidden, args.inter, args.repeats)
   results, text = {"rows": rows}, markdown(rows)

@@ -71,8 +71,8 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len, overlap_schedule=False,
             max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
   if mode != "dense":  # the model's HiSparse sizes, with a host pool that holds every request's whole sequence
-    with open(os.path.join(model_dir, "hisparse_config.json")) as f:
-      hisparse = json.load(f)
+    from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG
+    hisparse = dict(DEFAULT_HISPARSE_CONFIG)
     hisparse["host_to_device_ratio"] = max(hisparse["host_to_device_ratio"],  # ratio x (D + 1) tokens a slot
                                            -(-max_seq_len // (hisparse["device_buffer_size"] + 1)))
     if mode == "resident":  # dynamic residency: every request keeps its latent KV on device

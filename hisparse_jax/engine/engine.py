@@ -47,8 +47,6 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,81 +131,6 @@ class _Launched:
   out: tuple
   logits: jax.Array | None
   topk: list
-
-
-class _Programs(NamedTuple):
-  prefill: Callable
-  decode: Callable
-  import_kv: Callable
-  export_kv: Callable
-  offload: Callable
-  merge_tokens: Callable
-
-
-@functools.lru_cache(maxsize=16)
-def _programs(graphdef, param_def, mesh, record_topk: bool) -> _Programs:
-  """The engine's jitted calls for a model structure (nnx graphdef, the weights' treedef) on a mesh (None: one
-  device). Cached: engines of the same model structure in one process (a test suite, a benchmark comparing
-  modes, an engine re-created after a failure) share jax.jit's compiled programs instead of compiling them
-  again; which program runs still depends on each call's shapes (KV pools, batch bucket, window)."""
-  blocks = ("window", "key_block", "score_block")
-
-  def replicated(x):
-    # What comes back to the host (tokens, top-k traces) is whole on every device, so that every process
-    # can read it (a process reads only its own devices' data).
-    return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
-
-  @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("query_block", "first_token"))
-  def prefill(params, tokens, positions, state, tables, sampling, *, first_token, **blocks):
-    # first_token False (no row's prompt ends in this chunk): no lm_head, no sampling (XLA drops them).
-    view = state.view(tables)
-    params = jax.tree_util.tree_unflatten(param_def, params)
-    logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, **blocks)
-    status = replicated(kernel_status(view, tokens.shape[0]))
-    state = state.absorb(view).finish_prefill(tables)
-    if not first_token:
-      return (replicated(jnp.zeros(tokens.shape[:1], jnp.int32)), status), state
-    return (replicated(sample(logits, *sampling, jnp.max(positions, axis=1) + 1)), status), state
-
-  @functools.partial(jax.jit, donate_argnums=(3, 6), static_argnames=blocks + ("residency",))
-  def decode(params, tokens, positions, state, tables, sampling, logits_buffer, *, residency, **blocks):
-    # logits_buffer: None, or the previous step's logits at this bucket (``_logits_buffer``), donated so that
-    # this step's logits are written over it (returned in its place) rather than into a fresh temporary.
-    view = state.view(tables, residency)
-    params = jax.tree_util.tree_unflatten(param_def, params)
-    vocab_major = _vocab_major(mesh, tokens.shape[0])
-    out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
-                                             vocab_major=vocab_major, **blocks)
-    status = replicated(kernel_status(out[1], tokens.shape[0]))
-    # The logits written into the donated buffer (the update covers it all, so XLA computes them there).
-    logits = None if logits_buffer is None else jax.lax.dynamic_update_slice(logits_buffer, out[0], (0, 0))
-    return ((replicated(sample(out[0], *sampling, positions + 1, vocab_major=vocab_major)), status),
-            state.absorb(out[1]), logits, *(replicated(x) for x in out[2:]))
-
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def import_kv(state, tables, latent, index, length):
-    state, status = state.import_prompt(tables, latent, index, length)
-    return state, replicated(status)
-
-  @functools.partial(jax.jit, static_argnames=("size",))
-  def export_kv(state, tables, length, *, size):
-    return state.export_prompt(tables, length, size)
-
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def offload(state, tables):
-    return state.offload(tables)
-
-  @jax.jit
-  def merge_tokens(launched_tokens, from_launched, host_tokens):
-    # overlap_schedule: a step's tokens from the step before it (still on the device) and from the host.
-    return replicated(jnp.where(from_launched >= 0, launched_tokens[jnp.maximum(from_launched, 0)], host_tokens))
-
-  return _Programs(prefill, decode, import_kv, export_kv, offload, merge_tokens)
-
-
-def _vocab_major(mesh, B: int) -> bool:
-  """Whether the decode step at batch bucket B takes its logits [vocab, B] (VOCAB_MAJOR_MAX_BATCH)."""
-  return mesh is None and jax.default_backend() == "cpu" and B <= VOCAB_MAJOR_MAX_BATCH
 
 
 class Engine:
@@ -334,17 +257,68 @@ class Engine:
     self.prefill_calls = 0
     self.last_decode_batch = 0  # rows of the last decode step (its batch bucket)
 
-    programs = _programs(graphdef, param_def, self.mesh, record_topk)
+    blocks = ("window", "key_block", "score_block")
+    mesh = self.mesh
+
+    def replicated(x):
+      # What comes back to the host (tokens, top-k traces) is whole on every device, so that every process
+      # can read it (a process reads only its own devices' data).
+      return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
+    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("query_block", "first_token"))
+    def prefill(params, tokens, positions, state, tables, sampling, *, first_token, **blocks):
+      # first_token False (no row's prompt ends in this chunk): no lm_head, no sampling (XLA drops them).
+      view = state.view(tables)
+      params = jax.tree_util.tree_unflatten(param_def, params)
+      logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, **blocks)
+      status = replicated(kernel_status(view, tokens.shape[0]))
+      state = state.absorb(view).finish_prefill(tables)
+      if not first_token:
+        return (replicated(jnp.zeros(tokens.shape[:1], jnp.int32)), status), state
+      return (replicated(sample(logits, *sampling, jnp.max(positions, axis=1) + 1)), status), state
+
+    @functools.partial(jax.jit, donate_argnums=(3, 6), static_argnames=blocks + ("residency",))
+    def decode(params, tokens, positions, state, tables, sampling, logits_buffer, *, residency, **blocks):
+      # logits_buffer: None, or the previous step's logits at this bucket (``_logits_buffer``), donated so that
+      # this step's logits are written over it (returned in its place) rather than into a fresh temporary.
+      view = state.view(tables, residency)
+      params = jax.tree_util.tree_unflatten(param_def, params)
+      vocab_major = self._vocab_major(tokens.shape[0])
+      out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
+                                               vocab_major=vocab_major, **blocks)
+      status = replicated(kernel_status(out[1], tokens.shape[0]))
+      # The logits written into the donated buffer (the update covers it all, so XLA computes them there).
+      logits = None if logits_buffer is None else jax.lax.dynamic_update_slice(logits_buffer, out[0], (0, 0))
+      return ((replicated(sample(out[0], *sampling, positions + 1, vocab_major=vocab_major)), status),
+              state.absorb(out[1]), logits, *(replicated(x) for x in out[2:]))
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def import_kv(state, tables, latent, index, length):
+      state, status = state.import_prompt(tables, latent, index, length)
+      return state, replicated(status)
+
+    @functools.partial(jax.jit, static_argnames=("size",))
+    def export_kv(state, tables, length, *, size):
+      return state.export_prompt(tables, length, size)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def offload(state, tables):
+      return state.offload(tables)
+
+    @jax.jit
+    def merge_tokens(launched_tokens, from_launched, host_tokens):
+      # overlap_schedule: a step's tokens from the step before it (still on the device) and from the host.
+      return replicated(jnp.where(from_launched >= 0, launched_tokens[jnp.maximum(from_launched, 0)], host_tokens))
+
     self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn, self._merge_fn = (
         self._compiling_alone(self._on_mesh(f), skip) for f, skip in (
-            (programs.prefill, 1), (programs.decode, 1), (programs.import_kv, 0), (programs.export_kv, 0),
-            (programs.offload, 0), (programs.merge_tokens, 0)))
+            (prefill, 1), (decode, 1), (import_kv, 0), (export_kv, 0), (offload, 0), (merge_tokens, 0)))
     self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
     self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
 
   def _vocab_major(self, B: int) -> bool:
     """Whether the decode step at batch bucket B takes its logits [vocab, B] (VOCAB_MAJOR_MAX_BATCH)."""
-    return _vocab_major(self.mesh, B)
+    return self.mesh is None and jax.default_backend() == "cpu" and B <= VOCAB_MAJOR_MAX_BATCH
 
   def _logits_buffer(self, B: int) -> jax.Array | None:
     """The float32[vocab, B] buffer the decode step at batch bucket B writes its logits into (donated: the

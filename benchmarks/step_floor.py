@@ -59,6 +59,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   """One engine at batch B: its decode step, its cost analysis, and the two floor references."""
   import jax
   import jax.numpy as jnp
+  from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG
   from hisparse_jax.engine import Engine, Request
   from hisparse_jax.engine.request import Phase
 
@@ -71,7 +72,6 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len, overlap_schedule=False,
             max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
   if mode != "dense":  # the model's HiSparse sizes, with a host pool that holds every request's whole sequence
-    from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG
     hisparse = dict(DEFAULT_HISPARSE_CONFIG)
     hisparse["host_to_device_ratio"] = max(hisparse["host_to_device_ratio"],  # ratio x (D + 1) tokens a slot
                                            -(-max_seq_len // (hisparse["device_buffer_size"] + 1)))

@@ -15,8 +15,17 @@ cache entry (``compilation_cache.put_executable_and_time``, once during an in-pr
 engine thread was compiling), and under ``--dist loadfile`` xdist then hung until CI's time limit. Those
 processes live for the whole run, hold hundreds of executables and run engine threads next to the test's
 own; the short-lived subprocesses never crashed this way.
+
+Memory mappings: JAX's compilation caches keep every executable a module compiled, and each XLA:CPU
+executable holds about 10-70 memory mappings of its own. A worker that ran tests/test_glm.py held 10,319
+entries in /proc/self/maps (1,003 programs); with engines' programs shared across modules (tried 2026-12-03)
+one process reached 30,885 after tests/test_scheduling.py and a worker later died of a segmentation fault
+inside ``backend_compile_and_load``, consistent with reaching the kernel's ``vm.max_map_count`` (65,530).
+So after each module JAX's caches are cleared (``jax.clear_caches()``; test_glm's 10,319 entries fall to
+617), which costs the next module only the recompilation of programs it shares with the one before.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -29,9 +38,18 @@ if _OWN_CACHE:  # the controller (or a run without xdist), before any worker or 
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402  (after the variables above, which subprocesses inherit)
+import pytest  # noqa: E402
 
 # This process compiles without the persistent cache (see above); the environment keeps it for subprocesses.
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each module (its own fixtures are torn down first), drop JAX's compiled programs (see above)."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 def pytest_unconfigure(config):

@@ -166,7 +166,7 @@ def main(argv):
     message = f"--host/--port: {e}" if isinstance(e, OSError) else str(e)
     engine.close(error=message)
     sys.exit(f"error: {message}")
-  mode = f"hisparse {engine.hisparse}, host pool: {args.host_pool}" if engine.hisparse else "dense"
+  mode = f"hisparse {engine.hisparse}, host pool: {engine.host_pool}" if engine.hisparse else "dense"
   if disagg.mode == "prefill":
     mode += "; prefill server"
   elif disagg.mode == "decode":

@@ -1,11 +1,12 @@
 r"""Cross-layer prefetch: a decode step with misses against the same step with all hits, with and without it.
 
   python benchmarks/prefetch.py [--quick] [--batches 1,8,64] [--context 6144] [--layers 4] [--steps 12] \
-      [--heads 2] [--depth 2048] [--out benchmarks/results/prefetch]
+      [--heads 2] [--depth 2048] [--host-pool jax|extension] [--out benchmarks/results/prefetch]
 
 The real-size kernel configuration: top_k 2048, device_buffer_size 4096, latent rows of W = 576 bfloat16
 (DeepSeek-V3.2's 512 + 64), a ``--context``-token prompt per request (> D: every step is on the slow path)
-in a ``pinned_host`` pool. The access pattern is the calibrated DeepSeek-V3.2 indexer trace
+in a ``pinned_host`` pool (``--host-pool extension``: the extension's own pinned memory, the GPU path where XLA
+refuses a ``pinned_host`` operand to a custom call; see scripts/gpu_check.py). The access pattern is the calibrated DeepSeek-V3.2 indexer trace
 (``calibrated_trace.py``: consecutive steps share 35-50% of their top-k on deep layers, adjacent layers 70-100%),
 two seeds alternating over the batch's requests.
 
@@ -58,8 +59,11 @@ def traces(context: int, steps: int, layers: int, seeds=(0, 1)) -> np.ndarray:
   return np.stack(out).astype(np.int32)
 
 
-def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K):
-  """(step functions by mode, initial states by mode, per-step inputs by mode)."""
+def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K, host_pool: str = "jax"):
+  """(step functions by mode, initial states by mode, per-step inputs by mode, x0, the extension pools).
+
+  host_pool "jax": each mode's pool is a ``pinned_host`` JAX array; "extension": an ops.ExtensionHostPool
+  (the state holds its ordering token), which the caller closes when done."""
   import jax
   import jax.numpy as jnp
 
@@ -71,11 +75,20 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
   key = jax.random.key(0)
   k_pool, k_q, k_w1, k_w2, k_x = jax.random.split(key, 5)
 
-  def fresh_state():
-    pool = jax.jit(lambda: jax.device_put(jax.random.normal(k_pool, (L, B * S, W), dt), jax.memory.Space.Host))()
+  exts = {}
+
+  def fresh_state(mode):
     # As after a prefill of the first D positions: slot s holds token s.
     slot_rows = jnp.arange(B)[:, None] * S + jnp.arange(D + 1)[None]
-    hot = jax.jit(lambda p: jax.device_put(p, jax.memory.Space.Device)[:, slot_rows])(pool)
+    if host_pool == "extension":
+      full = jax.random.normal(k_pool, (L, B * S, W), dt)
+      exts[mode] = ext = ops.ExtensionHostPool(L, B * S, W, dt)
+      ext.write(np.asarray(full))
+      pool, hot = ext.token(), jax.jit(lambda p: p[:, slot_rows])(full)
+      del full
+    else:
+      pool = jax.jit(lambda: jax.device_put(jax.random.normal(k_pool, (L, B * S, W), dt), jax.memory.Space.Host))()
+      hot = jax.jit(lambda p: jax.device_put(p, jax.memory.Space.Device)[:, slot_rows])(pool)
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
     return dict(pool=pool, hot=hot, slot_tokens=slots + 0, lru=slots + 1 - 1, stats=jnp.zeros((L, B, 2), jnp.int32))
 
@@ -95,29 +108,31 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
     h = x + jnp.pad(o, ((0, 0), (0, MLP[0] - W)))
     return h + jax.nn.gelu(h @ w1) @ w2
 
-  def step(prefetch, state, x, top_k, seq_lens):
+  def step(prefetch, mode, state, x, top_k, seq_lens):
+    ext = exts[mode].ref if mode in exts else None
     pool, hot, slots, lru, stats = (state[k] for k in ("pool", "hot", "slot_tokens", "lru", "stats"))
     started, ticket = [], None
     dst = host_pages[:, 0] + seq_lens - 1  # host row of each newest token
     for l in range(L):
       newest = (x @ wkv).astype(dt)
-      pool, _ = ops.backup(l, newest[None], dst, pool)
+      pool, _ = ops.backup(l, newest[None], dst, pool, external=ext)
       if prefetch and l:
         hot, slots, lru, n = ops.prefetch_wait(ticket, hot, slots, lru, newest, batch=B)
         started.append(n)
       rows, pool, hot, slots, lru, stats, _ = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_pages, newest,
-                                                          pool, hot, slots, lru, stats, page_size=1)
+                                                          pool, hot, slots, lru, stats, page_size=1,
+                                                          external=ext)
       out = hot[l].reshape(B * (D + 1), W)[rows]
       if prefetch and l + 1 < L:
         pool, ticket = ops.prefetch_start(l + 1, top_k[l][:, :depth], seq_lens, req_ids, host_pages, pool, hot,
-                                          slots, lru, page_size=1)
+                                          slots, lru, page_size=1, external=ext)
         out, ticket = jax.lax.optimization_barrier((out, ticket))
       x = layer_compute(x, out)
     fetched = jnp.stack(started).sum() if started else jnp.zeros((), jnp.int32)
     return dict(pool=pool, hot=hot, slot_tokens=slots, lru=lru, stats=stats), x, fetched
 
-  fns = {m: jax.jit(functools.partial(step, m == "prefetch"), donate_argnums=(0,)) for m in MODES}
-  states = {m: fresh_state() for m in MODES}
+  states = {m: fresh_state(m) for m in MODES}
+  fns = {m: jax.jit(functools.partial(step, m == "prefetch", m), donate_argnums=(0,)) for m in MODES}
   tr = traces(context, steps, L)  # [2, steps, L, K]
   per_req = tr[np.arange(B) % tr.shape[0]]  # [B, steps, L, K]
   inputs = {}
@@ -125,14 +140,15 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
     src = per_req[:, :1].repeat(steps, 1) if m == "hits" else per_req
     inputs[m] = [jnp.asarray(src[:, t].transpose(1, 0, 2)) for t in range(steps)]  # [L, B, K] per step
   x0 = jax.random.normal(k_x, (B, MLP[0]), jnp.float32).astype(dt)
-  return fns, states, inputs, x0
+  return fns, states, inputs, x0, exts
 
 
-def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K) -> dict:
+def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K,
+            host_pool: str = "jax") -> dict:
   import jax
   import jax.numpy as jnp
 
-  fns, states, inputs, x0 = build(B, context, layers, heads, steps, depth)
+  fns, states, inputs, x0, exts = build(B, context, layers, heads, steps, depth, host_pool)
   times = {m: [] for m in MODES}
   fetched = {m: 0 for m in MODES}
   misses = {m: [] for m in MODES}
@@ -160,6 +176,9 @@ def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: in
     row[f"{m}_over_hits_iqr"] = [float(np.percentile(ratio, 25)), float(np.percentile(ratio, 75))]
   cost = row["misses_over_hits"] - 1
   row["hidden_share"] = (row["misses_over_hits"] - row["prefetch_over_hits"]) / cost if cost > 0 else float("nan")
+  del states, fns
+  for ext in exts.values():
+    ext.close()
   return row
 
 
@@ -171,6 +190,8 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--heads", type=int, default=2)
   ap.add_argument("--depth", type=int, default=TOP_K, help="positions prefetched: the top-scored of each top-k")
+  ap.add_argument("--host-pool", choices=("jax", "extension"), default="jax",
+                  help="the pool: a pinned_host JAX array, or the extension's own pinned memory (ops.ExtensionHostPool)")
   ap.add_argument("--out", help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:
@@ -184,8 +205,9 @@ def main(argv=None) -> int:
     return 2
   from hisparse_jax.kernels import ops
   t0 = time.perf_counter()
-  rows = [measure(B, args.context, args.layers, args.heads, args.steps, args.depth) for B in args.batches]
-  lines = [f"top_k {TOP_K}, D {D}, W {W} bf16, {args.context}-token prompts, {args.layers} layers, prefetch depth "
+  rows = [measure(B, args.context, args.layers, args.heads, args.steps, args.depth, args.host_pool)
+          for B in args.batches]
+  lines = [f"top_k {TOP_K}, D {D}, W {W} bf16, {args.host_pool} host pool, {args.context}-token prompts, {args.layers} layers, prefetch depth "
            f"{args.depth}, calibrated "
            f"DeepSeek-V3.2 trace; {os.cpu_count()} cores, {ops.prefetch_threads()} copy thread(s); median of "
            f"{args.steps - SKIP} steps after {SKIP}.", "",

@@ -272,7 +272,7 @@ def main(argv):
       raise
     print(f"[generate] top-k trace of {len(requests)} requests written to {dump}", file=sys.stderr)
   n_tokens = sum(len(r.output_ids) for _, r in requests)
-  mode = f"hisparse, host pool: {args.host_pool}" if hisparse else "dense"
+  mode = f"hisparse, host pool: {engine.host_pool}" if hisparse else "dense"
   print(f"[generate] {len(requests)} request{'' if len(requests) == 1 else 's'} ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if engine.lockstep is not None:

@@ -1,6 +1,6 @@
 r"""One prepared run on a lent GPU: which host-pool path works, CUDA == reference, timings.
 
-  python scripts/gpu_check.py [--out gpu_check.json] [--quick] [--platform gpu|cpu]
+  python scripts/gpu_check.py [--out gpu_check.json] [--quick] [--platform gpu|cpu] [--cases 16] [--budget 300]
 
 Run by scripts/gpu_check.sh after it has built the extension with CUDA. Needs
 only jax and numpy (the lent image has no flax / orbax / network). Steps:
@@ -10,27 +10,35 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      CUDA handler as an operand; "extension": ops.ExtensionHostPool (cudaHostAlloc,
      mapped) named by attributes. A path works if the worked example gives the
      reference's rows, slot table, LRU and hot-buffer contents.
-  2. Correctness: the worked example and random cases (reference.random_case)
-     through every working path, compared with reference.swap_in bit for bit
+  2. Correctness: the worked example and random cases (reference.random_case;
+     four of them at K 2048 / D 4096 and K 300 / D 600) through every working path, compared with reference.swap_in bit for bit
      (statuses included);
      plus bad input (a position >= seq_len) that must come back as that row's
      status with nothing changed; and the cross-layer prefetch (prefetch_start +
      prefetch_wait, side stream + events) of each case's top-k with some entries
      moved, compared with reference.prefetch.
-  3. Timing: the benchmarks/swap_in.py sweep (B in {1, 64, 256}, K 2048,
-     D in {2048, 4096}, W in {656, 1152} B, miss fraction in {0.001, 0.05, 0.2,
-     1.0}, 2 layers per call) on the first working path, next to the measured
-     pinned host -> device bandwidth of the same number of bytes.
-  4. Graph capture: a decode-like step (per layer: backup of the newest rows,
+  3. Graph capture: a decode-like step (per layer: backup of the newest rows,
      swap-in, a gather of the top-k rows and a matmul on them; 8 layers, B 32,
      K 2048, D 4096, 32k context) timed with XLA's command buffers off and with
      fusions and custom calls captured (the handlers declare themselves
-     command-buffer compatible), each in its own process (XLA_FLAGS).
-  5. Cross-layer prefetch: benchmarks/prefetch.py (top_k 2048, D 4096, W 576
+     command-buffer compatible), each in its own process (XLA_FLAGS), on the
+     first working path; with top-k positions uniform over the context (~87%
+     misses) and drawn from the resident tokens (all hits: launch-bound).
+  4. Cross-layer prefetch: benchmarks/prefetch.py (top_k 2048, D 4096, W 576
      bf16, the calibrated trace; B 1, 8, 64): the step with misses / all hits,
-     without and with the prefetch, and the share of the miss cost hidden.
+     without and with the prefetch, and the share of the miss cost hidden (its
+     --host-pool the first working path).
+  5. Timing: the benchmarks/swap_in.py sweep (B in {1, 64, 256}, K 2048,
+     D in {4096, 2048}, W in {656, 1152} B, miss fraction in {0.001, 0.05, 0.2,
+     1.0}, 2 layers per call; the real-size points first) on the first working
+     path, next to the measured pinned host -> device bandwidth of the same
+     number of bytes, until --budget seconds from the start.
+  6. End to end: hisparse_jax.generate on the embedded default model, dense and
+     with HiSparse (the demo's configuration, so rows really miss) over the
+     first working path: the greedy tokens must agree.
 
-Writes one JSON with everything and prints a summary. ``--platform cpu`` runs
+Writes one JSON (rewritten after each step, so a run stopped by its time limit
+still leaves what it measured) and prints a summary. ``--platform cpu`` runs
 the same script on the CPU handlers (a dry run for CI).
 """
 
@@ -157,6 +165,9 @@ def correctness(paths, platform, n_random) -> dict:
       cases.append((reference.random_case(rng, L=2, B=B, R=B + int(rng.integers(0, 3)), D=int(rng.integers(4, 64)),
                                           K=4, S=int(rng.integers(1, 200)), W=int(rng.choice([1, 3, 8, 288])),
                                           page_size=page), page))
+    # real sizes (K 2048, D 4096) and one between: the plan's block-wide passes over many chunks of threads
+    for kw in (dict(D=4096, K=2048, S=12000, W=16, page_size=64), dict(D=600, K=300, S=2000, W=8, page_size=1)) * 2:
+      cases.append((reference.random_case(rng, L=2, B=4, R=5, **kw), kw["page_size"]))
     for i, (case, page) in enumerate(cases):
       err = _compare(_run_path(path, case, jax, platform, page), reference.swap_in(*case, page_size=page))
       if err:
@@ -196,17 +207,21 @@ def h2d_gbps(jax, nbytes, repeats=5) -> float:
   return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def sweep(path, platform, quick) -> list[dict]:
-  """benchmarks/swap_in.py's timing on `path`, next to the pinned H2D bandwidth of the same bytes."""
+def sweep(path, platform, quick, deadline=float("inf")) -> list[dict]:
+  """benchmarks/swap_in.py's timing on `path`, next to the pinned H2D bandwidth of the same bytes; the
+  real-size points first (D 4096, W 656), and no new point after `deadline` (time.time())."""
   jax = _jax(platform)
   from swap_in import summarize, time_point
   rng = np.random.default_rng(0)
   grid = ([(4, 2048, 656, f) for f in (0.05, 1.0)] if quick else
-          [(B, D, W, f) for B in (1, 64, 256) for D in (2048, 4096) for W in (656, 1152)
+          [(B, D, W, f) for W in (656, 1152) for D in (4096, 2048) for B in (1, 64, 256)
            for f in (0.001, 0.05, 0.2, 1.0)])
   L, repeats = 2, 3 if quick else 7
   results = []
   for B, D, W, f in grid:
+    if time.time() > deadline:
+      print(f"  stopped at the time budget after {len(results)} of {len(grid)} points", flush=True)
+      break
     t = time_point(B, D, W, L, f, repeats, rng, host_pool="jax" if path == "pinned_host" else "extension",
                    platform=platform)
     ext = t.pop("ext")
@@ -222,13 +237,41 @@ def sweep(path, platform, quick) -> list[dict]:
   return results
 
 
+def generate_check(path, platform, out_dir, env, new_tokens=16) -> dict:
+  """hisparse_jax.generate on the embedded default model, dense and with HiSparse over host-pool path `path`
+  (its demo configuration: top_k 32, 64 hot slots, so the prompts miss): the greedy tokens must agree."""
+  outputs, result = {}, {"path": path}
+  for mode, extra in (("dense", []), ("hisparse", ["--enable-hisparse", "--host-pool",
+                                                    "jax" if path == "pinned_host" else "extension"])):
+    outputs[mode] = os.path.join(out_dir, f"generate_{mode}.jsonl")
+    cmd = [sys.executable, "-m", "hisparse_jax.generate", "--prompts", os.path.join(REPO, "examples", "prompts.jsonl"),
+           "--max-new-tokens", str(new_tokens), "--output", outputs[mode], *extra]
+    t0 = time.time()
+    try:
+      r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=REPO,
+                         env={**env, **({"JAX_PLATFORMS": "cpu"} if platform == "cpu" else {})})
+    except subprocess.TimeoutExpired:
+      return {**result, "error": f"{mode}: timed out"}
+    result[f"{mode}_seconds"] = round(time.time() - t0, 1)
+    if r.returncode != 0:
+      return {**result, "error": f"{mode}: exit {r.returncode}: {r.stderr.strip()[-800:]}"}
+  lines = {m: [json.loads(x) for x in open(f)] for m, f in outputs.items()}
+  result["same_tokens"] = [a["output_ids"] == b["output_ids"] for a, b in zip(lines["dense"], lines["hisparse"])]
+  result["misses"] = [b["misses"] for b in lines["hisparse"]]
+  result["ok"] = len(lines["dense"]) == len(lines["hisparse"]) > 0 and all(result["same_tokens"])
+  return result
+
+
 # XLA_FLAGS of the two graph-step modes (flags must be set before JAX starts: one process each).
 GRAPH_MODES = {"eager": "--xla_gpu_enable_command_buffer=",
                "graph": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"}
+GRAPH_MODES.update({m + "_hits": f for m, f in list(GRAPH_MODES.items())})  # the all-hits step (graph_step hits)
 
 
-def graph_step(platform, quick) -> dict:
-  """One decode-like step per call, timed (in the process XLA_FLAGS configured): ms per step, median."""
+def graph_step(platform, quick, path="pinned_host", hits=False) -> dict:
+  """One decode-like step per call, timed (in the process XLA_FLAGS configured): ms per step, median.
+  The pool through host-pool path `path` (PATHS). Top-k positions uniform over the context (~87% misses:
+  the copies dominate), or with `hits` drawn from the resident tokens (no copy: launches and bookkeeping)."""
   jax = _jax(platform)
   import jax.numpy as jnp
   from hisparse_jax.kernels import ops
@@ -236,7 +279,12 @@ def graph_step(platform, quick) -> dict:
   rng = np.random.default_rng(0)
   R, H = B + 1, B * S
   dev = jax.devices()[0]
-  pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
+  ext = external = None
+  if path == "extension":
+    ext = ops.ExtensionHostPool(L, H, W, np.uint8, platform=platform)
+    pool, external = ext.token(), ext.ref
+  else:
+    pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
   slot_tokens = np.stack([np.stack([rng.permutation(S - 1)[:D] for _ in range(R)]) for _ in range(L)])
   lru = np.stack([np.stack([rng.permutation(D) for _ in range(R)]) for _ in range(L)])
   state = [jax.device_put(jnp.asarray(x), dev) for x in (
@@ -252,9 +300,10 @@ def graph_step(platform, quick) -> dict:
     status = jnp.zeros((B,), jnp.int32)
     acc = jnp.zeros((B, 256), jnp.float32)
     for l in range(L):
-      pool, st = ops.backup(l, newest[None], host_pages[:, -1], pool)
+      pool, st = ops.backup(l, newest[None], host_pages[:, -1], pool, external=external)
       rows, pool, hot, slots, order, stats, st2 = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_pages, newest,
-                                                              pool, hot, slots, order, stats, page_size=1)
+                                                              pool, hot, slots, order, stats, page_size=1,
+                                                              external=external)
       status = jnp.maximum(status, jnp.maximum(st, st2))
       kv = hot[l].reshape(-1, W)[jnp.maximum(rows, 0)].astype(jnp.bfloat16)  # [B, K, W]
       acc = acc + jnp.einsum("bkw,wn->bn", kv, weight, preferred_element_type=jnp.float32)
@@ -262,7 +311,11 @@ def graph_step(platform, quick) -> dict:
     return pool, hot, slots, order, stats, acc, status
 
   steps = 5 if quick else 30
-  top_ks = [jnp.asarray(rng.integers(0, S - 1, (L, B, K)), jnp.int32) for _ in range(steps + 3)]
+  if hits:  # K of each request-layer's resident tokens: every position a hit, the slot tables unchanged
+    top_ks = [jnp.asarray(np.take_along_axis(slot_tokens[:, :B], np.argsort(rng.random((L, B, D)), -1)[..., :K], -1),
+                          jnp.int32) for _ in range(steps + 3)]
+  else:
+    top_ks = [jnp.asarray(rng.integers(0, S - 1, (L, B, K)), jnp.int32) for _ in range(steps + 3)]
   newest = jnp.zeros((B, W), jnp.uint8)
   times = []
   for i, tk in enumerate(top_ks):
@@ -272,7 +325,10 @@ def graph_step(platform, quick) -> dict:
     times.append(time.perf_counter() - t0)
     pool, state = state_out[0], state_out[1:]
     ops.check_status(status, "graph step")
-  return {"ms_per_step": statistics.median(times[3:]) * 1e3, "steps": steps,
+  if ext is not None:
+    del pool, state
+    ext.close()
+  return {"ms_per_step": statistics.median(times[3:]) * 1e3, "steps": steps, "path": path, "hits": hits,
           "shape": dict(L=L, B=B, K=K, D=D, S=S, W=W), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
@@ -281,77 +337,108 @@ def main():
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(REPO, "out"), "gpu_check.json"))
   ap.add_argument("--quick", action="store_true", help="a few points only (dry runs)")
   ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
+  ap.add_argument("--cases", type=int, default=16, help="random correctness cases per path")
+  ap.add_argument("--budget", type=float, default=300,
+                  help="seconds from the start after which the sweep (the last step) stops adding points")
   ap.add_argument("--probe", choices=PATHS, help=argparse.SUPPRESS)
-  ap.add_argument("--graph-step", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--graph-step", choices=PATHS, help=argparse.SUPPRESS)
+  ap.add_argument("--hits", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.probe:
     print(json.dumps(probe(args.probe, args.platform)))
     return 0
   if args.graph_step:
-    print(json.dumps(graph_step(args.platform, args.quick)))
+    print(json.dumps(graph_step(args.platform, args.quick, args.graph_step, args.hits)))
     return 0
 
   start = time.time()
-  report = {"platform": args.platform, "probes": {}}
-  print("== 1. host-pool paths")
+  report = {"platform": args.platform, "probes": {}, "section_seconds": {}}
+
+  def save(section, t0):
+    """Writes what has been measured so far (a run cut short by its time limit still leaves its JSON)."""
+    report["section_seconds"][section] = round(time.time() - t0, 1)
+    report["seconds"] = time.time() - start
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(report, f, indent=1)
+
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+  t0 = time.time()
+  print("== 1. host-pool paths", flush=True)
   for path in PATHS:
     try:
       r = subprocess.run([sys.executable, __file__, "--probe", path, "--platform", args.platform],
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, env=env)
       line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
       res = json.loads(line) if line.startswith("{") else {
           "path": path, "ok": False, "error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"}
     except subprocess.TimeoutExpired:
       res = {"path": path, "ok": False, "error": "timed out"}
     report["probes"][path] = res
-    print(f"  {path:12s} {'works' if res['ok'] else 'FAILS: ' + str(res['error'])}")
+    print(f"  {path:12s} {'works' if res['ok'] else 'FAILS: ' + str(res['error'])}", flush=True)
   working = [p for p in PATHS if report["probes"][p]["ok"]]
   report["working_paths"] = working
   report["chosen_path"] = working[0] if working else None
+  save("probes", t0)
   if working:
-    print(f"== 2. {'CUDA' if args.platform == 'gpu' else 'CPU'} handler vs reference")
-    report["correctness"] = correctness(working, args.platform, 10 if args.quick else 60)
+    t0 = time.time()
+    print(f"== 2. {'CUDA' if args.platform == 'gpu' else 'CPU'} handler vs reference", flush=True)
+    report["correctness"] = correctness(working, args.platform, 10 if args.quick else args.cases)
     for path, c in report["correctness"].items():
       print(f"  {path:12s} {c['cases']} cases, {len(c['failures'])} failures, bad input is an error: "
-            f"{c['bad_input_is_error']}")
-    print(f"== 3. timing sweep on the {working[0]} path")
-    report["sweep"] = sweep(working[0], args.platform, args.quick)
-    print("== 4. decode-like step, command buffers (CUDA graphs) off / on")
+            f"{c['bad_input_is_error']}", flush=True)
+    save("correctness", t0)
+    t0 = time.time()
+    print("== 3. decode-like step, command buffers (CUDA graphs) off / on", flush=True)
     report["graph_step"] = {}
     for mode, flags in GRAPH_MODES.items():
-      env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
-      cmd = [sys.executable, __file__, "--graph-step", "--platform", args.platform] + (["--quick"] if args.quick else [])
+      genv = {**env, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
+      cmd = [sys.executable, __file__, "--graph-step", working[0], "--platform", args.platform] + (["--quick"] if args.quick else [])
+      cmd += ["--hits"] if mode.endswith("_hits") else []
       try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=genv)
         line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
         res = json.loads(line) if line.startswith("{") else {"error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"}
       except subprocess.TimeoutExpired:
         res = {"error": "timed out"}
       report["graph_step"][mode] = res
-      print(f"  {mode:6s} " + (f"{res['ms_per_step']:.3f} ms per step" if "ms_per_step" in res else res["error"]))
+      print(f"  {mode:6s} " + (f"{res['ms_per_step']:.3f} ms per step" if "ms_per_step" in res else res["error"]),
+            flush=True)
     g = report["graph_step"]
-    if all("ms_per_step" in g[m] for m in GRAPH_MODES):
-      g["graph_over_eager"] = g["graph"]["ms_per_step"] / g["eager"]["ms_per_step"]
-      print(f"  graph / eager: {g['graph_over_eager']:.3f}")
-    print("== 5. cross-layer prefetch (benchmarks/prefetch.py)")
+    for suffix in ("", "_hits"):
+      if all("ms_per_step" in g[m + suffix] for m in ("eager", "graph")):
+        g["graph_over_eager" + suffix] = g["graph" + suffix]["ms_per_step"] / g["eager" + suffix]["ms_per_step"]
+        print(f"  graph / eager{suffix}: {g['graph_over_eager' + suffix]:.3f}", flush=True)
+    save("graph_step", t0)
+    t0 = time.time()
+    print("== 4. cross-layer prefetch (benchmarks/prefetch.py)", flush=True)
     out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "prefetch")
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "prefetch.py"), "--out", out]
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "prefetch.py"), "--out", out,
+           "--host-pool", "jax" if working[0] == "pinned_host" else "extension"]
     cmd += ["--quick"] if args.quick else ["--batches", "1,8,64", "--steps", "12"]
     try:
       r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, **({"JAX_PLATFORMS": "cpu"} if args.platform == "cpu" else {})})
+                         env={**env, **({"JAX_PLATFORMS": "cpu"} if args.platform == "cpu" else {})})
       report["prefetch"] = (json.load(open(out + ".json"))["rows"] if r.returncode == 0 else
                             {"error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"})
-      print(r.stdout.strip()[-1500:] if r.returncode == 0 else "  " + report["prefetch"]["error"])
+      print(r.stdout.strip()[-1500:] if r.returncode == 0 else "  " + report["prefetch"]["error"], flush=True)
     except subprocess.TimeoutExpired:
       report["prefetch"] = {"error": "timed out"}
-      print("  timed out")
-  report["seconds"] = time.time() - start
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=1)
+      print("  timed out", flush=True)
+    save("prefetch", t0)
+    t0 = time.time()
+    print(f"== 5. timing sweep on the {working[0]} path (until {args.budget:.0f} s)", flush=True)
+    report["sweep"] = sweep(working[0], args.platform, args.quick, deadline=start + args.budget)
+    save("sweep", t0)
+    t0 = time.time()
+    print("== 6. end to end: greedy decoding of examples/prompts.jsonl, dense vs HiSparse", flush=True)
+    report["generate"] = generate_check(working[0], args.platform, os.path.dirname(os.path.abspath(args.out)), env,
+                                        4 if args.quick else 16)
+    print("  " + json.dumps(report["generate"])[:1500], flush=True)
+    save("generate", t0)
+  save("total", start)
   ok = bool(working) and all(not c["failures"] and c["bad_input_is_error"]
-                             for c in report.get("correctness", {}).values())
+                             for c in report.get("correctness", {}).values()) and bool(report.get("generate", {}).get("ok"))
   print(f"== {'PASS' if ok else 'FAIL'} in {report['seconds']:.0f} s; results in {args.out}")
   return 0 if ok else 1
 

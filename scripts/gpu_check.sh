@@ -19,4 +19,4 @@ cmake -S . -B build/gpu -DPython_EXECUTABLE="$(command -v "$PY")" -DCMAKE_BUILD_
 cmake --build build/gpu -j "$(nproc)" >> "$OUT_DIR/gpu_build.log" 2>&1 || { tail -30 "$OUT_DIR/gpu_build.log"; exit 1; }
 ls build/gpu/_ffi_cuda*.so > /dev/null || { echo "the CUDA module was not built (nvcc missing?)"; exit 1; }
 cp build/gpu/_ffi_cpu*.so build/gpu/_ffi_cuda*.so hisparse_jax/
-timeout 480 "$PY" scripts/gpu_check.py --out "$OUT_DIR/gpu_check.json" "$@"
+timeout 470 "$PY" scripts/gpu_check.py --out "$OUT_DIR/gpu_check.json" "$@"

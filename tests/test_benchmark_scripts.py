@@ -31,7 +31,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
   assert report["working_paths"] == ["pinned_host", "extension"]
   for path in report["working_paths"]:
     c = report["correctness"][path]
-    assert c["cases"] == 11 and not c["failures"] and c["bad_input_is_error"]
+    assert c["cases"] == 15 and not c["failures"] and c["bad_input_is_error"]
   assert len(report["sweep"]) == 2
   for mode in ("eager", "graph"):  # the decode-like step runs in both modes (on CPU the flags change nothing)
     assert report["graph_step"][mode]["ms_per_step"] > 0, report["graph_step"]
@@ -42,6 +42,12 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert row["hits_copied_per_step"] == 0 and row["prefetched_per_step"] > 0
     assert 0 < row["prefetch_copied_per_step"] < row["misses_copied_per_step"]
     assert row["hits_ms"] > 0 and row["misses_ms"] > 0 and row["prefetch_ms"] > 0
+  # the JSON is rewritten after each step, each step's time recorded
+  assert set(report["section_seconds"]) == {"probes", "correctness", "graph_step", "prefetch", "sweep", "generate",
+                                            "total"}
+  # end to end: dense and HiSparse greedy tokens agree, and the HiSparse run really missed
+  g = report["generate"]
+  assert g["ok"] and len(g["same_tokens"]) == 3 and all(g["same_tokens"]) and all(m > 0 for m in g["misses"]), g
 
 
 def test_step_floor_quick(tmp_path):

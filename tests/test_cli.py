@@ -99,7 +99,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model': no such directory"),
     (["--dtype", "float16"], "--dtype 'float16'"),
     (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
-    (["--host-pool", "gpu"], "--host-pool 'gpu': expected one of jax, extension"),
+    (["--host-pool", "gpu"], "--host-pool 'gpu': expected one of auto, jax, extension"),
     (["--host-pool", "extension"], "--host-pool extension was given without --enable-hisparse"),
     (["--enable-hisparse", "--hisparse-config", ""], "--hisparse-config: empty"),
     (["--enable-hisparse", "--hisparse-config", "README.md"], "(it takes the JSON itself, not a file"),
@@ -123,6 +123,22 @@ def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message)
   assert r.returncode != 0
   assert message in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_host_pool_auto_is_the_extension_pool_on_a_gpu():
+  """--host-pool auto (the default): the extension's pool on one GPU, where XLA refuses a pinned_host
+  custom-call operand (scripts/gpu_check.sh on an H200); the JAX pool elsewhere; a start-up error where
+  none works."""
+  from hisparse_jax.engine.args import EngineArgs, StartupError
+  hs = EngineArgs(enable_hisparse=True)
+  assert hs.host_pool == "auto"
+  assert hs.resolved_host_pool("cpu") == "jax" and hs.resolved_host_pool("gpu") == "extension"
+  assert EngineArgs(enable_hisparse=True, host_pool="extension").resolved_host_pool("cpu") == "extension"
+  assert EngineArgs(enable_hisparse=True, host_pool="jax").resolved_host_pool("cpu") == "jax"
+  with pytest.raises(StartupError, match="--host-pool jax does not work on a GPU: XLA refuses .*E1200"):
+    EngineArgs(enable_hisparse=True, host_pool="jax").resolved_host_pool("gpu")
+  with pytest.raises(StartupError, match="HiSparse on a mesh of 2 GPUs has no host pool yet"):
+    EngineArgs(enable_hisparse=True, dp_size=2, max_running_requests=2).resolved_host_pool("gpu")
 
 
 @pytest.mark.parametrize("script", ["generate", "server"])

@@ -5,10 +5,12 @@
 // pool directly over PCIe/NVLink-C2C (zero-copy from pinned host memory).
 //
 // Launch shape: one kernel, one thread block per batch row (request). The block
-// checks the row (layer, request id) and thread 0 plans it with the scratch in
-// shared memory; a row that fails gets its status (swap_in_core.h SwapInStatus) in the
+// checks the row (layer, request id) and plans it with the scratch in shared
+// memory (LRU: the whole block, BlockPlanLru; CLOCK and score: thread 0 runs
+// the shared core's PlanSwapIn); a row that fails gets its status (swap_in_core.h SwapInStatus) in the
 // status output, rows of -1, and no change. A good row is committed, then the
-// whole block copies its missing rows with 16-byte loads where aligned.
+// whole block copies its missing rows with 16-byte loads where aligned, four
+// loads in flight per thread (CopyRows).
 //
 // Nothing here waits for the device: no host synchronization, no allocation,
 // no stream query. The handlers are declared command-buffer compatible (XLA
@@ -16,6 +18,7 @@
 // step's other results (hisparse_jax.kernels.ops.check_status).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -113,11 +116,280 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D, bool with_
                    SwapInScratch{need_token, slot_state, new_lru, heap_key, heap_pos}, miss_tokens, miss_slots, rows};
 }
 
-// One block per request: thread 0 checks and plans the row, commits a good plan, then the block's warps
-// copy the missing rows, 16 bytes per lane per load. A bad row writes its status and changes nothing.
+// ---- block-parallel LRU plan ------------------------------------------------------------------------------
+// The LRU policy's plan (PlanSwapIn with kEvictLru) run by the whole block instead of thread 0: the same
+// result bit for bit (rows, misses in first-appearance order, victims = the oldest untouched slots in LRU
+// order, the new LRU order, the status of the first failing check in PlanSwapIn's order), each O(K + D)
+// pass spread over the block's threads. Thread 0 alone spent ~2 ms per request-layer at K 2048, D 4096 on
+// an H200 (dependent global loads), whatever the batch. CLOCK (a sequential hand) and the score policy (a
+// heap) keep thread 0's plan.
+
+// Shared memory of one block's parallel plan: a hash map position -> value (open addressing, 2 x capacity;
+// the value is the position's first top-k index, then the slot serving it), need_token, miss_tokens,
+// miss_slots (K each; with_rows: one more K for the prefetch's rows), new_lru (D), the LRU order's
+// seen bits (D / 32), per-warp counts and flags, and slot_state (D bytes).
+struct ParallelPlan {
+  int32_t* keys;  // [cap], -1 = empty
+  int32_t* val;   // [cap]
+  int32_t mask;
+  int32_t* need_token;
+  int32_t* miss_tokens;
+  int32_t* miss_slots;
+  int32_t* new_lru;
+  uint32_t* seen;
+  int32_t* warp_counts;  // [kThreads / 32]
+  int32_t* flags;        // [4]
+  uint8_t* slot_state;
+  int32_t* rows;
+};
+
+constexpr int32_t kNone = INT32_MAX;
+
+size_t ParallelPlanInts(int32_t K, int32_t D, bool with_rows) {
+  return 2 * static_cast<size_t>(HashCapacity(K)) + (with_rows ? 4 : 3) * static_cast<size_t>(K) + D +
+         (D + 31) / 32 + kThreads / 32 + 4;
+}
+
+__device__ ParallelPlan CarveParallel(int32_t* smem, int32_t K, int32_t D, bool with_rows) {
+  ParallelPlan p;
+  const int32_t cap = HashCapacity(K);
+  p.keys = smem;
+  p.val = p.keys + cap;
+  p.mask = cap - 1;
+  p.need_token = p.val + cap;
+  p.miss_tokens = p.need_token + K;
+  p.miss_slots = p.miss_tokens + K;
+  p.rows = with_rows ? p.miss_slots + K : nullptr;
+  p.new_lru = p.miss_slots + (with_rows ? 2 : 1) * K;
+  p.seen = reinterpret_cast<uint32_t*>(p.new_lru + D);
+  p.warp_counts = reinterpret_cast<int32_t*>(p.seen + (D + 31) / 32);
+  p.flags = p.warp_counts + kThreads / 32;
+  p.slot_state = reinterpret_cast<uint8_t*>(p.flags + 4);
+  for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) {
+    p.keys[i] = -1;
+    p.val[i] = kNone;
+  }
+  for (int32_t i = threadIdx.x; i < (D + 31) / 32; i += blockDim.x) p.seen[i] = 0;
+  if (threadIdx.x < 4) p.flags[threadIdx.x] = 0;
+  __syncthreads();
+  return p;
+}
+
+__device__ uint32_t HomeOf(int32_t t, int32_t mask) {
+  return (static_cast<uint32_t>(t) * 2654435769u) & static_cast<uint32_t>(mask);
+}
+
+// Index of t in the map, or -1.
+__device__ int32_t FindIn(const ParallelPlan& p, int32_t t) {
+  for (uint32_t i = HomeOf(t, p.mask);; i = (i + 1) & static_cast<uint32_t>(p.mask)) {
+    const int32_t k = p.keys[i];
+    if (k == t) return static_cast<int32_t>(i);
+    if (k == -1) return -1;
+  }
+}
+
+// Ordered block-wide compaction: emit(i, rank) for every i in [0, n) with pred(i), rank = the number of
+// earlier such i; returns their count (in every thread). Every thread of the block must call it.
+template <typename Pred, typename Emit>
+__device__ int32_t BlockCompact(int32_t n, int32_t* warp_counts, Pred pred, Emit emit) {
+  const int32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t base = 0;
+  for (int32_t start = 0; start < n; start += kThreads) {
+    const int32_t i = start + threadIdx.x;
+    const bool f = i < n && pred(i);
+    const uint32_t m = __ballot_sync(0xffffffffu, f);
+    if (lane == 0) warp_counts[warp] = __popc(m);
+    __syncthreads();
+    int32_t before = base, total = base;
+    for (int32_t w = 0; w < kThreads / 32; ++w) {
+      const int32_t c = warp_counts[w];
+      before += w < warp ? c : 0;
+      total += c;
+    }
+    if (f) emit(i, before + __popc(m & ((1u << lane) - 1u)));
+    __syncthreads();  // warp_counts is rewritten by the next chunk
+    base = total;
+  }
+  return base;
+}
+
+// The LRU plan of request r, by the whole block: returns the number of misses or -status (the same value
+// in every thread); writes out_rows [K], p.miss_tokens / p.miss_slots, p.new_lru (slow path). *hits (every
+// thread) as PlanSwapIn's. Reads r's tables only; BlockCommit applies the plan.
+__device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t* out_rows, int32_t* hits) {
+  const int32_t K = r.K, D = r.D, seq_len = r.seq_len;
+  if (seq_len < 0 || seq_len > MaxSeqLen(r)) return -kBadSeqLen;
+  // Positions: validated, inserted, each keeping its first top-k index.
+  for (int32_t k = threadIdx.x; k < K; k += kThreads) {
+    const int32_t t = r.top_k[k];
+    if (t < -1 || t >= seq_len) {
+      p.flags[0] = 1;
+      continue;
+    }
+    if (t < 0) continue;
+    for (uint32_t i = HomeOf(t, p.mask);; i = (i + 1) & static_cast<uint32_t>(p.mask)) {
+      const int32_t prev = atomicCAS(&p.keys[i], -1, t);
+      if (prev == -1 || prev == t) {
+        atomicMin(&p.val[i], k);
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (p.flags[0]) return -kPositionOutOfRange;
+  const int32_t distinct = BlockCompact(
+      K, p.warp_counts,
+      [&](int32_t k) {
+        const int32_t t = r.top_k[k];
+        return t >= 0 && p.val[FindIn(p, t)] == k;
+      },
+      [&](int32_t k, int32_t rank) { p.need_token[rank] = r.top_k[k]; });
+  if (seq_len <= D) {  // fast path: every token sits in its own slot
+    for (int32_t k = threadIdx.x; k < K; k += kThreads) {
+      const int32_t t = r.top_k[k];
+      out_rows[k] = t < 0 ? -1 : r.row_base + t;
+    }
+    *hits = distinct;
+    return 0;
+  }
+  for (int32_t i = threadIdx.x; i <= p.mask; i += kThreads) p.val[i] = kNone;  // now: the serving slot
+  __syncthreads();
+  // Hits: the lowest slot holding a needed token (a duplicated slot entry counts once).
+  const int32_t newest = seq_len - 1;
+  for (int32_t s = threadIdx.x; s < D; s += kThreads) {
+    const int32_t t = r.slot_tokens[s];
+    const int32_t f = t >= 0 && t < newest ? FindIn(p, t) : -1;
+    if (f >= 0) atomicMin(&p.val[f], s);
+  }
+  __syncthreads();
+  int32_t num_hits = 0;
+  for (int32_t s0 = 0; s0 < D; s0 += kThreads) {
+    const int32_t s = s0 + threadIdx.x;
+    bool hit = false;
+    if (s < D) {
+      const int32_t t = r.slot_tokens[s];
+      const int32_t f = t >= 0 && t < newest ? FindIn(p, t) : -1;
+      hit = f >= 0 && p.val[f] == s;
+      p.slot_state[s] = hit ? kHit : kUntouched;
+    }
+    num_hits += __syncthreads_count(hit);
+  }
+  // Misses in first-appearance order; each needs a valid host row.
+  const int32_t num_misses = BlockCompact(
+      distinct, p.warp_counts,
+      [&](int32_t i) {
+        const int32_t t = p.need_token[i];
+        return t != newest && p.val[FindIn(p, t)] == kNone;
+      },
+      [&](int32_t i, int32_t rank) {
+        const int32_t t = p.need_token[i];
+        p.miss_tokens[rank] = t;
+        if (HostRow(r, t) < 0) p.flags[1] = 1;
+      });
+  __syncthreads();
+  if (p.flags[1]) return -kHostRowOutOfRange;
+  // The LRU order must be a permutation of the D slots, with enough untouched slots for the misses.
+  for (int32_t i = threadIdx.x; i < D; i += kThreads) {
+    const int32_t s = r.lru[i];
+    if (s < 0 || s >= D || (atomicOr(&p.seen[s / 32], 1u << (s % 32)) & (1u << (s % 32)))) p.flags[2] = 1;
+  }
+  __syncthreads();
+  if (p.flags[2] || D - num_hits < num_misses) return -kLruNotPermutation;
+  // Victims: the oldest untouched slots, in LRU order; each serves its miss.
+  const int32_t untouched = BlockCompact(
+      D, p.warp_counts, [&](int32_t i) { return p.slot_state[r.lru[i]] == kUntouched; },
+      [&](int32_t i, int32_t rank) {
+        if (rank >= num_misses) return;
+        const int32_t s = r.lru[i];
+        p.miss_slots[rank] = s;
+        p.slot_state[s] = kFilled;
+        p.val[FindIn(p, p.miss_tokens[rank])] = s;
+      });
+  __syncthreads();
+  // New order: untouched (old order) | filled (victim order) | hits (old order).
+  BlockCompact(D, p.warp_counts, [&](int32_t i) { return p.slot_state[r.lru[i]] == kUntouched; },
+               [&](int32_t i, int32_t rank) { p.new_lru[rank] = r.lru[i]; });
+  for (int32_t j = threadIdx.x; j < num_misses; j += kThreads) p.new_lru[untouched - num_misses + j] = p.miss_slots[j];
+  BlockCompact(D, p.warp_counts, [&](int32_t i) { return p.slot_state[r.lru[i]] == kHit; },
+               [&](int32_t i, int32_t rank) { p.new_lru[D - num_hits + rank] = r.lru[i]; });
+  for (int32_t k = threadIdx.x; k < K; k += kThreads) {
+    const int32_t t = r.top_k[k];
+    out_rows[k] = t < 0 ? -1 : t == newest ? r.row_base + D : r.row_base + p.val[FindIn(p, t)];
+  }
+  __syncthreads();
+  *hits = distinct - num_misses;
+  return num_misses;
+}
+
+// Applies a successful BlockPlanLru (CommitSwapIn's effect), by the whole block.
+__device__ void BlockCommit(const RequestLayer& r, const ParallelPlan& p, int32_t num_misses) {
+  if (r.seq_len <= r.D) return;
+  for (int32_t i = threadIdx.x; i < num_misses; i += kThreads) r.slot_tokens[p.miss_slots[i]] = p.miss_tokens[i];
+  for (int32_t i = threadIdx.x; i < r.D; i += kThreads) r.lru[i] = p.new_lru[i];
+}
+
+// The block copies rows src_row(i) of `pool` -> dst_row(i) of `dev` for i in [0, n): flattened over 16-byte
+// chunks with four independent loads in flight per thread (a load from mapped host memory crosses PCIe:
+// latency, not bandwidth, bounds one warp copying one row at a time at small batches).
+template <typename SrcRow, typename DstRow>
+__device__ void CopyRows(const char* pool, char* dev, int64_t row_bytes, int32_t n, SrcRow src_row, DstRow dst_row) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(pool) | reinterpret_cast<uintptr_t>(dev) | row_bytes) & 15) == 0;
+  if (!aligned) {
+    for (int64_t j = threadIdx.x; j < n * row_bytes; j += kThreads)
+      dev[dst_row(static_cast<int32_t>(j / row_bytes)) * row_bytes + j % row_bytes] =
+          pool[src_row(static_cast<int32_t>(j / row_bytes)) * row_bytes + j % row_bytes];
+    return;
+  }
+  constexpr int kInFlight = 4;
+  const int64_t per_row = row_bytes / 16, total = n * per_row;
+  for (int64_t base = threadIdx.x; base < total; base += kInFlight * kThreads) {
+    int4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t j = base + u * kThreads;
+      if (j < total)
+        v[u] = reinterpret_cast<const int4*>(pool + src_row(static_cast<int32_t>(j / per_row)) * row_bytes)[j % per_row];
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t j = base + u * kThreads;
+      if (j < total)
+        reinterpret_cast<int4*>(dev + dst_row(static_cast<int32_t>(j / per_row)) * row_bytes)[j % per_row] = v[u];
+    }
+  }
+}
+
+// Plans request r by its policy (LRU: the whole block, BlockPlanLru; CLOCK and score: thread 0, the shared
+// core's PlanSwapIn) into out_rows (null: the layout's own rows, the prefetch's) and commits a good plan.
+// Returns the number of misses or -status in every thread; the misses in *miss_tokens / *miss_slots (shared
+// memory) and, in thread 0, the distinct positions served from the device in *hits.
+__device__ int32_t PlanAndCommit(const RequestLayer& r, int32_t* smem, bool with_rows, int32_t* out_rows,
+                                 int32_t* hits, const int32_t** miss_tokens, const int32_t** miss_slots) {
+  __shared__ int32_t result;
+  if (r.eviction == kEvictLru) {
+    ParallelPlan p = CarveParallel(smem, r.K, r.D, with_rows);
+    const int32_t n = BlockPlanLru(r, p, out_rows ? out_rows : p.rows, hits);
+    if (n >= 0) BlockCommit(r, p, n);
+    *miss_tokens = p.miss_tokens;
+    *miss_slots = p.miss_slots;
+    __syncthreads();
+    return n;
+  }
+  BlockPlan p = CarveShared(smem, r.K, r.D, with_rows);
+  if (threadIdx.x == 0) {
+    result = PlanSwapIn(r, p.map, p.scratch, out_rows ? out_rows : p.rows, p.miss_tokens, p.miss_slots, hits);
+    if (result >= 0) CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, result);
+  }
+  *miss_tokens = p.miss_tokens;
+  *miss_slots = p.miss_slots;
+  __syncthreads();
+  return result;
+}
+
+// One block per request: the block checks the row, plans it and commits a good plan (PlanAndCommit), then
+// copies the missing rows. A bad row writes its status and changes nothing.
 __global__ void SwapInKernel(SwapInArgs a) {
   extern __shared__ int32_t smem[];
-  __shared__ int32_t num_misses;  // < 0: the row failed with status -num_misses
   const int32_t b = blockIdx.x;
   const int32_t layer = *a.layer;
   int32_t* rows = a.rows + static_cast<int64_t>(b) * a.K;
@@ -132,19 +404,18 @@ __global__ void SwapInKernel(SwapInArgs a) {
     return;
   }
   const RequestLayer r = MakeRequest(a, b, layer);
-  BlockPlan p = CarveShared(smem, a.K, a.D, false);
+  int32_t hits = 0;
+  const int32_t* miss_tokens;
+  const int32_t* miss_slots;
+  const int32_t num_misses = PlanAndCommit(r, smem, false, rows, &hits, &miss_tokens, &miss_slots);
   if (threadIdx.x == 0) {
-    int32_t hits = 0;
-    num_misses = PlanSwapIn(r, p.map, p.scratch, rows, p.miss_tokens, p.miss_slots, &hits);
     a.status[b] = num_misses < 0 ? -num_misses : kOk;
     if (num_misses >= 0) {
-      CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
       int32_t* counts = a.stats + (static_cast<int64_t>(layer) * a.R + a.req_ids[b]) * 2;
       counts[0] += hits;
       counts[1] += num_misses;
     }
   }
-  __syncthreads();
   if (num_misses < 0) {  // the plan failed part-way: none of its rows is valid
     for (int32_t k = threadIdx.x; k < a.K; k += blockDim.x) rows[k] = -1;
     return;
@@ -155,18 +426,17 @@ __global__ void SwapInKernel(SwapInArgs a) {
   if (threadIdx.x / 32 == kThreads / 32 - 1 && r.seq_len > 0)
     CopyRow(a.newest + static_cast<int64_t>(b) * a.row_bytes,
             dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * a.row_bytes, a.row_bytes);
-  for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32) {
-    const int64_t src = HostRow(r, p.miss_tokens[i]);  // validated by the plan
-    CopyRow(pool + src * a.row_bytes, dev + (r.row_base + p.miss_slots[i]) * a.row_bytes, a.row_bytes);
-  }
+  CopyRows(pool, dev, a.row_bytes, num_misses, [&](int32_t i) { return HostRow(r, miss_tokens[i]); },  // validated
+           [&](int32_t i) { return static_cast<int64_t>(r.row_base) + miss_slots[i]; });
 }
 
 // Dynamic shared memory of CarveShared's layout: the hash map (2 x capacity), need_token, miss_tokens,
 // miss_slots, heap_pos, heap_key (K each; with_rows: one more K for the prefetch's rows), new_lru (D) ints,
 // and slot_state (D bytes).
+// The larger of it and the parallel plan's layout (ParallelPlanInts).
 size_t SwapInSharedBytes(int32_t K, int32_t D, bool with_rows) {
-  return (2 * static_cast<size_t>(HashCapacity(K)) + (with_rows ? 6 : 5) * static_cast<size_t>(K) + D) *
-             sizeof(int32_t) + D;
+  const size_t serial = 2 * static_cast<size_t>(HashCapacity(K)) + (with_rows ? 6 : 5) * static_cast<size_t>(K) + D;
+  return std::max(serial, ParallelPlanInts(K, D, with_rows)) * sizeof(int32_t) + D;
 }
 
 ffi::Error CudaStatus(cudaError_t e, const char* what) {
@@ -174,27 +444,41 @@ ffi::Error CudaStatus(cudaError_t e, const char* what) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-// Once per device, the swap-in kernel is allowed the device's whole opt-in shared memory, so that the
-// steady state makes no configuration call (nothing but launches while XLA records a command buffer).
+struct PrefetchScratch;
+__global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s);
+
+// Once per device, the swap-in kernel (and the prefetch's plan kernel, which carves the same layout) is
+// allowed the device's whole opt-in shared memory less its static shared memory (PlanAndCommit's), so that
+// the steady state makes no configuration call (nothing but launches while XLA records a command
+// buffer); asking for the whole opt-in amount as dynamic memory is cudaErrorInvalidValue.
 // An error when a plan (K, D) needs more than the device has.
 ffi::Error AllowSharedMemory(size_t smem) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> optin[kMaxDevices] = {};  // 0: not configured yet
+  static std::atomic<int> dynamic_limit[kMaxDevices] = {};  // 0: not configured yet
   int device = 0;
   if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
   if (device < 0 || device >= kMaxDevices) return ffi::Error::Internal("swap_in: device ordinal >= 64");
-  int limit = optin[device].load(std::memory_order_acquire);
+  int limit = dynamic_limit[device].load(std::memory_order_acquire);
   if (limit == 0) {
-    if (auto e = CudaStatus(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+    int optin = 0;
+    if (auto e = CudaStatus(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                             "cudaDeviceGetAttribute");
         e.failure())
       return e;
-    if (auto e = CudaStatus(cudaFuncSetAttribute(reinterpret_cast<const void*>(SwapInKernel),
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, limit),
-                            "cudaFuncSetAttribute");
-        e.failure())
-      return e;
-    optin[device].store(limit, std::memory_order_release);
+    limit = optin;
+    for (const void* kernel : {reinterpret_cast<const void*>(SwapInKernel),
+                               reinterpret_cast<const void*>(PrefetchPlanKernel)}) {
+      cudaFuncAttributes attrs;
+      if (auto e = CudaStatus(cudaFuncGetAttributes(&attrs, kernel), "cudaFuncGetAttributes"); e.failure())
+        return e;
+      const int dynamic = optin - static_cast<int>(attrs.sharedSizeBytes);
+      if (auto e = CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic),
+                              "cudaFuncSetAttribute");
+          e.failure())
+        return e;
+      limit = std::min(limit, dynamic);
+    }
+    dynamic_limit[device].store(limit, std::memory_order_release);
   }
   if (smem > static_cast<size_t>(limit))
     return ffi::Error::InvalidArgument("swap_in: top_k and device_buffer_size need " + std::to_string(smem) +
@@ -409,7 +693,6 @@ __global__ void PrefetchSnapshotKernel(SwapInArgs a, PrefetchScratch s) {
 // Side stream: plan row b's predicted positions on its snapshot (thread 0), stage the misses (the warps).
 __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
   extern __shared__ int32_t smem[];
-  __shared__ int32_t num_misses;
   const int32_t b = blockIdx.x;
   if (s.counts[b] != kOk || a.req_ids[b] < 0) {  // a bad row (-status) or an idle one (0)
     if (threadIdx.x == 0) s.counts[b] = -s.counts[b];
@@ -420,20 +703,16 @@ __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
                        a.host_pages + static_cast<int64_t>(b) * a.P, a.P, a.page_size, a.H,
                        s.new_slots + static_cast<int64_t>(b) * a.D, s.new_lru + static_cast<int64_t>(b) * a.D, 0,
                        a.eviction, nullptr};
-  BlockPlan p = CarveShared(smem, a.K, a.D, true);
-  if (threadIdx.x == 0) {
-    int32_t hits = 0;
-    num_misses = PlanSwapIn(r, p.map, p.scratch, p.rows, p.miss_tokens, p.miss_slots, &hits);
-    s.counts[b] = num_misses;  // or -status
-    if (num_misses >= 0) CommitSwapIn(r, p.scratch.new_lru, p.miss_tokens, p.miss_slots, num_misses);
-  }
-  __syncthreads();
+  int32_t hits = 0;
+  const int32_t* miss_tokens;
+  const int32_t* miss_slots;
+  const int32_t num_misses = PlanAndCommit(r, smem, true, nullptr, &hits, &miss_tokens, &miss_slots);
+  if (threadIdx.x == 0) s.counts[b] = num_misses;  // or -status
   if (num_misses <= 0) return;
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
-  for (int32_t i = threadIdx.x; i < num_misses; i += blockDim.x) s.miss_slots[static_cast<int64_t>(b) * a.K + i] = p.miss_slots[i];
-  for (int32_t i = threadIdx.x / 32; i < num_misses; i += kThreads / 32)
-    CopyRow(pool + HostRow(r, p.miss_tokens[i]) * a.row_bytes,
-            s.staged + (static_cast<int64_t>(b) * a.K + i) * a.row_bytes, a.row_bytes);
+  for (int32_t i = threadIdx.x; i < num_misses; i += blockDim.x) s.miss_slots[static_cast<int64_t>(b) * a.K + i] = miss_slots[i];
+  CopyRows(pool, s.staged, a.row_bytes, num_misses, [&](int32_t i) { return HostRow(r, miss_tokens[i]); },
+           [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; });
 }
 
 // Wait, on XLA's stream after the plan: row b's plan and staged rows into the arrays XLA hands the wait,
@@ -483,9 +762,6 @@ ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, 
     return e;
   const size_t smem = SwapInSharedBytes(a.K, a.D, true);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
-  if (cudaFuncSetAttribute(reinterpret_cast<const void*>(PrefetchPlanKernel),
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess)
-    return ffi::Error::Internal("prefetch: cudaFuncSetAttribute failed");
   int device = 0;
   if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
   auto& reg = PrefetchRegistry::Get();

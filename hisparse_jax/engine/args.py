@@ -20,6 +20,10 @@ MODEL_HISPARSE_FILE = "hisparse_config.json"  # per-model default HiSparse sizes
 DTYPES = ("float32", "bfloat16")
 WEIGHT_DTYPES = (None, "fp8")
 HOST_POOL_KINDS = ("jax", "extension")
+HOST_POOL_CHOICES = ("auto", *HOST_POOL_KINDS)
+# Why "auto" takes the extension's pool on a GPU (scripts/gpu_check.sh on an H200, jax 0.11.2, 2026-12-04).
+GPU_PINNED_HOST_REFUSED = ("XLA refuses a pinned_host array as a custom call's operand on GPU (E1200 "
+                           "CompileTimeHostOffloadOutputLocationMismatch, measured with jax 0.11.2 on an H200)")
 # Device KV budget when neither --max-device-kv-bytes nor --mem-fraction-static is given: this fraction of
 # the device memory left after the weights (SGLang's mem_fraction_static is of the same order), or, on a
 # device that reports no limit (CPU), DEFAULT_CPU_KV_BYTES.
@@ -49,8 +53,8 @@ class EngineArgs:
       (lru | clock | score | score_ema), resident_fraction, prefetch (none | next_layer) and prefetch_depth
       (HiSparseConfig); None: the
       model directory's hisparse_config.json, else defaults.
-    host_pool: HiSparse host pool: "jax" (a ``pinned_host`` JAX array) or "extension" (memory owned by the
-      FFI extension).
+    host_pool: HiSparse host pool: "jax" (a ``pinned_host`` JAX array), "extension" (pinned memory owned by
+      the FFI extension) or "auto" (the default: "extension" on a GPU, "jax" elsewhere; resolved_host_pool).
     max_running_requests: requests decoded at once (HiSparse may lower it to the hot buffers that fit).
     max_seq_len: longest prompt + output per request (tokens); None: the model's max_position_embeddings.
       Costs nothing until tokens exist (memory is paged).
@@ -93,7 +97,7 @@ class EngineArgs:
   dtype: str | None = None
   enable_hisparse: bool = False
   hisparse_config: str | None = None
-  host_pool: str = "jax"
+  host_pool: str = "auto"
   max_running_requests: int = 64
   max_seq_len: int | None = None
   chunked_prefill_size: int = 2048
@@ -119,8 +123,8 @@ class EngineArgs:
       "hisparse_config": "HiSparse sizes and policy as JSON: top_k, device_buffer_size, host_to_device_ratio, "
                          "eviction (lru | clock | score | score_ema), resident_fraction, prefetch "
                          "(none | next_layer), prefetch_depth.",
-      "host_pool": "HiSparse host pool: 'jax' (a pinned_host JAX array) or 'extension' (memory owned by the "
-                   "FFI extension).",
+      "host_pool": "HiSparse host pool: 'jax' (a pinned_host JAX array), 'extension' (pinned memory owned by the "
+                   "FFI extension) or 'auto' (extension on a GPU, jax elsewhere).",
       "max_running_requests": "Requests decoded concurrently.",
       "max_seq_len": "Longest prompt + output per request, in tokens (default: the model's "
                      "max_position_embeddings; memory is paged, so a long limit costs nothing until used).",
@@ -177,9 +181,9 @@ class EngineArgs:
     """Checks that need no model (StartupError naming the flag)."""
     if self.dtype not in (None, *DTYPES):
       raise StartupError(f"--dtype {self.dtype!r}: expected float32 or bfloat16")
-    if self.host_pool not in HOST_POOL_KINDS:
-      raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_KINDS)}")
-    if self.host_pool != HOST_POOL_KINDS[0] and not self.enable_hisparse:
+    if self.host_pool not in HOST_POOL_CHOICES:
+      raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_CHOICES)}")
+    if self.host_pool in HOST_POOL_KINDS[1:] and not self.enable_hisparse:
       raise StartupError(f"--host-pool {self.host_pool} was given without --enable-hisparse (dense mode has no "
                          "host pool)")
     if self.hisparse_config is not None and not self.enable_hisparse:
@@ -218,9 +222,25 @@ class EngineArgs:
                          "multiple of it)")
     if self.weight_dtype not in WEIGHT_DTYPES:
       raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected fp8 (or no flag: dequantize at load)")
-    if mesh.num_devices > 1 and self.host_pool != HOST_POOL_KINDS[0]:
+    if mesh.num_devices > 1 and self.host_pool in HOST_POOL_KINDS[1:]:
       raise StartupError(f"--host-pool {self.host_pool} serves one device; on a mesh (--dp-size {mesh.dp_size} x "
                          f"--tp-size {mesh.tp_size}) use --host-pool {HOST_POOL_KINDS[0]}")
+
+  def resolved_host_pool(self, platform: str) -> str:
+    """The host-pool kind HiSparse uses on `platform` (jax.default_backend(): "cpu", "gpu", ...).
+
+    "auto" is "extension" on a single GPU, else "jax". Raises StartupError where none works on a GPU: an
+    explicit "jax" (GPU_PINNED_HOST_REFUSED), or HiSparse over several GPUs (the extension's pool serves
+    one device)."""
+    if platform != "gpu" or not self.enable_hisparse:
+      return "jax" if self.host_pool == "auto" else self.host_pool
+    if self.host_pool == "jax":
+      raise StartupError(f"--host-pool jax does not work on a GPU: {GPU_PINNED_HOST_REFUSED}; use --host-pool "
+                         "extension (or auto)")
+    if self.mesh_config().num_devices > 1:
+      raise StartupError(f"HiSparse on a mesh of {self.mesh_config().num_devices} GPUs has no host pool yet: "
+                         f"{GPU_PINNED_HOST_REFUSED}, and the extension's pool serves one device")
+    return "extension"
 
   def mesh_config(self) -> MeshConfig:
     return MeshConfig(dp_size=self.dp_size, tp_size=self.tp_size, ep_size=self.ep_size)

@@ -160,6 +160,7 @@ class Engine:
       args = dataclasses.replace(args, enable_hisparse=True)
     args.validate()
     self.args = args
+    self.host_pool = args.resolved_host_pool(jax.default_backend())  # "jax" or "extension"
     model_dir = args.model_dir()
     model_cfg = args.model_config(model_dir)
     self.hisparse = hisparse if hisparse is not None else args.resolve_hisparse(model_dir, model_cfg)
@@ -407,7 +408,7 @@ class Engine:
     self.backend = None  # the old pools go before the new ones are allocated
     self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype, self.mesh, self.groups)
                     if self.hisparse is None else
-                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, a.host_pool,
+                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, self.host_pool,
                                           self.mesh, self.groups))
     R = self.backend.request_slots
     self.num_slots = R

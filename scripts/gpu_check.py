@@ -11,7 +11,8 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      mapped) named by attributes. A path works if the worked example gives the
      reference's rows, slot table, LRU and hot-buffer contents.
   2. Correctness: the worked example and random cases (reference.random_case;
-     four of them at K 2048 / D 4096 and K 300 / D 600) through every working path, compared with reference.swap_in bit for bit
+     four of them at K 2048 / D 4096 and K 300 / D 600) through every working
+     path, compared with reference.swap_in bit for bit
      (statuses included);
      plus bad input (a position >= seq_len) that must come back as that row's
      status with nothing changed; and the cross-layer prefetch (prefetch_start +

@@ -3,7 +3,7 @@ r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs o
   python -m hisparse_jax.generate --prompts prompts.jsonl [--model-path DIR] \
       [--max-new-tokens 32] [--dtype float32|bfloat16] [--max-running-requests 64] \
       [--enable-hisparse [--hisparse-config '{"top_k": 32, "device_buffer_size": 64}'] \
-      [--host-pool jax|extension]] [--max-seq-len N] [--chunked-prefill-size 2048] \
+      [--host-pool auto|jax|extension]] [--max-seq-len N] [--chunked-prefill-size 2048] \
       [--page-size 64] [--max-device-kv-bytes N] [--deterministic] \
       [--output out.jsonl] [--dump-topk trace.npz]
 

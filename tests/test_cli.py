@@ -101,6 +101,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
     (["--host-pool", "gpu"], "--host-pool 'gpu': expected one of auto, jax, extension"),
     (["--host-pool", "extension"], "--host-pool extension was given without --enable-hisparse"),
+    (["--host-pool", "jax"], "--host-pool jax was given without --enable-hisparse"),
     (["--enable-hisparse", "--hisparse-config", ""], "--hisparse-config: empty"),
     (["--enable-hisparse", "--hisparse-config", "README.md"], "(it takes the JSON itself, not a file"),
     (["--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 1000000000}'], "more than 80%"),
@@ -137,8 +138,11 @@ def test_host_pool_auto_is_the_extension_pool_on_a_gpu():
   assert EngineArgs(enable_hisparse=True, host_pool="jax").resolved_host_pool("cpu") == "jax"
   with pytest.raises(StartupError, match="--host-pool jax does not work on a GPU: XLA refuses .*E1200"):
     EngineArgs(enable_hisparse=True, host_pool="jax").resolved_host_pool("gpu")
-  with pytest.raises(StartupError, match="HiSparse on a mesh of 2 GPUs has no host pool yet"):
-    EngineArgs(enable_hisparse=True, dp_size=2, max_running_requests=2).resolved_host_pool("gpu")
+  for pool in ("auto", "jax"):  # on a mesh the message names the mesh, not an option that cannot work there
+    with pytest.raises(StartupError, match="HiSparse on a mesh of 2 GPUs has no host pool yet.*run HiSparse on one GPU"):
+      EngineArgs(enable_hisparse=True, host_pool=pool, dp_size=2, max_running_requests=2).resolved_host_pool("gpu")
+  with pytest.raises(StartupError, match="expected one of auto, jax, extension"):
+    EngineArgs(enable_hisparse=True, host_pool="AUTO").resolved_host_pool("gpu")
 
 
 @pytest.mark.parametrize("script", ["generate", "server"])

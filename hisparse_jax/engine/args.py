@@ -183,7 +183,7 @@ class EngineArgs:
       raise StartupError(f"--dtype {self.dtype!r}: expected float32 or bfloat16")
     if self.host_pool not in HOST_POOL_CHOICES:
       raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_CHOICES)}")
-    if self.host_pool in HOST_POOL_KINDS[1:] and not self.enable_hisparse:
+    if self.host_pool != "auto" and not self.enable_hisparse:
       raise StartupError(f"--host-pool {self.host_pool} was given without --enable-hisparse (dense mode has no "
                          "host pool)")
     if self.hisparse_config is not None and not self.enable_hisparse:
@@ -229,17 +229,20 @@ class EngineArgs:
   def resolved_host_pool(self, platform: str) -> str:
     """The host-pool kind HiSparse uses on `platform` (jax.default_backend(): "cpu", "gpu", ...).
 
-    "auto" is "extension" on a single GPU, else "jax". Raises StartupError where none works on a GPU: an
-    explicit "jax" (GPU_PINNED_HOST_REFUSED), or HiSparse over several GPUs (the extension's pool serves
-    one device)."""
+    "auto" is "extension" on a single GPU, else "jax". Raises StartupError for a value validate() refuses,
+    and where none works on a GPU: HiSparse over several GPUs (GPU_PINNED_HOST_REFUSED, and the extension's
+    pool serves one device), or an explicit "jax" on one GPU."""
+    if self.host_pool not in HOST_POOL_CHOICES:
+      raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_CHOICES)}")
     if platform != "gpu" or not self.enable_hisparse:
       return "jax" if self.host_pool == "auto" else self.host_pool
+    if self.mesh_config().num_devices > 1:
+      raise StartupError(f"HiSparse on a mesh of {self.mesh_config().num_devices} GPUs has no host pool yet: "
+                         f"{GPU_PINNED_HOST_REFUSED}, and the extension's pool serves one device; run HiSparse "
+                         "on one GPU, or the mesh without --enable-hisparse")
     if self.host_pool == "jax":
       raise StartupError(f"--host-pool jax does not work on a GPU: {GPU_PINNED_HOST_REFUSED}; use --host-pool "
                          "extension (or auto)")
-    if self.mesh_config().num_devices > 1:
-      raise StartupError(f"HiSparse on a mesh of {self.mesh_config().num_devices} GPUs has no host pool yet: "
-                         f"{GPU_PINNED_HOST_REFUSED}, and the extension's pool serves one device")
     return "extension"
 
   def mesh_config(self) -> MeshConfig:

@@ -129,9 +129,8 @@ __device__ BlockPlan CarveShared(int32_t* smem, int32_t K, int32_t D, bool with_
 // miss_slots (K each; with_rows: one more K for the prefetch's rows), new_lru (D), the LRU order's
 // seen bits (D / 32), per-warp counts and flags, and slot_state (D bytes).
 struct ParallelPlan {
-  int32_t* keys;  // [cap], -1 = empty
-  int32_t* val;   // [cap]
-  int32_t mask;
+  HashPositionMap map;  // the core's map (its hash and probing; keys -1 = empty); map.slots holds the value
+  int32_t* val;         // = map.slots [cap]
   int32_t* need_token;
   int32_t* miss_tokens;
   int32_t* miss_slots;
@@ -153,9 +152,8 @@ size_t ParallelPlanInts(int32_t K, int32_t D, bool with_rows) {
 __device__ ParallelPlan CarveParallel(int32_t* smem, int32_t K, int32_t D, bool with_rows) {
   ParallelPlan p;
   const int32_t cap = HashCapacity(K);
-  p.keys = smem;
-  p.val = p.keys + cap;
-  p.mask = cap - 1;
+  p.map = HashPositionMap{smem, smem + cap, cap - 1};
+  p.val = p.map.slots;
   p.need_token = p.val + cap;
   p.miss_tokens = p.need_token + K;
   p.miss_slots = p.miss_tokens + K;
@@ -166,26 +164,13 @@ __device__ ParallelPlan CarveParallel(int32_t* smem, int32_t K, int32_t D, bool 
   p.flags = p.warp_counts + kThreads / 32;
   p.slot_state = reinterpret_cast<uint8_t*>(p.flags + 4);
   for (int32_t i = threadIdx.x; i < cap; i += blockDim.x) {
-    p.keys[i] = -1;
+    p.map.keys[i] = -1;
     p.val[i] = kNone;
   }
   for (int32_t i = threadIdx.x; i < (D + 31) / 32; i += blockDim.x) p.seen[i] = 0;
   if (threadIdx.x < 4) p.flags[threadIdx.x] = 0;
   __syncthreads();
   return p;
-}
-
-__device__ uint32_t HomeOf(int32_t t, int32_t mask) {
-  return (static_cast<uint32_t>(t) * 2654435769u) & static_cast<uint32_t>(mask);
-}
-
-// Index of t in the map, or -1.
-__device__ int32_t FindIn(const ParallelPlan& p, int32_t t) {
-  for (uint32_t i = HomeOf(t, p.mask);; i = (i + 1) & static_cast<uint32_t>(p.mask)) {
-    const int32_t k = p.keys[i];
-    if (k == t) return static_cast<int32_t>(i);
-    if (k == -1) return -1;
-  }
 }
 
 // Ordered block-wide compaction: emit(i, rank) for every i in [0, n) with pred(i), rank = the number of
@@ -227,8 +212,9 @@ __device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t*
       continue;
     }
     if (t < 0) continue;
-    for (uint32_t i = HomeOf(t, p.mask);; i = (i + 1) & static_cast<uint32_t>(p.mask)) {
-      const int32_t prev = atomicCAS(&p.keys[i], -1, t);
+    // HashPositionMap::Insert's probing, with atomics (the block inserts at once)
+    for (uint32_t i = p.map.Home(t);; i = (i + 1) & static_cast<uint32_t>(p.map.mask)) {
+      const int32_t prev = atomicCAS(&p.map.keys[i], -1, t);
       if (prev == -1 || prev == t) {
         atomicMin(&p.val[i], k);
         break;
@@ -241,7 +227,7 @@ __device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t*
       K, p.warp_counts,
       [&](int32_t k) {
         const int32_t t = r.top_k[k];
-        return t >= 0 && p.val[FindIn(p, t)] == k;
+        return t >= 0 && p.val[p.map.Find(t)] == k;
       },
       [&](int32_t k, int32_t rank) { p.need_token[rank] = r.top_k[k]; });
   if (seq_len <= D) {  // fast path: every token sits in its own slot
@@ -252,13 +238,13 @@ __device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t*
     *hits = distinct;
     return 0;
   }
-  for (int32_t i = threadIdx.x; i <= p.mask; i += kThreads) p.val[i] = kNone;  // now: the serving slot
+  for (int32_t i = threadIdx.x; i <= p.map.mask; i += kThreads) p.val[i] = kNone;  // now: the serving slot
   __syncthreads();
   // Hits: the lowest slot holding a needed token (a duplicated slot entry counts once).
   const int32_t newest = seq_len - 1;
   for (int32_t s = threadIdx.x; s < D; s += kThreads) {
     const int32_t t = r.slot_tokens[s];
-    const int32_t f = t >= 0 && t < newest ? FindIn(p, t) : -1;
+    const int32_t f = t >= 0 && t < newest ? p.map.Find(t) : -1;
     if (f >= 0) atomicMin(&p.val[f], s);
   }
   __syncthreads();
@@ -268,7 +254,7 @@ __device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t*
     bool hit = false;
     if (s < D) {
       const int32_t t = r.slot_tokens[s];
-      const int32_t f = t >= 0 && t < newest ? FindIn(p, t) : -1;
+      const int32_t f = t >= 0 && t < newest ? p.map.Find(t) : -1;
       hit = f >= 0 && p.val[f] == s;
       p.slot_state[s] = hit ? kHit : kUntouched;
     }
@@ -279,7 +265,7 @@ __device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t*
       distinct, p.warp_counts,
       [&](int32_t i) {
         const int32_t t = p.need_token[i];
-        return t != newest && p.val[FindIn(p, t)] == kNone;
+        return t != newest && p.val[p.map.Find(t)] == kNone;
       },
       [&](int32_t i, int32_t rank) {
         const int32_t t = p.need_token[i];
@@ -303,7 +289,7 @@ __device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t*
         const int32_t s = r.lru[i];
         p.miss_slots[rank] = s;
         p.slot_state[s] = kFilled;
-        p.val[FindIn(p, p.miss_tokens[rank])] = s;
+        p.val[p.map.Find(p.miss_tokens[rank])] = s;
       });
   __syncthreads();
   // New order: untouched (old order) | filled (victim order) | hits (old order).
@@ -314,7 +300,7 @@ __device__ int32_t BlockPlanLru(const RequestLayer& r, ParallelPlan& p, int32_t*
                [&](int32_t i, int32_t rank) { p.new_lru[D - num_hits + rank] = r.lru[i]; });
   for (int32_t k = threadIdx.x; k < K; k += kThreads) {
     const int32_t t = r.top_k[k];
-    out_rows[k] = t < 0 ? -1 : t == newest ? r.row_base + D : r.row_base + p.val[FindIn(p, t)];
+    out_rows[k] = t < 0 ? -1 : t == newest ? r.row_base + D : r.row_base + p.val[p.map.Find(t)];
   }
   __syncthreads();
   *hits = distinct - num_misses;
@@ -690,7 +676,7 @@ __global__ void PrefetchSnapshotKernel(SwapInArgs a, PrefetchScratch s) {
   }
 }
 
-// Side stream: plan row b's predicted positions on its snapshot (thread 0), stage the misses (the warps).
+// Side stream: plan row b's predicted positions on its snapshot (PlanAndCommit), stage the misses.
 __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
   extern __shared__ int32_t smem[];
   const int32_t b = blockIdx.x;

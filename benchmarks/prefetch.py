@@ -1,7 +1,7 @@
 r"""Cross-layer prefetch: a decode step with misses against the same step with all hits, with and without it.
 
   python benchmarks/prefetch.py [--quick] [--batches 1,8,64] [--context 6144] [--layers 4] [--steps 12] \
-      [--heads 2] [--depth 2048] [--host-pool jax|extension] [--out benchmarks/results/prefetch]
+      [--heads 2] [--mlp 1024,2048] [--depth 2048] [--host-pool jax|extension] [--out benchmarks/results/prefetch]
 
 The real-size kernel configuration: top_k 2048, device_buffer_size 4096, latent rows of W = 576 bfloat16
 (DeepSeek-V3.2's 512 + 64), a ``--context``-token prompt per request (> D: every step is on the slow path)
@@ -12,7 +12,12 @@ two seeds alternating over the batch's requests.
 
 One jitted decode-like step per mode, ``--layers`` layers each: backup of the newest row, swap-in, gather of the
 K rows, then the layer's compute on them: the absorbed MLA attention of ``--heads`` heads over the K latent
-rows (scores, softmax, values) and a dense MLP of 1024 -> 2048 -> 1024 on the batch (a stand-in for the MoE).
+rows (scores, softmax, values) and a dense MLP of ``--mlp`` H -> F -> H (default 1024 -> 2048 -> 1024) on the batch
+(a stand-in for the MoE; H is also the residual width). The default layer is light, so that copies are a visible
+share of the step; ``--heads 128 --mlp 7168,49152`` reads about as many weight bytes per layer as one GPU's share
+of a DeepSeek-V3.2 layer under 8-way expert parallelism (256 experts x 3 x 7168 x 2048 FP8 bytes / 8 = 1.41 GB;
+here 2 x 7168 x 49152 bf16 = 1.41 GB, plus 1.06 GB of the 128 heads' query weights), which is what a step's
+compute costs at these batches on a GPU: weight reads.
 The next layer's input depends on this layer's output. Three states, stepped in a rotated order each step:
   hits        the trace's first top-k repeated every step: after the first step every row is resident (no copy);
   misses      the trace as it is, no prefetch;
@@ -43,7 +48,7 @@ from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E40
 TOP_K, D, W = 2048, 4096, 576
 SKIP = 3
 MODES = ("hits", "misses", "prefetch")
-MLP = (1024, 2048)
+MLP = (1024, 2048)  # default --mlp: hidden, intermediate
 MIN_MISS_COST = 0.02  # misses / hits - 1 below which the hidden share is not reported (None)
 
 
@@ -60,8 +65,10 @@ def traces(context: int, steps: int, layers: int, seeds=(0, 1)) -> np.ndarray:
   return np.stack(out).astype(np.int32)
 
 
-def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K, host_pool: str = "jax"):
-  """(step functions by mode, initial states by mode, per-step inputs by mode, x0, the extension pools).
+def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K, host_pool: str = "jax",
+          mlp: tuple[int, int] = MLP):
+  """(step functions by mode, initial states by mode, per-step inputs by mode, the step's weights and tables,
+  x0, the extension pools).
 
   host_pool "jax": each mode's pool is a ``pinned_host`` JAX array; "extension": an ops.ExtensionHostPool
   (the state holds its ordering token), which the caller closes when done."""
@@ -93,29 +100,34 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
     return dict(pool=pool, hot=hot, slot_tokens=slots + 0, lru=slots + 1 - 1, stats=jnp.zeros((L, B, 2), jnp.int32))
 
-  wq = (jax.random.normal(k_q, (MLP[0], heads * W), jnp.float32) * MLP[0] ** -0.5).astype(dt)
-  w1 = (jax.random.normal(k_w1, MLP, jnp.float32) * MLP[0] ** -0.5).astype(dt)
-  w2 = (jax.random.normal(k_w2, MLP[::-1], jnp.float32) * MLP[1] ** -0.5).astype(dt)
-  wkv = (jax.random.normal(k_x, (MLP[0], W), jnp.float32) * MLP[0] ** -0.5).astype(dt)
-  host_pages = jnp.asarray(np.arange(B)[:, None] * S + np.arange(S)[None], jnp.int32)
-  req_ids = jnp.arange(B, dtype=jnp.int32)
+  H, F = mlp
 
-  def layer_compute(x, rows):
-    """x [B, 2048], rows [B, K, W] -> x: absorbed MLA attention of `heads` heads over the rows, then the MLP."""
-    q = (x @ wq).reshape(B, heads, W)
+  def weight(k, shape, fan_in):  # drawn in bf16 (the largest, 7168 x 73728, is 1 GiB; 2 GiB in float32)
+    return jax.jit(lambda: jax.random.normal(k, shape, dt) * jnp.asarray(fan_in ** -0.5, dt))()
+
+  # Arguments of the step, not constants it closes over: XLA would embed them in the program (the real-size
+  # layer's 2.5 GB of weights), and JAX's persistent compilation cache would hash and store them.
+  consts = dict(wq=weight(k_q, (H, heads * W), H), w1=weight(k_w1, (H, F), H), w2=weight(k_w2, (F, H), F),
+                wkv=weight(k_x, (H, W), H), req_ids=jnp.arange(B, dtype=jnp.int32),
+                host_pages=jnp.asarray(np.arange(B)[:, None] * S + np.arange(S)[None], jnp.int32))
+
+  def layer_compute(c, x, rows):
+    """x [B, H], rows [B, K, W] -> x: absorbed MLA attention of `heads` heads over the rows, then the MLP."""
+    q = (x @ c["wq"]).reshape(B, heads, W)
     s = jnp.einsum("bhw,bkw->bhk", q, rows, preferred_element_type=jnp.float32) * W ** -0.5
     p = jax.nn.softmax(s, axis=-1).astype(dt)
     o = jnp.einsum("bhk,bkw->bhw", p, rows).mean(1)  # [B, W]
-    h = x + jnp.pad(o, ((0, 0), (0, MLP[0] - W)))
-    return h + jax.nn.gelu(h @ w1) @ w2
+    h = x + jnp.pad(o, ((0, 0), (0, H - W)))
+    return h + jax.nn.gelu(h @ c["w1"]) @ c["w2"]
 
-  def step(prefetch, mode, state, x, top_k, seq_lens):
+  def step(prefetch, mode, state, c, x, top_k, seq_lens):
     ext = exts[mode].ref if mode in exts else None
+    host_pages, req_ids = c["host_pages"], c["req_ids"]
     pool, hot, slots, lru, stats = (state[k] for k in ("pool", "hot", "slot_tokens", "lru", "stats"))
     started, ticket = [], None
     dst = host_pages[:, 0] + seq_lens - 1  # host row of each newest token
     for l in range(L):
-      newest = (x @ wkv).astype(dt)
+      newest = (x @ c["wkv"]).astype(dt)
       pool, _ = ops.backup(l, newest[None], dst, pool, external=ext)
       if prefetch and l:
         hot, slots, lru, n = ops.prefetch_wait(ticket, hot, slots, lru, newest, batch=B)
@@ -128,7 +140,7 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
         pool, ticket = ops.prefetch_start(l + 1, top_k[l][:, :depth], seq_lens, req_ids, host_pages, pool, hot,
                                           slots, lru, page_size=1, external=ext)
         out, ticket = jax.lax.optimization_barrier((out, ticket))
-      x = layer_compute(x, out)
+      x = layer_compute(c, x, out)
     fetched = jnp.stack(started).sum() if started else jnp.zeros((), jnp.int32)
     return dict(pool=pool, hot=hot, slot_tokens=slots, lru=lru, stats=stats), x, fetched
 
@@ -140,16 +152,27 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
   for m in MODES:
     src = per_req[:, :1].repeat(steps, 1) if m == "hits" else per_req
     inputs[m] = [jnp.asarray(src[:, t].transpose(1, 0, 2)) for t in range(steps)]  # [L, B, K] per step
-  x0 = jax.random.normal(k_x, (B, MLP[0]), jnp.float32).astype(dt)
-  return fns, states, inputs, x0, exts
+  x0 = jax.random.normal(k_x, (B, H), jnp.float32).astype(dt)
+  return fns, states, inputs, consts, x0, exts
+
+
+def mlp_widths(text: str) -> tuple[int, int]:
+  """argparse type: "7168,49152" -> (7168, 49152), the MLP's hidden and intermediate widths (in that order)."""
+  try:
+    h, f = (int(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected two comma-separated integers H,F, got {text!r}") from None
+  if h <= 0 or f <= 0:
+    raise argparse.ArgumentTypeError(f"expected positive widths, got {text!r}")
+  return h, f
 
 
 def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K,
-            host_pool: str = "jax") -> dict:
+            host_pool: str = "jax", mlp: tuple[int, int] = MLP) -> dict:
   import jax
   import jax.numpy as jnp
 
-  fns, states, inputs, x0, exts = build(B, context, layers, heads, steps, depth, host_pool)
+  fns, states, inputs, consts, x0, exts = build(B, context, layers, heads, steps, depth, host_pool, mlp)
   times = {m: [] for m in MODES}
   fetched = {m: 0 for m in MODES}
   misses = {m: [] for m in MODES}
@@ -159,7 +182,7 @@ def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: in
     for m in order:
       before = np.asarray(states[m]["stats"])[..., 1].sum()
       t0 = time.perf_counter()
-      states[m], x, n = fns[m](states[m], x0, inputs[m][t], seq_lens)
+      states[m], x, n = fns[m](states[m], consts, x0, inputs[m][t], seq_lens)
       jax.block_until_ready((states[m], x))
       times[m].append(time.perf_counter() - t0)
       if t >= SKIP:
@@ -192,6 +215,8 @@ def main(argv=None) -> int:
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--steps", type=int, default=12)
   ap.add_argument("--heads", type=int, default=2)
+  ap.add_argument("--mlp", type=mlp_widths, default=MLP,
+                  help=f"the MLP's hidden (>= {W}, also the residual width) and intermediate widths: H,F")
   ap.add_argument("--depth", type=int, default=TOP_K, help="positions prefetched: the top-scored of each top-k")
   ap.add_argument("--host-pool", choices=("jax", "extension"), default="jax",
                   help="the pool: a pinned_host JAX array, or the extension's own pinned memory (ops.ExtensionHostPool)")
@@ -202,15 +227,16 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   args.out = args.out or default_out("prefetch", args.quick)
   if (args.context <= D or args.layers < 2 or args.steps <= SKIP or args.heads < 1 or args.batches[-1] > 256
-      or not 1 <= args.depth <= TOP_K):
+      or not 1 <= args.depth <= TOP_K or args.mlp[0] < W):
     print(f"error: need --context > {D}, --layers >= 2, --steps > {SKIP}, --heads >= 1, batches <= 256, "
-          f"--depth in [1, {TOP_K}]", file=sys.stderr)
+          f"--depth in [1, {TOP_K}], --mlp H,F with H >= {W}", file=sys.stderr)
     return 2
   from hisparse_jax.kernels import ops
   t0 = time.perf_counter()
-  rows = [measure(B, args.context, args.layers, args.heads, args.steps, args.depth, args.host_pool)
+  rows = [measure(B, args.context, args.layers, args.heads, args.steps, args.depth, args.host_pool, args.mlp)
           for B in args.batches]
-  lines = [f"top_k {TOP_K}, D {D}, W {W} bf16, {args.host_pool} host pool, {args.context}-token prompts, {args.layers} layers, prefetch depth "
+  lines = [f"top_k {TOP_K}, D {D}, W {W} bf16, {args.host_pool} host pool, {args.context}-token prompts, "
+           f"{args.layers} layers of {args.heads} heads and an MLP {args.mlp[0]} -> {args.mlp[1]}, prefetch depth "
            f"{args.depth}, calibrated "
            f"DeepSeek-V3.2 trace; {os.cpu_count()} cores, {ops.prefetch_threads()} copy thread(s); median of "
            f"{args.steps - SKIP} steps after {SKIP}.", "",

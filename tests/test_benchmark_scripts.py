@@ -38,13 +38,14 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
   # benchmarks/prefetch.py --quick: the all-hits step copies nothing; the prefetch copies rows and the swap-ins
   # after it copy fewer than without it (the calibrated trace's adjacent layers agree).
   assert [row["batch"] for row in report["prefetch"]] == [1, 4], report["prefetch"]
-  for row in report["prefetch"]:
+  assert [row["batch"] for row in report["prefetch_real_layer"]] == [1, 4], report["prefetch_real_layer"]
+  for row in report["prefetch"] + report["prefetch_real_layer"]:
     assert row["hits_copied_per_step"] == 0 and row["prefetched_per_step"] > 0
     assert 0 < row["prefetch_copied_per_step"] < row["misses_copied_per_step"]
     assert row["hits_ms"] > 0 and row["misses_ms"] > 0 and row["prefetch_ms"] > 0
   # the JSON is rewritten after each step, each step's time recorded
-  assert set(report["section_seconds"]) == {"probes", "correctness", "graph_step", "prefetch", "sweep", "generate",
-                                            "total"}
+  assert set(report["section_seconds"]) == {"probes", "correctness", "graph_step", "prefetch", "prefetch_real_layer",
+                                            "sweep", "generate", "total"}
   # end to end: dense and HiSparse greedy tokens agree, and the HiSparse run really missed
   g = report["generate"]
   assert g["ok"] and len(g["same_tokens"]) == 3 and all(g["same_tokens"]) and all(m > 0 for m in g["misses"]), g

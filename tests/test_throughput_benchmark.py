@@ -110,3 +110,5 @@ def test_benchmark_scripts_refuse_bad_input(tmp_path):
   fails(["benchmarks/throughput.py", "--concurrency", "0"], "expected positive integers")
   fails(["benchmarks/throughput.py", "--contexts", "1000"], "at least 4128")
   fails(["benchmarks/long_context.py", "--sections", "bar"], "unknown section(s) ['bar']")
+  fails(["benchmarks/prefetch.py", "--mlp", "7168"], "expected two comma-separated integers H,F, got '7168'")
+  fails(["benchmarks/prefetch.py", "--mlp", "512,1024"], "--mlp H,F with H >= 576")

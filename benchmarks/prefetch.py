@@ -92,11 +92,11 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
       full = jax.random.normal(k_pool, (L, B * S, W), dt)
       exts[mode] = ext = ops.ExtensionHostPool(L, B * S, W, dt)
       ext.write(np.asarray(full))
-      pool, hot = ext.token(), jax.jit(lambda p: p[:, slot_rows])(full)
+      pool, hot = ext.token(), jax.jit(lambda p, r: p[:, r])(full, slot_rows)
       del full
     else:
       pool = jax.jit(lambda: jax.device_put(jax.random.normal(k_pool, (L, B * S, W), dt), jax.memory.Space.Host))()
-      hot = jax.jit(lambda p: jax.device_put(p, jax.memory.Space.Device)[:, slot_rows])(pool)
+      hot = jax.jit(lambda p, r: jax.device_put(p, jax.memory.Space.Device)[:, r])(pool, slot_rows)
     slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, B, D))
     return dict(pool=pool, hot=hot, slot_tokens=slots + 0, lru=slots + 1 - 1, stats=jnp.zeros((L, B, 2), jnp.int32))
 

@@ -67,6 +67,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 PATHS = ("pinned_host", "extension")
+HOST_POOL_FLAG = {"pinned_host": "jax", "extension": "extension"}  # --host-pool of each path
 
 
 def _non_negative(kind):
@@ -239,7 +240,7 @@ def sweep(path, platform, quick, deadline=float("inf")) -> list[dict]:
     if time.time() > deadline:
       print(f"  stopped at the time budget after {len(results)} of {len(grid)} points", flush=True)
       break
-    t = time_point(B, D, W, L, f, repeats, rng, host_pool="jax" if path == "pinned_host" else "extension",
+    t = time_point(B, D, W, L, f, repeats, rng, host_pool=HOST_POOL_FLAG[path],
                    platform=platform)
     ext = t.pop("ext")
     t.pop("pool"), t.pop("hot")
@@ -439,7 +440,7 @@ def main():
       print(f"== 4. cross-layer prefetch ({' '.join(['benchmarks/prefetch.py', *extra])})", flush=True)
       out = os.path.join(os.path.dirname(os.path.abspath(args.out)), section)
       cmd = [sys.executable, os.path.join(REPO, "benchmarks", "prefetch.py"), "--out", out,
-             "--host-pool", "jax" if working[0] == "pinned_host" else "extension", *extra]
+             "--host-pool", HOST_POOL_FLAG[working[0]], *extra]
       cmd += ["--quick"] if args.quick else ["--batches", "1,8,64", "--steps", "12"]
       try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,

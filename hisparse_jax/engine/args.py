@@ -181,8 +181,7 @@ class EngineArgs:
     """Checks that need no model (StartupError naming the flag)."""
     if self.dtype not in (None, *DTYPES):
       raise StartupError(f"--dtype {self.dtype!r}: expected float32 or bfloat16")
-    if self.host_pool not in HOST_POOL_CHOICES:
-      raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_CHOICES)}")
+    self._check_host_pool_choice()
     if self.host_pool != "auto" and not self.enable_hisparse:
       raise StartupError(f"--host-pool {self.host_pool} was given without --enable-hisparse (dense mode has no "
                          "host pool)")
@@ -226,14 +225,17 @@ class EngineArgs:
       raise StartupError(f"--host-pool {self.host_pool} serves one device; on a mesh (--dp-size {mesh.dp_size} x "
                          f"--tp-size {mesh.tp_size}) use --host-pool {HOST_POOL_KINDS[0]}")
 
+  def _check_host_pool_choice(self) -> None:
+    if self.host_pool not in HOST_POOL_CHOICES:
+      raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_CHOICES)}")
+
   def resolved_host_pool(self, platform: str) -> str:
     """The host-pool kind HiSparse uses on `platform` (jax.default_backend(): "cpu", "gpu", ...).
 
     "auto" is "extension" on a single GPU, else "jax". Raises StartupError for a value validate() refuses,
     and where none works on a GPU: HiSparse over several GPUs (GPU_PINNED_HOST_REFUSED, and the extension's
     pool serves one device), or an explicit "jax" on one GPU."""
-    if self.host_pool not in HOST_POOL_CHOICES:
-      raise StartupError(f"--host-pool {self.host_pool!r}: expected one of {', '.join(HOST_POOL_CHOICES)}")
+    self._check_host_pool_choice()
     if platform != "gpu" or not self.enable_hisparse:
       return "jax" if self.host_pool == "auto" else self.host_pool
     if self.mesh_config().num_devices > 1:

@@ -64,9 +64,10 @@ def make_case(B, D, K, W, L, miss_fraction, rng):
   return top_k, slot_tokens, lru, host_rows, S
 
 
-def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", platform="cpu"):
+def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", platform="cpu", copy_blocks=0):
   """Times the swap-in of one sweep point through one host-pool kind ("jax": a pinned_host array;
-  "extension": ops.ExtensionHostPool on `platform`). Used by run_point and scripts/gpu_check.py.
+  "extension": ops.ExtensionHostPool on `platform`), with ops.swap_in's `copy_blocks` (CUDA only). Used by
+  run_point and scripts/gpu_check.py.
 
   Returns a dict with the idle / zero-miss / full call times (seconds, medians of `repeats` after
   WARMUP untimed calls), the output rows of the full call, the case (top_k, host_rows, H), the bytes
@@ -95,7 +96,8 @@ def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", plat
     rows = []
     for l in range(L):
       r, pool, hot, slots, order, stats, _ = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_rows, newest, pool,
-                                                      hot, slots, order, stats, page_size=1, external=external)
+                                                      hot, slots, order, stats, page_size=1, external=external,
+                                                      copy_blocks=copy_blocks)
       rows.append(r)
     return jnp.stack(rows), pool, hot, slots, order, stats
 

@@ -87,8 +87,8 @@ def _jax(platform):
   return jax
 
 
-def _run_path(path, case, jax, platform, page_size):
-  """Runs ops.swap_in on `case` through host-pool path `path`; returns numpy results."""
+def _run_path(path, case, jax, platform, page_size, copy_blocks=0):
+  """Runs ops.swap_in on `case` through host-pool path `path` (with `copy_blocks`); returns numpy results."""
   import jax.numpy as jnp
   from hisparse_jax.kernels import ops
   layer, top_k, seq_lens, req_ids, host_pages, newest, pool, hot, slot_tokens, lru, stats = case
@@ -99,11 +99,12 @@ def _run_path(path, case, jax, platform, page_size):
   donate = (6, 7, 8, 9, 10)
   if path == "pinned_host":
     host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host))(put(pool))
-    fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size), donate_argnums=donate)
+    fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size, copy_blocks=copy_blocks), donate_argnums=donate)
     return [np.asarray(x) for x in fn(layer, *args, host, *state)]
   ext = ops.ExtensionHostPool(*pool.shape, pool.dtype, platform="gpu" if platform == "gpu" else "cpu")
   ext.write(pool)
-  fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size, external=ext.ref), donate_argnums=donate)
+  fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size, external=ext.ref, copy_blocks=copy_blocks),
+               donate_argnums=donate)
   out = [np.asarray(x) for x in fn(layer, *args, ext.token(), *state)]
   out[1] = ext.read()
   ext.close()
@@ -187,9 +188,13 @@ def correctness(paths, platform, n_random) -> dict:
     for kw in (dict(D=4096, K=2048, S=12000, W=16, page_size=64), dict(D=600, K=300, S=2000, W=8, page_size=1)) * 2:
       cases.append((reference.random_case(rng, L=2, B=4, R=5, **kw), kw["page_size"]))
     for i, (case, page) in enumerate(cases):
-      err = _compare(_run_path(path, case, jax, platform, page), reference.swap_in(*case, page_size=page))
-      if err:
-        failures.append({"case": i, "error": err})
+      want = reference.swap_in(*case, page_size=page)
+      # The miss copy by a second kernel (copy_blocks 0: the batch here is below the multiprocessor count;
+      # 3: an uneven share per block) and by the planning block itself (1).
+      for copy_blocks in (0, 1, 3):
+        err = _compare(_run_path(path, case, jax, platform, page, copy_blocks), want)
+        if err:
+          failures.append({"case": i, "copy_blocks": copy_blocks, "error": err})
       guess = _guess(case, rng)
       got = _run_prefetch(path, guess, jax, platform, page)
       want = reference.prefetch(*guess[:5], *guess[6:10], page_size=page)
@@ -226,31 +231,36 @@ def h2d_gbps(jax, nbytes, repeats=5) -> float:
 
 
 def sweep(path, platform, quick, deadline=float("inf")) -> list[dict]:
-  """benchmarks/swap_in.py's timing on `path`, next to the pinned H2D bandwidth of the same bytes; the
-  real-size points first (D 4096, W 656), and no new point after `deadline` (time.time())."""
+  """benchmarks/swap_in.py's timing on `path`, next to the pinned H2D bandwidth of the same bytes; first the
+  miss copy by the planning block alone (copy_blocks 1) against the handler's choice (0) at the real size
+  (D 4096, W 656) and batches below the multiprocessor count, then the sweep at copy_blocks 0 (its real-size
+  points first); no new point after `deadline` (time.time())."""
   jax = _jax(platform)
   from swap_in import summarize, time_point
   rng = np.random.default_rng(0)
-  grid = ([(4, 2048, 656, f) for f in (0.05, 1.0)] if quick else
-          [(B, D, W, f) for W in (656, 1152) for D in (4096, 2048) for B in (1, 64, 256)
-           for f in (0.001, 0.05, 0.2, 1.0)])
+  if quick:
+    grid = [(4, 2048, 656, 1.0, 1)] + [(4, 2048, 656, f, 0) for f in (0.05, 1.0)]
+  else:
+    grid = [(B, 4096, 656, f, c) for B in (1, 8, 64) for f in (0.2, 1.0) for c in (1, 0)]
+    grid += [p for p in ((B, D, W, f, 0) for W in (656, 1152) for D in (4096, 2048) for B in (1, 64, 256)
+                         for f in (0.001, 0.05, 0.2, 1.0)) if p not in grid]
   L, repeats = 2, 3 if quick else 7
   results = []
-  for B, D, W, f in grid:
+  for B, D, W, f, copy_blocks in grid:
     if time.time() > deadline:
       print(f"  stopped at the time budget after {len(results)} of {len(grid)} points", flush=True)
       break
     t = time_point(B, D, W, L, f, repeats, rng, host_pool=HOST_POOL_FLAG[path],
-                   platform=platform)
+                   platform=platform, copy_blocks=copy_blocks)
     ext = t.pop("ext")
     t.pop("pool"), t.pop("hot")
     if ext is not None:
       ext.close()
     bw = h2d_gbps(jax, t["miss_bytes"])
-    r = summarize(B, D, W, L, f, t, t["miss_bytes"] / (bw * 1e9), "h2d_GBps")
+    r = {**summarize(B, D, W, L, f, t, t["miss_bytes"] / (bw * 1e9), "h2d_GBps"), "copy_blocks": copy_blocks}
     results.append(r)
     fmt = lambda v: f"{v:7.2f}" if v is not None else f"{'-':>7}"
-    print(f"  B={B:>3} D={D} W={W:>4} miss={f:<5} call {r['call_ms']:8.3f} ms  book {r['bookkeeping_us']:7.2f} us"
+    print(f"  B={B:>3} D={D} W={W:>4} miss={f:<5} copy_blocks={copy_blocks} call {r['call_ms']:8.3f} ms  book {r['bookkeeping_us']:7.2f} us"
           f"  miss {fmt(r['miss_GBps'])} GB/s  h2d {bw:7.2f} GB/s  ratio {fmt(r['ratio'])}", flush=True)
   return results
 

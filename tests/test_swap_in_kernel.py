@@ -718,6 +718,22 @@ def test_policy_arguments_are_checked_at_trace_time():
     ops.swap_in(*case, np.zeros((1, 4), np.int32), page_size=PAGE, eviction="score")
 
 
+def test_copy_blocks_is_checked_and_changes_no_result(monkeypatch):
+  """copy_blocks (the CUDA miss copy's blocks per row) is range-checked in Python and by the handler itself;
+  the CPU handler's results do not depend on it."""
+  case = worked_example()
+  for bad in (-1, ops.MAX_COPY_BLOCKS + 1, True, 2.0):
+    with pytest.raises(ValueError, match=r"copy_blocks must be an integer in \[0, 1024\]"):
+      ops.swap_in(*case, page_size=PAGE, copy_blocks=bad)
+  want = run_kernel(*case)
+  got = [np.asarray(x) for x in ops.swap_in(*device_args(case), page_size=PAGE, copy_blocks=ops.MAX_COPY_BLOCKS)]
+  for name, g, w in zip(NAMES, got, want):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  monkeypatch.setattr(ops, "MAX_COPY_BLOCKS", 2 * ops.MAX_COPY_BLOCKS)  # past Python's check: the handler's own
+  with pytest.raises(FFI_ERRORS, match=r"swap_in: copy_blocks must be in \[0, 1024\], got 1025"):
+    jax.block_until_ready(ops.swap_in(*device_args(case), page_size=PAGE, copy_blocks=1025))
+
+
 # ---------------------------------------------------------------------------------------- cross-layer prefetch
 # prefetch_start argument positions: layer, top_k, seq_lens, req_ids, host_pages | host_pool, hot, slot_tokens, lru.
 @functools.lru_cache(maxsize=None)

@@ -89,6 +89,18 @@ inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, uint64_t ser
   return PoolView{reinterpret_cast<char*>(address), layers, rows, like.element_type(), W};
 }
 
+// The swap-in's copy_blocks attribute: thread blocks per batch row that copy its missing rows on CUDA (0: the
+// handler chooses from the batch and the device's multiprocessor count; 1: the planning block itself, no
+// second kernel). The CPU handler checks the range and otherwise ignores it, and its miss_list result.
+constexpr int64_t kMaxCopyBlocks = 1024;
+
+inline xla::ffi::Error CheckCopyBlocks(int64_t copy_blocks) {
+  if (copy_blocks < 0 || copy_blocks > kMaxCopyBlocks)
+    return xla::ffi::Error::InvalidArgument("swap_in: copy_blocks must be in [0, " + std::to_string(kMaxCopyBlocks) +
+                                            "], got " + std::to_string(copy_blocks));
+  return xla::ffi::Error::Success();
+}
+
 template <typename Binding>
 auto BindSwapIn(Binding binding) {
   namespace ffi = xla::ffi;
@@ -111,8 +123,10 @@ auto BindSwapIn(Binding binding) {
       .template Ret<ffi::AnyBuffer>()                   // lru (aliased)
       .template Ret<ffi::AnyBuffer>()                   // stats (aliased)
       .template Ret<ffi::Buffer<ffi::S32>>()            // status [B] (SwapInStatus per row; 0 = done)
+      .template Ret<ffi::Buffer<ffi::S32>>()            // miss_list [B, K+1] (CUDA's scratch; CPU: unused)
       .template Attr<int64_t>("page_size")              // tokens per host page
-      .template Attr<int64_t>("eviction");              // an Eviction (swap_in_core.h)
+      .template Attr<int64_t>("eviction")               // an Eviction (swap_in_core.h)
+      .template Attr<int64_t>("copy_blocks");           // CUDA: blocks per row copying its misses; 0 = auto
 }
 
 // Prefetch start: a swap-in of predicted positions with no newest row and no stats, planned and staged in the

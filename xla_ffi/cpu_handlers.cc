@@ -17,8 +17,9 @@
 //   eviction     attribute i64      the eviction policy (swap_in_core.h Eviction)
 // Results: rows s32[B, K] (device row req_id*(D+1)+slot of hot[l], -1 for padding), then
 // host_pool, hot, slot_tokens, lru, stats aliased to their inputs, then status s32[B]: 0 for a row done,
-// else its SwapInStatus (swap_in_core.h; the row is left unchanged and its rows are -1). Shapes, dtypes
-// and attributes that do not fit are FFI errors (bindings.h).
+// else its SwapInStatus (swap_in_core.h; the row is left unchanged and its rows are -1), then miss_list
+// s32[B, K+1] (the CUDA handler's scratch between its plan and copy kernels; not written here). Shapes,
+// dtypes and attributes that do not fit are FFI errors (bindings.h; copy_blocks is range-checked only).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -455,7 +456,9 @@ ffi::Error SwapInImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Result<ffi::AnyBuffer> host_pool_out, ffi::Result<ffi::AnyBuffer> hot_out,
                       ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
                       ffi::Result<ffi::AnyBuffer> stats_out, ffi::Result<ffi::Buffer<ffi::S32>> status_out,
-                      int64_t page_size, int64_t eviction) {
+                      ffi::Result<ffi::Buffer<ffi::S32>> /*miss_list*/, int64_t page_size, int64_t eviction,
+                      int64_t copy_blocks) {
+  if (auto e = CheckCopyBlocks(copy_blocks); e.failure()) return e;
   auto view = OperandPool("swap_in", host_pool, host_pool_out);
   if (view.has_error()) return view.error();
   CopyIfDistinct(host_pool, host_pool_out);
@@ -474,8 +477,10 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::AnyBuffer> hot_out,
                          ffi::Result<ffi::AnyBuffer> slot_tokens_out, ffi::Result<ffi::AnyBuffer> lru_out,
                          ffi::Result<ffi::AnyBuffer> stats_out, ffi::Result<ffi::Buffer<ffi::S32>> status_out,
-                         int64_t page_size, int64_t eviction, uint64_t pool_address, uint64_t pool_serial,
-                         int64_t pool_layers, int64_t pool_rows) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> /*miss_list*/, int64_t page_size, int64_t eviction,
+                         int64_t copy_blocks, uint64_t pool_address, uint64_t pool_serial, int64_t pool_layers,
+                         int64_t pool_rows) {
+  if (auto e = CheckCopyBlocks(copy_blocks); e.failure()) return e;
   auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);

@@ -4,13 +4,17 @@
 // planning runs the shared core (swap_in_core.h) and the copies read the host
 // pool directly over PCIe/NVLink-C2C (zero-copy from pinned host memory).
 //
-// Launch shape: one kernel, one thread block per batch row (request). The block
+// Launch shape: one thread block per batch row (request). The block
 // checks the row (layer, request id) and plans it with the scratch in shared
 // memory (LRU: the whole block, BlockPlanLru; CLOCK and score: thread 0 runs
 // the shared core's PlanSwapIn); a row that fails gets its status (swap_in_core.h SwapInStatus) in the
-// status output, rows of -1, and no change. A good row is committed, then the
-// whole block copies its missing rows with 16-byte loads where aligned, four
-// loads in flight per thread (CopyRows).
+// status output, rows of -1, and no change. A good row is committed, then its
+// missing rows are copied with 16-byte loads where aligned, four loads in
+// flight per thread (CopyRows): by the planning block itself when the batch
+// fills the device, else by a second kernel of copy_blocks blocks per row
+// (MissCopyKernel; one block reading mapped host memory is latency-bound,
+// ~2.4 GB/s on an H200), which reads the row's misses from the miss_list
+// result the plan kernel writes.
 //
 // Nothing here waits for the device: no host synchronization, no allocation,
 // no stream query. The handlers are declared command-buffer compatible (XLA
@@ -52,6 +56,7 @@ struct SwapInArgs {
   int32_t* stats;
   int32_t* rows;
   int32_t* status;  // [B]
+  int32_t* miss_list;  // [B, K+1]: the row's number of misses, then their slots, for MissCopyKernel; null: none
   const float* slot_scores;  // [B, D] (eviction score), else unused
   int32_t B, K, D, R, P, page_size, L, H, eviction;
   int64_t row_bytes;
@@ -317,28 +322,31 @@ __device__ void BlockCommit(const RequestLayer& r, const ParallelPlan& p, int32_
 // The block copies rows src_row(i) of `pool` -> dst_row(i) of `dev` for i in [0, n): flattened over 16-byte
 // chunks with four independent loads in flight per thread (a load from mapped host memory crosses PCIe:
 // latency, not bandwidth, bounds one warp copying one row at a time at small batches).
+// `first` and `stride`: this thread's first chunk and the chunk stride (threadIdx.x and kThreads for one
+// block; several blocks sharing the rows interleave by block).
 template <typename SrcRow, typename DstRow>
-__device__ void CopyRows(const char* pool, char* dev, int64_t row_bytes, int32_t n, SrcRow src_row, DstRow dst_row) {
+__device__ void CopyRows(const char* pool, char* dev, int64_t row_bytes, int32_t n, SrcRow src_row, DstRow dst_row,
+                         int64_t first, int64_t stride) {
   const bool aligned = ((reinterpret_cast<uintptr_t>(pool) | reinterpret_cast<uintptr_t>(dev) | row_bytes) & 15) == 0;
   if (!aligned) {
-    for (int64_t j = threadIdx.x; j < n * row_bytes; j += kThreads)
+    for (int64_t j = first; j < n * row_bytes; j += stride)
       dev[dst_row(static_cast<int32_t>(j / row_bytes)) * row_bytes + j % row_bytes] =
           pool[src_row(static_cast<int32_t>(j / row_bytes)) * row_bytes + j % row_bytes];
     return;
   }
   constexpr int kInFlight = 4;
   const int64_t per_row = row_bytes / 16, total = n * per_row;
-  for (int64_t base = threadIdx.x; base < total; base += kInFlight * kThreads) {
+  for (int64_t base = first; base < total; base += kInFlight * stride) {
     int4 v[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int64_t j = base + u * kThreads;
+      const int64_t j = base + u * stride;
       if (j < total)
         v[u] = reinterpret_cast<const int4*>(pool + src_row(static_cast<int32_t>(j / per_row)) * row_bytes)[j % per_row];
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int64_t j = base + u * kThreads;
+      const int64_t j = base + u * stride;
       if (j < total)
         reinterpret_cast<int4*>(dev + dst_row(static_cast<int32_t>(j / per_row)) * row_bytes)[j % per_row] = v[u];
     }
@@ -373,12 +381,15 @@ __device__ int32_t PlanAndCommit(const RequestLayer& r, int32_t* smem, bool with
 }
 
 // One block per request: the block checks the row, plans it and commits a good plan (PlanAndCommit), then
-// copies the missing rows. A bad row writes its status and changes nothing.
+// copies the missing rows, or with a.miss_list lists them there for MissCopyKernel (a row with nothing to
+// copy lists 0). A bad row writes its status and changes nothing.
 __global__ void SwapInKernel(SwapInArgs a) {
   extern __shared__ int32_t smem[];
   const int32_t b = blockIdx.x;
   const int32_t layer = *a.layer;
   int32_t* rows = a.rows + static_cast<int64_t>(b) * a.K;
+  int32_t* miss_list = a.miss_list ? a.miss_list + static_cast<int64_t>(b) * (a.K + 1) : nullptr;
+  if (miss_list && threadIdx.x == 0) miss_list[0] = 0;
   int32_t code = kOk;
   if (layer < 0 || layer >= a.L) code = kLayerOutOfRange;
   else if (!RequestIdOk(a, b)) code = kBadRequestId;
@@ -412,8 +423,30 @@ __global__ void SwapInKernel(SwapInArgs a) {
   if (threadIdx.x / 32 == kThreads / 32 - 1 && r.seq_len > 0)
     CopyRow(a.newest + static_cast<int64_t>(b) * a.row_bytes,
             dev + (r.row_base + NewestSlot(r.seq_len, r.D)) * a.row_bytes, a.row_bytes);
+  if (miss_list) {  // MissCopyKernel copies them (the slot table now names each slot's position)
+    for (int32_t i = threadIdx.x; i < num_misses; i += kThreads) miss_list[1 + i] = miss_slots[i];
+    if (threadIdx.x == 0) miss_list[0] = num_misses;
+    return;
+  }
   CopyRows(pool, dev, a.row_bytes, num_misses, [&](int32_t i) { return HostRow(r, miss_tokens[i]); },  // validated
-           [&](int32_t i) { return static_cast<int64_t>(r.row_base) + miss_slots[i]; });
+           [&](int32_t i) { return static_cast<int64_t>(r.row_base) + miss_slots[i]; }, threadIdx.x, kThreads);
+}
+
+// Grid (B, copy blocks), after SwapInKernel on the same stream: block (b, s) copies its share of row b's
+// listed misses (16-byte chunks interleaved over the row's blocks), host row of each slot's committed position
+// -> the slot. A row listing 0 (idle, bad, all hits) exits at once.
+__global__ void MissCopyKernel(SwapInArgs a) {
+  const int32_t b = blockIdx.x;
+  const int32_t* list = a.miss_list + static_cast<int64_t>(b) * (a.K + 1);
+  const int32_t n = list[0];
+  if (n <= 0) return;
+  const int32_t layer = *a.layer;
+  const RequestLayer r = MakeRequest(a, b, layer);
+  const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
+  char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
+  CopyRows(pool, dev, a.row_bytes, n, [&](int32_t i) { return HostRow(r, r.slot_tokens[list[1 + i]]); },
+           [&](int32_t i) { return static_cast<int64_t>(r.row_base) + list[1 + i]; },
+           static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x, static_cast<int64_t>(gridDim.y) * kThreads);
 }
 
 // Dynamic shared memory of CarveShared's layout: the hash map (2 x capacity), need_token, miss_tokens,
@@ -433,17 +466,27 @@ ffi::Error CudaStatus(cudaError_t e, const char* what) {
 struct PrefetchScratch;
 __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s);
 
+// Per-device settings are kept for device ordinals below this.
+constexpr int kMaxDevices = 64;
+
+// The calling thread's current CUDA device (the one XLA runs the handler for).
+ffi::ErrorOr<int> CurrentDevice() {
+  int device = 0;
+  if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
+  if (device < 0 || device >= kMaxDevices) return ffi::Error::Internal("swap_in: device ordinal >= 64");
+  return device;
+}
+
 // Once per device, the swap-in kernel (and the prefetch's plan kernel, which carves the same layout) is
 // allowed the device's whole opt-in shared memory less its static shared memory (PlanAndCommit's), so that
 // the steady state makes no configuration call (nothing but launches while XLA records a command
 // buffer); asking for the whole opt-in amount as dynamic memory is cudaErrorInvalidValue.
 // An error when a plan (K, D) needs more than the device has.
 ffi::Error AllowSharedMemory(size_t smem) {
-  constexpr int kMaxDevices = 64;
   static std::atomic<int> dynamic_limit[kMaxDevices] = {};  // 0: not configured yet
-  int device = 0;
-  if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
-  if (device < 0 || device >= kMaxDevices) return ffi::Error::Internal("swap_in: device ordinal >= 64");
+  auto current = CurrentDevice();
+  if (current.has_error()) return current.error();
+  const int device = *current;
   int limit = dynamic_limit[device].load(std::memory_order_acquire);
   if (limit == 0) {
     int optin = 0;
@@ -471,6 +514,31 @@ ffi::Error AllowSharedMemory(size_t smem) {
                                        " bytes of shared memory per block; the device allows " +
                                        std::to_string(limit));
   return ffi::Error::Success();
+}
+
+// The current device's multiprocessor count (queried once per device).
+ffi::ErrorOr<int> MultiprocessorCount() {
+  static std::atomic<int> count[kMaxDevices] = {};  // 0: not queried yet
+  auto current = CurrentDevice();
+  if (current.has_error()) return current.error();
+  const int device = *current;
+  int n = count[device].load(std::memory_order_acquire);
+  if (n == 0) {
+    if (auto e = CudaStatus(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+                            "cudaDeviceGetAttribute");
+        e.failure())
+      return e;
+    count[device].store(n, std::memory_order_release);
+  }
+  return n;
+}
+
+// copy_blocks 0: one block per row (the planning block) once the batch has a row per multiprocessor, else
+// enough blocks per row for two per multiprocessor, at most 32 (the batch-1 miss copy ran at 2.4 GB/s from
+// one block on an H200, against ~50 GB/s for the PCIe link).
+int64_t AutoCopyBlocks(int32_t batch, int multiprocessors) {
+  if (batch >= multiprocessors) return 1;
+  return std::min<int64_t>(32, (2 * static_cast<int64_t>(multiprocessors) + batch - 1) / batch);
 }
 
 ffi::Error CopyIfDistinct(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> dst) {
@@ -556,7 +624,9 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
                   ffi::AnyBuffer lru, ffi::AnyBuffer stats, ffi::Result<ffi::Buffer<ffi::S32>> rows,
                   ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                   ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                  ffi::Result<ffi::Buffer<ffi::S32>> status_out) {
+                  ffi::Result<ffi::Buffer<ffi::S32>> status_out, ffi::Result<ffi::Buffer<ffi::S32>> miss_list,
+                  int64_t copy_blocks) {
+  if (auto e = CheckCopyBlocks(copy_blocks); e.failure()) return e;
   SwapInArgs a{};
   if (auto e = FillArgs("swap_in", pool, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
                         slot_tokens, lru, status_out->element_count(), a);
@@ -574,11 +644,21 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
     return ffi::Error::InvalidArgument("swap_in: expected stats s32[L,R,2]");
   if (newest.element_count() != static_cast<size_t>(a.B) * pool.W || newest.element_type() != hot.element_type())
     return ffi::Error::InvalidArgument("swap_in: newest must be [B, W] of the hot buffer's dtype");
+  {
+    auto md = miss_list->dimensions();
+    if (md.size() != 2 || md[0] != a.B || md[1] != static_cast<int64_t>(a.K) + 1)
+      return ffi::Error::InvalidArgument("swap_in: miss_list must be s32[B, K+1]");
+  }
   if (a.B == 0) return ffi::Error::Success();
   a.newest = static_cast<const char*>(newest.untyped_data());
 
   const size_t smem = SwapInSharedBytes(a.K, a.D, false);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
+  if (copy_blocks == 0) {
+    auto sms = MultiprocessorCount();
+    if (sms.has_error()) return sms.error();
+    copy_blocks = AutoCopyBlocks(a.B, *sms);
+  }
   a.rows = rows->typed_data();
   a.status = status_out->typed_data();
   // Outputs XLA did not alias to their inputs start as copies of them (every row's state must come out).
@@ -590,8 +670,11 @@ ffi::Error SwapIn(cudaStream_t stream, PoolView pool, int64_t page_size, int64_t
   a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());
   a.lru = static_cast<int32_t*>(lru_out->untyped_data());
   a.stats = static_cast<int32_t*>(stats_out->untyped_data());
+  a.miss_list = copy_blocks > 1 ? miss_list->typed_data() : nullptr;
   SwapInKernel<<<a.B, kThreads, smem, stream>>>(a);
-  return CudaStatus(cudaGetLastError(), "swap_in launch");
+  if (auto e = CudaStatus(cudaGetLastError(), "swap_in launch"); e.failure() || copy_blocks == 1) return e;
+  MissCopyKernel<<<dim3(a.B, static_cast<unsigned>(copy_blocks)), kThreads, 0, stream>>>(a);
+  return CudaStatus(cudaGetLastError(), "swap_in miss copy launch");
 }
 
 // ---- cross-layer prefetch ----------------------------------------------------------------------------------
@@ -698,7 +781,7 @@ __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   for (int32_t i = threadIdx.x; i < num_misses; i += blockDim.x) s.miss_slots[static_cast<int64_t>(b) * a.K + i] = miss_slots[i];
   CopyRows(pool, s.staged, a.row_bytes, num_misses, [&](int32_t i) { return HostRow(r, miss_tokens[i]); },
-           [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; });
+           [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; }, threadIdx.x, kThreads);
 }
 
 // Wait, on XLA's stream after the plan: row b's plan and staged rows into the arrays XLA hands the wait,
@@ -853,12 +936,13 @@ ffi::Error SwapInImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::Buf
                       ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> host_pool_out,
                       ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                       ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                      ffi::Result<ffi::Buffer<ffi::S32>> status_out, int64_t page_size, int64_t eviction) {
+                      ffi::Result<ffi::Buffer<ffi::S32>> status_out, ffi::Result<ffi::Buffer<ffi::S32>> miss_list,
+                      int64_t page_size, int64_t eviction, int64_t copy_blocks) {
   auto view = OperandPool("swap_in", host_pool, host_pool_out);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, host_pool, host_pool_out); e.failure()) return e;
   return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
-                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out, miss_list, copy_blocks);
 }
 
 // Host pool owned by the extension (cudaHostAlloc, mapped); pool_token (s32[1]) orders the calls.
@@ -871,14 +955,14 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                          ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::AnyBuffer> pool_token_out,
                          ffi::Result<ffi::AnyBuffer> hot_out, ffi::Result<ffi::AnyBuffer> slot_tokens_out,
                          ffi::Result<ffi::AnyBuffer> lru_out, ffi::Result<ffi::AnyBuffer> stats_out,
-                         ffi::Result<ffi::Buffer<ffi::S32>> status_out, int64_t page_size, int64_t eviction,
-                         uint64_t pool_address, uint64_t pool_serial, int64_t pool_layers,
-                         int64_t pool_rows) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> status_out, ffi::Result<ffi::Buffer<ffi::S32>> miss_list,
+                         int64_t page_size, int64_t eviction, int64_t copy_blocks, uint64_t pool_address,
+                         uint64_t pool_serial, int64_t pool_layers, int64_t pool_rows) {
   auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
-                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out);
+                lru, stats, rows, hot_out, slot_tokens_out, lru_out, stats_out, status_out, miss_list, copy_blocks);
 }
 
 // Prefetch start over a `pinned_host` pool operand, aliased to a result.

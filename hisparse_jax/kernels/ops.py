@@ -60,6 +60,7 @@ BACKUP_EXT_TARGET = "hisparse_backup_ext"
 PREFETCH_START_TARGET = "hisparse_prefetch_start"
 PREFETCH_START_EXT_TARGET = "hisparse_prefetch_start_ext"
 PREFETCH_WAIT_TARGET = "hisparse_prefetch_wait"
+MAX_COPY_BLOCKS = 1024  # swap_in's copy_blocks (xla_ffi/bindings.h kMaxCopyBlocks)
 
 
 def _register() -> None:
@@ -257,7 +258,7 @@ def _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction):
 
 def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
             slot_scores=None, *, page_size: int, eviction: str = "lru", external: ExternalPoolRef | None = None,
-            target: str | None = None):
+            target: str | None = None, copy_blocks: int = 0):
   """Make the latent rows of each batch row's top-k positions resident in its request's hot buffer.
 
   Args:
@@ -289,6 +290,13 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       (the resident tokens the indexer ranks lowest this step, scores compared in IEEE total order: -0
       before +0, subnormals kept; ties to the older slot in LRU order).
       ``hisparse_jax.kernels.reference`` defines each exactly.
+    copy_blocks: CUDA only (static; the CPU handler ignores it): thread blocks per batch row that copy its
+      missing rows, in [0, 1024]. 1: the block that planned the row (one kernel); n > 1: a second kernel
+      of B x n blocks, fed by a miss list the plan kernel writes to a scratch result (int32[B, K + 1]); 0
+      (the default): 1 once B reaches the device's multiprocessor count, else min(32, ceil(2 x
+      multiprocessors / B)). One block reading mapped host memory is latency-bound (2.4 GB/s on an H200
+      at B 1, against ~35-50 GB/s for the link at B >= 64: BENCHMARKS.md, GPU). Results are the same for
+      every value.
 
   Returns:
     (rows, host_pool, hot, slot_tokens, lru, stats, status): rows is int32[B, K], the row of
@@ -307,7 +315,8 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
     jax.errors.JaxRuntimeError with INVALID_ARGUMENT (ValueError when the call is dispatched eagerly)
     for what the compiled shapes decide: K > D, newest not [B, W] of the hot buffer's dtype, operand
     shapes that do not fit, a sub-byte dtype, an address that is not a live extension pool of exactly
-    L x H rows of the hot buffer's row size. ValueError (at trace time) for an unknown eviction,
+    L x H rows of the hot buffer's row size. ValueError (at trace time) for copy_blocks outside [0, 1024],
+    an unknown eviction,
     slot_scores given without eviction "score" / missing with it, or an ``external`` pool whose dtype or
     row width is not the hot buffer's.
 
@@ -318,6 +327,9 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   """
   top_k, seq_lens, req_ids, host_pages = _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction)
   B, K = top_k.shape
+  if isinstance(copy_blocks, bool) or not isinstance(copy_blocks, (int, np.integer)) or not (
+      0 <= copy_blocks <= MAX_COPY_BLOCKS):
+    raise ValueError(f"copy_blocks must be an integer in [0, {MAX_COPY_BLOCKS}], got {copy_blocks!r}")
   if (slot_scores is None) != (eviction != "score"):
     raise ValueError('slot_scores (float32[B, D]) are given exactly when eviction is "score"')
   if slot_scores is None:
@@ -334,12 +346,13 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
           _like(lru),
           _like(stats),
           jax.ShapeDtypeStruct((B,), jnp.int32),
+          jax.ShapeDtypeStruct((B, K + 1), jnp.int32),  # miss_list: the CUDA handler's scratch, dropped
       ),
       input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
   )
   attrs = external.attrs_for(hot, "swap_in") if external else {}
   return per_device(lambda *a: call(*a, page_size=np.int64(page_size), eviction=np.int64(EVICTIONS.index(eviction)),
-                                    **attrs))(
+                                    copy_blocks=np.int64(copy_blocks), **attrs)[:7])(
       _layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
       slot_scores)
 

@@ -464,7 +464,7 @@ ffi::Error CudaStatus(cudaError_t e, const char* what) {
 }
 
 struct PrefetchScratch;
-__global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s);
+__global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s, bool stage);
 
 // Per-device settings are kept for device ordinals below this.
 constexpr int kMaxDevices = 64;
@@ -759,8 +759,17 @@ __global__ void PrefetchSnapshotKernel(SwapInArgs a, PrefetchScratch s) {
   }
 }
 
-// Side stream: plan row b's predicted positions on its snapshot (PlanAndCommit), stage the misses.
-__global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
+// Row b's request on the prefetch's snapshot (only for rows whose request id was validated as >= 0).
+__device__ RequestLayer SnapshotRequest(const SwapInArgs& a, const PrefetchScratch& s, int32_t b) {
+  return RequestLayer{a.top_k + static_cast<int64_t>(b) * a.K, a.K, a.seq_lens[b], a.D,
+                      a.host_pages + static_cast<int64_t>(b) * a.P, a.P, a.page_size, a.H,
+                      s.new_slots + static_cast<int64_t>(b) * a.D, s.new_lru + static_cast<int64_t>(b) * a.D, 0,
+                      a.eviction, nullptr};
+}
+
+// Side stream: plan row b's predicted positions on its snapshot (PlanAndCommit) and list the misses; with
+// stage, also stage them (else PrefetchStageKernel does, with several blocks per row).
+__global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s, bool stage) {
   extern __shared__ int32_t smem[];
   const int32_t b = blockIdx.x;
   if (s.counts[b] != kOk || a.req_ids[b] < 0) {  // a bad row (-status) or an idle one (0)
@@ -768,10 +777,7 @@ __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
     return;
   }
   const int32_t layer = *s.layer;
-  const RequestLayer r{a.top_k + static_cast<int64_t>(b) * a.K, a.K, a.seq_lens[b], a.D,
-                       a.host_pages + static_cast<int64_t>(b) * a.P, a.P, a.page_size, a.H,
-                       s.new_slots + static_cast<int64_t>(b) * a.D, s.new_lru + static_cast<int64_t>(b) * a.D, 0,
-                       a.eviction, nullptr};
+  const RequestLayer r = SnapshotRequest(a, s, b);
   int32_t hits = 0;
   const int32_t* miss_tokens;
   const int32_t* miss_slots;
@@ -780,8 +786,24 @@ __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s) {
   if (num_misses <= 0) return;
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   for (int32_t i = threadIdx.x; i < num_misses; i += blockDim.x) s.miss_slots[static_cast<int64_t>(b) * a.K + i] = miss_slots[i];
+  if (!stage) return;
   CopyRows(pool, s.staged, a.row_bytes, num_misses, [&](int32_t i) { return HostRow(r, miss_tokens[i]); },
            [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; }, threadIdx.x, kThreads);
+}
+
+// Side stream, grid (B, copy blocks) after PrefetchPlanKernel: block (b, s) stages its share of row b's
+// listed misses (host row of each planned slot's position on the snapshot -> its staging row), as
+// MissCopyKernel does for the swap-in.
+__global__ void PrefetchStageKernel(SwapInArgs a, PrefetchScratch s) {
+  const int32_t b = blockIdx.x;
+  const int32_t n = s.counts[b];
+  if (n <= 0) return;
+  const RequestLayer r = SnapshotRequest(a, s, b);
+  const int32_t* slots = s.miss_slots + static_cast<int64_t>(b) * a.K;
+  CopyRows(a.pool + static_cast<int64_t>(*s.layer) * a.H * a.row_bytes, s.staged, a.row_bytes, n,
+           [&](int32_t i) { return HostRow(r, r.slot_tokens[slots[i]]); },
+           [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; },
+           static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x, static_cast<int64_t>(gridDim.y) * kThreads);
 }
 
 // Wait, on XLA's stream after the plan: row b's plan and staged rows into the arrays XLA hands the wait,
@@ -831,6 +853,9 @@ ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, 
     return e;
   const size_t smem = SwapInSharedBytes(a.K, a.D, true);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
+  auto sms = MultiprocessorCount();
+  if (sms.has_error()) return sms.error();
+  const int64_t copy_blocks = AutoCopyBlocks(a.B, *sms);  // staging blocks per row, as the swap-in's
   int device = 0;
   if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
   auto& reg = PrefetchRegistry::Get();
@@ -877,8 +902,12 @@ ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, 
   a.slot_tokens = a.lru = nullptr;  // the plan works on the snapshot only
   if (auto e = CudaStatus(cudaEventRecord(d.ready, stream), "cudaEventRecord"); e.failure()) return e;
   if (auto e = CudaStatus(cudaStreamWaitEvent(d.side, d.ready, 0), "cudaStreamWaitEvent"); e.failure()) return e;
-  PrefetchPlanKernel<<<a.B, kThreads, smem, d.side>>>(a, s);
+  PrefetchPlanKernel<<<a.B, kThreads, smem, d.side>>>(a, s, copy_blocks == 1);
   if (auto e = CudaStatus(cudaGetLastError(), "prefetch plan launch"); e.failure()) return e;
+  if (copy_blocks > 1) {
+    PrefetchStageKernel<<<dim3(a.B, static_cast<unsigned>(copy_blocks)), kThreads, 0, d.side>>>(a, s);
+    if (auto e = CudaStatus(cudaGetLastError(), "prefetch stage launch"); e.failure()) return e;
+  }
   if (auto e = CudaStatus(cudaEventRecord(d.done, d.side), "cudaEventRecord"); e.failure()) return e;
   d.args = a;
   d.dtype = hot.element_type();

@@ -187,6 +187,10 @@ def correctness(paths, platform, n_random) -> dict:
     # real sizes (K 2048, D 4096) and one between: the plan's block-wide passes over many chunks of threads
     for kw in (dict(D=4096, K=2048, S=12000, W=16, page_size=64), dict(D=600, K=300, S=2000, W=8, page_size=1)) * 2:
       cases.append((reference.random_case(rng, L=2, B=4, R=5, **kw), kw["page_size"]))
+    empty = worked_example()  # an empty batch: nothing to do, no launch
+    for i in (1, 2, 3, 4, 5):  # top_k, seq_lens, req_ids, host_pages, newest
+      empty[i] = empty[i][:0]
+    cases.append((empty, WORKED_EXAMPLE_PAGE_SIZE))
     for i, (case, page) in enumerate(cases):
       want = reference.swap_in(*case, page_size=page)
       # The miss copy by a second kernel (copy_blocks 0: the batch here is below the multiprocessor count;

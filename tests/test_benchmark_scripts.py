@@ -31,7 +31,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
   assert report["working_paths"] == ["pinned_host", "extension"]
   for path in report["working_paths"]:
     c = report["correctness"][path]
-    assert c["cases"] == 15 and not c["failures"] and c["bad_input_is_error"]
+    assert c["cases"] == 16 and not c["failures"] and c["bad_input_is_error"]
   # The miss copy by the planning block alone, then the handler's choice (the CPU handler ignores it).
   assert [(r["miss_fraction"], r["copy_blocks"]) for r in report["sweep"]] == [(1.0, 1), (0.05, 0), (1.0, 0)]
   for mode in ("eager", "graph"):  # the decode-like step runs in both modes (on CPU the flags change nothing)

@@ -537,7 +537,7 @@ ffi::ErrorOr<int> MultiprocessorCount() {
 // enough blocks per row for two per multiprocessor, at most 32 (the batch-1 miss copy ran at 2.4 GB/s from
 // one block on an H200, against ~50 GB/s for the PCIe link).
 int64_t AutoCopyBlocks(int32_t batch, int multiprocessors) {
-  if (batch >= multiprocessors) return 1;
+  if (batch <= 0 || batch >= multiprocessors) return 1;
   return std::min<int64_t>(32, (2 * static_cast<int64_t>(multiprocessors) + batch - 1) / batch);
 }
 
@@ -853,9 +853,6 @@ ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, 
     return e;
   const size_t smem = SwapInSharedBytes(a.K, a.D, true);
   if (auto e = AllowSharedMemory(smem); e.failure()) return e;
-  auto sms = MultiprocessorCount();
-  if (sms.has_error()) return sms.error();
-  const int64_t copy_blocks = AutoCopyBlocks(a.B, *sms);  // staging blocks per row, as the swap-in's
   int device = 0;
   if (auto e = CudaStatus(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
   auto& reg = PrefetchRegistry::Get();
@@ -871,6 +868,9 @@ ffi::Error PrefetchStart(cudaStream_t stream, PoolView pool, int64_t page_size, 
   }
   d.pending = false;
   if (a.B == 0) return ffi::Error::Success();
+  auto sms = MultiprocessorCount();
+  if (sms.has_error()) return sms.error();
+  const int64_t copy_blocks = AutoCopyBlocks(a.B, *sms);  // staging blocks per row, as the swap-in's
   const size_t need = CarveScratch(nullptr, a, nullptr);
   if (d.bytes < need) {
     if (d.buffer != nullptr) cudaFree(d.buffer);  // synchronizes: its last prefetch is done

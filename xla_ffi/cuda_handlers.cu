@@ -322,31 +322,28 @@ __device__ void BlockCommit(const RequestLayer& r, const ParallelPlan& p, int32_
 // The block copies rows src_row(i) of `pool` -> dst_row(i) of `dev` for i in [0, n): flattened over 16-byte
 // chunks with four independent loads in flight per thread (a load from mapped host memory crosses PCIe:
 // latency, not bandwidth, bounds one warp copying one row at a time at small batches).
-// `first` and `stride`: this thread's first chunk and the chunk stride (threadIdx.x and kThreads for one
-// block; several blocks sharing the rows interleave by block).
 template <typename SrcRow, typename DstRow>
-__device__ void CopyRows(const char* pool, char* dev, int64_t row_bytes, int32_t n, SrcRow src_row, DstRow dst_row,
-                         int64_t first, int64_t stride) {
+__device__ void CopyRows(const char* pool, char* dev, int64_t row_bytes, int32_t n, SrcRow src_row, DstRow dst_row) {
   const bool aligned = ((reinterpret_cast<uintptr_t>(pool) | reinterpret_cast<uintptr_t>(dev) | row_bytes) & 15) == 0;
   if (!aligned) {
-    for (int64_t j = first; j < n * row_bytes; j += stride)
+    for (int64_t j = threadIdx.x; j < n * row_bytes; j += kThreads)
       dev[dst_row(static_cast<int32_t>(j / row_bytes)) * row_bytes + j % row_bytes] =
           pool[src_row(static_cast<int32_t>(j / row_bytes)) * row_bytes + j % row_bytes];
     return;
   }
   constexpr int kInFlight = 4;
   const int64_t per_row = row_bytes / 16, total = n * per_row;
-  for (int64_t base = first; base < total; base += kInFlight * stride) {
+  for (int64_t base = threadIdx.x; base < total; base += kInFlight * kThreads) {
     int4 v[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int64_t j = base + u * stride;
+      const int64_t j = base + u * kThreads;
       if (j < total)
         v[u] = reinterpret_cast<const int4*>(pool + src_row(static_cast<int32_t>(j / per_row)) * row_bytes)[j % per_row];
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int64_t j = base + u * stride;
+      const int64_t j = base + u * kThreads;
       if (j < total)
         reinterpret_cast<int4*>(dev + dst_row(static_cast<int32_t>(j / per_row)) * row_bytes)[j % per_row] = v[u];
     }
@@ -429,12 +426,35 @@ __global__ void SwapInKernel(SwapInArgs a) {
     return;
   }
   CopyRows(pool, dev, a.row_bytes, num_misses, [&](int32_t i) { return HostRow(r, miss_tokens[i]); },  // validated
-           [&](int32_t i) { return static_cast<int64_t>(r.row_base) + miss_slots[i]; }, threadIdx.x, kThreads);
+           [&](int32_t i) { return static_cast<int64_t>(r.row_base) + miss_slots[i]; });
+}
+
+// Block blockIdx.y of gridDim.y copies its contiguous share of n listed rows, src_row(i) of `pool` ->
+// dst_row(i) of `dev`, in windows whose row indices it first works out into shared memory (each index is a
+// chain of dependent global loads; computed per 16-byte chunk they would stand before every load from
+// host memory, the latency this copy is bound by). Every thread of the block must call it.
+template <typename SrcRow, typename DstRow>
+__device__ void CopyListedRows(const char* pool, char* dev, int64_t row_bytes, int32_t n, SrcRow src_row,
+                               DstRow dst_row) {
+  constexpr int32_t kWindow = 512;
+  __shared__ int64_t src[kWindow], dst[kWindow];
+  const int32_t per_block = (n + static_cast<int32_t>(gridDim.y) - 1) / static_cast<int32_t>(gridDim.y);
+  const int32_t lo = min(n, static_cast<int32_t>(blockIdx.y) * per_block), hi = min(n, lo + per_block);
+  for (int32_t w = lo; w < hi; w += kWindow) {
+    const int32_t m = min(kWindow, hi - w);
+    for (int32_t i = threadIdx.x; i < m; i += kThreads) {
+      src[i] = src_row(w + i);
+      dst[i] = dst_row(w + i);
+    }
+    __syncthreads();
+    CopyRows(pool, dev, row_bytes, m, [&](int32_t i) { return src[i]; }, [&](int32_t i) { return dst[i]; });
+    __syncthreads();  // the next window rewrites src / dst
+  }
 }
 
 // Grid (B, copy blocks), after SwapInKernel on the same stream: block (b, s) copies its share of row b's
-// listed misses (16-byte chunks interleaved over the row's blocks), host row of each slot's committed position
-// -> the slot. A row listing 0 (idle, bad, all hits) exits at once.
+// listed misses, host row of each slot's committed position -> the slot. A row listing 0 (idle, bad, all
+// hits) exits at once.
 __global__ void MissCopyKernel(SwapInArgs a) {
   const int32_t b = blockIdx.x;
   const int32_t* list = a.miss_list + static_cast<int64_t>(b) * (a.K + 1);
@@ -444,9 +464,8 @@ __global__ void MissCopyKernel(SwapInArgs a) {
   const RequestLayer r = MakeRequest(a, b, layer);
   const char* pool = a.pool + static_cast<int64_t>(layer) * a.H * a.row_bytes;
   char* dev = a.hot + static_cast<int64_t>(layer) * a.R * (a.D + 1) * a.row_bytes;
-  CopyRows(pool, dev, a.row_bytes, n, [&](int32_t i) { return HostRow(r, r.slot_tokens[list[1 + i]]); },
-           [&](int32_t i) { return static_cast<int64_t>(r.row_base) + list[1 + i]; },
-           static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x, static_cast<int64_t>(gridDim.y) * kThreads);
+  CopyListedRows(pool, dev, a.row_bytes, n, [&](int32_t i) { return HostRow(r, r.slot_tokens[list[1 + i]]); },
+                 [&](int32_t i) { return static_cast<int64_t>(r.row_base) + list[1 + i]; });
 }
 
 // Dynamic shared memory of CarveShared's layout: the hash map (2 x capacity), need_token, miss_tokens,
@@ -788,7 +807,7 @@ __global__ void PrefetchPlanKernel(SwapInArgs a, PrefetchScratch s, bool stage) 
   for (int32_t i = threadIdx.x; i < num_misses; i += blockDim.x) s.miss_slots[static_cast<int64_t>(b) * a.K + i] = miss_slots[i];
   if (!stage) return;
   CopyRows(pool, s.staged, a.row_bytes, num_misses, [&](int32_t i) { return HostRow(r, miss_tokens[i]); },
-           [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; }, threadIdx.x, kThreads);
+           [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; });
 }
 
 // Side stream, grid (B, copy blocks) after PrefetchPlanKernel: block (b, s) stages its share of row b's
@@ -800,10 +819,9 @@ __global__ void PrefetchStageKernel(SwapInArgs a, PrefetchScratch s) {
   if (n <= 0) return;
   const RequestLayer r = SnapshotRequest(a, s, b);
   const int32_t* slots = s.miss_slots + static_cast<int64_t>(b) * a.K;
-  CopyRows(a.pool + static_cast<int64_t>(*s.layer) * a.H * a.row_bytes, s.staged, a.row_bytes, n,
-           [&](int32_t i) { return HostRow(r, r.slot_tokens[slots[i]]); },
-           [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; },
-           static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x, static_cast<int64_t>(gridDim.y) * kThreads);
+  CopyListedRows(a.pool + static_cast<int64_t>(*s.layer) * a.H * a.row_bytes, s.staged, a.row_bytes, n,
+                 [&](int32_t i) { return HostRow(r, r.slot_tokens[slots[i]]); },
+                 [&](int32_t i) { return static_cast<int64_t>(b) * a.K + i; });
 }
 
 // Wait, on XLA's stream after the plan: row b's plan and staged rows into the arrays XLA hands the wait,

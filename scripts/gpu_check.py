@@ -10,10 +10,11 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      CUDA handler as an operand; "extension": ops.ExtensionHostPool (cudaHostAlloc,
      mapped) named by attributes. A path works if the worked example gives the
      reference's rows, slot table, LRU and hot-buffer contents.
-  2. Correctness: the worked example and random cases (reference.random_case;
-     four of them at K 2048 / D 4096 and K 300 / D 600) through every working
-     path, compared with reference.swap_in bit for bit
-     (statuses included);
+  2. Correctness: the worked example, random cases (reference.random_case;
+     four of them at K 2048 / D 4096 and K 300 / D 600) and an empty batch
+     through every working path, each with the swap-in's copy_blocks 0, 1 and 3
+     (the miss copy by a second kernel, by the planning block, unevenly split),
+     compared with reference.swap_in bit for bit (statuses included);
      plus bad input (a position >= seq_len) that must come back as that row's
      status with nothing changed; and the cross-layer prefetch (prefetch_start +
      prefetch_wait, side stream + events) of each case's top-k with some entries
@@ -32,7 +33,9 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      with a layer that reads one GPU's share of a DeepSeek-V3.2 layer's weight
      bytes (--heads 128 --mlp 7168,49152: 2.5 GB per layer), the compute a
      prefetch has to hide the copies behind.
-  5. Timing: the benchmarks/swap_in.py sweep (B in {1, 64, 256}, K 2048,
+  5. Timing: first B 1, 8, 64 at D 4096, W 656 B and 20% / 100% misses with
+     copy_blocks 1 and then 0 (the planning block's copy against the handler's
+     choice, in the same run); then the benchmarks/swap_in.py sweep (B in {1, 64, 256}, K 2048,
      D in {4096, 2048}, W in {656, 1152} B, miss fraction in {0.001, 0.05, 0.2,
      1.0}, 2 layers per call; the real-size points first) on the first working
      path, next to the measured pinned host -> device bandwidth of the same

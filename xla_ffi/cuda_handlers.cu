@@ -496,24 +496,36 @@ ffi::ErrorOr<int> CurrentDevice() {
   return device;
 }
 
+// compute(device) for the current device, once per device: kept in cache[device] (0: not computed yet, so a
+// result of 0 is computed again on the next call).
+template <typename Compute>
+ffi::ErrorOr<int> OncePerDevice(std::atomic<int> (&cache)[kMaxDevices], Compute compute) {
+  auto device = CurrentDevice();
+  if (device.has_error()) return device.error();
+  int value = cache[*device].load(std::memory_order_acquire);
+  if (value == 0) {
+    ffi::ErrorOr<int> computed = compute(*device);
+    if (computed.has_error()) return computed.error();
+    value = *computed;
+    cache[*device].store(value, std::memory_order_release);
+  }
+  return value;
+}
+
 // Once per device, the swap-in kernel (and the prefetch's plan kernel, which carves the same layout) is
 // allowed the device's whole opt-in shared memory less its static shared memory (PlanAndCommit's), so that
 // the steady state makes no configuration call (nothing but launches while XLA records a command
 // buffer); asking for the whole opt-in amount as dynamic memory is cudaErrorInvalidValue.
 // An error when a plan (K, D) needs more than the device has.
 ffi::Error AllowSharedMemory(size_t smem) {
-  static std::atomic<int> dynamic_limit[kMaxDevices] = {};  // 0: not configured yet
-  auto current = CurrentDevice();
-  if (current.has_error()) return current.error();
-  const int device = *current;
-  int limit = dynamic_limit[device].load(std::memory_order_acquire);
-  if (limit == 0) {
+  static std::atomic<int> dynamic_limit[kMaxDevices] = {};
+  auto limit = OncePerDevice(dynamic_limit, [](int device) -> ffi::ErrorOr<int> {
     int optin = 0;
     if (auto e = CudaStatus(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                             "cudaDeviceGetAttribute");
         e.failure())
       return e;
-    limit = optin;
+    int limit = optin;
     for (const void* kernel : {reinterpret_cast<const void*>(SwapInKernel),
                                reinterpret_cast<const void*>(PrefetchPlanKernel)}) {
       cudaFuncAttributes attrs;
@@ -526,30 +538,27 @@ ffi::Error AllowSharedMemory(size_t smem) {
         return e;
       limit = std::min(limit, dynamic);
     }
-    dynamic_limit[device].store(limit, std::memory_order_release);
-  }
-  if (smem > static_cast<size_t>(limit))
+    return limit;
+  });
+  if (limit.has_error()) return limit.error();
+  if (smem > static_cast<size_t>(*limit))
     return ffi::Error::InvalidArgument("swap_in: top_k and device_buffer_size need " + std::to_string(smem) +
                                        " bytes of shared memory per block; the device allows " +
-                                       std::to_string(limit));
+                                       std::to_string(*limit));
   return ffi::Error::Success();
 }
 
 // The current device's multiprocessor count (queried once per device).
 ffi::ErrorOr<int> MultiprocessorCount() {
-  static std::atomic<int> count[kMaxDevices] = {};  // 0: not queried yet
-  auto current = CurrentDevice();
-  if (current.has_error()) return current.error();
-  const int device = *current;
-  int n = count[device].load(std::memory_order_acquire);
-  if (n == 0) {
+  static std::atomic<int> count[kMaxDevices] = {};
+  return OncePerDevice(count, [](int device) -> ffi::ErrorOr<int> {
+    int n = 0;
     if (auto e = CudaStatus(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
                             "cudaDeviceGetAttribute");
         e.failure())
       return e;
-    count[device].store(n, std::memory_order_release);
-  }
-  return n;
+    return n;
+  });
 }
 
 // copy_blocks 0: one block per row (the planning block) once the batch has a row per multiprocessor, else

@@ -20,6 +20,18 @@ of test_lossless.py (one worker's time each; the other modules together under 20
 compile in under 0.1 s and are not stored), about 5% of the suite's wall time and less than run-to-run noise
 (1,686 and 2,098 s for the suite with the cache, 1,877 s without), so the crash risk is not worth taking.
 
+XLA:CPU optimization: the suite compiles at backend optimization level 0 (``tests/xla_env.py``'s
+``SUITE_FLAG``, added to XLA_FLAGS here unless the caller sets a level; subprocesses inherit it). Compiling
+dominates the suite (38 of the 50 s of the largest lossless test are XLA compiles) and level 0 compiles 25-30%
+faster: test_lossless.py::test_every_eviction_policy_gives_the_dense_tokens 31 s against 42 s alone; in a full
+2-worker run on 2026-12-05, 1,452 s for the suite against 1,752 s the day before (2,878 against 3,450 s of
+the workers' test time), the mesh subprocess 265 s against 325 s. Its code rounds some float32 results
+differently from the default level 3 (a tiny model's decode logits by up to 3e-6 at magnitudes up to 3.5, the same
+greedy tokens; level 1 keeps them but saves only 10%), which no test depends on: every comparison is between two runs at the same level,
+and test_lossless.py::test_lossless_at_xla_default_optimization checks dense against HiSparse bit for bit at
+the default level users run. Benchmark scripts that run real-size programs restore the default
+(``xla_env.optimized``): at level 0 the throughput benchmark's quick run took 119 s against 83 s.
+
 Memory mappings: JAX's compilation caches keep every executable a module compiled, and each XLA:CPU
 executable holds about 10-70 memory mappings of its own. A worker that ran tests/test_glm.py held 10,319
 entries in /proc/self/maps (1,003 programs); with engines' programs shared across modules (tried 2026-12-03)
@@ -40,6 +52,11 @@ if _OWN_CACHE:  # the controller (or a run without xdist), before any worker or 
   # Programs that compile in under 0.1 s are not worth a file.
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+from tests.xla_env import SUITE_FLAG  # noqa: E402
+
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # workers and subprocesses inherit it
+  os.environ["XLA_FLAGS"] = f"{SUITE_FLAG} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 import jax  # noqa: E402  (after the variables above, which subprocesses inherit)
 import pytest  # noqa: E402

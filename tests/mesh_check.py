@@ -18,7 +18,9 @@ import os
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from tests.xla_env import with_devices
+
+os.environ["XLA_FLAGS"] = with_devices(8)  # (the caller's flags kept: tests/xla_env.py)
 
 import numpy as np  # noqa: E402
 

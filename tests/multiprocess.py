@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 
+from tests.xla_env import with_devices
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,7 +28,7 @@ def launch(args: list[str], processes: int, devices: int, *, port: int | None = 
   """Popen of ``python ARGS --coordinator-address ... --process-id I`` for I = 1..N-1, then 0 (text mode, stderr
   piped). extra: {process id: more flags for that process}; env_per_process: {process id: environment changes}."""
   port = port or free_port()
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(devices),
          **(env or {})}
   procs = {}
   for i in [*range(1, processes), 0]:

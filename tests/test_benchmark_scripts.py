@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+from tests.xla_env import optimized
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,7 +27,7 @@ def test_swap_in_benchmark_quick(tmp_path):
 def test_gpu_check_dry_run_on_cpu(tmp_path):
   out = tmp_path / "g.json"
   r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--platform", "cpu", "--quick", "--out", str(out)],
-                     cwd=REPO, capture_output=True, text=True, timeout=300)
+                     cwd=REPO, capture_output=True, text=True, timeout=300, env=optimized())  # real-size programs
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   report = json.loads(out.read_text())
   assert report["working_paths"] == ["pinned_host", "extension"]

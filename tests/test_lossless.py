@@ -1,5 +1,11 @@
 """HiSparse is lossless: the same logits and greedy tokens as the dense (all KV on device) cache."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +19,9 @@ from models.kv_protocol import ContiguousKVCache
 from models.loader import load_hf
 from tests.kv_harness import KVHarness
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+from tests.xla_env import optimized
+
+ROOT = pathlib.Path(__file__).parent.parent
 
 PROMPT_LENS = [5, 12, 17, 40, 100]  # device_buffer_size is 16: three prompts exceed it
 S_MAX = 160
@@ -66,6 +75,39 @@ def test_logits_bitwise_equal_dense_vs_hisparse(chunk, eviction, prefetch):
   pool = np.asarray(hs.backend.state.host_pool)
   r = hs.kvs[0].pages["host"][0] * 16
   assert not np.array_equal(pool[0, r], pool[1, r]) and not np.array_equal(pool[1, r], pool[2, r])
+
+
+AT_XLA_DEFAULT = """
+import json, os
+import numpy as np
+from hisparse_jax.config import HiSparseConfig
+from models.loader import load_hf
+from tests.kv_harness import KVHarness
+from tests.test_lossless import prompts
+from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
+cfg, model = load_hf(tiny_model_dir())
+dense, hs = KVHarness(cfg, model), KVHarness(cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE))
+ps = prompts()[1::3]  # 12 and 100 tokens: within and past the 16-slot hot buffer
+equal = [np.array_equal(dense.prefill(ps), hs.prefill(ps))]
+rng = np.random.default_rng(2)
+for _ in range(12):
+  tokens = rng.integers(2, 512, len(ps))
+  equal.append(np.array_equal(dense.decode(tokens), hs.decode(tokens)))
+print(json.dumps({"xla_flags": os.environ.get("XLA_FLAGS", ""), "equal": [bool(e) for e in equal],
+                  "misses": int(hs.swap_stats()[..., 1].sum())}))
+"""
+
+
+def test_lossless_at_xla_default_optimization():
+  """The suite compiles at XLA:CPU backend optimization level 0 (tests/conftest.py), whose code rounds some
+  float32 results differently; at XLA's default level, the one users run, dense and HiSparse logits are
+  equal bit for bit too (teacher-forced prefill of two prompts and 12 decode steps, rows swapped in)."""
+  r = subprocess.run([sys.executable, "-c", AT_XLA_DEFAULT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                     env=optimized())
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = json.loads(r.stdout.strip().splitlines()[-1])
+  assert "optimization_level" not in got["xla_flags"] and "optimization_level" in os.environ["XLA_FLAGS"]
+  assert got["equal"] == [True] * 13 and got["misses"] > 0, got
 
 
 def test_score_ema_is_lossless_and_restarts_the_averages_it_refills():

@@ -12,6 +12,7 @@ import pytest
 from hisparse_jax.engine import Engine
 from hisparse_jax.engine.args import StartupError
 from tests.tiny_model import tiny_model_dir
+from tests.xla_env import with_devices
 
 ROOT = pathlib.Path(__file__).parent.parent
 # (dp, tp, ep); the engine runs the first. (1, 8, 8), experts over the tp axis alone, passes too but is left
@@ -72,7 +73,7 @@ def _generate(tmp_path, *flags, devices=1):
   r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", f"--model-path={tiny_model_dir()}",
                       f"--prompts={prompts}", f"--output={out}", "--max-new-tokens=6", "--deterministic", *flags],
                      cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+                     env={**os.environ, "XLA_FLAGS": with_devices(devices)})
   return r, out
 
 

@@ -3,6 +3,7 @@ loopback, each with its own simulated CPU devices, give one process's tokens fro
 gRPC server; a process that dies takes the others down with a message; start-up errors name the flag."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from tests.multiprocess import REPO, free_port, launch, wait_all
 from tests.tiny_model import tiny_wide_model_dir
+from tests.xla_env import with_devices
 
 # Prompts shorter and longer than the hot buffer (16) and than a prefill chunk (32 here).
 PROMPTS = [list(range(5, 10)), [11, 12, 13], list(range(21, 41)), list(range(100, 150))]
@@ -35,8 +37,7 @@ def _generate(tmp_path, name, flags, processes=1, devices=1):
           f"--output={out}", "--max-new-tokens=8", *COMMON, *flags]
   if processes == 1:
     r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-                            **_env()})
+                       env={**os.environ, "XLA_FLAGS": with_devices(devices), "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
   else:
     results = wait_all(launch(args, processes, devices), timeout=600)
@@ -44,11 +45,6 @@ def _generate(tmp_path, name, flags, processes=1, devices=1):
       assert rc == 0, f"process {i}: {err[-3000:]}"
     assert "followed process 0 for" in results[1][2]
   return [json.loads(line) for line in out.read_text().splitlines()]
-
-
-def _env():
-  import os
-  return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
 
 
 HISPARSE = ["--enable-hisparse", f"--hisparse-config={HS}"]
@@ -262,7 +258,7 @@ def test_processes_that_disagree_stop_at_startup(tmp_path):
   # Different numbers of devices per process.
   port = free_port()
   procs = launch(["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={prompts}",
-                  "--tp-size=6"], 2, 4, port=port, env_per_process={1: {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}})
+                  "--tp-size=6"], 2, 4, port=port, env_per_process={1: {"XLA_FLAGS": with_devices(2)}})
   for rc, _, err in wait_all(procs, timeout=120):
     assert rc == 1 and "the processes have different numbers of devices (process 0: 4, process 1: 2)" in err, \
         err[-2000:]

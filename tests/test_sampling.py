@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hisparse_jax.engine.sampling import argmax
 from hisparse_jax.kernels import ops
+from tests.xla_env import with_devices
 
 ROOT = pathlib.Path(__file__).parent.parent
 CHUNK = 2048  # xla_ffi/argmax.cc kChunk: entries per chunk of the handler's first pass
@@ -212,6 +213,6 @@ def test_argmax_on_a_two_device_mesh():
   """Under a context mesh with a dp axis of 2 (Auto and Explicit axes): 1-D rows, leading dimensions dp does and
   does not divide, columns; every result is jnp.argmax's (rows split over dp only where it divides them)."""
   r = subprocess.run([sys.executable, "-c", ON_A_MESH], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                     env={**os.environ, "XLA_FLAGS": with_devices(2)})
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.strip().splitlines()[-1] == "mismatches 0"

@@ -11,6 +11,7 @@ import pytest
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, InvalidRequest, Request, ResourceExhausted, StartupError
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
+from tests.xla_env import with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = dict(page_size=16, chunked_prefill_size=32)
@@ -121,7 +122,7 @@ def test_a_prefill_row_in_another_dp_groups_padding_goes_in_the_same_call():
   """With 2 DP groups every prefill call has a row per group: a 20-token prompt's call is [2, 32], over the
   32-token budget by itself; an 8-token prompt of the other group fills its padding row in that call."""
   r = subprocess.run([sys.executable, "-c", DP_PREFILL], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                     env={**os.environ, "XLA_FLAGS": with_devices(2)})
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.split("\n")[-2] == "[(2, 32)] 0 1 8"
 

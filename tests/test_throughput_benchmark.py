@@ -8,11 +8,13 @@ import zipfile
 
 import numpy as np
 
+from tests.xla_env import optimized
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args, timeout=600):
-  r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _run(*args, timeout=600, env=None):
+  r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   return r
 
@@ -20,7 +22,7 @@ def _run(*args, timeout=600):
 def test_throughput_quick(tmp_path):
   """Real sizes (top_k 2048, hot buffer 4096) at a 4k context: both sections run and the budget binds."""
   out = tmp_path / "tp"
-  _run("benchmarks/throughput.py", "--quick", "--out", str(out))
+  _run("benchmarks/throughput.py", "--quick", "--out", str(out), env=optimized())  # (running dominates it)
   res = json.loads((tmp_path / "tp.json").read_text())
   new = res["new_tokens"]
   assert res["hisparse"]["top_k"] == 2048 and res["hisparse"]["device_buffer_size"] == 4096
@@ -59,7 +61,7 @@ def test_long_context_quick(tmp_path):
 def test_recorded_trace_replay(tmp_path):
   """A real-size trace (top_k 2048) from the model's own indexer, replayed by the miss-rate script."""
   trace = tmp_path / "trace.npz"
-  _run("benchmarks/record_trace.py", "--prompt-tokens", "2600", "--new-tokens", "4", "--out", str(trace))
+  _run("benchmarks/record_trace.py", "--prompt-tokens", "2600", "--new-tokens", "4", "--out", str(trace), env=optimized())
   z = np.load(trace)
   steps = z["topk_1"]
   assert steps.shape == (3, 4, 2048) and int(z["prompt_tokens_1"]) == 2600

@@ -24,12 +24,13 @@ XLA:CPU optimization: the suite compiles at backend optimization level 0 (``test
 ``SUITE_FLAG``, added to XLA_FLAGS here unless the caller sets a level; subprocesses inherit it). Compiling
 dominates the suite (38 of the 50 s of the largest lossless test are XLA compiles) and level 0 compiles 25-30%
 faster: test_lossless.py::test_every_eviction_policy_gives_the_dense_tokens 31 s against 42 s alone; in a full
-2-worker run on 2026-12-05, 1,452 s for the suite against 1,752 s the day before (2,878 against 3,450 s of
-the workers' test time), the mesh subprocess 265 s against 325 s. Its code rounds some float32 results
-differently from the default level 3 (a tiny model's decode logits by up to 3e-6 at magnitudes up to 3.5, the same
-greedy tokens; level 1 keeps them but saves only 10%), which no test depends on: every comparison is between two runs at the same level,
-and test_lossless.py::test_lossless_at_xla_default_optimization checks dense against HiSparse bit for bit at
-the default level users run. Benchmark scripts that run real-size programs restore the default
+2-worker run on 2026-12-05, 1,452 s for the suite against 1,752 s the day before (2,878 against 3,450 s of the
+workers' test time), the mesh subprocess 265 s against 325 s; 1,362 s in the fresh-clone CI run that landed
+it. Its code rounds some float32 results differently from the default level 3 (a tiny model's decode logits by
+up to 3e-6 at magnitudes up to 3.5, the same greedy tokens; level 1 keeps them but saves only 10%), which no
+test depends on: every comparison is between two runs at the same level, and
+test_lossless.py::test_lossless_at_xla_default_optimization checks dense against HiSparse bit for bit at the
+default level users run. Benchmark scripts that run real-size programs restore the default
 (``xla_env.optimized``): at level 0 the throughput benchmark's quick run took 119 s against 83 s.
 
 Memory mappings: JAX's compilation caches keep every executable a module compiled, and each XLA:CPU

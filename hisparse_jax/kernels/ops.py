@@ -63,6 +63,11 @@ PREFETCH_WAIT_TARGET = "hisparse_prefetch_wait"
 MAX_COPY_BLOCKS = 1024  # swap_in's copy_blocks (xla_ffi/bindings.h kMaxCopyBlocks)
 
 
+def _is_int(value) -> bool:
+  """A Python or NumPy integer, not a bool: what a static size, count or axis argument must be."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _register() -> None:
   for name, capsule in _ffi_cpu.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
@@ -249,7 +254,7 @@ def _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction):
   TypeError as ``_int32``), page_size a positive integer and eviction a policy (ValueError)."""
   arrays = tuple(_int32(n, x) for n, x in (("top_k", top_k), ("seq_lens", seq_lens), ("req_ids", req_ids),
                                            ("host_pages", host_pages)))
-  if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+  if not _is_int(page_size) or page_size < 1:
     raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
   if eviction not in EVICTIONS:
     raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
@@ -327,8 +332,7 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   """
   top_k, seq_lens, req_ids, host_pages = _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction)
   B, K = top_k.shape
-  if isinstance(copy_blocks, bool) or not isinstance(copy_blocks, (int, np.integer)) or not (
-      0 <= copy_blocks <= MAX_COPY_BLOCKS):
+  if not _is_int(copy_blocks) or not 0 <= copy_blocks <= MAX_COPY_BLOCKS:
     raise ValueError(f"copy_blocks must be an integer in [0, {MAX_COPY_BLOCKS}], got {copy_blocks!r}")
   if (slot_scores is None) != (eviction != "score"):
     raise ValueError('slot_scores (float32[B, D]) are given exactly when eviction is "score"')
@@ -426,7 +430,7 @@ def prefetch_wait(ticket, hot, slot_tokens, lru, after, *, batch: int):
   still consumed and its staged rows dropped, nothing committed: a later wait on the ticket finds it unknown,
   and the layer's swap-in copies what the prefetch would have); ValueError for a batch that is not an
   integer >= 0."""
-  if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 0:
+  if not _is_int(batch) or batch < 0:
     raise ValueError(f"prefetch_wait: batch must be an integer >= 0 (the start's batch rows), got {batch!r}")
   call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru),
                                                  jax.ShapeDtypeStruct((batch,), jnp.int32)),
@@ -534,7 +538,7 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
     raise TypeError(f"argmax takes float32, got {x.dtype}")
   if x.ndim < 1:
     raise ValueError(f"argmax needs at least one dimension, got shape {x.shape}")
-  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+  if not _is_int(axis) or not -x.ndim <= axis < x.ndim:
     raise ValueError(f"argmax: axis {axis!r} out of range for shape {x.shape}")
   axis = int(axis) % x.ndim
   if axis == 0 and x.ndim == 2:

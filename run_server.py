@@ -148,7 +148,7 @@ def main(argv):
     print(f"[server] warning: serving plain-text gRPC without authentication on {FLAGS.host}; anyone who can "
           "reach it can use and abort requests (use --tls-cert-file/--tls-key-file and --api-key-file)",
           file=sys.stderr, flush=True)
-  metrics = ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize)
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes)
   metrics_at = ""
   if metrics_port is not None:
     host = FLAGS["metrics-host"].value

@@ -53,10 +53,22 @@ PAGE = 64
 # the default model by long_context.py, so e2e stops at 16k to keep `make bench` within 30 minutes; a 32k
 # point, C = 1, is in BENCHMARKS.md from `--sections e2e --e2e-contexts 32768`).
 E2E_CONCURRENCY = {8192: 4, 16384: 2}
-# DeepSeek-V3.2's per-layer KV bytes per token (its FP8 deployment: 512 e4m3 + 4 float32 scales + 64 bf16
-# rope values = 656 B of latent row; 128 e4m3 + 1 float32 scale = 132 B of indexer key), 61 layers: the
-# capacity this budget would give the real model, from the same plan as the engine's.
-DEEPSEEK_V32_LAYOUT = dict(num_layers=61, latent_dim=656, index_dim=33, itemsize=1)
+# DeepSeek-V3.2's public config.json: its KV bytes per token under the runtime's FP8 KV cache
+# (--kv-cache-dtype fp8_e4m3, models/kv_format.py: 656 B of latent row and 132 B of indexer key per layer,
+# 61 layers), the capacity this budget would give the real model, from the same plan as the engine's.
+DEEPSEEK_V32_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
+                                   "deepseek_v32_config.json")
+
+
+def deepseek_v32_layout():
+  """The KVLayout of DeepSeek-V3.2 in bfloat16 with the FP8 KV cache."""
+  import json
+
+  from hisparse_jax.memory import backend as kvmem
+  from models.config import DSAConfig
+  with open(DEEPSEEK_V32_CONFIG) as f:
+    cfg = DSAConfig.from_hf_config(json.load(f)).replace(kv_cache_dtype="fp8_e4m3")
+  return kvmem.KVLayout.of(cfg, "bfloat16")
 SECTIONS = ("e2e", "decode")
 
 
@@ -80,9 +92,9 @@ class Bench:
     """Requests of `context` tokens the device budget holds in this mode (each with its pages for the whole
     context; HiSparse beside one context's staging pages): the engine's request slots, so that HiSparse spends
     its budget on as many hot buffers as it can fill with indexer keys. real: with DeepSeek-V3.2's per-token
-    bytes (DEEPSEEK_V32_LAYOUT) and the budget of 4 of its dense requests."""
+    bytes (deepseek_v32_layout) and the budget of 4 of its dense requests."""
     from hisparse_jax.memory import backend as kvmem
-    layout = kvmem.KVLayout(**DEEPSEEK_V32_LAYOUT) if real else self.layout
+    layout = deepseek_v32_layout() if real else self.layout
     budget = DENSE_FITS * kvmem.request_bytes(layout, None, PAGE, context)["device"]
     hisparse = self.hisparse if mode == "hisparse" else None
     if hisparse is not None:

@@ -2,7 +2,7 @@
 
     python -m hisparse_jax.plan --model-config CONFIG.json --devices 8 --device-memory 141 \\
         --host-memory 2048 --context 131072 [--hisparse-config JSON] [--dp-size 8 --tp-size 1 --ep-size 8] \\
-        [--weight-dtype fp8] [--json]
+        [--weight-dtype fp8] [--kv-cache-dtype fp8_e4m3] [--json]
 
 For each mode it prints the weights each device holds, the device KV budget, the KV bytes one request of
 ``--context`` tokens holds on a device (and in host memory), and the most requests the engine would run at
@@ -23,6 +23,9 @@ FP8 block-quantized checkpoint stores in float8_e4m3fn (every Linear kernel and 
 lm_head and the indexer's weights_proj) at 1 byte plus one float32 scale per 128 x 128 block, the rest in
 the config's dtype. The multi-token-prediction layer (``num_nextn_predict_layers``) is not served and not
 counted. Activations and XLA's workspace are not modelled: they come out of the (1 - mem fraction) margin.
+
+KV bytes: the latent row and the indexer key as ``--kv-cache-dtype`` stores them (``models/kv_format.py``:
+the compute dtype and float32, or DeepSeek-V3.2's FP8 rows of 656 and 132 bytes).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from hisparse_jax.engine.args import DEFAULT_MEM_FRACTION, MAX_HOST_MEMORY_FRACT
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device
 from models.config import DSAConfig
+from models.kv_format import KV_CACHE_DTYPES
 
 GIB = 1 << 30
 # SGLang's published HiSparse setting (the defaults of --hisparse-config here).
@@ -111,6 +115,7 @@ class CapacityPlan:
   model_type: str
   mesh: MeshConfig
   weight_dtype: str
+  kv_cache_dtype: str
   context: int
   weight_bytes: int
   weight_bytes_per_device: int
@@ -187,10 +192,11 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
 
 
 def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host_memory: int, context: int,
-             hisparse: HiSparseConfig, weight_dtype: str | None = None, page_size: int = 64,
-             mem_fraction_static: float | None = None, params=None) -> CapacityPlan:
+             hisparse: HiSparseConfig, weight_dtype: str | None = None, kv_cache_dtype: str = "auto",
+             page_size: int = 64, mem_fraction_static: float | None = None, params=None) -> CapacityPlan:
   """The capacity of ``mesh`` (dp x tp devices of device_memory bytes; host_memory bytes of host memory for
-  all of them) serving requests of ``context`` tokens (prompt + output). See the module docstring.
+  all of them) serving requests of ``context`` tokens (prompt + output), latent rows and indexer keys stored
+  as kv_cache_dtype says. See the module docstring.
 
   Raises:
     MeshError: the mesh does not fit the model (the message names the flag).
@@ -214,12 +220,13 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
                          f"{device_memory / GIB:.3g} GiB (try {hint})")
   else:
     budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
-  layout = kvmem.KVLayout.of(model_cfg, model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
+  layout = kvmem.KVLayout.of(model_cfg.replace(kv_cache_dtype=kv_cache_dtype),
+                             model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
   host_per_device = int(MAX_HOST_MEMORY_FRACTION * host_memory) // mesh.num_devices
   dense = _dense_plan(layout, budget, context, page_size, mesh.dp_size)
   hs = _hisparse_plan(layout, budget, host_per_device, context, page_size, mesh.dp_size, hisparse)
   staging = -(-context // page_size) * page_size * layout.latent_bytes  # plan()'s "staging" pool
-  return CapacityPlan(model_cfg.model_type, mesh, weight_dtype, context, total, per_device, budget,
+  return CapacityPlan(model_cfg.model_type, mesh, weight_dtype, kv_cache_dtype, context, total, per_device, budget,
                       host_per_device, staging, dense, hs)
 
 
@@ -228,7 +235,8 @@ def format_plan(p: CapacityPlan) -> str:
   g = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
   m = p.mesh
   lines = [
-      f"model {p.model_type}: {g(p.weight_bytes)} of weights ({p.weight_dtype}; {p.weight_bytes / 1e9:,.1f} GB)",
+      f"model {p.model_type}: {g(p.weight_bytes)} of weights ({p.weight_dtype}; {p.weight_bytes / 1e9:,.1f} GB), "
+      f"KV cache {p.kv_cache_dtype}",
       f"mesh dp {m.dp_size} x tp {m.tp_size} = {m.num_devices} devices, experts over ep {m.ep_size}",
       f"weights per device      {g(p.weight_bytes_per_device)}",
       f"KV budget per device    {g(p.kv_budget_per_device)}",
@@ -290,7 +298,8 @@ def main(argv) -> None:
     if mesh.num_devices != devices:
       raise MeshError(f"--dp-size {dp} x --tp-size {tp} must equal --devices {devices}")
     plan = capacity(model_cfg, mesh, device_memory=int(F("device-memory") * GIB), host_memory=int(F("host-memory") * GIB),
-                    context=F("context"), hisparse=hs, weight_dtype=F("weight-dtype"), page_size=F("page-size"),
+                    context=F("context"), hisparse=hs, weight_dtype=F("weight-dtype"),
+                    kv_cache_dtype=F("kv-cache-dtype"), page_size=F("page-size"),
                     mem_fraction_static=F("mem-fraction-static"))
   except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
     sys.exit(str(e))
@@ -311,6 +320,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("tp-size", None, "Tensor-parallel ranks per group (default: 1).")
   flags.DEFINE_integer("ep-size", None, "Devices the routed experts are split over (default: --devices).")
   flags.DEFINE_enum("weight-dtype", None, list(WEIGHT_DTYPES), "Weight storage (default: the config's dtype).")
+  flags.DEFINE_enum("kv-cache-dtype", "auto", list(KV_CACHE_DTYPES), "How the KV cache stores a token: auto "
+                    "(latent in the compute dtype, keys in float32) or fp8_e4m3 (DeepSeek-V3.2's FP8 rows).")
   flags.DEFINE_integer("page-size", 64, "Tokens per KV page.")
   flags.DEFINE_float("mem-fraction-static", None, "Device memory fraction for weights + KV (default: "
                      f"{DEFAULT_MEM_FRACTION} of what the weights leave).")

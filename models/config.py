@@ -369,12 +369,35 @@ class DSAConfig:
     # FP8 deployment numerics (models/fp8_numerics.py): not a config.json key; set by the
     # runtime (--fp8-numerics) through load_hf / load_model.
     fp8_numerics: bool = False
+    # How the KV cache stores a token (models/kv_format.py): "auto" (as computed) or "fp8_e4m3" (which
+    # implies the FP8 numerics: fp8_active); not a config.json key; set by the runtime (--kv-cache-dtype)
+    # through load_hf / load_model.
+    kv_cache_dtype: str = "auto"
 
     # ------------------------------------------------------------------ derived
     @property
     def latent_dim(self) -> int:
         """W: width of one KV-cache latent row = kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def fp8_active(self) -> bool:
+        """Whether the indexer and the latent KV run DeepSeek's FP8 numerics: ``fp8_numerics`` (simulated in the
+        compute dtype), or an FP8 KV cache (``kv_cache_dtype`` "fp8_e4m3", which stores those values)."""
+        return self.fp8_numerics or self.kv_cache_dtype != "auto"
+
+    def kv_index_row(self) -> tuple[int, np.dtype]:
+        """(width, storage dtype) of one stored indexer key: (index_head_dim, float32), or (132, uint8) for
+        Di 128 with kv_cache_dtype "fp8_e4m3" (``models.kv_format.index_spec``)."""
+        from .kv_format import index_spec
+        return index_spec(self.kv_cache_dtype, self.index_head_dim)
+
+    def kv_row(self, dtype=None) -> tuple[int, np.dtype]:
+        """(width, storage dtype) of one stored KV-cache latent row for compute ``dtype`` (default the config's):
+        (latent_dim, dtype) with kv_cache_dtype "auto", (656, uint8) for DeepSeek-V3.2 in bfloat16 with
+        "fp8_e4m3" (``models.kv_format.row_spec``)."""
+        from .kv_format import row_spec
+        return row_spec(self.kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim, dtype or self.dtype)
 
     @property
     def qk_head_dim(self) -> int:

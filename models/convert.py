@@ -24,6 +24,7 @@ from flax import nnx
 
 from models.config import DSAConfig
 from models.deepseek_v32 import DeepseekV32ForCausalLM
+from models.kv_format import check_kv_cache_dtype
 from models.loader import load_hf, param_path
 
 ORBAX_MARKER = "hisparse_orbax.json"
@@ -104,7 +105,7 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   return output
 
 
-def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
+def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",
                sharding=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """Restores an orbax directory written by ``convert``.
 
@@ -118,7 +119,8 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
   """
   import orbax.checkpoint as ocp
 
-  cfg = DSAConfig.from_pretrained(path).replace(fp8_numerics=fp8_numerics)
+  cfg = DSAConfig.from_pretrained(path).replace(fp8_numerics=fp8_numerics,
+                                                kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
   with open(os.path.join(path, ORBAX_MARKER)) as f:
     layout = json.load(f).get("layout", 1)
   if layout != ORBAX_LAYOUT and not cfg.tie_word_embeddings:
@@ -146,18 +148,20 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False,
   return cfg, model
 
 
-def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, sharding=None,
-               fp8_weights: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",
+               sharding=None, fp8_weights: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """(config, model) from an HF-format directory or an orbax directory written by ``convert``; sharding: a
   function (parameter path, shape) -> jax.sharding.Sharding placing each parameter as it loads (None: the
   default device); fp8_weights: FP8-resident weights (``load_hf``; HF FP8 checkpoints only, ValueError
-  otherwise)."""
+  otherwise); kv_cache_dtype: how the KV cache stores a latent row (``models/kv_format.py``; ValueError for
+  an unknown one)."""
   if is_orbax_dir(path):
     if fp8_weights:
       raise ValueError(f"{path} is an orbax checkpoint (dequantized weights); FP8-resident weights load from the "
                        "HF FP8 checkpoint")
-    return load_orbax(path, dtype, fp8_numerics=fp8_numerics, sharding=sharding)
-  return load_hf(path, dtype=dtype, fp8_numerics=fp8_numerics, sharding=sharding, fp8_weights=fp8_weights)
+    return load_orbax(path, dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding)
+  return load_hf(path, dtype=dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding,
+                 fp8_weights=fp8_weights)
 
 
 def main(argv=None) -> int:

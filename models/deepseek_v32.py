@@ -48,8 +48,9 @@ from flax import nnx
 
 from hisparse_jax.kernels.ops import top_k as exact_top_k
 
+from . import kv_format
 from .config import DSAConfig, RopeConfig
-from .fp8_numerics import fake_quant_e4m3, indexer_fp8
+from .fp8_numerics import fake_quant_e4m3, hadamard_rotate, indexer_fp8
 from .kv_protocol import ContiguousKVCache, KVCache, index_scores
 from .fp8 import dequantize_jax
 from .moe import expert_parallel_ffn, grouped_expert_ffn
@@ -191,7 +192,8 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=_F32, std=std, rngs=rngs)
         self.softmax_scale = self.head_dim**-0.5
         self.interleave = cfg.indexer_rope_interleave
-        self.fp8 = cfg.fp8_numerics  # Hadamard + e4m3 fake-quant of q and k (models/fp8_numerics.py)
+        self.fp8 = cfg.fp8_active  # Hadamard + e4m3 quantization of q and k (models/fp8_numerics.py)
+        self.kv_cache_dtype = cfg.kv_cache_dtype  # an FP8 cache stores the keys quantized (models/kv_format.py)
 
     def _rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         r = self.rope_dim
@@ -201,7 +203,9 @@ class Indexer(nnx.Module):
     def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """x: [..., H]; cos/sin: [..., r/2] -> float32[..., Di] (normed, roped)."""
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)
-        return (indexer_fp8(k) if self.fp8 else k).astype(_F32)
+        if self.fp8:  # an FP8 cache quantizes the rotated key itself (kv_format.encode_keys): the same values
+            k = indexer_fp8(k) if self.kv_cache_dtype == "auto" else hadamard_rotate(k)
+        return k.astype(_F32)
 
     def queries(self, q_resid: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """q_resid: [..., q_lora]; cos/sin: [..., r/2] -> float32[..., nI, Di]."""
@@ -237,7 +241,8 @@ class Indexer(nnx.Module):
         K = self.k
 
         def scores(start):  # float32[B, Q, key_block], -inf where not causal
-            out = index_scores(q, w, cache.index_keys(layer, start, key_block))  # keys float32[B, T, Di]
+            keys = kv_format.decode_keys(cache.index_keys(layer, start, key_block))  # float32[B, T, Di]
+            out = index_scores(q, w, keys)
             kpos = start + jnp.arange(key_block, dtype=jnp.int32)
             return jnp.where(kpos[None, None, :] <= positions[..., None], out, -jnp.inf)
 
@@ -287,7 +292,8 @@ class MLAttention(nnx.Module):
         self.kv_lora = cfg.kv_lora_rank
         self.index_dim = cfg.index_head_dim
         self.scale = cfg.softmax_scale
-        self.fp8 = cfg.fp8_numerics  # e4m3 fake-quant of the cached latent KV (models/fp8_numerics.py)
+        self.fp8 = cfg.fp8_active  # e4m3 quantization of the cached latent KV (models/fp8_numerics.py)
+        self.kv_cache_dtype = cfg.kv_cache_dtype  # how the cache stores a latent row (models/kv_format.py)
         self.rope = apply_rope_interleaved if cfg.rope_interleave else apply_rope_half
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, std=std, rngs=rngs)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype=dtype)
@@ -313,7 +319,9 @@ class MLAttention(nnx.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         c, k_pe = ckv[..., : self.kv_lora], ckv[..., self.kv_lora :]
         c = self.kv_a_layernorm(c)
-        if self.fp8:  # DeepSeek-V3.2 deployment keeps this part of the KV cache in FP8
+        # DeepSeek-V3.2 deployment keeps this part of the KV cache in FP8; an FP8 cache quantizes it when it
+        # stores the row (kv_format.encode), and what it gives back is exactly this fake quantization.
+        if self.fp8 and self.kv_cache_dtype == "auto":
             c = fake_quant_e4m3(c)
         return jnp.concatenate([c, self.rope(k_pe, cos, sin)], axis=-1)
 
@@ -333,23 +341,26 @@ class MLAttention(nnx.Module):
         B, Q = positions.shape
         q_resid, q_nope, q_pe = self._queries(x, cos, sin)  # [B, Q, q_lora], [B, Q, nH, dn], [B, Q, nH, dr]
         lat = self.latent(x, cos, sin)  # [B, Q, W]
+        stored = kv_format.encode(self.kv_cache_dtype, lat, self.kv_lora)  # the cache's row ([B, Q, W'])
         index_q = index_w = None  # for a cache that scores positions itself (kv_protocol.index_scores)
         if self.indexer is not None:
-            cache = cache.append(layer, positions, lat, self.indexer.keys(x, cos, sin))
+            keys = kv_format.encode_keys(self.kv_cache_dtype, self.indexer.keys(x, cos, sin))
+            cache = cache.append(layer, positions, stored, keys)
             topk = self.indexer.select(x, q_resid, cos, sin, positions, layer, cache, **index_blocks)
             index_q, index_w = self.indexer.queries(q_resid, cos, sin), self.indexer.head_weights(x)
         else:
             if prev_topk is None:
                 raise ValueError("a layer without an indexer needs the previous layer's top-k")
-            cache = cache.append(layer, positions, lat, jnp.zeros((B, Q, self.index_dim), _F32))
+            zeros = kv_format.encode_keys(self.kv_cache_dtype, jnp.zeros((B, Q, self.index_dim), _F32))
+            cache = cache.append(layer, positions, stored, zeros)
             topk = prev_topk
 
         w = self.kv_b_proj.weight().reshape(self.kv_lora, self.n_heads, self.dn + self.dv)
         w_uk, w_uv = w[..., : self.dn], w[..., self.dn :]  # [C, nH, dn], [C, nH, dv]
 
         def attend(cache, q_nope, q_pe, pos, tk):  # one block of queries: [B, q, ...]
-            rows, cache = cache.gather(layer, pos, tk, index_q, index_w)  # [B, q, K, W]
-            rows = rows.astype(lat.dtype)
+            rows, cache = cache.gather(layer, pos, tk, index_q, index_w)  # [B, q, K, W'] as stored
+            rows = kv_format.decode(self.kv_cache_dtype, rows, self.kv_lora, lat.dtype)  # [B, q, K, W]
             c_kv, k_pe = rows[..., : self.kv_lora], rows[..., self.kv_lora :]
             q_abs = _einsum("bqhd,chd->bqhc", q_nope, w_uk)  # [B, q, nH, C]
             scores = _einsum("bqhc,bqkc->bqhk", q_abs, c_kv) + _einsum("bqhr,bqkr->bqhk", q_pe, k_pe)

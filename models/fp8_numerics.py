@@ -77,11 +77,17 @@ def quantize_e4m3(x: jax.Array, block: int = BLOCK, scale_fmt: str | None = "ue8
   return q, scale[..., 0]
 
 
+def dequantize_e4m3(q: jax.Array, scale: jax.Array, dtype, block: int = BLOCK) -> jax.Array:
+  """dtype[..., n]: q float8_e4m3fn[..., n] times its block's scale float32[..., ceil(n / block)] (the product
+  in float32, then cast): the inverse of ``quantize_e4m3`` up to its rounding."""
+  qb, n = _blocks(q.astype(jnp.float32), block)
+  return (qb * scale[..., None]).reshape(*qb.shape[:-2], -1)[..., :n].astype(dtype)
+
+
 def fake_quant_e4m3(x: jax.Array, block: int = BLOCK, scale_fmt: str | None = "ue8m0") -> jax.Array:
   """quantize_e4m3 then dequantize: x rounded to what an FP8 store keeps, in x's dtype."""
   q, scale = quantize_e4m3(x, block, scale_fmt)
-  qb, n = _blocks(q.astype(jnp.float32), block)
-  return (qb * scale[..., None]).reshape(*qb.shape[:-2], -1)[..., :n].astype(x.dtype)
+  return dequantize_e4m3(q, scale, x.dtype, block)
 
 
 @functools.lru_cache(maxsize=8)

@@ -6,17 +6,19 @@ be anything with these methods. A cache object describes ONE batch of one jitted
 a request with Q query tokens (Q = 1 in decode, the chunk length in prefill). It is a JAX pytree; every
 method is functional (returns the updated cache) and traceable.
 
-Shapes: B batch rows, Q query tokens per row, W = kv_lora_rank + qk_rope_head_dim (latent row),
-Di = index_head_dim, K = index_topk, T a key block (static, a multiple of the cache's page size).
+Shapes: B batch rows, Q query tokens per row, W and Di = the stored latent row's and indexer key's widths
+(``models/kv_format.py``: kv_lora_rank + qk_rope_head_dim values of the compute dtype and index_head_dim
+float32, or the bytes of FP8 rows; the model encodes rows before ``append`` and decodes what ``index_keys``
+and ``gather`` return, so a cache never looks inside one), K = index_topk, T a key block (static, a multiple of the cache's page size).
 ``positions`` int32[B, Q] is the position of each query token in its request; -1 marks padding (its
 writes are dropped and it attends to nothing). Within a row, positions are consecutive.
 
 Per layer the model does (``models/deepseek_v32.py``, ``MLAttention.__call__``)::
 
-    cache = cache.append(l, positions, latent[B, Q, W], index_key[B, Q, Di])
-    keys = cache.index_keys(l, start, T)          # float32[B, T, Di], positions [start, start + T)
+    cache = cache.append(l, positions, latent[B, Q, W], index_key[B, Q, Di])   # latent: stored rows
+    keys = cache.index_keys(l, start, T)          # stored keys [B, T, Di], positions [start, start + T)
     ... the indexer scores every key block up to the newest position, keeping a running top-k ...
-    rows, cache = cache.gather(l, positions, top_k[B, Q, K], index_q, index_w)   # dtype[B, Q, K, W]
+    rows, cache = cache.gather(l, positions, top_k[B, Q, K], index_q, index_w)   # stored rows [B, Q, K, W]
 
 ``append`` happens before scoring, so a query sees its own key and those of earlier tokens of its chunk.
 ``index_keys`` may return anything at positions not yet written (the model masks them causally).
@@ -41,20 +43,21 @@ class KVCache(Protocol):
   """In-jit KV cache of one batch (see the module docstring for shapes)."""
 
   def append(self, layer: int, positions: jax.Array, latent: jax.Array, index_key: jax.Array) -> Self:
-    """Stores latent dtype[B, Q, W] and index_key float32[B, Q, Di] at positions int32[B, Q] of layer
-    (static int); padding (-1) is dropped. Returns the updated cache."""
+    """Stores latent [B, Q, W] and index_key [B, Q, Di] (stored rows, any dtype: float32 keys or FP8 rows) at
+    positions int32[B, Q] of layer (static int); padding (-1) is dropped. Returns the updated cache."""
     ...
 
   def index_keys(self, layer: int, start: jax.Array, size: int) -> jax.Array:
-    """float32[B, size, Di]: the indexer keys of positions [start, start + size) of each row
+    """[B, size, Di]: the stored indexer keys of positions [start, start + size) of each row
     (start: traced int32 scalar, a multiple of size; size: static)."""
     ...
 
   def gather(self, layer: int, positions: jax.Array, top_k: jax.Array, index_q: jax.Array | None = None,
              index_w: jax.Array | None = None) -> tuple[jax.Array, Self]:
-    """(rows dtype[B, Q, K, W], cache): the latent rows of the top-k positions int32[B, Q, K] chosen for
-    the queries at positions int32[B, Q] (-1 entries give zero rows). index_q float32[B, Q, nI, Di] and
-    index_w float32[B, Q, nI]: the layer's indexer queries and head weights (``index_scores``), or None."""
+    """(rows [B, Q, K, W] in the stored dtype, cache): the stored latent rows of the top-k positions
+    int32[B, Q, K] chosen for the queries at positions int32[B, Q] (-1 entries give zero rows). index_q
+    float32[B, Q, nI, Di] and index_w float32[B, Q, nI]: the layer's indexer queries and head weights
+    (``index_scores``, over keys decoded with ``models.kv_format.decode_keys``), or None."""
     ...
 
 
@@ -78,8 +81,9 @@ class ContiguousKVCache:
   (``hisparse_jax/memory``).
 
   Attributes:
-    latent: dtype[L, B, S, W] latent rows.
-    index_key: float32[L, B, S, Di] indexer keys.
+    latent: [L, B, S, W] latent rows as stored (``models/kv_format.py``: the compute dtype, or uint8 FP8 rows
+      with ``kv_cache_dtype`` "fp8_e4m3").
+    index_key: [L, B, S, Di] indexer keys as stored (float32, or uint8 FP8 rows).
   """
 
   latent: jax.Array
@@ -87,11 +91,13 @@ class ContiguousKVCache:
 
   @classmethod
   def create(cls, cfg, batch: int, max_len: int, dtype=None) -> "ContiguousKVCache":
-    """Zeros for ``cfg`` (a ``models.config.DSAConfig``): batch rows of max_len positions; dtype defaults to
-    the config's."""
+    """Zeros for ``cfg`` (a ``models.config.DSAConfig``): batch rows of max_len positions, rows stored as
+    ``cfg.kv_row(dtype)`` and ``cfg.kv_index_row()`` say for compute dtype ``dtype`` (default the config's)."""
     L = cfg.num_hidden_layers
-    return cls(jnp.zeros((L, batch, max_len, cfg.latent_dim), jnp.dtype(dtype or cfg.dtype)),
-               jnp.zeros((L, batch, max_len, cfg.index_head_dim), jnp.float32))
+    width, stored = cfg.kv_row(dtype)
+    index_width, index_stored = cfg.kv_index_row()
+    return cls(jnp.zeros((L, batch, max_len, width), stored),
+               jnp.zeros((L, batch, max_len, index_width), index_stored))
 
   def append(self, layer, positions, latent, index_key):
     B, S = self.latent.shape[1], self.latent.shape[2]

@@ -48,6 +48,7 @@ from safetensors import safe_open
 from . import fp8
 from .config import DSAConfig
 from .deepseek_v32 import DeepseekV32ForCausalLM
+from .kv_format import check_kv_cache_dtype
 
 _F32 = jnp.float32
 
@@ -381,7 +382,7 @@ def _log_skipped_mtp(store, num_layers: int) -> None:
 
 def load_hf(
     model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None, fp8_numerics: bool = False,
-    sharding=None, fp8_weights: bool = False,
+    kv_cache_dtype: str = "auto", sharding=None, fp8_weights: bool = False,
 ) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
     """Load ``model_dir`` (HF layout) -> (config, model).
 
@@ -391,6 +392,7 @@ def load_hf(
     (None: only when stderr is a TTY; False: never).
     fp8_numerics: run the indexer and the latent KV with DeepSeek's FP8 deployment numerics
     (models/fp8_numerics.py).
+    kv_cache_dtype: how the KV cache stores a latent row, "auto" or "fp8_e4m3" (models/kv_format.py).
     Tensors are streamed: each is read from the memory-mapped safetensors file, converted and placed
     into the model before the next is read.  sharding: a function (parameter path 'layers/3/mlp/gate_proj',
     shape) -> jax.sharding.Sharding placing each parameter as it is read (e.g. the mesh rule table); then
@@ -407,7 +409,7 @@ def load_hf(
     model_dir = os.fspath(model_dir)
     cfg = DSAConfig.from_pretrained(model_dir)
     dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
-    cfg = cfg.replace(dtype=dt.name, fp8_numerics=fp8_numerics)
+    cfg = cfg.replace(dtype=dt.name, fp8_numerics=fp8_numerics, kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
     store = _TensorStore(model_dir, cfg.fp8_block_size)
     _log_skipped_mtp(store, cfg.num_hidden_layers)
 

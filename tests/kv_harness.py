@@ -36,6 +36,7 @@ class KVHarness:
     self.groups = mesh_config.dp_size if self.mesh is not None else 1
     dtype = jnp.dtype(dtype or cfg.dtype)
     layout = kvmem.KVLayout.of(cfg, dtype)
+    dtype = cfg.kv_row(dtype)[1]  # the stored rows' (cfg.kv_cache_dtype)
     plan = kvmem.plan(layout, budget=budget, max_running_requests=slots, max_seq_len=max_seq_len,
                       page_size=page_size, hisparse=hisparse)
     self.backend = (kvmem.DenseBackend(plan, layout, dtype, self.mesh, self.groups) if hisparse is None else
@@ -143,6 +144,15 @@ class KVHarness:
 
 def _device(tables):
   return {k: jnp.asarray(v) for k, v in tables.items()}
+
+
+def teacher_forced_logits(cfg, model, prompts, steps, **harness_kw):
+  """(float32[steps, N, V], the harness): each prompt prefilled, then ``steps`` decode steps feeding token
+  7 + t to every request at step t (the same tokens whatever the logits, so two numerics compare step by step)."""
+  h = KVHarness(cfg, model, **harness_kw)
+  h.prefill(prompts)
+  out = [h.decode(np.full(len(prompts), 7 + t)) for t in range(steps)]
+  return np.stack(out), h
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,9 +41,10 @@ GLM_MESHES = ((1, 8, 1),)
 STEPS = 12
 
 
-def run(model_dir, mesh, hisparse):
+def run(model_dir, mesh, hisparse, kv_cache_dtype="auto"):
   """Greedy decoding of the prompts: (tokens per prompt, float32[steps, prompts, V] logits, swap stats)."""
-  cfg, model = load_hf(model_dir)  # a fresh model: the harness may mark its MoE modules expert-parallel
+  # A fresh model: the harness may mark its MoE modules expert-parallel.
+  cfg, model = load_hf(model_dir, kv_cache_dtype=kv_cache_dtype)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(2, 500, n).tolist() for n in PROMPT_LENS]
   # Prompts prefilled in chunks of 16 (one compiled prefill shape per indexer window).
@@ -224,6 +225,19 @@ def main(meshes):
           "misses": int(np.asarray(hisparse[2])[..., 1].sum()),
           "kv_updated_in_place": dense[3] and hisparse[3],
       }
+    if name == "deepseek_v32":
+      # The FP8 KV cache (uint8 rows in every pool) on 2 DP groups of 4 tp devices: one device's logits.
+      fp8 = {mesh: {hs: run(model_dir, MeshConfig(*mesh), HS if hs else None, "fp8_e4m3") for hs in (False, True)}
+             for mesh in ((1, 1, 1), (2, 4, 8))}
+      one, on_mesh = fp8[(1, 1, 1)], fp8[(2, 4, 8)]
+      out["kv fp8 2,4,8"] = {
+          "greedy_equal_one_device": on_mesh[False][0] == one[False][0] and on_mesh[True][0] == one[True][0],
+          "logits_bitwise_dense_vs_hisparse": bool(np.array_equal(on_mesh[False][1], on_mesh[True][1])),
+          "max_logit_diff_vs_one_device": float(np.abs(on_mesh[False][1] - one[False][1]).max()),
+          "swap_stats_equal_one_device": on_mesh[True][2] == one[True][2],
+          "misses": int(np.asarray(on_mesh[True][2])[..., 1].sum()),
+          "kv_updated_in_place": on_mesh[False][3] and on_mesh[True][3],
+          "differs_from_auto": bool(np.abs(one[False][1] - base[False][1]).max() > 1e-6)}
     if name == "deepseek_v32":  # the engine end to end on the first mesh
       one = {hs: engine_tokens(model_dir, MeshConfig(), hs) for hs in (False, True)}
       for hs in (False, True):

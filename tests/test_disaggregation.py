@@ -231,3 +231,41 @@ def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
   pport, _ = servers
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--dtype=bfloat16")
   assert "serves another model or KV layout" in err
+  # FP8 rows against its float32 rows: 100 + 20 uint8 against 48 + 16 float32 per token and layer.
+  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
+                       "--kv-cache-dtype=fp8_e4m3")
+  assert "serves another model or KV layout" in err and "(3, 48, 16, 'float32')" in err
+  assert "(3, 100, 20, 'uint8')" in err and "--kv-cache-dtype" in err
+
+
+def test_pd_with_fp8_kv_rows():
+  """--kv-cache-dtype fp8_e4m3 on both ends: the prefill server hands over FP8 rows (100 + 20 bytes of latent
+  row and indexer key a token and layer, against 192 + 64 in float32), the HiSparse decode server swaps them
+  in, and the tokens are the colocated FP8 engine's."""
+  from hisparse_jax.engine import Engine, Request
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4,
+             deterministic=True, kv_cache_dtype="fp8_e4m3")
+  prompts = PROMPTS[1:3]
+  reqs = [Request(str(i), p, NEW) for i, p in enumerate(prompts)]
+  for r in reqs:
+    e.submit(r)
+  e.run()
+  del e
+  procs = []
+  try:
+    fp8 = ["--kv-cache-dtype=fp8_e4m3"]
+    prefill, pport = start_server([*_model(), *fp8, "--disaggregation-mode=prefill"])
+    procs.append(prefill)
+    proc, port = start_server([*_model(), *fp8, "--enable-hisparse", f"--hisparse-config={HS}",
+                               "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}"])
+    procs.append(proc)
+    stub = _stub(port)
+    for prompt, req in zip(prompts, reqs):
+      tokens, final = _generate(stub, prompt)
+      assert tokens == req.output_ids
+      positions = max(16, 1 << (len(prompt) - 1).bit_length())
+      assert final.transfer_bytes == 3 * positions * (100 + 20)  # FP8 latent rows and indexer keys
+      assert final.swap_in_misses > 0
+    assert _idle(stub) and _idle(_stub(pport))
+  finally:
+    stop(procs)

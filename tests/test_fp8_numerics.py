@@ -9,7 +9,7 @@ import pytest
 from hisparse_jax.config import HiSparseConfig
 from models.fp8_numerics import E4M3_MAX, fake_quant_e4m3, hadamard_rotate, quantize_e4m3
 from models.loader import load_hf
-from tests.kv_harness import KVHarness
+from tests.kv_harness import teacher_forced_logits
 from tests.tiny_model import tiny_model_dir
 
 
@@ -60,22 +60,15 @@ def test_hadamard_rotation_is_orthogonal_and_sylvester():
     hadamard_rotate(jnp.ones((2, 48)))
 
 
-def _decode_logits(cfg, model, prompts, steps, hisparse=None):
-  h = KVHarness(cfg, model, hisparse=hisparse)
-  h.prefill(prompts)
-  out = [h.decode(np.full(len(prompts), 7 + t)) for t in range(steps)]
-  return np.stack(out), h
-
-
 def test_fp8_mode_changes_numerics_slightly_and_stays_lossless():
   d = tiny_model_dir()
   cfg, off = load_hf(d)
   cfg8, on = load_hf(d, fp8_numerics=True)
   assert not cfg.fp8_numerics and cfg8.fp8_numerics
   prompts = [list(range(2, 42)), list(range(5, 25))]
-  l_off, _ = _decode_logits(cfg, off, prompts, 6)
-  l_dense, dense = _decode_logits(cfg8, on, prompts, 6)
-  l_hs, _ = _decode_logits(cfg8, on, prompts, 6, hisparse=HiSparseConfig(top_k=8, device_buffer_size=16))
+  l_off, _ = teacher_forced_logits(cfg, off, prompts, 6)
+  l_dense, dense = teacher_forced_logits(cfg8, on, prompts, 6)
+  l_hs, _ = teacher_forced_logits(cfg8, on, prompts, 6, hisparse=HiSparseConfig(top_k=8, device_buffer_size=16))
   np.testing.assert_array_equal(l_hs, l_dense)  # still lossless in FP8 mode
   # A different numerics, not a broken one (on a random tiny model one flipped indexer choice
   # can move a logit a lot, so no closeness bound is asserted here).

@@ -39,6 +39,15 @@ def test_mesh_decoding_equals_one_device(results, key):
   assert r["max_logit_diff_vs_one_device"] < 1e-4  # float32; partial sums over devices round differently
 
 
+def test_fp8_kv_cache_on_a_mesh_equals_one_device(results):
+  """--kv-cache-dtype fp8_e4m3 (uint8 latent rows and indexer keys in every pool) on 2 DP groups of 4 tp
+  devices: one device's greedy tokens and swap-ins, HiSparse bitwise dense's logits, pools updated in place."""
+  r = results["kv fp8 2,4,8"]
+  assert r["greedy_equal_one_device"] and r["logits_bitwise_dense_vs_hisparse"], r
+  assert r["swap_stats_equal_one_device"] and r["kv_updated_in_place"] and r["misses"] > 0, r
+  assert r["max_logit_diff_vs_one_device"] < 1e-4 and r["differs_from_auto"], r
+
+
 def test_dynamic_residency_on_a_mesh_equals_one_device(results):
   """HiSparse with dynamic residency and the cross-layer prefetch on 2 DP groups, one request of each group
   offloaded under a tight budget (mixed batches): dense KV's tokens on one device."""

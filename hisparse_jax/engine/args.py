@@ -15,6 +15,7 @@ from hisparse_jax.config import ConfigError, HiSparseConfig, check_prefetch_thre
 from hisparse_jax.default_model import ensure_default_model
 from hisparse_jax.sharding import MeshConfig, MeshError
 from models.config import DSAConfig
+from models.kv_format import KV_CACHE_DTYPES
 
 MODEL_HISPARSE_FILE = "hisparse_config.json"  # per-model default HiSparse sizes (optional)
 DTYPES = ("float32", "bfloat16")
@@ -82,6 +83,13 @@ class EngineArgs:
       HiSparse hit / miss counts include that step); a request whose prefill ends joins the decode one step
       later; the next token's page is taken a step earlier.
     fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``).
+    kv_cache_dtype: how the KV cache (dense pages, HiSparse's hot buffers, host pool, staging and indexer-key
+      pages, and the prompt KV a prefill server hands over) stores a token (``models/kv_format.py``): "auto"
+      (latent rows in the compute dtype, indexer keys in float32) or "fp8_e4m3" (DeepSeek-V3.2's FP8 KV
+      cache: the latent part in e4m3 with a power-of-two scale per 128 values and the RoPE part in the compute
+      dtype, 656 bytes against 1,152 in bfloat16; the indexer key in e4m3 with its scale, 132 bytes against
+      512). It implies DeepSeek's FP8 numerics (``fp8_numerics``), whose values it stores: the logits are
+      those of ``fp8_numerics`` with "auto", bit for bit.
     weight_dtype: "fp8": keep an FP8 block-quantized checkpoint's quantized matrices in float8_e4m3fn with
       their 128 x 128 float32 scales on device, dequantized inside the jitted matmuls (about half the weight
       memory of bfloat16; the same weights as dequantizing at load, bit for bit), on one device or a mesh (the
@@ -110,6 +118,7 @@ class EngineArgs:
   deterministic: bool = False
   overlap_schedule: bool = True
   fp8_numerics: bool = False
+  kv_cache_dtype: str = "auto"
   dp_size: int = 1
   tp_size: int = 1
   ep_size: int = 1
@@ -145,6 +154,9 @@ class EngineArgs:
                           "device), overlapping token delivery and scheduling with the device's compute.",
       "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
                       "latent KV cache (fake-quantized).",
+      "kv_cache_dtype": "How the KV cache stores a token: auto (latent in the compute dtype, indexer keys in "
+                        "float32) or fp8_e4m3 (DeepSeek-V3.2's FP8 KV cache: 656-byte latent rows, 132-byte "
+                        "indexer keys; implies --fp8-numerics, whose values it stores).",
       "dp_size": "Data-parallel attention groups: each runs its share of the requests, its KV on its devices.",
       "tp_size": "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them.",
       "ep_size": "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size.",
@@ -219,6 +231,8 @@ class EngineArgs:
       raise StartupError(f"--max-running-requests {self.max_running_requests} is not divisible by --dp-size "
                          f"{mesh.dp_size} (each DP group runs an equal share; set --max-running-requests to a "
                          "multiple of it)")
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise StartupError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     if self.weight_dtype not in WEIGHT_DTYPES:
       raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected fp8 (or no flag: dequantize at load)")
     if mesh.num_devices > 1 and self.host_pool in HOST_POOL_KINDS[1:]:

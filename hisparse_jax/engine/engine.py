@@ -205,6 +205,7 @@ class Engine:
                          "has no quantization_config)")
     try:
       self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=args.fp8_numerics,
+                                      kv_cache_dtype=args.kv_cache_dtype,
                                       sharding=None if self.mesh is None else placer(self.mesh_config, self.mesh),
                                       fp8_weights=args.weight_dtype == "fp8")
     except MemoryError as e:
@@ -212,6 +213,10 @@ class Engine:
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
       raise StartupError(f"--model-path {model_dir!r}: cannot load the model: {type(e).__name__}: {e}") from None
     cfg = self.config
+    if cfg.fp8_active and cfg.index_head_dim & (cfg.index_head_dim - 1):
+      raise StartupError(f"--fp8-numerics / --kv-cache-dtype fp8_e4m3: DeepSeek's FP8 indexer rotates its queries "
+                         f"and keys by a Hadamard transform, which needs a power-of-two index_head_dim; "
+                         f"{model_dir} has {cfg.index_head_dim}")
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
     if self.mesh is not None:
@@ -226,6 +231,7 @@ class Engine:
     self._param_names = [jax.tree_util.keystr(path) for path, _ in leaves]  # each of _params' nnx path
     del params, leaves
     self.layout = kvmem.KVLayout.of(cfg, self.dtype)
+    self.kv_dtype = cfg.kv_row(self.dtype)[1]  # a stored latent row's dtype (uint8 with --kv-cache-dtype fp8_e4m3)
     self.device_kv_budget = args.device_kv_budget(weight_bytes)
     try:
       # One DP group's pools (each group's devices hold its own KV; one group without DP attention).
@@ -406,10 +412,10 @@ class Engine:
     self._logits_buffers = {}
     self._next: _Launched | None = None  # overlap_schedule: the decode step launched ahead of its step()
     self.backend = None  # the old pools go before the new ones are allocated
-    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.dtype, self.mesh, self.groups)
+    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.kv_dtype, self.mesh, self.groups)
                     if self.hisparse is None else
-                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.dtype, self.hisparse, self.host_pool,
-                                          self.mesh, self.groups))
+                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.kv_dtype, self.hisparse,
+                                          self.host_pool, self.mesh, self.groups))
     R = self.backend.request_slots
     self.num_slots = R
     self.waiting: collections.deque[Request] = collections.deque()
@@ -470,11 +476,12 @@ class Engine:
       cfg = self.config
       latent, index = req.prompt_kv
       P = latent.shape[1] if len(latent.shape) == 3 else -1  # the prompt's tokens, or a padded bucket of them
-      want = ((cfg.num_hidden_layers, P, cfg.latent_dim), (cfg.num_hidden_layers, P, cfg.index_head_dim))
+      W, Di = self.layout.latent_dim, self.layout.index_dim  # the stored rows (--kv-cache-dtype)
+      want = ((cfg.num_hidden_layers, P, W), (cfg.num_hidden_layers, P, Di))
       if (tuple(latent.shape), tuple(index.shape)) != want or P < n:
         raise InvalidRequest(f"prompt_kv shapes {tuple(latent.shape)}, {tuple(index.shape)}; expected "
-                             f"({cfg.num_hidden_layers}, P, {cfg.latent_dim}), ({cfg.num_hidden_layers}, P, "
-                             f"{cfg.index_head_dim}) with P >= the {n} prompt tokens (layers, positions, latent / "
+                             f"({cfg.num_hidden_layers}, P, {W}), ({cfg.num_hidden_layers}, P, "
+                             f"{Di}) with P >= the {n} prompt tokens (layers, positions, latent / "
                              "indexer width)")
       if req.first_token is None or not 0 <= req.first_token < V:
         raise InvalidRequest("a request with prompt_kv needs its first generated token (first_token) in the vocabulary")
@@ -795,7 +802,7 @@ class Engine:
 
   def _export_kv(self, req: Request) -> None:
     """A prefill server's output: the request's prompt KV, read from its pages before they are freed, into
-    ``req.prompt_kv`` = (latent dtype[L, P, W], indexer keys float32[L, P, Di]) on one device, P the power of two
+    ``req.prompt_kv`` = (latent T[L, P, W], indexer keys I[L, P, Di]: the stored rows) on one device, P the power of two
     (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt)."""
     n = len(req.prefill_ids)
     size = max(self.page_size, _pow2_at_least(n))
@@ -811,8 +818,8 @@ class Engine:
     kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group writes, the others idle
     tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     latent, index = req.prompt_kv
-    self.backend.state, status = self._import_fn(self.backend.state, tables, self._put(latent, self.dtype),
-                                                 self._put(index, jnp.float32),
+    self.backend.state, status = self._import_fn(self.backend.state, tables, self._put(latent, self.kv_dtype),
+                                                 self._put(index, self.layout.index_dtype),
                                                  self._put(np.int32(len(req.prompt_ids))))
     req.prompt_kv = None  # the arrays are in the pools now
     status = np.asarray(status)  # once per imported prompt (not per step)

@@ -44,35 +44,47 @@ class MemoryConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
-  """Bytes of one token's KV, from the model config (source: models/config.py ``latent_dim``,
-  ``index_head_dim``; the latent row in the KV dtype, indexer keys in float32).
+  """Bytes of one token's KV, from the model config (source: models/config.py ``kv_row`` and ``kv_index_row``:
+  the latent row and the indexer key as the KV cache stores them).
 
   Attributes:
     num_layers: L.
-    latent_dim: W = kv_lora_rank + qk_rope_head_dim.
-    index_dim: Di = index_head_dim.
-    itemsize: bytes per latent element (the KV dtype).
+    latent_dim: W, the stored latent row's width: kv_lora_rank + qk_rope_head_dim values of the compute
+      dtype, or the bytes of an FP8 row (``--kv-cache-dtype fp8_e4m3``: 656 for DeepSeek-V3.2 in bfloat16).
+    index_dim: Di, the stored indexer key's width: index_head_dim float32 values, or the bytes of an FP8 key
+      (132 for Di 128).
+    itemsize: bytes per stored latent element (1 for an FP8 row).
+    index_dtype: the stored indexer key's dtype name ("float32", or "uint8" for FP8 keys).
   """
 
   num_layers: int
   latent_dim: int
   index_dim: int
   itemsize: int
+  index_dtype: str = "float32"
 
   @classmethod
   def of(cls, model_cfg, dtype) -> "KVLayout":
-    return cls(model_cfg.num_hidden_layers, model_cfg.latent_dim, model_cfg.index_head_dim,
-               np.dtype(dtype).itemsize)
+    """The layout of model_cfg (a ``models.config.DSAConfig``, its ``kv_cache_dtype`` included) computing in
+    dtype."""
+    width, stored = model_cfg.kv_row(dtype)
+    index_width, index_stored = model_cfg.kv_index_row()
+    return cls(model_cfg.num_hidden_layers, width, index_width, stored.itemsize, index_stored.name)
+
+  @property
+  def row_bytes(self) -> int:
+    """One token's latent row of one layer: W x itemsize."""
+    return self.latent_dim * self.itemsize
 
   @property
   def latent_bytes(self) -> int:
     """One token's latent rows, all layers: L x W x itemsize."""
-    return self.num_layers * self.latent_dim * self.itemsize
+    return self.num_layers * self.row_bytes
 
   @property
   def index_bytes(self) -> int:
-    """One token's indexer keys, all layers: L x Di x 4."""
-    return self.num_layers * self.index_dim * 4
+    """One token's indexer keys, all layers: L x Di x the key dtype's itemsize."""
+    return self.num_layers * self.index_dim * np.dtype(self.index_dtype).itemsize
 
   def hot_buffer_bytes(self, device_buffer_size: int, eviction: str = "lru") -> int:
     """One request's hot buffer on device: (D + 1) latent rows + slot table and LRU (int32[D] each) +
@@ -411,16 +423,26 @@ class KVBackend(abc.ABC):
     return None
 
 
+def _check_row_dtype(layout: KVLayout, dtype) -> None:
+  if np.dtype(dtype).itemsize != layout.itemsize:
+    raise ValueError(f"KV row dtype {np.dtype(dtype)} has {np.dtype(dtype).itemsize}-byte elements; the layout's "
+                     f"rows have {layout.itemsize} (KVLayout.of and the row dtype must come from one kv_row)")
+
+
 class DenseBackend(KVBackend):
-  """All KV on device: one pool of pages holding latent rows and indexer keys."""
+  """All KV on device: one pool of pages holding latent rows and indexer keys. dtype: the stored latent row's
+  (``DSAConfig.kv_row``: the compute dtype, or uint8 for FP8 rows); ValueError unless its itemsize is the
+  layout's."""
 
   token_pools = ("kv",)
 
   def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, mesh=None, groups: int = 1):
+    _check_row_dtype(layout, dtype)
     super().__init__(plan, layout, groups)
     self.state = DenseState.create(num_layers=layout.num_layers, num_pages=groups * plan.pools["kv"][1],
                                    page_size=plan.page_size, latent_dim=layout.latent_dim,
-                                   index_dim=layout.index_dim, dtype=dtype, mesh=mesh)
+                                   index_dim=layout.index_dim, dtype=dtype, index_dtype=layout.index_dtype,
+                                   mesh=mesh)
 
   def prefill_tables(self, kvs, finishing) -> dict:
     del finishing
@@ -436,6 +458,8 @@ class HiSparseBackend(KVBackend):
   the request is resident).
 
   Args:
+    dtype: the stored latent row's (``DSAConfig.kv_row``: the compute dtype, or uint8 for FP8 rows);
+      ValueError unless its itemsize is the layout's.
     host_pool: "jax" (a ``pinned_host`` JAX array) or "extension" (``ExtensionHostPool``: memory owned by
       the FFI extension, the fallback where XLA cannot hand a ``pinned_host`` operand to a custom call).
   """
@@ -445,6 +469,7 @@ class HiSparseBackend(KVBackend):
 
   def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, hisparse: HiSparseConfig, host_pool: str = "jax",
                mesh=None, groups: int = 1):
+    _check_row_dtype(layout, dtype)
     super().__init__(plan, layout, groups)
     if host_pool not in HOST_POOL_KINDS:
       raise MemoryConfigError(f"--host-pool must be one of {HOST_POOL_KINDS}, got {host_pool!r}")
@@ -461,7 +486,7 @@ class HiSparseBackend(KVBackend):
                           if host_pool == "extension" else None)
     self.state = HiSparseState.create(
         num_layers=layout.num_layers, page_size=plan.page_size, latent_dim=layout.latent_dim,
-        index_dim=layout.index_dim, dtype=dtype, index_pages=plan.pools["index"][1],
+        index_dim=layout.index_dim, dtype=dtype, index_dtype=layout.index_dtype, index_pages=plan.pools["index"][1],
         staging_pages=plan.pools["staging"][1], request_slots=plan.request_slots,
         device_buffer_size=hisparse.device_buffer_size, host_pages=plan.pools["host"][1],
         external_pool=self.external_pool, mesh=mesh, groups=groups, eviction=hisparse.eviction,

@@ -1,14 +1,18 @@
 """KV memory inside jit: the arrays of each mode (states) and the per-batch caches the model calls (views).
 
-    DenseState       kv pages: latent T[L, N, page, W] + indexer keys f32[L, N, page, Di] (device)
+    DenseState       kv pages: latent T[L, N, page, W] + indexer keys I[L, N, page, Di] (device)
       .view(tables)          -> DenseView             (prefill and decode)
-    HiSparseState    indexer-key pages f32[L, Ni, page, Di] (device)
+    HiSparseState    indexer-key pages I[L, Ni, page, Di] (device)
                      staging latent pages T[L, Ns, page, W] (device; a prompt's rows while it prefills, and
                      a resident request's rows while it stays resident: dynamic residency)
                      hot buffers T[L, R, D+1, W] + slot table, LRU, stats (device; one per request slot)
                      host pool T[L, Hp * page, W] (``pinned_host``, or an extension-owned pool)
       .view(tables)          -> HiSparsePrefillView   (tables of a prefill batch)
                              -> HiSparseDecodeView    (tables of a decode batch)
+
+T and I are the stored latent row's and indexer key's dtypes, W and Di their stored widths
+(``models/kv_format.py``: W values of the compute dtype and Di float32, or FP8 rows of uint8 with
+``--kv-cache-dtype fp8_e4m3``); the model encodes and decodes rows, the views only move them.
 
 Views implement ``models.kv_protocol.KVCache`` for one batch: they hold the pool arrays plus that batch's
 page-table rows (int32[B, P], built on the host by ``memory/backend.py``). After the model ran, the state
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 
 from hisparse_jax.config import EVICTIONS, SCORE_EMA_WEIGHT, SCORED_EVICTIONS
 from hisparse_jax.kernels import ops
+from models.kv_format import decode_keys
 from models.kv_protocol import index_scores
 
 
@@ -158,7 +163,7 @@ def _absorb(state, view):
 @_pytree(data=("latent", "index", "pages"), meta=("page_size",))
 @dataclasses.dataclass
 class DenseView:
-  """Dense paged KV of one batch (prefill or decode). latent T[L, N, page, W], index f32[L, N, page, Di]
+  """Dense paged KV of one batch (prefill or decode). latent T[L, N, page, W], index I[L, N, page, Di]
   share page ids; pages int32[B, P] is the batch's page table."""
 
   batch_fields = ("pages",)
@@ -188,17 +193,19 @@ class DenseView:
 @dataclasses.dataclass
 class DenseState:
   """All KV on device, in pages of page_size tokens: latent T[L, N, page, W] and indexer keys
-  f32[L, N, page, Di] (a page holds both for its tokens)."""
+  I[L, N, page, Di] (a page holds both for its tokens)."""
 
   latent: jax.Array
   index: jax.Array
   page_size: int
 
   @classmethod
-  def create(cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype, mesh=None) -> "DenseState":
-    """Zeroed pools on the first device, or on ``mesh`` (``_placement``: num_pages split over the DP groups)."""
+  def create(cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype, index_dtype=jnp.float32,
+             mesh=None) -> "DenseState":
+    """Zeroed pools on the first device, or on ``mesh`` (``_placement``: num_pages split over the DP groups).
+    latent_dim / dtype and index_dim / index_dtype: the stored rows' (``DSAConfig.kv_row`` / ``kv_index_row``)."""
     z = jax.jit(lambda: (jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype),
-                         jnp.zeros((num_layers, num_pages, page_size, index_dim), jnp.float32)),
+                         jnp.zeros((num_layers, num_pages, page_size, index_dim), index_dtype)),
                 out_shardings=_placement(mesh))
     latent, index = z()
     return cls(latent, index, page_size)
@@ -219,7 +226,7 @@ class DenseState:
   @per_group(replicated=(1, 2, 3))
   def import_prompt(self, tables, latent, index, length) -> tuple["DenseState", jax.Array]:
     """(state, status int32[1] per DP group: 0, no kernel runs) after writing one request's prompt KV
-    computed elsewhere: latent T[L, P, W], index f32[L, P, Di] (P >= length:
+    computed elsewhere: latent T[L, P, W], index I[L, P, Di] (P >= length:
     a padded bucket) at positions 0..length-1 (length: an int32 scalar) through its page-table row (tables: a
     one-row-per-group decode batch)."""
     view = self.view(tables)
@@ -231,7 +238,7 @@ class DenseState:
   @per_group(replicated=(1,))
   def export_prompt(self, tables, length, size: int):
     """One request's prompt KV, to hand to another server (a prefill server's output): (latent T[B, L, size,
-    W], index f32[B, L, size, Di]) at positions 0..size-1 of each row's page table (tables: a decode batch;
+    W], index I[B, L, size, Di]) at positions 0..size-1 of each row's page table (tables: a decode batch;
     the request's row), zeros from ``length`` (an int32 scalar) on."""
     pages = tables["pages"]
     return _export(self.latent, self.index, pages, pages, length, size, self.page_size)
@@ -424,7 +431,7 @@ class HiSparseDecodeView:
         raise ValueError(f'eviction "{self.eviction}" needs the indexer queries of layer {layer} (it has no '
                          "indexer)")
       slots = self.slot_tokens[layer][jnp.maximum(req_ids, 0)]  # [B, D] positions, -1 empty
-      keys = gather_rows(self.index, layer, self.index_pages, slots, self.page_size)  # f32[B, D, Di]
+      keys = decode_keys(gather_rows(self.index, layer, self.index_pages, slots, self.page_size))  # float32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
       if self.eviction == "score_ema":
         slot_scores = slot_score_ema(self.score_ema[layer][jnp.maximum(req_ids, 0)], slot_scores)
@@ -499,8 +506,9 @@ class HiSparseState:
   def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
              request_slots, device_buffer_size, host_pages,
              external_pool: ops.ExtensionHostPool | None = None, mesh=None, groups: int = 1,
-             eviction: str = "lru", prefetch_depth: int = 0) -> "HiSparseState":
-    """Zeroed pools. The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
+             eviction: str = "lru", prefetch_depth: int = 0, index_dtype=jnp.float32) -> "HiSparseState":
+    """Zeroed pools (latent_dim / dtype and index_dim / index_dtype: the stored rows', ``DSAConfig.kv_row`` /
+    ``kv_index_row``). The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
     on ``mesh`` (``_placement``; not with external_pool). eviction: the swap-in's policy (``config.EVICTIONS``;
     ValueError otherwise, before anything is allocated); prefetch_depth: the decode views' cross-layer
@@ -532,7 +540,7 @@ class HiSparseState:
 
     def device():
       slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, R, D))
-      arrays = dict(index=jnp.zeros((L, index_pages, page_size, index_dim), jnp.float32),
+      arrays = dict(index=jnp.zeros((L, index_pages, page_size, index_dim), index_dtype),
                     staging=jnp.zeros((L, staging_pages, page_size, latent_dim), dtype),
                     hot=jnp.zeros((L, R, D + 1, latent_dim), dtype), slot_tokens=slots, lru=slots + 0,
                     stats=jnp.zeros((L, R, 2), jnp.int32), prefetched=jnp.zeros((L, R), jnp.int32))
@@ -576,7 +584,7 @@ class HiSparseState:
   @per_group(replicated=(1, 2, 3))
   def import_prompt(self, tables, latent, index, length) -> tuple["HiSparseState", jax.Array]:
     """(state, status int32[1] per DP group: the backup's, ``ops.check_status``) after writing one request's
-    prompt KV computed elsewhere (latent T[L, P, W], index f32[L, P, Di], P >= length
+    prompt KV computed elsewhere (latent T[L, P, W], index I[L, P, Di], P >= length
     (an int32 scalar); positions 0..length-1; tables: a one-row-per-group decode batch): indexer keys to its
     device pages, latent rows to its host rows (backup kernel), and its hot buffer as a prefill leaves it (slot
     s = position s, s <= D; rows past the prompt are written by decode before they are read; LRU and stats
@@ -603,7 +611,7 @@ class HiSparseState:
   @per_group(replicated=(1,))
   def export_prompt(self, tables, length, size: int):
     """One request's prompt KV while it prefills (before its staging pages are freed): (latent T[B, L, size,
-    W] from the staging pages, index f32[B, L, size, Di] from the index pages), zeros from ``length`` on
+    W] from the staging pages, index I[B, L, size, Di] from the index pages), zeros from ``length`` on
     (tables: a prefill batch's)."""
     return _export(self.staging, self.index, tables["staging_pages"], tables["index_pages"], length, size,
                    self.page_size)

@@ -10,9 +10,10 @@
 The decode server stays the client-facing endpoint (Generate / Abort / GetLoads / health). For each request it
 picks a prefill server round-robin (``--prefill-servers``), opens a ``Prefill`` stream and sends the prompt
 with its sampling; the prefill server runs the prompt through its own engine as a one-token request whose KV is
-exported when its prefill ends (``Request.export_kv``), offers [latent dtype[L, P, W], index float32[L, P, Di]]
-(P a power of two >= the prompt) under a random uuid with ``TransferServer.await_pull`` and answers with a
-``PrefillOffer`` (first token, uuid, its transfer address, timings). The decode server pulls the arrays (one
+exported when its prefill ends (``Request.export_kv``), offers [latent T[L, P, W], index I[L, P, Di]] (the
+rows as stored, ``models/kv_format.py``; P a power of two >= the prompt) under a random uuid with
+``TransferServer.await_pull`` and answers with a ``PrefillOffer`` (first token, uuid, its transfer address,
+timings). The decode server pulls the arrays (one
 ``TransferConnection`` per prefill server), acknowledges (``KVReceived``) and submits the request with
 ``prompt_kv`` + ``first_token`` to its engine, which admits it, writes the KV into its pools
 (``state.import_prompt``) and decodes from there: greedy tokens equal the colocated server's. The decode
@@ -121,12 +122,12 @@ class TransferEndpoint:
     return out
 
 
-def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype):
+def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype, index_dtype):
   import jax
   import jax.numpy as jnp
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return (jax.ShapeDtypeStruct((layers, positions, latent_dim), jnp.dtype(dtype), sharding=device),
-          jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.float32, sharding=device))
+          jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device))
 
 
 def _sampling(message) -> dict:
@@ -152,7 +153,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     e = self.engine
     return hisparse_pb2.InfoResponse(
         model_fingerprint=e.model_fingerprint, num_layers=e.config.num_hidden_layers,
-        latent_dim=e.config.latent_dim, index_dim=e.config.index_head_dim, latent_dtype=e.dtype.name,
+        latent_dim=e.layout.latent_dim, index_dim=e.layout.index_dim, latent_dtype=e.kv_dtype.name,
         transfer_address=self.transfer.address, max_seq_len=e.max_seq_len)
 
   async def Info(self, request, context):
@@ -209,7 +210,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
 
   def _take_back(self, uuid: int, latent, index) -> None:
     """Pulls an unclaimed offer from this process itself, which frees it (nothing else does)."""
-    specs = _specs(latent.shape[0], latent.shape[1], latent.shape[2], index.shape[2], latent.dtype)
+    specs = _specs(latent.shape[0], latent.shape[1], latent.shape[2], index.shape[2], latent.dtype, index.dtype)
 
     def pull():
       self.transfer.pull(self.transfer.address, uuid, specs)
@@ -230,9 +231,10 @@ def _metadata(api_key: str | None) -> tuple:
 
 def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
   """ValueError naming ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S
-  and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype, and a context >= this engine's."""
-  layout = (engine.config.num_hidden_layers, engine.config.latent_dim, engine.config.index_head_dim,
-            engine.dtype.name)
+  and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored
+  latent row: --dtype and --kv-cache-dtype), and a context >= this engine's."""
+  layout = (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim,
+            engine.kv_dtype.name)
   for address in servers:
     with grpc.insecure_channel(address) as channel:
       try:
@@ -244,7 +246,8 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
     theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype)
     if info.model_fingerprint != engine.model_fingerprint or theirs != layout:
       raise ValueError(f"--prefill-servers {address}: serves another model or KV layout (layers, latent, index "
-                       f"width, dtype {theirs}; here {layout}); both need the same --model-path and --dtype")
+                       f"width, dtype {theirs}; here {layout}); both need the same --model-path, --dtype and "
+                       "--kv-cache-dtype")
     if info.max_seq_len < engine.max_seq_len:
       raise ValueError(f"--prefill-servers {address}: its --max-seq-len {info.max_seq_len} is below this server's "
                        f"{engine.max_seq_len}")
@@ -264,8 +267,9 @@ class PrefillClient:
     self._stubs: list | None = None  # grpc.aio stubs, made on the server's event loop
     self._next = 0
     self._pulls = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-pull")
-    self.layout = (engine.config.num_hidden_layers, engine.config.latent_dim, engine.config.index_head_dim,
-                   engine.dtype.name)
+    self.layout = (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim,
+                   engine.kv_dtype.name)
+    self.index_dtype = engine.layout.index_dtype  # FP8 keys go with FP8 latent rows (the same --kv-cache-dtype)
 
   def _stub(self, i: int):
     if self._stubs is None:
@@ -314,7 +318,7 @@ class PrefillClient:
       call.cancel()
       raise PrefillFailed(f"offer of {offer.kv_positions} positions in {offer.latent_dtype}; expected >= "
                           f"{len(req.prompt_ids)} in {dtype}")
-    specs = _specs(L, offer.kv_positions, W, Di, dtype)
+    specs = _specs(L, offer.kv_positions, W, Di, dtype, self.index_dtype)
     start = time.monotonic()
     # The pull and its acknowledgement are shielded from the caller's cancellation (an abort): a pull in
     # flight is finished and acknowledged, then dropped.

@@ -53,6 +53,8 @@ from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E40
 
 SKIP = 3  # first decode steps left out of the median (compilation of the batch bucket, warm caches)
 OVERLAP_BLOCK = 4  # consecutive overlapped engine steps per round
+MODES = ("dense", "hisparse", "resident")
+FP8_SUFFIX = "_fp8"  # a mode with --kv-cache-dtype fp8_e4m3 (dense_fp8, hisparse_fp8, resident_fp8)
 
 
 def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> dict:
@@ -71,6 +73,9 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   # Every request fits the device KV budget and every prompt one prefill chunk: the whole batch decodes.
   kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len, overlap_schedule=False,
             max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
+  label = mode
+  if mode.endswith(FP8_SUFFIX):  # the FP8 KV cache: rows encoded on append, decoded on every gather
+    mode, kw["kv_cache_dtype"] = mode[:-len(FP8_SUFFIX)], "fp8_e4m3"
   if mode != "dense":  # the model's HiSparse sizes, with a host pool that holds every request's whole sequence
     hisparse = dict(DEFAULT_HISPARSE_CONFIG)
     hisparse["host_to_device_ratio"] = max(hisparse["host_to_device_ratio"],  # ratio x (D + 1) tokens a slot
@@ -185,7 +190,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   gemm_ms = min(gemm_hv_ms, gemm_vh_ms, gemm_vb_ms)
   compute_ms = flops / (gemm_flops / gemm_ms)
   memory_ms = read_ms  # the weights' bytes at the bare read's bandwidth
-  return dict(batch=B, bucket=batch, mode=mode, step_ms=float(np.median(call)), engine_step_ms=float(np.median(eng)),
+  return dict(batch=B, bucket=batch, mode=label, step_ms=float(np.median(call)), engine_step_ms=float(np.median(eng)),
               steps_timed=len(call), flops=flops,
               step_bytes=step_bytes, weight_bytes=weight_bytes, gemm_ms=gemm_ms, gemm_hv_ms=gemm_hv_ms,
               gemm_vh_ms=gemm_vh_ms, gemm_vb_ms=gemm_vb_ms,
@@ -224,7 +229,8 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=40, help="decode steps per request (the first 3 untimed)")
   ap.add_argument("--modes", default="dense,hisparse,resident",
                   help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
-                       "resident_fraction 0.5, no swap-in while the KV fits)")
+                       "resident_fraction 0.5, no swap-in while the KV fits); each with the suffix _fp8: with "
+                       "--kv-cache-dtype fp8_e4m3 (FP8 latent rows and indexer keys)")
   ap.add_argument("--out", help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
@@ -232,8 +238,9 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   args.out = args.out or default_out("step_floor", args.quick)
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-  if not modes or any(m not in ("dense", "hisparse", "resident") for m in modes):
-    print(f"error: --modes: choose from dense,hisparse,resident, got {args.modes!r}", file=sys.stderr)
+  known = MODES + tuple(m + FP8_SUFFIX for m in MODES)
+  if not modes or any(m not in known for m in modes):
+    print(f"error: --modes: choose from {','.join(known)}, got {args.modes!r}", file=sys.stderr)
     return 2
   if args.prompt_len < 1 or args.steps <= SKIP or args.batches[-1] > 1024:
     print(f"error: need --prompt-len >= 1, --steps > {SKIP}, batches <= 1024", file=sys.stderr)

@@ -42,7 +42,8 @@ only jax and numpy (the lent image has no flax / orbax / network). Steps:
      number of bytes, until --budget seconds from the start.
   6. End to end: hisparse_jax.generate on the embedded default model, dense and
      with HiSparse (the demo's configuration, so rows really miss; --host-pool
-     auto, what a user gets): the greedy tokens must agree.
+     auto, what a user gets), with the default and the FP8 KV cache
+     (--kv-cache-dtype fp8_e4m3): the greedy tokens of each pair must agree.
 
 PASS needs a working host-pool path, every correctness case, both graph-step
 modes of each kind, both prefetch benchmarks and the end-to-end check.
@@ -274,11 +275,14 @@ def sweep(path, platform, quick, deadline=float("inf")) -> list[dict]:
 
 def generate_check(path, platform, out_dir, env, new_tokens=16) -> dict:
   """hisparse_jax.generate on the embedded default model, dense and with HiSparse (--host-pool auto; the demo's
-  configuration: top_k 32, 64 hot slots, so the prompts miss): the greedy tokens must agree. `path` (the first
-  working host-pool path) is recorded with the result."""
+  configuration: top_k 32, 64 hot slots, so the prompts miss), with the default KV cache and with the FP8 one
+  (--kv-cache-dtype fp8_e4m3: uint8 rows through the kernels): the greedy tokens of each pair must agree.
+  `path` (the first working host-pool path) is recorded with the result."""
   outputs, result = {}, {"path": path}
   # --host-pool auto: what a user gets on this platform (on a GPU the extension's pool; see EngineArgs)
-  for mode, extra in (("dense", []), ("hisparse", ["--enable-hisparse", "--host-pool", "auto"])):
+  fp8 = ["--kv-cache-dtype", "fp8_e4m3"]
+  for mode, extra in (("dense", []), ("hisparse", ["--enable-hisparse", "--host-pool", "auto"]), ("dense_fp8", fp8),
+                      ("hisparse_fp8", ["--enable-hisparse", "--host-pool", "auto", *fp8])):
     outputs[mode] = os.path.join(out_dir, f"generate_{mode}.jsonl")
     cmd = [sys.executable, "-m", "hisparse_jax.generate", "--prompts", os.path.join(REPO, "examples", "prompts.jsonl"),
            "--max-new-tokens", str(new_tokens), "--output", outputs[mode], *extra]
@@ -292,9 +296,13 @@ def generate_check(path, platform, out_dir, env, new_tokens=16) -> dict:
     if r.returncode != 0:
       return {**result, "error": f"{mode}: exit {r.returncode}: {r.stderr.strip()[-800:]}"}
   lines = {m: [json.loads(x) for x in open(f)] for m, f in outputs.items()}
-  result["same_tokens"] = [a["output_ids"] == b["output_ids"] for a, b in zip(lines["dense"], lines["hisparse"])]
-  result["misses"] = [b["misses"] for b in lines["hisparse"]]
-  result["ok"] = len(lines["dense"]) == len(lines["hisparse"]) > 0 and all(result["same_tokens"])
+  ok = True
+  for kv in ("", "_fp8"):
+    dense, hisparse = lines["dense" + kv], lines["hisparse" + kv]
+    result["same_tokens" + kv] = [a["output_ids"] == b["output_ids"] for a, b in zip(dense, hisparse)]
+    result["misses" + kv] = [b["misses"] for b in hisparse]
+    ok = ok and len(dense) == len(hisparse) > 0 and all(result["same_tokens" + kv])
+  result["ok"] = ok
   return result
 
 
@@ -474,7 +482,8 @@ def main():
     report["sweep"] = sweep(working[0], args.platform, args.quick, deadline=start + args.budget)
     save("sweep", t0)
     t0 = time.time()
-    print("== 6. end to end: greedy decoding of examples/prompts.jsonl, dense vs HiSparse", flush=True)
+    print("== 6. end to end: greedy decoding of examples/prompts.jsonl, dense vs HiSparse, both KV caches",
+          flush=True)
     report["generate"] = generate_check(working[0], args.platform, os.path.dirname(os.path.abspath(args.out)), env,
                                         4 if args.quick else 16)
     print("  " + json.dumps(report["generate"])[:1500], flush=True)

@@ -49,9 +49,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
   # the JSON is rewritten after each step, each step's time recorded
   assert set(report["section_seconds"]) == {"probes", "correctness", "graph_step", "prefetch", "prefetch_real_layer",
                                             "sweep", "generate", "total"}
-  # end to end: dense and HiSparse greedy tokens agree, and the HiSparse run really missed
+  # end to end: dense and HiSparse greedy tokens agree, and the HiSparse run really missed, with either KV cache
   g = report["generate"]
-  assert g["ok"] and len(g["same_tokens"]) == 3 and all(g["same_tokens"]) and all(m > 0 for m in g["misses"]), g
+  for kv in ("", "_fp8"):
+    assert g["ok"] and len(g["same_tokens" + kv]) == 3 and all(g["same_tokens" + kv]), g
+    assert all(m > 0 for m in g["misses" + kv]), g
 
 
 def test_step_floor_quick(tmp_path):

@@ -167,6 +167,8 @@ def main(argv):
     engine.close(error=message)
     sys.exit(f"error: {message}")
   mode = f"hisparse {engine.hisparse}, host pool: {engine.host_pool}" if engine.hisparse else "dense"
+  if engine.config.kv_cache_dtype != "auto":
+    mode += f", KV cache {engine.config.kv_cache_dtype}"
   if disagg.mode == "prefill":
     mode += "; prefill server"
   elif disagg.mode == "decode":

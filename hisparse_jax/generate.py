@@ -4,10 +4,10 @@ r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs o
       [--max-new-tokens 32] [--dtype float32|bfloat16] [--max-running-requests 64] \
       [--enable-hisparse [--hisparse-config '{"top_k": 32, "device_buffer_size": 64}'] \
       [--host-pool auto|jax|extension]] [--max-seq-len N] [--chunked-prefill-size 2048] \
-      [--page-size 64] [--max-device-kv-bytes N] [--deterministic] \
+      [--page-size 64] [--max-device-kv-bytes N] [--deterministic] [--kv-cache-dtype auto|fp8_e4m3] \
       [--output out.jsonl] [--dump-topk trace.npz]
 
-Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server).
+Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server; ``--helpfull`` lists them).
 
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``"max_new_tokens"``. Output: one line per non-blank input line, in input order, each written (and
@@ -273,6 +273,8 @@ def main(argv):
     print(f"[generate] top-k trace of {len(requests)} requests written to {dump}", file=sys.stderr)
   n_tokens = sum(len(r.output_ids) for _, r in requests)
   mode = f"hisparse, host pool: {engine.host_pool}" if hisparse else "dense"
+  if engine.config.kv_cache_dtype != "auto":
+    mode += f", KV cache {engine.config.kv_cache_dtype}"
   print(f"[generate] {len(requests)} request{'' if len(requests) == 1 else 's'} ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if engine.lockstep is not None:

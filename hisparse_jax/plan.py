@@ -200,7 +200,7 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
 
   Raises:
     MeshError: the mesh does not fit the model (the message names the flag).
-    StartupError: the weights leave no device memory for KV.
+    StartupError: the weights leave no device memory for KV, or the FP8 cache's indexer cannot run the model.
   """
   mesh.validate(model_cfg)
   weight_dtype = weight_dtype or model_cfg.dtype
@@ -220,8 +220,10 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
                          f"{device_memory / GIB:.3g} GiB (try {hint})")
   else:
     budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
-  layout = kvmem.KVLayout.of(model_cfg.replace(kv_cache_dtype=kv_cache_dtype),
-                             model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
+  kv_cfg = model_cfg.replace(kv_cache_dtype=kv_cache_dtype)
+  if kv_cfg.fp8_indexer_error():  # the engine refuses it at start-up
+    raise StartupError(kv_cfg.fp8_indexer_error())
+  layout = kvmem.KVLayout.of(kv_cfg, model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
   host_per_device = int(MAX_HOST_MEMORY_FRACTION * host_memory) // mesh.num_devices
   dense = _dense_plan(layout, budget, context, page_size, mesh.dp_size)
   hs = _hisparse_plan(layout, budget, host_per_device, context, page_size, mesh.dp_size, hisparse)

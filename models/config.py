@@ -374,6 +374,10 @@ class DSAConfig:
     # through load_hf / load_model.
     kv_cache_dtype: str = "auto"
 
+    def __post_init__(self):
+        from .kv_format import check_kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
+
     # ------------------------------------------------------------------ derived
     @property
     def latent_dim(self) -> int:
@@ -385,6 +389,15 @@ class DSAConfig:
         """Whether the indexer and the latent KV run DeepSeek's FP8 numerics: ``fp8_numerics`` (simulated in the
         compute dtype), or an FP8 KV cache (``kv_cache_dtype`` "fp8_e4m3", which stores those values)."""
         return self.fp8_numerics or self.kv_cache_dtype != "auto"
+
+    def fp8_indexer_error(self) -> str | None:
+        """Why this config cannot run the FP8 numerics it asks for (``fp8_active``), or None: DeepSeek's FP8
+        indexer rotates its queries and keys by a Hadamard transform, which needs a power-of-two index_head_dim."""
+        if self.fp8_active and self.index_head_dim & (self.index_head_dim - 1):
+            return ("--fp8-numerics / --kv-cache-dtype fp8_e4m3: DeepSeek's FP8 indexer rotates its queries and keys "
+                    f"by a Hadamard transform, which needs a power-of-two index_head_dim; this model has "
+                    f"{self.index_head_dim}")
+        return None
 
     def kv_index_row(self) -> tuple[int, np.dtype]:
         """(width, storage dtype) of one stored indexer key: (index_head_dim, float32), or (132, uint8) for

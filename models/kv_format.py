@@ -27,6 +27,10 @@ prefill/decode hand-off all hold the same bytes.
   what a HiSparse request holds there. The FP8 format implies the FP8 indexer numerics
   (``DSAConfig.fp8_active``): the model computes exactly what ``--fp8-numerics`` simulates, now stored.
 
+Non-finite values: a block holding inf or NaN gets scale 1 (``quantize_e4m3``'s frexp of a non-finite amax),
+so inf is stored as +-448 and NaN stays NaN, with the block's other values quantized at that scale; exactly
+what ``--fp8-numerics`` computes.
+
 Only whole-byte little-endian hosts are supported (every JAX platform); bytes cross processes and servers
 unchanged (both ends must use the same format: the disaggregation handshake compares row width and dtype).
 """
@@ -83,6 +87,7 @@ def _from_bytes(b: jax.Array, dtype) -> jax.Array:
 def encode(kind: str, latent: jax.Array, kv_lora_rank: int) -> jax.Array:
   """The stored form of latent rows dtype[..., C + dr]: themselves (``auto``) or uint8[..., width] (the module
   docstring's layout)."""
+  check_kv_cache_dtype(kind)
   if kind == "auto":
     return latent
   c, pe = latent[..., :kv_lora_rank], latent[..., kv_lora_rank:]
@@ -91,10 +96,16 @@ def encode(kind: str, latent: jax.Array, kv_lora_rank: int) -> jax.Array:
 
 
 def decode(kind: str, rows: jax.Array, kv_lora_rank: int, dtype) -> jax.Array:
-  """dtype[..., C + dr]: latent rows from their stored form (``encode``'s; all-zero bytes decode to zeros)."""
+  """dtype[..., C + dr]: latent rows from their stored form (``encode``'s; all-zero bytes decode to zeros).
+  Raises ValueError for FP8 rows that are not uint8 or too narrow, or whose RoPE part is not whole dtype values."""
+  check_kv_cache_dtype(kind)
   if kind == "auto":
     return rows.astype(dtype)
   C, nb = kv_lora_rank, -(-kv_lora_rank // BLOCK)
+  rope_bytes = rows.shape[-1] - C - 4 * nb
+  if rows.dtype != jnp.uint8 or rope_bytes < 0 or rope_bytes % np.dtype(dtype).itemsize:
+    raise ValueError(f"FP8 latent rows must be uint8 of {C} + {4 * nb} + (RoPE values x {np.dtype(dtype).itemsize}) "
+                     f"bytes for kv_lora_rank {C}; got {rows.dtype} rows of {rows.shape[-1]}")
   q = _from_bytes(rows[..., :C], jnp.float8_e4m3fn)
   scale = _from_bytes(rows[..., C:C + 4 * nb], jnp.float32)
   pe = _from_bytes(rows[..., C + 4 * nb:], dtype)
@@ -104,6 +115,7 @@ def decode(kind: str, rows: jax.Array, kv_lora_rank: int, dtype) -> jax.Array:
 def encode_keys(kind: str, keys: jax.Array) -> jax.Array:
   """The stored form of indexer keys float32[..., Di]: themselves (``auto``), or uint8[..., Di + 4 nb]: the e4m3
   values, then the block scales (float32)."""
+  check_kv_cache_dtype(kind)
   if kind == "auto":
     return keys
   q, scale = quantize_e4m3(keys)
@@ -113,13 +125,15 @@ def encode_keys(kind: str, keys: jax.Array) -> jax.Array:
 def decode_keys(stored: jax.Array) -> jax.Array:
   """float32[..., Di]: indexer keys from their stored form, told apart by dtype (float32: as they are; uint8:
   ``encode_keys``' FP8 row, whose width Di + 4 ceil(Di / 128) gives Di back: nb = ceil(width / 132)). All-zero
-  bytes decode to zeros."""
+  bytes decode to zeros. Raises TypeError for another dtype, ValueError for a width no Di gives."""
   if stored.dtype == jnp.float32:
     return stored
   if stored.dtype != jnp.uint8:
     raise TypeError(f"stored indexer keys must be float32 or uint8 (FP8 rows), got {stored.dtype}")
   nb = -(-stored.shape[-1] // (BLOCK + 4))
   Di = stored.shape[-1] - 4 * nb
+  if Di < 1 or Di + 4 * -(-Di // BLOCK) != stored.shape[-1]:
+    raise ValueError(f"{stored.shape[-1]} bytes is not the width of an FP8 indexer key (Di + 4 ceil(Di / 128))")
   q = _from_bytes(stored[..., :Di], jnp.float8_e4m3fn)
   scale = _from_bytes(stored[..., Di:], jnp.float32)
   return dequantize_e4m3(q, scale, jnp.float32)

@@ -158,8 +158,11 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
   """A prefill server whose offers never arrive: its Info is right, its PrefillOffer names a uuid its transfer
   server never offers (a pull of it blocks), and it records whether the caller acknowledged."""
 
-  def __init__(self, info, transfer_address):
+  def __init__(self, info, transfer_address, **offer):
     self.info, self.transfer_address, self.acks = info, transfer_address, []
+    # The offer's layout: the Info's unless overridden (a prefill server restarted with other flags).
+    self.offer = {**dict(num_layers=info.num_layers, latent_dim=info.latent_dim, index_dim=info.index_dim,
+                         latent_dtype=info.latent_dtype, numerics=info.numerics), **offer}
 
   def Info(self, request, context):
     return self.info
@@ -168,15 +171,18 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
     first = next(request_iterator)
     n = len(first.request.input_ids.ids)
     yield pb.PrefillOffer(first_token=1, transfer_uuid=12345, transfer_address=self.transfer_address,
-                          kv_positions=max(16, 1 << (n - 1).bit_length()), latent_dtype=self.info.latent_dtype,
-                          prefill_seconds=0.01, kv_bytes=1)
+                          kv_positions=max(16, 1 << (n - 1).bit_length()), prefill_seconds=0.01, kv_bytes=1,
+                          **self.offer)
     for message in request_iterator:
       self.acks.append(message.received.pulled)
 
 
-def test_a_transfer_that_times_out():
-  """A pull that does not finish within --transfer-timeout-s: the request fails with UNAVAILABLE naming the
-  flag, nothing is held, the decode server keeps serving."""
+@pytest.mark.parametrize("case", ["timeout", "other layout"])
+def test_a_transfer_that_times_out(case):
+  """A pull that does not finish within --transfer-timeout-s, or an offer of another KV layout than the start-up
+  check saw (the prefill server restarted with FP8 rows of bfloat16: 68 bytes, not 48 float32; refused before
+  any pull): the request fails with UNAVAILABLE naming the cause, nothing is held, the decode server keeps
+  serving."""
   from hisparse_jax.engine import Engine
   from hisparse_jax.serving.disaggregation import TransferEndpoint
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
@@ -184,7 +190,8 @@ def test_a_transfer_that_times_out():
                          latent_dtype="float32", max_seq_len=256)
   transfer = TransferEndpoint()
   server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-  servicer = _SilentPrefill(info, transfer.address)
+  servicer = _SilentPrefill(info, transfer.address, **({} if case == "timeout" else
+                                                       {"latent_dim": 68, "latent_dtype": "uint8", "numerics": "fp8"}))
   hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
   port = server.add_insecure_port("127.0.0.1:0")
   server.start()
@@ -198,7 +205,11 @@ def test_a_transfer_that_times_out():
     with pytest.raises(grpc.RpcError) as err:
       _generate(stub, PROMPTS[1])
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "the KV transfer took over --transfer-timeout-s 2" in err.value.details(), err.value.details()
+    if case == "timeout":
+      assert "the KV transfer took over --transfer-timeout-s 2" in err.value.details(), err.value.details()
+    else:
+      assert "(3, 68, 16, 'uint8', 'fp8')" in err.value.details() and "(3, 48, 16, 'float32', '')" in \
+          err.value.details() and "--kv-cache-dtype" in err.value.details(), err.value.details()
     assert time.monotonic() - start < 30
     assert _idle(stub)
     assert stub.GetLoads(pb.GetLoadsRequest(), timeout=30).free_lanes == 4
@@ -234,8 +245,11 @@ def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
   # FP8 rows against its float32 rows: 100 + 20 uint8 against 48 + 16 float32 per token and layer.
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
                        "--kv-cache-dtype=fp8_e4m3")
-  assert "serves another model or KV layout" in err and "(3, 48, 16, 'float32')" in err
-  assert "(3, 100, 20, 'uint8')" in err and "--kv-cache-dtype" in err
+  assert "serves another model or KV layout" in err and "(3, 48, 16, 'float32', '')" in err
+  assert "(3, 100, 20, 'uint8', 'fp8')" in err and "--kv-cache-dtype" in err
+  # The same rows computed with other numerics: the KV would not be the one this server computes.
+  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--fp8-numerics")
+  assert "(3, 48, 16, 'float32', '')" in err and "(3, 48, 16, 'float32', 'fp8')" in err and "--fp8-numerics" in err
 
 
 def test_pd_with_fp8_kv_rows():

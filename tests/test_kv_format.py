@@ -78,6 +78,30 @@ def test_key_round_trip_is_the_fake_quantization(Di):
   assert not np.asarray(kv_format.decode_keys(jnp.zeros_like(stored))).any()
   with pytest.raises(TypeError, match="stored indexer keys must be float32 or uint8"):
     kv_format.decode_keys(keys.astype(jnp.bfloat16))
+  for fn, args in ((kv_format.encode_keys, (keys,)), (kv_format.encode, (keys, 8)),
+                   (kv_format.decode, (stored, 8, jnp.float32))):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3; got 'fp8'"):
+      fn("fp8", *args)
+
+
+def test_rows_of_the_wrong_width_are_refused():
+  for width in (4, 133, 136, 266):  # no Di gives these (Di 128 -> 132 bytes, 129 -> 137; 256 -> 264, 257 -> 269)
+    with pytest.raises(ValueError, match=f"{width} bytes is not the width of an FP8 indexer key"):
+      kv_format.decode_keys(jnp.zeros((2, width), jnp.uint8))
+  assert [w for w in range(1, 300) if _valid_key_width(w)] == [kv_format.index_spec("fp8_e4m3", d)[0]
+                                                              for d in range(1, 300) if d + 4 * -(-d // 128) < 300]
+  with pytest.raises(ValueError, match="FP8 latent rows must be uint8 of 32 \\+ 4 \\+ \\(RoPE values x 4\\) bytes"):
+    kv_format.decode("fp8_e4m3", jnp.zeros((2, 38), jnp.uint8), 32, jnp.float32)  # 2 RoPE bytes: half a float32
+  with pytest.raises(ValueError, match="got float32 rows of 48"):
+    kv_format.decode("fp8_e4m3", jnp.zeros((2, 48), jnp.float32), 32, jnp.float32)
+
+
+def _valid_key_width(width):
+  try:
+    kv_format.decode_keys(jnp.zeros((1, width), jnp.uint8))
+    return True
+  except ValueError:
+    return False
 
 
 def test_encoding_a_fake_quantized_row_again_changes_nothing():

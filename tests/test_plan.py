@@ -125,6 +125,20 @@ def test_dense_and_hisparse_capacity_by_hand(dsv32, kv_cache_dtype, row_bytes, k
   assert p.capacity_ratio >= 2
 
 
+def test_fp8_kv_cache_needs_a_power_of_two_key_width(dsv32):
+  """The planner refuses what the engine refuses at start-up: the FP8 indexer's Hadamard rotation of a key
+  width that is not a power of two (the auto cache plans it)."""
+  c, params = dsv32
+  odd = c.replace(index_head_dim=96)
+  kw = dict(device_memory=141 * GIB, host_memory=2048 * GIB, context=8192, hisparse=HiSparseConfig(**P.SGLANG_HISPARSE),
+            weight_dtype="fp8", params=params)
+  with pytest.raises(P.StartupError, match="needs a power-of-two index_head_dim; this model has 96"):
+    P.capacity(odd, MeshConfig(8, 1, 8), kv_cache_dtype="fp8_e4m3", **kw)
+  assert P.capacity(odd, MeshConfig(8, 1, 8), **kw).hisparse.requests > 0
+  with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3; got 'fp8'"):
+    c.replace(kv_cache_dtype="fp8")
+
+
 def test_host_memory_limits_hisparse(dsv32):
   c, params = dsv32
   hs = HiSparseConfig(**P.SGLANG_HISPARSE)

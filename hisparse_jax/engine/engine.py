@@ -213,10 +213,8 @@ class Engine:
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
       raise StartupError(f"--model-path {model_dir!r}: cannot load the model: {type(e).__name__}: {e}") from None
     cfg = self.config
-    if cfg.fp8_active and cfg.index_head_dim & (cfg.index_head_dim - 1):
-      raise StartupError(f"--fp8-numerics / --kv-cache-dtype fp8_e4m3: DeepSeek's FP8 indexer rotates its queries "
-                         f"and keys by a Hadamard transform, which needs a power-of-two index_head_dim; "
-                         f"{model_dir} has {cfg.index_head_dim}")
+    if cfg.fp8_indexer_error():
+      raise StartupError(f"{cfg.fp8_indexer_error()} ({model_dir})")
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
     if self.mesh is not None:

@@ -51,7 +51,7 @@ class KVReceived(_message.Message):
     def __init__(self, pulled: _Optional[bool] = ...) -> None: ...
 
 class PrefillOffer(_message.Message):
-    __slots__ = ("first_token", "transfer_uuid", "transfer_address", "kv_positions", "latent_dtype", "prefill_seconds", "kv_bytes")
+    __slots__ = ("first_token", "transfer_uuid", "transfer_address", "kv_positions", "latent_dtype", "prefill_seconds", "kv_bytes", "num_layers", "latent_dim", "index_dim", "numerics")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_UUID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,10 @@ class PrefillOffer(_message.Message):
     LATENT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     transfer_uuid: int
     transfer_address: str
@@ -66,14 +70,18 @@ class PrefillOffer(_message.Message):
     latent_dtype: str
     prefill_seconds: float
     kv_bytes: int
-    def __init__(self, first_token: _Optional[int] = ..., transfer_uuid: _Optional[int] = ..., transfer_address: _Optional[str] = ..., kv_positions: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    latent_dim: int
+    index_dim: int
+    numerics: str
+    def __init__(self, first_token: _Optional[int] = ..., transfer_uuid: _Optional[int] = ..., transfer_address: _Optional[str] = ..., kv_positions: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "num_layers", "latent_dim", "index_dim", "latent_dtype", "transfer_address", "max_seq_len")
+    __slots__ = ("model_fingerprint", "num_layers", "latent_dim", "index_dim", "latent_dtype", "transfer_address", "max_seq_len", "numerics")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +89,7 @@ class InfoResponse(_message.Message):
     LATENT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     num_layers: int
     latent_dim: int
@@ -88,7 +97,8 @@ class InfoResponse(_message.Message):
     latent_dtype: str
     transfer_address: str
     max_seq_len: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+    numerics: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -130,6 +130,11 @@ def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype, 
           jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device))
 
 
+def _numerics(engine) -> str:
+  """The numerics a server's KV is computed with, as InfoResponse.numerics says it: "fp8" or ""."""
+  return "fp8" if engine.config.fp8_active else ""
+
+
 def _sampling(message) -> dict:
   top_p = message.top_p if message.HasField("top_p") else 1.0
   return dict(temperature=message.temperature, top_k=message.top_k, top_p=top_p,
@@ -154,6 +159,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     return hisparse_pb2.InfoResponse(
         model_fingerprint=e.model_fingerprint, num_layers=e.config.num_hidden_layers,
         latent_dim=e.layout.latent_dim, index_dim=e.layout.index_dim, latent_dtype=e.kv_dtype.name,
+        numerics=_numerics(e),
         transfer_address=self.transfer.address, max_seq_len=e.max_seq_len)
 
   async def Info(self, request, context):
@@ -198,7 +204,8 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
           first_token=fin.output_ids[0], transfer_uuid=uuid, transfer_address=self.transfer.address,
           kv_positions=latent.shape[1], latent_dtype=latent.dtype.name,
           prefill_seconds=(fin.first_token_time or time.monotonic()) - arrival,
-          kv_bytes=latent.nbytes + index.nbytes))
+          kv_bytes=latent.nbytes + index.nbytes, num_layers=latent.shape[0], latent_dim=latent.shape[2],
+          index_dim=index.shape[2], numerics=_numerics(self.engine)))
       reply = await asyncio.wait_for(context.read(), self.timeout_s)
       acknowledged = (isinstance(reply, hisparse_pb2.PrefillMessage) and reply.WhichOneof("message") == "received"
                       and reply.received.pulled)
@@ -234,7 +241,7 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
   and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored
   latent row: --dtype and --kv-cache-dtype), and a context >= this engine's."""
   layout = (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim,
-            engine.kv_dtype.name)
+            engine.kv_dtype.name, _numerics(engine))
   for address in servers:
     with grpc.insecure_channel(address) as channel:
       try:
@@ -243,11 +250,11 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
       except grpc.RpcError as e:
         raise ValueError(f"--prefill-servers {address}: no prefill server answered ({e.code().name}: "
                          f"{e.details()}); start it with --disaggregation-mode prefill") from None
-    theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype)
+    theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype, info.numerics)
     if info.model_fingerprint != engine.model_fingerprint or theirs != layout:
-      raise ValueError(f"--prefill-servers {address}: serves another model or KV layout (layers, latent, index "
-                       f"width, dtype {theirs}; here {layout}); both need the same --model-path, --dtype and "
-                       "--kv-cache-dtype")
+      raise ValueError(f"--prefill-servers {address}: serves another model or KV layout (layers, latent row and "
+                       f"indexer key widths in elements of the row dtype, row dtype, numerics: {theirs}; here "
+                       f"{layout}); both need the same --model-path, --dtype, --kv-cache-dtype and --fp8-numerics")
     if info.max_seq_len < engine.max_seq_len:
       raise ValueError(f"--prefill-servers {address}: its --max-seq-len {info.max_seq_len} is below this server's "
                        f"{engine.max_seq_len}")
@@ -270,6 +277,7 @@ class PrefillClient:
     self.layout = (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim,
                    engine.kv_dtype.name)
     self.index_dtype = engine.layout.index_dtype  # FP8 keys go with FP8 latent rows (the same --kv-cache-dtype)
+    self.numerics = _numerics(engine)
 
   def _stub(self, i: int):
     if self._stubs is None:
@@ -314,10 +322,13 @@ class PrefillClient:
     if offer is grpc.aio.EOF:
       raise PrefillFailed("the stream ended without an offer")
     L, W, Di, dtype = self.layout
-    if offer.latent_dtype != dtype or offer.kv_positions < len(req.prompt_ids):
-      call.cancel()
-      raise PrefillFailed(f"offer of {offer.kv_positions} positions in {offer.latent_dtype}; expected >= "
-                          f"{len(req.prompt_ids)} in {dtype}")
+    theirs = (offer.num_layers, offer.latent_dim, offer.index_dim, offer.latent_dtype, offer.numerics)
+    if theirs != (*self.layout, self.numerics) or offer.kv_positions < len(req.prompt_ids):
+      call.cancel()  # nothing pulled: the prefill server takes its offer back
+      raise PrefillFailed(f"offer of {offer.kv_positions} positions of layout {theirs} (layers, latent row and "
+                          f"indexer key widths, row dtype, numerics); expected >= {len(req.prompt_ids)} of "
+                          f"{(*self.layout, self.numerics)}: did it restart with another --dtype, --kv-cache-dtype "
+                          "or --fp8-numerics?")
     specs = _specs(L, offer.kv_positions, W, Di, dtype, self.index_dtype)
     start = time.monotonic()
     # The pull and its acknowledgement are shielded from the caller's cancellation (an abort): a pull in

@@ -221,8 +221,8 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
   else:
     budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
   kv_cfg = model_cfg.replace(kv_cache_dtype=kv_cache_dtype)
-  if kv_cfg.fp8_indexer_error():  # the engine refuses it at start-up
-    raise StartupError(kv_cfg.fp8_indexer_error())
+  if (fp8_error := kv_cfg.fp8_indexer_error()) is not None:  # the engine refuses it at start-up
+    raise StartupError(fp8_error)
   layout = kvmem.KVLayout.of(kv_cfg, model_cfg.dtype if weight_dtype == "fp8" else weight_dtype)
   host_per_device = int(MAX_HOST_MEMORY_FRACTION * host_memory) // mesh.num_devices
   dense = _dense_plan(layout, budget, context, page_size, mesh.dp_size)

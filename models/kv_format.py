@@ -86,7 +86,7 @@ def _from_bytes(b: jax.Array, dtype) -> jax.Array:
 
 def encode(kind: str, latent: jax.Array, kv_lora_rank: int) -> jax.Array:
   """The stored form of latent rows dtype[..., C + dr]: themselves (``auto``) or uint8[..., width] (the module
-  docstring's layout)."""
+  docstring's layout). Raises ValueError for an unknown kind."""
   check_kv_cache_dtype(kind)
   if kind == "auto":
     return latent
@@ -97,7 +97,8 @@ def encode(kind: str, latent: jax.Array, kv_lora_rank: int) -> jax.Array:
 
 def decode(kind: str, rows: jax.Array, kv_lora_rank: int, dtype) -> jax.Array:
   """dtype[..., C + dr]: latent rows from their stored form (``encode``'s; all-zero bytes decode to zeros).
-  Raises ValueError for FP8 rows that are not uint8 or too narrow, or whose RoPE part is not whole dtype values."""
+  Raises ValueError for an unknown kind, or FP8 rows that are not uint8 or too narrow, or whose RoPE part is not
+  whole dtype values."""
   check_kv_cache_dtype(kind)
   if kind == "auto":
     return rows.astype(dtype)
@@ -114,7 +115,7 @@ def decode(kind: str, rows: jax.Array, kv_lora_rank: int, dtype) -> jax.Array:
 
 def encode_keys(kind: str, keys: jax.Array) -> jax.Array:
   """The stored form of indexer keys float32[..., Di]: themselves (``auto``), or uint8[..., Di + 4 nb]: the e4m3
-  values, then the block scales (float32)."""
+  values, then the block scales (float32). Raises ValueError for an unknown kind."""
   check_kv_cache_dtype(kind)
   if kind == "auto":
     return keys

@@ -213,8 +213,8 @@ class Engine:
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
       raise StartupError(f"--model-path {model_dir!r}: cannot load the model: {type(e).__name__}: {e}") from None
     cfg = self.config
-    if cfg.fp8_indexer_error():
-      raise StartupError(f"{cfg.fp8_indexer_error()} ({model_dir})")
+    if (fp8_error := cfg.fp8_indexer_error()) is not None:
+      raise StartupError(f"{fp8_error} ({model_dir})")
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
     if self.mesh is not None:
@@ -800,8 +800,8 @@ class Engine:
 
   def _export_kv(self, req: Request) -> None:
     """A prefill server's output: the request's prompt KV, read from its pages before they are freed, into
-    ``req.prompt_kv`` = (latent T[L, P, W], indexer keys I[L, P, Di]: the stored rows) on one device, P the power of two
-    (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt)."""
+    ``req.prompt_kv`` = (latent T[L, P, W], indexer keys I[L, P, Di]: the stored rows) on one device, P the power
+    of two (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt)."""
     n = len(req.prefill_ids)
     size = max(self.page_size, _pow2_at_least(n))
     kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group reads, the others idle

@@ -84,7 +84,8 @@ class Request:
     arrival / first_token_time / finish_time: time.monotonic() stamps.
     prompt_kv: the prompt's KV computed elsewhere (a prefill server), (latent T[L, P, W], indexer keys
       I[L, P, Di]: the rows as its KV cache stores them, ``models/kv_format.py``) for positions 0..P-1 (P >=
-      the prompt's tokens: a padded bucket; rows past the prompt are ignored), with its first generated token given as first_token: the engine writes them into its pools
+      the prompt's tokens: a padded bucket; rows past the prompt are ignored), with its first generated token
+      given as first_token: the engine writes them into its pools
       instead of prefilling, and continues decoding from there. With export_kv (a prefill server's request) the
       engine sets it instead, from its own pools, when the prompt's prefill ends.
     prefill_seconds / transfer_seconds / transfer_bytes: with prefill/decode disaggregation, the prefill

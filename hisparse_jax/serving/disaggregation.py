@@ -130,9 +130,11 @@ def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype, 
           jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device))
 
 
-def _numerics(engine) -> str:
-  """The numerics a server's KV is computed with, as InfoResponse.numerics says it: "fp8" or ""."""
-  return "fp8" if engine.config.fp8_active else ""
+def _kv_layout(engine) -> tuple[int, int, int, str, str]:
+  """A server's KV as InfoResponse and PrefillOffer describe it: (layers, stored latent row width, stored indexer
+  key width, row dtype name, numerics: "fp8" or "")."""
+  return (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim, engine.kv_dtype.name,
+          "fp8" if engine.config.fp8_active else "")
 
 
 def _sampling(message) -> dict:
@@ -156,10 +158,10 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
 
   def info(self) -> hisparse_pb2.InfoResponse:
     e = self.engine
+    L, W, Di, dtype, numerics = _kv_layout(e)
     return hisparse_pb2.InfoResponse(
-        model_fingerprint=e.model_fingerprint, num_layers=e.config.num_hidden_layers,
-        latent_dim=e.layout.latent_dim, index_dim=e.layout.index_dim, latent_dtype=e.kv_dtype.name,
-        numerics=_numerics(e),
+        model_fingerprint=e.model_fingerprint, num_layers=L, latent_dim=W, index_dim=Di, latent_dtype=dtype,
+        numerics=numerics,
         transfer_address=self.transfer.address, max_seq_len=e.max_seq_len)
 
   async def Info(self, request, context):
@@ -205,7 +207,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
           kv_positions=latent.shape[1], latent_dtype=latent.dtype.name,
           prefill_seconds=(fin.first_token_time or time.monotonic()) - arrival,
           kv_bytes=latent.nbytes + index.nbytes, num_layers=latent.shape[0], latent_dim=latent.shape[2],
-          index_dim=index.shape[2], numerics=_numerics(self.engine)))
+          index_dim=index.shape[2], numerics=_kv_layout(self.engine)[4]))
       reply = await asyncio.wait_for(context.read(), self.timeout_s)
       acknowledged = (isinstance(reply, hisparse_pb2.PrefillMessage) and reply.WhichOneof("message") == "received"
                       and reply.received.pulled)
@@ -240,8 +242,7 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
   """ValueError naming ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S
   and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored
   latent row: --dtype and --kv-cache-dtype), and a context >= this engine's."""
-  layout = (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim,
-            engine.kv_dtype.name, _numerics(engine))
+  layout = _kv_layout(engine)
   for address in servers:
     with grpc.insecure_channel(address) as channel:
       try:
@@ -274,10 +275,8 @@ class PrefillClient:
     self._stubs: list | None = None  # grpc.aio stubs, made on the server's event loop
     self._next = 0
     self._pulls = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-pull")
-    self.layout = (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim,
-                   engine.kv_dtype.name)
+    self.layout = _kv_layout(engine)
     self.index_dtype = engine.layout.index_dtype  # FP8 keys go with FP8 latent rows (the same --kv-cache-dtype)
-    self.numerics = _numerics(engine)
 
   def _stub(self, i: int):
     if self._stubs is None:
@@ -321,13 +320,13 @@ class PrefillClient:
       raise PrefillFailed(f"{e.code().name}: {e.details()}") from None
     if offer is grpc.aio.EOF:
       raise PrefillFailed("the stream ended without an offer")
-    L, W, Di, dtype = self.layout
+    L, W, Di, dtype, _ = self.layout
     theirs = (offer.num_layers, offer.latent_dim, offer.index_dim, offer.latent_dtype, offer.numerics)
-    if theirs != (*self.layout, self.numerics) or offer.kv_positions < len(req.prompt_ids):
+    if theirs != self.layout or offer.kv_positions < len(req.prompt_ids):
       call.cancel()  # nothing pulled: the prefill server takes its offer back
       raise PrefillFailed(f"offer of {offer.kv_positions} positions of layout {theirs} (layers, latent row and "
                           f"indexer key widths, row dtype, numerics); expected >= {len(req.prompt_ids)} of "
-                          f"{(*self.layout, self.numerics)}: did it restart with another --dtype, --kv-cache-dtype "
+                          f"{self.layout}: did it restart with another --dtype, --kv-cache-dtype "
                           "or --fp8-numerics?")
     specs = _specs(L, offer.kv_positions, W, Di, dtype, self.index_dtype)
     start = time.monotonic()

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,10 +94,10 @@ def main() -> None:
 
   from models.random_checkpoint import write_random_checkpoint
   from tests.multiprocess import launch, wait_all
-  from tests.tiny_model import tiny_config
+  from tests.tiny_model import scratch_dir, tiny_config
   t0 = time.perf_counter()
   config = tiny_config(**(QUICK if args.quick else MODEL))
-  model_dir = write_random_checkpoint(os.path.join(tempfile.mkdtemp(prefix="hisparse-load-"), "ckpt"), config, seed=1)
+  model_dir = write_random_checkpoint(os.path.join(scratch_dir("hisparse-load-"), "ckpt"), config, seed=1)
   size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
   meshes = [tuple(int(v) for v in m.split(",")) for m in args.meshes.split(":")][:1 if args.quick else None]
   rows = []

@@ -73,7 +73,7 @@ def quantize_e4m3(x: jax.Array, block: int = BLOCK, scale_fmt: str | None = "ue8
   elif scale_fmt is not None:
     raise ValueError(f"unsupported scale_fmt {scale_fmt!r} (only 'ue8m0' or None)")
   q = jnp.clip(xb / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-  q = q.reshape(*q.shape[:-2], -1)[..., :n]
+  q = q.reshape(*q.shape[:-2], q.shape[-2] * block)[..., :n]  # not -1: zero-row arrays have no inferable axis
   return q, scale[..., 0]
 
 
@@ -81,7 +81,7 @@ def dequantize_e4m3(q: jax.Array, scale: jax.Array, dtype, block: int = BLOCK) -
   """dtype[..., n]: q float8_e4m3fn[..., n] times its block's scale float32[..., ceil(n / block)] (the product
   in float32, then cast): the inverse of ``quantize_e4m3`` up to its rounding."""
   qb, n = _blocks(q.astype(jnp.float32), block)
-  return (qb * scale[..., None]).reshape(*qb.shape[:-2], -1)[..., :n].astype(dtype)
+  return (qb * scale[..., None]).reshape(*qb.shape[:-2], qb.shape[-2] * block)[..., :n].astype(dtype)
 
 
 def fake_quant_e4m3(x: jax.Array, block: int = BLOCK, scale_fmt: str | None = "ue8m0") -> jax.Array:

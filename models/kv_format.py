@@ -73,7 +73,7 @@ def index_spec(kind: str, index_dim: int) -> tuple[int, np.dtype]:
 def _bytes(x: jax.Array) -> jax.Array:
   """uint8[..., n * itemsize]: x's bytes, element by element."""
   b = jax.lax.bitcast_convert_type(x, jnp.uint8)
-  return b if b.ndim == x.ndim else b.reshape(*x.shape[:-1], -1)
+  return b if b.ndim == x.ndim else b.reshape(*x.shape[:-1], b.shape[-2] * b.shape[-1])
 
 
 def _from_bytes(b: jax.Array, dtype) -> jax.Array:

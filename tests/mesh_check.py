@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 
 from tests.xla_env import with_devices
 
@@ -30,6 +29,7 @@ from models.loader import load_hf  # noqa: E402
 from models.random_checkpoint import write_random_checkpoint  # noqa: E402
 from tests.kv_harness import KVHarness  # noqa: E402
 from tests.oracle.tiny_configs import TINY_CONFIG, TINY_GLM_CONFIG  # noqa: E402
+from tests.tiny_model import scratch_dir  # noqa: E402
 
 WIDE = {"num_attention_heads": 8, "num_key_value_heads": 8}
 MODELS = {"deepseek_v32": {**TINY_CONFIG, **WIDE},
@@ -104,7 +104,7 @@ def loading_check(model_dir, mesh_cfg):
   mesh = mesh_cfg.make_mesh()
   _, one = load_model(model_dir)
   want = dict(jax.tree_util.tree_flatten_with_path(nnx.state(one))[0])
-  orbax_dir = os.path.join(tempfile.mkdtemp(prefix="hisparse-orbax-"), "ckpt")
+  orbax_dir = os.path.join(scratch_dir("hisparse-orbax-"), "ckpt")
   convert(model_dir, orbax_dir, None)
   out = {}
   for name, path in (("hf", model_dir), ("orbax", orbax_dir)):
@@ -133,7 +133,7 @@ def fp8_check(meshes):
   from hisparse_jax.sharding import placer
   from models.convert import load_model
   from tests.test_fp8_checkpoint import DSV32, write_fp8_pair
-  fp8_dir, _, _ = write_fp8_pair(pathlib.Path(tempfile.mkdtemp(prefix="hisparse-fp8-")), {**DSV32, **FP8_CONFIG},
+  fp8_dir, _, _ = write_fp8_pair(pathlib.Path(scratch_dir("hisparse-fp8-")), {**DSV32, **FP8_CONFIG},
                                  seed=3)
 
   def run(mesh_cfg, resident):
@@ -208,7 +208,7 @@ def sharding_path(p):
 
 def main(meshes):
   out = {}
-  root = tempfile.mkdtemp(prefix="hisparse-mesh-")
+  root = scratch_dir("hisparse-mesh-")
   for name, config in MODELS.items():
     model_dir = write_random_checkpoint(os.path.join(root, name), config, seed=3)
     base = {hs: run(model_dir, MeshConfig(), HS if hs else None) for hs in (False, True)}

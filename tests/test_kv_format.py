@@ -84,6 +84,17 @@ def test_key_round_trip_is_the_fake_quantization(Di):
       fn("fp8", *args)
 
 
+@pytest.mark.parametrize("shape", [(0, 80), (2, 0, 80)])
+def test_no_rows_encode_to_no_rows(shape):
+  # An empty chunk (no tokens) is a shape, not an error: encode and decode keep its leading axes.
+  x = jnp.zeros(shape, jnp.float32)
+  stored = kv_format.encode("fp8_e4m3", x, 64)
+  assert stored.shape == (*shape[:-1], kv_format.row_spec("fp8_e4m3", 64, 16, np.float32)[0])
+  assert kv_format.decode("fp8_e4m3", stored, 64, jnp.float32).shape == shape
+  keys = kv_format.encode_keys("fp8_e4m3", jnp.zeros((*shape[:-1], 16), jnp.float32))
+  assert keys.shape == (*shape[:-1], 20) and kv_format.decode_keys(keys).shape == (*shape[:-1], 16)
+
+
 def test_rows_of_the_wrong_width_are_refused():
   for width in (4, 133, 136, 266):  # no Di gives these (Di 128 -> 132 bytes, 129 -> 137; 256 -> 264, 257 -> 269)
     with pytest.raises(ValueError, match=f"{width} bytes is not the width of an FP8 indexer key"):
@@ -154,18 +165,28 @@ def test_layout_bytes_and_backend_checks():
   cfg, _ = load_hf(tiny_model_dir(), kv_cache_dtype="fp8_e4m3")
   fp8 = kvmem.KVLayout.of(cfg, np.float32)
   plain = kvmem.KVLayout.of(cfg.replace(kv_cache_dtype="auto"), np.float32)
-  assert (fp8.latent_dim, fp8.itemsize, fp8.row_bytes) == (100, 1, 100)
+  assert (fp8.latent_dim, fp8.dtype, fp8.itemsize, fp8.row_bytes) == (100, "uint8", 1, 100)
   assert (fp8.index_dim, fp8.index_dtype, fp8.index_bytes) == (20, "uint8", cfg.num_hidden_layers * 20)
   assert plain.row_bytes == cfg.latent_dim * 4 and plain.latent_bytes == cfg.num_hidden_layers * plain.row_bytes
   assert (plain.index_dim, plain.index_dtype, plain.index_bytes) == (16, "float32", cfg.num_hidden_layers * 64)
   plan = kvmem.plan(fp8, budget=1 << 22, max_running_requests=2, max_seq_len=64, page_size=16, hisparse=None)
-  with pytest.raises(ValueError, match="KV row dtype float32 has 4-byte elements; the layout's rows have 1"):
+  with pytest.raises(ValueError, match="KV row dtype float32 is not the layout's uint8"):
     kvmem.DenseBackend(plan, fp8, np.float32)
+  # Same itemsize, other dtype: rows of bfloat16 are not FP8 bytes reinterpreted, nor float16 bfloat16.
+  bf16 = kvmem.KVLayout.of(cfg.replace(kv_cache_dtype="auto"), jnp.bfloat16)
+  with pytest.raises(ValueError, match="KV row dtype float16 is not the layout's bfloat16"):
+    kvmem.DenseBackend(kvmem.plan(bf16, budget=1 << 22, max_running_requests=2, max_seq_len=64, page_size=16,
+                                  hisparse=None), bf16, np.float16)
 
 
 def test_bad_kv_cache_dtype_is_a_startup_error(tmp_path):
   with pytest.raises(StartupError, match="--kv-cache-dtype 'fp8': expected one of auto, fp8_e4m3"):
     EngineArgs(kv_cache_dtype="fp8").validate()
+  # The FP8 cache stores FP8 values: an explicit --nofp8-numerics beside it is a contradiction, not overridden.
+  with pytest.raises(StartupError, match="--nofp8-numerics contradicts --kv-cache-dtype fp8_e4m3"):
+    EngineArgs(kv_cache_dtype="fp8_e4m3", fp8_numerics=False).validate()
+  EngineArgs(kv_cache_dtype="fp8_e4m3").validate()  # no flag: the cache implies the numerics
+  EngineArgs(kv_cache_dtype="fp8_e4m3", fp8_numerics=True).validate()
   with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
     load_hf(tiny_model_dir(), kv_cache_dtype="e5m2")
   # The FP8 indexer's Hadamard rotation needs a power-of-two key width: refused at start-up, not at the first

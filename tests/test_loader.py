@@ -103,6 +103,7 @@ def test_both_rope_forms_parse_identically():
         ({"q_lora_rank": None}, "q_lora_rank"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"qk_rope_head_dim": 15}, "'qk_rope_head_dim' must be even"),
     ],
 )
 def test_unsupported_config_raises_naming_it(change, needle):

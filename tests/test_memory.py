@@ -7,7 +7,7 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.memory.allocator import FreeList, OutOfPages
 
-LAYOUT = kvmem.KVLayout(num_layers=3, latent_dim=48, index_dim=16, itemsize=4)  # the tiny test model, fp32
+LAYOUT = kvmem.KVLayout(num_layers=3, latent_dim=48, index_dim=16, dtype="float32")  # the tiny test model
 
 
 def test_free_list_alloc_free_and_errors():

@@ -1,5 +1,6 @@
 """A tiny fp32 DeepSeek-V3.2-architecture checkpoint for fast tests (written once per session)."""
 
+import atexit
 import functools
 import os
 import shutil
@@ -10,6 +11,14 @@ from models.random_checkpoint import default_model_config, write_random_checkpoi
 TINY_TOP_K = 8
 # Hot buffer of 16 slots: prompts of 20+ tokens exceed it and exercise real misses.
 TINY_HISPARSE = {"top_k": TINY_TOP_K, "device_buffer_size": 16, "host_to_device_ratio": 4}
+
+
+def scratch_dir(prefix: str) -> str:
+  """A new temporary directory, removed when this process exits (checkpoints written for a run must not pile
+  up in /tmp run after run: a tiny checkpoint is ~1 MB, an FP8 pair 45 MB)."""
+  path = tempfile.mkdtemp(prefix=prefix)
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  return path
 
 
 def tiny_config(**overrides) -> dict:
@@ -27,7 +36,7 @@ def tiny_config(**overrides) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def tiny_model_dir(seed: int = 7) -> str:
-  path = os.path.join(tempfile.mkdtemp(prefix="hisparse-tiny-"), f"seed{seed}")
+  path = os.path.join(scratch_dir("hisparse-tiny-"), f"seed{seed}")
   return write_random_checkpoint(path, tiny_config(), seed=seed)
 
 
@@ -49,6 +58,6 @@ def tiny_model_with_tokenizer(dest) -> str:
 @functools.lru_cache(maxsize=None)
 def tiny_wide_model_dir(seed: int = 7) -> str:
   """The tiny model with 8 attention heads and 8 routed experts: every mesh of up to 8 devices divides it."""
-  path = os.path.join(tempfile.mkdtemp(prefix="hisparse-tiny-wide-"), f"seed{seed}")
+  path = os.path.join(scratch_dir("hisparse-tiny-wide-"), f"seed{seed}")
   return write_random_checkpoint(path, tiny_config(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8),
                                  seed=seed)

@@ -82,7 +82,9 @@ class EngineArgs:
       request that ends on a stop token, a stop string or an error computes one more token, dropped (its
       HiSparse hit / miss counts include that step); a request whose prefill ends joins the decode one step
       later; the next token's page is taken a step earlier.
-    fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``).
+    fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``). None (no flag): on
+      with kv_cache_dtype "fp8_e4m3", off with "auto"; False with "fp8_e4m3" is a StartupError (that cache
+      stores FP8 values, so it cannot run without them).
     kv_cache_dtype: how the KV cache (dense pages, HiSparse's hot buffers, host pool, staging and indexer-key
       pages, and the prompt KV a prefill server hands over) stores a token (``models/kv_format.py``): "auto"
       (latent rows in the compute dtype, indexer keys in float32) or "fp8_e4m3" (DeepSeek-V3.2's FP8 KV
@@ -117,7 +119,7 @@ class EngineArgs:
   max_prompt_bytes: int = 0
   deterministic: bool = False
   overlap_schedule: bool = True
-  fp8_numerics: bool = False
+  fp8_numerics: bool | None = None
   kv_cache_dtype: str = "auto"
   dp_size: int = 1
   tp_size: int = 1
@@ -153,7 +155,7 @@ class EngineArgs:
       "overlap_schedule": "Launch each decode step before the previous step's tokens are read (fed on the "
                           "device), overlapping token delivery and scheduling with the device's compute.",
       "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
-                      "latent KV cache (fake-quantized).",
+                      "latent KV cache (fake-quantized). Default: on with --kv-cache-dtype fp8_e4m3, else off.",
       "kv_cache_dtype": "How the KV cache stores a token: auto (latent in the compute dtype, indexer keys in "
                         "float32) or fp8_e4m3 (DeepSeek-V3.2's FP8 KV cache: 656-byte latent rows, 132-byte "
                         "indexer keys; implies --fp8-numerics, whose values it stores).",
@@ -233,6 +235,10 @@ class EngineArgs:
                          "multiple of it)")
     if self.kv_cache_dtype not in KV_CACHE_DTYPES:
       raise StartupError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if self.fp8_numerics is False and self.kv_cache_dtype != "auto":
+      raise StartupError(f"--nofp8-numerics contradicts --kv-cache-dtype {self.kv_cache_dtype}: that cache stores "
+                         "DeepSeek's FP8 values, so it always runs the FP8 numerics; drop --nofp8-numerics, or use "
+                         "--kv-cache-dtype auto")
     if self.weight_dtype not in WEIGHT_DTYPES:
       raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected fp8 (or no flag: dequantize at load)")
     if mesh.num_devices > 1 and self.host_pool in HOST_POOL_KINDS[1:]:

@@ -204,7 +204,7 @@ class Engine:
       raise StartupError(f"--weight-dtype fp8: {model_dir} is not an FP8 block-quantized checkpoint (its config.json "
                          "has no quantization_config)")
     try:
-      self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=args.fp8_numerics,
+      self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=bool(args.fp8_numerics),
                                       kv_cache_dtype=args.kv_cache_dtype,
                                       sharding=None if self.mesh is None else placer(self.mesh_config, self.mesh),
                                       fp8_weights=args.weight_dtype == "fp8")

@@ -53,14 +53,14 @@ class KVLayout:
       dtype, or the bytes of an FP8 row (``--kv-cache-dtype fp8_e4m3``: 656 for DeepSeek-V3.2 in bfloat16).
     index_dim: Di, the stored indexer key's width: index_head_dim float32 values, or the bytes of an FP8 key
       (132 for Di 128).
-    itemsize: bytes per stored latent element (1 for an FP8 row).
+    dtype: the stored latent row's dtype name (the compute dtype's, or "uint8" for an FP8 row).
     index_dtype: the stored indexer key's dtype name ("float32", or "uint8" for FP8 keys).
   """
 
   num_layers: int
   latent_dim: int
   index_dim: int
-  itemsize: int
+  dtype: str
   index_dtype: str = "float32"
 
   @classmethod
@@ -69,7 +69,12 @@ class KVLayout:
     dtype."""
     width, stored = model_cfg.kv_row(dtype)
     index_width, index_stored = model_cfg.kv_index_row()
-    return cls(model_cfg.num_hidden_layers, width, index_width, stored.itemsize, index_stored.name)
+    return cls(model_cfg.num_hidden_layers, width, index_width, stored.name, index_stored.name)
+
+  @property
+  def itemsize(self) -> int:
+    """Bytes per stored latent element (1 for an FP8 row)."""
+    return np.dtype(self.dtype).itemsize
 
   @property
   def row_bytes(self) -> int:
@@ -424,15 +429,15 @@ class KVBackend(abc.ABC):
 
 
 def _check_row_dtype(layout: KVLayout, dtype) -> None:
-  if np.dtype(dtype).itemsize != layout.itemsize:
-    raise ValueError(f"KV row dtype {np.dtype(dtype)} has {np.dtype(dtype).itemsize}-byte elements; the layout's "
-                     f"rows have {layout.itemsize} (KVLayout.of and the row dtype must come from one kv_row)")
+  if np.dtype(dtype) != np.dtype(layout.dtype):
+    raise ValueError(f"KV row dtype {np.dtype(dtype)} is not the layout's {layout.dtype} (KVLayout.of and the row "
+                     "dtype must come from one kv_row)")
 
 
 class DenseBackend(KVBackend):
   """All KV on device: one pool of pages holding latent rows and indexer keys. dtype: the stored latent row's
-  (``DSAConfig.kv_row``: the compute dtype, or uint8 for FP8 rows); ValueError unless its itemsize is the
-  layout's."""
+  (``DSAConfig.kv_row``: the compute dtype, or uint8 for FP8 rows); ValueError unless it is the layout's
+  ``dtype``."""
 
   token_pools = ("kv",)
 
@@ -459,7 +464,7 @@ class HiSparseBackend(KVBackend):
 
   Args:
     dtype: the stored latent row's (``DSAConfig.kv_row``: the compute dtype, or uint8 for FP8 rows);
-      ValueError unless its itemsize is the layout's.
+      ValueError unless it is the layout's ``dtype``.
     host_pool: "jax" (a ``pinned_host`` JAX array) or "extension" (``ExtensionHostPool``: memory owned by
       the FFI extension, the fallback where XLA cannot hand a ``pinned_host`` operand to a custom call).
   """

@@ -167,8 +167,7 @@ def main(argv):
     engine.close(error=message)
     sys.exit(f"error: {message}")
   mode = f"hisparse {engine.hisparse}, host pool: {engine.host_pool}" if engine.hisparse else "dense"
-  if engine.config.kv_cache_dtype != "auto":
-    mode += f", KV cache {engine.config.kv_cache_dtype}"
+  mode += engine.numerics_label()
   if disagg.mode == "prefill":
     mode += "; prefill server"
   elif disagg.mode == "decode":

@@ -273,8 +273,7 @@ def main(argv):
     print(f"[generate] top-k trace of {len(requests)} requests written to {dump}", file=sys.stderr)
   n_tokens = sum(len(r.output_ids) for _, r in requests)
   mode = f"hisparse, host pool: {engine.host_pool}" if hisparse else "dense"
-  if engine.config.kv_cache_dtype != "auto":
-    mode += f", KV cache {engine.config.kv_cache_dtype}"
+  mode += engine.numerics_label()
   print(f"[generate] {len(requests)} request{'' if len(requests) == 1 else 's'} ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if engine.lockstep is not None:

@@ -47,7 +47,7 @@ from models.kv_format import KV_CACHE_DTYPES
 GIB = 1 << 30
 # SGLang's published HiSparse setting (the defaults of --hisparse-config here).
 SGLANG_HISPARSE = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
-WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "fp8")
+WEIGHT_DTYPES = ("bfloat16", "float32", "fp8")  # the engine's compute dtypes (engine.args.DTYPES) and fp8
 FP8_BLOCK = 128
 
 
@@ -93,7 +93,7 @@ class ModePlan:
     requests: requests_per_group x dp.
     limited_by: what stops one more request: "device KV budget", "host memory", "hot buffers".
     max_running_requests / host_to_device_ratio: engine settings that admit that many (HiSparse: the ratio
-      that sizes the host pool for them).
+      that sizes the host pool for them); max_running_requests 0 where not even one request fits.
     host_pool_bytes: the host pool those settings allocate per device (0: dense).
   """
 
@@ -187,8 +187,8 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
   best_n, best_R = max(candidates, key=lambda c: (c[0], -c[1])) if candidates else (0, 0)
   pool = admitted(best_R)[2] if best_n else 0
   why = admitted(best_R + 1)[1] if best_n else admitted(1)[1]
-  return ModePlan("hisparse", per_request["device"], per_request["host"], best_n, best_n * dp, why, best_R,
-                  ratio, pool)
+  return ModePlan("hisparse", per_request["device"], per_request["host"], best_n, best_n * dp, why,
+                  best_R if best_n else 0, ratio, pool)
 
 
 def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host_memory: int, context: int,
@@ -200,9 +200,19 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
 
   Raises:
     MeshError: the mesh does not fit the model (the message names the flag).
-    StartupError: the weights leave no device memory for KV, or the FP8 cache's indexer cannot run the model.
+    StartupError: the weights leave no device memory for KV, the FP8 cache's indexer cannot run the model, the
+      context exceeds the model's max_position_embeddings, or page_size is not a power of two (the engine
+      refuses both at start-up).
   """
   mesh.validate(model_cfg)
+  if not 1 <= context <= model_cfg.max_position_embeddings:
+    raise StartupError(f"--context {context}: must be in [1, {model_cfg.max_position_embeddings}] (the model's "
+                       "max_position_embeddings)")
+  if page_size < 1 or page_size & (page_size - 1):
+    raise StartupError(f"--page-size must be a power of two, got {page_size}")
+  if weight_dtype is None and model_cfg.dtype not in WEIGHT_DTYPES:
+    raise StartupError(f"the config's dtype {model_cfg.dtype} is not a compute dtype (the engine refuses it without "
+                       "--dtype); pass --weight-dtype bfloat16, float32 or fp8")
   weight_dtype = weight_dtype or model_cfg.dtype
   if weight_dtype not in WEIGHT_DTYPES:
     raise StartupError(f"--weight-dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
@@ -255,9 +265,12 @@ def format_plan(p: CapacityPlan) -> str:
                  f"{mp.requests_per_group:>16,}{mp.requests:>10,}  {mp.limited_by}")
   hs = p.hisparse
   ratio = "n/a (dense admits none)" if p.capacity_ratio is None else f"{p.capacity_ratio:.2f}x"
-  lines += ["", f"HiSparse / dense requests: {ratio}",
-            f"HiSparse settings: --max-running-requests {hs.max_running_requests} (per dp group), "
-            f"host_to_device_ratio {hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)"]
+  lines += ["", f"HiSparse / dense requests: {ratio}"]
+  if hs.requests:
+    lines.append(f"HiSparse settings: --max-running-requests {hs.max_running_requests} (per dp group), "
+                 f"host_to_device_ratio {hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)")
+  else:
+    lines.append(f"HiSparse settings: none; no HiSparse request of {p.context:,} tokens fits ({hs.limited_by})")
   return "\n".join(lines)
 
 
@@ -273,8 +286,6 @@ def main(argv) -> None:
   devices = F("devices")
   if devices < 1:
     sys.exit(f"--devices must be >= 1, got {devices}")
-  if F("page-size") < 1:
-    sys.exit(f"--page-size must be >= 1, got {F('page-size')}")
   frac = F("mem-fraction-static")
   if frac is not None and not 0 < frac <= 1:
     sys.exit(f"--mem-fraction-static must be in (0, 1], got {frac}")
@@ -324,7 +335,7 @@ def define_flags() -> None:
   flags.DEFINE_enum("weight-dtype", None, list(WEIGHT_DTYPES), "Weight storage (default: the config's dtype).")
   flags.DEFINE_enum("kv-cache-dtype", "auto", list(KV_CACHE_DTYPES), "How the KV cache stores a token: auto "
                     "(latent in the compute dtype, keys in float32) or fp8_e4m3 (DeepSeek-V3.2's FP8 rows).")
-  flags.DEFINE_integer("page-size", 64, "Tokens per KV page.")
+  flags.DEFINE_integer("page-size", 64, "Tokens per KV page (a power of two).")
   flags.DEFINE_float("mem-fraction-static", None, "Device memory fraction for weights + KV (default: "
                      f"{DEFAULT_MEM_FRACTION} of what the weights leave).")
   flags.DEFINE_boolean("json", False, "Print the plan as JSON.")

@@ -185,3 +185,21 @@ def test_residency_benchmark_quick(tmp_path):
   for mode in ("dense", "hisparse", "resident"):
     assert row[f"{mode}_ms"] > 0
   assert 0 < row["resident_over_dense_iqr"][0] <= row["resident_over_dense"] <= row["resident_over_dense_iqr"][1]
+
+
+def test_kv_dtype_benchmark_quick(tmp_path):
+  out = tmp_path / "kvd"
+  r = subprocess.run([sys.executable, "benchmarks/kv_dtype.py", "--quick", "--out", str(out)], cwd=REPO,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  (row,) = json.loads((tmp_path / "kvd.json").read_text())["rows"]
+  assert (row["batch"], row["context"], row["dtype"]) == (1, 4096, "float32")
+  # DeepSeek-V3.2's real widths in float32: a 576-value latent row against 512 e4m3 + 4 scales + 64 float32
+  # RoPE values; a 128-value key against 128 e4m3 + 1 scale.
+  assert (row["auto"]["row_bytes"], row["auto"]["key_bytes"]) == (2304, 512)
+  assert (row["fp8_e4m3"]["row_bytes"], row["fp8_e4m3"]["key_bytes"]) == (784, 132)
+  for kind in ("auto", "fp8_e4m3"):
+    assert row[kind]["step_ms"] > 0 and row[kind]["gather_ms"] > 0 and row[kind]["rows_ms"] > 0
+  assert row["auto"]["keys_ms"] == 0 and row["fp8_e4m3"]["keys_ms"] > 0
+  assert row["ratio"] == row["fp8_e4m3"]["step_ms"] / row["auto"]["step_ms"]
+  assert "| 1 | 4096 | float32 |" in (tmp_path / "kvd.md").read_text()

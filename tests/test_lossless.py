@@ -17,6 +17,7 @@ from hisparse_jax.engine import Engine, Request
 from hisparse_jax.serving.metrics import ServerMetrics
 from models.kv_protocol import ContiguousKVCache
 from models.loader import load_hf
+from models.random_checkpoint import write_random_checkpoint
 from tests.kv_harness import KVHarness
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
 from tests.xla_env import optimized
@@ -84,6 +85,7 @@ from hisparse_jax.config import HiSparseConfig
 from models.loader import load_hf
 from tests.kv_harness import KVHarness
 from tests.test_lossless import prompts
+from models.random_checkpoint import write_random_checkpoint
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
 cfg, model = load_hf(tiny_model_dir())
 dense, hs = KVHarness(cfg, model), KVHarness(cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE))
@@ -223,6 +225,22 @@ def test_greedy_tokens_equal_and_independent_of_batching(engines):
   for e in engines:
     assert all(p["pages_free"] == p["pages_total"] for p in e.loads()["pools"])
     assert e.loads()["free_lanes"] == e.num_slots
+
+
+def test_a_float16_checkpoint_needs_a_compute_dtype(tmp_path):
+  """float16 is not a compute dtype (engine.args.DTYPES says why): a float16 checkpoint is refused before its
+  weights load unless --dtype names one, and with --dtype bfloat16 HiSparse gives dense's tokens."""
+  from hisparse_jax.engine.args import StartupError
+  from tests.tiny_model import tiny_config
+  d = write_random_checkpoint(str(tmp_path / "f16"), tiny_config(dtype="float16"), seed=0)
+  with pytest.raises(StartupError, match="the checkpoint's dtype float16 is not a compute dtype .* pass --dtype"):
+    Engine(d, max_seq_len=S_MAX)
+  common = dict(dtype="bfloat16", max_running_requests=4, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64,
+                deterministic=True)
+  ps = prompts(8)[:3]
+  got = run(Engine(d, hisparse=HiSparseConfig(**TINY_HISPARSE), **common), ps)
+  assert [r.output_ids for r in got] == [r.output_ids for r in run(Engine(d, **common), ps)]
+  assert sum(r.misses for r in got) > 0
 
 
 def test_extension_owned_host_pool_gives_the_same_tokens(engines):

@@ -152,6 +152,27 @@ def test_host_memory_limits_hisparse(dsv32):
   assert p.hisparse.limited_by == "host memory"
 
 
+def test_nothing_fits_recommends_no_settings(dsv32):
+  """Host memory for no HiSparse request: the plan admits none and recommends no --max-running-requests (a
+  setting that admits nobody is no recommendation)."""
+  c, params = dsv32
+  p = P.capacity(c, MeshConfig(8, 1, 8), device_memory=141 * GIB, host_memory=GIB // 1000, context=32768,
+                 hisparse=HiSparseConfig(**P.SGLANG_HISPARSE), weight_dtype="fp8", params=params)
+  assert (p.hisparse.requests, p.hisparse.max_running_requests, p.hisparse.limited_by) == (0, 0, "host memory")
+  assert p.dense.requests > 0
+  assert "HiSparse settings: none; no HiSparse request of 32,768 tokens fits (host memory)" in P.format_plan(p)
+
+
+def test_a_float16_config_needs_a_weight_dtype(dsv32):
+  """The engine refuses a float16 checkpoint without --dtype; the planner refuses to size it without --weight-dtype."""
+  c, params = dsv32
+  kw = dict(device_memory=141 * GIB, host_memory=2048 * GIB, context=8192, hisparse=HiSparseConfig(**P.SGLANG_HISPARSE),
+            params=params)
+  with pytest.raises(P.StartupError, match="the config's dtype float16 is not a compute dtype"):
+    P.capacity(c.replace(dtype="float16"), MeshConfig(8, 1, 8), **kw)
+  assert P.capacity(c.replace(dtype="float16"), MeshConfig(8, 1, 8), weight_dtype="fp8", **kw).hisparse.requests > 0
+
+
 def test_rule_table_replicates_the_indexer_and_latent_projections():
   for path in ("layers/0/self_attn/indexer/wq_b/kernel", "layers/0/self_attn/indexer/wk/kernel",
                "layers/0/self_attn/kv_a_proj_with_mqa/kernel", "layers/0/self_attn/q_a_proj/kernel",
@@ -200,9 +221,12 @@ def test_cli_json_and_text():
     (["--tp-size=3"], "--tp-size 3 does not divide --devices 8"),
     (["--ep-size=5"], "--ep-size 5"),
     (["--weight-dtype=bfloat16"], "more than --device-memory"),
+    (["--weight-dtype=float16"], "--weight-dtype=float16: value should be one of <bfloat16|float32|fp8>"),
     (["--context=0"], "--context must be a finite number > 0"),
     (["--device-memory=inf"], "--device-memory must be a finite number > 0"),
-    (["--page-size=0"], "--page-size must be >= 1"),
+    (["--page-size=0"], "--page-size must be a power of two, got 0"),
+    (["--page-size=3"], "--page-size must be a power of two, got 3"),
+    (["--context=163841"], "--context 163841: must be in [1, 163840] (the model's max_position_embeddings)"),
     (["--mem-fraction-static=1.5"], "--mem-fraction-static must be in (0, 1]"),
     (["--devices=0"], "--devices must be >= 1"),
     (["--hisparse-config={\"top_k\": 7}"], "--hisparse-config"),

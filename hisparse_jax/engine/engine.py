@@ -56,7 +56,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hisparse_jax import distributed
 from hisparse_jax.config import ConfigError, HiSparseConfig
-from hisparse_jax.engine.args import DEFAULT_PROMPT_BYTES_PER_TOKEN, EngineArgs, StartupError, check_host_memory
+from hisparse_jax.engine.args import (DEFAULT_PROMPT_BYTES_PER_TOKEN, DTYPES, EngineArgs, StartupError,
+                                     check_host_memory)
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
 from hisparse_jax.engine.sampling import sample
@@ -200,6 +201,9 @@ class Engine:
     self._pending_ops: list = []      # leader: submits and aborts since the last step message
     self._pending_arrays: list = []
     self.mesh = self.mesh_config.make_mesh() if self.mesh_config.num_devices > 1 else None
+    if args.dtype is None and model_cfg.dtype not in DTYPES:  # before any weight is read
+      raise StartupError(f"--model-path {model_dir!r}: the checkpoint's dtype {model_cfg.dtype} is not a compute dtype "
+                         f"(one of {', '.join(DTYPES)}); pass --dtype bfloat16 or --dtype float32")
     if args.weight_dtype == "fp8" and model_cfg.fp8_block_size is None:
       raise StartupError(f"--weight-dtype fp8: {model_dir} is not an FP8 block-quantized checkpoint (its config.json "
                          "has no quantization_config)")
@@ -537,6 +541,13 @@ class Engine:
         self._publish()
         return req
     return None
+
+  def numerics_label(self) -> str:
+    """How this engine stores and computes the KV, for the start-up and summary lines: ", KV cache fp8_e4m3"
+    (stored FP8, which implies the FP8 numerics), ", FP8 numerics" (simulated in the auto cache), or ""."""
+    if self.config.kv_cache_dtype != "auto":
+      return f", KV cache {self.config.kv_cache_dtype}"
+    return ", FP8 numerics" if self.config.fp8_numerics else ""
 
   def loads(self) -> dict:
     """Current load: requests, free request slots, and each KV pool's pages and bytes (call on the engine's

@@ -1,27 +1,28 @@
 r"""What the FP8 KV cache (``--kv-cache-dtype fp8_e4m3``) costs a decode step at DeepSeek-V3.2's real attention size.
 
-  python benchmarks/kv_dtype.py [--quick] [--batches 1,8] [--contexts 8192,32768] [--dtype float32] \
-      [--steps 8] [--out benchmarks/results/kv_dtype]
+  python benchmarks/kv_dtype.py [--quick] [--batches 1,8,32] [--contexts 8192,32768] [--dtype float32] \
+      [--steps 12] [--out benchmarks/results/kv_dtype]
 
 One decoder layer with DeepSeek-V3.2's attention and lightning indexer (``tests/data/deepseek_v32_config.json``:
 hidden 7168, 128 heads, kv_lora_rank 512, RoPE 64, indexer 64 heads x 128, top_k 2048), its MLP and vocabulary
 shrunk to 256 and 1024 (they never touch the KV cache), random weights. Each of B requests decodes one token
-at position S - 1 against S - 1 earlier tokens held in a ``ContiguousKVCache`` (random latent rows and
-indexer keys, stored as the format stores them: 2,304 / 512 bytes per row / key in float32 with ``auto``,
-784 / 132 with ``fp8_e4m3``; rows of 1,152 and 656 bytes in bfloat16). The indexer scores all S keys, the attention reads
-the 2,048 top-k rows: what a step of a real model does per layer, without the other 60 layers.
+at position S - 1 against S - 1 earlier tokens held in the engine's dense paged KV (``DenseState``: pages of
+64 tokens, each request's scattered over the pool; random latent rows and indexer keys, stored as the
+format stores them: 2,304 / 512 bytes per row / key in float32 with ``auto``, 784 / 132 with ``fp8_e4m3``;
+rows of 1,152 and 656 bytes in bfloat16). The indexer scores all S keys, the attention reads the 2,048 top-k
+rows: what a step of a real model does per layer, without the other 60 layers.
 
 For each format, in the same process with the same weights and tokens (``--steps`` rounds after 2 untimed,
 the formats' calls alternating within a round; medians):
   step_ms     the jitted decode step (``model.decode`` with the engine's indexer blocks)
-  gather_ms   gathering the B x 2048 top-k rows alone, as stored
-  rows_ms     gathering and decoding them (``kv_format.decode``): the attention's reads of an FP8 row
-  keys_ms     decoding the B x S stored keys (``kv_format.decode_keys``; float32 keys are used as they are)
+  gather_ms   gathering the B x 2048 top-k rows alone, as stored (``DenseView.gather``)
+  rows_ms     gathering and decoding them to the compute dtype (``kv_format.decode``; a cast for auto)
+  keys_ms     reading the B x S stored keys and decoding them to float32 (``DenseView.index_keys``,
+              ``kv_format.decode_keys``; float32 keys are read as they are)
   ratio       the FP8 step / the auto step
 
-The ratio answers what the FP8 row and key decoding cost where they are the most work: on this CPU, where
-compute (not memory traffic) bounds the step, the FP8 cache can only cost; on a GPU the attention of a
-decode step is bound by reading its rows, which the FP8 format shrinks 1.76x (bfloat16).
+The FP8 rows and keys cost arithmetic to decode and save bytes to read; the ratio says which wins at each
+size on this machine (a GPU's FP8 MLA kernel decodes in its loads, and its decode step is bound by reading).
 
 Writes OUT.json and OUT.md.
 """
@@ -58,6 +59,13 @@ def layer_config(dtype: str, kv_cache_dtype: str):
   return DSAConfig.from_hf_config(cfg).replace(kv_cache_dtype=kv_cache_dtype)
 
 
+def _decode(graphdef, state, cache, tables, tokens, positions, blocks):
+  """(logits, the cache with the decoded token's rows appended): one ``model.decode`` over the dense view."""
+  from flax import nnx
+  logits, view = nnx.merge(graphdef, state).decode(tokens, positions, cache.view(tables), **blocks)
+  return logits, cache.absorb(view)
+
+
 def measure(batch: int, context: int, dtype: str, steps: int) -> dict:
   """One (B, S) point, both formats: the module docstring's numbers. The formats' calls alternate within each
   round (auto, fp8, auto, ...), so a slow spell of this shared host hits both alike."""
@@ -69,14 +77,17 @@ def measure(batch: int, context: int, dtype: str, steps: int) -> dict:
   from hisparse_jax.engine.engine import index_blocks
   from models import kv_format
   from models.deepseek_v32 import DeepseekV32ForCausalLM
-  from models.kv_protocol import ContiguousKVCache
+  from hisparse_jax.memory.views import DenseState
 
   B, S = batch, context
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 1024, B), jnp.int32)
   positions = jnp.full((B,), S - 1, jnp.int32)
-  latent = rng.standard_normal((1, B, S, 576), np.float32)
-  keys = rng.standard_normal((1, B, S, 128), np.float32)
+  n_pages = B * S // PAGE
+  latent = rng.standard_normal((1, n_pages, PAGE, 576), np.float32)
+  keys = rng.standard_normal((1, n_pages, PAGE, 128), np.float32)
+  # Each request's pages scattered over the pool, as a serving engine's free list leaves them.
+  tables = {"pages": jnp.asarray(rng.permutation(n_pages).reshape(B, S // PAGE), jnp.int32)}
   top_k = jnp.asarray(np.sort(rng.permuted(np.tile(np.arange(S - 1), (B, 1)), axis=1)[:, :2048], axis=1)[:, None],
                       jnp.int32)  # int32[B, 1, K]: distinct earlier positions
   state = None  # one set of weights: the formats' models differ only in how their caches store a row
@@ -86,20 +97,30 @@ def measure(batch: int, context: int, dtype: str, steps: int) -> dict:
     graphdef, own = nnx.split(DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     state = own if state is None else state
     del own
-    cache = ContiguousKVCache(kv_format.encode(kind, jnp.asarray(latent, cfg.dtype), 512),
-                              kv_format.encode_keys(kind, jnp.asarray(keys)))
+    cache = DenseState(kv_format.encode(kind, jnp.asarray(latent, cfg.dtype), 512),
+                       kv_format.encode_keys(kind, jnp.asarray(keys)), PAGE)
     blocks = index_blocks(B, 1, S - 1, heads=cfg.index_n_heads, top_k=cfg.index_topk, page_size=PAGE)
-    step = jax.jit(lambda st, c, g=graphdef, b=blocks: nnx.merge(g, st).decode(tokens, positions, c, **b)[0])
-    gather = jax.jit(lambda c: c.gather(0, positions[:, None], top_k)[0])
-    rows = jax.jit(lambda c, k=kind, d=cfg.dtype: kv_format.decode(k, c.gather(0, positions[:, None], top_k)[0],
-                                                                  512, d))
-    decoded_keys = jax.jit(lambda c: kv_format.decode_keys(c.index_key[0]))
-    calls[kind] = {"step_ms": lambda f=step, c=cache: f(state, c), "gather_ms": lambda f=gather, c=cache: f(c),
-                   "rows_ms": lambda f=rows, c=cache: f(c)}
-    if kind != "auto":  # float32 keys are scored as they are stored
-      calls[kind]["keys_ms"] = lambda f=decoded_keys, c=cache: f(c)
-    out[kind] = {"row_bytes": int(cache.latent.shape[-1] * cache.latent.dtype.itemsize),
-                 "key_bytes": int(cache.index_key.shape[-1] * cache.index_key.dtype.itemsize), "keys_ms": 0.0}
+    # The cache donated and carried from call to call, as the engine does (else XLA copies the whole pool
+    # for the token each call appends: 2.4 GB of float32 rows at B 32, S 32768).
+    step = jax.jit(lambda st, c, g=graphdef, b=blocks: _decode(g, st, c, tables, tokens, positions, b),
+                   donate_argnums=1)
+    gather = jax.jit(lambda c: c.view(tables).gather(0, positions[:, None], top_k)[0])
+    rows = jax.jit(lambda c, k=kind, d=cfg.dtype: kv_format.decode(
+        k, c.view(tables).gather(0, positions[:, None], top_k)[0], 512, d))
+    decoded_keys = jax.jit(lambda c: kv_format.decode_keys(c.view(tables).index_keys(0, jnp.int32(0), S)))
+    held = {"cache": cache}
+    del cache
+
+    def decode_call(f=step, held=held):
+      logits, held["cache"] = f(state, held["cache"])
+      return logits
+
+    calls[kind] = {"step_ms": decode_call, "gather_ms": lambda f=gather, h=held: f(h["cache"]),
+                   "rows_ms": lambda f=rows, h=held: f(h["cache"]),
+                   "keys_ms": lambda f=decoded_keys, h=held: f(h["cache"])}
+    out[kind] = {"row_bytes": int(held["cache"].latent.shape[-1] * held["cache"].latent.dtype.itemsize),
+                 "key_bytes": int(held["cache"].index.shape[-1] * held["cache"].index.dtype.itemsize)}
+  del latent, keys  # the host copies (2.9 GB at B 32, S 32768)
   times = {(kind, name): [] for kind in FORMATS for name in calls[kind]}
   for r in range(WARMUP + steps):
     for (kind, name), got in times.items():
@@ -114,25 +135,26 @@ def measure(batch: int, context: int, dtype: str, steps: int) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-  head = ("| B | S | dtype | auto step ms | fp8 step ms | fp8 / auto | fp8 rows: gather / + decode ms | "
-          "fp8 keys decode ms | auto rows: gather / + cast ms |\n|---|---|---|---|---|---|---|---|---|\n")
-  body = "".join(
-      f"| {r['batch']} | {r['context']} | {r['dtype']} | {r['auto']['step_ms']:.1f} | {r['fp8_e4m3']['step_ms']:.1f} "
-      f"| **{r['ratio']:.2f}×** | {r['fp8_e4m3']['gather_ms']:.2f} / {r['fp8_e4m3']['rows_ms']:.2f} | "
-      f"{r['fp8_e4m3']['keys_ms']:.2f} | {r['auto']['gather_ms']:.2f} / {r['auto']['rows_ms']:.2f} |\n"
-      for r in rows)
+  head = ("| B | S | dtype | step ms: auto / fp8 | fp8 / auto | top-k rows gathered ms: auto / fp8 | "
+          "+ decoded ms: auto / fp8 | S keys read + decoded ms: auto / fp8 |\n|---|---|---|---|---|---|---|---|\n")
+
+  def pair(r, key):
+    return f"{r['auto'][key]:.1f} / {r['fp8_e4m3'][key]:.1f}"
+
+  body = "".join(f"| {r['batch']} | {r['context']} | {r['dtype']} | {pair(r, 'step_ms')} | **{r['ratio']:.2f}×** | "
+                 f"{pair(r, 'gather_ms')} | {pair(r, 'rows_ms')} | {pair(r, 'keys_ms')} |\n" for r in rows)
   return head + body
 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="one small point (batch 1, context 4096, 3 steps)")
-  p.add_argument("--batches", type=positive_ints, default=[1, 8])
+  p.add_argument("--batches", type=positive_ints, default=[1, 8, 32])
   p.add_argument("--contexts", type=positive_ints, default=[8192, 32768],
                  help="tokens per request (each > top_k 2048)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (float32: XLA:CPU's fast path)")
-  p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--steps", type=int, default=12)
   p.add_argument("--out", help=OUT_HELP)
   args = p.parse_args(argv)
   if args.quick:

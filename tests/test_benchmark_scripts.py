@@ -199,7 +199,6 @@ def test_kv_dtype_benchmark_quick(tmp_path):
   assert (row["auto"]["row_bytes"], row["auto"]["key_bytes"]) == (2304, 512)
   assert (row["fp8_e4m3"]["row_bytes"], row["fp8_e4m3"]["key_bytes"]) == (784, 132)
   for kind in ("auto", "fp8_e4m3"):
-    assert row[kind]["step_ms"] > 0 and row[kind]["gather_ms"] > 0 and row[kind]["rows_ms"] > 0
-  assert row["auto"]["keys_ms"] == 0 and row["fp8_e4m3"]["keys_ms"] > 0
+    assert all(row[kind][k] > 0 for k in ("step_ms", "gather_ms", "rows_ms", "keys_ms")), row
   assert row["ratio"] == row["fp8_e4m3"]["step_ms"] / row["auto"]["step_ms"]
-  assert "| 1 | 4096 | float32 |" in (tmp_path / "kvd.md").read_text()
+  assert "| 1 | 4096 | float32 | " in (tmp_path / "kvd.md").read_text()

@@ -509,7 +509,7 @@ class DSAConfig:
             raise ValueError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
         if int(cfg["index_head_dim"]) < int(cfg["qk_rope_head_dim"]):
             raise ValueError("index_head_dim must be >= qk_rope_head_dim")
-        if int(cfg["qk_rope_head_dim"]) % 2:  # RoPE rotates pairs of dimensions (Su et al. 2021, eq. 34)
+        if int(cfg["qk_rope_head_dim"]) % 2:  # RoPE rotates pairs of dimensions (RoFormer, Su et al. 2021)
             raise ValueError(f"config key 'qk_rope_head_dim' must be even (RoPE rotates pairs of dimensions), "
                              f"got {cfg['qk_rope_head_dim']}")
         nkv = cfg.get("num_key_value_heads")

@@ -85,7 +85,6 @@ from hisparse_jax.config import HiSparseConfig
 from models.loader import load_hf
 from tests.kv_harness import KVHarness
 from tests.test_lossless import prompts
-from models.random_checkpoint import write_random_checkpoint
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
 cfg, model = load_hf(tiny_model_dir())
 dense, hs = KVHarness(cfg, model), KVHarness(cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE))

@@ -267,8 +267,10 @@ def format_plan(p: CapacityPlan) -> str:
   ratio = "n/a (dense admits none)" if p.capacity_ratio is None else f"{p.capacity_ratio:.2f}x"
   lines += ["", f"HiSparse / dense requests: {ratio}"]
   if hs.requests:
-    lines.append(f"HiSparse settings: --max-running-requests {hs.max_running_requests} (per dp group), "
-                 f"host_to_device_ratio {hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)")
+    # The engine's flag is the total, split over the dp groups (EngineArgs.validate).
+    lines.append(f"HiSparse settings: --max-running-requests {hs.max_running_requests * m.dp_size} "
+                 f"({hs.max_running_requests} per dp group), host_to_device_ratio {hs.host_to_device_ratio} "
+                 f"(host pool {g(hs.host_pool_bytes)} per device)")
   else:
     lines.append(f"HiSparse settings: none; no HiSparse request of {p.context:,} tokens fits ({hs.limited_by})")
   return "\n".join(lines)
@@ -315,6 +317,8 @@ def main(argv) -> None:
                     kv_cache_dtype=F("kv-cache-dtype"), page_size=F("page-size"),
                     mem_fraction_static=F("mem-fraction-static"))
   except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
+    if isinstance(e, MeshError) and F("ep-size") is None and "--ep-size" in str(e):
+      sys.exit(f"{e} (--ep-size defaults to --devices {devices}; pass --ep-size)")
     sys.exit(str(e))
   print(json.dumps(plan.to_dict(), indent=1) if F("json") else format_plan(plan))
 

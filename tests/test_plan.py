@@ -212,6 +212,10 @@ def test_cli_json_and_text():
   out = json.loads(r.stdout)
   assert out["mesh"] == {"dp_size": 8, "tp_size": 1, "ep_size": 8}
   assert out["hisparse"]["requests"] > out["dense"]["requests"] > 0
+  # The text names the engine's --max-running-requests: the total over the 8 dp groups (the engine splits it).
+  r = _cli(f"--model-config={DATA / 'glm5_config.json'}", "--weight-dtype=fp8", "--context=32768")
+  per_group = out["hisparse"]["max_running_requests"]
+  assert f"--max-running-requests {8 * per_group} ({per_group} per dp group)" in r.stdout, r.stdout
   r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", "--weight-dtype=fp8", "--tp-size=8", "--dp-size=1")
   assert r.returncode == 0, r.stderr
   assert "HiSparse / dense requests" in r.stdout and "mesh dp 1 x tp 8" in r.stdout
@@ -220,6 +224,7 @@ def test_cli_json_and_text():
 @pytest.mark.parametrize("args,message", [
     (["--tp-size=3"], "--tp-size 3 does not divide --devices 8"),
     (["--ep-size=5"], "--ep-size 5"),
+    (["--devices=3"], "(--ep-size defaults to --devices 3; pass --ep-size)"),
     (["--weight-dtype=bfloat16"], "more than --device-memory"),
     (["--weight-dtype=float16"], "--weight-dtype=float16: value should be one of <bfloat16|float32|fp8>"),
     (["--context=0"], "--context must be a finite number > 0"),

@@ -48,14 +48,15 @@ WARMUP = 2
 PAGE = 64  # the engine's default page size (index_blocks keeps key blocks whole pages)
 
 
-def layer_config(dtype: str, kv_cache_dtype: str):
-  """DeepSeek-V3.2's config with one (dense-MLP) layer, a 256-wide MLP and a 1,024-token vocabulary."""
+def layer_config(dtype: str, kv_cache_dtype: str, hidden: int | None = None):
+  """DeepSeek-V3.2's config with one (dense-MLP) layer, a 256-wide MLP and a 1,024-token vocabulary (and hidden
+  size ``hidden``, default the real 7168)."""
   from models.config import DSAConfig
   with open(CONFIG) as f:
     cfg = json.load(f)
   cfg.pop("quantization_config")
   cfg.update(num_hidden_layers=1, first_k_dense_replace=1, intermediate_size=256, vocab_size=1024,
-             torch_dtype=dtype)
+             torch_dtype=dtype, hidden_size=hidden or cfg["hidden_size"])
   return DSAConfig.from_hf_config(cfg).replace(kv_cache_dtype=kv_cache_dtype)
 
 
@@ -66,7 +67,7 @@ def _decode(graphdef, state, cache, tables, tokens, positions, blocks):
   return logits, cache.absorb(view)
 
 
-def measure(batch: int, context: int, dtype: str, steps: int) -> dict:
+def measure(batch: int, context: int, dtype: str, steps: int, hidden: int | None = None) -> dict:
   """One (B, S) point, both formats: the module docstring's numbers. The formats' calls alternate within each
   round (auto, fp8, auto, ...), so a slow spell of this shared host hits both alike."""
   import jax
@@ -91,9 +92,9 @@ def measure(batch: int, context: int, dtype: str, steps: int) -> dict:
   top_k = jnp.asarray(np.sort(rng.permuted(np.tile(np.arange(S - 1), (B, 1)), axis=1)[:, :2048], axis=1)[:, None],
                       jnp.int32)  # int32[B, 1, K]: distinct earlier positions
   state = None  # one set of weights: the formats' models differ only in how their caches store a row
-  calls, out = {}, {"batch": B, "context": S, "dtype": dtype}
+  calls, out = {}, {"batch": B, "context": S, "dtype": dtype, "hidden": hidden or 7168}
   for kind in FORMATS:
-    cfg = layer_config(dtype, kind)
+    cfg = layer_config(dtype, kind, hidden)
     graphdef, own = nnx.split(DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     state = own if state is None else state
     del own
@@ -148,7 +149,8 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--quick", action="store_true", help="one small point (batch 1, context 4096, 3 steps)")
+  p.add_argument("--quick", action="store_true", help="one small point (batch 1, context 4096, 3 steps, hidden size "
+                 "1024: a smoke test of the script; the attention and the KV keep their real sizes)")
   p.add_argument("--batches", type=positive_ints, default=[1, 8, 32])
   p.add_argument("--contexts", type=positive_ints, default=[8192, 32768],
                  help="tokens per request (each > top_k 2048)")
@@ -167,7 +169,7 @@ def main(argv=None) -> None:
   rows = []
   for S in args.contexts:
     for B in args.batches:
-      rows.append(measure(B, S, args.dtype, args.steps))
+      rows.append(measure(B, S, args.dtype, args.steps, 1024 if args.quick else None))
       print(json.dumps(rows[-1]), flush=True)
   results = {"rows": rows, "seconds": time.perf_counter() - t0}
   write_results(args.out or default_out("kv_dtype", args.quick), results, markdown(rows))

@@ -193,7 +193,7 @@ def test_kv_dtype_benchmark_quick(tmp_path):
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   (row,) = json.loads((tmp_path / "kvd.json").read_text())["rows"]
-  assert (row["batch"], row["context"], row["dtype"]) == (1, 4096, "float32")
+  assert (row["batch"], row["context"], row["dtype"], row["hidden"]) == (1, 4096, "float32", 1024)
   # DeepSeek-V3.2's real widths in float32: a 576-value latent row against 512 e4m3 + 4 scales + 64 float32
   # RoPE values; a 128-value key against 128 e4m3 + 1 scale.
   assert (row["auto"]["row_bytes"], row["auto"]["key_bytes"]) == (2304, 512)

@@ -10,7 +10,9 @@ at position S - 1 against S - 1 earlier tokens held in the engine's dense paged 
 64 tokens, each request's scattered over the pool; random latent rows and indexer keys, stored as the
 format stores them: 2,304 / 512 bytes per row / key in float32 with ``auto``, 784 / 132 with ``fp8_e4m3``;
 rows of 1,152 and 656 bytes in bfloat16). The indexer scores all S keys, the attention reads the 2,048 top-k
-rows: what a step of a real model does per layer, without the other 60 layers.
+rows: what a step of a real model does per layer, without the other 60 layers. The FP8 cache implies DeepSeek's
+FP8 indexer numerics (``DSAConfig.fp8_active``), so its step also rotates the indexer's queries and keys by the
+Hadamard transform: the ratio compares the two deployments, ``auto`` against ``fp8_e4m3``, as a user picks one.
 
 For each format, in the same process with the same weights and tokens (``--steps`` rounds after 2 untimed,
 the formats' calls alternating within a round; medians):

@@ -92,8 +92,9 @@ class ModePlan:
     requests_per_group: the most requests one dp group's device admits (0: not even one).
     requests: requests_per_group x dp.
     limited_by: what stops one more request: "device KV budget", "host memory", "hot buffers".
-    max_running_requests / host_to_device_ratio: engine settings that admit that many (HiSparse: the ratio
-      that sizes the host pool for them); max_running_requests 0 where not even one request fits.
+    max_running_requests / host_to_device_ratio: engine settings that admit that many: the engine's
+      --max-running-requests, the total it splits over the dp groups (0 where not even one request fits), and
+      HiSparse's host_to_device_ratio that sizes the host pool for them.
     host_pool_bytes: the host pool those settings allocate per device (0: dense).
   """
 
@@ -144,7 +145,7 @@ def _dense_plan(layout, budget, context, page_size, dp) -> ModePlan:
   p = kvmem.plan(layout, budget=budget, max_running_requests=1 << 30, max_seq_len=context, page_size=page_size,
                  hisparse=None)
   n = p.pools["kv"][1] // pages_needed
-  return ModePlan("dense", per_request["device"], 0, n, n * dp, "device KV budget", n, None, 0)
+  return ModePlan("dense", per_request["device"], 0, n, n * dp, "device KV budget", n * dp, None, 0)
 
 
 def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSparseConfig) -> ModePlan:
@@ -188,7 +189,7 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
   pool = admitted(best_R)[2] if best_n else 0
   why = admitted(best_R + 1)[1] if best_n else admitted(1)[1]
   return ModePlan("hisparse", per_request["device"], per_request["host"], best_n, best_n * dp, why,
-                  best_R if best_n else 0, ratio, pool)
+                  best_R * dp if best_n else 0, ratio, pool)
 
 
 def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host_memory: int, context: int,
@@ -267,10 +268,9 @@ def format_plan(p: CapacityPlan) -> str:
   ratio = "n/a (dense admits none)" if p.capacity_ratio is None else f"{p.capacity_ratio:.2f}x"
   lines += ["", f"HiSparse / dense requests: {ratio}"]
   if hs.requests:
-    # The engine's flag is the total, split over the dp groups (EngineArgs.validate).
-    lines.append(f"HiSparse settings: --max-running-requests {hs.max_running_requests * m.dp_size} "
-                 f"({hs.max_running_requests} per dp group), host_to_device_ratio {hs.host_to_device_ratio} "
-                 f"(host pool {g(hs.host_pool_bytes)} per device)")
+    lines.append(f"HiSparse settings: --max-running-requests {hs.max_running_requests} "
+                 f"({hs.max_running_requests // m.dp_size} per dp group), host_to_device_ratio "
+                 f"{hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)")
   else:
     lines.append(f"HiSparse settings: none; no HiSparse request of {p.context:,} tokens fits ({hs.limited_by})")
   return "\n".join(lines)

@@ -212,10 +212,13 @@ def test_cli_json_and_text():
   out = json.loads(r.stdout)
   assert out["mesh"] == {"dp_size": 8, "tp_size": 1, "ep_size": 8}
   assert out["hisparse"]["requests"] > out["dense"]["requests"] > 0
-  # The text names the engine's --max-running-requests: the total over the 8 dp groups (the engine splits it).
+  # The JSON and the text name the engine's --max-running-requests: the total over the 8 dp groups (the engine
+  # splits it), a multiple of 8 that admits every request the plan counts.
+  total = out["hisparse"]["max_running_requests"]
+  assert total % 8 == 0 and total >= out["hisparse"]["requests"]
+  assert out["dense"]["max_running_requests"] == out["dense"]["requests"]
   r = _cli(f"--model-config={DATA / 'glm5_config.json'}", "--weight-dtype=fp8", "--context=32768")
-  per_group = out["hisparse"]["max_running_requests"]
-  assert f"--max-running-requests {8 * per_group} ({per_group} per dp group)" in r.stdout, r.stdout
+  assert f"--max-running-requests {total} ({total // 8} per dp group)" in r.stdout, r.stdout
   r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", "--weight-dtype=fp8", "--tp-size=8", "--dp-size=1")
   assert r.returncode == 0, r.stderr
   assert "HiSparse / dense requests" in r.stdout and "mesh dp 1 x tp 8" in r.stdout

@@ -133,7 +133,7 @@ def decode_keys(stored: jax.Array) -> jax.Array:
     raise TypeError(f"stored indexer keys must be float32 or uint8 (FP8 rows), got {stored.dtype}")
   nb = -(-stored.shape[-1] // (BLOCK + 4))
   Di = stored.shape[-1] - 4 * nb
-  if Di < 1 or Di + 4 * -(-Di // BLOCK) != stored.shape[-1]:
+  if Di < 1 or index_spec("fp8_e4m3", Di)[0] != stored.shape[-1]:
     raise ValueError(f"{stored.shape[-1]} bytes is not the width of an FP8 indexer key (Di + 4 ceil(Di / 128))")
   q = _from_bytes(stored[..., :Di], jnp.float8_e4m3fn)
   scale = _from_bytes(stored[..., Di:], jnp.float32)

@@ -204,6 +204,10 @@ class Engine:
     if args.dtype is None and model_cfg.dtype not in DTYPES:  # before any weight is read
       raise StartupError(f"--model-path {model_dir!r}: the checkpoint's dtype {model_cfg.dtype} is not a compute dtype "
                          f"(one of {', '.join(DTYPES)}); pass --dtype bfloat16 or --dtype float32")
+    # Before any weight is read (the FP8 numerics and cache are applied at load; the config tells already).
+    if (fp8_error := model_cfg.replace(fp8_numerics=bool(args.fp8_numerics),
+                                       kv_cache_dtype=args.kv_cache_dtype).fp8_indexer_error()) is not None:
+      raise StartupError(f"{fp8_error} ({model_dir})")
     if args.weight_dtype == "fp8" and model_cfg.fp8_block_size is None:
       raise StartupError(f"--weight-dtype fp8: {model_dir} is not an FP8 block-quantized checkpoint (its config.json "
                          "has no quantization_config)")
@@ -217,8 +221,6 @@ class Engine:
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
       raise StartupError(f"--model-path {model_dir!r}: cannot load the model: {type(e).__name__}: {e}") from None
     cfg = self.config
-    if (fp8_error := cfg.fp8_indexer_error()) is not None:
-      raise StartupError(f"{fp8_error} ({model_dir})")
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
     if self.mesh is not None:

@@ -31,13 +31,10 @@ from flax import nnx
 
 from models.convert import load_model
 from models.deepseek_v32 import decode_step, prefill_prompts
+from models.from_torch import default_oracle_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE_SCRIPT = os.path.join(REPO, "tests", "oracle", "hf_oracle.py")
-
-
-def default_oracle_python() -> str:
-  return os.environ.get("HISPARSE_ORACLE_PYTHON", os.path.join(REPO, ".venv-oracle", "bin", "python"))
 
 
 def ours(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str | None):

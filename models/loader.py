@@ -212,7 +212,11 @@ class _TensorStore:
                 os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")
             )
             if not files:
-                raise ValueError(f"no *.safetensors weights found in {model_dir}")
+                pickles = sorted(f for f in os.listdir(model_dir) if f.endswith((".bin", ".pt", ".pth")))
+                hint = (f"; it holds PyTorch pickle weights ({pickles[0]}{', ...' if len(pickles) > 1 else ''}): "
+                        f"convert them once with `python -m models.from_torch --model-path {model_dir} --output "
+                        "NEW_DIR` (needs torch: `make oracle`)") if pickles else ""
+                raise ValueError(f"no *.safetensors weights found in {model_dir}{hint}")
             for fn in files:
                 with safe_open(fn, framework="numpy") as f:
                     for k in f.keys():

@@ -9,7 +9,8 @@ Usage:
         Build ``DeepseekV32ForCausalLM`` (``TINY_CONFIG``) or ``GlmMoeDsaForCausalLM``
         (``TINY_GLM_CONFIG``) in fp32 from a tiny config updated by the JSON overrides, initialise it with ``torch.manual_seed(N)`` (the zero-initialised router
         ``e_score_correction_bias`` is then drawn from N(0, 0.05) so selection-only bias is exercised)
-        and ``save_pretrained(DIR)``.  With a ``rope_scaling`` override, config.json is rewritten in
+        and ``save_pretrained(DIR)``; with ``--save-torch DIR2`` also ``torch.save`` its state dict in two
+        shards (a PyTorch pickle checkpoint).  With a ``rope_scaling`` override, config.json is rewritten in
         DeepSeek's legacy form (``rope_scaling`` + top-level ``rope_theta``, no ``rope_parameters``).
 
     python hf_oracle.py --run DIR --prompts prompts.json --max-new-tokens 16 --out out.npz
@@ -66,7 +67,27 @@ def _build_config(overrides: dict, model_type: str = "deepseek_v32"):
     return DeepseekV32Config(**cfg)
 
 
-def make_checkpoint(out_dir: str, seed: int, overrides: dict, model_type: str = "deepseek_v32") -> None:
+def save_torch(model, out_dir: str, config_dir: str) -> None:
+    """``torch.save`` of the model's in-memory state dict (fused experts, tied weights sharing storage) in two
+    shards with transformers' ``pytorch_model.bin.index.json``, plus ``config_dir``'s config.json: a PyTorch
+    pickle checkpoint for ``models.from_torch``."""
+    import shutil
+
+    os.makedirs(out_dir, exist_ok=True)
+    state = model.state_dict()
+    keys = list(state)
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"pytorch_model-{i + 1:05d}-of-00002.bin"
+        torch.save({k: state[k] for k in part}, os.path.join(out_dir, name))
+        weight_map.update(dict.fromkeys(part, name))
+    with open(os.path.join(out_dir, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    shutil.copy(os.path.join(config_dir, "config.json"), out_dir)
+
+
+def make_checkpoint(out_dir: str, seed: int, overrides: dict, model_type: str = "deepseek_v32",
+                    torch_dir: str | None = None) -> None:
     config = _build_config(copy.deepcopy(overrides), model_type)  # transformers mutates rope dicts in place
     torch.manual_seed(seed)
     model = _model_class(model_type)(config).to(torch.float32).eval()
@@ -89,6 +110,8 @@ def make_checkpoint(out_dir: str, seed: int, overrides: dict, model_type: str = 
             saved["rope_theta"] = overrides["rope_theta"]
         with open(f"{out_dir}/config.json", "w") as f:
             json.dump(saved, f, indent=2)
+    if torch_dir:
+        save_torch(model, torch_dir, out_dir)
 
 
 @torch.no_grad()
@@ -138,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config-json", default="{}", help="JSON dict of config overrides")
     p.add_argument("--model-type", default="deepseek_v32", choices=("deepseek_v32", "glm_moe_dsa"))
+    p.add_argument("--save-torch", metavar="DIR", help="with --make-checkpoint: also torch.save the state dict")
     p.add_argument("--run", metavar="DIR")
     p.add_argument("--prompts")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -146,7 +170,8 @@ def main(argv=None) -> int:
     if not args.make_checkpoint and not args.run:
         p.error("nothing to do: pass --make-checkpoint and/or --run")
     if args.make_checkpoint:
-        make_checkpoint(args.make_checkpoint, args.seed, json.loads(args.config_json), args.model_type)
+        make_checkpoint(args.make_checkpoint, args.seed, json.loads(args.config_json), args.model_type,
+                        args.save_torch)
     if args.run:
         if not (args.prompts and args.out):
             p.error("--run needs --prompts and --out")

@@ -1,0 +1,268 @@
+r"""Convert a PyTorch pickle checkpoint (``pytorch_model.bin``, its shards, ``*.pt`` / ``*.pth`` state dicts) into
+the safetensors checkpoint the loader reads: the first step of porting a checkpoint saved with ``torch.save``.
+
+  python -m models.from_torch --model-path TORCH_DIR_OR_FILE --output NEW_HF_DIR [--max-shard-size GIB] \
+      [--torch-python PY]
+
+The runtime has no torch, and a pickle is only readable with torch, so the conversion runs in a Python that
+has torch and safetensors: this one if it has them, else ``--torch-python``, ``$HISPARSE_ORACLE_PYTHON`` or
+``.venv-oracle/bin/python`` (``make oracle`` creates it), where this file re-runs itself as a plain script.
+It imports nothing but the standard library at the top for that reason.
+
+What it reads (a directory):
+  * ``pytorch_model.bin.index.json`` and the shards its ``weight_map`` names (what transformers writes), else
+  * ``pytorch_model.bin``, else
+  * every ``*.bin`` / ``*.pt`` / ``*.pth`` file except the trainer's own (``training_args.bin``,
+    ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``, ``scaler.pt``);
+or one such file. Each file must hold a state dict (``str`` -> tensor), possibly under one ``"state_dict"``,
+``"model"`` or ``"module"`` key; it is read with ``torch.load(weights_only=True, mmap=True)``, so a pickle
+that would run code is refused, not executed.
+
+What it writes: safetensors files of at most ``--max-shard-size`` GiB (default 5; a larger tensor gets a file
+of its own; a file never mixes two input files), tensors bit for bit with their names, dtypes and shapes
+(``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``),
+plus every other regular file of the directory (``config.json``, tokenizer files, ...) copied. Tensors that
+share storage (tied embeddings, views) are written as separate copies, as safetensors requires. Host memory
+peaks near one output file: an input in torch's zip format (the default since torch 1.6) is memory-mapped
+and each output file's tensors are paged in while it is written (a 2 GiB ``pytorch_model.bin`` written as
+0.25 GiB files peaked at 147 MB of anonymous memory, torch included); a legacy-format input is read whole. The
+output is assembled in a temporary directory beside it and renamed into place at the end, so a failed
+conversion leaves no partial checkpoint; an existing non-empty ``--output`` is refused.
+
+Errors (exit 2, the message names the file or tensor): no torch pickle found, a directory that already
+holds safetensors, a file torch refuses to load with ``weights_only=True``, a value that is not a tensor, a
+sparse tensor, a tensor name in two files, a dtype safetensors cannot store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+# Files a transformers Trainer writes beside the weights: pickles that are not state dicts.
+TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+NESTED_KEYS = ("state_dict", "model", "module")
+
+
+def default_oracle_python() -> str:
+  """The Python with torch + transformers: ``$HISPARSE_ORACLE_PYTHON``, else ``<repo>/.venv-oracle/bin/python``."""
+  return os.environ.get("HISPARSE_ORACLE_PYTHON", os.path.join(REPO, ".venv-oracle", "bin", "python"))
+
+
+def _is_trainer_file(name: str) -> bool:
+  return name in TRAINER_FILES or (name.startswith("rng_state") and name.endswith(".pth"))
+
+
+def torch_files(path: str) -> list[str]:
+  """The checkpoint's torch pickle files, in order. ValueError when there are none, or when ``path`` already
+  holds safetensors weights (nothing to convert)."""
+  if os.path.isfile(path):
+    if not path.endswith(TORCH_SUFFIXES):
+      raise ValueError(f"{path} is not a torch pickle (*.bin, *.pt, *.pth)")
+    return [path]
+  if not os.path.isdir(path):
+    raise ValueError(f"--model-path {path}: no such file or directory")
+  names = sorted(os.listdir(path))
+  if any(n.endswith(".safetensors") for n in names):
+    raise ValueError(f"{path} already holds safetensors weights; load it directly")
+  index = os.path.join(path, "pytorch_model.bin.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise ValueError(f"{index} has no weight_map")
+    files = list(dict.fromkeys(weight_map.values()))  # first-appearance order, once each
+    missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+      raise ValueError(f"{index} names {missing[0]!r}, which is not in {path}")
+    return [os.path.join(path, n) for n in files]
+  if "pytorch_model.bin" in names:
+    return [os.path.join(path, "pytorch_model.bin")]
+  files = [os.path.join(path, n) for n in names if n.endswith(TORCH_SUFFIXES) and not _is_trainer_file(n)
+           and os.path.isfile(os.path.join(path, n))]
+  if not files:
+    raise ValueError(f"no torch pickle weights (pytorch_model.bin, *.bin, *.pt, *.pth) in {path}")
+  return files
+
+
+def _state_dict(fn: str) -> dict:
+  """``{name: tensor}`` from one torch file, memory-mapped where its format allows (torch's zip format)."""
+  import torch
+
+  try:
+    try:
+      obj = torch.load(fn, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+      if "mmap" not in str(e):  # the legacy (pre-zip) format cannot be memory-mapped: read it whole
+        raise
+      obj = torch.load(fn, map_location="cpu", weights_only=True)
+  except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for what it will not load
+    raise ValueError(f"{fn}: torch.load(weights_only=True) refused it ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}); only a state dict of tensors converts (if you trust "
+                     "the file, load it yourself and torch.save its state dict alone)") from e
+  if isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    nested = [k for k in NESTED_KEYS if isinstance(obj.get(k), dict)]
+    if len(nested) == 1:
+      obj = obj[nested[0]]
+  if not isinstance(obj, dict):
+    raise ValueError(f"{fn} holds a {type(obj).__name__}, not a state dict (str -> tensor)")
+  for k, v in obj.items():
+    if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+      raise ValueError(f"{fn}: entry {k!r} is a {type(v).__name__}, not a tensor (keys at the top: "
+                       f"{sorted(map(str, obj))[:8]})")
+    if v.layout != torch.strided:
+      raise ValueError(f"{fn}: tensor {k!r} has layout {v.layout}; only dense (strided) tensors convert")
+  return obj
+
+
+def _unshared(state: dict) -> dict:
+  """Tensors safetensors can write: contiguous, and a copy for each one that shares its storage with another
+  tensor or covers only part of it (tied weights, views)."""
+  seen, out = set(), {}
+  for k, t in state.items():
+    t = t.detach()
+    storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    if (ptr in seen and t.numel()) or storage.nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+      t = t.contiguous().clone()
+    seen.add(ptr)
+    out[k] = t
+  return out
+
+
+def _shards(tensors: dict, max_bytes: int) -> list[list[str]]:
+  """Consecutive groups of tensor names of at most ``max_bytes`` each (a larger tensor alone)."""
+  groups, size = [[]], 0
+  for k, t in tensors.items():
+    nbytes = t.numel() * t.element_size()
+    if groups[-1] and size + nbytes > max_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(k)
+    size += nbytes
+  return [g for g in groups if g]
+
+
+def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print) -> dict:
+  """Writes the safetensors checkpoint of ``src`` (a torch checkpoint directory or file) to the new directory
+  ``dst``, in files of at most ``max_shard_bytes`` (bytes; a larger tensor gets a file of its own; a file never
+  mixes two input files). Returns {"files": n, "tensors": n, "bytes": n}. ValueError (naming the file or
+  tensor) for what it cannot convert; ``dst`` is untouched then."""
+  from safetensors.torch import save_file
+
+  if max_shard_bytes < 1:
+    raise ValueError(f"--max-shard-size must be >= 1 byte, got {max_shard_bytes}")
+  files = torch_files(src)
+  if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+    raise ValueError(f"--output {dst} exists and is not an empty directory")
+  parent = os.path.dirname(os.path.abspath(dst))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".from_torch-", dir=parent)
+  try:
+    parts, total, owner = [], 0, {}  # parts: (temporary name, tensor names); named once their count is known
+    for fn in files:
+      t0 = time.time()
+      state = _state_dict(fn)
+      for k in state:
+        if k in owner:
+          raise ValueError(f"tensor {k!r} is in both {owner[k]} and {fn}")
+        owner[k] = fn
+      tensors = _unshared(state)
+      nbytes = 0
+      for group in _shards(tensors, max_shard_bytes):
+        part = f"part-{len(parts)}.safetensors"
+        try:
+          save_file({k: tensors[k] for k in group}, os.path.join(tmp, part), metadata={"format": "pt"})
+        except Exception as e:  # safetensors raises several types for a dtype or layout it cannot store
+          dtypes = sorted({str(tensors[k].dtype) for k in group})
+          raise ValueError(f"{fn}: safetensors cannot write it ({type(e).__name__}: {e}); its dtypes: "
+                           f"{dtypes}") from e
+        parts.append((part, group))
+        nbytes += sum(tensors[k].numel() * tensors[k].element_size() for k in group)
+      total += nbytes
+      log(f"{os.path.basename(fn)}: {len(tensors)} tensors, {nbytes / 2**20:.1f} MiB ({time.time() - t0:.1f} s)")
+      del state, tensors
+    n = len(parts)
+    weight_map = {}
+    for i, (part, group) in enumerate(parts):
+      name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+      os.rename(os.path.join(tmp, part), os.path.join(tmp, name))
+      weight_map.update(dict.fromkeys(group, name))
+    if n > 1:
+      with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    if os.path.isdir(src):
+      used = {os.path.abspath(f) for f in files}
+      for name in sorted(os.listdir(src)):
+        p = os.path.join(src, name)
+        if (os.path.isfile(p) and os.path.abspath(p) not in used and not name.endswith(TORCH_SUFFIXES)
+            and name != "pytorch_model.bin.index.json"):
+          shutil.copy2(p, os.path.join(tmp, name))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's (and safetensors' files') owner-only modes -> a normal directory
+    for name in os.listdir(tmp):
+      os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    if os.path.isdir(dst):
+      os.rmdir(dst)  # empty (checked above)
+    os.rename(tmp, dst)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return {"files": n, "tensors": len(weight_map), "bytes": total}
+
+
+def _has_torch() -> bool:
+  return all(importlib.util.find_spec(m) is not None for m in ("torch", "safetensors"))
+
+
+def _positive_gib(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = float("nan")
+  if not 1 <= value * 2**30 < 2**60:  # also refuses nan and inf
+    raise argparse.ArgumentTypeError(f"must be a finite size in GiB of at least one byte, got {text!r}")
+  return value
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--model-path", required=True, help="torch checkpoint directory or one .bin/.pt/.pth file")
+  ap.add_argument("--output", required=True, help="new directory for the safetensors checkpoint")
+  ap.add_argument("--max-shard-size", type=_positive_gib, default=5.0,
+                  help="GiB per output safetensors file (default 5; a larger tensor gets a file of its own)")
+  ap.add_argument("--torch-python", default=None,
+                  help="a Python with torch + safetensors, used when this one lacks them (default: "
+                       "$HISPARSE_ORACLE_PYTHON, else .venv-oracle/bin/python)")
+  args = ap.parse_args(argv)
+  if not _has_torch():
+    python = args.torch_python or default_oracle_python()
+    if not os.path.exists(python):
+      print(f"error: reading a torch pickle needs torch, which this Python lacks, and there is no {python} "
+            "(run `make oracle`, or pass --torch-python)", file=sys.stderr)
+      return 2
+    # -I: the script's own directory (models/, whose module names are generic) stays off sys.path.
+    return subprocess.call([python, "-I", os.path.abspath(__file__), *argv])
+  try:
+    info = convert(args.model_path, args.output, int(args.max_shard_size * 2**30), log=lambda s: print(s, flush=True))
+  except (ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"wrote {args.output}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB in {info['files']} "
+        f"safetensors file{'s' if info['files'] > 1 else ''}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -38,7 +38,8 @@ import sys
 import numpy as np
 
 from hisparse_jax.config import ConfigError, HiSparseConfig
-from hisparse_jax.engine.args import DEFAULT_MEM_FRACTION, MAX_HOST_MEMORY_FRACTION, StartupError, kv_budget
+from hisparse_jax.engine.args import (DEFAULT_MEM_FRACTION, MAX_HOST_MEMORY_FRACTION, StartupError, check_context,
+                                      check_page_size, kv_budget)
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device
 from models.config import DSAConfig
@@ -206,11 +207,8 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
       refuses both at start-up).
   """
   mesh.validate(model_cfg)
-  if not 1 <= context <= model_cfg.max_position_embeddings:
-    raise StartupError(f"--context {context}: must be in [1, {model_cfg.max_position_embeddings}] (the model's "
-                       "max_position_embeddings)")
-  if page_size < 1 or page_size & (page_size - 1):
-    raise StartupError(f"--page-size must be a power of two, got {page_size}")
+  check_context(context, model_cfg, "--context")
+  check_page_size(page_size)
   if weight_dtype is None and model_cfg.dtype not in WEIGHT_DTYPES:
     raise StartupError(f"the config's dtype {model_cfg.dtype} is not a compute dtype (the engine refuses it without "
                        "--dtype); pass --weight-dtype bfloat16, float32 or fp8")

@@ -211,8 +211,7 @@ class EngineArgs:
       raise StartupError(str(e)) from None
     if self.max_running_requests < 1:
       raise StartupError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
-    if self.page_size < 1 or self.page_size & (self.page_size - 1):
-      raise StartupError(f"--page-size must be a power of two, got {self.page_size}")
+    check_page_size(self.page_size)
     if self.chunked_prefill_size <= 0:
       raise StartupError(f"--chunked-prefill-size must be > 0, got {self.chunked_prefill_size}")
     if self.chunked_prefill_size % self.page_size:
@@ -293,10 +292,7 @@ class EngineArgs:
   def resolve_max_seq_len(self, model_cfg: DSAConfig) -> int:
     if self.max_seq_len is None:
       return model_cfg.max_position_embeddings
-    if not 1 <= self.max_seq_len <= model_cfg.max_position_embeddings:
-      raise StartupError(f"--max-seq-len {self.max_seq_len}: must be in [1, {model_cfg.max_position_embeddings}] "
-                         "(the model's max_position_embeddings)")
-    return self.max_seq_len
+    return check_context(self.max_seq_len, model_cfg, "--max-seq-len")
 
   def resolve_hisparse(self, model_dir: str, model_cfg: DSAConfig) -> HiSparseConfig | None:
     """HiSparse sizes from --hisparse-config, else the model dir's hisparse_config.json, else defaults."""
@@ -327,6 +323,23 @@ class EngineArgs:
     stats = jax.local_devices()[0].memory_stats() or {}
     return kv_budget(stats.get("bytes_limit"), weight_bytes, max_device_kv_bytes=self.max_device_kv_bytes,
                      mem_fraction_static=self.mem_fraction_static)
+
+
+def check_page_size(page_size: int) -> None:
+  """StartupError unless page_size (tokens per KV page, flag --page-size) is a power of two: the pools' page
+  arithmetic uses shifts and masks."""
+  if page_size < 1 or page_size & (page_size - 1):
+    raise StartupError(f"--page-size must be a power of two, got {page_size}")
+
+
+def check_context(tokens: int, model_cfg: DSAConfig, flag: str) -> int:
+  """tokens (prompt + output per request, named by ``flag``: the engine's --max-seq-len, the planner's
+  --context) when 1 <= tokens <= the model's max_position_embeddings (RoPE is defined that far); StartupError
+  otherwise."""
+  if not 1 <= tokens <= model_cfg.max_position_embeddings:
+    raise StartupError(f"{flag} {tokens}: must be in [1, {model_cfg.max_position_embeddings}] (the model's "
+                       "max_position_embeddings)")
+  return tokens
 
 
 def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int | None = None,

@@ -14,7 +14,7 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, load_tokenizer
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
-from hisparse_jax.serving.client import generate
+from hisparse_jax.serving.client import generate, summary_line
 from hisparse_jax.serving.metrics import ServerMetrics
 from hisparse_jax.serving.server import serve
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
@@ -83,6 +83,17 @@ def test_concurrent_streams_equal_solo_and_bad_requests_fail_alone(server):
   # The server still serves, and released everything.
   assert collect(stub, prompts[0], 10)[0] == solo[0]
   assert all_kv_free(engine.loads_snapshot)
+
+
+def test_client_summary_line_shows_swap_ins_only_where_rows_were_swapped_in(server):
+  _, stub, _ = server
+  _, final = collect(stub, list(range(2, 60)), 4)  # past the hot buffer: rows swapped in
+  line = summary_line(final)
+  assert line.startswith("[client] finish=LENGTH prompt_tokens=58 completion_tokens=4 swap_in_hits=")
+  assert f"swap_in_misses={final.swap_in_misses}" in line and final.swap_in_misses > 0
+  dense = hisparse_pb2.GenerateResponse(finished=True, finish_reason=hisparse_pb2.STOP_STRING, prompt_tokens=3,
+                                        completion_tokens=2, matched_stop="\n")
+  assert summary_line(dense) == "[client] finish=STOP_STRING prompt_tokens=3 completion_tokens=2 matched_stop='\\n'"
 
 
 def test_cancelled_stream_releases_its_lane(server):

@@ -83,6 +83,18 @@ def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None
   yield from stub.Generate(req, timeout=timeout, metadata=auth_metadata(api_key))
 
 
+def summary_line(msg) -> str:
+  """The client's last line for a request's final GenerateResponse: finish reason and token counts, then the
+  swap-in counts (only when the request swapped rows in: a dense server, or a HiSparse request whose KV stayed
+  on device, swaps nothing), prefetched rows and the matched stop when there are any."""
+  return (f"[client] finish={hisparse_pb2.FinishReason.Name(msg.finish_reason)} prompt_tokens={msg.prompt_tokens} "
+          f"completion_tokens={msg.completion_tokens}"
+          + (f" swap_in_hits={msg.swap_in_hits} swap_in_misses={msg.swap_in_misses}"
+             if msg.swap_in_hits or msg.swap_in_misses else "")
+          + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
+          + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else ""))
+
+
 def main(argv):
   del argv
   if (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
@@ -125,12 +137,7 @@ def main(argv):
         sys.stdout.flush()
         streamed = streamed or bool(msg.text)
         if msg.finished:
-          reason = hisparse_pb2.FinishReason.Name(msg.finish_reason)
-          print(f"\n[client] finish={reason} prompt_tokens={msg.prompt_tokens} "
-                f"completion_tokens={msg.completion_tokens} swap_in_hits={msg.swap_in_hits} "
-                f"swap_in_misses={msg.swap_in_misses}"
-                + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
-                + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else ""))
+          print("\n" + summary_line(msg))
     except grpc.RpcError as e:
       sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")
     except ValueError as e:  # protobuf: an integer flag outside its field's range (int32 / uint64)

@@ -174,8 +174,9 @@ def main(argv):
     tokenizer = load_tokenizer_or_fail(model_dir)
     from hisparse_jax.engine import Engine
     engine = Engine(args, tokenizer=tokenizer, record_topk=dump is not None)
-    try:
-      dest = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else sys.stdout
+    try:  # writable? (appending truncates nothing: the file is replaced only once there is a result to write)
+      if FLAGS.output:
+        open(FLAGS.output, "a", encoding="utf-8").close()
     except OSError as e:
       engine.close(error=f"--output {FLAGS.output!r}: {e}")
       raise StartupError(f"--output {FLAGS.output!r}: {e}") from None
@@ -203,13 +204,17 @@ def main(argv):
 
   index = {req.request_id: i for i, req in requests}
   written = 0
+  dest = None if FLAGS.output else sys.stdout  # opened at the first result: a run that fails before keeps the file
 
   def write_ready() -> None:  # the finished prefix of the results, in input order
-    nonlocal written
+    nonlocal written, dest
     while written < len(results) and results[written]:
+      if dest is None:
+        dest = open(FLAGS.output, "w", encoding="utf-8")
       dest.write(json.dumps(results[written], ensure_ascii=False) + "\n")
       written += 1
-    dest.flush()
+    if dest is not None:
+      dest.flush()
 
   # Ctrl-C sets a flag the loop reads between steps (a KeyboardInterrupt raised inside a step could land in
   # a callback that swallows it); a second Ctrl-C interrupts at once.
@@ -223,6 +228,7 @@ def main(argv):
   previous = signal.signal(signal.SIGINT, on_sigint)
   previous_term = signal.signal(signal.SIGTERM, on_sigint)  # SIGTERM stops as Ctrl-C does
   start = time.perf_counter()
+  failure = None
   try:
     write_ready()  # lines rejected up front
     while engine.has_work() and not interrupted.is_set():
@@ -241,12 +247,19 @@ def main(argv):
       write_ready()
   except KeyboardInterrupt:
     interrupted.set()
+  except Exception as e:  # noqa: BLE001 - a step that fails as a whole: what finished is written, then one line
+    failure = f"{type(e).__name__}: {e}"
+    logging.exception("a step failed")  # the traceback, for a report
   finally:
     signal.signal(signal.SIGINT, previous)
     signal.signal(signal.SIGTERM, previous_term)
     engine.close()  # several processes: the followers stop too
-    if dest is not sys.stdout:
+    if dest not in (None, sys.stdout):
       dest.close()
+  if failure is not None:
+    where = FLAGS.output or "stdout"
+    sys.exit(f"error: a step failed ({failure}); {written} of {len(results)} results written to {where}"
+             + ("" if written or not FLAGS.output else f" (the earlier {where} is unchanged)"))
   if interrupted.is_set():
     where = FLAGS.output or "stdout"
     print(f"\n[generate] interrupted: {written} of {len(results)} results written to {where}", file=sys.stderr)

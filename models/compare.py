@@ -95,7 +95,11 @@ def main(argv=None) -> int:
     print("error: need a non-empty prompt and --max-new-tokens >= 1", file=sys.stderr)
     return 2
 
-  our_logits, our_tokens = ours(args.model_path, prompt, args.max_new_tokens, args.dtype)
+  try:
+    our_logits, our_tokens = ours(args.model_path, prompt, args.max_new_tokens, args.dtype)
+  except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is said in one line
+    print(f"error: {args.model_path}: cannot load the model: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
   try:
     ref_logits, ref_tokens = reference(args.model_path, prompt, args.max_new_tokens, python)
   except RuntimeError as e:
@@ -108,6 +112,13 @@ def main(argv=None) -> int:
   print(f"greedy: first {agree} of {args.max_new_tokens} tokens agree"
         + ("" if agree == args.max_new_tokens else f" (ours {our_tokens[agree]}, transformers {ref_tokens[agree]})"))
   print(f"  ours:         {our_tokens}\n  transformers: {ref_tokens}")
+  from models.config import DSAConfig
+  topk = DSAConfig.from_pretrained(args.model_path).index_topk
+  if (err > 1e-3 or agree < args.max_new_tokens) and len(prompt) + args.max_new_tokens > topk + 1:
+    print(f"note: past index_topk = {topk} positions the indexer picks a top-k, and an exact tie at its cut-off "
+          "(common with few indexer heads: ReLU gives exact zeros) is broken differently by jax.lax.top_k and "
+          f"torch.topk. A prompt plus continuation of at most {topk + 1} tokens has no cut-off: if that agrees, "
+          "look for ties before a porting error.")
   return 0
 
 

@@ -194,27 +194,28 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
         prf = d.get("partial_rotary_factor")
         if prf is not None and float(prf) != 1.0:
             raise ValueError(f"unsupported partial_rotary_factor {prf!r} in {where} (only 1.0)")
-    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    theta = (_number(rp, "rope_theta", where, positive=True)
+             or _number(cfg, "rope_theta", "config", 10000.0, positive=True))
     if rope_type == "default":
-        return RopeConfig(rope_type="default", theta=float(theta))
-    if "original_max_position_embeddings" in cfg:
-        orig = cfg["original_max_position_embeddings"]
-    else:
-        orig = rp.get("original_max_position_embeddings", max_pos)
-    factor = rp.get("factor")
-    if factor is None:
-        factor = max_pos / orig
+        return RopeConfig(rope_type="default", theta=theta)
+    source, label = (cfg, "config") if "original_max_position_embeddings" in cfg else (rp, where)
+    orig = source.get("original_max_position_embeddings", max_pos)
+    if isinstance(orig, bool) or not isinstance(orig, int) or not 1 <= orig <= _INT32_MAX:
+        raise ValueError(f"{label} key 'original_max_position_embeddings' must be an integer in [1, {_INT32_MAX}], "
+                         f"got {orig!r}")
+    factor = _number(rp, "factor", where, max_pos / orig, positive=True)
     return RopeConfig(
         rope_type="yarn",
-        theta=float(theta),
-        factor=float(factor),
-        original_max_position_embeddings=int(orig),
-        beta_fast=float(rp.get("beta_fast") or 32),
-        beta_slow=float(rp.get("beta_slow") or 1),
-        mscale=rp.get("mscale"),
-        mscale_all_dim=rp.get("mscale_all_dim"),
-        attention_factor=rp.get("attention_factor"),
-        truncate=bool(rp.get("truncate", True)),
+        theta=theta,
+        factor=factor,
+        original_max_position_embeddings=orig,
+        beta_fast=_number(rp, "beta_fast", where, 32.0) or 32.0,  # 0 / absent: the default, as transformers
+        beta_slow=_number(rp, "beta_slow", where, 1.0) or 1.0,
+        mscale=_number(rp, "mscale", where),
+        mscale_all_dim=_number(rp, "mscale_all_dim", where),
+        attention_factor=_number(rp, "attention_factor", where),
+        truncate=_flag(rp, "truncate", True, where),
     )
 
 
@@ -304,6 +305,49 @@ _INTEGER_KEYS = {
     "first_k_dense_replace": 0, "max_position_embeddings": 1, "index_n_heads": 1, "index_head_dim": 1,
     "index_topk": 1,
 }
+
+# Every integer key is a tensor dimension, a count or a position: int32 in the programs (shapes, positions, slot
+# and page ids), so nothing above 2**31 - 1 can run.
+_INT32_MAX = 2**31 - 1
+
+
+def _number(d: dict, key: str, where: str, default: float | None = None, *, positive: bool = False,
+            non_negative: bool = False) -> float | None:
+    """d[key] (default when absent or None) as a finite float; ValueError naming ``where``.``key`` for a bool, a
+    non-number, nan / inf, or a value outside the stated range."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where} key {key!r} must be a finite number, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"{where} key {key!r} must be > 0, got {value!r}")
+    if non_negative and not value >= 0:
+        raise ValueError(f"{where} key {key!r} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _flag(d: dict, key: str, default: bool, where: str = "config") -> bool:
+    """d[key] (default when absent or None), which must be a JSON boolean: "no" is not False."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{where} key {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _token_ids(value, key: str, allow_list: bool):
+    """A token id (int >= 0) or, with allow_list, a list of them (as a tuple); None passes."""
+    if value is None:
+        return None
+    if allow_list and isinstance(value, list):
+        return tuple(_token_ids(v, key, False) for v in value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32_MAX:
+        raise ValueError(f"config key {key!r} must be a token id{' or a list of them' if allow_list else ''}, "
+                         f"got {value!r}")
+    return value
+
 
 @dataclasses.dataclass(frozen=True)
 class DSAConfig:
@@ -457,6 +501,8 @@ class DSAConfig:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
         archs = cfg.get("architectures")
         if archs is not None:
+            if not isinstance(archs, list):
+                raise ValueError(f"config key 'architectures' must be a list of class names, got {archs!r}")
             bad = [a for a in archs if a != ARCHITECTURE_OF[model_type]]
             if bad:
                 raise ValueError(f"unsupported architecture {bad[0]!r} for model_type {model_type!r} "
@@ -472,8 +518,8 @@ class DSAConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
-            if value < minimum:
-                raise ValueError(f"config key {key!r} must be >= {minimum}, got {value}")
+            if not minimum <= value <= _INT32_MAX:
+                raise ValueError(f"config key {key!r} must be in [{minimum}, {_INT32_MAX}], got {value}")
 
         defaults = {**_DEFAULTS, **_MODEL_DEFAULTS.get(model_type, {})}
 
@@ -493,6 +539,11 @@ class DSAConfig:
         indexer_types = _indexer_types(cfg, model_type, n_layers)
         fp8_block = _parse_quantization(cfg)
 
+        # DeepSeek's own config.json names its routing; transformers ignores these keys and always routes this way.
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+            if cfg.get(key) is not None and cfg[key] != want:
+                raise ValueError(f"unsupported {key}={cfg[key]!r} (only {want!r}: DeepSeek-V3's sigmoid routing with "
+                                 "the bias-corrected group top-k, every layer past first_k_dense_replace MoE)")
         hidden_act = get("hidden_act")
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu')")
@@ -500,13 +551,24 @@ class DSAConfig:
         if str(dtype_name) not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype_name!r}")
         max_pos = int(get("max_position_embeddings"))
-        eos = cfg.get("eos_token_id", _DEFAULTS["eos_token_id"])
-        if isinstance(eos, list):
-            eos = tuple(int(e) for e in eos)
+        eos = _token_ids(cfg.get("eos_token_id", _DEFAULTS["eos_token_id"]), "eos_token_id", True)
+        bos = _token_ids(cfg.get("bos_token_id", _DEFAULTS["bos_token_id"]), "bos_token_id", False)
         n_experts = int(cfg["n_routed_experts"])
         n_group = int(get("n_group"))
         if n_experts % n_group:
             raise ValueError(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
+        # Routing (DeepSeek-V3 group-limited routing): the best topk_group of n_group groups, then the best
+        # num_experts_per_tok experts among those groups' experts.
+        topk_group, per_tok = int(get("topk_group")), int(cfg["num_experts_per_tok"])
+        if topk_group > n_group:
+            raise ValueError(f"topk_group={topk_group} must be <= n_group={n_group} (groups chosen per token)")
+        if per_tok > topk_group * (n_experts // n_group):
+            raise ValueError(f"num_experts_per_tok={per_tok} must be <= the {topk_group * (n_experts // n_group)} "
+                             f"experts of topk_group={topk_group} groups of n_routed_experts={n_experts} / "
+                             f"n_group={n_group}")
+        if int(cfg["index_topk"]) > max_pos:
+            raise ValueError(f"index_topk={cfg['index_topk']} must be <= max_position_embeddings={max_pos} (the "
+                             "indexer picks that many past positions)")
         if int(cfg["index_head_dim"]) < int(cfg["qk_rope_head_dim"]):
             raise ValueError("index_head_dim must be >= qk_rope_head_dim")
         if int(cfg["qk_rope_head_dim"]) % 2:  # RoPE rotates pairs of dimensions (RoFormer, Su et al. 2021)
@@ -529,20 +591,21 @@ class DSAConfig:
             v_head_dim=int(cfg["v_head_dim"]),
             n_routed_experts=n_experts,
             n_shared_experts=int(get("n_shared_experts")),
-            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            num_experts_per_tok=per_tok,
             n_group=n_group,
-            topk_group=int(get("topk_group")),
-            routed_scaling_factor=float(get("routed_scaling_factor")),
-            norm_topk_prob=bool(get("norm_topk_prob")),
+            topk_group=topk_group,
+            routed_scaling_factor=_number(cfg, "routed_scaling_factor", "config", defaults["routed_scaling_factor"],
+                                          positive=True),
+            norm_topk_prob=_flag(cfg, "norm_topk_prob", defaults["norm_topk_prob"]),
             first_k_dense_replace=int(get("first_k_dense_replace")),
-            rms_norm_eps=float(get("rms_norm_eps")),
+            rms_norm_eps=_number(cfg, "rms_norm_eps", "config", defaults["rms_norm_eps"], non_negative=True),
             max_position_embeddings=max_pos,
             rope=_parse_rope(cfg, max_pos),
             index_n_heads=int(cfg["index_n_heads"]),
             index_head_dim=int(cfg["index_head_dim"]),
             index_topk=int(cfg["index_topk"]),
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
-            bos_token_id=cfg.get("bos_token_id", _DEFAULTS["bos_token_id"]),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", defaults["tie_word_embeddings"]),
+            bos_token_id=bos,
             eos_token_id=eos,
             dtype=_DTYPES[str(dtype_name)],
             hidden_act=hidden_act,

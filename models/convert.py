@@ -24,8 +24,9 @@ from flax import nnx
 
 from models.config import DSAConfig
 from models.deepseek_v32 import DeepseekV32ForCausalLM
+from models.from_torch import new_directory
 from models.kv_format import check_kv_cache_dtype
-from models.loader import load_hf, param_path
+from models.loader import checkpoint_files, load_hf, param_path
 
 ORBAX_MARKER = "hisparse_orbax.json"
 PARAMS_DIR = "params"
@@ -42,8 +43,9 @@ FINGERPRINT_BYTES = 1 << 16
 
 def model_fingerprint(path: str | os.PathLike) -> str:
   """A sha256 that tells two copies of a model directory apart (other processes and servers compare theirs):
-  over config.json and, for every weight file (``*.safetensors`` of an HF directory, every file under an orbax
-  directory's ``params/``), its relative path, size and first and last FINGERPRINT_BYTES bytes, which cover the
+  over config.json and, for every weight file (the safetensors files the loader reads from an HF directory,
+  ``loader.checkpoint_files``, which raises ValueError for a bad one; every file under an orbax directory's
+  ``params/``), its relative path, size and first and last FINGERPRINT_BYTES bytes, which cover the
   safetensors header and weights at both ends. Cheap (a few MB for a 700 B-parameter checkpoint) and not a
   checksum: two checkpoints that differ only in their middle bytes collide."""
   import hashlib
@@ -55,7 +57,7 @@ def model_fingerprint(path: str | os.PathLike) -> str:
     files = sorted(os.path.relpath(os.path.join(d, name), root) for d, _, names in os.walk(os.path.join(root, PARAMS_DIR))
                    for name in names)
   else:
-    files = sorted(name for name in os.listdir(root) if name.endswith(".safetensors"))
+    files = [os.path.relpath(f, root) for f in checkpoint_files(root)[1]]  # ValueError for a bad weight file
   for rel in files:
     full = os.path.join(root, rel)
     size = os.path.getsize(full)
@@ -77,31 +79,29 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
 
   Raises:
     ValueError: unsupported config or missing tensor (from ``load_hf``), or
-      ``output`` already exists and is not empty.
+      ``output`` already exists and is not an empty directory; whatever fails, ``output`` is left as it was.
   """
   import orbax.checkpoint as ocp
 
-  if os.path.exists(output) and os.listdir(output):
-    raise ValueError(f"--output {output!r} exists and is not empty")
-  cfg, model = load_hf(hf_dir, dtype=dtype)
-  _, state = nnx.split(model)
-  os.makedirs(output, exist_ok=True)
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(os.path.abspath(os.path.join(output, PARAMS_DIR)), state)
-    ckpt.wait_until_finished()
-  with open(os.path.join(hf_dir, "config.json")) as f:
-    hf_config = json.load(f)
-  hf_config["dtype"] = cfg.dtype
-  hf_config.pop("torch_dtype", None)
-  hf_config.pop("quantization_config", None)  # the orbax params are already dequantized
-  with open(os.path.join(output, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2, sort_keys=True)
-  for name in SIDE_FILES:
-    if os.path.exists(os.path.join(hf_dir, name)):
-      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(output, name))
-  with open(os.path.join(output, ORBAX_MARKER), "w") as f:
-    json.dump({"format": "orbax", "layout": ORBAX_LAYOUT, "params": PARAMS_DIR, "dtype": cfg.dtype,
-               "source": os.path.abspath(hf_dir)}, f)
+  with new_directory(output) as tmp:  # a failure leaves nothing (ValueError first for a non-empty output)
+    cfg, model = load_hf(hf_dir, dtype=dtype)
+    _, state = nnx.split(model)
+    with ocp.StandardCheckpointer() as ckpt:
+      ckpt.save(os.path.join(tmp, PARAMS_DIR), state)
+      ckpt.wait_until_finished()
+    with open(os.path.join(hf_dir, "config.json")) as f:
+      hf_config = json.load(f)
+    hf_config["dtype"] = cfg.dtype
+    hf_config.pop("torch_dtype", None)
+    hf_config.pop("quantization_config", None)  # the orbax params are already dequantized
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2, sort_keys=True)
+    for name in SIDE_FILES:
+      if os.path.exists(os.path.join(hf_dir, name)):
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
+    with open(os.path.join(tmp, ORBAX_MARKER), "w") as f:
+      json.dump({"format": "orbax", "layout": ORBAX_LAYOUT, "params": PARAMS_DIR, "dtype": cfg.dtype,
+                 "source": os.path.abspath(hf_dir)}, f)
   return output
 
 
@@ -178,8 +178,8 @@ def main(argv=None) -> int:
     return 2
   try:
     convert(args.model_path, args.output, args.dtype)
-  except (ValueError, KeyError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
+  except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is the user's error, said in one line
+    print(f"error: {args.model_path}: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
   print(f"wrote {args.output} ({', '.join(sorted(os.listdir(args.output)))})")
   return 0

@@ -2,7 +2,7 @@ r"""Convert a PyTorch pickle checkpoint (``pytorch_model.bin``, its shards, ``*.
 the safetensors checkpoint the loader reads: the first step of porting a checkpoint saved with ``torch.save``.
 
   python -m models.from_torch --model-path TORCH_DIR_OR_FILE --output NEW_HF_DIR [--max-shard-size GIB] \
-      [--torch-python PY]
+      [--strip-prefix PREFIX] [--torch-python PY]
 
 The runtime has no torch, and a pickle is only readable with torch, so the conversion runs in a Python that
 has torch and safetensors: this one if it has them, else ``--torch-python``, ``$HISPARSE_ORACLE_PYTHON`` or
@@ -21,7 +21,9 @@ that would run code is refused, not executed.
 What it writes: safetensors files of at most ``--max-shard-size`` GiB (default 5; a larger tensor gets a file
 of its own; a file never mixes two input files), tensors bit for bit with their names, dtypes and shapes
 (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``),
-plus every other regular file of the directory (``config.json``, tokenizer files, ...) copied. Tensors that
+plus every other regular file of the directory (``config.json``, tokenizer files, ...; not a weight index;
+for one file, ``HF_SIDE_FILES`` from its directory) copied. Tensor names keep their spelling, except a prefix
+(``--strip-prefix``; by default DistributedDataParallel's ``module.`` when every name of a file has it). Tensors that
 share storage (tied embeddings, views) are written as separate copies, as safetensors requires. Host memory
 peaks near one output file: an input in torch's zip format (the default since torch 1.6) is memory-mapped
 and each output file's tensors are paged in while it is written (a 2 GiB ``pytorch_model.bin`` written as
@@ -30,16 +32,19 @@ output is assembled in a temporary directory beside it and renamed into place at
 conversion leaves no partial checkpoint; an existing non-empty ``--output`` is refused.
 
 Errors (exit 2, the message names the file or tensor): no torch pickle found, a directory that already
-holds safetensors, a file torch refuses to load with ``weights_only=True``, a value that is not a tensor, a
-sparse tensor, a tensor name in two files, a dtype safetensors cannot store.
+holds safetensors, a malformed index or one naming a file outside the directory, a file torch refuses to load
+with ``weights_only=True``, an empty state dict, a key that is not a string, a value that is not a tensor, a
+sparse tensor, a tensor name in two files or without ``--strip-prefix``, a dtype safetensors cannot store.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +56,10 @@ TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # Files a transformers Trainer writes beside the weights: pickles that are not state dicts.
 TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
 NESTED_KEYS = ("state_dict", "model", "module")
+# What a transformers checkpoint keeps beside its weights (copied from a single file's directory).
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                 "chat_template.jinja")
 
 
 def default_oracle_python() -> str:
@@ -60,6 +69,53 @@ def default_oracle_python() -> str:
 
 def _is_trainer_file(name: str) -> bool:
   return name in TRAINER_FILES or (name.startswith("rng_state") and name.endswith(".pth"))
+
+
+# Checkpoint-directory helpers, standard library only: models.loader and models.convert use them too, and this
+# file must also run as a plain script in a Python without the package's dependencies.
+
+def read_weight_map(index: str, model_dir: str) -> dict[str, str]:
+  """The ``weight_map`` (tensor name -> file name) of a checkpoint index JSON. ValueError naming ``index`` for
+  what is not a JSON object holding a str -> str map, or a file name that is absolute or climbs out of
+  ``model_dir`` with ``..`` (weights are read from inside the directory only)."""
+  try:
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+  except (OSError, ValueError, AttributeError) as e:
+    raise ValueError(f"{index}: not a JSON object with a weight_map ({type(e).__name__}: {e})") from None
+  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    raise ValueError(f"{index}: weight_map must map tensor names to file names")
+  for name in set(weight_map.values()):
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+      raise ValueError(f"{index} names {name!r}: weight files must be inside {model_dir}")
+  return weight_map
+
+
+@contextlib.contextmanager
+def new_directory(dst: str):
+  """Yields a temporary directory beside ``dst`` to write a checkpoint into; when the block ends without an
+  error it becomes ``dst`` (renamed, with the modes of a directory and files made under the umask), else it is
+  removed. ValueError, before anything is written, when ``dst`` exists and is not an empty directory: a failed
+  conversion leaves ``dst`` as it was and never a partial checkpoint."""
+  if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+    raise ValueError(f"--output {dst} exists and is not an empty directory")
+  parent = os.path.dirname(os.path.abspath(dst))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".hisparse-new-", dir=parent)
+  try:
+    yield tmp
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's (and safetensors' files') owner-only modes -> the usual ones
+    for name in os.listdir(tmp):
+      if os.path.isfile(os.path.join(tmp, name)):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    if os.path.isdir(dst):
+      os.rmdir(dst)  # empty (checked above)
+    os.rename(tmp, dst)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
 
 
 def torch_files(path: str) -> list[str]:
@@ -76,14 +132,13 @@ def torch_files(path: str) -> list[str]:
     raise ValueError(f"{path} already holds safetensors weights; load it directly")
   index = os.path.join(path, "pytorch_model.bin.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-      raise ValueError(f"{index} has no weight_map")
+    weight_map = read_weight_map(index, path)
+    if not weight_map:
+      raise ValueError(f"{index}: the weight_map is empty")
     files = list(dict.fromkeys(weight_map.values()))  # first-appearance order, once each
-    missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
-    if missing:
-      raise ValueError(f"{index} names {missing[0]!r}, which is not in {path}")
+    for n in files:
+      if not os.path.isfile(os.path.join(path, n)):
+        raise ValueError(f"{index} names {n!r}, which is not a file in {path}")
     return [os.path.join(path, n) for n in files]
   if "pytorch_model.bin" in names:
     return [os.path.join(path, "pytorch_model.bin")]
@@ -92,6 +147,14 @@ def torch_files(path: str) -> list[str]:
   if not files:
     raise ValueError(f"no torch pickle weights (pytorch_model.bin, *.bin, *.pt, *.pth) in {path}")
   return files
+
+
+def _torch_reason(message: str) -> str:
+  """The line of a torch.load error that says what it refused ("Unsupported global: ..."), without the
+  terminal colour codes torch puts in it; else its first line."""
+  lines = [re.sub(r"\x1b\[[0-9;]*m", "", l).strip() for l in message.splitlines()]
+  lines = [l for l in lines if l]
+  return next((l for l in lines if "Unsupported" in l or "global" in l), lines[0] if lines else "")
 
 
 def _state_dict(fn: str) -> dict:
@@ -106,17 +169,22 @@ def _state_dict(fn: str) -> dict:
         raise
       obj = torch.load(fn, map_location="cpu", weights_only=True)
   except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for what it will not load
-    raise ValueError(f"{fn}: torch.load(weights_only=True) refused it ({type(e).__name__}: "
-                     f"{str(e).splitlines()[0] if str(e) else ''}); only a state dict of tensors converts (if you trust "
-                     "the file, load it yourself and torch.save its state dict alone)") from e
+    reason = _torch_reason(str(e))
+    raise ValueError(f"{fn}: torch.load(weights_only=True) refused it ({type(e).__name__}{': ' + reason if reason else ''}"
+                     "); only a state dict of tensors converts (if you trust the file, load it yourself and "
+                     "torch.save its state dict alone)") from e
   if isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
     nested = [k for k in NESTED_KEYS if isinstance(obj.get(k), dict)]
     if len(nested) == 1:
       obj = obj[nested[0]]
   if not isinstance(obj, dict):
     raise ValueError(f"{fn} holds a {type(obj).__name__}, not a state dict (str -> tensor)")
+  if not obj:
+    raise ValueError(f"{fn} holds an empty state dict: no tensors to convert")
   for k, v in obj.items():
-    if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+    if not isinstance(k, str):
+      raise ValueError(f"{fn}: key {k!r} is a {type(k).__name__}; state dict keys are tensor names (str)")
+    if not isinstance(v, torch.Tensor):
       raise ValueError(f"{fn}: entry {k!r} is a {type(v).__name__}, not a tensor (keys at the top: "
                        f"{sorted(map(str, obj))[:8]})")
     if v.layout != torch.strided:
@@ -152,26 +220,39 @@ def _shards(tensors: dict, max_bytes: int) -> list[list[str]]:
   return [g for g in groups if g]
 
 
-def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print) -> dict:
+def _strip(state: dict, prefix: str | None, fn: str, log) -> dict:
+  """state with ``prefix`` cut from every name (None: DistributedDataParallel's "module." when every name has
+  it; ""; nothing). ValueError for a name without the prefix asked for."""
+  if prefix is None:
+    prefix = "module." if all(k.startswith("module.") for k in state) else ""
+    if prefix:
+      log(f"{os.path.basename(fn)}: every tensor name starts with 'module.' (a DistributedDataParallel "
+          "wrapper's): stripped")
+  if not prefix:
+    return state
+  bad = next((k for k in state if not k.startswith(prefix)), None)
+  if bad is not None:
+    raise ValueError(f"{fn}: tensor {bad!r} does not start with --strip-prefix {prefix!r}")
+  return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print, strip_prefix: str | None = None) -> dict:
   """Writes the safetensors checkpoint of ``src`` (a torch checkpoint directory or file) to the new directory
   ``dst``, in files of at most ``max_shard_bytes`` (bytes; a larger tensor gets a file of its own; a file never
-  mixes two input files). Returns {"files": n, "tensors": n, "bytes": n}. ValueError (naming the file or
-  tensor) for what it cannot convert; ``dst`` is untouched then."""
+  mixes two input files), with ``strip_prefix`` cut from every tensor name (None: "module." when every name of
+  a file starts with it, as a DistributedDataParallel wrapper saves them; "": names as saved). Returns
+  {"files": n, "tensors": n, "bytes": n}. ValueError (naming the file or tensor) for what it cannot convert;
+  ``dst`` is untouched then."""
   from safetensors.torch import save_file
 
   if max_shard_bytes < 1:
     raise ValueError(f"--max-shard-size must be >= 1 byte, got {max_shard_bytes}")
   files = torch_files(src)
-  if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-    raise ValueError(f"--output {dst} exists and is not an empty directory")
-  parent = os.path.dirname(os.path.abspath(dst))
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".from_torch-", dir=parent)
-  try:
+  with new_directory(dst) as tmp:
     parts, total, owner = [], 0, {}  # parts: (temporary name, tensor names); named once their count is known
     for fn in files:
       t0 = time.time()
-      state = _state_dict(fn)
+      state = _strip(_state_dict(fn), strip_prefix, fn, log)
       for k in state:
         if k in owner:
           raise ValueError(f"tensor {k!r} is in both {owner[k]} and {fn}")
@@ -200,24 +281,16 @@ def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print) -> 
     if n > 1:
       with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    if os.path.isdir(src):
-      used = {os.path.abspath(f) for f in files}
-      for name in sorted(os.listdir(src)):
-        p = os.path.join(src, name)
-        if (os.path.isfile(p) and os.path.abspath(p) not in used and not name.endswith(TORCH_SUFFIXES)
-            and name != "pytorch_model.bin.index.json"):
-          shutil.copy2(p, os.path.join(tmp, name))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's (and safetensors' files') owner-only modes -> a normal directory
-    for name in os.listdir(tmp):
-      os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    if os.path.isdir(dst):
-      os.rmdir(dst)  # empty (checked above)
-    os.rename(tmp, dst)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+    # The other files beside the weights (config.json, tokenizer files, ...), but no weight index: the one
+    # written above is this checkpoint's (a repository that ships both formats has a safetensors index too).
+    # For one file, its directory may hold anything: only the files a transformers checkpoint has beside it.
+    side_dir = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    used = {os.path.abspath(f) for f in files}
+    for name in sorted(os.listdir(side_dir)):
+      p = os.path.join(side_dir, name)
+      if (os.path.isfile(p) and os.path.abspath(p) not in used and not name.endswith(TORCH_SUFFIXES)
+          and not name.endswith((".safetensors", ".index.json")) and (os.path.isdir(src) or name in HF_SIDE_FILES)):
+        shutil.copy2(p, os.path.join(tmp, name))
   return {"files": n, "tensors": len(weight_map), "bytes": total}
 
 
@@ -242,6 +315,9 @@ def main(argv=None) -> int:
   ap.add_argument("--output", required=True, help="new directory for the safetensors checkpoint")
   ap.add_argument("--max-shard-size", type=_positive_gib, default=5.0,
                   help="GiB per output safetensors file (default 5; a larger tensor gets a file of its own)")
+  ap.add_argument("--strip-prefix", default=None,
+                  help="cut this prefix from every tensor name, e.g. 'model.' for a Lightning module's state dict "
+                       "(default: 'module.' when every name has it, as DistributedDataParallel saves them; '': none)")
   ap.add_argument("--torch-python", default=None,
                   help="a Python with torch + safetensors, used when this one lacks them (default: "
                        "$HISPARSE_ORACLE_PYTHON, else .venv-oracle/bin/python)")
@@ -255,7 +331,8 @@ def main(argv=None) -> int:
     # -I: the script's own directory (models/, whose module names are generic) stays off sys.path.
     return subprocess.call([python, "-I", os.path.abspath(__file__), *argv])
   try:
-    info = convert(args.model_path, args.output, int(args.max_shard_size * 2**30), log=lambda s: print(s, flush=True))
+    info = convert(args.model_path, args.output, int(args.max_shard_size * 2**30),
+                   log=lambda s: print(s, flush=True), strip_prefix=args.strip_prefix)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -47,6 +47,7 @@ from safetensors import safe_open
 
 from . import fp8
 from .config import DSAConfig
+from .from_torch import read_weight_map
 from .deepseek_v32 import DeepseekV32ForCausalLM
 from .kv_format import check_kv_cache_dtype
 
@@ -190,6 +191,42 @@ _MMAP_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtyp
                 "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu)}  # power-of-two block scales
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str) -> tuple[dict[str, str] | None, list[str]]:
+    """(weight_map, files) of an HF checkpoint directory: ``model.safetensors.index.json``'s weight_map (tensor
+    name -> file name) and the files it names, else (None, [``model.safetensors``]), else (None, every
+    ``*.safetensors`` in the directory). Files are paths under ``model_dir``, in sorted order.
+
+    Raises ValueError, naming the file, for a malformed index, an index entry that is not a plain relative
+    path inside the directory (no absolute path, no ``..``), a weight file that is not a regular file (a
+    dangling link, a directory, a FIFO: nothing is opened), or no weights at all (pointing a directory of
+    PyTorch pickles to ``models.from_torch``)."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    weight_map = None
+    if os.path.exists(index):
+        weight_map = read_weight_map(index, model_dir)  # ValueError: malformed, or a file outside model_dir
+        names = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:
+        names = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+        if not names:
+            pickles = sorted(f for f in os.listdir(model_dir) if f.endswith((".bin", ".pt", ".pth")))
+            hint = (f"; it holds PyTorch pickle weights ({pickles[0]}{', ...' if len(pickles) > 1 else ''}): "
+                    f"convert them once with `python -m models.from_torch --model-path {model_dir} --output "
+                    "NEW_DIR` (needs torch: `make oracle`)") if pickles else ""
+            raise ValueError(f"no *.safetensors weights found in {model_dir}{hint}")
+    for name in names:
+        if not os.path.isfile(os.path.join(model_dir, name)):  # follows links; False for a FIFO or directory
+            path = os.path.join(model_dir, name)
+            what = ("is a broken link" if os.path.islink(path) and not os.path.exists(path) else
+                    "does not exist" if not os.path.lexists(path) else "is not a regular file")
+            raise ValueError(f"weight file {os.path.join(model_dir, name)} {what}")
+    return weight_map, [os.path.join(model_dir, n) for n in names]
+
+
 class _TensorStore:
     """Lazy name -> numpy array access over one or several safetensors files.
 
@@ -199,24 +236,11 @@ class _TensorStore:
     """
 
     def __init__(self, model_dir: str, fp8_block_size: tuple[int, int] | None = None):
-        index = os.path.join(model_dir, "model.safetensors.index.json")
-        single = os.path.join(model_dir, "model.safetensors")
+        weight_map, files = checkpoint_files(model_dir)
         self._where: dict[str, str] = {}
-        if os.path.exists(index):
-            with open(index) as f:
-                wm = json.load(f)["weight_map"]
-            for k, fname in wm.items():
-                self._where[k] = os.path.join(model_dir, fname)
+        if weight_map is not None:
+            self._where = {k: os.path.join(model_dir, fname) for k, fname in weight_map.items()}
         else:
-            files = [single] if os.path.exists(single) else sorted(
-                os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")
-            )
-            if not files:
-                pickles = sorted(f for f in os.listdir(model_dir) if f.endswith((".bin", ".pt", ".pth")))
-                hint = (f"; it holds PyTorch pickle weights ({pickles[0]}{', ...' if len(pickles) > 1 else ''}): "
-                        f"convert them once with `python -m models.from_torch --model-path {model_dir} --output "
-                        "NEW_DIR` (needs torch: `make oracle`)") if pickles else ""
-                raise ValueError(f"no *.safetensors weights found in {model_dir}{hint}")
             for fn in files:
                 with safe_open(fn, framework="numpy") as f:
                     for k in f.keys():
@@ -293,6 +317,10 @@ class _TensorStore:
         """Whether ``key`` is stored FP8 block-quantized (it has block scales)."""
         return fp8.scale_key(key) in self._where
 
+    def is_float(self, key: str) -> bool:
+        """True when ``key`` is stored in a floating-point dtype (any width, FP8 included; from the header)."""
+        return self._handle(self._where[key]).get_slice(key).get_dtype().startswith(("F", "BF"))
+
     def check_fp8(self, key: str) -> None:
         """ValueError naming the tensor unless ``key`` is a float8_e4m3fn weight whose block scales have a scale
         dtype and the shape of its blocks (from the headers: nothing read)."""
@@ -305,8 +333,11 @@ class _TensorStore:
         if sdt not in fp8.SCALE_DTYPES:
             raise ValueError(f"scales {skey!r} have dtype {sdt}; expected one of "
                              f"{', '.join(str(d) for d in fp8.SCALE_DTYPES)}")
+        if len(self.shape(key)) < 2:
+            raise ValueError(f"tensor {key!r} of shape {self.shape(key)} has block scales; only matrices are "
+                             "block-quantized")
         want = fp8.scale_shape(self.shape(key), self.fp8_block_size)
-        if len(self.shape(key)) < 2 or self.shape(skey) != want:
+        if self.shape(skey) != want:
             raise ValueError(f"scales {skey!r} have shape {self.shape(skey)}, expected {want} for a weight of shape "
                              f"{self.shape(key)} with block size {tuple(self.fp8_block_size)}")
 
@@ -384,6 +415,28 @@ def _log_skipped_mtp(store, num_layers: int) -> None:
         log.info("skipping the multi-token-prediction layer(s) %s: not used for decoding", skipped)
 
 
+def _check_counts(store: _TensorStore, cfg: DSAConfig, model_dir: str) -> None:
+    """ValueError unless the checkpoint holds config.json's last layer and, in its first MoE layer, its last
+    routed expert: a few lookups before the model's shapes (work in proportion to num_hidden_layers x
+    n_routed_experts) are built, so a config that promises more than the files hold fails at once."""
+    last = cfg.num_hidden_layers - 1
+    key = f"model.layers.{last}.input_layernorm.weight"
+    if key not in store:
+        raise ValueError(f"checkpoint {model_dir} is missing tensor {key!r} (config.json: num_hidden_layers="
+                         f"{cfg.num_hidden_layers})")
+    moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), None)
+    if moe is None:
+        return
+    p, E = f"model.layers.{moe}.mlp.experts.", cfg.n_routed_experts
+    fused = p + "gate_up_proj"
+    if fused in store:
+        if len(store.shape(fused)) != 3 or store.shape(fused)[0] != E:
+            raise ValueError(f"tensor {fused!r} has shape {store.shape(fused)}: {store.shape(fused)[0]} experts, "
+                             f"config.json: n_routed_experts={E}")
+    elif (missing := f"{p}{E - 1}.gate_proj.weight") not in store:
+        raise ValueError(f"checkpoint {model_dir} is missing tensor {missing!r} (config.json: n_routed_experts={E})")
+
+
 def load_hf(
     model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None, fp8_numerics: bool = False,
     kv_cache_dtype: str = "auto", sharding=None, fp8_weights: bool = False,
@@ -421,6 +474,7 @@ def load_hf(
         raise ValueError(f"checkpoint {model_dir} is not FP8 block-quantized (no quantization_config): "
                          "FP8-resident weights need one")
 
+    _check_counts(store, cfg, model_dir)
     abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))
     table = hf_param_table(cfg)
     # Resolve every parameter's keys, and check every shape, before any loading work: a missing or
@@ -451,6 +505,8 @@ def load_hf(
                                  f"{param_path(path)} of shape {tuple(flat[path].get_value().shape)})")
             if store.is_fp8(k):
                 store.check_fp8(k)
+            elif not store.is_float(k):
+                raise ValueError(f"tensor {k!r} has dtype {store.dtype(k)}; weights must be floating point")
     covered = {path for path, _, _ in plan} | {sp for _, _, sp in plan if sp is not None}
     missing_params = sorted(set(flat) - covered, key=str)
     if missing_params:

@@ -84,13 +84,13 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   assert len(fp8[0]["output_ids"]) == 6 and all(0 <= t < 512 for t in fp8[0]["output_ids"])
   assert fp8[0]["prefetched"] > 0 and "prefetched" not in res[0]
   assert f"{sum(l.get('prefetched', 0) for l in fp8)} rows prefetched" in r.stderr
-  assert "host pool: jax, FP8 numerics; includes compilation)" in r.stderr  # the summary names the numerics
+  assert "host pool: jax, float32, FP8 numerics; includes compilation)" in r.stderr  # the dtype and numerics
   # Dense mode gives the same tokens (lossless).
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(tmp_path / "dense.jsonl"), "--max-new-tokens", "6")
   dense = [json.loads(l) for l in (tmp_path / "dense.jsonl").read_text().splitlines()]
   assert dense[0]["output_ids"] == res[0]["output_ids"] and "misses" not in dense[0]
-  assert "(dense; includes compilation)" in r.stderr
+  assert "(dense, float32; includes compilation)" in r.stderr
 
 
 @pytest.mark.parametrize("script", ["generate", "server"])

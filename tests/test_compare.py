@@ -28,3 +28,15 @@ def test_compare_without_oracle_says_how_to_get_it(tmp_path):
                       "--oracle-python", os.path.join(str(tmp_path), "nope")], cwd=REPO, capture_output=True,
                      text=True, timeout=120)
   assert r.returncode == 2 and "make oracle" in r.stderr
+
+
+def test_compare_on_an_unloadable_checkpoint_says_why_in_one_line(tmp_path):
+  """A directory of PyTorch pickles (the loader names the converter); the oracle is not reached."""
+  import shutil
+  from tests.tiny_model import tiny_model_dir
+  shutil.copy(os.path.join(tiny_model_dir(), "config.json"), tmp_path)
+  (tmp_path / "pytorch_model.bin").write_bytes(b"")
+  r = subprocess.run([sys.executable, "-m", "models.compare", "--model-path", str(tmp_path), "--input-ids", "1,2",
+                      "--oracle-python", sys.executable], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert "cannot load the model: ValueError: no *.safetensors weights" in r.stderr and "models.from_torch" in r.stderr

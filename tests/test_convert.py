@@ -69,7 +69,28 @@ def test_convert_to_bfloat16_and_refuses_non_empty_output(orbax_dir, tmp_path):
   assert cfg.dtype == "bfloat16" and model.embed_tokens[...].dtype == jnp.bfloat16
   r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", orbax_dir],
                      cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert r.returncode != 0 and "exists and is not empty" in r.stderr and "Traceback" not in r.stderr
+  assert r.returncode != 0 and "exists and is not an empty directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_failed_conversion_says_why_in_one_line_and_leaves_nothing(tmp_path):
+  """A truncated weight file (safetensors' own error) and a side file that cannot be copied (after the
+  parameters were written): exit 2, one line, and no output directory, so the same command can run again."""
+  import shutil
+  src = tmp_path / "src"
+  shutil.copytree(tiny_model_dir(), src)
+  weights = src / "model.safetensors"
+  data = weights.read_bytes()
+  weights.write_bytes(data[: len(data) // 2])
+  os.mkdir(src / "tokenizer.json")
+  for fix in (lambda: weights.write_bytes(data), None):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {src}: ") and "Traceback" not in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no temporary directory
+    if fix:
+      fix()  # the weights are whole again: now the tokenizer.json directory fails, after the parameters
+  assert "IsADirectoryError" in r.stderr, r.stderr
 
 
 def test_an_older_layout_is_refused_with_the_fix(orbax_dir, tmp_path):

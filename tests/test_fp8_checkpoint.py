@@ -292,6 +292,14 @@ def test_inconsistent_fp8_checkpoints_raise(tmp_path):
     save_file(t, f"{fp8_dir}/model.safetensors")
     with pytest.raises(ValueError, match=r"o_proj\.weight_scale_inv"):
         load_hf(fp8_dir)
+    # scales beside a vector (only matrices are block-quantized): named, not an unpacking error
+    t = dict(tensors)
+    norm = "model.layers.1.input_layernorm.weight"
+    t[norm] = t[norm].astype(ml_dtypes.float8_e4m3fn)
+    t[norm + "_scale_inv"] = np.ones((1,), np.float32)
+    save_file(t, f"{fp8_dir}/model.safetensors")
+    with pytest.raises(ValueError, match=r"input_layernorm\.weight' of shape \(\d+,\) has block scales; only matrices"):
+        load_hf(fp8_dir)
 
 
 # ----------------------------------------------------------------------------- FP8-resident weights

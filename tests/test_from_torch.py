@@ -103,6 +103,25 @@ class Opaque:
 d("code", ("pytorch_model.bin", {{"a": base, "obj": Opaque()}}, {{}}))
 d("twice", ("x.bin", {{"a": base}}, {{}}), ("y.bin", {{"a": base}}, {{}}))
 d("sparse", ("m.pt", {{"a": base, "s": base.to_sparse()}}, {{}}))
+d("empty", ("m.pt", {{}}, {{}}))
+d("int_key", ("m.pt", {{5: base}}, {{}}))
+d("ddp", ("m.pt", {{"module.a": base, "module.b.c": base[0]}}, {{}}))
+d("lightning", ("m.pt", {{"model.a": base, "other": base}}, {{}}))
+import json
+d("index_list", ("pytorch_model.bin", {{"a": base}}, {{}}))
+json.dump([1], open(os.path.join(root, "index_list", "pytorch_model.bin.index.json"), "w"))
+d("index_int", ("pytorch_model.bin", {{"a": base}}, {{}}))
+json.dump({{"weight_map": {{"a": 3}}}}, open(os.path.join(root, "index_int", "pytorch_model.bin.index.json"), "w"))
+d("index_outside", ("pytorch_model.bin", {{"a": base}}, {{}}))
+json.dump({{"weight_map": {{"a": "../twice/x.bin"}}}},
+          open(os.path.join(root, "index_outside", "pytorch_model.bin.index.json"), "w"))
+# Both formats' indexes beside the pickles (what a repository shipping both leaves when only *.bin are fetched).
+d("stale_index", ("p1.bin", {{"a": base}}, {{}}), ("p2.bin", {{"b": base}}, {{}}))
+for name in ("config.json", "model.safetensors.index.json"):
+    json.dump({{"weight_map": {{"a": "gone.safetensors"}}}}, open(os.path.join(root, "stale_index", name), "w"))
+d("single", ("ckpt.pt", {{"a": base}}, {{}}), ("notes.pt", {{"b": base}}, {{}}))
+for name in ("config.json", "tokenizer.json", "diary.txt"):
+    open(os.path.join(root, "single", name), "w").write(name)
 """)
   return root
 
@@ -136,12 +155,47 @@ def test_nested_legacy_and_shared_tensors_convert_bit_for_bit(pickles, tmp_path)
     ("code", r"torch.load\(weights_only=True\) refused it"),
     ("twice", "tensor 'a' is in both"),
     ("sparse", "tensor 's' has layout torch.sparse_coo; only dense"),
+    ("empty", "holds an empty state dict: no tensors to convert"),
+    ("int_key", "key 5 is a int; state dict keys are tensor names"),
+    ("index_list", "pytorch_model.bin.index.json: not a JSON object with a weight_map"),
+    ("index_int", "weight_map must map tensor names to file names"),
+    ("index_outside", "names '../twice/x.bin': weight files must be inside"),
 ])
 def test_what_cannot_convert_fails_naming_it_and_writes_nothing(pickles, tmp_path, case, message):
   r = _from_torch(pickles / case, tmp_path / "out", ORACLE_PYTHON)
   assert r.returncode == 2 and re.search(message, r.stderr), (r.returncode, r.stderr[-2000:])
-  assert "Traceback" not in r.stderr
+  assert "Traceback" not in r.stderr and "\x1b" not in r.stderr  # one line, without torch's colour codes
   assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporary directory left
+
+
+def test_prefixes_indexes_and_side_files(pickles, tmp_path):
+  """DistributedDataParallel's "module." is cut from every name; --strip-prefix cuts another one and refuses a
+  name without it; a safetensors index beside the pickles is not copied over the one written (it named files
+  that do not exist); a single file takes config and tokenizer files from its directory, nothing else."""
+  def names(out):
+    store = _TensorStore(str(out))
+    return sorted(store.keys())
+
+  r = _from_torch(pickles / "ddp", tmp_path / "ddp", ORACLE_PYTHON)
+  assert r.returncode == 0 and "'module.' (a DistributedDataParallel wrapper's): stripped" in r.stdout, r.stderr
+  assert names(tmp_path / "ddp") == ["a", "b.c"]
+  r = _from_torch(pickles / "ddp", tmp_path / "ddp_kept", ORACLE_PYTHON, "--strip-prefix", "")
+  assert r.returncode == 0 and names(tmp_path / "ddp_kept") == ["module.a", "module.b.c"], r.stderr
+  r = _from_torch(pickles / "lightning", tmp_path / "lightning", ORACLE_PYTHON, "--strip-prefix", "model.")
+  assert r.returncode == 2 and "tensor 'other' does not start with --strip-prefix 'model.'" in r.stderr, r.stderr
+  assert not (tmp_path / "lightning").exists()
+
+  r = _from_torch(pickles / "stale_index", tmp_path / "stale", ORACLE_PYTHON)
+  assert r.returncode == 0, r.stderr
+  index = json.loads((tmp_path / "stale" / "model.safetensors.index.json").read_text())["weight_map"]
+  assert index == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+  assert names(tmp_path / "stale") == ["a", "b"]
+
+  r = _from_torch(pickles / "single" / "ckpt.pt", tmp_path / "single", ORACLE_PYTHON)
+  assert r.returncode == 0, r.stderr
+  assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["config.json", "model.safetensors",
+                                                                     "tokenizer.json"]
+  assert names(tmp_path / "single") == ["a"]
 
 
 def test_an_existing_output_or_safetensors_input_is_refused(pickles, tmp_path):

@@ -104,6 +104,31 @@ def test_both_rope_forms_parse_identically():
         ({"hidden_act": "gelu"}, "gelu"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({"qk_rope_head_dim": 15}, "'qk_rope_head_dim' must be even"),
+        # Configs that used to load and then fail inside the first step (or allocate without bound).
+        ({"topk_group": 3}, r"topk_group=3 must be <= n_group=2"),
+        ({"num_experts_per_tok": 3}, r"num_experts_per_tok=3 must be <= the 2 experts of topk_group=1 groups"),
+        ({"rope_theta": 0}, r"config key 'rope_theta' must be > 0, got 0"),
+        ({"rope_theta": -5.0}, r"'rope_theta' must be > 0"),
+        ({"index_topk": 10**9}, r"index_topk=1000000000 must be <= max_position_embeddings=128"),
+        ({"max_position_embeddings": 10**15}, r"'max_position_embeddings' must be in \[1, 2147483647\]"),
+        ({"num_hidden_layers": 2**40}, r"'num_hidden_layers' must be in \[1, 2147483647\]"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}},
+         r"rope_scaling key 'original_max_position_embeddings' must be an integer in \[1, "),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1e400}},
+         r"'original_max_position_embeddings' must be an integer"),
+        ({"rope_scaling": {"type": "yarn", "factor": 0}}, r"rope_scaling key 'factor' must be > 0"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0, "mscale": "1"}}, r"'mscale' must be a finite number"),
+        ({"eos_token_id": "x"}, r"'eos_token_id' must be a token id or a list of them, got 'x'"),
+        ({"eos_token_id": {"a": 1}}, r"'eos_token_id' must be a token id"),
+        ({"eos_token_id": [1, -2]}, r"'eos_token_id' must be a token id"),
+        ({"bos_token_id": 1.5}, r"'bos_token_id' must be a token id, got 1.5"),
+        ({"tie_word_embeddings": "no"}, r"'tie_word_embeddings' must be true or false, got 'no'"),
+        ({"rms_norm_eps": -1}, r"'rms_norm_eps' must be >= 0"),
+        ({"routed_scaling_factor": float("nan")}, r"'routed_scaling_factor' must be a finite number"),
+        ({"architectures": "DeepseekV32ForCausalLM"}, r"'architectures' must be a list of class names"),
+        ({"architectures": 5}, r"'architectures' must be a list"),
+        ({"scoring_func": "softmax"}, r"unsupported scoring_func='softmax' \(only 'sigmoid'"),
+        ({"moe_layer_freq": 2}, r"unsupported moe_layer_freq=2"),
     ],
 )
 def test_unsupported_config_raises_naming_it(change, needle):
@@ -160,6 +185,78 @@ def test_missing_tensor_raises_naming_key(ckpt):
     save_file(tensors, f"{ckpt}/model.safetensors")
     with pytest.raises(ValueError, match=r"experts\.3\.up_proj"):
         load_hf(ckpt)
+
+
+def test_a_config_promising_more_than_the_files_fails_before_building_the_model(ckpt):
+    """num_hidden_layers or n_routed_experts beyond the checkpoint: refused by a lookup, not after building
+    shapes for every promised layer and expert (10^5 layers took minutes)."""
+    import time
+    for change, key in (({"num_hidden_layers": 100_000}, "model.layers.99999.input_layernorm.weight"),
+                        ({"n_routed_experts": 200_000_000, "n_group": 1}, "model.layers.1.mlp.experts.199999999")):
+        cfg = json.load(open(f"{ckpt}/config.json"))
+        json.dump({**cfg, **change}, open(f"{ckpt}/config.json", "w"))
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"missing tensor '{key}"):
+            load_hf(ckpt)
+        assert time.monotonic() - t0 < 10  # a lookup (the limit only catches a return to building first)
+        json.dump(cfg, open(f"{ckpt}/config.json", "w"))
+
+
+def test_weights_must_be_floating_point(ckpt):
+    tensors = load_file(f"{ckpt}/model.safetensors")
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].astype(np.int32)
+    save_file(tensors, f"{ckpt}/model.safetensors")
+    with pytest.raises(ValueError, match=r"'model\.embed_tokens\.weight' has dtype int32; weights must be floating"):
+        load_hf(ckpt)
+
+
+def test_weight_files_must_be_regular_files_inside_the_directory(tmp_path, ckpt):
+    """An index entry outside the directory, and weight files that are a dangling link, a directory or a FIFO
+    (which would block the reader forever): named errors before anything is opened, and the engine's
+    start-up error (the fingerprint reads the same files)."""
+    import os
+    import shutil
+    from hisparse_jax.engine import Engine
+    from hisparse_jax.engine.args import StartupError
+    from models.convert import model_fingerprint
+    os.rename(f"{ckpt}/model.safetensors", f"{ckpt}/w.safetensors")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(f"{ckpt}/w.safetensors", outside / "w.safetensors")
+    keys = list(load_file(f"{ckpt}/w.safetensors"))
+    for name in ("../elsewhere/w.safetensors", str(outside / "w.safetensors")):
+        json.dump({"weight_map": dict.fromkeys(keys, name)}, open(f"{ckpt}/model.safetensors.index.json", "w"))
+        with pytest.raises(ValueError, match="weight files must be inside"):
+            load_hf(ckpt)
+    json.dump({"weight_map": [1, 2]}, open(f"{ckpt}/model.safetensors.index.json", "w"))
+    with pytest.raises(ValueError, match="weight_map must map tensor names to file names"):
+        load_hf(ckpt)
+    os.remove(f"{ckpt}/model.safetensors.index.json")
+    for make, what in ((lambda p: os.symlink(tmp_path / "gone", p), "is a broken link"),
+                       (os.mkdir, "is not a regular file"), (os.mkfifo, "is not a regular file")):
+        bad = f"{ckpt}/zz.safetensors"
+        make(bad)
+        with pytest.raises(ValueError, match=f"weight file {bad} {what}"):
+            load_hf(ckpt)
+        with pytest.raises(ValueError, match=what):
+            model_fingerprint(ckpt)
+        with pytest.raises(StartupError, match=f"cannot load the model: ValueError: weight file {bad} {what}"):
+            Engine(str(ckpt), max_seq_len=64)
+        os.rmdir(bad) if os.path.isdir(bad) and not os.path.islink(bad) else os.remove(bad)
+    load_hf(ckpt)  # and the directory loads again
+
+
+def test_page_tables_past_host_memory_are_refused_before_loading(ckpt):
+    """max_position_embeddings near int32's limit: the default --max-seq-len would need page tables of tens
+    of GiB (a row of max_seq_len / page_size per request slot): a start-up error naming the flag, before any
+    weight is read or table allocated."""
+    from hisparse_jax.engine import Engine
+    from hisparse_jax.engine.args import StartupError
+    cfg = json.load(open(f"{ckpt}/config.json"))
+    json.dump({**cfg, "max_position_embeddings": 2**31 - 1}, open(f"{ckpt}/config.json", "w"))
+    with pytest.raises(StartupError, match=r"--max-seq-len 2147483647: the KV page table memory needs [\d.]+ GiB, more "
+                                           r"than .*; lower --max-seq-len"):
+        Engine(str(ckpt), max_running_requests=64, page_size=16)
 
 
 def test_sharded_index_loading(tmp_path, ckpt):

@@ -369,14 +369,15 @@ def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int 
   return budget
 
 
-def check_host_memory(host_bytes: int) -> None:
-  """StartupError if a host pool of host_bytes would not fit in MAX_HOST_MEMORY_FRACTION of physical memory."""
+def check_host_memory(host_bytes: int, what: str = "--hisparse-config: the host pool",
+                      remedy: str = "lower device_buffer_size, host_to_device_ratio or --max-running-requests") -> None:
+  """StartupError if host_bytes (``what`` needs them) would not fit in MAX_HOST_MEMORY_FRACTION of physical
+  memory; the message ends with ``remedy``."""
   have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   if host_bytes > MAX_HOST_MEMORY_FRACTION * have:
     raise StartupError(
-        f"--hisparse-config: the host pool needs {host_bytes / 2**30:.1f} GiB, more than "
-        f"{MAX_HOST_MEMORY_FRACTION:.0%} of this machine's {have / 2**30:.1f} GiB; lower device_buffer_size, "
-        "host_to_device_ratio or --max-running-requests")
+        f"{what} needs {host_bytes / 2**30:.1f} GiB, more than {MAX_HOST_MEMORY_FRACTION:.0%} of this machine's "
+        f"{have / 2**30:.1f} GiB; {remedy}")
 
 
 def load_tokenizer_or_fail(model_dir: str):

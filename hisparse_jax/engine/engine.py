@@ -174,6 +174,11 @@ class Engine:
       except ConfigError as e:
         raise StartupError(str(e)) from None
     self.max_seq_len = args.resolve_max_seq_len(model_cfg)
+    # The page tables (int32, a row of ceil(max_seq_len / page_size) per request slot and KV pool, at most three
+    # pools) are the one host structure sized by max_seq_len: checked before anything is read or allocated.
+    check_host_memory(3 * args.max_running_requests * -(-self.max_seq_len // args.page_size) * 4,
+                      f"--max-seq-len {self.max_seq_len}: the KV page table memory",
+                      "lower --max-seq-len (default: the model's max_position_embeddings) or --max-running-requests")
     # Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (see EngineArgs).
     self.max_prompt_bytes = args.max_prompt_bytes or DEFAULT_PROMPT_BYTES_PER_TOKEN * self.max_seq_len
     self.tokenizer = tokenizer
@@ -181,7 +186,10 @@ class Engine:
     self.record_topk = record_topk
     # The mesh (hisparse_jax/sharding.py): one device, no mesh; several, parameters split by the rule table as
     # they load (no device holds the whole model), KV split over the DP groups.
-    self.model_fingerprint = model_fingerprint(model_dir)  # which model (other processes and servers compare)
+    try:  # which model (other processes and servers compare)
+      self.model_fingerprint = model_fingerprint(model_dir)
+    except (OSError, ValueError) as e:
+      raise StartupError(f"--model-path {model_dir!r}: cannot load the model: {type(e).__name__}: {e}") from None
     self.mesh_config = args.mesh_config()
     try:
       self.mesh_config.validate(model_cfg, len(jax.devices()), fp8_weights=args.weight_dtype == "fp8")
@@ -545,11 +553,13 @@ class Engine:
     return None
 
   def numerics_label(self) -> str:
-    """How this engine stores and computes the KV, for the start-up and summary lines: ", KV cache fp8_e4m3"
-    (stored FP8, which implies the FP8 numerics), ", FP8 numerics" (simulated in the auto cache), or ""."""
+    """The compute dtype and how this engine stores and computes the KV, for the start-up and summary lines:
+    ", bfloat16" then ", KV cache fp8_e4m3" (stored FP8, which implies the FP8 numerics), ", FP8 numerics"
+    (simulated in the auto cache), or nothing."""
+    label = f", {self.dtype.name}"
     if self.config.kv_cache_dtype != "auto":
-      return f", KV cache {self.config.kv_cache_dtype}"
-    return ", FP8 numerics" if self.config.fp8_numerics else ""
+      return f"{label}, KV cache {self.config.kv_cache_dtype}"
+    return label + (", FP8 numerics" if self.config.fp8_numerics else "")
 
   def loads(self) -> dict:
     """Current load: requests, free request slots, and each KV pool's pages and bytes (call on the engine's

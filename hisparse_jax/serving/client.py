@@ -123,7 +123,7 @@ def main(argv):
         wait_for_serving(channel, FLAGS["wait-for-ready-s"].value)
       except TimeoutError as e:
         sys.exit(f"error: {FLAGS.target}: {e}")
-    streamed = False
+    streamed, output_ids = False, []
     try:
       sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS["top-p"].value, top_k=FLAGS["top-k"].value,
                       stop=FLAGS.stop, stop_token_ids=stop_token_ids,
@@ -136,7 +136,10 @@ def main(argv):
         sys.stdout.write(msg.text)
         sys.stdout.flush()
         streamed = streamed or bool(msg.text)
+        output_ids.extend(msg.token_ids)
         if msg.finished:
+          if not streamed and output_ids:  # a model without a tokenizer streams ids, not text
+            print(f"output_ids={output_ids}", end="")
           print("\n" + summary_line(msg))
     except grpc.RpcError as e:
       sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")

@@ -262,8 +262,11 @@ def main(argv):
              + ("" if written or not FLAGS.output else f" (the earlier {where} is unchanged)"))
   if interrupted.is_set():
     where = FLAGS.output or "stdout"
-    print(f"\n[generate] interrupted: {written} of {len(results)} results written to {where}", file=sys.stderr)
+    print(f"\n[generate] interrupted: {written} of {len(results)} results written to {where}"
+          + ("" if written or not FLAGS.output else f" (the earlier {where} is unchanged)"), file=sys.stderr)
     sys.exit(130)
+  if dest is None:  # a finished run with no result line (no prompts): the output is that, empty
+    open(FLAGS.output, "w").close()
   elapsed = time.perf_counter() - start
   if dump is not None:
     import numpy as np

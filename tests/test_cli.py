@@ -31,6 +31,22 @@ def run(*args, timeout=300, env=None):
                         env=None if env is None else {**os.environ, **env})
 
 
+def test_an_earlier_output_survives_a_start_up_error_and_a_run_without_prompts_empties_it(tmp_path):
+  """The output is opened at the first result (a run that fails before one keeps the earlier file; checked by
+  hand with a step that runs out of memory); a run that finishes without any prompt line still leaves it empty,
+  as a run over an empty prompts file should."""
+  prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+  prompts.write_text("\n\n")
+  out.write_text("earlier results\n")
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+          "--output", str(out), "--max-seq-len", "100000")
+  assert r.returncode == 1 and "--max-seq-len 100000" in r.stderr and out.read_text() == "earlier results\n"
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+          "--output", str(out))
+  assert r.returncode == 0 and "0 requests (0 rejected)" in r.stderr, r.stderr[-2000:]
+  assert out.read_text() == ""
+
+
 def test_generate_jsonl_with_bad_lines(tmp_path):
   prompts = tmp_path / "p.jsonl"
   lines = [

@@ -69,7 +69,7 @@ class HiSparseConfig:
     top_k: tokens attended per decode step and layer (the indexer's
       ``index_topk``); must equal the model's value.
     device_buffer_size: D, hot-buffer slots per request and layer on device
-      (one more reserved slot holds the newest token). D >= top_k.
+      (one more reserved slot holds the newest token). D >= top_k; None (the default): 2 x top_k.
     host_to_device_ratio: host-pool rows per hot-buffer row (>= 1). The host
       pool holds ratio x (requests x (D + 1)) latent rows per layer.
     eviction: which resident token a miss replaces: "lru" (HiSparse's least recently used, the default),
@@ -95,7 +95,7 @@ class HiSparseConfig:
   """
 
   top_k: int
-  device_buffer_size: int
+  device_buffer_size: int | None = None  # None: DEFAULT_BUFFER_PER_TOP_K x top_k
   host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
   eviction: str = DEFAULT_EVICTION
   resident_fraction: float = 0.0
@@ -103,6 +103,8 @@ class HiSparseConfig:
   prefetch_depth: int | None = None
 
   def __post_init__(self):
+    if self.device_buffer_size is None and isinstance(self.top_k, int) and not isinstance(self.top_k, bool):
+      object.__setattr__(self, "device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * self.top_k)  # as from_json
     if self.prefetch not in PREFETCHES:
       raise ConfigError(f"hisparse config: prefetch must be one of {list(PREFETCHES)}, got {self.prefetch!r}")
     if self.prefetch != "none" and self.eviction in SCORED_EVICTIONS:

@@ -70,5 +70,10 @@ def test_errors_name_the_key(text, message):
     HiSparseConfig.from_json(text, model_top_k=32)
 
 
+def test_the_python_constructor_defaults_the_buffer_as_the_json_does():
+  assert HiSparseConfig(top_k=32) == HiSparseConfig.from_json("{}", model_top_k=32)
+  assert HiSparseConfig(top_k=32).device_buffer_size == 64
+
+
 def test_host_pool_rows_is_ratio_times_hot_rows():
   assert HiSparseConfig(2048, 4096, 8).host_pool_rows(3) == 8 * 3 * 4097

@@ -145,6 +145,45 @@ def test_memory_follows_tokens_and_max_seq_len_defaults_to_the_model():
   assert kv()["pages_free"] == free0
 
 
+def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
+  """The Python API's misuses (a new user's findings): the same Request submitted twice (it decoded wrong
+  tokens and then the engine spun forever), a finished one resubmitted (it extended its old output), fields of
+  the wrong type (2.5 tokens, float or bool ids, a str prompt), and an on_token callback that raises (it took
+  every later step down): each is that request's error, and the engine goes on."""
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, **SMALL)
+  ref = Request("ref", prompt(20), 6)
+  eng.submit(ref)
+  eng.run()
+  r = Request("twice", prompt(20), 6)
+  eng.submit(r)
+  with pytest.raises(InvalidRequest, match="'twice' was already submitted"):
+    eng.submit(r)
+  eng.run()
+  assert r.output_ids == ref.output_ids and not eng.has_work()
+  with pytest.raises(InvalidRequest, match="already submitted"):
+    eng.submit(r)  # finished: not extended
+  assert r.output_ids == ref.output_ids
+  for bad, message in ((Request("a", prompt(5), 2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
+                       (Request("b", [0.0, 5.5], 2), "prompt_ids must be token ids \\(int\\), got 0.0"),
+                       (Request("c", [True, 5], 2), "got True"),
+                       (Request("d", "Hello world", 2), "got str \\(a text prompt is tokenized first"),
+                       (Request("e", prompt(5), 2, temperature="0"), "temperature must be a number"),
+                       (Request("f", prompt(5), 2, top_k=1.5), "top_k and seed must be integers")):
+    with pytest.raises(InvalidRequest, match=message):
+      eng.submit(bad)
+  assert eng.submit(Request("np", list(np.asarray(prompt(5), np.int64)), 2)) is None  # numpy ints are ids
+
+  def boom(token, delta):
+    raise RuntimeError("user callback boom")
+
+  bad, good = Request("boom", prompt(20), 6, on_token=boom), Request("good", prompt(20), 6)
+  eng.submit(bad)
+  eng.submit(good)
+  eng.run()
+  assert bad.finish_reason == "error" and "on_token raised RuntimeError: user callback boom" in bad.error
+  assert good.output_ids == ref.output_ids and all_kv_free(eng.loads())
+
+
 def test_requests_that_never_fit_or_exceed_the_context_fail_alone():
   eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=300, max_device_kv_bytes=6 * 16 * 768,
                **SMALL)

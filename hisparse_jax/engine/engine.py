@@ -69,6 +69,11 @@ from models.convert import load_model, model_fingerprint
 
 log = logging.getLogger(__name__)
 
+
+def _is_int(x) -> bool:
+  """An integer (Python's or numpy's), not a bool."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
 MIN_PREFILL_BUCKET = 16
 # Decode batches up to this many rows take their logits vocabulary-major ([vocab, batch]) on one CPU device:
 # XLA:CPU's output projection runs 15-20% faster with that output layout at 2-64 rows, equal at 1, 2-5% slower
@@ -449,18 +454,37 @@ class Engine:
   def validate(self, req: Request) -> None:
     """Raises InvalidRequest / ResourceExhausted if req can never be served (reads only start-up sizes:
     callable from any thread)."""
+    if not isinstance(req, Request):
+      raise InvalidRequest(f"expected a Request, got {type(req).__name__}")
+    if req._submitted:
+      raise InvalidRequest(f"request {req.request_id!r} was already submitted (a Request runs once: submit a new "
+                           "one)")
+    ids = req.prompt_ids
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or getattr(ids, "ndim", 1) != 1:
+      raise InvalidRequest(f"prompt_ids must be a list of token ids (int), got {type(ids).__name__} (a text "
+                           "prompt is tokenized first: detokenizer.encode_prompt)")
+    bad = next((t for t in ids if not _is_int(t)), None)
+    if bad is not None:
+      raise InvalidRequest(f"prompt_ids must be token ids (int), got {bad!r}")
     n = len(req.prompt_ids)
     if n == 0:
       raise InvalidRequest("empty prompt")
-    if isinstance(req.max_new_tokens, bool) or req.max_new_tokens <= 0:
-      raise InvalidRequest(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+    if not _is_int(req.max_new_tokens) or req.max_new_tokens <= 0:
+      raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
+    for name in ("temperature", "top_p"):
+      if not isinstance(getattr(req, name), (int, float)) or isinstance(getattr(req, name), bool):
+        raise InvalidRequest(f"{name} must be a number, got {getattr(req, name)!r}")
+    if not _is_int(req.top_k) or (req.seed is not None and not _is_int(req.seed)):
+      raise InvalidRequest(f"top_k and seed must be integers, got {req.top_k!r} and {req.seed!r}")
+    if not all(_is_int(t) for t in req.stop_token_ids):
+      raise InvalidRequest("stop_token_ids must be token ids (int)")
     V = self.config.vocab_size
     bad = [t for t in req.prompt_ids if not 0 <= t < V]
     if bad:
       raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {V})")
     if n + req.max_new_tokens > self.max_seq_len:
       raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the model "
-                           f"context of {self.max_seq_len} tokens")
+                           f"context of {self.max_seq_len} tokens (--max-seq-len)")
     why = self.backend.never_fits(n, n + req.max_new_tokens)
     if why is not None:
       raise ResourceExhausted(why)
@@ -505,12 +529,15 @@ class Engine:
     two steps wait for the next step's admission even when slots are free, and up to that many of them take a
     slot there (a burst of max_running_requests + max_queued_requests on an idle engine is accepted whole)."""
     self.validate(req)
+    if any(r is req for r in self.waiting) or any(r is req for r in self.running):  # pragma: no cover - _submitted
+      raise InvalidRequest(f"request {req.request_id!r} is already queued")
     if (self.max_queued_requests is not None
         and len(self.waiting) >= self.max_queued_requests + self.backend.free_slots):
       raise ResourceExhausted(f"queue full ({self.max_queued_requests} requests waiting beyond the "
                               f"{self.backend.free_slots} free request slots)")
     if req.seed is None:
       req.seed = int.from_bytes(os.urandom(4), "little")
+    req._submitted = True
     req.stop_token_ids = frozenset(req.stop_token_ids)
     req.prefill_ids = list(req.prompt_ids)
     req.phase = Phase.WAITING
@@ -526,7 +553,8 @@ class Engine:
     return bool(self.waiting) or bool(self.running)
 
   def abort(self, request_id: str) -> Request | None:
-    """Stops a waiting or running request (finish_reason "abort") and returns it (None if unknown).
+    """Stops a waiting or running request (finish_reason "abort") and returns it (None if unknown); ``step``
+    does not return it again.
 
     Called between steps. A call may still be computing the request's row (with ``overlap_schedule``, the step
     launched ahead; its token for the request is dropped): whatever reuses its slot or pages later is ordered
@@ -1063,7 +1091,11 @@ class Engine:
         delta += req._stops.finish()
       req.text = req._stops.text
     if req.on_token is not None:
-      req.on_token(token, delta)
+      try:
+        req.on_token(token, delta)
+      except Exception as e:  # noqa: BLE001 - a caller's callback fails its own request, not the batch
+        log.exception("request %r: on_token raised; the request ends with an error", req.request_id)
+        req.finish_reason, req.error = "error", f"on_token raised {type(e).__name__}: {e}"
     req.text_sent += len(delta)
     if req.done:
       self._release(req)

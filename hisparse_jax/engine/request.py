@@ -69,8 +69,9 @@ class Request:
     text: the output text (with a tokenizer): complete once finished, truncated at a stop string.
     text_sent: characters of ``text`` already handed to on_token.
     finish_reason: None while running, then "stop" (EOS), "stop_token", "stop_string", "length", "abort", or
-      "error": a kernel left the request's row unchanged (``error`` says why; the other requests go on), or
-      ``Engine.reset()`` dropped it.
+      "error": a kernel left the request's row unchanged (``error`` says why; the other requests go on), its
+      on_token raised (the exception is logged and named in ``error``; the others go on), or ``Engine.reset()``
+      dropped it. A Request runs once: submitting it again is an InvalidRequest.
     error: with finish_reason "error", the kernel's INVALID_ARGUMENT message (``ops.KernelStatusError``), or
       that ``Engine.reset()`` dropped it.
     matched_stop: the stop token id (as text) or stop string that matched.
@@ -135,6 +136,7 @@ class Request:
   prefilled: int = 0          # tokens of prefill_ids already in the KV
   _detok: object = None
   _stops: object = None
+  _submitted: bool = False    # set by Engine.submit: a Request runs once
 
   @property
   def done(self) -> bool:

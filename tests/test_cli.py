@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,14 @@ def test_an_earlier_output_survives_a_start_up_error_and_a_run_without_prompts_e
           "--output", str(out))
   assert r.returncode == 0 and "0 requests (0 rejected)" in r.stderr, r.stderr[-2000:]
   assert out.read_text() == ""
+
+
+def test_the_python_api_example_runs_and_hisparse_gives_the_dense_tokens():
+  """examples/python_api.py, the README's Python API walk-through (it asserts dense == HiSparse itself)."""
+  r = run("examples/python_api.py", "--max-new-tokens", "6")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "dense and HiSparse tokens agree" in r.stdout and r.stdout.count("refused: prompt (2000 tokens)") == 2
+  assert re.search(r"hisparse-0: 337 prompt tokens, length, \d+ hits / [1-9]\d* misses", r.stdout), r.stdout
 
 
 def test_generate_jsonl_with_bad_lines(tmp_path):

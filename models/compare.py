@@ -81,18 +81,32 @@ def main(argv=None) -> int:
   if not os.path.exists(python):
     print(f"error: no transformers oracle at {python} (run `make oracle`, or pass --oracle-python)", file=sys.stderr)
     return 2
-  if args.text is not None:
-    from hisparse_jax.engine.detokenizer import encode_prompt, load_tokenizer
-    from models.config import DSAConfig
-    tok = load_tokenizer(args.model_path)
-    if tok is None:
-      print("error: --text needs tokenizer.json in the model directory", file=sys.stderr)
-      return 2
-    prompt = encode_prompt(tok, args.text, DSAConfig.from_pretrained(args.model_path).bos_token_id)
-  else:
-    prompt = [int(x) for x in args.input_ids.split(",") if x.strip()]
-  if not prompt or args.max_new_tokens < 1:
-    print("error: need a non-empty prompt and --max-new-tokens >= 1", file=sys.stderr)
+  from models.config import DSAConfig
+  try:
+    cfg = DSAConfig.from_pretrained(args.model_path)
+    if args.text is not None:
+      from hisparse_jax.engine.detokenizer import encode_prompt, load_tokenizer
+      tok = load_tokenizer(args.model_path)
+      if tok is None:
+        raise ValueError("--text needs tokenizer.json in the model directory (or pass --input-ids)")
+      prompt = encode_prompt(tok, args.text, cfg.bos_token_id)
+    else:
+      try:
+        prompt = [int(x) for x in args.input_ids.split(",") if x.strip()]
+      except ValueError:
+        raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
+  except (OSError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  bad = next((t for t in prompt if not 0 <= t < cfg.vocab_size), None)
+  if not prompt or args.max_new_tokens < 1 or bad is not None:
+    print("error: need a non-empty prompt of ids in the vocabulary [0, "
+          f"{cfg.vocab_size}) and --max-new-tokens >= 1" + (f" (got id {bad})" if bad is not None else ""),
+          file=sys.stderr)
+    return 2
+  if len(prompt) + args.max_new_tokens > cfg.max_position_embeddings:
+    print(f"error: prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+          f"max_position_embeddings {cfg.max_position_embeddings}", file=sys.stderr)
     return 2
 
   try:
@@ -112,8 +126,7 @@ def main(argv=None) -> int:
   print(f"greedy: first {agree} of {args.max_new_tokens} tokens agree"
         + ("" if agree == args.max_new_tokens else f" (ours {our_tokens[agree]}, transformers {ref_tokens[agree]})"))
   print(f"  ours:         {our_tokens}\n  transformers: {ref_tokens}")
-  from models.config import DSAConfig
-  topk = DSAConfig.from_pretrained(args.model_path).index_topk
+  topk = cfg.index_topk
   if (err > 1e-3 or agree < args.max_new_tokens) and len(prompt) + args.max_new_tokens > topk + 1:
     print(f"note: past index_topk = {topk} positions the indexer picks a top-k, and an exact tie at its cut-off "
           "(common with few indexer heads: ReLU gives exact zeros) is broken differently by jax.lax.top_k and "

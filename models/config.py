@@ -191,8 +191,8 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})")
     for where, d in (("rope_parameters", rp), ("config", cfg)):
-        prf = d.get("partial_rotary_factor")
-        if prf is not None and float(prf) != 1.0:
+        prf = _number(d, "partial_rotary_factor", where)
+        if prf is not None and prf != 1.0:
             raise ValueError(f"unsupported partial_rotary_factor {prf!r} in {where} (only 1.0)")
     where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     theta = (_number(rp, "rope_theta", where, positive=True)
@@ -210,8 +210,9 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
         theta=theta,
         factor=factor,
         original_max_position_embeddings=orig,
-        beta_fast=_number(rp, "beta_fast", where, 32.0) or 32.0,  # 0 / absent: the default, as transformers
-        beta_slow=_number(rp, "beta_slow", where, 1.0) or 1.0,
+        # 0 / absent: the default, as transformers; the YaRN ramp takes log(beta), so a negative one cannot run
+        beta_fast=_number(rp, "beta_fast", where, 32.0, non_negative=True) or 32.0,
+        beta_slow=_number(rp, "beta_slow", where, 1.0, non_negative=True) or 1.0,
         mscale=_number(rp, "mscale", where),
         mscale_all_dim=_number(rp, "mscale_all_dim", where),
         attention_factor=_number(rp, "attention_factor", where),
@@ -280,7 +281,7 @@ def _parse_quantization(cfg: dict) -> tuple[int, int] | None:
         raise ValueError(f"unsupported quantization_config.quant_method {method!r} "
                          f"(supported: {SUPPORTED_QUANT_METHODS})")
     block = q.get("weight_block_size")
-    if block is None or tuple(block) not in SUPPORTED_FP8_BLOCK_SIZES:
+    if not isinstance(block, list) or tuple(block) not in SUPPORTED_FP8_BLOCK_SIZES:
         raise ValueError(f"unsupported quantization_config.weight_block_size {block!r} "
                          f"(supported: {[list(b) for b in SUPPORTED_FP8_BLOCK_SIZES]})")
     fmt = q.get("fmt", "e4m3")
@@ -309,6 +310,8 @@ _INTEGER_KEYS = {
 # Every integer key is a tensor dimension, a count or a position: int32 in the programs (shapes, positions, slot
 # and page ids), so nothing above 2**31 - 1 can run.
 _INT32_MAX = 2**31 - 1
+MAX_LAYERS = 1024
+MAX_ROUTED_EXPERTS = 65536
 
 
 def _number(d: dict, key: str, where: str, default: float | None = None, *, positive: bool = False,
@@ -528,11 +531,16 @@ class DSAConfig:
             return defaults[key] if value is None else value
 
         n_layers = int(cfg["num_hidden_layers"])
-        if cfg.get("attention_bias"):
+        # Per-layer and per-expert tables are built from these before any weight is read: bounded here (far
+        # past DeepSeek-V3.2's 61 layers and 256 experts; a larger model needs these limits raised).
+        for key, limit in (("num_hidden_layers", MAX_LAYERS), ("n_routed_experts", MAX_ROUTED_EXPERTS)):
+            if cfg[key] > limit:
+                raise ValueError(f"config key {key!r} is {cfg[key]}; at most {limit} are supported")
+        if _flag(cfg, "attention_bias", False):
             raise ValueError("unsupported attention_bias=True (MLA projections without bias only)")
         want_mla, want_idx = _ROPE_LAYOUT[model_type]
         for key, want in (("rope_interleave", want_mla), ("indexer_rope_interleave", want_idx)):
-            if key in cfg and cfg[key] is not None and bool(cfg[key]) != want:
+            if _flag(cfg, key, want) != want:
                 raise ValueError(f"unsupported {key}={cfg[key]!r} for model_type {model_type!r} "
                                  f"(transformers 5.24 always uses {want})")
         mlp_layer_types = _layer_list(cfg, "mlp_layer_types", n_layers, ("dense", "sparse"))
@@ -553,6 +561,10 @@ class DSAConfig:
         max_pos = int(get("max_position_embeddings"))
         eos = _token_ids(cfg.get("eos_token_id", _DEFAULTS["eos_token_id"]), "eos_token_id", True)
         bos = _token_ids(cfg.get("bos_token_id", _DEFAULTS["bos_token_id"]), "bos_token_id", False)
+        for key, ids in (("eos_token_id", eos if isinstance(eos, tuple) else (eos,)), ("bos_token_id", (bos,))):
+            if any(t is not None and t >= cfg["vocab_size"] for t in ids):
+                raise ValueError(f"config key {key!r}: token id {max(t for t in ids if t is not None)} is outside "
+                                 f"the vocabulary [0, {cfg['vocab_size']})")
         n_experts = int(cfg["n_routed_experts"])
         n_group = int(get("n_group"))
         if n_experts % n_group:
@@ -609,7 +621,7 @@ class DSAConfig:
             eos_token_id=eos,
             dtype=_DTYPES[str(dtype_name)],
             hidden_act=hidden_act,
-            initializer_range=float(get("initializer_range")),
+            initializer_range=_number(cfg, "initializer_range", "config", defaults["initializer_range"]),
             model_type=model_type,
             mlp_layer_types=mlp_layer_types,
             indexer_types=indexer_types,
@@ -621,9 +633,8 @@ class DSAConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "DSAConfig":
         """Read ``<model_dir>/config.json`` and build the config."""
-        path = os.path.join(os.fspath(model_dir), "config.json")
-        with open(path) as f:
-            return cls.from_hf_config(json.load(f))
+        from .from_torch import read_json  # a regular file of bounded size (not a FIFO or /dev/zero)
+        return cls.from_hf_config(read_json(os.path.join(os.fspath(model_dir), "config.json")))
 
     def replace(self, **changes) -> "DSAConfig":
         return dataclasses.replace(self, **changes)

@@ -24,7 +24,6 @@ from flax import nnx
 
 from models.config import DSAConfig
 from models.deepseek_v32 import DeepseekV32ForCausalLM
-from models.from_torch import new_directory
 from models.kv_format import check_kv_cache_dtype
 from models.loader import checkpoint_files, load_hf, param_path
 
@@ -83,6 +82,8 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   """
   import orbax.checkpoint as ocp
 
+  from models.from_torch import check_regular_file, new_directory
+
   with new_directory(output) as tmp:  # a failure leaves nothing (ValueError first for a non-empty output)
     cfg, model = load_hf(hf_dir, dtype=dtype)
     _, state = nnx.split(model)
@@ -97,7 +98,8 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
     for name in SIDE_FILES:
-      if os.path.exists(os.path.join(hf_dir, name)):
+      if os.path.lexists(os.path.join(hf_dir, name)):
+        check_regular_file(os.path.join(hf_dir, name))  # a link to /dev/zero would fill the disk
         shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
     with open(os.path.join(tmp, ORBAX_MARKER), "w") as f:
       json.dump({"format": "orbax", "layout": ORBAX_LAYOUT, "params": PARAMS_DIR, "dtype": cfg.dtype,

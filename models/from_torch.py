@@ -74,13 +74,34 @@ def _is_trainer_file(name: str) -> bool:
 # Checkpoint-directory helpers, standard library only: models.loader and models.convert use them too, and this
 # file must also run as a plain script in a Python without the package's dependencies.
 
+MAX_JSON_BYTES = 256 * 2**20  # a config or index JSON; DeepSeek-V3.2's index is ~9 MB
+
+
+def check_regular_file(path: str, limit: int | None = None) -> None:
+  """ValueError unless ``path`` (links followed) is a regular file of at most ``limit`` bytes: a FIFO would block
+  a reader forever and a link to /dev/zero never ends."""
+  if not os.path.isfile(path):
+    what = ("is a broken link" if os.path.islink(path) and not os.path.exists(path) else
+            "does not exist" if not os.path.lexists(path) else "is not a regular file")
+    raise ValueError(f"{path} {what}")
+  if limit is not None and os.path.getsize(path) > limit:
+    raise ValueError(f"{path} is {os.path.getsize(path)} bytes; at most {limit} are read")
+
+
+def read_json(path: str, limit: int = MAX_JSON_BYTES):
+  """json.load of ``path`` after ``check_regular_file`` (ValueError naming it)."""
+  check_regular_file(path, limit)
+  with open(path) as f:
+    return json.load(f)
+
+
 def read_weight_map(index: str, model_dir: str) -> dict[str, str]:
   """The ``weight_map`` (tensor name -> file name) of a checkpoint index JSON. ValueError naming ``index`` for
   what is not a JSON object holding a str -> str map, or a file name that is absolute or climbs out of
   ``model_dir`` with ``..`` (weights are read from inside the directory only)."""
+  check_regular_file(index, MAX_JSON_BYTES)
   try:
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
   except (OSError, ValueError, AttributeError) as e:
     raise ValueError(f"{index}: not a JSON object with a weight_map ({type(e).__name__}: {e})") from None
   if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -121,7 +142,8 @@ def new_directory(dst: str):
 def torch_files(path: str) -> list[str]:
   """The checkpoint's torch pickle files, in order. ValueError when there are none, or when ``path`` already
   holds safetensors weights (nothing to convert)."""
-  if os.path.isfile(path):
+  if os.path.exists(path) and not os.path.isdir(path):
+    check_regular_file(path)
     if not path.endswith(TORCH_SUFFIXES):
       raise ValueError(f"{path} is not a torch pickle (*.bin, *.pt, *.pth)")
     return [path]
@@ -141,6 +163,7 @@ def torch_files(path: str) -> list[str]:
         raise ValueError(f"{index} names {n!r}, which is not a file in {path}")
     return [os.path.join(path, n) for n in files]
   if "pytorch_model.bin" in names:
+    check_regular_file(os.path.join(path, "pytorch_model.bin"))
     return [os.path.join(path, "pytorch_model.bin")]
   files = [os.path.join(path, n) for n in names if n.endswith(TORCH_SUFFIXES) and not _is_trainer_file(n)
            and os.path.isfile(os.path.join(path, n))]

@@ -47,7 +47,6 @@ from safetensors import safe_open
 
 from . import fp8
 from .config import DSAConfig
-from .from_torch import read_weight_map
 from .deepseek_v32 import DeepseekV32ForCausalLM
 from .kv_format import check_kv_cache_dtype
 
@@ -203,6 +202,7 @@ def checkpoint_files(model_dir: str) -> tuple[dict[str, str] | None, list[str]]:
     path inside the directory (no absolute path, no ``..``), a weight file that is not a regular file (a
     dangling link, a directory, a FIFO: nothing is opened), or no weights at all (pointing a directory of
     PyTorch pickles to ``models.from_torch``)."""
+    from .from_torch import read_weight_map  # here: `python -m models.from_torch` imports the package first
     index = os.path.join(model_dir, INDEX_FILE)
     weight_map = None
     if os.path.exists(index):

@@ -94,7 +94,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
       assert len(set(topk.tolist())) == len(topk) and topk.min() >= 0 and topk.max() < c + t + 1
   assert res[5]["output_ids"] and len(res[5]["output_ids"]) <= 4
   assert "empty prompt" in res[1]["error"] and res[1]["code"] == "INVALID_ARGUMENT"
-  assert "max_new_tokens must be >= 1" in res[2]["error"]
+  assert "max_new_tokens must be an integer >= 1, got 0" in res[2]["error"]
   assert "exceeds the model context of 512" in res[3]["error"]
   assert "no tokenizer.json" in res[4]["error"]
   assert "outside the vocabulary" in res[6]["error"]

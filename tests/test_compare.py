@@ -40,3 +40,14 @@ def test_compare_on_an_unloadable_checkpoint_says_why_in_one_line(tmp_path):
                       "--oracle-python", sys.executable], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
   assert "cannot load the model: ValueError: no *.safetensors weights" in r.stderr and "models.from_torch" in r.stderr
+
+
+def test_compare_refuses_bad_ids_and_lengths_in_one_line():
+  from tests.tiny_model import tiny_model_dir
+  for ids, extra, message in (("0,x,5", [], "--input-ids must be comma-separated integers"),
+                              ("0,99999", [], "(got id 99999)"),
+                              ("0,5", ["--max-new-tokens", "100000000"], "exceeds the model's max_position_embeddings")):
+    r = subprocess.run([sys.executable, "-m", "models.compare", "--model-path", tiny_model_dir(), "--input-ids", ids,
+                        "--oracle-python", sys.executable, *extra], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

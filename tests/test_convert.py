@@ -89,8 +89,14 @@ def test_a_failed_conversion_says_why_in_one_line_and_leaves_nothing(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith(f"error: {src}: ") and "Traceback" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no temporary directory
     if fix:
-      fix()  # the weights are whole again: now the tokenizer.json directory fails, after the parameters
-  assert "IsADirectoryError" in r.stderr, r.stderr
+      fix()  # the weights are whole again: now the tokenizer.json directory fails (its own check)
+  assert "tokenizer.json is not a regular file" in r.stderr, r.stderr  # a directory
+  os.rmdir(src / "tokenizer.json")
+  os.symlink("/dev/zero", src / "tokenizer.json")  # copied as it was, it would fill the disk
+  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and "tokenizer.json is not a regular file" in r.stderr, r.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_an_older_layout_is_refused_with_the_fix(orbax_dir, tmp_path):

@@ -129,6 +129,15 @@ def test_both_rope_forms_parse_identically():
         ({"architectures": 5}, r"'architectures' must be a list"),
         ({"scoring_func": "softmax"}, r"unsupported scoring_func='softmax' \(only 'sigmoid'"),
         ({"moe_layer_freq": 2}, r"unsupported moe_layer_freq=2"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0, "beta_fast": -5}}, r"'beta_fast' must be >= 0, got -5"),
+        ({"num_hidden_layers": 2**31 - 1}, r"'num_hidden_layers' is 2147483647; at most 1024 are supported"),
+        ({"n_routed_experts": 2**20, "n_group": 1}, r"'n_routed_experts' is 1048576; at most 65536"),
+        ({"eos_token_id": [1, 300]}, r"'eos_token_id': token id 300 is outside the vocabulary \[0, 300\)"),
+        ({"attention_bias": "no"}, r"'attention_bias' must be true or false, got 'no'"),
+        ({"rope_interleave": "no"}, r"'rope_interleave' must be true or false"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": 5}}, r"weight_block_size 5"),
+        ({"partial_rotary_factor": "abc"}, r"'partial_rotary_factor' must be a finite number"),
+        ({"initializer_range": "x"}, r"'initializer_range' must be a finite number"),
     ],
 )
 def test_unsupported_config_raises_naming_it(change, needle):
@@ -189,10 +198,11 @@ def test_missing_tensor_raises_naming_key(ckpt):
 
 def test_a_config_promising_more_than_the_files_fails_before_building_the_model(ckpt):
     """num_hidden_layers or n_routed_experts beyond the checkpoint: refused by a lookup, not after building
-    shapes for every promised layer and expert (10^5 layers took minutes)."""
+    shapes for every promised layer and expert (10^5 layers took minutes; the config refuses more than 1024
+    layers and 65536 experts outright)."""
     import time
-    for change, key in (({"num_hidden_layers": 100_000}, "model.layers.99999.input_layernorm.weight"),
-                        ({"n_routed_experts": 200_000_000, "n_group": 1}, "model.layers.1.mlp.experts.199999999")):
+    for change, key in (({"num_hidden_layers": 1024}, "model.layers.1023.input_layernorm.weight"),
+                        ({"n_routed_experts": 65536, "n_group": 1}, "model.layers.1.mlp.experts.65535")):
         cfg = json.load(open(f"{ckpt}/config.json"))
         json.dump({**cfg, **change}, open(f"{ckpt}/config.json", "w"))
         t0 = time.monotonic()
@@ -244,6 +254,24 @@ def test_weight_files_must_be_regular_files_inside_the_directory(tmp_path, ckpt)
             Engine(str(ckpt), max_seq_len=64)
         os.rmdir(bad) if os.path.isdir(bad) and not os.path.islink(bad) else os.remove(bad)
     load_hf(ckpt)  # and the directory loads again
+    # The JSON and tokenizer files beside the weights: a FIFO would block the reader, /dev/zero never end.
+    from hisparse_jax.engine.args import load_tokenizer_or_fail
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
+        path = f"{ckpt}/{name}"
+        keep = f"{ckpt}/keep" if os.path.exists(path) else None
+        if keep:
+            os.rename(path, keep)
+        for make, what in ((os.mkfifo, "is not a regular file"), (lambda p: os.symlink("/dev/zero", p), "is not a regular")):
+            make(path)
+            with pytest.raises((ValueError, StartupError), match=f"{name} {what}"):
+                if name == "tokenizer.json":
+                    load_tokenizer_or_fail(str(ckpt))
+                else:
+                    Engine(str(ckpt), max_seq_len=64)
+            os.remove(path)
+        if keep:
+            os.rename(keep, path)
+    load_hf(ckpt)
 
 
 def test_page_tables_past_host_memory_are_refused_before_loading(ckpt):

@@ -25,10 +25,18 @@ from tokenizers import Tokenizer
 REPLACEMENT_CHAR = "\ufffd"
 
 
+MAX_TOKENIZER_BYTES = 256 * 2**20  # DeepSeek-V3.2's tokenizer.json is ~8 MB
+
+
 def load_tokenizer(model_dir: str) -> Tokenizer | None:
-  """The model directory's tokenizer.json, or None when it has none."""
+  """The model directory's tokenizer.json, or None when it has none. ValueError (naming it) when it is not a
+  regular file of at most MAX_TOKENIZER_BYTES (a FIFO would block, a link to /dev/zero never end)."""
+  from models.from_torch import check_regular_file
   path = os.path.join(model_dir, "tokenizer.json")
-  return Tokenizer.from_file(path) if os.path.exists(path) else None
+  if not os.path.lexists(path):
+    return None
+  check_regular_file(path, MAX_TOKENIZER_BYTES)
+  return Tokenizer.from_file(path)
 
 
 GIL_FREE_ENCODE_CHARS = 4096

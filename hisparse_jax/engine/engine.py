@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import logging
 import math
+import numbers
 import os
 import signal
 import time
@@ -472,7 +473,7 @@ class Engine:
     if not _is_int(req.max_new_tokens) or req.max_new_tokens <= 0:
       raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
     for name in ("temperature", "top_p"):
-      if not isinstance(getattr(req, name), (int, float)) or isinstance(getattr(req, name), bool):
+      if not isinstance(getattr(req, name), numbers.Real) or isinstance(getattr(req, name), bool):
         raise InvalidRequest(f"{name} must be a number, got {getattr(req, name)!r}")
     if not _is_int(req.top_k) or (req.seed is not None and not _is_int(req.seed)):
       raise InvalidRequest(f"top_k and seed must be integers, got {req.top_k!r} and {req.seed!r}")

@@ -75,6 +75,7 @@ def _is_int(x) -> bool:
   """An integer (Python's or numpy's), not a bool."""
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
+
 MIN_PREFILL_BUCKET = 16
 # Decode batches up to this many rows take their logits vocabulary-major ([vocab, batch]) on one CPU device:
 # XLA:CPU's output projection runs 15-20% faster with that output layout at 2-64 rows, equal at 1, 2-5% slower
@@ -530,8 +531,6 @@ class Engine:
     two steps wait for the next step's admission even when slots are free, and up to that many of them take a
     slot there (a burst of max_running_requests + max_queued_requests on an idle engine is accepted whole)."""
     self.validate(req)
-    if any(r is req for r in self.waiting) or any(r is req for r in self.running):  # pragma: no cover - _submitted
-      raise InvalidRequest(f"request {req.request_id!r} is already queued")
     if (self.max_queued_requests is not None
         and len(self.waiting) >= self.max_queued_requests + self.backend.free_slots):
       raise ResourceExhausted(f"queue full ({self.max_queued_requests} requests waiting beyond the "

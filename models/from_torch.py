@@ -101,7 +101,8 @@ def read_weight_map(index: str, model_dir: str) -> dict[str, str]:
   ``model_dir`` with ``..`` (weights are read from inside the directory only)."""
   check_regular_file(index, MAX_JSON_BYTES)
   try:
-    weight_map = read_json(index).get("weight_map")
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
   except (OSError, ValueError, AttributeError) as e:
     raise ValueError(f"{index}: not a JSON object with a weight_map ({type(e).__name__}: {e})") from None
   if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

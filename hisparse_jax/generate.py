@@ -174,6 +174,7 @@ def main(argv):
     tokenizer = load_tokenizer_or_fail(model_dir)
     from hisparse_jax.engine import Engine
     engine = Engine(args, tokenizer=tokenizer, record_topk=dump is not None)
+    output_existed = bool(FLAGS.output) and os.path.exists(FLAGS.output)
     try:  # writable? (appending truncates nothing: the file is replaced only once there is a result to write)
       if FLAGS.output:
         open(FLAGS.output, "a", encoding="utf-8").close()
@@ -259,11 +260,11 @@ def main(argv):
   if failure is not None:
     where = FLAGS.output or "stdout"
     sys.exit(f"error: a step failed ({failure}); {written} of {len(results)} results written to {where}"
-             + ("" if written or not FLAGS.output else f" (the earlier {where} is unchanged)"))
+             + (f" (the earlier {where} is unchanged)" if output_existed and not written else ""))
   if interrupted.is_set():
     where = FLAGS.output or "stdout"
     print(f"\n[generate] interrupted: {written} of {len(results)} results written to {where}"
-          + ("" if written or not FLAGS.output else f" (the earlier {where} is unchanged)"), file=sys.stderr)
+          + (f" (the earlier {where} is unchanged)" if output_existed and not written else ""), file=sys.stderr)
     sys.exit(130)
   if dest is None:  # a finished run with no result line (no prompts): the output is that, empty
     open(FLAGS.output, "w").close()

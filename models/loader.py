@@ -202,7 +202,8 @@ def checkpoint_files(model_dir: str) -> tuple[dict[str, str] | None, list[str]]:
     path inside the directory (no absolute path, no ``..``), a weight file that is not a regular file (a
     dangling link, a directory, a FIFO: nothing is opened), or no weights at all (pointing a directory of
     PyTorch pickles to ``models.from_torch``)."""
-    from .from_torch import read_weight_map  # here: `python -m models.from_torch` imports the package first
+    # Imported here: `python -m models.from_torch` imports the package first.
+    from .from_torch import check_regular_file, read_weight_map
     index = os.path.join(model_dir, INDEX_FILE)
     weight_map = None
     if os.path.exists(index):
@@ -219,11 +220,10 @@ def checkpoint_files(model_dir: str) -> tuple[dict[str, str] | None, list[str]]:
                     "NEW_DIR` (needs torch: `make oracle`)") if pickles else ""
             raise ValueError(f"no *.safetensors weights found in {model_dir}{hint}")
     for name in names:
-        if not os.path.isfile(os.path.join(model_dir, name)):  # follows links; False for a FIFO or directory
-            path = os.path.join(model_dir, name)
-            what = ("is a broken link" if os.path.islink(path) and not os.path.exists(path) else
-                    "does not exist" if not os.path.lexists(path) else "is not a regular file")
-            raise ValueError(f"weight file {os.path.join(model_dir, name)} {what}")
+        try:
+            check_regular_file(os.path.join(model_dir, name))  # follows links; a FIFO or directory is refused
+        except ValueError as e:
+            raise ValueError(f"weight file {e}") from None
     return weight_map, [os.path.join(model_dir, n) for n in names]
 
 

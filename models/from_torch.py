@@ -29,7 +29,8 @@ peaks near one output file: an input in torch's zip format (the default since to
 and each output file's tensors are paged in while it is written (a 2 GiB ``pytorch_model.bin`` written as
 0.25 GiB files peaked at 147 MB of anonymous memory, torch included); a legacy-format input is read whole. The
 output is assembled in a temporary directory beside it and renamed into place at the end, so a failed
-conversion leaves no partial checkpoint; an existing non-empty ``--output`` is refused.
+conversion leaves no partial checkpoint (one killed outright leaves its ``.hisparse-new-HOST-PID-*``
+directory, which the next conversion into the same parent removes); an existing non-empty ``--output`` is refused.
 
 Errors (exit 2, the message names the file or tensor): no torch pickle found, a directory that already
 holds safetensors, a malformed index or one naming a file outside the directory, a file torch refuses to load
@@ -46,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -113,17 +115,55 @@ def read_weight_map(index: str, model_dir: str) -> dict[str, str]:
   return weight_map
 
 
+NEW_DIRECTORY_PREFIX = ".hisparse-new-"
+
+
+def remove_stale_directories(parent: str) -> list[str]:
+  """Removes the temporary directories ``new_directory`` left in ``parent`` when its process was killed
+  (SIGKILL, a power cut: nothing ran its clean-up): those named for this host whose process id no longer
+  runs. A directory of a live process, of another host (a shared file system) or of another name is kept.
+  Returns the paths removed."""
+  host = socket.gethostname()
+  removed = []
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return removed
+  for name in names:
+    if not name.startswith(f"{NEW_DIRECTORY_PREFIX}{host}-"):
+      continue
+    pid_text = name[len(NEW_DIRECTORY_PREFIX) + len(host) + 1:].split("-", 1)[0]
+    if not pid_text.isdigit() or pid_text == str(os.getpid()):
+      continue
+    try:
+      os.kill(int(pid_text), 0)
+      continue  # that process still runs
+    except ProcessLookupError:
+      pass
+    except (PermissionError, OverflowError):
+      continue  # another user's process, or not a process id
+    path = os.path.join(parent, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(path)
+      print(f"removed {path}, left by process {pid_text}, which no longer runs", file=sys.stderr)
+  return removed
+
+
 @contextlib.contextmanager
 def new_directory(dst: str):
   """Yields a temporary directory beside ``dst`` to write a checkpoint into; when the block ends without an
   error it becomes ``dst`` (renamed, with the modes of a directory and files made under the umask), else it is
   removed. ValueError, before anything is written, when ``dst`` exists and is not an empty directory: a failed
-  conversion leaves ``dst`` as it was and never a partial checkpoint."""
+  conversion leaves ``dst`` as it was and never a partial checkpoint. The directory is named for this host and
+  process (``.hisparse-new-HOST-PID-*``), and those of killed processes are removed first
+  (``remove_stale_directories``)."""
   if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
     raise ValueError(f"--output {dst} exists and is not an empty directory")
   parent = os.path.dirname(os.path.abspath(dst))
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".hisparse-new-", dir=parent)
+  remove_stale_directories(parent)
+  tmp = tempfile.mkdtemp(prefix=f"{NEW_DIRECTORY_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=parent)
   try:
     yield tmp
     umask = os.umask(0)

@@ -223,3 +223,38 @@ def test_the_loader_points_a_torch_checkpoint_to_the_converter(tmp_path):
   with pytest.raises(ValueError, match=r"PyTorch pickle weights \(pytorch_model.bin\): convert them once with "
                                        r"`python -m models.from_torch --model-path "):
     load_hf(str(tmp_path))
+
+
+def test_a_killed_conversions_directory_is_removed_by_the_next(tmp_path):
+  """A conversion killed outright (SIGKILL: no clean-up runs) leaves its temporary directory beside --output;
+  the next conversion into that parent removes it, and keeps those of live processes and other hosts."""
+  import socket
+
+  from models.from_torch import NEW_DIRECTORY_PREFIX, new_directory
+
+  host = socket.gethostname()
+  writer = subprocess.Popen([sys.executable, "-c", "import sys\n"
+                             "from models.from_torch import new_directory\n"
+                             "with new_directory(sys.argv[1]) as tmp:\n"
+                             "  open(tmp + '/part.safetensors', 'wb').write(b'x' * 1000)\n"
+                             "  print(tmp, flush=True)\n"
+                             "  sys.stdin.read()\n", str(tmp_path / "killed")],
+                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  stale = pathlib.Path(writer.stdout.readline().strip())
+  assert stale.parent == tmp_path and stale.name.startswith(f"{NEW_DIRECTORY_PREFIX}{host}-{writer.pid}-")
+  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    live = tmp_path / f"{NEW_DIRECTORY_PREFIX}{host}-{sleeper.pid}-abc"
+    other_host = tmp_path / f"{NEW_DIRECTORY_PREFIX}{host}x-{writer.pid}-abc"
+    live.mkdir()
+    other_host.mkdir()
+    writer.kill()
+    writer.wait(timeout=30)
+    assert (stale / "part.safetensors").exists()  # SIGKILL ran no clean-up
+    with new_directory(str(tmp_path / "out")) as tmp:
+      pathlib.Path(tmp, "model.safetensors").write_bytes(b"y")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other_host.name, "out"])
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"y"
+  finally:
+    sleeper.kill()
+    sleeper.wait()

@@ -117,7 +117,8 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
 
   Raises:
     ValueError: the directory holds an older parameter layout (its marker's "layout" below ORBAX_LAYOUT, and
-      the model has a separate lm_head): convert the HF checkpoint again.
+      the model has a separate lm_head): convert the HF checkpoint again; or its parameters cannot be restored (a
+      damaged, truncated or missing file under ``params/``: the message gives TensorStore's status in one line).
   """
   import orbax.checkpoint as ocp
 
@@ -137,8 +138,14 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
   target = jax.tree_util.tree_map_with_path(
       lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default if sharding is None else
                                         sharding(param_path(p), tuple(x.shape))), abstract_state)
-  with ocp.StandardCheckpointer() as ckpt:
-    state = ckpt.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
+  params = os.path.abspath(os.path.join(path, PARAMS_DIR))
+  try:
+    with ocp.StandardCheckpointer() as ckpt:
+      state = ckpt.restore(params, target)
+  except Exception as e:  # orbax/TensorStore: a generic Exception whose text is the whole TensorStore spec
+    raise ValueError(f"{path}: the orbax checkpoint cannot be read ({_root_cause(e)}); a file under {params} is "
+                     "damaged, missing or of another checkpoint. Convert the HF checkpoint again: "
+                     "python -m models.convert --model-path HF_DIR --output NEW_DIR") from e
   model = nnx.merge(graphdef, state)
   if dtype is not None and jnp.dtype(dtype) != stored:
     # Re-load through the HF-equivalent cast rules: float32 stays float32 for the fp32 modules.
@@ -148,6 +155,17 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
     casted = jax.tree.map(lambda want, have: jnp.asarray(have, want.dtype), state2, state)
     model = nnx.merge(graphdef2, casted)
   return cfg, model
+
+
+def _root_cause(e: BaseException, limit: int = 400) -> str:
+  """The first line of the innermost exception of ``e``'s chain (TensorStore's own status, e.g. ``DATA_LOSS: ...``
+  or ``OUT_OF_RANGE: ...``), at most ``limit`` characters."""
+  seen = set()
+  while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  return line if len(line) <= limit else line[:limit] + " ..."
 
 
 def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",

@@ -115,3 +115,33 @@ def test_an_older_layout_is_refused_with_the_fix(orbax_dir, tmp_path):
   with pytest.raises(ValueError, match=r"layout 1 \(lm_head as a \[hidden, vocab\] kernel.*python -m models.convert"):
     load_model(str(old))
   assert json.loads((old / "hisparse_orbax.json").read_text()) == marker
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "missing"])
+def test_a_damaged_orbax_checkpoint_says_so_in_one_line(orbax_dir, tmp_path, damage):
+  """A damaged parameter file (cut short, bytes changed, deleted) is a ValueError of one line giving TensorStore's
+  status and the fix, not orbax's multi-line TensorStore spec; the batch script prints it and exits 1."""
+  import shutil
+
+  bad = tmp_path / "bad"
+  shutil.copytree(orbax_dir, bad)
+  data = bad / "params" / "ocdbt.process_0" / "d"
+  victim = max(data.iterdir(), key=lambda p: p.stat().st_size)
+  blob = victim.read_bytes()
+  if damage == "truncated":
+    victim.write_bytes(blob[:len(blob) // 2])
+  elif damage == "flipped":
+    victim.write_bytes(blob[:len(blob) // 2] + bytes(b ^ 0xFF for b in blob[len(blob) // 2:]))
+  else:
+    victim.unlink()
+  with pytest.raises(ValueError) as info:
+    load_model(str(bad))
+  message = str(info.value)
+  assert message.startswith(f"{bad}: the orbax checkpoint cannot be read (") and "\n" not in message, message
+  assert "Convert the HF checkpoint again" in message and len(message) < 800, message
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--prompts", str(prompts), "--model-path",
+                      str(bad), "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "the orbax checkpoint cannot be read" in r.stderr, r.stderr[-3000:]
+  assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]

@@ -59,6 +59,9 @@ flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV 
                    "an offered KV waits to be pulled before it is taken back.")
 
 
+MAX_SHUTDOWN_GRACE_S = 3600.0
+
+
 def _define_engine_flags():
   from hisparse_jax.distributed import DistributedArgs
   from hisparse_jax.engine.args import EngineArgs
@@ -94,7 +97,27 @@ def _security():
     raise StartupError("--tls-cert-file and --tls-key-file go together")
   if ca is not None and cert is None:
     raise StartupError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+  try:
+    credentials.check_pem(FLAGS["tls-cert-file"].value, FLAGS["tls-key-file"].value, FLAGS["tls-client-ca-file"].value)
+  except ValueError as e:
+    raise StartupError(str(e)) from None
   return (TLSConfig(cert, key, ca) if cert is not None else None), api_key
+
+
+def _check_addresses(metrics_port: int | None) -> None:
+  """StartupError naming the flag unless --host:--port and --metrics-host:--metrics-port can be bound now, and
+  are not one port."""
+  from hisparse_jax.engine.args import StartupError
+  from hisparse_jax.serving.addresses import check_bindable, same_port
+  try:
+    check_bindable("--host/--port", FLAGS.host, FLAGS.port)
+    if metrics_port is not None:
+      metrics_host = FLAGS["metrics-host"].value
+      if same_port(FLAGS.host, FLAGS.port, metrics_host, metrics_port):
+        raise ValueError(f"--metrics-port {metrics_port} is --port {FLAGS.port}: give them different ports")
+      check_bindable("--metrics-host/--metrics-port", metrics_host, metrics_port)
+  except ValueError as e:
+    raise StartupError(str(e)) from None
 
 
 def main(argv):
@@ -106,8 +129,9 @@ def main(argv):
   try:
     if not 0 <= FLAGS.port <= 65535:
       raise StartupError(f"--port {FLAGS.port}: expected 0..65535")
-    if FLAGS["shutdown-grace-s"].value < 0:
-      raise StartupError(f"--shutdown-grace-s must be >= 0, got {FLAGS['shutdown-grace-s'].value}")
+    if not 0 <= FLAGS["shutdown-grace-s"].value <= MAX_SHUTDOWN_GRACE_S:  # NaN fails too
+      raise StartupError(f"--shutdown-grace-s must be in [0, {MAX_SHUTDOWN_GRACE_S}] seconds, "
+                         f"got {FLAGS['shutdown-grace-s'].value}")
     metrics_port = FLAGS["metrics-port"].value
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
       raise StartupError(f"--metrics-port {metrics_port}: expected 0..65535")
@@ -124,8 +148,16 @@ def main(argv):
     args = EngineArgs.from_flags()
     args.validate()
     distributed.initialize(dist)
-    model_dir = args.model_dir()
-    tokenizer = load_tokenizer_or_fail(model_dir)
+    error = None
+    try:  # every process checks its model; process 0, which binds, its ports (before the model loads)
+      model_dir = args.model_dir()
+      args.model_config(model_dir)
+      tokenizer = load_tokenizer_or_fail(model_dir)
+      if dist.process_id == 0:
+        _check_addresses(metrics_port)
+    except StartupError as e:
+      error = str(e)
+    distributed.startup_barrier(error)  # every process stops when one's checks fail, with its message
     from hisparse_jax.engine import Engine
     engine = Engine(args, tokenizer=tokenizer)
   except StartupError as e:

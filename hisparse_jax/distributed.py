@@ -176,7 +176,8 @@ def initialize(args: DistributedArgs) -> None:
   # jax.distributed aborts the whole process (SIGABRT, a misleading "another task died") when the others do
   # not join in time: a watchdog gives the real reason first, and exits.
   who = ("not every process joined (start each of the other processes with the same --coordinator-address "
-         "and --num-processes and its own --process-id)" if args.process_id == 0 else
+         "and --num-processes and its own --process-id; one that stopped on a flag error before joining says "
+         "why in its own output)" if args.process_id == 0 else
          "the coordinator answered but start-up did not complete (is another process running with the same "
          "--process-id, or a different --num-processes?)")
   done = threading.Event()
@@ -233,11 +234,15 @@ def _check_devices() -> None:
 def startup_barrier(error: str | None) -> None:
   """Every process calls this at the same point of its start-up with its own start-up error (None: fine);
   all of them raise the same StartupError when any process has one, so that a check only one process makes
-  (process 0 reads the prompts, binds the port) stops them all at once, cleanly."""
+  (process 0 reads the prompts, binds the port) stops them all at once, cleanly. One process: raises its own."""
   import jax
   from jax.experimental import multihost_utils
 
   from hisparse_jax.engine.args import StartupError
+  if jax.process_count() == 1:
+    if error is not None:
+      raise StartupError(error)
+    return
   data = (error or "").encode()[:SETTINGS_BYTES]
   buf = np.zeros(SETTINGS_BYTES + 4, np.uint8)
   buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)

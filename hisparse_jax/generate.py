@@ -12,7 +12,8 @@ Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``"max_new_tokens"``. Output: one line per non-blank input line, in input order, each written (and
 flushed) as soon as it and every line before it are done, so an interrupted run keeps what it finished;
-Ctrl-C (or SIGTERM) exits with status 130 and a one-line message. ``--output`` may not be the prompts file. Lines have
+Ctrl-C (or SIGTERM) exits with status 130 and a one-line message. ``--output`` and ``--dump-topk`` may be neither
+the prompts file, nor each other, nor inside the model directory (start-up errors). Lines have
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
 ``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only), ``prefetched`` (rows
 the cross-layer prefetch copied, with ``"prefetch": "next_layer"``) — or
@@ -45,6 +46,9 @@ flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-laye
                     "(keys topk_<line>, prompt_tokens_<line>) for benchmarks/miss_rate.py --trace.")
 
 
+MAX_NEW_TOKENS = 2**31 - 1  # token counts are int32 on the device; a line's own value is checked against the context
+
+
 def _define_engine_flags():
   from hisparse_jax.distributed import DistributedArgs
   from hisparse_jax.engine.args import EngineArgs
@@ -55,8 +59,9 @@ def _define_engine_flags():
 _define_engine_flags()
 
 
-def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_new: int):
-  """Returns (prompt_ids, max_new_tokens); raises ValueError with a message for a bad line."""
+def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_new: int, max_prompt_bytes: int):
+  """Returns (prompt_ids, max_new_tokens); raises ValueError with a message for a bad line (a ``text`` over
+  ``max_prompt_bytes`` UTF-8 bytes is refused before it is tokenized, as the server does)."""
   try:
     line.encode("utf-8")
   except UnicodeEncodeError:
@@ -82,6 +87,8 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
       obj["text"].encode("utf-8")
     except UnicodeEncodeError:
       raise ValueError(f"line {lineno}: 'text' is not valid Unicode (a lone surrogate escape)") from None
+    if len(obj["text"].encode("utf-8")) > max_prompt_bytes:
+      raise ValueError(f"line {lineno}: text prompt over {max_prompt_bytes} bytes (--max-prompt-bytes)")
     if tokenizer is None:
       raise ValueError(f"line {lineno}: 'text' given but the model directory has no tokenizer.json")
     from hisparse_jax.engine.detokenizer import encode_prompt
@@ -92,24 +99,28 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
   return ids, max_new
 
 
-def _check_dump_path(dump: str) -> None:
-  """StartupError unless --dump-topk names a new or replaceable .npz file in a writable folder
-  (checked with a scratch file: an existing trace is left untouched until the new one is written)."""
+def _check_writable_dir(flag: str, path: str) -> None:
+  """StartupError unless a file can be created in ``path``'s folder (a scratch file, removed at once: an existing
+  file at ``path`` is left untouched until there is something to write)."""
   from hisparse_jax.engine.args import StartupError
-  if not dump.endswith(".npz") or os.path.basename(dump) == ".npz":
-    raise StartupError(f"--dump-topk {dump!r}: the file name must end in .npz")
-  if os.path.isdir(dump):
-    raise StartupError(f"--dump-topk {dump!r}: is a directory")
+  if os.path.isdir(path):
+    raise StartupError(f"{flag} {path!r}: is a directory")
   try:
-    with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(dump))):
+    with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
       pass
   except OSError as e:
-    raise StartupError(f"--dump-topk {dump!r}: {e.strerror}") from None
+    raise StartupError(f"{flag} {path!r}: {e.strerror} (cannot create a file in its folder)") from None
 
 
-def _read_prompts_and_check_outputs(dump: str | None) -> list[str]:
-  """The prompt file's lines; StartupError for an unreadable --prompts, an --output that is the prompts file or
-  not writable, a bad --dump-topk path (checked before the model loads)."""
+def _same_file(a: str, b: str) -> bool:
+  return os.path.realpath(a) == os.path.realpath(b) or (os.path.exists(a) and os.path.exists(b)
+                                                        and os.path.samefile(a, b))
+
+
+def _read_prompts_and_check_outputs(dump: str | None, model_dir: str) -> list[str]:
+  """The prompt file's lines; StartupError (before the model loads) for an unreadable --prompts, or an --output /
+  --dump-topk that cannot be written or would overwrite an input: the prompts file, the other output, or anything
+  in the --model-path directory."""
   from hisparse_jax.engine.args import StartupError
   try:
     with open(FLAGS.prompts, "rb") as f:  # lines split on \n only (JSON strings may hold U+2028)
@@ -117,26 +128,35 @@ def _read_prompts_and_check_outputs(dump: str | None) -> list[str]:
       lines = [x.rstrip("\r") for x in f.read().decode("utf-8", "surrogateescape").split("\n")]
   except OSError as e:
     raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
-  if FLAGS.output and os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.output, FLAGS.prompts):
-    raise StartupError(f"--output {FLAGS.output!r} is the --prompts file; writing it would destroy the prompts")
-  if FLAGS.output:  # fail now, not after loading the model; an existing file is truncated only once it starts
-    where = os.path.dirname(os.path.abspath(FLAGS.output))
-    if os.path.isdir(FLAGS.output) or not os.access(FLAGS.output if os.path.exists(FLAGS.output) else where,
-                                                     os.W_OK):
-      raise StartupError(f"--output {FLAGS.output!r}: not a writable file")
+  outputs = []
+  if FLAGS.output is not None:
+    if not FLAGS.output:
+      raise StartupError("--output '': an empty file name (leave the flag out to write to stdout)")
+    outputs.append(("--output", FLAGS.output))
   if dump is not None:
-    _check_dump_path(dump)
+    if not dump.endswith(".npz") or os.path.basename(dump) == ".npz":
+      raise StartupError(f"--dump-topk {dump!r}: the file name must end in .npz")
+    outputs.append(("--dump-topk", dump))
+  model_root = os.path.realpath(model_dir)
+  for i, (flag, path) in enumerate(outputs):
+    if _same_file(path, FLAGS.prompts):
+      raise StartupError(f"{flag} {path!r} is the --prompts file; writing it would destroy the prompts")
+    if os.path.commonpath([model_root, os.path.realpath(path)]) == model_root:
+      raise StartupError(f"{flag} {path!r} is inside the --model-path directory {model_dir}; write it elsewhere")
+    for other_flag, other in outputs[:i]:
+      if _same_file(path, other):
+        raise StartupError(f"{flag} {path!r} is the {other_flag} file; give them different names")
+    _check_writable_dir(flag, path)
   return lines
 
 
-def _follow(args, model_dir: str, record_topk: bool) -> None:
+def _follow(args, tokenizer, record_topk: bool) -> None:
   """A process other than 0 of a multi-process run: the same engine, stepping as process 0 says."""
   import jax
 
   from hisparse_jax import distributed
   from hisparse_jax.engine import Engine
-  from hisparse_jax.engine.args import load_tokenizer_or_fail
-  engine = Engine(args, tokenizer=load_tokenizer_or_fail(model_dir), record_topk=record_topk)
+  engine = Engine(args, tokenizer=tokenizer, record_topk=record_topk)
   try:
     steps = engine.follow()
   except distributed.DistributedError as e:  # process 0 stopped on an error of its own: the same exit
@@ -154,24 +174,23 @@ def main(argv):
   try:
     args = EngineArgs.from_flags()
     args.validate()
+    if not 1 <= FLAGS["max-new-tokens"].value <= MAX_NEW_TOKENS:
+      raise StartupError(f"--max-new-tokens must be 1..{MAX_NEW_TOKENS}, got {FLAGS['max-new-tokens'].value}")
     distributed.initialize(dist)
-    model_dir = args.model_dir()
-    model_cfg = args.model_config(model_dir)
     dump = FLAGS["dump-topk"].value
     lines, error = None, None
-    if dist.process_id == 0:  # process 0 alone reads the prompts and writes the results
-      try:
-        lines = _read_prompts_and_check_outputs(dump)
-      except StartupError as e:
-        error = str(e)
-    if dist.num_processes > 1:  # the others stop with process 0 when its checks fail (the same message)
-      distributed.startup_barrier(error)
-    elif error is not None:
-      raise StartupError(error)
+    try:  # every process checks its model; process 0 alone reads the prompts and writes the results
+      model_dir = args.model_dir()
+      model_cfg = args.model_config(model_dir)
+      tokenizer = load_tokenizer_or_fail(model_dir)
+      if dist.process_id == 0:
+        lines = _read_prompts_and_check_outputs(dump, model_dir)
+    except StartupError as e:
+      error = str(e)
+    distributed.startup_barrier(error)  # every process stops when one's checks fail, with its message
     if dist.process_id > 0:
-      _follow(args, model_dir, record_topk=dump is not None)
+      _follow(args, tokenizer, record_topk=dump is not None)
       return
-    tokenizer = load_tokenizer_or_fail(model_dir)
     from hisparse_jax.engine import Engine
     engine = Engine(args, tokenizer=tokenizer, record_topk=dump is not None)
     output_existed = bool(FLAGS.output) and os.path.exists(FLAGS.output)
@@ -193,7 +212,8 @@ def main(argv):
   requests: list[tuple[int, Request]] = []
   for i, (lineno, line) in enumerate(numbered):
     try:
-      ids, max_new = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id, FLAGS["max-new-tokens"].value)
+      ids, max_new = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id, FLAGS["max-new-tokens"].value,
+                                 engine.max_prompt_bytes)
       req = Request(request_id=str(lineno), prompt_ids=ids, max_new_tokens=max_new)
       engine.submit(req)
       requests.append((i, req))

@@ -46,6 +46,7 @@ from models.config import DSAConfig
 from models.kv_format import KV_CACHE_DTYPES
 
 GIB = 1 << 30
+MAX_MEMORY_GIB = 2**30  # an exbibyte: a larger --device-memory / --host-memory is a typo (and overflows int64 bytes)
 # SGLang's published HiSparse setting (the defaults of --hisparse-config here).
 SGLANG_HISPARSE = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}
 WEIGHT_DTYPES = ("bfloat16", "float32", "fp8")  # the engine's compute dtypes (engine.args.DTYPES) and fp8
@@ -299,14 +300,18 @@ def main(argv) -> None:
     dp, tp = (devices // tp, tp) if dp is None else (dp, devices // dp)
   ep = F("ep-size") if F("ep-size") is not None else devices
   mesh = MeshConfig(dp_size=dp, tp_size=tp, ep_size=ep)
+  if F("hisparse-config") is not None and not F("hisparse-config").strip():
+    sys.exit("--hisparse-config '': empty (leave the flag out for SGLang's sizes)")
   try:
     hs = HiSparseConfig.from_json(F("hisparse-config") or json.dumps(SGLANG_HISPARSE), model_top_k=model_cfg.index_topk)
     hs.check_model(model_cfg)
   except ConfigError as e:
     sys.exit(f"--hisparse-config: {e}")
-  for flag, v in (("--device-memory", F("device-memory")), ("--host-memory", F("host-memory")), ("--context", F("context"))):
-    if not 0 < v < math.inf:
-      sys.exit(f"{flag} must be a finite number > 0, got {v}")
+  for flag, v in (("--device-memory", F("device-memory")), ("--host-memory", F("host-memory"))):
+    if not 0 < v <= MAX_MEMORY_GIB:  # NaN fails too
+      sys.exit(f"{flag} must be a number of GiB in (0, {MAX_MEMORY_GIB}], got {v}")
+  if not 0 < F("context") < math.inf:
+    sys.exit(f"--context must be a finite number > 0, got {F('context')}")
   try:
     if mesh.num_devices != devices:
       raise MeshError(f"--dp-size {dp} x --tp-size {tp} must equal --devices {devices}")

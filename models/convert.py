@@ -77,14 +77,15 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   """Converts an HF-format directory into an orbax directory; returns ``output``.
 
   Raises:
-    ValueError: unsupported config or missing tensor (from ``load_hf``), or
-      ``output`` already exists and is not an empty directory; whatever fails, ``output`` is left as it was.
+    ValueError: unsupported config or missing tensor (from ``load_hf``), or ``output`` (a message starting
+      "--output") is empty, exists and is not an empty directory, lies inside ``hf_dir`` or cannot be created;
+      whatever fails, ``output`` is left as it was.
   """
   import orbax.checkpoint as ocp
 
   from models.from_torch import check_regular_file, new_directory
 
-  with new_directory(output) as tmp:  # a failure leaves nothing (ValueError first for a non-empty output)
+  with new_directory(output, hf_dir) as tmp:  # a failure leaves nothing (ValueError first for a bad output)
     cfg, model = load_hf(hf_dir, dtype=dtype)
     _, state = nnx.split(model)
     with ocp.StandardCheckpointer() as ckpt:
@@ -199,7 +200,8 @@ def main(argv=None) -> int:
   try:
     convert(args.model_path, args.output, args.dtype)
   except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is the user's error, said in one line
-    print(f"error: {args.model_path}: {type(e).__name__}: {e}", file=sys.stderr)
+    about_output = isinstance(e, ValueError) and str(e).startswith("--output")
+    print(f"error: {e}" if about_output else f"error: {args.model_path}: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
   print(f"wrote {args.output} ({', '.join(sorted(os.listdir(args.output)))})")
   return 0

@@ -151,19 +151,29 @@ def remove_stale_directories(parent: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def new_directory(dst: str):
+def new_directory(dst: str, source: str | None = None):
   """Yields a temporary directory beside ``dst`` to write a checkpoint into; when the block ends without an
   error it becomes ``dst`` (renamed, with the modes of a directory and files made under the umask), else it is
-  removed. ValueError, before anything is written, when ``dst`` exists and is not an empty directory: a failed
+  removed. ValueError, before anything is written, when ``dst`` is empty, exists and is not an empty directory,
+  lies inside ``source`` (the checkpoint being read: a directory, or a file's directory) or cannot be created: a failed
   conversion leaves ``dst`` as it was and never a partial checkpoint. The directory is named for this host and
   process (``.hisparse-new-HOST-PID-*``), and those of killed processes are removed first
   (``remove_stale_directories``)."""
+  if not dst:
+    raise ValueError("--output '': an empty path")
   if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
     raise ValueError(f"--output {dst} exists and is not an empty directory")
+  if source is not None:
+    root = os.path.realpath(source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source)))
+    if os.path.commonpath([root, os.path.realpath(dst)]) == root:
+      raise ValueError(f"--output {dst} is inside the checkpoint being converted ({source}); write it elsewhere")
   parent = os.path.dirname(os.path.abspath(dst))
-  os.makedirs(parent, exist_ok=True)
-  remove_stale_directories(parent)
-  tmp = tempfile.mkdtemp(prefix=f"{NEW_DIRECTORY_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=parent)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_directories(parent)
+    tmp = tempfile.mkdtemp(prefix=f"{NEW_DIRECTORY_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=parent)
+  except OSError as e:
+    raise ValueError(f"--output {dst}: cannot create a directory in {parent} ({e.strerror or e})") from None
   try:
     yield tmp
     umask = os.umask(0)
@@ -312,7 +322,7 @@ def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print, str
   if max_shard_bytes < 1:
     raise ValueError(f"--max-shard-size must be >= 1 byte, got {max_shard_bytes}")
   files = torch_files(src)
-  with new_directory(dst) as tmp:
+  with new_directory(dst, src) as tmp:
     parts, total, owner = [], 0, {}  # parts: (temporary name, tensor names); named once their count is known
     for fn in files:
       t0 = time.time()

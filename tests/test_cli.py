@@ -314,6 +314,39 @@ def test_generate_dump_topk_bad_path(tmp_path):
   assert keep.read_bytes() == b"PK\x03\x04 an earlier trace"
 
 
+def test_generate_outputs_never_overwrite_an_input_and_flags_fail_before_the_model_loads(tmp_path):
+  """--output / --dump-topk naming the prompts file, each other, or a file of the model directory, an empty
+  --output and a --max-new-tokens the engine cannot run are start-up errors that leave every file as it was; a
+  text line over --max-prompt-bytes fails alone."""
+  model = tmp_path / "model"
+  model.mkdir()
+  for f in pathlib.Path(tiny_model_dir()).iterdir():
+    (model / f.name).write_bytes(f.read_bytes())
+  prompts = tmp_path / "p.npz"  # a name a trace could have
+  prompts.write_text('{"input_ids": [3, 4, 5]}\n{"text": "0123456789"}\n')
+  (tmp_path / "same.npz").write_text("earlier results\n")
+  before = {p: p.read_bytes() for p in [prompts, tmp_path / "same.npz", *model.iterdir()]}
+  for flags, message in (
+      (["--dump-topk", str(prompts)], "--dump-topk '%s' is the --prompts file" % prompts),
+      (["--output", str(tmp_path / "same.npz"), "--dump-topk", str(tmp_path / "same.npz")],
+       "is the --output file; give them different names"),
+      (["--output", str(model / "config.json")], "is inside the --model-path directory"),
+      (["--dump-topk", str(model / "t.npz")], "is inside the --model-path directory"),
+      (["--output", ""], "--output '': an empty file name"),
+      (["--max-new-tokens", "0"], "--max-new-tokens must be 1..2147483647, got 0"),
+      (["--max-new-tokens", "9223372036854775807"], "--max-new-tokens must be 1..2147483647")):
+    r = run("-m", "hisparse_jax.generate", "--model-path", str(model), "--prompts", str(prompts), *flags,
+            timeout=120)
+    assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr[-2000:])
+    assert {p: p.read_bytes() for p in before} == before and not (model / "t.npz").exists()
+  r = run("-m", "hisparse_jax.generate", "--model-path", str(model), "--prompts", str(prompts), "--max-new-tokens",
+          "2", "--max-prompt-bytes", "9", timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  first, second = [json.loads(line) for line in r.stdout.splitlines()]
+  assert len(first["output_ids"]) == 2
+  assert second == {"error": "line 2: text prompt over 9 bytes (--max-prompt-bytes)", "code": "INVALID_ARGUMENT"}
+
+
 def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(tmp_path):
   import signal
   prompts = tmp_path / "p.jsonl"
@@ -356,7 +389,13 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
     (["--api-key", "a b"], "--api-key: must be non-empty printable ASCII"),
     (["--api-key", "k", "--api-key-file", os.path.abspath(__file__)], "not both"),
     (["--metrics-port", "70000"], "--metrics-port 70000"),
-    (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be >= 0"),
+    (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be in [0, 3600.0] seconds"),
+    (["--shutdown-grace-s", "nan"], "--shutdown-grace-s must be in [0, 3600.0] seconds, got nan"),
+    (["--tls-cert-file", os.path.abspath(__file__), "--tls-key-file", os.path.abspath(__file__)],
+     "not a PEM certificate chain and its unencrypted private key"),
+    (["--host", "999.1.1.1"], "--host/--port 999.1.1.1:0: not an address of this machine"),
+    (["--host", ""], "an empty host"),
+    (["--metrics-host", "8.8.8.8", "--metrics-port", "0"], "--metrics-host/--metrics-port 8.8.8.8:0: cannot bind"),
 ])
 def test_bad_security_flags_exit_with_a_message(flags, message):
   r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", "0", *flags, timeout=120)
@@ -387,3 +426,20 @@ def test_server_warns_on_an_open_bind_and_prints_the_metrics_port():
   finally:
     if proc.poll() is None:
       proc.kill()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timeout-s", "0"], "--timeout-s must be > 0 seconds, got 0.0"),
+    (["--timeout-s", "nan"], "--timeout-s must be > 0 seconds, got nan"),
+    (["--wait-for-ready-s", "-5"], "--wait-for-ready-s must be >= 0 seconds"),
+    (["--seed", "-1"], "--seed -1: outside [0, 18446744073709551615]"),
+    (["--top-k", str(2**40)], f"--top-k {2**40}: outside [0, 2147483647]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: outside [1, 2147483647]"),
+    (["--stop-token-ids", "1,99999999999"], "--stop-token-ids 99999999999: outside [0, 2147483647]"),
+    (["--tls-ca-file", os.path.abspath(__file__)], "not a PEM CA certificate file"),
+])
+def test_bad_client_flags_exit_with_a_message_before_connecting(flags, message):
+  """The client checks what the request can carry before it connects (here to a port nothing listens on)."""
+  r = run("-m", "hisparse_jax.serving.client", "--target", "127.0.0.1:1", "--text", "hi", *flags, timeout=60)
+  assert r.returncode == 1 and r.stderr.startswith("error: --") and message in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr and "UNAVAILABLE" not in r.stderr

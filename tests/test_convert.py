@@ -70,6 +70,21 @@ def test_convert_to_bfloat16_and_refuses_non_empty_output(orbax_dir, tmp_path):
   r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", orbax_dir],
                      cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode != 0 and "exists and is not an empty directory" in r.stderr and "Traceback" not in r.stderr
+  assert r.stderr.startswith("error: --output ")  # the message names the flag at fault, not the model
+  # An --output that is empty, inside the checkpoint, or where no directory can be made: refused before any work.
+  model = tmp_path / "model"
+  model.mkdir()
+  for f in os.listdir(tiny_model_dir()):
+    (model / f).write_bytes(open(os.path.join(tiny_model_dir(), f), "rb").read())
+  (tmp_path / "file").write_text("x")
+  for output, message in (("", "error: --output '': an empty path"),
+                          (str(model / "orbax"), "is inside the checkpoint being converted"),
+                          (str(tmp_path / "file" / "orbax"), "error: --output %s: cannot create a directory in"
+                           % (tmp_path / "file" / "orbax"))):
+    r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(model), "--output", output],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (output, r.stderr[-2000:])
+  assert sorted(os.listdir(model)) == sorted(os.listdir(tiny_model_dir()))
 
 
 def test_a_failed_conversion_says_why_in_one_line_and_leaves_nothing(tmp_path):

@@ -230,6 +230,8 @@ def _startup_error(*flags):
     (["--prefill-servers=127.0.0.1:1"], "--prefill-servers is for --disaggregation-mode decode"),
     (["--disaggregation-mode=decode", "--prefill-servers=nowhere"], "--prefill-servers 'nowhere': expected host:port"),
     (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be > 0"),
+    (["--disaggregation-mode=prefill", "--transfer-host=999.9.9.9"],
+     "--transfer-host 999.9.9.9: not an address of this machine"),
 ])
 def test_bad_disaggregation_flags(flags, message):
   assert message in _startup_error(*flags)

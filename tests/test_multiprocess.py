@@ -128,6 +128,31 @@ def test_server_on_two_processes(one_device):
     _kill_all(procs)
 
 
+def test_a_two_process_decode_server_imports_prefilled_kv(one_device):
+  """Disaggregation with a decode server of 2 processes: a one-process prefill server computes each prompt's KV,
+  process 0 pulls it and ships it to process 1 in the step message, and every process writes it into its own
+  pools (a device_put from process 0's device to the mesh would be a cross-host transfer, which the CPU backend
+  refuses): the tokens are one process's."""
+  prefill = subprocess.Popen([sys.executable, "run_server.py", f"--model-path={tiny_wide_model_dir()}", "--port=0",
+                              "--disaggregation-mode=prefill", "--deterministic", *COMMON], cwd=REPO,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(1)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  procs = []
+  try:
+    line = prefill.stdout.readline()
+    while line and "listening on" not in line:
+      line = prefill.stdout.readline()
+    assert "listening on" in line, prefill.stderr.read()[-3000:] if prefill.poll() is not None else line
+    prefill_port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+    procs, stub = _start_servers(["--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{prefill_port}"])
+    assert [_tokens(stub, p) for p in PROMPTS] == [r["output_ids"] for r in one_device]
+    procs[0].send_signal(signal.SIGTERM)
+    results = wait_all(procs, timeout=120)
+    assert [rc for rc, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
+  finally:
+    _kill_all([*procs, prefill])
+
+
 @pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGTERM)])
 def test_a_process_that_dies_takes_the_other_down_with_a_message(victim, sig):
   """kill -9 of the follower (mid-stream) or of the leader, or SIGTERM to the follower: the survivor exits with
@@ -236,6 +261,19 @@ def test_a_startup_error_of_process_0_alone_stops_every_process():
   assert [rc for rc, _, _ in results] == [1, 1], [e[-2000:] for _, _, e in results]
   assert "--prompts '/nonexistent.jsonl'" in results[0][2] and "process 0: --prompts" in results[1][2]
   assert not any("Traceback" in e or "another task died" in e for _, _, e in results)
+
+
+def test_a_startup_error_of_a_follower_alone_stops_every_process(tmp_path):
+  """A follower whose own --model-path does not exist (found after the processes joined) stops every process at
+  once with its message, exit 1: process 0 neither waits out a timeout nor aborts."""
+  start = time.monotonic()
+  results = _cli(f"--prompts={_prompts(tmp_path)}", "--tp-size=4", processes=2, devices=2,
+                 extra={1: ["--model-path=/nonexistent-model"]})
+  assert [rc for rc, _, _ in results] == [1, 1], [e[-2000:] for _, _, e in results]
+  assert "process 1: --model-path '/nonexistent-model'" in results[0][2], results[0][2][-2000:]
+  assert "--model-path '/nonexistent-model'" in results[1][2], results[1][2][-2000:]
+  assert not any("Traceback" in e or "another task died" in e for _, _, e in results)
+  assert time.monotonic() - start < 60
 
 
 def test_processes_that_disagree_stop_at_startup(tmp_path):

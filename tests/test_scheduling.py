@@ -98,6 +98,34 @@ def test_a_prefill_call_computes_at_most_the_chunk_budget_of_padded_slots():
     assert alone.output_ids == r.output_ids
 
 
+def test_a_short_prompt_is_not_held_behind_a_long_prefill():
+  """A short prompt that arrives while a long one prefills gets its first token at the next step: it goes first
+  and the long prompt computes a shorter chunk beside it in the same bucket, still within the chunk budget."""
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=320, overlap_schedule=False, **SMALL)
+  shapes, call = [], eng._prefill_fn
+
+  def record(params, tokens, *args, **kwargs):
+    shapes.append(tuple(tokens.shape))
+    return call(params, tokens, *args, **kwargs)
+
+  eng._prefill_fn = record
+  long, short = Request("long", prompt(200, 1), 3), Request("short", prompt(4, 2), 3)
+  eng.submit(long)
+  eng.step()
+  assert shapes == [(1, 32)] and long.prefilled == 32
+  eng.submit(short)
+  eng.step()
+  assert short.output_ids and not long.output_ids  # the short one's first token, the long one still prefilling
+  assert shapes[1] == (2, 16) and long.prefilled == 48
+  eng.run()
+  assert all(b * c <= 32 for b, c in shapes) and len(long.output_ids) == 3
+  for r in (long, short):  # the same tokens as each request alone
+    alone = Request("alone", r.prompt_ids, r.max_new_tokens)
+    eng.submit(alone)
+    eng.run()
+    assert alone.output_ids == r.output_ids
+
+
 DP_PREFILL = """
 import numpy as np
 from hisparse_jax.engine import Engine, Request

@@ -10,8 +10,9 @@ A request's life:
      (no head-of-line blocking by one large request, no starvation of it either). An admitted request
      holds pages only for the tokens it has, growing as it decodes.
   3. Prefill: up to ``chunked_prefill_size`` prompt tokens per step, in chunks of the admitted prompts
-     (oldest first), batched into one jitted call; a long prompt takes several steps, so running
-     requests keep getting a token every step while it prefills. The chunk that ends a prompt samples
+     (those that end within a chunk first, then the others; oldest first within each), batched into one
+     jitted call; a long prompt takes several steps, so running requests keep getting a token every step
+     while it prefills, and a short prompt admitted meanwhile is prefilled at the next step. The chunk that ends a prompt samples
      its first token (and, in HiSparse mode, fills its hot buffer and frees its staging pages).
   4. Decode: one jitted step for the decoding requests, at a power-of-two batch bucket covering them
      (1, 2, 4, ... max_running_requests), each row naming its request's slot and page tables. A request
@@ -202,6 +203,10 @@ class Engine:
       self.mesh_config.validate(model_cfg, len(jax.devices()), fp8_weights=args.weight_dtype == "fp8")
     except MeshError as e:
       raise StartupError(str(e)) from None
+    if self.mesh_config.num_devices < len(jax.devices()):
+      log.warning("the mesh (--dp-size %d x --tp-size %d) uses %d of the %d devices; the others stay idle",
+                  self.mesh_config.dp_size, self.mesh_config.tp_size, self.mesh_config.num_devices,
+                  len(jax.devices()))
     # Several processes (hisparse_jax/distributed.py): every process runs this engine on the schedule of
     # process 0; the mesh must cover every process's devices, and every process must have the same settings.
     self.lockstep = distributed.Lockstep() if jax.process_count() > 1 else None
@@ -261,10 +266,18 @@ class Engine:
                                     page_size=args.page_size, hisparse=self.hisparse)
     except kvmem.MemoryConfigError as e:
       raise StartupError(str(e)) from None
+    # Each of this process's devices holds one group's pools (its group's block, replicated over tp).
+    local_devices = 1 if self.mesh is None else len(self.mesh.local_devices)
+    host_pool_bytes = 0
     if self.hisparse is not None:
       _, pages, per_page = self.memory_plan.pools["host"]
-      # Each of this process's devices holds one group's host pool (its group's block, replicated over tp).
-      check_host_memory(pages * per_page * (1 if self.mesh is None else len(self.mesh.local_devices)))
+      host_pool_bytes = pages * per_page * local_devices
+      check_host_memory(host_pool_bytes)
+    if jax.local_devices()[0].platform == "cpu":  # CPU devices' KV is host memory too: all of it must fit
+      check_host_memory(host_pool_bytes + self.memory_plan.device_bytes * local_devices,
+                        "the KV pools (on CPU devices, device KV is host memory)",
+                        "lower --max-device-kv-bytes, --max-seq-len or --max-running-requests")
+    if self.hisparse is not None:
       if self.memory_plan.request_slots * self.groups < args.max_running_requests:
         log.warning("HiSparse: the device KV budget holds %d hot buffers per DP group; --max-running-requests %d "
                     "lowered to %d", self.memory_plan.request_slots, args.max_running_requests,
@@ -407,9 +420,12 @@ class Engine:
     ``commit``, put on the device here, where the same operand is at other times a committed device array), or
     whole on every device of the mesh (every process passes the same values: the schedule is the same
     everywhere)."""
-    if isinstance(x, jax.Array):  # already on a device (a pulled prompt KV): no trip through the host
+    if isinstance(x, jax.Array) and self.lockstep is None:  # on a device (a pulled prompt KV): not via the host
       x = x if dtype is None else x.astype(dtype)
       return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
+    # With several processes a pulled KV is on process 0's device only, and the others hold its host copy (the
+    # step message's): every process puts its host copy, as for any operand (a device_put from one process's
+    # device to the others' is a cross-host transfer, which the CPU backend refuses).
     x = np.asarray(x, None if dtype is None else np.dtype(dtype))
     if self.mesh is None:
       # The host array itself: the jitted call's C++ dispatch puts it on the device, ~10x cheaper per array
@@ -775,14 +791,20 @@ class Engine:
 
   # --------------------------------------------------------------- prefill
   def _prefill(self, finished: list[Request]) -> None:
-    """Computes up to chunked_prefill_size prompt tokens of the admitted prompts, oldest first: one batched
-    call, or (deterministic) one call per request with chunks at fixed offsets of its prompt."""
+    """Computes up to chunked_prefill_size prompt tokens of the admitted prompts: one batched call, or
+    (deterministic) one call per request with chunks at fixed offsets of its prompt.
+
+    Prompts whose rest fits in one chunk go first, then the longer ones, each kind oldest first: a short prompt
+    that arrives while a long one prefills gets its first token at the next step, not after the whole long
+    prefill (a 60k-token prompt held every later request's first token for over a minute on this CPU), and the
+    long one still computes a chunk every step, shortened to what the call's bucket leaves (vLLM's
+    partial-prefill limits serve the same end)."""
     for req in [r for r in self.running if r.phase is Phase.PREFILLING and r.prompt_kv is not None]:
       self._import_kv(req, finished)
     budget, rows, longest, per_group = self.chunked_prefill_size, [], 0, collections.Counter()
-    for req in self.running:
-      if req.phase is not Phase.PREFILLING:
-        continue
+    prefilling = [r for r in self.running if r.phase is Phase.PREFILLING]
+    prefilling.sort(key=lambda r: len(r.prefill_ids) - r.prefilled > self.chunked_prefill_size)  # stable
+    for req in prefilling:
       n = min(len(req.prefill_ids) - req.prefilled, self.chunked_prefill_size)
       if self.deterministic and n > budget:
         break  # a partial chunk would move its chunk boundaries: it waits for the next step
@@ -791,12 +813,16 @@ class Engine:
         break
       if rows and not self.deterministic:
         # The call computes a padded [B, C] bucket (_prefill_call): a row that would grow it past the chunk
-        # budget waits for the next step (17 prompts of 120 tokens would take 32 x 128 slots, 16 take 2048).
-        # A row the bucket already holds (another DP group's padding row) costs nothing and goes.
+        # budget waits for the next step (17 prompts of 120 tokens would take 32 x 128 slots, 16 take 2048),
+        # or, a prompt longer than a chunk, computes a shorter chunk that fits. A row the bucket already holds
+        # (another DP group's padding row) costs nothing and goes.
         fullest = max(per_group.values())
-        now = self._prefill_bucket(fullest, longest)
-        grown = self._prefill_bucket(max(fullest, per_group[req.kv.group] + 1), max(longest, n))
-        if grown > max(now, self.chunked_prefill_size):
+        cap = max(self._prefill_bucket(fullest, longest), self.chunked_prefill_size)
+        rows_after = max(fullest, per_group[req.kv.group] + 1)
+        if len(req.prefill_ids) - req.prefilled > self.chunked_prefill_size:
+          while n > longest and self._prefill_bucket(rows_after, n) > cap:
+            n = _pow2_at_most(n - 1)
+        if self._prefill_bucket(rows_after, max(longest, n)) > cap:
           break
       rows.append((req, n))
       budget -= n

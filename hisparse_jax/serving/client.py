@@ -32,7 +32,7 @@ flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string
 flags.DEFINE_list("stop-token-ids", [], "Stop after any of these token ids.")
 flags.DEFINE_boolean("include-stop-str-in-output", False, "Keep the matched stop string at the end of the text.")
 flags.DEFINE_boolean("ignore-eos", False, "Keep generating past the model's EOS tokens.")
-flags.DEFINE_float("timeout-s", 300.0, "RPC deadline.")
+flags.DEFINE_float("timeout-s", 300.0, "RPC deadline in seconds (inf: none).")
 flags.DEFINE_float("wait-for-ready-s", 0.0, "Wait up to this long for the server's health service to report SERVING.")
 flags.DEFINE_string("tls-ca-file", None, "Connect with TLS, trusting this CA certificate (PEM).")
 flags.DEFINE_string("tls-cert-file", None, "Client certificate (PEM) for a server that requires mutual TLS.")
@@ -86,36 +86,64 @@ def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None
 def summary_line(msg) -> str:
   """The client's last line for a request's final GenerateResponse: finish reason and token counts, then the
   swap-in counts (only when the request swapped rows in: a dense server, or a HiSparse request whose KV stayed
-  on device, swaps nothing), prefetched rows and the matched stop when there are any."""
+  on device, swaps nothing), prefetched rows and the matched stop when there are any, and a disaggregated
+  request's timings (its prompt KV came from a prefill server: seconds to the first token there, of the KV
+  transfer and of the decode here, and the bytes transferred)."""
   return (f"[client] finish={hisparse_pb2.FinishReason.Name(msg.finish_reason)} prompt_tokens={msg.prompt_tokens} "
           f"completion_tokens={msg.completion_tokens}"
           + (f" swap_in_hits={msg.swap_in_hits} swap_in_misses={msg.swap_in_misses}"
              if msg.swap_in_hits or msg.swap_in_misses else "")
           + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
-          + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else ""))
+          + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else "")
+          + (f" prefill_s={msg.prefill_seconds:.3f} transfer_s={msg.transfer_seconds:.3f} "
+             f"transfer_bytes={msg.transfer_bytes} decode_s={msg.decode_seconds:.3f}" if msg.transfer_bytes else ""))
+
+
+INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
+
+
+def _ints(flag: str, values, low: int, high: int) -> list[int]:
+  """--flag's comma-separated values as integers in [low, high] (the request field's range); ValueError naming
+  the flag otherwise."""
+  try:
+    ints = [int(x) for x in values]
+  except ValueError:
+    raise ValueError(f"--{flag} must be integers") from None
+  if bad := [x for x in ints if not low <= x <= high]:
+    raise ValueError(f"--{flag} {bad[0]}: outside [{low}, {high}]")
+  return ints
+
+
+def _check_flags() -> tuple[list[int] | None, list[int]]:
+  """(prompt ids or None, stop token ids); ValueError naming the flag for a value the request cannot carry."""
+  if (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
+    raise ValueError("give exactly one of --text or --input-ids")
+  ids = None if FLAGS["input-ids"].value is None else _ints("input-ids", FLAGS["input-ids"].value, 0, INT32_MAX)
+  stop_token_ids = _ints("stop-token-ids", FLAGS["stop-token-ids"].value, 0, INT32_MAX)
+  _ints("max-new-tokens", [FLAGS["max-new-tokens"].value], 1, INT32_MAX)
+  _ints("top-k", [FLAGS["top-k"].value], 0, INT32_MAX)
+  if FLAGS.seed is not None:
+    _ints("seed", [FLAGS.seed], 0, UINT64_MAX)
+  if not FLAGS["timeout-s"].value > 0:  # NaN fails too; inf: no deadline
+    raise ValueError(f"--timeout-s must be > 0 seconds, got {FLAGS['timeout-s'].value}")
+  if not FLAGS["wait-for-ready-s"].value >= 0:
+    raise ValueError(f"--wait-for-ready-s must be >= 0 seconds, got {FLAGS['wait-for-ready-s'].value}")
+  return ids, stop_token_ids
 
 
 def main(argv):
   del argv
-  if (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
-    sys.exit("error: give exactly one of --text or --input-ids")
   try:
-    stop_token_ids = [int(x) for x in FLAGS["stop-token-ids"].value]
-  except ValueError:
-    sys.exit("error: --stop-token-ids must be integers")
-  ids = None
-  if FLAGS["input-ids"].value is not None:
-    try:
-      ids = [int(x) for x in FLAGS["input-ids"].value]
-    except ValueError:
-      sys.exit("error: --input-ids must be integers")
-  try:
+    ids, stop_token_ids = _check_flags()
     tls = {k: credentials.read_file(f"tls-{k}-file", FLAGS[f"tls-{k}-file"].value) for k in ("ca", "cert", "key")}
     api_key = credentials.api_key(FLAGS["api-key"].value, FLAGS["api-key-file"].value)
     if (tls["cert"] is None) != (tls["key"] is None) or (tls["cert"] is not None and tls["ca"] is None):
       raise ValueError("mutual TLS needs --tls-cert-file and --tls-key-file together, with --tls-ca-file")
+    credentials.check_pem(FLAGS["tls-cert-file"].value, FLAGS["tls-key-file"].value, FLAGS["tls-ca-file"].value,
+                          ca_flag="tls-ca-file")
   except ValueError as e:
     sys.exit(f"error: {e}")
+  timeout = None if FLAGS["timeout-s"].value == float("inf") else FLAGS["timeout-s"].value
   with open_channel(FLAGS.target, tls_ca=tls["ca"], tls_cert=tls["cert"], tls_key=tls["key"]) as channel:
     stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
     if FLAGS["wait-for-ready-s"].value > 0:
@@ -132,7 +160,7 @@ def main(argv):
       if FLAGS.seed is not None:
         sampling["seed"] = FLAGS.seed
       for msg in generate(stub, text=FLAGS.text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
-                          timeout=FLAGS["timeout-s"].value, api_key=api_key, **sampling):
+                          timeout=timeout, api_key=api_key, **sampling):
         sys.stdout.write(msg.text)
         sys.stdout.flush()
         streamed = streamed or bool(msg.text)

@@ -42,3 +42,30 @@ def api_key(key: str | None, key_file: str | None) -> str | None:
   if not key or not (key.isascii() and key.isprintable()) or " " in key:
     raise ValueError("--api-key: must be non-empty printable ASCII without spaces")
   return key
+
+
+def check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None, *,
+              cert_flag: str = "tls-cert-file", key_flag: str = "tls-key-file",
+              ca_flag: str = "tls-client-ca-file") -> None:
+  """Parses the PEM files now (Python's ``ssl``), so that a wrong file is an error naming its flag at start-up,
+  not a failed bind or handshake later: the certificate chain with its private key (unencrypted, as gRPC
+  needs), and the CA certificates."""
+  import ssl
+  if cert_file is not None and key_file is not None:
+    try:
+      ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file, password=lambda: b"")
+    except (ssl.SSLError, OSError) as e:
+      raise ValueError(f"--{cert_flag} {cert_file!r} / --{key_flag} {key_file!r}: not a PEM certificate chain and "
+                       f"its unencrypted private key{_why(e)}") from None
+  if ca_file is not None:
+    try:
+      ssl.create_default_context(cafile=ca_file)
+    except (ssl.SSLError, OSError) as e:
+      raise ValueError(f"--{ca_flag} {ca_file!r}: not a PEM CA certificate file{_why(e)}") from None
+
+
+def _why(e: OSError) -> str:
+  """OpenSSL's reason (e.g. " (KEY_VALUES_MISMATCH)"), or the OS error's; "" when it gives none."""
+  import ssl
+  why = e.reason if isinstance(e, ssl.SSLError) else e.strerror
+  return f" ({why})" if why else ""

@@ -90,6 +90,9 @@ class DisaggregationConfig:
         raise ValueError(f"--prefill-servers {s!r}: expected host:port")
     if not self.transfer_timeout_s > 0:
       raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
+    if self.mode != "null":  # the KV transfer server binds it (an address of another machine cannot be bound)
+      from hisparse_jax.serving.addresses import check_bindable
+      check_bindable("--transfer-host", self.transfer_host, 0)
 
 
 class TransferEndpoint:
@@ -240,17 +243,17 @@ def _metadata(api_key: str | None) -> tuple:
 
 def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
   """ValueError naming ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S
-  and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored
+  (a server not listening yet, e.g. still loading its model, is waited for that long) and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored
   latent row: --dtype and --kv-cache-dtype), and a context >= this engine's."""
   layout = _kv_layout(engine)
   for address in servers:
     with grpc.insecure_channel(address) as channel:
       try:
         info = hisparse_pb2_grpc.PrefillServiceStub(channel).Info(
-            hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=_metadata(api_key))
+            hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=_metadata(api_key), wait_for_ready=True)
       except grpc.RpcError as e:
-        raise ValueError(f"--prefill-servers {address}: no prefill server answered ({e.code().name}: "
-                         f"{e.details()}); start it with --disaggregation-mode prefill") from None
+        raise ValueError(f"--prefill-servers {address}: no prefill server answered within {CONNECT_TIMEOUT_S:.0f} s "
+                         f"({e.code().name}: {e.details()}); start it with --disaggregation-mode prefill") from None
     theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype, info.numerics)
     if info.model_fingerprint != engine.model_fingerprint or theirs != layout:
       raise ValueError(f"--prefill-servers {address}: serves another model or KV layout (layers, latent row and "

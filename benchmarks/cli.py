@@ -31,6 +31,73 @@ def sections(choices):
   return parse
 
 
+def ints_in(low: int, high: int):
+  """argparse type: comma-separated integers, each in [low, high] (as given, in order)."""
+
+  def parse(text: str) -> list[int]:
+    try:
+      values = [int(x) for x in text.split(",")]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if bad := [v for v in values if not low <= v <= high]:
+      raise argparse.ArgumentTypeError(f"{bad[0]} is outside [{low}, {high}]")
+    return values
+
+  return parse
+
+
+def floats_in(low: float, high: float):
+  """argparse type: comma-separated numbers, each in [low, high] (NaN refused)."""
+
+  def parse(text: str) -> list[float]:
+    try:
+      values = [float(x) for x in text.split(",")]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if bad := [v for v in values if not low <= v <= high]:
+      raise argparse.ArgumentTypeError(f"{bad[0]} is outside [{low}, {high}]")
+    return values
+
+  return parse
+
+
+def int_in(low: int, high: int):
+  """argparse type: one integer in [low, high]."""
+  many = ints_in(low, high)
+
+  def parse(text: str) -> int:
+    if "," in text:
+      raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
+    return many(text)[0]
+
+  return parse
+
+
+def out_path(text: str) -> str:
+  """argparse type for a results path (a file name, or a name the script adds extensions to): a non-empty name
+  whose folder exists or can be made, and can hold a new file; checked before any work, so that a run never
+  computes for minutes and then fails to write."""
+  import tempfile
+  if not text or not os.path.basename(text) or os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a file name, not a folder")
+  folder = os.path.dirname(os.path.abspath(text))
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+      pass
+  except OSError as e:
+    raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {folder} ({e.strerror or e})") from None
+  return text
+
+
+def check_memory(ap: argparse.ArgumentParser, nbytes: int, what: str) -> None:
+  """ap.error (exit 2) when the run would allocate ``nbytes`` bytes (``what`` names them and the flags that set
+  them), more than 80% of this machine's physical memory: refused before allocating, not after minutes."""
+  have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if nbytes > 0.8 * have:
+    ap.error(f"{what} need {nbytes / 2**30:.1f} GiB, more than 80% of this machine's {have / 2**30:.1f} GiB")
+
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 OUT_HELP = ("results path without extension (default: benchmarks/results/NAME, the committed results BENCHMARKS.md "
             "quotes; with --quick benchmarks/results/quick/NAME, which git ignores)")

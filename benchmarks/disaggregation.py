@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from cli import OUT_HELP, default_out, sections, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, sections, write_results  # noqa: E402
 
 SECTIONS = ("transfer", "latency")
 STREAMS, WARM_TOKENS = 8, 20
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   ap.add_argument("--sections", type=sections(SECTIONS), default=",".join(SECTIONS))
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--offer-worker", nargs=2, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("disaggregation", args.quick)

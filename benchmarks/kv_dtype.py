@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
-from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, check_memory, default_out, ints_in, out_path, write_results  # noqa: E402
 
 CONFIG = os.path.join(REPO, "tests", "data", "deepseek_v32_config.json")
 FORMATS = ("auto", "fp8_e4m3")
@@ -153,13 +153,13 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="one small point (batch 1, context 4096, 3 steps, hidden size "
                  "1024: a smoke test of the script; the attention and the KV keep their real sizes)")
-  p.add_argument("--batches", type=positive_ints, default=[1, 8, 32])
-  p.add_argument("--contexts", type=positive_ints, default=[8192, 32768],
-                 help="tokens per request (each > top_k 2048)")
+  p.add_argument("--batches", type=ints_in(1, 1024), default=[1, 8, 32])
+  p.add_argument("--contexts", type=ints_in(2049, 163840), default=[8192, 32768],
+                 help="tokens per request (each > top_k 2048, at most DeepSeek-V3.2's 163840)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (float32: XLA:CPU's fast path)")
   p.add_argument("--steps", type=int, default=12)
-  p.add_argument("--out", help=OUT_HELP)
+  p.add_argument("--out", type=out_path, help=OUT_HELP)
   args = p.parse_args(argv)
   if args.quick:
     args.batches, args.contexts, args.steps = [1], [4096], 3
@@ -167,6 +167,9 @@ def main(argv=None) -> None:
     p.error("--contexts must exceed top_k 2048 (every step then attends to 2,048 rows)")
   if args.steps < 1:
     p.error("--steps must be >= 1")
+  # The KV of the largest point: latent rows (576 values) and indexer keys (128) per token, float32 at most.
+  check_memory(p, max(args.batches) * max(args.contexts) * (576 + 128) * 4 * 2,
+               "the KV cache of --batches x --contexts tokens")
   t0 = time.perf_counter()
   rows = []
   for S in args.contexts:

@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
-from cli import OUT_HELP, default_out, positive_ints, sections, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, positive_ints, sections, write_results  # noqa: E402
 
 NEW = 32
 PAGE = 64
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
                   help="dense runs stop at this prompt length (the 64k run is HiSparse's)")
   ap.add_argument("--itl-prompt", default=32768, type=int)
   ap.add_argument("--itl-chunks", default="16", type=positive_ints)
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("long_context", args.quick)

@@ -57,7 +57,7 @@ import numpy as np
 MAX_POSITIONS = 1 << 22  # context + steps and hot-buffer sizes a replay accepts (4M tokens; DSA models: 160k)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import OUT_HELP, default_out, positive_ints  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, positive_ints  # noqa: E402
 
 
 def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sinks: int = 16,
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
   ap.add_argument("--buffers", default="2048,4096,6144", type=positive_ints,
                   help="hot-buffer sizes D (comma-separated, each >= top_k)")
   ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead (no scores: no score policies)")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(context=1024, steps=40, top_k=128, buffers=[128, 256], layers=3)

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, check_memory, default_out, out_path, positive_ints, write_results  # noqa: E402
 
 
 def run(tokens: list[int], experts: int, active: int, hidden: int, inter: int, repeats: int) -> list[dict]:
@@ -144,13 +144,18 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--ep", type=int, default=0, help="also time expert parallelism over this many simulated CPU "
                   "devices (DP attention): all-to-all dispatch vs psum")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("moe", args.quick)
   if not 0 < args.active <= args.experts:
     ap.error(f"--active must be in 1..--experts ({args.experts}), got {args.active}")
   if args.quick:
     args.tokens, args.hidden, args.inter, args.repeats = [1, 32], 64, 32, 3
+  if min(args.hidden, args.inter, args.repeats) < 1 or args.ep < 0:
+    ap.error("--hidden, --inter and --repeats must be >= 1, --ep >= 0")
+  # The dense evaluation's float32 activations: every token through every expert (gate, up, their product).
+  check_memory(ap, max(args.tokens) * (3 * args.experts * args.inter + 2 * args.hidden) * 4 * 2,
+               "the dense evaluation's activations (--tokens x --experts x --inter)")
   if args.ep:
     if args.experts % args.ep:
       ap.error(f"--ep {args.ep} does not divide --experts {args.experts}")

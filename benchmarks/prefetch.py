@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from calibrated_trace import TraceModel, calibrated_trace  # noqa: E402
-from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, positive_ints, write_results  # noqa: E402
 
 TOP_K, D, W = 2048, 4096, 576
 SKIP = 3
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
   ap.add_argument("--depth", type=int, default=TOP_K, help="positions prefetched: the top-scored of each top-k")
   ap.add_argument("--host-pool", choices=("jax", "extension"), default="jax",
                   help="the pool: a pinned_host JAX array, or the extension's own pinned memory (ops.ExtensionHostPool)")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:
     ap.set_defaults(batches=[1, 4], steps=6, layers=3)

@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
+from cli import out_path  # noqa: E402
 
 
 def prompt_text_ids(tokenizer, n: int) -> list[int]:
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--prompt-tokens", type=int, default=8192)
   ap.add_argument("--new-tokens", type=int, default=500)
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "topk_trace.npz"))
+  ap.add_argument("--out", type=out_path, default=os.path.join(HERE, "results", "topk_trace.npz"))
   args = ap.parse_args(argv)
   import bench_models
   from tokenizers import Tokenizer

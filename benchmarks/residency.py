@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, positive_ints, write_results  # noqa: E402
 
 SKIP = 3
 MODES = ("dense", "hisparse", "resident")
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
   ap.add_argument("--batches", type=positive_ints, default=[1, 2, 8, 32])
   ap.add_argument("--rounds", type=int, default=40)
   ap.add_argument("--prompt-len", type=int, default=96)
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:
     ap.set_defaults(batches=[1], rounds=8)

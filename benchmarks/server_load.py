@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
-from cli import OUT_HELP, default_out, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, write_results  # noqa: E402
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -86,7 +86,7 @@ class Probe:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="fewer clients and streams (CI smoke)")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("server_load", args.quick)
   text_flood, streams, reps = (4, 60, 3) if args.quick else (24, 600, 10)

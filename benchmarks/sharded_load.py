@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from cli import OUT_HELP, default_out, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, write_results  # noqa: E402
 
 MODEL = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=32,
@@ -80,7 +80,7 @@ def main() -> None:
   ap.add_argument("--processes", type=int, default=2)
   ap.add_argument("--devices-per-process", type=int, default=4)
   ap.add_argument("--meshes", default="2,4,8:1,8,8:8,1,8", help="dp,tp,ep meshes separated by ':'")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--model", help=argparse.SUPPRESS)
   ap.add_argument("--mesh", type=lambda t: tuple(int(v) for v in t.split(",")), help=argparse.SUPPRESS)

@@ -49,7 +49,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import OUT_HELP, default_out, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, positive_ints, write_results  # noqa: E402
 
 SKIP = 3  # first decode steps left out of the median (compilation of the batch bucket, warm caches)
 OVERLAP_BLOCK = 4  # consecutive overlapped engine steps per round
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
                   help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
                        "resident_fraction 0.5, no swap-in while the KV fits); each with the suffix _fp8: with "
                        "--kv-cache-dtype fp8_e4m3 (FP8 latent rows and indexer keys)")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(batches=[2], steps=6)
@@ -249,7 +249,12 @@ def main(argv=None) -> int:
 
   model_dir = ensure_default_model()
   t0 = time.perf_counter()
-  rows = [measure(model_dir, B, mode, args.prompt_len, args.steps) for B in args.batches for mode in modes]
+  from hisparse_jax.engine.args import StartupError
+  try:
+    rows = [measure(model_dir, B, mode, args.prompt_len, args.steps) for B in args.batches for mode in modes]
+  except StartupError as e:  # a size the engine refuses (e.g. a prompt past the model's context)
+    print(f"error: --prompt-len {args.prompt_len} / --steps {args.steps}: {e}", file=sys.stderr)
+    return 2
   theirs = transformers_steps(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                            "vs_transformers.json"))
   import jax

@@ -36,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cli import check_memory, floats_in, int_in, ints_in, out_path  # benchmarks/ (this script's folder)
 
 from hisparse_jax import _ffi_cpu
 from hisparse_jax.kernels import ops
@@ -156,19 +157,22 @@ def run_point(B, D, W, L, miss_fraction, repeats, rng):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ints = lambda s: [int(x) for x in s.split(",")]
-  floats = lambda s: [float(x) for x in s.split(",")]
-  ap.add_argument("--batch", type=ints, default=[1, 64, 256])
-  ap.add_argument("--buffer", type=ints, default=[2048, 4096])
-  ap.add_argument("--row-bytes", type=ints, default=[656, 1152])
-  ap.add_argument("--miss", type=floats, default=[0.001, 0.05, 0.2, 1.0])
-  ap.add_argument("--layers", type=int, default=2)
-  ap.add_argument("--repeats", type=int, default=9)
-  ap.add_argument("--quick", action="store_true", help="one small point per axis (CI smoke)")
-  ap.add_argument("--json", help="write the results here")
+  ap.add_argument("--batch", type=ints_in(1, 4096), default=[1, 64, 256])
+  ap.add_argument("--buffer", type=ints_in(TOP_K, 1 << 20), default=[2048, 4096], help=f"hot buffer rows (>= {TOP_K})")
+  ap.add_argument("--row-bytes", type=ints_in(1, 1 << 20), default=[656, 1152])
+  ap.add_argument("--miss", type=floats_in(0.0, 1.0), default=[0.001, 0.05, 0.2, 1.0])
+  ap.add_argument("--layers", type=int_in(1, 256), default=2)
+  ap.add_argument("--repeats", type=int_in(1, 10000), default=9)
+  ap.add_argument("--quick", action="store_true", help="one small point per axis (CI smoke): replaces --batch, "
+                  "--buffer, --row-bytes, --miss and --repeats")
+  ap.add_argument("--json", type=out_path, help="write the results here")
   args = ap.parse_args(argv)
   if args.quick:
     args.batch, args.buffer, args.row_bytes, args.miss, args.repeats = [4], [2048], [656], [0.05, 1.0], 2
+  # Per request and layer, the host pool (a context of D + K + 1 rows: make_case) and the hot buffer (D + 1 rows).
+  rows = max(args.batch) * (2 * max(args.buffer) + TOP_K + 2) * args.layers
+  check_memory(ap, rows * max(args.row_bytes), "the host pool and hot buffers (--batch x --buffer x --row-bytes "
+               "x --layers)")
   rng = np.random.default_rng(0)
   print(f"# swap-in benchmark: {platform.processor() or platform.machine()}, "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, K={TOP_K}, layers/call={args.layers}")

@@ -43,7 +43,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from cli import OUT_HELP, default_out, positive_ints, sections, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, out_path, positive_ints, sections, write_results  # noqa: E402
 
 MODES = ("dense", "hisparse")
 NEW = 32
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
                   help="decode-section concurrency")
   ap.add_argument("--e2e-contexts", default=",".join(map(str, E2E_CONCURRENCY)), type=positive_ints,
                   help="e2e-section contexts (concurrency from E2E_CONCURRENCY, else 1)")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("throughput", args.quick)
   e2e_c = {ctx: E2E_CONCURRENCY.get(ctx, 1) for ctx in args.e2e_contexts}

@@ -68,7 +68,7 @@ import numpy as np
 from hisparse_jax.default_model import ensure_default_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import OUT_HELP, default_out  # noqa: E402
+from cli import OUT_HELP, default_out, out_path  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
   ap.add_argument("--max-seq-len", type=int, default=None,
                   help="our Engine's max_seq_len (default: the engine's own)")
-  ap.add_argument("--out", help=OUT_HELP)
+  ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true", help="batches 1,2, 8 new tokens, 1 repeat (CI smoke)")
   args = ap.parse_args(argv)
   args.out = args.out or default_out("vs_transformers", args.quick)

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tests.xla_env import optimized
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,3 +204,24 @@ def test_kv_dtype_benchmark_quick(tmp_path):
     assert all(row[kind][k] > 0 for k in ("step_ms", "gather_ms", "rows_ms", "keys_ms")), row
   assert row["ratio"] == row["fp8_e4m3"]["step_ms"] / row["auto"]["step_ms"]
   assert "| 1 | 4096 | float32 | " in (tmp_path / "kvd.md").read_text()
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("swap_in.py", ["--batch", "0"], "argument --batch: 0 is outside [1, 4096]"),
+    ("swap_in.py", ["--miss", "nan"], "argument --miss: nan is outside [0.0, 1.0]"),
+    ("swap_in.py", ["--repeats", "0"], "argument --repeats: 0 is outside [1, 10000]"),
+    ("swap_in.py", ["--row-bytes", "1000000"], "more than 80% of this machine's"),
+    ("swap_in.py", ["--json", "FILE/x.json"], "argument --json: "),
+    ("moe.py", ["--tokens", "100000000"], "the dense evaluation's activations (--tokens x --experts x --inter) need"),
+    ("kv_dtype.py", ["--contexts", str(2**63 - 1)], f"argument --contexts: {2**63 - 1} is outside [2049, 163840]"),
+    ("miss_rate.py", ["--out", "results/"], "argument --out: 'results/': expected a file name, not a folder"),
+    ("prefetch.py", ["--out", ""], "argument --out: '': expected a file name"),
+])
+def test_bad_benchmark_flags_fail_before_any_work(tmp_path, script, flags, message):
+  """A size that would not fit in memory, a value outside its range or a results path that cannot be written is
+  an argparse error (exit 2) before anything is computed or allocated."""
+  (tmp_path / "FILE").write_text("a file, not a folder")
+  flags = [f.replace("FILE", str(tmp_path / "FILE")) for f in flags]
+  r = subprocess.run([sys.executable, f"benchmarks/{script}", *flags], cwd=REPO, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -105,7 +105,7 @@ def test_benchmark_scripts_refuse_bad_input(tmp_path):
   fails([mr, "--trace-model", "synthetic", "--context", "10", "--top-k", "64", "--buffers", "64"],
         "--trace-model synthetic needs --context >= top_k")
   fails([mr, "--context", str(10**11)], "--context + --steps and --buffers must be <= 4194304")
-  fails([mr, "--quick", "--out", "/proc/nope/x"], "--out /proc/nope/x")
+  fails([mr, "--quick", "--out", "/proc/nope/x"], "argument --out: '/proc/nope/x': cannot write in /proc/nope")
   fails([mr, "--buffers", "8,abc"], "expected comma-separated integers")
   fails([mr, "--top-k", "128", "--buffers", "64"], "must be >= top_k (128)")
   fails(["benchmarks/throughput.py", "--sections", "foo"], "unknown section(s) ['foo']")

@@ -31,34 +31,27 @@ def sections(choices):
   return parse
 
 
-def ints_in(low: int, high: int):
-  """argparse type: comma-separated integers, each in [low, high] (as given, in order)."""
-
-  def parse(text: str) -> list[int]:
+def _numbers_in(convert, noun: str, low, high):
+  def parse(text: str) -> list:
     try:
-      values = [int(x) for x in text.split(",")]
+      values = [convert(x) for x in text.split(",")]
     except ValueError:
-      raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if bad := [v for v in values if not low <= v <= high]:
+      raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}") from None
+    if bad := [v for v in values if not low <= v <= high]:  # NaN fails too
       raise argparse.ArgumentTypeError(f"{bad[0]} is outside [{low}, {high}]")
     return values
 
   return parse
+
+
+def ints_in(low: int, high: int):
+  """argparse type: comma-separated integers, each in [low, high] (as given, in order)."""
+  return _numbers_in(int, "integers", low, high)
 
 
 def floats_in(low: float, high: float):
   """argparse type: comma-separated numbers, each in [low, high] (NaN refused)."""
-
-  def parse(text: str) -> list[float]:
-    try:
-      values = [float(x) for x in text.split(",")]
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if bad := [v for v in values if not low <= v <= high]:
-      raise argparse.ArgumentTypeError(f"{bad[0]} is outside [{low}, {high}]")
-    return values
-
-  return parse
+  return _numbers_in(float, "numbers", low, high)
 
 
 def int_in(low: int, high: int):

@@ -35,6 +35,7 @@ stops with a message naming the flag and both values.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -198,7 +199,35 @@ def initialize(args: DistributedArgs) -> None:
     raise StartupError(f"--coordinator-address {args.coordinator_address}: jax.distributed could not start: "
                        f"{str(e).splitlines()[0]}") from None
   done.set()
+  if args.process_id == 0:
+    # Process 0 leaves last (the others wait in the barrier while it finishes its own work, e.g. writing results),
+    # so only its wait means a process is gone. Its handler runs before jax's own (atexit is last-in,
+    # first-out), which then finds nothing to do; the watchdog thread starts now (none can once exiting).
+    threading.Thread(target=_shutdown_watchdog, args=(args.distributed_heartbeat_timeout_s / 2,),
+                     name="distributed-shutdown-watchdog", daemon=True).start()
+    atexit.register(_shutdown)
   _check_devices()
+
+
+_EXITING, _LEFT = threading.Event(), threading.Event()
+
+
+def _shutdown() -> None:
+  """Process 0's leave of jax.distributed at a clean exit. Its shutdown barrier waits for every process; one that
+  has already stopped on its own (a SIGTERM to every process at once, as a service manager sends) would hold this
+  one there until the coordination service aborts it (SIGABRT, status 134, after the shutdown timeout):
+  ``_shutdown_watchdog`` ends the wait first, with a message and status 1."""
+  import jax
+  _EXITING.set()
+  jax.distributed.shutdown()
+  _LEFT.set()
+
+
+def _shutdown_watchdog(wait_s: float) -> None:
+  _EXITING.wait()
+  if not _LEFT.wait(wait_s):
+    fatal(f"another process stopped before this one could leave jax.distributed together with it (waited "
+          f"{wait_s:.0f} s); exiting")
 
 
 def _check_port_free(address: str, port: int) -> None:

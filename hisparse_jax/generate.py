@@ -189,6 +189,9 @@ def main(argv):
       error = str(e)
     distributed.startup_barrier(error)  # every process stops when one's checks fail, with its message
     if dist.process_id > 0:
+      if FLAGS.output:
+        print(f"[generate] process {dist.process_id}: --output {FLAGS.output!r} is not written here: process 0 "
+              "writes the results", file=sys.stderr)
       _follow(args, tokenizer, record_topk=dump is not None)
       return
     from hisparse_jax.engine import Engine

@@ -283,35 +283,35 @@ def main(argv) -> None:
     with open(F("model-config")) as f:
       model_cfg = DSAConfig.from_hf_config(json.load(f))
   except (OSError, ValueError, KeyError, TypeError) as e:
-    sys.exit(f"--model-config {F("model-config")!r}: {e}")
+    sys.exit(f"error: --model-config {F("model-config")!r}: {e}")
   devices = F("devices")
   if devices < 1:
-    sys.exit(f"--devices must be >= 1, got {devices}")
+    sys.exit(f"error: --devices must be >= 1, got {devices}")
   frac = F("mem-fraction-static")
   if frac is not None and not 0 < frac <= 1:
-    sys.exit(f"--mem-fraction-static must be in (0, 1], got {frac}")
+    sys.exit(f"error: --mem-fraction-static must be in (0, 1], got {frac}")
   dp, tp = F("dp-size"), F("tp-size")
   if dp is None and tp is None:
     dp, tp = devices, 1  # DP attention over every device (SGLang's recommended HiSparse deployment)
   elif dp is None or tp is None:
     flag, given = ("--tp-size", tp) if dp is None else ("--dp-size", dp)
     if not given or given < 1 or devices % given:
-      sys.exit(f"{flag} {given} does not divide --devices {devices}")
+      sys.exit(f"error: {flag} {given} does not divide --devices {devices}")
     dp, tp = (devices // tp, tp) if dp is None else (dp, devices // dp)
   ep = F("ep-size") if F("ep-size") is not None else devices
   mesh = MeshConfig(dp_size=dp, tp_size=tp, ep_size=ep)
   if F("hisparse-config") is not None and not F("hisparse-config").strip():
-    sys.exit("--hisparse-config '': empty (leave the flag out for SGLang's sizes)")
+    sys.exit("error: --hisparse-config '': empty (leave the flag out for SGLang's sizes)")
   try:
     hs = HiSparseConfig.from_json(F("hisparse-config") or json.dumps(SGLANG_HISPARSE), model_top_k=model_cfg.index_topk)
     hs.check_model(model_cfg)
   except ConfigError as e:
-    sys.exit(f"--hisparse-config: {e}")
+    sys.exit(f"error: --hisparse-config: {e}")
   for flag, v in (("--device-memory", F("device-memory")), ("--host-memory", F("host-memory"))):
     if not 0 < v <= MAX_MEMORY_GIB:  # NaN fails too
-      sys.exit(f"{flag} must be a number of GiB in (0, {MAX_MEMORY_GIB}], got {v}")
+      sys.exit(f"error: {flag} must be a number of GiB in (0, {MAX_MEMORY_GIB}], got {v}")
   if not 0 < F("context") < math.inf:
-    sys.exit(f"--context must be a finite number > 0, got {F('context')}")
+    sys.exit(f"error: --context must be a finite number > 0, got {F('context')}")
   try:
     if mesh.num_devices != devices:
       raise MeshError(f"--dp-size {dp} x --tp-size {tp} must equal --devices {devices}")
@@ -321,8 +321,8 @@ def main(argv) -> None:
                     mem_fraction_static=F("mem-fraction-static"))
   except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
     if isinstance(e, MeshError) and F("ep-size") is None and "--ep-size" in str(e):
-      sys.exit(f"{e} (--ep-size defaults to --devices {devices}; pass --ep-size)")
-    sys.exit(str(e))
+      sys.exit(f"error: {e} (--ep-size defaults to --devices {devices}; pass --ep-size)")
+    sys.exit(f"error: {e}")
   print(json.dumps(plan.to_dict(), indent=1) if F("json") else format_plan(plan))
 
 

@@ -153,6 +153,33 @@ def test_a_two_process_decode_server_imports_prefilled_kv(one_device):
     _kill_all([*procs, prefill])
 
 
+GONE_FOLLOWER = """
+import os, sys
+from absl import flags
+from hisparse_jax import distributed
+distributed.DistributedArgs.define_flags()
+flags.FLAGS(sys.argv)
+args = distributed.DistributedArgs.from_flags()
+distributed.initialize(args)
+if args.process_id == 1:
+  os._exit(0)  # gone without leaving jax.distributed (it stopped on its own SIGTERM, say)
+print("process 0 finished its work", flush=True)
+"""
+
+
+def test_process_0_does_not_wait_for_a_follower_that_is_gone():
+  """A service manager stops a deployment by signalling every process at once; a follower that stopped on its
+  own is gone when process 0 exits cleanly. Process 0 must not wait in jax.distributed's shutdown barrier until
+  the coordination service aborts it (SIGABRT, status 134): status 1 and a message, within half the heartbeat
+  timeout."""
+  results = wait_all(launch(["-c", GONE_FOLLOWER, "--distributed-heartbeat-timeout-s=6"], 2, 1), timeout=120)
+  assert results[1][0] == 0
+  rc, out, err = results[0]
+  assert "process 0 finished its work" in out
+  assert rc == 1 and "another process stopped before this one could leave jax.distributed" in err, (rc, err[-3000:])
+  assert "Fatal Python error" not in err
+
+
 @pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGTERM)])
 def test_a_process_that_dies_takes_the_other_down_with_a_message(victim, sig):
   """kill -9 of the follower (mid-stream) or of the leader, or SIGTERM to the follower: the survivor exits with

@@ -318,17 +318,16 @@ def fatal(message: str) -> None:
 
 
 def exit_with_error(message: str) -> None:
-  """``sys.exit(message)`` (status 1); with several processes joined, the message is printed and the process
-  ends at once: a normal exit would wait in jax.distributed's shutdown barrier for the others, which may be
-  waiting in a collective for this one."""
+  """A start-up error's end: prints the message to stderr and ends the process at once with status 1. No
+  interpreter shutdown: with several processes joined it would wait in jax.distributed's shutdown barrier for the
+  others, which may be waiting in a collective for this one; on one process, threads a failed start left behind
+  (orbax's restore of a damaged checkpoint) print "Event loop is closed" tracebacks after the message."""
   import jax
-  if jax.distributed.is_initialized():
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    if jax.process_index() == 0:  # the coordination service lives here: let the others, stopping alike, go first
-      time.sleep(EXIT_GRACE_S)
-    os._exit(1)
-  sys.exit(message)
+  print(message, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  if jax.distributed.is_initialized() and jax.process_index() == 0:
+    time.sleep(EXIT_GRACE_S)  # the coordination service lives here: let the others, stopping alike, go first
+  os._exit(1)
 
 
 # ------------------------------------------------------------------------------------------- messages

@@ -140,10 +140,14 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
       lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default if sharding is None else
                                         sharding(param_path(p), tuple(x.shape))), abstract_state)
   params = os.path.abspath(os.path.join(path, PARAMS_DIR))
+  previous_hook = _quiet_failed_reads()
   try:
     with ocp.StandardCheckpointer() as ckpt:
       state = ckpt.restore(params, target)
+    sys.unraisablehook = previous_hook
   except Exception as e:  # orbax/TensorStore: a generic Exception whose text is the whole TensorStore spec
+    import gc
+    gc.collect()  # the failed reads' coroutines, now (quietly), not at some later collection
     raise ValueError(f"{path}: the orbax checkpoint cannot be read ({_root_cause(e)}); a file under {params} is "
                      "damaged, missing or of another checkpoint. Convert the HF checkpoint again: "
                      "python -m models.convert --model-path HF_DIR --output NEW_DIR") from e
@@ -156,6 +160,25 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
     casted = jax.tree.map(lambda want, have: jnp.asarray(have, want.dtype), state2, state)
     model = nnx.merge(graphdef2, casted)
   return cfg, model
+
+
+def _quiet_failed_reads():
+  """Installs (and returns the hook it replaces) an unraisable-error hook for an orbax restore: when one read
+  fails, the others still finish on TensorStore's threads, each ending in an error printed as "Exception ignored
+  in: ..." with a traceback (the coroutines' own errors when collected, "Event loop is closed" from callbacks into
+  orbax's closed loop), around the one-line error the caller raises. The hook drops those two kinds (every other
+  unraisable error still prints); after a failure it stays, since such callbacks may still come."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    error, obj = unraisable.exc_value, unraisable.object
+    if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed") or \
+       "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", ""):
+      return
+    previous(unraisable)
+
+  sys.unraisablehook = hook
+  return previous
 
 
 def _root_cause(e: BaseException, limit: int = 400) -> str:

@@ -12,8 +12,9 @@ A request's life:
   3. Prefill: up to ``chunked_prefill_size`` prompt tokens per step, in chunks of the admitted prompts
      (those that end within a chunk first, then the others; oldest first within each), batched into one
      jitted call; a long prompt takes several steps, so running requests keep getting a token every step
-     while it prefills, and a short prompt admitted meanwhile is prefilled at the next step. The chunk that ends a prompt samples
-     its first token (and, in HiSparse mode, fills its hot buffer and frees its staging pages).
+     while it prefills, and a short prompt admitted meanwhile is prefilled at the next step. The chunk that
+     ends a prompt samples its first token (and, in HiSparse mode, fills its hot buffer and frees its staging
+     pages).
   4. Decode: one jitted step for the decoding requests, at a power-of-two batch bucket covering them
      (1, 2, 4, ... max_running_requests), each row naming its request's slot and page tables. A request
      that needs a new page grows by one; if memory ran out, the most recently admitted request (of its

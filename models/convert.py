@@ -14,6 +14,7 @@ without reading any safetensors.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -140,11 +141,12 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
       lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default if sharding is None else
                                         sharding(param_path(p), tuple(x.shape))), abstract_state)
   params = os.path.abspath(os.path.join(path, PARAMS_DIR))
-  previous_hook = _quiet_failed_reads()
+  previous_hook, log_filter = _quiet_failed_reads(params)
   try:
     with ocp.StandardCheckpointer() as ckpt:
       state = ckpt.restore(params, target)
     sys.unraisablehook = previous_hook
+    logging.getLogger("asyncio").removeFilter(log_filter)
   except Exception as e:  # orbax/TensorStore: a generic Exception whose text is the whole TensorStore spec
     import gc
     gc.collect()  # the failed reads' coroutines, now (quietly), not at some later collection
@@ -162,12 +164,19 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
   return cfg, model
 
 
-def _quiet_failed_reads():
-  """Installs (and returns the hook it replaces) an unraisable-error hook for an orbax restore: when one read
-  fails, the others still finish on TensorStore's threads, each ending in an error printed as "Exception ignored
-  in: ..." with a traceback (the coroutines' own errors when collected, "Event loop is closed" from callbacks into
-  orbax's closed loop), around the one-line error the caller raises. The hook drops those two kinds (every other
-  unraisable error still prints); after a failure it stays, since such callbacks may still come."""
+def _quiet_failed_reads(params: str):
+  """Quiets the other reads of an orbax restore of ``params`` once one has failed; returns (the unraisable-error
+  hook it replaces, the asyncio log filter it adds). Those reads still finish on TensorStore's threads and each
+  ends in an error printed around the one-line error the caller raises:
+
+  - "Exception ignored in: ..." with a traceback, through ``sys.unraisablehook`` (the coroutines' own errors when
+    collected, "Event loop is closed" from callbacks into orbax's closed loop): the hook drops those two kinds,
+    every other unraisable error still prints;
+  - "Task/Future exception was never retrieved" with a traceback and the whole TensorStore spec, logged on the
+    ``asyncio`` logger when an unawaited task or future is collected: the filter drops such records whose error
+    names ``params``, every other record still logs.
+
+  After a failure both stay, since such callbacks and collections may still come."""
   previous = sys.unraisablehook
 
   def hook(unraisable):
@@ -177,8 +186,13 @@ def _quiet_failed_reads():
       return
     previous(unraisable)
 
+  def keep(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (error is not None and "exception was never retrieved" in str(record.msg) and params in str(error))
+
   sys.unraisablehook = hook
-  return previous
+  logging.getLogger("asyncio").addFilter(keep)
+  return previous, keep
 
 
 def _root_cause(e: BaseException, limit: int = 400) -> str:

@@ -180,7 +180,7 @@ def main(argv):
     print(f"[server] warning: serving plain-text gRPC without authentication on {FLAGS.host}; anyone who can "
           "reach it can use and abort requests (use --tls-cert-file/--tls-key-file and --api-key-file)",
           file=sys.stderr, flush=True)
-  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes)
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=engine.config.num_hidden_layers)
   metrics_at = ""
   if metrics_port is not None:
     host = FLAGS["metrics-host"].value

@@ -328,6 +328,13 @@ def main(argv):
                   if hisparse.prefetch != "none" else "")
     print(f"[generate] swap-in: {hits} hits, {misses} misses "
           f"(miss rate {misses / max(1, hits + misses):.3f}){prefetched}", file=sys.stderr)
+    if hisparse.resident_fraction > 0:
+      steps = engine.residency_steps
+      print(f"[generate] dynamic residency: {engine.num_offloads} offloads; decode steps with every row resident "
+            f"{steps['all']}, some {steps['mixed']}, none {steps['none']}", file=sys.stderr)
+  if engine.num_preemptions:
+    print(f"[generate] {engine.num_preemptions} preemptions (KV freed and recomputed: raise --max-device-kv-bytes "
+          "or lower --max-running-requests)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,16 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   dense = [json.loads(l) for l in (tmp_path / "dense.jsonl").read_text().splitlines()]
   assert dense[0]["output_ids"] == res[0]["output_ids"] and "misses" not in dense[0]
   assert "(dense, float32; includes compilation)" in r.stderr
+  # Dynamic residency: the same tokens, and the summary says how the decode steps went.
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+          "--output", str(tmp_path / "resident.jsonl"), "--max-new-tokens", "6", "--enable-hisparse",
+          "--hisparse-config", json.dumps(dict(TINY_HISPARSE, resident_fraction=0.5)))
+  assert r.returncode == 0, r.stderr[-2000:]
+  resident = [json.loads(l) for l in (tmp_path / "resident.jsonl").read_text().splitlines()]
+  assert [l.get("output_ids") for l in resident] == [l.get("output_ids") for l in dense]
+  steps = re.search(r"dynamic residency: 0 offloads; decode steps with every row resident (\d+), some 0, none 0",
+                    r.stderr)
+  assert steps and int(steps.group(1)) >= 5, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("script", ["generate", "server"])
@@ -419,7 +429,13 @@ def test_server_warns_on_an_open_bind_and_prints_the_metrics_port():
     url = line.split("metrics at ")[1].strip()
     assert url.startswith("http://127.0.0.1:") and not url.startswith("http://127.0.0.1:0/")
     with urllib.request.urlopen(url, timeout=10) as resp:
-      assert b"hisparse_running_requests" in resp.read()
+      page = resp.read().decode()
+    # Before any request: the pools' idle state, and every layer's counters at 0.
+    assert "hisparse_running_requests 0.0" in page and "hisparse_offloads 0.0" in page, page
+    free = re.search(r'hisparse_kv_pool_pages\{memory="device",pool="kv",state="free"\} ([0-9.]+)', page)
+    assert free and float(free.group(1)) > 0, page
+    layers = set(re.findall(r'hisparse_swap_in_hits_total\{layer="(\d+)"\} 0\.0', page))
+    assert layers == {str(i) for i in range(3)}, page
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == 0

@@ -449,20 +449,30 @@ def test_dynamic_residency_is_lossless_and_offloads_under_memory_pressure():
     rs = reqs()
     for r in rs:
       eng.submit(r)
-    eng.run()
-    assert all_kv_free(eng.loads())
+    eng.peak_resident = 0
+    while eng.has_work():
+      eng.step()
+      eng.peak_resident = max(eng.peak_resident, eng.loads()["resident"])
+    assert all_kv_free(eng.loads()) and eng.loads()["resident"] == 0
     return [r.output_ids for r in rs], rs, eng
 
   dense, _, _ = run(None)
   roomy = HiSparseConfig(**TINY_HISPARSE, resident_fraction=0.5)
   tokens, rs, eng = run(roomy)
-  assert tokens == dense and eng.num_offloads == 0
+  assert tokens == dense and eng.num_offloads == 0 and eng.peak_resident == len(lens)
   assert eng.residency_steps["all"] > 0 and not eng.residency_steps["none"]
   assert all(r.hits == r.misses == 0 for r in rs)  # every step attended from device pages: no swap-in
   tokens, rs, eng = run(roomy, max_device_kv_bytes=260_000)  # 16 staging pages (256 tokens) for 4 requests
   assert eng.memory_plan.pools["staging"][1] < sum(-(-(n + 40) // 16) for n in lens)
   assert tokens == dense and eng.num_offloads >= 1 and eng.residency_steps["mixed"] > 0
   assert sum(r.misses for r in rs) > 0  # the offloaded ones swapped in
+  # What the server shows: GetLoads and the metrics carry the offloads.
+  from hisparse_jax.serving.metrics import ServerMetrics
+  from hisparse_jax.serving.server import loads_message
+  assert loads_message(eng.loads()).offloads == eng.num_offloads
+  metrics = ServerMetrics(row_bytes=4)
+  metrics.update(eng.loads())
+  assert metrics.registry.get_sample_value("hisparse_offloads") == eng.num_offloads
 
 
 def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():

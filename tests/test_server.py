@@ -94,6 +94,8 @@ def test_client_summary_line_shows_swap_ins_only_where_rows_were_swapped_in(serv
   dense = hisparse_pb2.GenerateResponse(finished=True, finish_reason=hisparse_pb2.STOP_STRING, prompt_tokens=3,
                                         completion_tokens=2, matched_stop="\n")
   assert summary_line(dense) == "[client] finish=STOP_STRING prompt_tokens=3 completion_tokens=2 matched_stop='\\n'"
+  dense.num_preemptions = 2
+  assert summary_line(dense).endswith(" matched_stop='\\n' num_preemptions=2")
   disaggregated = hisparse_pb2.GenerateResponse(finished=True, finish_reason=hisparse_pb2.LENGTH, prompt_tokens=3,
                                                 completion_tokens=2, prefill_seconds=0.25, transfer_seconds=0.0125,
                                                 transfer_bytes=4096, decode_seconds=1.5)

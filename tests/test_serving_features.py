@@ -74,6 +74,11 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   assert text
   ss = run(eng, [Request("t", prompt, 12, stop=(text[-1],))])[0]
   assert ss.finish_reason == "stop_string" and ss.matched_stop == text[-1] and len(ss.output_ids) <= 2
+  # One str is one stop string (vLLM, OpenAI), not its characters; one int is one stop token.
+  whole = text[-1] + "\u2603" * 3
+  one = run(eng, [Request("t1", prompt, 12, stop=whole), Request("t2", prompt, 12, stop_token_ids=g.output_ids[2])])
+  assert one[0].stop == (whole,) and one[0].output_ids == g.output_ids and one[0].finish_reason == "length"
+  assert one[1].finish_reason == "stop_token" and one[1].output_ids == st.output_ids
   # The returned text ends before the stop string (OpenAI / vLLM / SGLang), unless asked to keep it.
   assert ss.text == text[: text.index(text[-1])] and text[-1] not in ss.text
   kept = run(eng, [Request("u", prompt, 12, stop=(text[-1],), include_stop_str_in_output=True)])[0]
@@ -84,7 +89,9 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   assert both.output_ids == ss.output_ids and both.text == ss.text
   assert both.finish_reason == "stop_string" and both.matched_stop == text[-1]
   for bad, msg in [(dict(stop=("",)), "non-empty"), (dict(temperature=-1.0), "temperature"),
-                   (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(10**6,)), "stop token")]:
+                   (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(10**6,)), "stop token"),
+                   (dict(stop=None), "stop must be a list, got NoneType"),
+                   (dict(stop_token_ids=2.5), "stop_token_ids must be a list, got float")]:
     with pytest.raises(RequestError, match=msg):
       eng.submit(Request("x", prompt, 4, **bad))
 

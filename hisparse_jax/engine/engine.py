@@ -289,6 +289,8 @@ class Engine:
     self.overlap_schedule = args.overlap_schedule
     self.max_queued_requests = args.max_queued_requests
     self.max_admission_skips = args.max_admission_skips
+    self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
+    self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
     self.reset()
     # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
     self.prefill_seconds = 0.0
@@ -353,8 +355,6 @@ class Engine:
     self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn, self._merge_fn = (
         self._compiling_alone(self._on_mesh(f), skip) for f, skip in (
             (prefill, 1), (decode, 1), (import_kv, 0), (export_kv, 0), (offload, 0), (merge_tokens, 0)))
-    self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
-    self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
 
   def _vocab_major(self, B: int) -> bool:
     """Whether the decode step at batch bucket B takes its logits [vocab, B] (VOCAB_MAJOR_MAX_BATCH)."""
@@ -495,6 +495,10 @@ class Engine:
         raise InvalidRequest(f"{name} must be a number, got {getattr(req, name)!r}")
     if not _is_int(req.top_k) or (req.seed is not None and not _is_int(req.seed)):
       raise InvalidRequest(f"top_k and seed must be integers, got {req.top_k!r} and {req.seed!r}")
+    for name in ("stop", "stop_token_ids"):
+      value = getattr(req, name)
+      if not (isinstance(value, (list, tuple, set, frozenset)) or getattr(value, "ndim", None) == 1):
+        raise InvalidRequest(f"{name} must be a list, got {type(value).__name__}")
     if not all(_is_int(t) for t in req.stop_token_ids):
       raise InvalidRequest("stop_token_ids must be token ids (int)")
     V = self.config.vocab_size
@@ -619,7 +623,8 @@ class Engine:
         free_host_rows=sum(p.pages_free * p.page_size for p in host),
         host_rows_total=sum(p.pages_total * p.page_size for p in host),
         pools=[dataclasses.asdict(p) for p in pools],
-        preemptions=self.num_preemptions)
+        preemptions=self.num_preemptions, offloads=self.num_offloads,
+        resident=sum(1 for r in self.running if r.kv is not None and r.kv.resident))
 
   def _publish(self) -> None:
     self.loads_snapshot = self.loads()

@@ -61,9 +61,10 @@ class Request:
       "" while a character or a possible stop string is incomplete; the rest comes in ``text`` at the end).
     temperature / top_k / top_p / seed: sampling (``hisparse_jax.engine.sampling``); temperature 0 (default)
       is greedy, top_k 0 and top_p 1 disable those filters; seed None draws one at random.
-    stop_token_ids: tokens that end the request besides the model's EOS ids.
+    stop_token_ids: tokens that end the request besides the model's EOS ids (one int: that token alone).
     stop: strings that end the request once the output text contains one (needs the engine's tokenizer);
-      the returned text ends before the stop string unless include_stop_str_in_output.
+      the returned text ends before the stop string unless include_stop_str_in_output. One str is one stop
+      string (as vLLM's and OpenAI's ``stop``), not its characters.
     ignore_eos: keep generating past the model's EOS ids (benchmarks).
     output_ids: generated ids (new tokens only).
     text: the output text (with a tokenizer): complete once finished, truncated at a stop string.
@@ -137,6 +138,12 @@ class Request:
   _detok: object = None
   _stops: object = None
   _submitted: bool = False    # set by Engine.submit: a Request runs once
+
+  def __post_init__(self):
+    if isinstance(self.stop, str):
+      self.stop = (self.stop,)
+    if isinstance(self.stop_token_ids, int):
+      self.stop_token_ids = (self.stop_token_ids,)
 
   @property
   def done(self) -> bool:

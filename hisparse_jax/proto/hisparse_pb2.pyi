@@ -203,7 +203,7 @@ class PoolUsage(_message.Message):
     def __init__(self, name: _Optional[str] = ..., memory: _Optional[str] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., bytes_per_page: _Optional[int] = ...) -> None: ...
 
 class Loads(_message.Message):
-    __slots__ = ("running", "queued", "free_lanes", "device_kv_bytes_used", "device_kv_bytes_budget", "free_host_rows", "host_rows_total", "pools", "preemptions")
+    __slots__ = ("running", "queued", "free_lanes", "device_kv_bytes_used", "device_kv_bytes_budget", "free_host_rows", "host_rows_total", "pools", "preemptions", "offloads", "resident")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     FREE_LANES_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,8 @@ class Loads(_message.Message):
     HOST_ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
     running: int
     queued: int
     free_lanes: int
@@ -222,4 +224,6 @@ class Loads(_message.Message):
     host_rows_total: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolUsage]
     preemptions: int
-    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., free_lanes: _Optional[int] = ..., device_kv_bytes_used: _Optional[int] = ..., device_kv_bytes_budget: _Optional[int] = ..., free_host_rows: _Optional[int] = ..., host_rows_total: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolUsage, _Mapping]]] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    offloads: int
+    resident: int
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., free_lanes: _Optional[int] = ..., device_kv_bytes_used: _Optional[int] = ..., device_kv_bytes_budget: _Optional[int] = ..., free_host_rows: _Optional[int] = ..., host_rows_total: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolUsage, _Mapping]]] = ..., preemptions: _Optional[int] = ..., offloads: _Optional[int] = ..., resident: _Optional[int] = ...) -> None: ...

@@ -86,15 +86,16 @@ def generate(stub, *, text=None, input_ids=None, max_new_tokens=32, timeout=None
 def summary_line(msg) -> str:
   """The client's last line for a request's final GenerateResponse: finish reason and token counts, then the
   swap-in counts (only when the request swapped rows in: a dense server, or a HiSparse request whose KV stayed
-  on device, swaps nothing), prefetched rows and the matched stop when there are any, and a disaggregated
-  request's timings (its prompt KV came from a prefill server: seconds to the first token there, of the KV
-  transfer and of the decode here, and the bytes transferred)."""
+  on device, swaps nothing), prefetched rows, the matched stop and the preemptions when there are any, and a
+  disaggregated request's timings (its prompt KV came from a prefill server: seconds to the first token there,
+  of the KV transfer and of the decode here, and the bytes transferred)."""
   return (f"[client] finish={hisparse_pb2.FinishReason.Name(msg.finish_reason)} prompt_tokens={msg.prompt_tokens} "
           f"completion_tokens={msg.completion_tokens}"
           + (f" swap_in_hits={msg.swap_in_hits} swap_in_misses={msg.swap_in_misses}"
              if msg.swap_in_hits or msg.swap_in_misses else "")
           + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
           + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else "")
+          + (f" num_preemptions={msg.num_preemptions}" if msg.num_preemptions else "")
           + (f" prefill_s={msg.prefill_seconds:.3f} transfer_s={msg.transfer_seconds:.3f} "
              f"transfer_bytes={msg.transfer_bytes} decode_s={msg.decode_seconds:.3f}" if msg.transfer_bytes else ""))
 

@@ -16,13 +16,18 @@ otherwise):
   hisparse_kv_pool_pages{pool, memory, state="used"|"free"}      gauge (every KV pool, Engine.loads()["pools"])
   hisparse_kv_pool_bytes{pool, memory, state="used"|"free"}      gauge
   hisparse_preemptions                                           gauge (requests preempted since start)
+  hisparse_resident_requests                                     gauge (dynamic residency: requests whose whole
+                                                                 latent KV is on device now)
+  hisparse_offloads                                              gauge (resident requests moved to their hot
+                                                                 buffers since start)
   hisparse_pd_prefill_seconds, hisparse_pd_kv_transfer_seconds   histograms (decode server: prefill server's time
                                                                  to first token; pulling the prompt KV)
   hisparse_pd_kv_transfer_bytes_total                            counter
   hisparse_pd_kv_transfer_gigabytes_per_second                   gauge (the last pull)
 
-Gauges are set from the engine's published loads after every step and after every abort or release, so an
-idle server shows its idle state.
+Gauges are set from the engine's published loads when the engine loop starts and after every step, abort or
+release, so an idle server shows its idle state from the start; each layer's counters exist at 0 from the
+start (given ``num_layers``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class ServerMetrics:
   """Metrics of one engine; call the on_* hooks from the engine loop thread."""
 
-  def __init__(self, row_bytes: int):
+  def __init__(self, row_bytes: int, num_layers: int = 0):
+    """row_bytes: bytes of one latent KV row (a miss's copy); num_layers: the model's layers, whose swap-in
+    and prefetch counters are created at 0 (0: each appears with its first finished request)."""
     self.registry = CollectorRegistry()
     r = self.registry
     self.row_bytes = row_bytes
@@ -62,6 +69,10 @@ class ServerMetrics:
     self.pool_bytes = Gauge("hisparse_kv_pool_bytes", "KV pool bytes", ["pool", "memory", "state"], registry=r)
     self.preemptions = Gauge("hisparse_preemptions", "Requests preempted (KV freed, recomputed) since start",
                              registry=r)
+    self.resident = Gauge("hisparse_resident_requests", "Dynamic residency: requests whose whole latent KV is "
+                          "on device", registry=r)
+    self.offloads = Gauge("hisparse_offloads", "Dynamic residency: resident requests moved to their hot buffers "
+                          "since start", registry=r)
     self.prefill_seconds = Histogram("hisparse_pd_prefill_seconds", "Prefill server: arrival to first token",
                                      buckets=_LATENCY_BUCKETS, registry=r)
     self.transfer_seconds = Histogram("hisparse_pd_kv_transfer_seconds", "Pulling a prompt's KV from a prefill "
@@ -72,6 +83,9 @@ class ServerMetrics:
                                "(GB/s)", registry=r)
     self._last_token: dict[str, float] = {}
     self._arrival: dict[str, float] = {}
+    for layer in range(num_layers):
+      for counter in (self.hits, self.misses, self.miss_bytes, self.prefetched):
+        counter.labels(layer=str(layer))
 
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
     """Serves /metrics on host:port (port 0: a free one); returns the bound port. OSError if it cannot bind."""
@@ -121,3 +135,5 @@ class ServerMetrics:
         self.pool_pages.labels(pool=p["name"], memory=p["memory"], state=state).set(pages)
         self.pool_bytes.labels(pool=p["name"], memory=p["memory"], state=state).set(pages * p["bytes_per_page"])
     self.preemptions.set(loads["preemptions"])
+    self.resident.set(loads["resident"])
+    self.offloads.set(loads["offloads"])

@@ -94,6 +94,7 @@ class EngineLoop(threading.Thread):
 
   def run(self) -> None:
     listeners: dict[str, queue.Queue] = {}
+    self._update_metrics()  # the idle state before the first request
     while not self._stopped.is_set():
       block = not self.engine.has_work()
       while True:

@@ -84,7 +84,7 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   """
   import orbax.checkpoint as ocp
 
-  from models.from_torch import check_regular_file, new_directory
+  from models.from_torch import new_directory
 
   with new_directory(output, hf_dir) as tmp:  # a failure leaves nothing (ValueError first for a bad output)
     cfg, model = load_hf(hf_dir, dtype=dtype)
@@ -99,14 +99,29 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
     hf_config.pop("quantization_config", None)  # the orbax params are already dequantized
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
-    for name in SIDE_FILES:
-      if os.path.lexists(os.path.join(hf_dir, name)):
-        check_regular_file(os.path.join(hf_dir, name))  # a link to /dev/zero would fill the disk
-        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))
+    copy_side_files(hf_dir, tmp)
     with open(os.path.join(tmp, ORBAX_MARKER), "w") as f:
       json.dump({"format": "orbax", "layout": ORBAX_LAYOUT, "params": PARAMS_DIR, "dtype": cfg.dtype,
                  "source": os.path.abspath(hf_dir)}, f)
   return output
+
+
+def copy_side_files(src: str, dst: str) -> None:
+  """Copies ``SIDE_FILES`` (tokenizer, generation and hisparse configs) that ``src`` has into ``dst``; ValueError
+  for one that is not a regular file (a link to /dev/zero would fill the disk)."""
+  from models.from_torch import check_regular_file
+
+  for name in SIDE_FILES:
+    if os.path.lexists(os.path.join(src, name)):
+      check_regular_file(os.path.join(src, name))
+      shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+
+
+def cli_error(e: Exception, model_path: str) -> str:
+  """The one-line message a conversion command prints for ``e``: an error about --output as it is, any other
+  prefixed with the checkpoint and the exception's type."""
+  about_output = isinstance(e, ValueError) and str(e).startswith("--output")
+  return f"error: {e}" if about_output else f"error: {model_path}: {type(e).__name__}: {e}"
 
 
 def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",
@@ -237,8 +252,7 @@ def main(argv=None) -> int:
   try:
     convert(args.model_path, args.output, args.dtype)
   except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is the user's error, said in one line
-    about_output = isinstance(e, ValueError) and str(e).startswith("--output")
-    print(f"error: {e}" if about_output else f"error: {args.model_path}: {type(e).__name__}: {e}", file=sys.stderr)
+    print(cli_error(e, args.model_path), file=sys.stderr)
     return 2
   print(f"wrote {args.output} ({', '.join(sorted(os.listdir(args.output)))})")
   return 0

@@ -262,6 +262,10 @@ class _TensorStore:
     def keys(self):
         return self._where.keys()
 
+    def file(self, key: str) -> str:
+        """The path of the weight file holding ``key``."""
+        return self._where[key]
+
     def _handle(self, fn: str):
         if fn not in self._handles:
             self._handles[fn] = safe_open(fn, framework="numpy")

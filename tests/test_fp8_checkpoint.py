@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import jax
@@ -27,6 +28,7 @@ from models.loader import load_hf
 from models.random_checkpoint import write_random_checkpoint
 
 F8 = ml_dtypes.float8_e4m3fn
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 128
 QCONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
 
@@ -362,3 +364,90 @@ def test_engine_fp8_resident_weights(tmp_path):
         Engine(deq_dir, weight_dtype="fp8", max_seq_len=64)
     with pytest.raises(StartupError, match="--weight-dtype 'int4'"):
         Engine(fp8_dir, weight_dtype="int4", max_seq_len=64)
+
+
+# ----------------------------------------------------------------------------- models.quantize_fp8
+@pytest.mark.parametrize("shape", [(128, 128), (300, 200), (5, 129), (64, 1)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_blocks_equals_the_reference_blockwise_quantizer(shape, pow2):
+    """The vectorized quantizer gives this file's per-block loop's e4m3 values and scales bit for bit (edge
+    blocks partial; a block of zeros included)."""
+    from models.quantize_fp8 import quantize_blocks
+
+    w = np.random.default_rng(shape[0] + shape[1]).standard_normal(shape).astype(np.float32) * 3
+    w[:min(shape[0], 128), :min(shape[1], 128)] = 0  # an all-zero block
+    q, s = quantize_blocks(w, power_of_two=pow2)
+    q_ref, s_ref = quantize(w, pow2=pow2)
+    np.testing.assert_array_equal(s, s_ref)
+    np.testing.assert_array_equal(q.view(np.uint8), q_ref.view(np.uint8))
+
+
+def test_quantize_fp8_cli_writes_a_checkpoint_the_engine_serves_with_fp8_weights(tmp_path):
+    """`python -m models.quantize_fp8` on a sharded checkpoint: the same files and names, every linear matrix
+    in e4m3 with its block scales (the embedding, lm_head, norms, router and indexer weights_proj kept), the
+    index and config updated, side files copied; it loads (dequantized within e4m3's rounding of the original)
+    and --weight-dtype fp8 gives dequantize-at-load's tokens. A second pass, or a bad --output, is refused
+    with nothing written."""
+    import subprocess
+    import sys
+
+    from hisparse_jax.engine import Engine, Request
+    from models.loader import _TensorStore
+    from models.quantize_fp8 import UNQUANTIZED
+
+    src = write_random_checkpoint(tmp_path / "src", DSV32, seed=21)
+    tensors = load_file(f"{src}/model.safetensors")
+    names = sorted(tensors)
+    halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    (tmp_path / "src" / "model.safetensors").unlink()
+    tensors = {k: v.astype(ml_dtypes.bfloat16) if k in halves["b.safetensors"] else v for k, v in tensors.items()}
+    for fn, keys in halves.items():  # one file float32, the other bfloat16
+        save_file({k: tensors[k] for k in keys}, f"{src}/{fn}", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: fn for fn, keys in halves.items() for k in keys}}
+    (tmp_path / "src" / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "src" / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "fp8"
+    r = subprocess.run([sys.executable, "-m", "models.quantize_fp8", "--model-path", src, "--output", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "b.safetensors", "config.json",
+                                                     "model.safetensors.index.json", "tokenizer_config.json"]
+    store = _TensorStore(str(out), fp8_block_size=(BLOCK, BLOCK))  # (safetensors' numpy reader has no FP8)
+    written = {k: store.read_raw(k) for k in store.keys()}
+    assert {os.path.basename(store.file(k)) for k in written} == {"a.safetensors", "b.safetensors"}
+    quantized = [k for k in names if k + "_scale_inv" in written]
+    assert f"wrote {out}: {len(quantized)} matrices in FP8" in r.stdout
+    assert sorted(written) == sorted(names + [k + "_scale_inv" for k in quantized])
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert all(weight_map[k + "_scale_inv"] == weight_map[k] == index["weight_map"][k] for k in quantized)
+    for k in names:
+        kept = any(u in k for u in UNQUANTIZED) or tensors[k].ndim != 2
+        assert (k in quantized) != kept, k
+        if kept:
+            np.testing.assert_array_equal(written[k], tensors[k])
+        else:
+            assert written[k].dtype == F8 and written[k + "_scale_inv"].dtype == np.float32
+            deq = reference_dequantize(written[k], written[k + "_scale_inv"])
+            # e4m3 rounds to 3 mantissa bits: at most half its largest step (32 at 448), 16 scales = max|w| / 28.
+            w = tensors[k].astype(np.float32)
+            np.testing.assert_allclose(deq, w, rtol=0, atol=float(np.abs(w).max()) / 28 * 1.001)
+    assert any("mlp.experts." in k for k in quantized) and any("indexer.wk" in k for k in quantized)
+    assert {tensors[k].dtype for k in quantized} == {np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)}
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+
+    def tokens(**kw):
+        e = Engine(str(out), max_seq_len=64, max_running_requests=2, **kw)
+        reqs = [Request(str(i), p, max_new_tokens=5, ignore_eos=True) for i, p in enumerate([[5, 6, 7] * 4, [8, 9]])]
+        for q in reqs:
+            e.submit(q)
+        e.run()
+        return [q.output_ids for q in reqs]
+
+    assert tokens(weight_dtype="fp8") == tokens()
+    for argv, message in [([str(out), str(tmp_path / "again")], "already quantized (config.json has a quantization"),
+                          ([src, str(out)], f"--output {out} exists and is not an empty directory"),
+                          ([src, f"{src}/inside"], "is inside the checkpoint being converted")]:
+        r = subprocess.run([sys.executable, "-m", "models.quantize_fp8", "--model-path", argv[0], "--output",
+                            argv[1]], capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "again").exists() and not os.path.exists(f"{src}/inside")

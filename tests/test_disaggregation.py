@@ -285,3 +285,53 @@ def test_pd_with_fp8_kv_rows():
     assert _idle(stub) and _idle(_stub(pport))
   finally:
     stop(procs)
+
+
+def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_metrics_state():
+  """A prefill server's Prefill streams share Generate's open-stream limit (each holds a prefill, then a KV
+  offer, until it ends): beyond it, RESOURCE_EXHAUSTED before any work; requests the engine's queue turns
+  away leave no per-request entry in the server's metrics; the server then serves as before."""
+  from hisparse_jax.engine import Engine
+  from hisparse_jax.serving.disaggregation import DisaggregationConfig
+  from hisparse_jax.serving.metrics import ServerMetrics
+  from hisparse_jax.serving.server import ServerLimits, serve
+
+  engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=1, max_queued_requests=0)
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=3)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, limits=ServerLimits(max_streams=4),
+                          disaggregation=DisaggregationConfig("prefill", transfer_timeout_s=30.0))
+
+  async def flood():
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+      stub = hisparse_pb2_grpc.PrefillServiceStub(channel)
+
+      async def prefill(i):
+        call = stub.Prefill()
+        try:  # (a refused stream may end before or after its request is written)
+          await call.write(pb.PrefillMessage(request=pb.PrefillRequest(input_ids=pb.TokenIds(ids=[5 + i] * 20))))
+          offer = await call.read()
+          await asyncio.sleep(1.0)  # holding its offer (and its stream) unacknowledged
+          call.cancel()
+          return "offer" if offer is not grpc.aio.EOF else "eof"
+        except grpc.aio.AioRpcError:  # the call's own status (a write after a refusal reports INTERNAL)
+          return (await call.code()).name, await call.details()
+
+      return await asyncio.gather(*[prefill(i) for i in range(10)])
+
+  try:
+    results = asyncio.run(flood())
+    busy = [r for r in results if r[0] == "RESOURCE_EXHAUSTED" and "streams open (limit 4)" in r[1]]
+    queue_full = [r for r in results if r[0] == "RESOURCE_EXHAUSTED" and "queue full" in r[1]]
+    other = [r for r in results if r != "offer" and r not in busy and r not in queue_full]
+    assert not other, other
+    assert 1 <= len(busy) <= 6 and queue_full and results.count("offer") >= 1, results
+    deadline = time.monotonic() + 60
+    while (engine.has_work() or srv.servicer.open_streams) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not metrics._arrival and not metrics._last_token and srv.servicer.open_streams == 0
+    tokens, _ = _generate(hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}")),
+                          PROMPTS[0])
+    assert len(tokens) == NEW
+  finally:
+    srv.stop(0).wait()
+    loop.stop()

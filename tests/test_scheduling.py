@@ -196,9 +196,17 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
                        (Request("c", [True, 5], 2), "got True"),
                        (Request("d", "Hello world", 2), "got str \\(a text prompt is tokenized first"),
                        (Request("e", prompt(5), 2, temperature="0"), "temperature must be a number"),
-                       (Request("f", prompt(5), 2, top_k=1.5), "top_k and seed must be integers")):
+                       (Request("f", prompt(5), 2, top_k=1.5), "top_k and seed must be integers"),
+                       (Request("g", prompt(5), 2, top_k=2**31), "top_k must be in \\[0, 2147483647\\]"),
+                       (Request("h", prompt(5), 2, temperature=1.0, top_p=1e-45), "below float32's smallest normal"),
+                       (Request("i", prompt(5), 2, temperature=1e300), "overflows float32"),
+                       (Request("j", {1: 2}, 2), "prompt_ids must be a list"),
+                       (Request("k", {3, 4}, 2), "prompt_ids must be a list"),
+                       (Request("l", prompt(5), 2, output_ids=[5, 5]), "output_ids, text and finish_reason"),
+                       (Request("m", prompt(5), 2, finish_reason="abort"), "output_ids, text and finish_reason")):
     with pytest.raises(InvalidRequest, match=message):
       eng.submit(bad)
+  assert not eng.has_work() and all_kv_free(eng.loads()) and eng.loads()["free_lanes"] == 4  # nothing held
   assert eng.submit(Request("np", list(np.asarray(prompt(5), np.int64)), 2)) is None  # numpy ints are ids
 
   def boom(token, delta):
@@ -210,6 +218,26 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
   eng.run()
   assert bad.finish_reason == "error" and "on_token raised RuntimeError: user callback boom" in bad.error
   assert good.output_ids == ref.output_ids and all_kv_free(eng.loads())
+
+  # A KeyboardInterrupt from on_token ends its request and reaches the caller once the step is complete; a
+  # step() from inside on_token is refused (it would interleave two steps' state); the engine goes on.
+  def interrupt(token, delta):
+    raise KeyboardInterrupt
+
+  def reenter(token, delta):
+    eng.step()
+
+  for callback, raised, message in ((interrupt, KeyboardInterrupt, "KeyboardInterrupt"),
+                                    (reenter, None, "RuntimeError: Engine.step() called inside a step")):
+    bad, good = Request("cb", prompt(20), 6, on_token=callback), Request("good", prompt(20), 6)
+    eng.submit(bad)
+    eng.submit(good)
+    if raised is not None:
+      with pytest.raises(raised):
+        eng.run()
+    eng.run()
+    assert bad.finish_reason == "error" and message in bad.error, bad.error
+    assert good.output_ids == ref.output_ids and all_kv_free(eng.loads())
 
 
 def test_requests_that_never_fit_or_exceed_the_context_fail_alone():
@@ -287,6 +315,15 @@ def test_prompt_kv_computed_elsewhere_is_imported_and_decoded():
       eng.submit(Request("bad", p + [3] * 5, 8, prompt_kv=kv, first_token=first))
     with pytest.raises(InvalidRequest, match="first generated token"):
       eng.submit(Request("bad", p, 8, prompt_kv=kv))
+    for bad_kv, bad_first, message in (
+        ((kv[0].astype("U1"), kv[1]), first, "prompt_kv dtypes <U1, float32; expected float32, float32"),
+        ((kv[0].astype(np.int8), kv[1]), first, "prompt_kv dtypes int8"),
+        ([kv[0], kv[1], kv[1]], first, "prompt_kv must be \\(latent, indexer keys\\): two arrays"),
+        ((None, None), first, "two arrays"),
+        (kv, "5", "first generated token"), (kv, 5.7, "first generated token")):
+      with pytest.raises(InvalidRequest, match=message):
+        eng.submit(Request("bad", p, 8, prompt_kv=bad_kv, first_token=bad_first))
+    assert not eng.has_work() and all_kv_free(eng.loads())
 
 
 @pytest.mark.parametrize("prefill_mode", ["dense", "hisparse"])

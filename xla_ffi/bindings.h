@@ -63,9 +63,10 @@ inline xla::ffi::ErrorOr<PoolView> OperandPool(const char* op, xla::ffi::AnyBuff
 // An extension-owned pool (host_pool.h) named by its address and serial number, viewed with the dtype and
 // row width of `like` (the hot buffer or the rows written); an error unless the address holds that pool,
 // still live, of exactly [L, H] such rows (a pool of another geometry would be read as rows it does not
-// hold; a freed pool's ref must not reach a new pool at the same address).
+// hold; a freed pool's ref must not reach a new pool at the same address). On success `pin` holds the pool
+// until the caller drops it: free_host_pool waits for it, so keep it while the pool is read or written.
 inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, uint64_t serial, int64_t layers, int64_t rows,
-                                                  xla::ffi::AnyBuffer like) {
+                                                  xla::ffi::AnyBuffer like, PinnedPool& pin) {
   namespace ffi = xla::ffi;
   auto dims = like.dimensions();
   const int64_t W = dims.size() ? dims[dims.size() - 1] : 0;
@@ -76,16 +77,18 @@ inline xla::ffi::ErrorOr<PoolView> RegisteredPool(uint64_t address, uint64_t ser
                         __builtin_mul_overflow(static_cast<size_t>(layers), static_cast<size_t>(rows), &need) ||
                         __builtin_mul_overflow(need, static_cast<size_t>(W) * ffi::ByteWidth(like.element_type()),
                                                &need);
-  const HostPoolEntry pool = HostPoolRegistry::Get().Find(static_cast<uintptr_t>(address));
+  const HostPoolEntry pool = HostPoolRegistry::Get().Pin(static_cast<uintptr_t>(address), serial);
   std::string what = "host pool at " + std::to_string(address) + " (serial " + std::to_string(serial) + ")";
-  if (pool.bytes == 0 || pool.serial != serial)
+  if (pool.bytes == 0)
     return ffi::Error::InvalidArgument(what + " is not a live extension pool (freed, or never allocated)");
+  PinnedPool pinned(static_cast<uintptr_t>(address));
   if (overflow || pool.layers != layers || pool.rows != rows || need != pool.bytes)
     return ffi::Error::InvalidArgument(
         what + " is not a live extension pool of " + std::to_string(layers) + " x " + std::to_string(rows) +
         " rows of " + std::to_string(W) + " x " + std::to_string(ffi::ByteWidth(like.element_type())) +
         " bytes (" + std::to_string(need) + " bytes; the pool has " + std::to_string(pool.layers) + " x " +
         std::to_string(pool.rows) + " rows, " + std::to_string(pool.bytes) + " bytes)");
+  pin = std::move(pinned);
   return PoolView{reinterpret_cast<char*>(address), layers, rows, like.element_type(), W};
 }
 

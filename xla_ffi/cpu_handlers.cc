@@ -481,7 +481,8 @@ ffi::Error SwapInExtImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S32> laye
                          int64_t copy_blocks, uint64_t pool_address, uint64_t pool_serial, int64_t pool_layers,
                          int64_t pool_rows) {
   if (auto e = CheckCopyBlocks(copy_blocks); e.failure()) return e;
-  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
+  PinnedPool pin;  // held until the handler returns: free_host_pool waits for it
+  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, hot, pin);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return SwapIn(thread_pool, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages,
@@ -513,7 +514,8 @@ ffi::Error PrefetchStartExtImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S3
                                 int64_t page_size, int64_t eviction, uint64_t pool_address,
                                 uint64_t pool_serial, int64_t pool_layers,
                                 int64_t pool_rows) {
-  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
+  PinnedPool pin;  // held until the handler returns: free_host_pool waits for it
+  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, hot, pin);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return PrefetchStart(*view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot, slot_tokens,
@@ -629,7 +631,8 @@ ffi::Error BackupExtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer rows, ffi::
                          ffi::Result<ffi::Buffer<ffi::S32>> status_out, uint64_t pool_address,
                          uint64_t pool_serial, int64_t pool_layers,
                          int64_t pool_rows) {
-  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, rows);
+  PinnedPool pin;  // held until the handler returns: free_host_pool waits for it
+  auto view = RegisteredPool(pool_address, pool_serial, pool_layers, pool_rows, rows, pin);
   if (view.has_error()) return view.error();
   CopyIfDistinct(pool_token, pool_token_out);
   return Backup(*view, layer, rows, dst, status_out);

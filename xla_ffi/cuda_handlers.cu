@@ -578,8 +578,8 @@ ffi::Error CopyIfDistinct(cudaStream_t stream, ffi::AnyBuffer src, ffi::Result<f
 
 // An extension-owned pinned pool (alloc_host_pool), viewed through its device pointer.
 ffi::ErrorOr<PoolView> ExternalPool(uint64_t address, uint64_t serial, int64_t layers, int64_t rows,
-                                    ffi::AnyBuffer like) {
-  auto view = RegisteredPool(address, serial, layers, rows, like);
+                                    ffi::AnyBuffer like, PinnedPool& pin) {
+  auto view = RegisteredPool(address, serial, layers, rows, like, pin);
   if (view.has_error()) return view;
   void* device = nullptr;
   if (auto e = CudaStatus(cudaHostGetDevicePointer(&device, view->base, 0), "cudaHostGetDevicePointer");
@@ -1014,7 +1014,8 @@ ffi::Error SwapInExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                          ffi::Result<ffi::Buffer<ffi::S32>> status_out, ffi::Result<ffi::Buffer<ffi::S32>> miss_list,
                          int64_t page_size, int64_t eviction, int64_t copy_blocks, uint64_t pool_address,
                          uint64_t pool_serial, int64_t pool_layers, int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
+  PinnedPool pin;  // until the handler returns; free_host_pool then waits for the device's queued work
+  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot, pin);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return SwapIn(stream, *view, page_size, eviction, slot_scores, layer, top_k, seq_lens, req_ids, host_pages, newest, hot, slot_tokens,
@@ -1043,7 +1044,8 @@ ffi::Error PrefetchStartExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer
                                 int64_t page_size, int64_t eviction, uint64_t pool_address,
                                 uint64_t pool_serial, int64_t pool_layers,
                                 int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot);
+  PinnedPool pin;  // until the handler returns; free_host_pool then waits for the device's queued work
+  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, hot, pin);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return PrefetchStart(stream, *view, page_size, eviction, layer, top_k, seq_lens, req_ids, host_pages, hot,
@@ -1099,7 +1101,8 @@ ffi::Error BackupExtImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> layer, ffi::
                          ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_token,
                          ffi::Result<ffi::AnyBuffer> pool_token_out, ffi::Result<ffi::Buffer<ffi::S32>> status,
                          uint64_t pool_address, uint64_t pool_serial, int64_t pool_layers, int64_t pool_rows) {
-  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, rows);
+  PinnedPool pin;  // until the handler returns; free_host_pool then waits for the device's queued work
+  auto view = ExternalPool(pool_address, pool_serial, pool_layers, pool_rows, rows, pin);
   if (view.has_error()) return view.error();
   if (auto e = CopyIfDistinct(stream, pool_token, pool_token_out); e.failure()) return e;
   return Backup(stream, *view, layer, rows, dst, status);

@@ -42,9 +42,20 @@ std::pair<uintptr_t, uint64_t> AllocPinnedHostPool(int64_t layers, int64_t rows,
   return {address, HostPoolRegistry::Get().Add(address, bytes, layers, rows)};
 }
 
+// Unregisters the pool (later calls naming it fail), waits for the handlers using it now, then for every
+// device's queued work (their kernels read and write it after the handlers return), and frees it. Called
+// without the GIL.
 void FreePinnedHostPool(uintptr_t address) {
   if (HostPoolRegistry::Get().Remove(address) == 0)
     throw std::invalid_argument("free_host_pool: " + std::to_string(address) + " is not a live host pool");
+  int current = 0, devices = 0;
+  Check(cudaGetDevice(&current), "cudaGetDevice");
+  Check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  for (int d = 0; d < devices; ++d) {
+    Check(cudaSetDevice(d), "cudaSetDevice");
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  Check(cudaSetDevice(current), "cudaSetDevice");
   Check(cudaFreeHost(reinterpret_cast<void*>(address)), "cudaFreeHost");
 }
 
@@ -74,7 +85,7 @@ NB_MODULE(_ffi_cuda, m) {
   m.def("alloc_host_pool", &AllocPinnedHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),
         "Allocates a zeroed pinned, mapped host pool (cudaHostAlloc) of layers x rows rows; returns (address, "
         "serial number).");
-  m.def("free_host_pool", &FreePinnedHostPool, nb::arg("address"));
+  m.def("free_host_pool", &FreePinnedHostPool, nb::arg("address"), nb::call_guard<nb::gil_scoped_release>());
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));
 }

@@ -5,10 +5,13 @@
 // handlers as attributes, and frees it when done. The handlers only accept an
 // address registered here with that serial (a new pool at a freed pool's
 // address has another) and exactly that geometry, so a stale or forged ref is
-// an FFI error rather than a wild or misplaced access. One registry per
-// extension module (CPU / CUDA).
+// an FFI error rather than a wild or misplaced access. A handler pins the
+// pool while it runs (PinnedPool), and freeing it first unregisters it (new
+// calls fail) and then waits for the pinned ones, so a free racing a call never
+// frees memory that call still reads. One registry per extension module (CPU / CUDA).
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -22,6 +25,8 @@ struct HostPoolEntry {
   size_t bytes = 0;  // 0: no live pool
   int64_t layers = 0, rows = 0;
   uint64_t serial = 0;
+  bool live = true;  // false once Remove started: no new pin
+  int64_t pins = 0;  // handlers using the pool now
 };
 
 class HostPoolRegistry {
@@ -36,13 +41,16 @@ class HostPoolRegistry {
     pools_[address] = HostPoolEntry{bytes, layers, rows, ++serial_};
     return serial_;
   }
-  // Returns the registered size in bytes, or 0 when unknown.
+  // Unregisters the pool (a later Pin or Find fails), waits until no handler pins it, and returns its size in
+  // bytes (0 when no live pool is registered there: nothing waited for).
   size_t Remove(uintptr_t address) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     auto it = pools_.find(address);
-    if (it == pools_.end()) return 0;
-    const size_t bytes = it->second.bytes;
-    pools_.erase(it);
+    if (it == pools_.end() || !it->second.live) return 0;
+    it->second.live = false;
+    unpinned_.wait(lock, [&] { return pools_.at(address).pins == 0; });
+    const size_t bytes = pools_.at(address).bytes;
+    pools_.erase(address);
     return bytes;
   }
   size_t Size(uintptr_t address) { return Find(address).bytes; }
@@ -50,13 +58,52 @@ class HostPoolRegistry {
   HostPoolEntry Find(uintptr_t address) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pools_.find(address);
-    return it == pools_.end() ? HostPoolEntry{} : it->second;
+    return it == pools_.end() || !it->second.live ? HostPoolEntry{} : it->second;
+  }
+  // The live pool at address with this serial, pinned until Unpin (bytes 0, and no pin, when none).
+  HostPoolEntry Pin(uintptr_t address, uint64_t serial) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pools_.find(address);
+    if (it == pools_.end() || !it->second.live || it->second.serial != serial) return HostPoolEntry{};
+    ++it->second.pins;
+    return it->second;
+  }
+  void Unpin(uintptr_t address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pools_.find(address);
+    if (it != pools_.end() && --it->second.pins == 0) unpinned_.notify_all();
   }
 
  private:
   std::mutex mu_;
+  std::condition_variable unpinned_;
   std::unordered_map<uintptr_t, HostPoolEntry> pools_;
   uint64_t serial_ = 0;
+};
+
+// A handler's pin of a pool (HostPoolRegistry::Pin), released when it goes out of scope.
+class PinnedPool {
+ public:
+  PinnedPool() = default;
+  explicit PinnedPool(uintptr_t address) : address_(address) {}
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+  PinnedPool& operator=(PinnedPool&& other) noexcept {
+    if (this != &other) {
+      Release();
+      address_ = other.address_;
+      other.address_ = 0;
+    }
+    return *this;
+  }
+  ~PinnedPool() { Release(); }
+
+ private:
+  void Release() {
+    if (address_ != 0) HostPoolRegistry::Get().Unpin(address_);
+    address_ = 0;
+  }
+  uintptr_t address_ = 0;
 };
 
 // [offset, offset + size) of a live pool, for the modules' read/write helpers;

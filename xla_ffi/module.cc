@@ -48,10 +48,12 @@ std::pair<uintptr_t, uint64_t> AllocHostPool(int64_t layers, int64_t rows, size_
   return {address, HostPoolRegistry::Get().Add(address, bytes, layers, rows)};
 }
 
+// Unregisters the pool (later calls naming it fail), waits for the handlers using it now and then for the
+// prefetch tasks they queued (which read it), and frees it. Called without the GIL.
 void FreeHostPool(uintptr_t address) {
-  hisparse::CopyWorkers::Get().WaitAll();  // a prefetch task may still read the pool
   if (HostPoolRegistry::Get().Remove(address) == 0)
     throw std::invalid_argument("free_host_pool: " + std::to_string(address) + " is not a live host pool");
+  hisparse::CopyWorkers::Get().WaitAll();
   std::free(reinterpret_cast<void*>(address));
 }
 
@@ -99,7 +101,7 @@ NB_MODULE(_ffi_cpu, m) {
   });
   m.def("alloc_host_pool", &AllocHostPool, nb::arg("layers"), nb::arg("rows"), nb::arg("row_bytes"),
         "Allocates a zeroed, page-aligned host pool of layers x rows rows; returns (address, serial number).");
-  m.def("free_host_pool", &FreeHostPool, nb::arg("address"));
+  m.def("free_host_pool", &FreeHostPool, nb::arg("address"), nb::call_guard<nb::gil_scoped_release>());
   m.def("read_host_pool", &ReadHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("size"));
   m.def("write_host_pool", &WriteHostPool, nb::arg("address"), nb::arg("offset"), nb::arg("data"));
   m.def("status_message", [](int32_t code) { return std::string(hisparse::StatusMessage(code)); }, nb::arg("code"),

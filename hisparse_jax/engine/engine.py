@@ -73,6 +73,12 @@ from models.convert import load_model, model_fingerprint
 log = logging.getLogger(__name__)
 
 
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest normal float32: XLA:CPU flushes subnormals to 0.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def _is_int(x) -> bool:
   """An integer (Python's or numpy's), not a bool."""
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -291,6 +297,8 @@ class Engine:
     self.max_admission_skips = args.max_admission_skips
     self.num_offloads = 0  # dynamic residency: resident requests moved to their hot buffers
     self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
+    self._stepping = False  # inside step(): a second call (from an on_token callback) is refused
+    self._interrupt = None  # an on_token's BaseException, raised when its step is complete
     self.reset()
     # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
     self.prefill_seconds = 0.0
@@ -479,7 +487,7 @@ class Engine:
       raise InvalidRequest(f"request {req.request_id!r} was already submitted (a Request runs once: submit a new "
                            "one)")
     ids = req.prompt_ids
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or getattr(ids, "ndim", 1) != 1:
+    if not (isinstance(ids, (list, tuple)) or getattr(ids, "ndim", None) == 1):
       raise InvalidRequest(f"prompt_ids must be a list of token ids (int), got {type(ids).__name__} (a text "
                            "prompt is tokenized first: detokenizer.encode_prompt)")
     bad = next((t for t in ids if not _is_int(t)), None)
@@ -515,8 +523,13 @@ class Engine:
       raise InvalidRequest(f"temperature must be >= 0, got {req.temperature}")
     if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
       raise InvalidRequest(f"top_p must be in (0, 1], got {req.top_p}")
-    if req.top_k < 0:
-      raise InvalidRequest(f"top_k must be >= 0, got {req.top_k}")
+    if req.top_p < FLOAT32_TINY:
+      raise InvalidRequest(f"top_p {req.top_p} is below float32's smallest normal ({FLOAT32_TINY:.3g}), which "
+                           "the sampler would flush to 0 (no filter); use a larger value")
+    if req.temperature > FLOAT32_MAX:
+      raise InvalidRequest(f"temperature {req.temperature} overflows float32")
+    if not 0 <= req.top_k <= INT32_MAX:
+      raise InvalidRequest(f"top_k must be in [0, {INT32_MAX}], got {req.top_k}")
     if req.seed is not None and not 0 <= req.seed < 2**32:
       raise InvalidRequest(f"seed must be in [0, 2**32), got {req.seed}")
     check_stop_counts(len(req.stop), len(req.stop_token_ids))
@@ -531,9 +544,15 @@ class Engine:
                            f"{MAX_STOP_STRING_BYTES}")
     if req.stop and self.tokenizer is None:
       raise InvalidRequest("stop strings need a model with a tokenizer")
+    if req.output_ids or req.text or req.finish_reason is not None:
+      raise InvalidRequest("output_ids, text and finish_reason are the engine's to fill: leave them empty")
     if req.prompt_kv is not None:
       cfg = self.config
-      latent, index = req.prompt_kv
+      kv = req.prompt_kv
+      if not (isinstance(kv, (tuple, list)) and len(kv) == 2
+              and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in kv)):
+        raise InvalidRequest(f"prompt_kv must be (latent, indexer keys): two arrays, got {type(kv).__name__}")
+      latent, index = kv
       P = latent.shape[1] if len(latent.shape) == 3 else -1  # the prompt's tokens, or a padded bucket of them
       W, Di = self.layout.latent_dim, self.layout.index_dim  # the stored rows (--kv-cache-dtype)
       want = ((cfg.num_hidden_layers, P, W), (cfg.num_hidden_layers, P, Di))
@@ -542,7 +561,11 @@ class Engine:
                              f"({cfg.num_hidden_layers}, P, {W}), ({cfg.num_hidden_layers}, P, "
                              f"{Di}) with P >= the {n} prompt tokens (layers, positions, latent / "
                              "indexer width)")
-      if req.first_token is None or not 0 <= req.first_token < V:
+      want = (np.dtype(self.kv_dtype), np.dtype(self.layout.index_dtype))
+      if (np.dtype(latent.dtype), np.dtype(index.dtype)) != want:
+        raise InvalidRequest(f"prompt_kv dtypes {latent.dtype}, {index.dtype}; expected {want[0]}, {want[1]} "
+                             "(the stored rows of this engine's --dtype and --kv-cache-dtype)")
+      if not _is_int(req.first_token) or not 0 <= req.first_token < V:
         raise InvalidRequest("a request with prompt_kv needs its first generated token (first_token) in the vocabulary")
 
   def submit(self, req: Request) -> None:
@@ -635,13 +658,25 @@ class Engine:
     that finished. With several processes the leader first sends the followers this step's changes; a step
     that fails there ends the process (``distributed.Lockstep.lost``: the processes cannot recover
     together)."""
-    if self.lockstep is None:
-      return self._step()
-    self._send("step")
+    if self._stepping:
+      raise RuntimeError("Engine.step() called inside a step (from an on_token callback?): submit or abort "
+                         "there, and step from the loop that drives the engine")
+    self._stepping, self._interrupt = True, None
     try:
-      return self._step()
-    except Exception as e:  # noqa: BLE001 - any failure leaves the processes out of step
-      self.lockstep.lost(e)
+      if self.lockstep is None:
+        finished = self._step()
+      else:
+        self._send("step")
+        try:
+          finished = self._step()
+        except Exception as e:  # noqa: BLE001 - any failure leaves the processes out of step
+          self.lockstep.lost(e)
+    finally:
+      self._stepping = False
+    if self._interrupt is not None:  # an on_token's KeyboardInterrupt / SystemExit, after a consistent step
+      interrupt, self._interrupt = self._interrupt, None
+      raise interrupt
+    return finished
 
   # ------------------------------------------------------------ processes
   def _send(self, kind: str) -> None:
@@ -1125,9 +1160,11 @@ class Engine:
     if req.on_token is not None:
       try:
         req.on_token(token, delta)
-      except Exception as e:  # noqa: BLE001 - a caller's callback fails its own request, not the batch
+      except BaseException as e:  # noqa: BLE001 - a caller's callback fails its own request, not the batch
         log.exception("request %r: on_token raised; the request ends with an error", req.request_id)
         req.finish_reason, req.error = "error", f"on_token raised {type(e).__name__}: {e}"
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: raised once the step is complete
+          self._interrupt = self._interrupt or e
     req.text_sent += len(delta)
     if req.done:
       self._release(req)

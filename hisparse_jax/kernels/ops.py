@@ -238,6 +238,9 @@ class ExtensionHostPool:
     self._module.write_host_pool(self.address, 0, a.tobytes())
 
   def close(self) -> None:
+    """Frees the pool. A call naming it that has not started by then fails (INVALID_ARGUMENT: not a live
+    extension pool); close waits for the calls already reading or writing it (on a GPU, for each device's queued
+    work) and for the prefetch copies they queued, so the freed memory is never touched."""
     if self.address:
       self._module.free_host_pool(self.address)
       self.address = 0

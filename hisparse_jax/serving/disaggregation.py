@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -150,7 +151,10 @@ def _sampling(message) -> dict:
 class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
   """``PrefillService`` of a prefill server: prompts through its engine loop, KV offered for pulling."""
 
-  def __init__(self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls):
+  def __init__(self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls, streams=None):
+    """streams: the server's InferenceServicer, whose open-stream count and limit (``ServerLimits.max_streams``)
+    Prefill streams share: each holds a queued or running prefill, then a KV offer, until it ends."""
+    self.streams = streams
     self.loop = loop
     self.engine = loop.engine
     self.transfer = transfer
@@ -171,7 +175,23 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     return self.info()
 
   async def Prefill(self, request_iterator, context):
-    first = await context.read()
+    streams = self.streams
+    if streams is None:
+      return await self._prefill(context, await context.read())
+    if streams.max_streams is not None and streams.open_streams >= streams.max_streams:
+      # Read the caller's first message (for a second at most) before refusing: its write then completes and
+      # it sees this status, not the INTERNAL of a write into a finished call.
+      with contextlib.suppress(Exception):
+        await asyncio.wait_for(context.read(), timeout=1.0)
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server busy: {streams.open_streams} streams open (limit {streams.max_streams})")
+    streams.open_streams += 1
+    try:
+      return await self._prefill(context, await context.read())
+    finally:
+      streams.open_streams -= 1
+
+  async def _prefill(self, context, first):
     if not isinstance(first, hisparse_pb2.PrefillMessage) or first.WhichOneof("message") != "request":
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Prefill stream starts with a PrefillRequest")
     message = first.request

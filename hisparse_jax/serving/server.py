@@ -108,6 +108,8 @@ class EngineLoop(threading.Thread):
             self.engine.submit(item)
             listeners[item.request_id] = events
           except RequestError as e:  # e.g. the queue is full: fails this request alone
+            if self.metrics is not None:
+              self.metrics.on_finish(item)  # (drops the arrival on_submit noted)
             events.put(_Event(error=e))
         elif kind == "abort" and item in listeners:
           req = self.engine.abort(item)
@@ -191,9 +193,9 @@ def _glibc_malloc_trim():
 class ServerLimits:
   """What one client may ask of the server (each checked before the work it bounds).
 
-  max_streams: Generate streams open at once (admitted + queued + being tokenized); more get
-    RESOURCE_EXHAUSTED at once. None: the engine's request slots + its max_queued_requests (unbounded
-    when that is None).
+  max_streams: Generate (and a prefill server's Prefill) streams open at once (admitted + queued + being
+    tokenized, or holding a KV offer); more get RESOURCE_EXHAUSTED at once. None: the engine's request slots
+    + its max_queued_requests (unbounded when that is None).
   max_prompt_bytes: UTF-8 bytes of a text prompt, checked before tokenizing; None: the engine's.
   """
   max_streams: int | None = None
@@ -534,7 +536,8 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     if mode == "prefill":
-      prefill = pd.PrefillServicer(loop, transfer, disaggregation.transfer_timeout_s, _AsyncEvents)
+      prefill = pd.PrefillServicer(loop, transfer, disaggregation.transfer_timeout_s, _AsyncEvents,
+                                   streams=servicer)
       pb = hisparse_pb2
       prefill_handlers = {
           "Prefill": grpc.stream_stream_rpc_method_handler(

@@ -38,8 +38,7 @@ UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "weights_proj")
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK],
                        "activation_scheme": "dynamic"}
 FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))
-SCALE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-                "float8_e8m0fnu": np.dtype(ml_dtypes.float8_e8m0fnu)}
+SCALE_DTYPES = {d.name: d for d in fp8.SCALE_DTYPES}  # the scale dtypes the loader reads, by name
 
 
 def quantizes(key: str, array: np.ndarray) -> bool:
@@ -83,11 +82,13 @@ def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", 
   weight_map, files = checkpoint_files(hf_dir)
   store = _TensorStore(hf_dir)  # ValueError for block scales without quantization_config
   done = {"quantized": 0, "kept": 0, "bytes": 0}
+  by_file = {path: [] for path in files}
+  for key in store.keys():
+    by_file[store.file(key)].append(key)
   with new_directory(output, hf_dir) as tmp:
     new_map = {}
-    for path in files:
+    for path, keys in by_file.items():
       name = os.path.relpath(path, hf_dir)
-      keys = [k for k in store.keys() if store.file(k) == path]
       tensors = {}
       for key in keys:
         array = store.read_raw(key)

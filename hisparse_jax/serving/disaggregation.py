@@ -178,13 +178,12 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     streams = self.streams
     if streams is None:
       return await self._prefill(context, await context.read())
-    if streams.max_streams is not None and streams.open_streams >= streams.max_streams:
+    if (busy := streams.streams_busy()) is not None:
       # Read the caller's first message (for a second at most) before refusing: its write then completes and
       # it sees this status, not the INTERNAL of a write into a finished call.
       with contextlib.suppress(Exception):
         await asyncio.wait_for(context.read(), timeout=1.0)
-      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"server busy: {streams.open_streams} streams open (limit {streams.max_streams})")
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
     streams.open_streams += 1
     try:
       return await self._prefill(context, await context.read())

@@ -296,12 +296,18 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       return list(ids)
     raise InvalidRequest("empty prompt: set text or input_ids")
 
+  def streams_busy(self) -> str | None:
+    """The RESOURCE_EXHAUSTED message when ``max_streams`` streams are open (Generate's, and a prefill server's
+    Prefill streams, which share the limit), else None."""
+    if self.max_streams is not None and self.open_streams >= self.max_streams:
+      return f"server busy: {self.open_streams} streams open (limit {self.max_streams})"
+    return None
+
   async def Generate(self, request, context):
     if isinstance(request, _Malformed):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-    if self.max_streams is not None and self.open_streams >= self.max_streams:
-      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"server busy: {self.open_streams} streams open (limit {self.max_streams})")
+    if (busy := self.streams_busy()) is not None:
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
     self.open_streams += 1
     try:
       try:

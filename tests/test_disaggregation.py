@@ -287,11 +287,13 @@ def test_pd_with_fp8_kv_rows():
     stop(procs)
 
 
-def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_metrics_state():
+def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_metrics_state(monkeypatch):
   """A prefill server's Prefill streams share Generate's open-stream limit (each holds a prefill, then a KV
   offer, until it ends): beyond it, RESOURCE_EXHAUSTED before any work; requests the engine's queue turns
-  away leave no per-request entry in the server's metrics; the server then serves as before."""
+  away leave no per-request entry in the server's metrics; streams that never send their request are cut off
+  (DEADLINE_EXCEEDED) and give their places back; the server then serves as before."""
   from hisparse_jax.engine import Engine
+  from hisparse_jax.serving import disaggregation as pd
   from hisparse_jax.serving.disaggregation import DisaggregationConfig
   from hisparse_jax.serving.metrics import ServerMetrics
   from hisparse_jax.serving.server import ServerLimits, serve
@@ -329,6 +331,24 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
     while (engine.has_work() or srv.servicer.open_streams) and time.monotonic() < deadline:
       time.sleep(0.05)
     assert not metrics._arrival and not metrics._last_token and srv.servicer.open_streams == 0
+
+    # Four silent streams take every place of the limit, then lose them after the first-message timeout.
+    monkeypatch.setattr(pd, "FIRST_MESSAGE_TIMEOUT_S", 1.0)
+
+    async def silent():
+      async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        calls = [hisparse_pb2_grpc.PrefillServiceStub(channel).Prefill() for _ in range(4)]
+        start = time.monotonic()
+        while srv.servicer.open_streams < 4 and time.monotonic() - start < 5:
+          await asyncio.sleep(0.01)
+        held = srv.servicer.open_streams
+        codes = await asyncio.wait_for(asyncio.gather(*(c.code() for c in calls)), 20)  # (forever before)
+        return held, codes, [await c.details() for c in calls], time.monotonic() - start
+
+    held, codes, details, waited = asyncio.run(silent())
+    assert held == 4 and codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 4, (held, codes, details)
+    assert "no PrefillRequest within 1 s" in details[0] and waited < 10
+    assert srv.servicer.open_streams == 0
     tokens, _ = _generate(hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}")),
                           PROMPTS[0])
     assert len(tokens) == NEW

@@ -76,9 +76,11 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   assert ss.finish_reason == "stop_string" and ss.matched_stop == text[-1] and len(ss.output_ids) <= 2
   # One str is one stop string (vLLM, OpenAI), not its characters; one int is one stop token.
   whole = text[-1] + "\u2603" * 3
-  one = run(eng, [Request("t1", prompt, 12, stop=whole), Request("t2", prompt, 12, stop_token_ids=g.output_ids[2])])
+  one = run(eng, [Request("t1", prompt, 12, stop=whole), Request("t2", prompt, 12, stop_token_ids=g.output_ids[2]),
+                  Request("t3", prompt, 12, stop_token_ids=np.int64(g.output_ids[2]))])
   assert one[0].stop == (whole,) and one[0].output_ids == g.output_ids and one[0].finish_reason == "length"
-  assert one[1].finish_reason == "stop_token" and one[1].output_ids == st.output_ids
+  assert one[1].finish_reason == one[2].finish_reason == "stop_token"
+  assert one[1].output_ids == one[2].output_ids == st.output_ids
   # The returned text ends before the stop string (OpenAI / vLLM / SGLang), unless asked to keep it.
   assert ss.text == text[: text.index(text[-1])] and text[-1] not in ss.text
   kept = run(eng, [Request("u", prompt, 12, stop=(text[-1],), include_stop_str_in_output=True)])[0]

@@ -61,7 +61,7 @@ class Request:
       "" while a character or a possible stop string is incomplete; the rest comes in ``text`` at the end).
     temperature / top_k / top_p / seed: sampling (``hisparse_jax.engine.sampling``); temperature 0 (default)
       is greedy, top_k 0 and top_p 1 disable those filters; seed None draws one at random.
-    stop_token_ids: tokens that end the request besides the model's EOS ids (one int: that token alone).
+    stop_token_ids: tokens that end the request besides the model's EOS ids (one int, Python's or numpy's: that token alone).
     stop: strings that end the request once the output text contains one (needs the engine's tokenizer);
       the returned text ends before the stop string unless include_stop_str_in_output. One str is one stop
       string (as vLLM's and OpenAI's ``stop``), not its characters.
@@ -142,7 +142,7 @@ class Request:
   def __post_init__(self):
     if isinstance(self.stop, str):
       self.stop = (self.stop,)
-    if isinstance(self.stop_token_ids, int):
+    if isinstance(self.stop_token_ids, (int, np.integer)):
       self.stop_token_ids = (self.stop_token_ids,)
 
   @property

@@ -60,6 +60,9 @@ MODES = ("null", "prefill", "decode")
 PULL_THREADS = 8
 # Seconds a decode server's start-up waits for each prefill server's Info.
 CONNECT_TIMEOUT_S = 10.0
+# A Prefill stream counts against the stream limit from its opening; a caller that opens one and sends nothing
+# is cut off after this long, so it cannot hold a slot of the limit (decode servers write at once).
+FIRST_MESSAGE_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +180,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
   async def Prefill(self, request_iterator, context):
     streams = self.streams
     if streams is None:
-      return await self._prefill(context, await context.read())
+      return await self._prefill(context, await self._first_message(context))
     if (busy := streams.streams_busy()) is not None:
       # Read the caller's first message (for a second at most) before refusing: its write then completes and
       # it sees this status, not the INTERNAL of a write into a finished call.
@@ -186,9 +189,18 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
       await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
     streams.open_streams += 1
     try:
-      return await self._prefill(context, await context.read())
+      return await self._prefill(context, await self._first_message(context))
     finally:
       streams.open_streams -= 1
+
+  @staticmethod
+  async def _first_message(context):
+    """The stream's first message; DEADLINE_EXCEEDED after ``FIRST_MESSAGE_TIMEOUT_S`` without one."""
+    try:
+      return await asyncio.wait_for(context.read(), FIRST_MESSAGE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+      await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"no PrefillRequest within {FIRST_MESSAGE_TIMEOUT_S:g} s of opening the Prefill stream")
 
   async def _prefill(self, context, first):
     if not isinstance(first, hisparse_pb2.PrefillMessage) or first.WhichOneof("message") != "request":

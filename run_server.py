@@ -9,7 +9,7 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--api-key KEY | --api-key-file FILE] \
       [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]] \
       [--disaggregation-mode null|prefill|decode [--prefill-servers H:P,...] [--transfer-host 127.0.0.1] \
-       [--transfer-timeout-s 60]] [--coordinator-address H:P --num-processes N --process-id I]
+       [--transfer-port 0] [--transfer-timeout-s 60]] [--coordinator-address H:P --num-processes N --process-id I]
 
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script).
 
@@ -55,6 +55,8 @@ flags.DEFINE_list("prefill-servers", [], "Decode mode: host:port of the prefill 
                   "(round-robin; a failed prefill is retried once on the next).")
 flags.DEFINE_string("transfer-host", "127.0.0.1", "Address this server's KV transfer server binds and announces "
                     "(jax.experimental.transfer; prefill and decode modes).")
+flags.DEFINE_integer("transfer-port", 0, "The KV transfer server's TCP port; its bulk transport takes the next "
+                     "one (0: any free ports). Fix them where a firewall must let prefill/decode traffic through.")
 flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV pull may take; prefill: how long "
                    "an offered KV waits to be pulled before it is taken back.")
 
@@ -104,9 +106,9 @@ def _security():
   return (TLSConfig(cert, key, ca) if cert is not None else None), api_key
 
 
-def _check_addresses(metrics_port: int | None) -> None:
+def _check_addresses(metrics_port: int | None, disagg) -> None:
   """StartupError naming the flag unless --host:--port and --metrics-host:--metrics-port can be bound now, and
-  are not one port."""
+  none of them is another's or one of the KV transfer server's (--transfer-port and the next)."""
   from hisparse_jax.engine.args import StartupError
   from hisparse_jax.serving.addresses import check_bindable, same_port
   try:
@@ -116,6 +118,13 @@ def _check_addresses(metrics_port: int | None) -> None:
       if same_port(FLAGS.host, FLAGS.port, metrics_host, metrics_port):
         raise ValueError(f"--metrics-port {metrics_port} is --port {FLAGS.port}: give them different ports")
       check_bindable("--metrics-host/--metrics-port", metrics_host, metrics_port)
+    if disagg.mode != "null":
+      for port in disagg.transfer_ports():
+        for flag, host, theirs in (("--port", FLAGS.host, FLAGS.port),
+                                   ("--metrics-port", FLAGS["metrics-host"].value, metrics_port or 0)):
+          if same_port(disagg.transfer_host, port, host, theirs):
+            raise ValueError(f"--transfer-port {disagg.transfer_port} takes ports {disagg.transfer_port} and "
+                             f"{disagg.transfer_port + 1}; {flag} {theirs} is one of them")
   except ValueError as e:
     raise StartupError(str(e)) from None
 
@@ -138,7 +147,8 @@ def main(argv):
     tls, api_key = _security()
     from hisparse_jax.serving.disaggregation import DisaggregationConfig
     disagg = DisaggregationConfig(FLAGS["disaggregation-mode"].value, tuple(FLAGS["prefill-servers"].value),
-                                  FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, api_key)
+                                  FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, api_key,
+                                  FLAGS["transfer-port"].value)
     try:
       disagg.validate()
     except ValueError as e:
@@ -154,7 +164,7 @@ def main(argv):
       args.model_config(model_dir)
       tokenizer = load_tokenizer_or_fail(model_dir)
       if dist.process_id == 0:
-        _check_addresses(metrics_port)
+        _check_addresses(metrics_port, disagg)
     except StartupError as e:
       error = str(e)
     distributed.startup_barrier(error)  # every process stops when one's checks fail, with its message
@@ -180,7 +190,8 @@ def main(argv):
     print(f"[server] warning: serving plain-text gRPC without authentication on {FLAGS.host}; anyone who can "
           "reach it can use and abort requests (use --tls-cert-file/--tls-key-file and --api-key-file)",
           file=sys.stderr, flush=True)
-  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=engine.config.num_hidden_layers)
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=engine.config.num_hidden_layers,
+                          disaggregation_mode=disagg.mode)
   metrics_at = ""
   if metrics_port is not None:
     host = FLAGS["metrics-host"].value

@@ -454,20 +454,21 @@ def main(argv=None) -> int:
                   help="calibrated: calibrated_trace.py (DeepSeek-V3.2's measured locality, with indexer "
                        "scores); synthetic: the older cluster model (no scores: no score policies)")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--buffers", default="2048,4096,6144", type=positive_ints,
-                  help="hot-buffer sizes D (comma-separated, each >= top_k)")
+  ap.add_argument("--buffers", default=None, type=positive_ints,
+                  help="hot-buffer sizes D (comma-separated, each >= top_k; default: 1, 2 and 3 x top_k, the "
+                       "trace's with --trace: 2048,4096,6144 at top_k 2048)")
   ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead (no scores: no score policies)")
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
-    ap.set_defaults(context=1024, steps=40, top_k=128, buffers=[128, 256], layers=3)
+    ap.set_defaults(context=1024, steps=40, top_k=128, layers=3)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("miss_rate", args.quick)
   for name in ("context", "steps", "top_k", "layers"):
     if getattr(args, name) < 1:
       print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
       return 2
-  if args.context + args.steps > MAX_POSITIONS or args.buffers[-1] > MAX_POSITIONS:
+  if args.context + args.steps > MAX_POSITIONS or max(args.buffers or [0]) > MAX_POSITIONS:
     print(f"error: --context + --steps and --buffers must be <= {MAX_POSITIONS} positions", file=sys.stderr)
     return 2
   try:
@@ -481,7 +482,6 @@ def main(argv=None) -> int:
   if args.seed < 0:
     print("error: --seed must be >= 0", file=sys.stderr)
     return 2
-  buffers = args.buffers
   t0 = time.perf_counter()
   per_stream = {}  # "policy@D" -> list over streams of misses per step
   if args.trace is not None:
@@ -505,10 +505,16 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
       source = f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k}"
+  buffers = args.buffers = args.buffers or [m * top_k for m in ((1, 2) if args.quick else (1, 2, 3))]
   if min(buffers) < top_k:
     print(f"error: --buffers: every hot-buffer size must be >= top_k ({top_k}); got {min(buffers)}",
           file=sys.stderr)
     return 2
+  longest = max((c + len(tr) for _, c, tr in streams), default=0) if args.trace is not None else 0
+  if longest and min(buffers) >= longest:
+    print(f"note: every hot buffer ({', '.join(map(str, buffers))}) holds the trace's longest sequence ({longest} "
+          "tokens) whole, so no policy ever misses; pass --buffers below it (the engine's default D is 2 x top_k = "
+          f"{2 * top_k})", file=sys.stderr)
   if args.trace is None and args.trace_model == "calibrated":
     replays = {f"{p}@{D}": KernelReplay(args.layers, args.context, steps, D, top_k, p.removesuffix("-kernel"))
                for D in buffers for p in KERNEL_POLICIES}

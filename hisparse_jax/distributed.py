@@ -36,6 +36,7 @@ stops with a message naming the flag and both values.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import json
 import os
@@ -428,13 +429,14 @@ class Lockstep:
     self.closed = False
     self.messages = 0        # sent (leader) or received (follower)
     self.seconds = 0.0       # spent in them (a follower's includes waiting for the leader)
+    self.kinds = collections.Counter()                 # messages by kind ("step", "ops", "idle", "stop")
+    self.recent = collections.deque(maxlen=4096)       # the last messages' seconds, for a median
 
   def publish(self, kind: str, ops: list, check: list, arrays: list) -> None:
     """Leader: sends one message (kind "step", "ops", "idle" or "stop") with the changes since the last one."""
     start = time.perf_counter()
     self.channel.exchange(encode({"kind": kind, "ops": ops, "check": check}, arrays))
-    self.seconds += time.perf_counter() - start
-    self.messages += 1
+    self._count(kind, time.perf_counter() - start)
     self.last_sent = time.monotonic()
     self.closed = kind == "stop"
 
@@ -442,9 +444,26 @@ class Lockstep:
     """Follower: the leader's next message."""
     start = time.perf_counter()
     data = self.channel.exchange()
-    self.seconds += time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    msg, arrays = decode(data)
+    self._count(msg.get("kind"), seconds)
+    return msg, arrays
+
+  def _count(self, kind, seconds: float) -> None:
+    self.seconds += seconds
     self.messages += 1
-    return decode(data)
+    self.kinds[kind] += 1
+    self.recent.append(seconds)
+
+  def summary(self, elapsed: float) -> str:
+    """One line on the messages so far, for a run's end: their count by kind, the median time of the last
+    4096 (a message is a collective over every process, so it also waits for the slowest one to reach it: the
+    first ones include every process's compilation) and their total share of ``elapsed`` seconds."""
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+    median = 1e3 * float(np.median(self.recent)) if self.recent else 0.0
+    return (f"{self.processes} processes: {self.messages} messages to the followers ({kinds}), median {median:.2f} "
+            f"ms; {self.seconds:.2f} s in all ({self.seconds / max(elapsed, 1e-9):.1%} of the run), waiting for the "
+            "slowest process included (its compilations too)")
 
   def idle_due(self) -> bool:
     return time.monotonic() - self.last_sent >= IDLE_HEARTBEAT_S

@@ -317,17 +317,14 @@ def main(argv):
   print(f"[generate] {len(requests)} request{'' if len(requests) == 1 else 's'} ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
         f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if engine.lockstep is not None:
-    ls = engine.lockstep
-    print(f"[generate] {ls.processes} processes: {ls.messages} step messages to the followers, "
-          f"{1e3 * ls.seconds / max(ls.messages, 1):.2f} ms each ({ls.seconds / max(elapsed, 1e-9):.1%} of the run)",
-          file=sys.stderr)
+    print(f"[generate] {engine.lockstep.summary(elapsed)}", file=sys.stderr)
   if hisparse is not None:
     hits = sum(r.hits for _, r in requests)
     misses = sum(r.misses for _, r in requests)
     prefetched = (f", {sum(r.prefetched for _, r in requests)} rows prefetched"
                   if hisparse.prefetch != "none" else "")
-    print(f"[generate] swap-in: {hits} hits, {misses} misses "
-          f"(miss rate {misses / max(1, hits + misses):.3f}){prefetched}", file=sys.stderr)
+    rate = f"{misses / (hits + misses):.3f}" if hits + misses else "n/a: no swap-in ran"
+    print(f"[generate] swap-in: {hits} hits, {misses} misses (miss rate {rate}){prefetched}", file=sys.stderr)
     if hisparse.resident_fraction > 0:
       steps = engine.residency_steps
       print(f"[generate] dynamic residency: {engine.num_offloads} offloads; decode steps with every row resident "

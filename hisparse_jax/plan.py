@@ -343,8 +343,9 @@ def define_flags() -> None:
   flags.DEFINE_enum("kv-cache-dtype", "auto", list(KV_CACHE_DTYPES), "How the KV cache stores a token: auto "
                     "(latent in the compute dtype, keys in float32) or fp8_e4m3 (DeepSeek-V3.2's FP8 rows).")
   flags.DEFINE_integer("page-size", 64, "Tokens per KV page (a power of two).")
-  flags.DEFINE_float("mem-fraction-static", None, "Device memory fraction for weights + KV (default: "
-                     f"{DEFAULT_MEM_FRACTION} of what the weights leave).")
+  flags.DEFINE_float("mem-fraction-static", None, "Fraction of --device-memory for weights + KV cache, "
+                     "SGLang's meaning: KV budget = F x memory - weights (unset: the engine's default, "
+                     f"{DEFAULT_MEM_FRACTION} x (memory - weights), which is not F = {DEFAULT_MEM_FRACTION}).")
   flags.DEFINE_boolean("json", False, "Print the plan as JSON.")
 
 

@@ -88,6 +88,16 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   replayed = sum(sum(miss_rate.replay_kernel_lru(trace, c, D)) for _, c, trace in line1)
   assert replayed == res[0]["misses"]
   assert sum(sum(miss_rate.replay_lru(trace, c, D)) for _, c, trace in line1) == replayed
+  # miss_rate.py's hot-buffer sizes default to 1, 2 and 3 x the trace's top_k (the engine's D = 2 x top_k among
+  # them); sizes that hold every sequence whole get a note, since nothing can miss.
+  r = run("benchmarks/miss_rate.py", "--trace", str(tmp_path / "trace.npz"), "--out", str(tmp_path / "mr"))
+  assert r.returncode == 0 and "note:" not in r.stderr, r.stderr[-2000:]
+  summary = json.loads((tmp_path / "mr.json").read_text())["summary"]
+  K = TINY_HISPARSE["top_k"]
+  assert sorted(map(int, summary)) == [K, 2 * K, 3 * K] and summary[str(D)]["means"]["lru"] > 0
+  r = run("benchmarks/miss_rate.py", "--trace", str(tmp_path / "trace.npz"), "--buffers", "64",
+          "--out", str(tmp_path / "mr"))
+  assert r.returncode == 0 and "note: every hot buffer (64) holds the trace's longest sequence" in r.stderr
   # Every top-k of line 1 is distinct, in range and causal.
   for _, c, trace in line1:
     for t, topk in enumerate(trace):

@@ -3,8 +3,10 @@ decode servers pull it (jax.experimental.transfer) and decode; servers as subpro
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -43,12 +45,25 @@ def colocated():
   return [r.output_ids for r in reqs]
 
 
+def _free_port_pair() -> int:
+  """A port p with p and p + 1 both free now (for --transfer-port)."""
+  for _ in range(50):
+    p = free_port()
+    with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
+      a.bind(("127.0.0.1", p))
+      b.bind(("127.0.0.1", p + 1))
+      return p
+  raise RuntimeError("no two free consecutive ports")
+
+
 @pytest.fixture(scope="module")
 def servers():
-  """A prefill server (dense) and two decode servers (dense, HiSparse) pulling from it."""
+  """A prefill server (dense; its KV transfer server on fixed ports) and two decode servers (dense, HiSparse)
+  pulling from it."""
   procs = []
   try:
-    prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill"])
+    prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill",
+                                   f"--transfer-port={_free_port_pair()}"])
     procs.append(prefill)
     decode = {}
     for name, flags in (("dense", []), ("hisparse", ["--enable-hisparse", f"--hisparse-config={HS}"])):
@@ -84,6 +99,13 @@ def test_pd_tokens_equal_the_colocated_server(servers, colocated, mode):
   """Concurrent requests through a decode server: the colocated greedy tokens; the final message gives the
   prefill server's time, the transfer's time and bytes; every page comes back on both servers."""
   pport, decode = servers
+  # --transfer-port: the prefill server's transfer server announces that port and listens on the next one too.
+  info = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{pport}")).Info(
+      pb.InfoRequest(), timeout=30)
+  tport = int(info.transfer_address.rpartition(":")[2])
+  for port in (tport, tport + 1):
+    with socket.socket() as s, pytest.raises(OSError):
+      s.bind(("127.0.0.1", port))
   stub = _stub(decode[mode])
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
     results = list(pool.map(lambda p: _generate(stub, p), PROMPTS))
@@ -232,9 +254,21 @@ def _startup_error(*flags):
     (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be > 0"),
     (["--disaggregation-mode=prefill", "--transfer-host=999.9.9.9"],
      "--transfer-host 999.9.9.9: not an address of this machine"),
+    (["--disaggregation-mode=prefill", "--transfer-port=65535"], "--transfer-port 65535: expected 0 (any free ports)"),
 ])
 def test_bad_disaggregation_flags(flags, message):
   assert message in _startup_error(*flags)
+
+
+def test_transfer_ports_that_clash_with_the_server_ports_or_are_taken():
+  p = _free_port_pair()
+  err = _startup_error("--disaggregation-mode=prefill", f"--transfer-port={p}", f"--port={p + 1}")
+  assert f"--transfer-port {p} takes ports {p} and {p + 1}; --port {p + 1} is one of them" in err
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", p + 1))
+    taken.listen()
+    err = _startup_error("--disaggregation-mode=prefill", f"--transfer-port={p}")
+  assert f"--transfer-host/--transfer-port 127.0.0.1:{p + 1}: cannot bind" in err
 
 
 def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
@@ -299,7 +333,10 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
   from hisparse_jax.serving.server import ServerLimits, serve
 
   engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=1, max_queued_requests=0)
-  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=3)
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=3, disaggregation_mode="prefill")
+  # The pulled-KV metrics are a decode server's: a prefill server does not export them (they would stay 0).
+  assert metrics.registry.get_sample_value("hisparse_pd_kv_transfer_bytes_total") is None
+  assert metrics.registry.get_sample_value("hisparse_time_to_first_token_seconds_count") == 0
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, limits=ServerLimits(max_streams=4),
                           disaggregation=DisaggregationConfig("prefill", transfer_timeout_s=30.0))
 

@@ -172,6 +172,7 @@ def test_gauges_return_to_idle_after_cancel_and_abort(server):
     assert gauge("hisparse_running_requests") == 0
     assert gauge("hisparse_host_pool_rows", state="used") == 0
     assert gauge("hisparse_kv_pool_pages", pool="index", memory="device", state="used") == 0
+    assert gauge("hisparse_device_kv_bytes", state="total") == engine.loads()["device_kv_bytes_budget"] > 0
 
 
 def test_burst_beyond_the_pools_preempts_keeps_serving_and_returns_to_baseline():

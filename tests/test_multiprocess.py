@@ -4,6 +4,7 @@ gRPC server; a process that dies takes the others down with a message; start-up 
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,7 +44,13 @@ def _generate(tmp_path, name, flags, processes=1, devices=1):
     results = wait_all(launch(args, processes, devices), timeout=600)
     for i, (rc, _, err) in enumerate(results):
       assert rc == 0, f"process {i}: {err[-3000:]}"
-    assert "followed process 0 for" in results[1][2]
+    # Process 0's summary counts its messages by kind; the follower took one engine step per "step" message.
+    summary = re.search(r"\[generate\] 2 processes: (\d+) messages to the followers \(([^)]*)\), median [\d.]+ ms",
+                        results[0][2])
+    followed = re.search(r"followed process 0 for (\d+) steps", results[1][2])
+    assert summary and followed, (results[0][2][-2000:], results[1][2][-2000:])
+    kinds = {k: int(n) for n, k in (part.split() for part in summary[2].split(", "))}
+    assert kinds["step"] == int(followed[1]) > 0 and kinds["stop"] == 1 and sum(kinds.values()) == int(summary[1])
   return [json.loads(line) for line in out.read_text().splitlines()]
 
 

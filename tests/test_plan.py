@@ -238,6 +238,9 @@ def test_cli_json_and_text():
     (["--page-size=3"], "--page-size must be a power of two, got 3"),
     (["--context=163841"], "--context 163841: must be in [1, 163840] (the model's max_position_embeddings)"),
     (["--mem-fraction-static=1.5"], "--mem-fraction-static must be in (0, 1]"),
+    (["--weight-dtype=fp8", "--mem-fraction-static=0.5"],
+     "--mem-fraction-static 0.5: that fraction of the device memory (141 GiB) leaves nothing for the KV cache "
+     "beside 94.98 GiB of weights per device"),
     (["--devices=0"], "--devices must be >= 1"),
     (["--hisparse-config={\"top_k\": 7}"], "--hisparse-config"),
 ])
@@ -284,3 +287,21 @@ def test_planner_answers_huge_memories_quickly(dsv32):
         hisparse=HiSparseConfig(2048, 4096, small.hisparse.host_to_device_ratio))
     best = max(best, min(pl.request_slots, pl.pools["index"][1] // 128, pl.pools["host"][1] // 128))
   assert small.hisparse.requests_per_group == best
+
+
+def test_kv_budget_takes_mem_fraction_static_as_sglang_does_and_its_default_of_what_the_weights_leave():
+  """An explicit --mem-fraction-static F is SGLang's: the fraction of the device memory for weights + KV, so the
+  budget is F x limit - weights; unset, it is 0.85 x (limit - weights), which is not F = 0.85; the smaller of
+  that and --max-device-kv-bytes wins; a budget <= 0 is a StartupError naming what lacks."""
+  from hisparse_jax.engine.args import DEFAULT_CPU_KV_BYTES, StartupError, kv_budget
+  limit, weights = 141 * GIB, 95 * GIB
+  assert kv_budget(limit, weights) == int(0.85 * 46 * GIB)
+  assert kv_budget(limit, weights, mem_fraction_static=0.85) == int(0.85 * limit) - weights
+  assert kv_budget(limit, weights, mem_fraction_static=0.85, max_device_kv_bytes=GIB) == GIB
+  assert kv_budget(None, weights) == DEFAULT_CPU_KV_BYTES
+  with pytest.raises(StartupError, match=r"--mem-fraction-static 0.6: .* \(141 GiB\) .* 95 GiB of weights"):
+    kv_budget(limit, weights, mem_fraction_static=0.6)
+  with pytest.raises(StartupError, match=r"the weights take 150 GiB per device, as much as the device memory"):
+    kv_budget(limit, 150 * GIB)
+  with pytest.raises(StartupError, match="reports no memory limit"):
+    kv_budget(None, weights, mem_fraction_static=0.9)

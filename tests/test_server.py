@@ -21,6 +21,7 @@ from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 
 
 METRICS = []  # the module server's ServerMetrics
+PORTS = []    # and its port
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def server():
                   max_seq_len=256, page_size=16, chunked_prefill_size=64, deterministic=True)
   METRICS.append(ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize))
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, METRICS[-1])
+  PORTS.append(port)
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), channel
   channel.close()
@@ -101,6 +103,45 @@ def test_client_summary_line_shows_swap_ins_only_where_rows_were_swapped_in(serv
                                                 transfer_bytes=4096, decode_seconds=1.5)
   assert summary_line(disaggregated) == ("[client] finish=LENGTH prompt_tokens=3 completion_tokens=2 prefill_s=0.250 "
                                          "transfer_s=0.013 transfer_bytes=4096 decode_s=1.500")
+  stop_token = hisparse_pb2.GenerateResponse(finished=True, finish_reason=hisparse_pb2.STOP_TOKEN, prompt_tokens=3,
+                                             completion_tokens=2, matched_stop="90368")
+  assert summary_line(stop_token).endswith(" matched_stop=90368")  # an id, not a quoted string
+
+
+def test_the_command_line_client_prints_ids_loads_and_aborts(server):
+  """The client CLI against the server: --print-ids prints the ids the final line counts; --loads prints GetLoads
+  as JSON; --abort ID ends the request with that --request-id (and says how many it found)."""
+  import json
+  import subprocess
+  import sys
+  import time
+
+  from tests.multiprocess import REPO
+  engine, stub, _ = server
+  base = [sys.executable, "-m", "hisparse_jax.serving.client", f"--target=127.0.0.1:{PORTS[-1]}"]
+  client = lambda *flags, **kw: subprocess.run([*base, *flags], cwd=REPO, capture_output=True, text=True,  # noqa: E731
+                                                timeout=120, **kw)
+  expected, _ = collect(stub, list(range(2, 30)), 5)
+  r = client("--input-ids=" + ",".join(map(str, range(2, 30))), "--max-new-tokens=5", "--print-ids")
+  assert r.returncode == 0 and f"output_ids={expected}" in r.stdout, r.stdout + r.stderr
+  r = client("--loads")
+  loads = json.loads(r.stdout)
+  assert r.returncode == 0 and loads["running"] == 0 and loads["pools"], r.stdout + r.stderr
+  # A long request with our id, aborted from a second client.
+  long = subprocess.Popen([*base, "--input-ids=2,3,4", "--max-new-tokens=200", "--ignore-eos", "--request-id=cli-x"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 60
+    while engine.loads_snapshot["running"] == 0 and time.monotonic() < deadline:
+      time.sleep(0.05)
+    r = client("--abort=cli-x")
+    assert r.returncode == 0 and "[client] aborted 1 request with id 'cli-x'" in r.stdout, r.stdout + r.stderr
+    out, err = long.communicate(timeout=60)
+  finally:
+    long.kill()
+  assert "finish=ABORT" in out, out + err
+  r = client("--loads", "--text=hi")
+  assert r.returncode == 1 and "--loads sends no request" in r.stderr
 
 
 def test_cancelled_stream_releases_its_lane(server):

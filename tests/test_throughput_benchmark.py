@@ -61,7 +61,7 @@ def test_long_context_quick(tmp_path):
 def test_recorded_trace_replay(tmp_path):
   """A real-size trace (top_k 2048) from the model's own indexer, replayed by the miss-rate script."""
   trace = tmp_path / "trace.npz"
-  _run("benchmarks/record_trace.py", "--prompt-tokens", "2600", "--new-tokens", "4", "--out", str(trace), env=optimized())
+  _run("benchmarks/record_trace.py", "--quick", "--out", str(trace), env=optimized())
   z = np.load(trace)
   steps = z["topk_1"]
   assert steps.shape == (3, 4, 2048) and int(z["prompt_tokens_1"]) == 2600

@@ -66,9 +66,10 @@ class EngineArgs:
     chunked_prefill_size: prompt tokens computed per engine step (a long prompt is prefilled in chunks of
       this size, interleaved with decode steps of the running requests).
     page_size: tokens per KV page (device and host pools; a power of two).
-    max_device_kv_bytes / mem_fraction_static: device KV budget in bytes / as a fraction of the device's
-      memory limit (the smaller wins); neither: DEFAULT_MEM_FRACTION of the memory left after the weights,
-      or DEFAULT_CPU_KV_BYTES on a device that reports no limit (CPU).
+    max_device_kv_bytes / mem_fraction_static: device KV budget in bytes / the fraction F of the device's
+      memory limit for weights + KV (SGLang's flag: budget = F x limit - weights); the smaller wins. Neither:
+      DEFAULT_MEM_FRACTION x (limit - weights), or DEFAULT_CPU_KV_BYTES on a device that reports no limit
+      (CPU).
     max_queued_requests: waiting requests beyond this (and beyond the free request slots, which take waiting
       requests at the next step) fail with RESOURCE_EXHAUSTED (None: unbounded).
     max_admission_skips: a waiting request that does not fit the free memory yet may be passed by later
@@ -147,7 +148,8 @@ class EngineArgs:
                               "interleaved with decode steps.",
       "page_size": "Tokens per KV page (a power of two).",
       "max_device_kv_bytes": "Device KV budget in bytes (pools are sized from it).",
-      "mem_fraction_static": "Device KV budget as a fraction of the device memory limit (GPU).",
+      "mem_fraction_static": "Fraction of the device memory limit for weights + KV cache (SGLang's meaning: KV "
+                             "budget = F x limit - weights; GPU). Unset: 0.85 x (limit - weights).",
       "max_queued_requests": "Requests waiting beyond this (and the free request slots) fail with "
                              "RESOURCE_EXHAUSTED.",
       "max_admission_skips": "Times a waiting request that does not fit yet may be passed by later ones that "
@@ -363,9 +365,13 @@ def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int 
   if not budgets:
     budgets.append(DEFAULT_CPU_KV_BYTES if limit is None else int(DEFAULT_MEM_FRACTION * (limit - weight_bytes)))
   budget = min(budgets)
-  if budget <= 0:
-    raise StartupError(f"the device memory ({limit} bytes; --mem-fraction-static {mem_fraction_static}) leaves "
-                       f"nothing for the KV cache beside the {weight_bytes} bytes of weights")
+  if budget <= 0:  # (max_device_kv_bytes > 0 is checked with the flags: the device memory is what lacks)
+    weights, memory = f"{weight_bytes / 2**30:.4g} GiB", f"{limit / 2**30:.4g} GiB"
+    if mem_fraction_static is not None:
+      raise StartupError(f"--mem-fraction-static {mem_fraction_static}: that fraction of the device memory ({memory}) "
+                         f"leaves nothing for the KV cache beside {weights} of weights per device (it is the fraction "
+                         "for weights and KV cache together)")
+    raise StartupError(f"the weights take {weights} per device, as much as the device memory ({memory}) or more")
   return budget
 
 

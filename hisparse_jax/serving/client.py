@@ -1,10 +1,13 @@
 r"""Command-line client for the hisparse-jax server: streams one request and prints it.
 
   python -m hisparse_jax.serving.client [--target 127.0.0.1:50051] (--text "..." | --input-ids 1,2,3) \
-      [--max-new-tokens 32] [--tls-ca-file ca.pem] [--api-key KEY | --api-key-file FILE]
+      [--max-new-tokens 32] [--request-id ID] [--print-ids] [--tls-ca-file ca.pem] \
+      [--api-key KEY | --api-key-file FILE]
+  python -m hisparse_jax.serving.client [--target ...] --loads        # the server's GetLoads, as JSON
+  python -m hisparse_jax.serving.client [--target ...] --abort ID     # Abort: ends the requests with that id
 
-Prints the text as it streams, then a summary line with the finish reason and
-the swap-in hits/misses. Exits 1 with the server's status on an RPC error.
+Prints the text as it streams (``--print-ids``: then the output token ids too), then a summary line with the
+finish reason and the swap-in hits/misses. Exits 1 with the server's status on an RPC error.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ flags.DEFINE_string("tls-cert-file", None, "Client certificate (PEM) for a serve
 flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.")
 flags.DEFINE_string("api-key", None, "Bearer token the server requires (sent as 'authorization' metadata).")
 flags.DEFINE_string("api-key-file", None, "File holding the bearer token (first line).")
+flags.DEFINE_string("request-id", None, "The request's id (default: the server picks one; --abort takes it).")
+flags.DEFINE_boolean("print-ids", False, "After the text, print the output token ids.")
+flags.DEFINE_boolean("loads", False, "Print the server's loads (GetLoads) as JSON and exit; no request.")
+flags.DEFINE_string("abort", None, "Abort the server's requests with this id, print how many, and exit.")
 
 
 def open_channel(target: str, *, tls_ca: bytes | None = None, tls_cert: bytes | None = None,
@@ -94,10 +101,15 @@ def summary_line(msg) -> str:
           + (f" swap_in_hits={msg.swap_in_hits} swap_in_misses={msg.swap_in_misses}"
              if msg.swap_in_hits or msg.swap_in_misses else "")
           + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
-          + (f" matched_stop={msg.matched_stop!r}" if msg.matched_stop else "")
+          + (f" matched_stop={_matched_stop(msg)}" if msg.matched_stop else "")
           + (f" num_preemptions={msg.num_preemptions}" if msg.num_preemptions else "")
           + (f" prefill_s={msg.prefill_seconds:.3f} transfer_s={msg.transfer_seconds:.3f} "
              f"transfer_bytes={msg.transfer_bytes} decode_s={msg.decode_seconds:.3f}" if msg.transfer_bytes else ""))
+
+
+def _matched_stop(msg) -> str:
+  """A stop string quoted (it may hold spaces or newlines); a stop token's id as the number it is."""
+  return repr(msg.matched_stop) if msg.finish_reason == hisparse_pb2.STOP_STRING else msg.matched_stop
 
 
 INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
@@ -117,8 +129,13 @@ def _ints(flag: str, values, low: int, high: int) -> list[int]:
 
 def _check_flags() -> tuple[list[int] | None, list[int]]:
   """(prompt ids or None, stop token ids); ValueError naming the flag for a value the request cannot carry."""
-  if (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
-    raise ValueError("give exactly one of --text or --input-ids")
+  if FLAGS.loads and FLAGS.abort is not None:
+    raise ValueError("give at most one of --loads and --abort")
+  if FLAGS.loads or FLAGS.abort is not None:
+    if FLAGS.text is not None or FLAGS["input-ids"].value is not None:
+      raise ValueError(f"--{'loads' if FLAGS.loads else 'abort'} sends no request: drop --text / --input-ids")
+  elif (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
+    raise ValueError("give exactly one of --text or --input-ids (or --loads, --abort ID)")
   ids = None if FLAGS["input-ids"].value is None else _ints("input-ids", FLAGS["input-ids"].value, 0, INT32_MAX)
   stop_token_ids = _ints("stop-token-ids", FLAGS["stop-token-ids"].value, 0, INT32_MAX)
   _ints("max-new-tokens", [FLAGS["max-new-tokens"].value], 1, INT32_MAX)
@@ -152,6 +169,19 @@ def main(argv):
         wait_for_serving(channel, FLAGS["wait-for-ready-s"].value)
       except TimeoutError as e:
         sys.exit(f"error: {FLAGS.target}: {e}")
+    if FLAGS.loads or FLAGS.abort is not None:
+      try:
+        if FLAGS.loads:
+          from google.protobuf import json_format
+          loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=timeout, metadata=auth_metadata(api_key))
+          print(json_format.MessageToJson(loads, always_print_fields_with_no_presence=True))
+        else:
+          r = stub.Abort(hisparse_pb2.AbortRequest(request_id=FLAGS.abort), timeout=timeout,
+                         metadata=auth_metadata(api_key))
+          print(f"[client] aborted {r.aborted} request{'' if r.aborted == 1 else 's'} with id {FLAGS.abort!r}")
+      except grpc.RpcError as e:
+        sys.exit(f"error: {e.code().name}: {e.details()}")
+      return
     streamed, output_ids = False, []
     try:
       sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS["top-p"].value, top_k=FLAGS["top-k"].value,
@@ -160,6 +190,8 @@ def main(argv):
                       ignore_eos=FLAGS["ignore-eos"].value)
       if FLAGS.seed is not None:
         sampling["seed"] = FLAGS.seed
+      if FLAGS["request-id"].value is not None:
+        sampling["request_id"] = FLAGS["request-id"].value
       for msg in generate(stub, text=FLAGS.text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
                           timeout=timeout, api_key=api_key, **sampling):
         sys.stdout.write(msg.text)
@@ -167,8 +199,8 @@ def main(argv):
         streamed = streamed or bool(msg.text)
         output_ids.extend(msg.token_ids)
         if msg.finished:
-          if not streamed and output_ids:  # a model without a tokenizer streams ids, not text
-            print(f"output_ids={output_ids}", end="")
+          if output_ids and (FLAGS["print-ids"].value or not streamed):  # (no tokenizer: ids, not text)
+            print(("\n" if streamed else "") + f"output_ids={output_ids}", end="")
           print("\n" + summary_line(msg))
     except grpc.RpcError as e:
       sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")

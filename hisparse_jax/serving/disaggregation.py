@@ -69,8 +69,9 @@ FIRST_MESSAGE_TIMEOUT_S = 10.0
 class DisaggregationConfig:
   """``--disaggregation-mode`` ("null": colocated prefill and decode; "prefill"; "decode"),
   ``--prefill-servers`` (decode: host:port of each prefill server's gRPC endpoint), ``--transfer-host`` (the
-  address this process's transfer server binds and announces) and ``--transfer-timeout-s`` (decode: how long a
-  pull may take; prefill: how long an offer waits to be pulled). The servers of one deployment share one
+  address this process's transfer server binds and announces), ``--transfer-port`` (its port, and port + 1 for
+  its bulk transport; 0: any free ports) and ``--transfer-timeout-s`` (decode: how long a pull may take;
+  prefill: how long an offer waits to be pulled). The servers of one deployment share one
   ``--api-key`` (a decode server sends its own to its prefill servers); their links are plain-text gRPC and
   transfer sockets, for a private network."""
 
@@ -79,6 +80,11 @@ class DisaggregationConfig:
   transfer_host: str = "127.0.0.1"
   transfer_timeout_s: float = 60.0
   api_key: str | None = None  # sent to the prefill servers (a deployment shares one --api-key)
+  transfer_port: int = 0
+
+  def transfer_ports(self) -> tuple[int, ...]:
+    """The TCP ports the transfer server listens on: --transfer-port and the one after it (none fixed: 0)."""
+    return (self.transfer_port, self.transfer_port + 1) if self.transfer_port else ()
 
   def validate(self) -> None:
     """ValueError naming the flag."""
@@ -94,19 +100,35 @@ class DisaggregationConfig:
         raise ValueError(f"--prefill-servers {s!r}: expected host:port")
     if not self.transfer_timeout_s > 0:
       raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
+    if not 0 <= self.transfer_port <= 65534:
+      raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free ports) or 1..65534 (it and "
+                       "the next port)")
     if self.mode != "null":  # the KV transfer server binds it (an address of another machine cannot be bound)
       from hisparse_jax.serving.addresses import check_bindable
       check_bindable("--transfer-host", self.transfer_host, 0)
+      for port in self.transfer_ports():
+        check_bindable("--transfer-host/--transfer-port", self.transfer_host, port)
 
 
 class TransferEndpoint:
   """This process's ``jax.experimental.transfer`` server (bound to ``host`` with explicit transport addresses:
   the defaults abort the process on CPU, PLATFORM.md) and its connections to other servers, one per address."""
 
-  def __init__(self, host: str = "127.0.0.1"):
+  def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    """port: the transfer server's TCP port, and port + 1 its bulk transport's (0: any free ports).
+
+    Raises:
+      ValueError naming --transfer-host/--transfer-port: a port cannot be bound.
+    """
     import jax
     from jax.experimental import transfer
-    self.server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"])
+    transport = port + 1 if port else 0
+    try:
+      self.server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:{port}",
+                                                   [f"{host}:{transport}"])
+    except jax.errors.JaxRuntimeError as e:
+      raise ValueError(f"--transfer-host/--transfer-port {host}:{port} (transport {host}:{transport}): "
+                       f"{str(e).splitlines()[0]}") from None
     self.address = self.server.address()
     self._connections: dict = {}
     self._lock = threading.Lock()

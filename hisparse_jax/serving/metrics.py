@@ -12,7 +12,8 @@ otherwise):
   hisparse_swap_in_bytes_total{layer}                            counter (misses x latent row bytes)
   hisparse_prefetch_rows_total{layer}                            counter (rows the cross-layer prefetch copied)
   hisparse_host_pool_rows{state="used"|"free"}                   gauge (host-pool tokens)
-  hisparse_device_kv_bytes{state="used"|"budget"}                gauge
+  hisparse_device_kv_bytes{state="used"|"total"}                 gauge (every device KV pool, all DP groups: the
+                                                                 pools sized from the budget, not the budget)
   hisparse_kv_pool_pages{pool, memory, state="used"|"free"}      gauge (every KV pool, Engine.loads()["pools"])
   hisparse_kv_pool_bytes{pool, memory, state="used"|"free"}      gauge
   hisparse_preemptions                                           gauge (requests preempted since start)
@@ -24,6 +25,7 @@ otherwise):
                                                                  to first token; pulling the prompt KV)
   hisparse_pd_kv_transfer_bytes_total                            counter
   hisparse_pd_kv_transfer_gigabytes_per_second                   gauge (the last pull)
+  (the hisparse_pd_* metrics exist on a decode server only: --disaggregation-mode decode)
 
 Gauges are set from the engine's published loads when the engine loop starts and after every step, abort or
 release, so an idle server shows its idle state from the start; each layer's counters exist at 0 from the
@@ -42,9 +44,11 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class ServerMetrics:
   """Metrics of one engine; call the on_* hooks from the engine loop thread."""
 
-  def __init__(self, row_bytes: int, num_layers: int = 0):
+  def __init__(self, row_bytes: int, num_layers: int = 0, disaggregation_mode: str = "null"):
     """row_bytes: bytes of one latent KV row (a miss's copy); num_layers: the model's layers, whose swap-in
-    and prefetch counters are created at 0 (0: each appears with its first finished request)."""
+    and prefetch counters are created at 0 (0: each appears with its first finished request);
+    disaggregation_mode: the server's --disaggregation-mode ("decode": with the hisparse_pd_* metrics of the
+    prompts it pulls; a prefill or colocated server has none)."""
     self.registry = CollectorRegistry()
     r = self.registry
     self.row_bytes = row_bytes
@@ -63,7 +67,7 @@ class ServerMetrics:
     self.prefetched = Counter("hisparse_prefetch_rows", "Rows the cross-layer prefetch copied ahead of the "
                               "layer's swap-in", ["layer"], registry=r)
     self.host_rows = Gauge("hisparse_host_pool_rows", "HiSparse host-pool rows", ["state"], registry=r)
-    self.device_kv = Gauge("hisparse_device_kv_bytes", "Device KV memory: allocated / all pools", ["state"],
+    self.device_kv = Gauge("hisparse_device_kv_bytes", "Device KV memory: allocated / all pools (every DP group's)", ["state"],
                            registry=r)
     self.pool_pages = Gauge("hisparse_kv_pool_pages", "KV pool pages", ["pool", "memory", "state"], registry=r)
     self.pool_bytes = Gauge("hisparse_kv_pool_bytes", "KV pool bytes", ["pool", "memory", "state"], registry=r)
@@ -73,6 +77,16 @@ class ServerMetrics:
                           "on device", registry=r)
     self.offloads = Gauge("hisparse_offloads", "Dynamic residency: resident requests moved to their hot buffers "
                           "since start", registry=r)
+    self.pd = disaggregation_mode == "decode"
+    if self.pd:
+      self._pd_metrics(r)
+    self._last_token: dict[str, float] = {}
+    self._arrival: dict[str, float] = {}
+    for layer in range(num_layers):
+      for counter in (self.hits, self.misses, self.miss_bytes, self.prefetched):
+        counter.labels(layer=str(layer))
+
+  def _pd_metrics(self, r) -> None:
     self.prefill_seconds = Histogram("hisparse_pd_prefill_seconds", "Prefill server: arrival to first token",
                                      buckets=_LATENCY_BUCKETS, registry=r)
     self.transfer_seconds = Histogram("hisparse_pd_kv_transfer_seconds", "Pulling a prompt's KV from a prefill "
@@ -81,11 +95,6 @@ class ServerMetrics:
                                   registry=r)
     self.transfer_rate = Gauge("hisparse_pd_kv_transfer_gigabytes_per_second", "The last prompt KV pull's rate "
                                "(GB/s)", registry=r)
-    self._last_token: dict[str, float] = {}
-    self._arrival: dict[str, float] = {}
-    for layer in range(num_layers):
-      for counter in (self.hits, self.misses, self.miss_bytes, self.prefetched):
-        counter.labels(layer=str(layer))
 
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
     """Serves /metrics on host:port (port 0: a free one); returns the bound port. OSError if it cannot bind."""
@@ -110,7 +119,7 @@ class ServerMetrics:
   def on_finish(self, req) -> None:
     self._last_token.pop(req.request_id, None)
     self._arrival.pop(req.request_id, None)
-    if req.transfer_bytes:  # a decode server's request, prefilled elsewhere
+    if self.pd and req.transfer_bytes:  # a decode server's request, prefilled elsewhere
       self.prefill_seconds.observe(req.prefill_seconds)
       self.transfer_seconds.observe(req.transfer_seconds)
       self.transfer_bytes.inc(req.transfer_bytes)
@@ -128,7 +137,7 @@ class ServerMetrics:
     self.host_rows.labels(state="used").set(total - free)
     self.host_rows.labels(state="free").set(free)
     self.device_kv.labels(state="used").set(loads["device_kv_bytes_used"])
-    self.device_kv.labels(state="budget").set(loads["device_kv_bytes_budget"])
+    self.device_kv.labels(state="total").set(loads["device_kv_bytes_budget"])
     for p in loads["pools"]:
       used = p["pages_total"] - p["pages_free"]
       for state, pages in (("used", used), ("free", p["pages_free"])):

@@ -521,7 +521,8 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
   """
   from hisparse_jax.serving import disaggregation as pd
   mode = disaggregation.mode if disaggregation is not None else "null"
-  transfer = pd.TransferEndpoint(disaggregation.transfer_host) if mode != "null" else None
+  transfer = (pd.TransferEndpoint(disaggregation.transfer_host, disaggregation.transfer_port) if mode != "null"
+              else None)
   prefill_client = None
   if mode == "decode":
     pd.check_prefill_servers(engine, disaggregation.prefill_servers, disaggregation.api_key)

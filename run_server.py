@@ -228,7 +228,9 @@ def main(argv):
   while not signals:
     time.sleep(0.25)
   grace = FLAGS["shutdown-grace-s"].value
-  print("[server] shutting down", flush=True)
+  streams = server.servicer.open_streams
+  print("[server] shutting down" + (f": {streams} stream{'s' if streams != 1 else ''} open, given --shutdown-grace-s "
+                                    f"{grace:g} to finish, then cut (UNAVAILABLE)" if streams else ""), flush=True)
   grpc_stopped = server.stop(grace).wait(grace + 15)
   loop.stop(timeout=grace + 30)
   if not grpc_stopped or loop.is_alive():

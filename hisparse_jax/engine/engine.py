@@ -701,8 +701,19 @@ class Engine:
   def close(self, error: str | None = None) -> None:
     """Leader: tells the followers to stop (their ``follow`` returns, or, with ``error``, raises
     ``DistributedError(error)``: process 0 is stopping on an error of its own, e.g. a port it cannot bind).
-    Idempotent; nothing on one process."""
+    Idempotent; nothing on one process.
+
+    First waits for the calls in flight (a decode step launched ahead, its collectives with the followers' copy
+    of it): close() may run on another thread than the steps (the server's main thread, after its engine loop
+    ended), and XLA:CPU orders a thread's programs, not two threads', so the stop message's collective could
+    otherwise meet the step's on a follower in another order (gloo aborted the follower: "Received data size
+    doesn't match expected size")."""
     if self.lockstep is not None and self.lockstep.is_leader and not self.lockstep.closed:
+      if self.backend is not None:
+        try:
+          jax.block_until_ready(self.backend.state)  # the output of every earlier call
+        except Exception as e:  # noqa: BLE001 - a failed call: the followers cannot be in step either
+          self.lockstep.lost(e)
       if error is not None:
         self._pending_ops.append(["error", error])
       self._send("stop")

@@ -120,7 +120,7 @@ def load_recorded(path: str):
       magic = f.read(4)
   except OSError as e:
     raise ValueError(f"{path}: {e.strerror}") from None
-  if magic != b"PK\x03\x04":  # .npz files are zip archives
+  if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # .npz files are zip archives (the second: an empty one)
     raise ValueError(f"{path}: not an .npz archive (write one with --dump-topk)")
   try:
     return _load_recorded(path)

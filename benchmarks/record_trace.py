@@ -53,12 +53,20 @@ def main(argv=None) -> int:
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(prompt_tokens=2600, new_tokens=4)
   args = ap.parse_args(argv)
+  if args.prompt_tokens < 2:
+    ap.error(f"--prompt-tokens must be >= 2 (BOS + text), got {args.prompt_tokens}")
+  if args.new_tokens < 2:
+    ap.error(f"--new-tokens must be >= 2 (the first comes from the prefill: decode steps start at the second), "
+             f"got {args.new_tokens}")
   args.out = args.out or default_out("topk_trace.npz", args.quick)
   import bench_models
   from tokenizers import Tokenizer
   model_dir = bench_models.realsize_model()
   tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-  ids = [0] + prompt_text_ids(tok, args.prompt_tokens - 1)  # BOS + text
+  try:
+    ids = [0] + prompt_text_ids(tok, args.prompt_tokens - 1)  # BOS + text
+  except ValueError as e:
+    ap.error(f"--prompt-tokens {args.prompt_tokens}: {e}")
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with tempfile.TemporaryDirectory() as tmp:
     prompts = os.path.join(tmp, "prompts.jsonl")
@@ -69,8 +77,10 @@ def main(argv=None) -> int:
            "--max-seq-len", str(args.prompt_tokens + args.new_tokens), "--dump-topk", args.out,
            "--output", os.path.join(tmp, "out.jsonl")]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
-  return 0
+    rc = subprocess.run(cmd, cwd=REPO).returncode
+  if rc:
+    print(f"error: the batch script failed (status {rc}; its message is above)", file=sys.stderr)
+  return rc
 
 
 if __name__ == "__main__":

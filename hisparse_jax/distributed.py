@@ -146,6 +146,8 @@ class DistributedArgs:
       host = host[1:-1]
     elif ":" in host or not host.isascii():
       raise StartupError(bad)
+    if not host or any(c.isspace() or not c.isprintable() or c in "/@?#[]" for c in host):
+      raise StartupError(f"{bad}; {host!r} is not a host name or address")
     return host, int(port)
 
 

@@ -392,3 +392,67 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
   finally:
     srv.stop(0).wait()
     loop.stop()
+
+
+def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch):
+  """A prefill server frees every offer: one pulled and acknowledged with the offer's proof is the caller's; one
+  acknowledged without the proof (no pull, or a guess) is taken back at once, so a caller that claims pulls it
+  never made cannot pile up KV (each such offer stayed held for good before); one pulled and then left
+  unacknowledged is cut at its take-back deadline instead of blocking a take-back thread forever (which wedged
+  every later take-back and the server's exit); the take-back thread ends when nothing is pending."""
+  import queue
+
+  from hisparse_jax.engine import Engine
+  from hisparse_jax.serving import disaggregation as pd
+  from hisparse_jax.serving.server import serve
+
+  monkeypatch.setattr(pd, "TAKE_BACK_BASE_S", 1.0)
+  engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0,
+                          disaggregation=pd.DisaggregationConfig("prefill", transfer_timeout_s=30.0))
+  take_backs = srv.prefill.take_backs
+  mine = pd.TransferEndpoint()
+  stub = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+  def pull(offer):
+    specs = pd._specs(offer.num_layers, offer.kv_positions, offer.latent_dim, offer.index_dim, offer.latent_dtype,
+                      engine.layout.index_dtype)
+    return mine.pull(offer.transfer_address, offer.transfer_uuid, specs, timeout_s=30)
+
+  def prefill(reply):
+    """One Prefill stream; reply(offer) -> the KVReceived sent back, or None (the stream ends without one)."""
+    replies = queue.Queue()
+
+    def messages():
+      yield pb.PrefillMessage(request=pb.PrefillRequest(input_ids=pb.TokenIds(ids=list(range(5, 25)))))
+      received = replies.get(timeout=60)
+      if received is not None:
+        yield pb.PrefillMessage(received=received)
+
+    call = stub.Prefill(messages(), timeout=60)
+    replies.put(reply(next(call)))
+    list(call)
+
+  def settled():
+    deadline = time.monotonic() + 30
+    while take_backs.pending() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    return take_backs.pending() == 0
+
+  try:
+    prefill(lambda offer: pb.KVReceived(pulled=True, pull_proof=pd._proof_value(pull(offer)[2])))
+    assert settled() and (take_backs.taken_back, take_backs.already_pulled) == (0, 0)
+    prefill(lambda offer: pb.KVReceived(pulled=True))
+    prefill(lambda offer: pb.KVReceived(pulled=True, pull_proof=12345))
+    assert settled() and (take_backs.taken_back, take_backs.already_pulled) == (2, 0)
+    start = time.monotonic()
+    prefill(lambda offer: pull(offer) and None)
+    assert settled() and (take_backs.taken_back, take_backs.already_pulled) == (2, 1)
+    assert time.monotonic() - start < 20
+    deadline = time.monotonic() + 5
+    while take_backs._thread is not None and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert take_backs._thread is None
+  finally:
+    srv.stop(0).wait()
+    loop.stop()

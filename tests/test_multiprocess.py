@@ -303,6 +303,8 @@ def _cli(*flags, processes=1, devices=1, timeout=120, extra=None):
      "--distributed-init-timeout-s must be in [1, 86400] seconds"),
     (["--num-processes=2", "--coordinator-address=127.0.0.1:\u0661\u0662"], "expected HOST:PORT"),  # Arabic digits
     (["--num-processes=2", "--coordinator-address=::1:1234"], "an IPv6 address as [ADDRESS]:PORT"),
+    (["--num-processes=2", "--coordinator-address=h o s t:1234"], "'h o s t' is not a host name or address"),
+    (["--num-processes=2", "--coordinator-address=[]:1234"], "expected HOST:PORT"),
     (["--coordinator-address=nowhere"], "--coordinator-address 'nowhere': expected HOST:PORT"),  # even with 1 process
 ])
 def test_bad_distributed_flags_exit_with_a_message(flags, message):

@@ -92,6 +92,11 @@ def test_benchmark_scripts_refuse_bad_input(tmp_path):
   fails([mr, "--trace", str(tmp_path / "other.npz")], "expected topk_<line> and prompt_tokens_<line>")
   fails([mr, "--trace", str(tmp_path / "text.npz")], "not an .npz archive")
   fails([mr, "--trace", str(tmp_path / "missing.npz")], "No such file or directory")
+  np.savez(tmp_path / "empty.npz")  # --dump-topk of a run without requests: an empty zip archive
+  fails([mr, "--trace", str(tmp_path / "empty.npz")], "expected topk_<line> and prompt_tokens_<line>")
+  rt = "benchmarks/record_trace.py"
+  fails([rt, "--prompt-tokens", "0"], "--prompt-tokens must be >= 2 (BOS + text), got 0")
+  fails([rt, "--new-tokens", "1"], "--new-tokens must be >= 2")
   (tmp_path / "cut.npz").write_bytes((tmp_path / "none.npz").read_bytes()[:100])  # a truncated archive
   fails([mr, "--trace", str(tmp_path / "cut.npz")], "not a readable .npz trace")
   with zipfile.ZipFile(tmp_path / "junk.npz", "w") as z:  # a member that is not an .npy array

@@ -24,45 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!hisparse_jax/proto/hisparse.proto\x12\x08hisparse\"r\n\x0ePrefillMessage\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.hisparse.PrefillRequestH\x00\x12(\n\x08received\x18\x02 \x01(\x0b\x32\x14.hisparse.KVReceivedH\x00\x42\t\n\x07message\"\x95\x01\n\x0ePrefillRequest\x12%\n\tinput_ids\x18\x01 \x01(\x0b\x32\x12.hisparse.TokenIds\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x1c\n\nKVReceived\x12\x0e\n\x06pulled\x18\x01 \x01(\x08\"\xf8\x01\n\x0cPrefillOffer\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rtransfer_uuid\x18\x02 \x01(\x04\x12\x18\n\x10transfer_address\x18\x03 \x01(\t\x12\x14\n\x0ckv_positions\x18\x04 \x01(\x05\x12\x14\n\x0clatent_dtype\x18\x05 \x01(\t\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\x12\x12\n\nlatent_dim\x18\t \x01(\x05\x12\x11\n\tindex_dim\x18\n \x01(\x05\x12\x10\n\x08numerics\x18\x0b \x01(\t\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x12\n\nlatent_dim\x18\x03 \x01(\x05\x12\x11\n\tindex_dim\x18\x04 \x01(\x05\x12\x14\n\x0clatent_dtype\x18\x05 \x01(\t\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\x05\x12\x10\n\x08numerics\x18\x08 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\tinput_ids\x18\x03 \x01(\x0b\x32\x12.hisparse.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x42\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seed\"\x96\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.hisparse.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cswap_in_hits\x18\x08 \x01(\x03\x12\x16\n\x0eswap_in_misses\x18\t \x01(\x03\x12\x14\n\x0cmatched_stop\x18\n \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x0c \x01(\x01\x12\x18\n\x10transfer_seconds\x18\r \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x0e \x01(\x03\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x0f \x01(\x01\x12\x1a\n\x12swap_in_prefetched\x18\x10 \x01(\x03\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"\x11\n\x0fGetLoadsRequest\"}\n\tPoolUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06memory\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x03\x12\x12\n\npages_free\x18\x05 \x01(\x03\x12\x16\n\x0e\x62ytes_per_page\x18\x06 \x01(\x03\"\x88\x02\n\x05Loads\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x12\n\nfree_lanes\x18\x03 \x01(\x05\x12\x1c\n\x14\x64\x65vice_kv_bytes_used\x18\x04 \x01(\x03\x12\x1e\n\x16\x64\x65vice_kv_bytes_budget\x18\x05 \x01(\x03\x12\x16\n\x0e\x66ree_host_rows\x18\x06 \x01(\x03\x12\x17\n\x0fhost_rows_total\x18\x07 \x01(\x03\x12\"\n\x05pools\x18\x08 \x03(\x0b\x32\x13.hisparse.PoolUsage\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x10\n\x08offloads\x18\n \x01(\x03\x12\x10\n\x08resident\x18\x0b \x01(\x05*o\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x0e\n\nSTOP_TOKEN\x10\x04\x12\x0f\n\x0bSTOP_STRING\x10\x05\x32\xca\x01\n\x11HiSparseInference\x12\x43\n\x08Generate\x12\x19.hisparse.GenerateRequest\x1a\x1a.hisparse.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.hisparse.AbortRequest\x1a\x17.hisparse.AbortResponse\x12\x36\n\x08GetLoads\x12\x19.hisparse.GetLoadsRequest\x1a\x0f.hisparse.Loads2\x88\x01\n\x0ePrefillService\x12?\n\x07Prefill\x12\x18.hisparse.PrefillMessage\x1a\x16.hisparse.PrefillOffer(\x01\x30\x01\x12\x35\n\x04Info\x12\x15.hisparse.InfoRequest\x1a\x16.hisparse.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!hisparse_jax/proto/hisparse.proto\x12\x08hisparse\"r\n\x0ePrefillMessage\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.hisparse.PrefillRequestH\x00\x12(\n\x08received\x18\x02 \x01(\x0b\x32\x14.hisparse.KVReceivedH\x00\x42\t\n\x07message\"\x95\x01\n\x0ePrefillRequest\x12%\n\tinput_ids\x18\x01 \x01(\x0b\x32\x12.hisparse.TokenIds\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"0\n\nKVReceived\x12\x0e\n\x06pulled\x18\x01 \x01(\x08\x12\x12\n\npull_proof\x18\x02 \x01(\x04\"\xf8\x01\n\x0cPrefillOffer\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rtransfer_uuid\x18\x02 \x01(\x04\x12\x18\n\x10transfer_address\x18\x03 \x01(\t\x12\x14\n\x0ckv_positions\x18\x04 \x01(\x05\x12\x14\n\x0clatent_dtype\x18\x05 \x01(\t\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\x12\x12\n\nlatent_dim\x18\t \x01(\x05\x12\x11\n\tindex_dim\x18\n \x01(\x05\x12\x10\n\x08numerics\x18\x0b \x01(\t\"\r\n\x0bInfoRequest\"\xbb\x01\n\x0cInfoResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x12\n\nlatent_dim\x18\x03 \x01(\x05\x12\x11\n\tindex_dim\x18\x04 \x01(\x05\x12\x14\n\x0clatent_dtype\x18\x05 \x01(\t\x12\x18\n\x10transfer_address\x18\x06 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\x05\x12\x10\n\x08numerics\x18\x08 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\tinput_ids\x18\x03 \x01(\x0b\x32\x12.hisparse.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x42\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seed\"\x96\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.hisparse.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cswap_in_hits\x18\x08 \x01(\x03\x12\x16\n\x0eswap_in_misses\x18\t \x01(\x03\x12\x14\n\x0cmatched_stop\x18\n \x01(\t\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x0c \x01(\x01\x12\x18\n\x10transfer_seconds\x18\r \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x0e \x01(\x03\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x0f \x01(\x01\x12\x1a\n\x12swap_in_prefetched\x18\x10 \x01(\x03\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"\x11\n\x0fGetLoadsRequest\"}\n\tPoolUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06memory\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x13\n\x0bpages_total\x18\x04 \x01(\x03\x12\x12\n\npages_free\x18\x05 \x01(\x03\x12\x16\n\x0e\x62ytes_per_page\x18\x06 \x01(\x03\"\x88\x02\n\x05Loads\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x12\n\nfree_lanes\x18\x03 \x01(\x05\x12\x1c\n\x14\x64\x65vice_kv_bytes_used\x18\x04 \x01(\x03\x12\x1e\n\x16\x64\x65vice_kv_bytes_budget\x18\x05 \x01(\x03\x12\x16\n\x0e\x66ree_host_rows\x18\x06 \x01(\x03\x12\x17\n\x0fhost_rows_total\x18\x07 \x01(\x03\x12\"\n\x05pools\x18\x08 \x03(\x0b\x32\x13.hisparse.PoolUsage\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x10\n\x08offloads\x18\n \x01(\x03\x12\x10\n\x08resident\x18\x0b \x01(\x05*o\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x0e\n\nSTOP_TOKEN\x10\x04\x12\x0f\n\x0bSTOP_STRING\x10\x05\x32\xca\x01\n\x11HiSparseInference\x12\x43\n\x08Generate\x12\x19.hisparse.GenerateRequest\x1a\x1a.hisparse.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.hisparse.AbortRequest\x1a\x17.hisparse.AbortResponse\x12\x36\n\x08GetLoads\x12\x19.hisparse.GetLoadsRequest\x1a\x0f.hisparse.Loads2\x88\x01\n\x0ePrefillService\x12?\n\x07Prefill\x12\x18.hisparse.PrefillMessage\x1a\x16.hisparse.PrefillOffer(\x01\x30\x01\x12\x35\n\x04Info\x12\x15.hisparse.InfoRequest\x1a\x16.hisparse.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hisparse_jax.proto.hisparse_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2037
-  _globals['_FINISHREASON']._serialized_end=2148
+  _globals['_FINISHREASON']._serialized_start=2057
+  _globals['_FINISHREASON']._serialized_end=2168
   _globals['_PREFILLMESSAGE']._serialized_start=47
   _globals['_PREFILLMESSAGE']._serialized_end=161
   _globals['_PREFILLREQUEST']._serialized_start=164
   _globals['_PREFILLREQUEST']._serialized_end=313
   _globals['_KVRECEIVED']._serialized_start=315
-  _globals['_KVRECEIVED']._serialized_end=343
-  _globals['_PREFILLOFFER']._serialized_start=346
-  _globals['_PREFILLOFFER']._serialized_end=594
-  _globals['_INFOREQUEST']._serialized_start=596
-  _globals['_INFOREQUEST']._serialized_end=609
-  _globals['_INFORESPONSE']._serialized_start=612
-  _globals['_INFORESPONSE']._serialized_end=799
-  _globals['_TOKENIDS']._serialized_start=801
-  _globals['_TOKENIDS']._serialized_end=824
-  _globals['_GENERATEREQUEST']._serialized_start=827
-  _globals['_GENERATEREQUEST']._serialized_end=1143
-  _globals['_GENERATERESPONSE']._serialized_start=1146
-  _globals['_GENERATERESPONSE']._serialized_end=1552
-  _globals['_ABORTREQUEST']._serialized_start=1554
-  _globals['_ABORTREQUEST']._serialized_end=1588
-  _globals['_ABORTRESPONSE']._serialized_start=1590
-  _globals['_ABORTRESPONSE']._serialized_end=1622
-  _globals['_GETLOADSREQUEST']._serialized_start=1624
-  _globals['_GETLOADSREQUEST']._serialized_end=1641
-  _globals['_POOLUSAGE']._serialized_start=1643
-  _globals['_POOLUSAGE']._serialized_end=1768
-  _globals['_LOADS']._serialized_start=1771
-  _globals['_LOADS']._serialized_end=2035
-  _globals['_HISPARSEINFERENCE']._serialized_start=2151
-  _globals['_HISPARSEINFERENCE']._serialized_end=2353
-  _globals['_PREFILLSERVICE']._serialized_start=2356
-  _globals['_PREFILLSERVICE']._serialized_end=2492
+  _globals['_KVRECEIVED']._serialized_end=363
+  _globals['_PREFILLOFFER']._serialized_start=366
+  _globals['_PREFILLOFFER']._serialized_end=614
+  _globals['_INFOREQUEST']._serialized_start=616
+  _globals['_INFOREQUEST']._serialized_end=629
+  _globals['_INFORESPONSE']._serialized_start=632
+  _globals['_INFORESPONSE']._serialized_end=819
+  _globals['_TOKENIDS']._serialized_start=821
+  _globals['_TOKENIDS']._serialized_end=844
+  _globals['_GENERATEREQUEST']._serialized_start=847
+  _globals['_GENERATEREQUEST']._serialized_end=1163
+  _globals['_GENERATERESPONSE']._serialized_start=1166
+  _globals['_GENERATERESPONSE']._serialized_end=1572
+  _globals['_ABORTREQUEST']._serialized_start=1574
+  _globals['_ABORTREQUEST']._serialized_end=1608
+  _globals['_ABORTRESPONSE']._serialized_start=1610
+  _globals['_ABORTRESPONSE']._serialized_end=1642
+  _globals['_GETLOADSREQUEST']._serialized_start=1644
+  _globals['_GETLOADSREQUEST']._serialized_end=1661
+  _globals['_POOLUSAGE']._serialized_start=1663
+  _globals['_POOLUSAGE']._serialized_end=1788
+  _globals['_LOADS']._serialized_start=1791
+  _globals['_LOADS']._serialized_end=2055
+  _globals['_HISPARSEINFERENCE']._serialized_start=2171
+  _globals['_HISPARSEINFERENCE']._serialized_end=2373
+  _globals['_PREFILLSERVICE']._serialized_start=2376
+  _globals['_PREFILLSERVICE']._serialized_end=2512
 # @@protoc_insertion_point(module_scope)

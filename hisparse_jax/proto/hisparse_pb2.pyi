@@ -45,10 +45,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class KVReceived(_message.Message):
-    __slots__ = ("pulled",)
+    __slots__ = ("pulled", "pull_proof")
     PULLED_FIELD_NUMBER: _ClassVar[int]
+    PULL_PROOF_FIELD_NUMBER: _ClassVar[int]
     pulled: bool
-    def __init__(self, pulled: _Optional[bool] = ...) -> None: ...
+    pull_proof: int
+    def __init__(self, pulled: _Optional[bool] = ..., pull_proof: _Optional[int] = ...) -> None: ...
 
 class PrefillOffer(_message.Message):
     __slots__ = ("first_token", "transfer_uuid", "transfer_address", "kv_positions", "latent_dtype", "prefill_seconds", "kv_bytes", "num_layers", "latent_dim", "index_dim", "numerics")

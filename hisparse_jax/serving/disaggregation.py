@@ -10,11 +10,11 @@
 The decode server stays the client-facing endpoint (Generate / Abort / GetLoads / health). For each request it
 picks a prefill server round-robin (``--prefill-servers``), opens a ``Prefill`` stream and sends the prompt
 with its sampling; the prefill server runs the prompt through its own engine as a one-token request whose KV is
-exported when its prefill ends (``Request.export_kv``), offers [latent T[L, P, W], index I[L, P, Di]] (the
-rows as stored, ``models/kv_format.py``; P a power of two >= the prompt) under a random uuid with
-``TransferServer.await_pull`` and answers with a ``PrefillOffer`` (first token, uuid, its transfer address,
-timings). The decode server pulls the arrays (one
-``TransferConnection`` per prefill server), acknowledges (``KVReceived``) and submits the request with
+exported when its prefill ends (``Request.export_kv``), offers [latent T[L, P, W], index I[L, P, Di], proof
+uint32[2]] (the rows as stored, ``models/kv_format.py``; P a power of two >= the prompt; proof 8 random bytes)
+under a random uuid with ``TransferServer.await_pull`` and answers with a ``PrefillOffer`` (first token, uuid,
+its transfer address, timings). The decode server pulls the arrays (a ``TransferConnection`` of its own per
+pull), acknowledges with the proof it pulled (``KVReceived.pull_proof``) and submits the request with
 ``prompt_kv`` + ``first_token`` to its engine, which admits it, writes the KV into its pools
 (``state.import_prompt``) and decodes from there: greedy tokens equal the colocated server's. The decode
 server holds no pages until the KV has arrived, so a failure before that leaves nothing to free.
@@ -23,16 +23,20 @@ Faults (measured behaviour of jax.experimental.transfer 0.12 on CPU, which shape
 a server that dies fails at once ("SocketServer: Connection closed"), but a pull of a uuid that is not
 (or no longer) offered blocks until the server exits, whatever its timeout; and an offer that is never pulled
 keeps its arrays forever (``await_pull``'s timeout does not free them) unless someone pulls it. Hence:
+  - every pull has a deadline: a pull that has no data by then is cut by poisoning its connection (so each
+    pull has a connection of its own; a fresh one costs ~0.07 ms on loopback), which ends it with an error;
   - the decode server pulls on a bounded thread pool and gives up after ``--transfer-timeout-s``; a failed or
     timed-out prefill or pull is retried once on another prefill server when there is one, else the request
     fails with UNAVAILABLE (the decode server keeps serving);
-  - a pull in flight is never cancelled: when the client aborts meanwhile, the pull finishes in the
-    background, is acknowledged and dropped (an abort leaves nothing offered, nothing half-imported);
-  - the prefill server takes an offer back (pulls it from itself, and drops it) when the stream ends without
-    a ``KVReceived(pulled=True)`` or none comes within its ``--transfer-timeout-s``; a stream cancelled while
-    the prompt is still prefilling aborts that prefill.
-A peer that hangs (alive, not answering) can leave one pull thread blocked on each side for each transfer in
-flight; the decode server's pool of PULL_THREADS bounds them.
+  - a pull in flight is not cancelled by an abort: the pull finishes in the background, is acknowledged and
+    dropped (an abort leaves nothing offered, nothing half-imported);
+  - the prefill server takes an offer back (pulls it from itself, which frees it) unless the caller
+    acknowledges it with the offer's proof within its ``--transfer-timeout-s``: only a real pull knows the
+    proof, so a caller that claims a pull it did not make cannot leave the KV held forever. A take-back of an
+    offer that was pulled after all (a caller that pulled and then went away) has no data to wait for: it is
+    cut at its deadline (TAKE_BACK_BASE_S + the bytes at TAKE_BACK_MIN_BYTES_PER_S). Take-backs are polled by
+    one thread, so any number of them progress at once; a stream cancelled while the prompt is still
+    prefilling aborts that prefill.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import random
 import threading
 import time
 import uuid as uuidlib
@@ -58,6 +61,10 @@ log = logging.getLogger(__name__)
 MODES = ("null", "prefill", "decode")
 # Pulls in flight on a decode server at once (each a blocking call on its own thread).
 PULL_THREADS = 8
+# A take-back (a pull of this process's own offer) that has no data after this long, plus its bytes at this rate
+# (loopback moves ~0.9 GB/s), is cut: its offer had been pulled already.
+TAKE_BACK_BASE_S = 10.0
+TAKE_BACK_MIN_BYTES_PER_S = 100e6
 # Seconds a decode server's start-up waits for each prefill server's Info.
 CONNECT_TIMEOUT_S = 10.0
 # A Prefill stream counts against the stream limit from its opening; a caller that opens one and sends nothing
@@ -130,33 +137,88 @@ class TransferEndpoint:
       raise ValueError(f"--transfer-host/--transfer-port {host}:{port} (transport {host}:{transport}): "
                        f"{str(e).splitlines()[0]}") from None
     self.address = self.server.address()
-    self._connections: dict = {}
     self._lock = threading.Lock()
-
-  def connection(self, address: str):
-    with self._lock:
-      if address not in self._connections:
-        self._connections[address] = self.server.connect(address)
-      return self._connections[address]
+    self._in_flight: set = set()  # connections of the pulls in flight (close() cuts them)
+    self._closed = False
 
   def offer(self, uuid: int, arrays) -> None:
     """Schedules ``arrays`` to be pulled once under ``uuid`` (non-blocking)."""
     self.server.await_pull(uuid, list(arrays))
 
-  def pull(self, address: str, uuid: int, specs) -> list:
-    """The arrays offered under uuid at address (blocking; ``specs``: ShapeDtypeStructs with shardings)."""
-    out = self.connection(address).pull(uuid, list(specs))
-    for x in out:
-      x.block_until_ready()
+  def start_pull(self, address: str, uuid: int, specs):
+    """(connection, arrays) of a pull started on a connection of its own (non-blocking: the arrays fill in the
+    background; ``cut`` the connection to end a pull that will not)."""
+    connection = self.server.connect(address)
+    with self._lock:
+      if self._closed:
+        raise RuntimeError("the transfer endpoint is closed")
+      self._in_flight.add(connection)
+    return connection, connection.pull(uuid, list(specs))
+
+  def cut(self, connection) -> None:
+    """Ends a pull started by ``start_pull``: poisoned, its arrays fail (a pull of a uuid no longer offered
+    would otherwise wait until that server exits); a finished pull's connection is just forgotten."""
+    with self._lock:
+      self._in_flight.discard(connection)
+    connection._poison_connection()  # (jax.experimental.transfer's only way to end a pull)
+
+  def done(self, connection) -> None:
+    with self._lock:
+      self._in_flight.discard(connection)
+
+  def pull(self, address: str, uuid: int, specs, timeout_s: float | None = None) -> list:
+    """The arrays offered under uuid at address (blocking; ``specs``: ShapeDtypeStructs with shardings).
+
+    Raises:
+      TimeoutError: no data within timeout_s (the pull is cut: nothing of it stays).
+      jax.errors.JaxRuntimeError: the transfer failed (the server died, or this endpoint was closed).
+    """
+    connection, out = self.start_pull(address, uuid, specs)
+    timer, expired = None, threading.Event()
+    if timeout_s is not None:
+      def expire():
+        expired.set()
+        self.cut(connection)
+
+      timer = threading.Timer(timeout_s, expire)
+      timer.daemon = True
+      timer.start()
+    try:
+      for x in out:
+        x.block_until_ready()
+    except Exception:
+      if expired.is_set():
+        raise TimeoutError(f"no KV data within {timeout_s:g} s") from None
+      raise
+    finally:
+      if timer is not None:
+        timer.cancel()
+      self.done(connection)
     return out
+
+  def close(self) -> None:
+    """Cuts every pull in flight (their callers get errors at once) and refuses new ones."""
+    with self._lock:
+      self._closed = True
+      connections, self._in_flight = list(self._in_flight), set()
+    for c in connections:
+      c._poison_connection()
 
 
 def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype, index_dtype):
+  """The offered arrays' specs: latent rows, indexer keys and the proof of the pull (uint32[2])."""
   import jax
   import jax.numpy as jnp
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return (jax.ShapeDtypeStruct((layers, positions, latent_dim), jnp.dtype(dtype), sharding=device),
-          jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device))
+          jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device),
+          jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=device))
+
+
+def _proof_value(proof) -> int:
+  """The uint64 a KVReceived carries for a proof array (uint32[2])."""
+  import numpy as np
+  return int.from_bytes(np.asarray(proof, np.uint32).tobytes(), "little")
 
 
 def _kv_layout(engine) -> tuple[int, int, int, str, str]:
@@ -185,8 +247,15 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     self.transfer = transfer
     self.timeout_s = timeout_s
     self._events_cls = events_cls  # server._AsyncEvents
-    self._take_back_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="take-back")
-    self.offers_taken_back = 0
+    self.take_backs = TakeBacks(transfer)
+
+  @property
+  def offers_taken_back(self) -> int:
+    return self.take_backs.taken_back
+
+  def close(self) -> None:
+    """Server shutdown: cuts the take-backs in flight."""
+    self.take_backs.close()
 
   def info(self) -> hisparse_pb2.InfoResponse:
     e = self.engine
@@ -254,8 +323,12 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     if fin is None or fin.prompt_kv is None:
       await context.abort(grpc.StatusCode.CANCELLED, "the prefill was aborted")
     latent, index = fin.prompt_kv
-    uuid = random.getrandbits(63)
-    self.transfer.offer(uuid, (latent, index))
+    # Unguessable: a uuid is all a pull needs, and only a pull reveals the proof.
+    import jax
+    import numpy as np
+    uuid = int.from_bytes(os.urandom(8), "little") >> 1
+    proof = jax.device_put(np.frombuffer(os.urandom(8), np.uint32), latent.sharding)
+    self.transfer.offer(uuid, (latent, index, proof))
     acknowledged = False
     try:
       await context.write(hisparse_pb2.PrefillOffer(
@@ -265,23 +338,88 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
           kv_bytes=latent.nbytes + index.nbytes, num_layers=latent.shape[0], latent_dim=latent.shape[2],
           index_dim=index.shape[2], numerics=_kv_layout(self.engine)[4]))
       reply = await asyncio.wait_for(context.read(), self.timeout_s)
-      acknowledged = (isinstance(reply, hisparse_pb2.PrefillMessage) and reply.WhichOneof("message") == "received"
-                      and reply.received.pulled)
+      claimed = (isinstance(reply, hisparse_pb2.PrefillMessage) and reply.WhichOneof("message") == "received"
+                 and reply.received.pulled)
+      acknowledged = claimed and reply.received.pull_proof == _proof_value(proof)
+      if claimed and not acknowledged:
+        log.warning("prefill offer %d: acknowledged without the proof of its pull: taken back", uuid)
     except asyncio.TimeoutError:
       log.warning("prefill offer %d not acknowledged within %.0f s: taken back", uuid, self.timeout_s)
     finally:
       if not acknowledged:
-        self._take_back(uuid, latent, index)
+        specs = _specs(*latent.shape, index.shape[2], latent.dtype, index.dtype)
+        self.take_backs.add(uuid, specs, latent.nbytes + index.nbytes)
 
-  def _take_back(self, uuid: int, latent, index) -> None:
-    """Pulls an unclaimed offer from this process itself, which frees it (nothing else does)."""
-    specs = _specs(latent.shape[0], latent.shape[1], latent.shape[2], index.shape[2], latent.dtype, index.dtype)
 
-    def pull():
-      self.transfer.pull(self.transfer.address, uuid, specs)
-      self.offers_taken_back += 1
+class TakeBacks:
+  """A prefill server's unclaimed offers, pulled back from its own transfer server (which frees them: nothing
+  else does). Each pull starts at once on a connection of its own; one thread (started while any is pending,
+  gone when none is) polls them every POLL_S and cuts one with no data by its deadline (TAKE_BACK_BASE_S + its
+  bytes at TAKE_BACK_MIN_BYTES_PER_S): its offer had been pulled already, by a caller that then went away, and a
+  pull of a uuid no longer offered waits until the server exits. So any number of take-backs progress at once,
+  and none outlives its deadline."""
 
-    self._take_back_pool.submit(pull)
+  POLL_S = 0.01
+
+  def __init__(self, transfer: TransferEndpoint):
+    self.transfer = transfer
+    self._pending: list = []  # (deadline, uuid, connection, arrays)
+    self._lock = threading.Lock()
+    self._thread: threading.Thread | None = None
+    self.taken_back = 0      # offers freed
+    self.already_pulled = 0  # cut at their deadline
+
+  def add(self, uuid: int, specs, nbytes: int) -> None:
+    try:
+      connection, arrays = self.transfer.start_pull(self.transfer.address, uuid, specs)
+    except RuntimeError:  # closed: the server is stopping
+      return
+    deadline = time.monotonic() + TAKE_BACK_BASE_S + nbytes / TAKE_BACK_MIN_BYTES_PER_S
+    with self._lock:
+      self._pending.append((deadline, uuid, connection, arrays))
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._poll, name="take-back")
+        self._thread.start()
+
+  def pending(self) -> int:
+    with self._lock:
+      return len(self._pending)
+
+  def _poll(self) -> None:
+    while True:
+      with self._lock:
+        if not self._pending:
+          self._thread = None
+          return
+        pending = list(self._pending)
+      import jax
+      now, ended = time.monotonic(), []
+      for item in pending:
+        deadline, uuid, connection, arrays = item
+        if all(x.is_ready() for x in arrays):
+          try:
+            jax.block_until_ready(arrays)
+            self.taken_back += 1
+          except Exception as e:  # noqa: BLE001 - cut by close(), or the transfer failed
+            log.warning("prefill offer %d: taking it back failed: %s", uuid, str(e).splitlines()[0])
+          self.transfer.done(connection)
+          ended.append(item)
+        elif now >= deadline:
+          self.transfer.cut(connection)
+          self.already_pulled += 1
+          log.warning("prefill offer %d: taking it back found no data by its deadline (it had been pulled by a "
+                      "caller that did not acknowledge it); cut", uuid)
+          ended.append(item)
+      with self._lock:
+        self._pending = [p for p in self._pending if p not in ended]
+      time.sleep(self.POLL_S)
+
+  def close(self) -> None:
+    """Cuts every take-back in flight; their thread then ends."""
+    with self._lock:
+      pending = list(self._pending)
+    for _, _, connection, _ in pending:
+      self.transfer.cut(connection)
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -391,7 +529,7 @@ class PrefillClient:
     task = asyncio.ensure_future(self._pull_and_acknowledge(call, offer, specs))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (an abandoned task's error is expected)
     try:
-      latent, index = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
+      latent, index, _ = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
     except asyncio.TimeoutError:
       raise PrefillFailed(f"the KV transfer took over --transfer-timeout-s {self.timeout_s:g}") from None
     req.prompt_kv, req.first_token = (latent, index), offer.first_token
@@ -402,12 +540,14 @@ class PrefillClient:
     loop = asyncio.get_running_loop()
     try:
       arrays = await loop.run_in_executor(self._pulls, self.transfer.pull, offer.transfer_address,
-                                          offer.transfer_uuid, specs)
+                                          offer.transfer_uuid, specs, self.timeout_s)
     except Exception as e:  # noqa: BLE001 - the prefill server died or refused: it keeps nothing of ours
       call.cancel()
-      raise PrefillFailed(f"KV transfer from {offer.transfer_address}: {str(e).splitlines()[0]}") from None
-    try:
-      await call.write(hisparse_pb2.PrefillMessage(received=hisparse_pb2.KVReceived(pulled=True)))
+      raise PrefillFailed(f"KV transfer from {offer.transfer_address}: "
+                          f"{(str(e) or type(e).__name__).splitlines()[0]}") from None
+    try:  # the proof tells the prefill server this was a real pull (else it takes the offer back)
+      await call.write(hisparse_pb2.PrefillMessage(received=hisparse_pb2.KVReceived(
+          pulled=True, pull_proof=_proof_value(arrays[2]))))
       await call.done_writing()
     except grpc.aio.AioRpcError:
       pass  # the KV is here; the prefill server's stream is gone (nothing is left offered)

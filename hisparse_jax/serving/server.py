@@ -478,9 +478,12 @@ class RunningServer:
   ``stop(grace)`` stops accepting RPCs, gives in-flight ones `grace` seconds (then cancels them), and returns
   an object whose ``wait()`` blocks until the server is down (grpc.Server's shape)."""
 
-  def __init__(self, aio_loop, thread, server, servicer, health_servicer):
+  def __init__(self, aio_loop, thread, server, servicer, health_servicer, on_close=()):
+    """on_close: callables run at the end of a stop (after the RPCs): the KV transfer's take-backs and pulls."""
     self._aio_loop, self._thread, self._server = aio_loop, thread, server
     self.servicer, self.health = servicer, health_servicer
+    self._on_close = tuple(on_close)
+    self.prefill = None  # a prefill server's PrefillServicer (set by serve)
 
   def stop(self, grace: float | None):
     async def shutdown():
@@ -503,6 +506,8 @@ class RunningServer:
 
   def _close(self) -> None:
     self.servicer.close()
+    for close in self._on_close:
+      close()
     if self._aio_loop.is_running():
       self._aio_loop.call_soon_threadsafe(self._aio_loop.stop)
     self._thread.join(10)
@@ -530,6 +535,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
                                       disaggregation.transfer_timeout_s, disaggregation.api_key)
   loop = EngineLoop(engine, metrics)
   loop.start()
+  on_close = []  # the prefill servicer's take-backs, then the transfer endpoint's pulls
   aio_loop = asyncio.new_event_loop()
   thread = threading.Thread(target=aio_loop.run_forever, name="grpc-aio", daemon=True)
   thread.start()
@@ -539,12 +545,14 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     servicer = InferenceServicer(loop, tokenizer, limits, prefill_client)
+    prefill = None
     handlers = _handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     if mode == "prefill":
       prefill = pd.PrefillServicer(loop, transfer, disaggregation.transfer_timeout_s, _AsyncEvents,
                                    streams=servicer)
+      on_close.append(prefill.close)
       pb = hisparse_pb2
       prefill_handlers = {
           "Prefill": grpc.stream_stream_rpc_method_handler(
@@ -570,13 +578,17 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     await server.start()
     for name in ("", SERVICE_NAME) + ((PREFILL_SERVICE_NAME,) if mode == "prefill" else ()):
       await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, servicer, health_servicer, bound
+    return server, servicer, health_servicer, bound, prefill
 
   try:
-    server, servicer, health_servicer, bound = asyncio.run_coroutine_threadsafe(start(), aio_loop).result()
+    server, servicer, health_servicer, bound, prefill = asyncio.run_coroutine_threadsafe(start(), aio_loop).result()
   except BaseException:
     loop.stop()
     aio_loop.call_soon_threadsafe(aio_loop.stop)
     thread.join(10)
     raise
-  return RunningServer(aio_loop, thread, server, servicer, health_servicer), loop, bound
+  if transfer is not None:
+    on_close.append(transfer.close)
+  running = RunningServer(aio_loop, thread, server, servicer, health_servicer, on_close)
+  running.prefill = prefill  # a prefill server's PrefillServicer (None otherwise)
+  return running, loop, bound

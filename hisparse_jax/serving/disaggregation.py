@@ -119,7 +119,8 @@ class DisaggregationConfig:
 
 class TransferEndpoint:
   """This process's ``jax.experimental.transfer`` server (bound to ``host`` with explicit transport addresses:
-  the defaults abort the process on CPU, PLATFORM.md) and its connections to other servers, one per address."""
+  the defaults abort the process on CPU, PLATFORM.md) and its pulls from other servers, each on a connection of
+  its own (so that one can be cut without the others)."""
 
   def __init__(self, host: str = "127.0.0.1", port: int = 0):
     """port: the transfer server's TCP port, and port + 1 its bulk transport's (0: any free ports).
@@ -410,8 +411,9 @@ class TakeBacks:
           log.warning("prefill offer %d: taking it back found no data by its deadline (it had been pulled by a "
                       "caller that did not acknowledge it); cut", uuid)
           ended.append(item)
+      ended_ids = {id(item) for item in ended}
       with self._lock:
-        self._pending = [p for p in self._pending if p not in ended]
+        self._pending = [p for p in self._pending if id(p) not in ended_ids]
       time.sleep(self.POLL_S)
 
   def close(self) -> None:

@@ -55,8 +55,8 @@ flags.DEFINE_list("prefill-servers", [], "Decode mode: host:port of the prefill 
                   "(round-robin; a failed prefill is retried once on the next).")
 flags.DEFINE_string("transfer-host", "127.0.0.1", "Address this server's KV transfer server binds and announces "
                     "(jax.experimental.transfer; prefill and decode modes).")
-flags.DEFINE_integer("transfer-port", 0, "The KV transfer server's TCP port; its bulk transport takes the next "
-                     "one (0: any free ports). Fix them where a firewall must let prefill/decode traffic through.")
+flags.DEFINE_integer("transfer-port", 0, "The KV transfer server's TCP port (0: any free one); the bulk data "
+                     "moves over connections on ports the system picks (prefill and decode modes).")
 flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV pull may take; prefill: how long "
                    "an offered KV waits to be pulled before it is taken back.")
 
@@ -108,7 +108,7 @@ def _security():
 
 def _check_addresses(metrics_port: int | None, disagg) -> None:
   """StartupError naming the flag unless --host:--port and --metrics-host:--metrics-port can be bound now, and
-  none of them is another's or one of the KV transfer server's (--transfer-port and the next)."""
+  none of them is another's or the KV transfer server's (--transfer-port)."""
   from hisparse_jax.engine.args import StartupError
   from hisparse_jax.serving.addresses import check_bindable, same_port
   try:
@@ -123,8 +123,7 @@ def _check_addresses(metrics_port: int | None, disagg) -> None:
         for flag, host, theirs in (("--port", FLAGS.host, FLAGS.port),
                                    ("--metrics-port", FLAGS["metrics-host"].value, metrics_port or 0)):
           if same_port(disagg.transfer_host, port, host, theirs):
-            raise ValueError(f"--transfer-port {disagg.transfer_port} takes ports {disagg.transfer_port} and "
-                             f"{disagg.transfer_port + 1}; {flag} {theirs} is one of them")
+            raise ValueError(f"--transfer-port {disagg.transfer_port} is {flag} {theirs}: give them different ports")
   except ValueError as e:
     raise StartupError(str(e)) from None
 

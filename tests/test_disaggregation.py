@@ -3,7 +3,6 @@ decode servers pull it (jax.experimental.transfer) and decode; servers as subpro
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import os
 import socket
@@ -45,28 +44,17 @@ def colocated():
   return [r.output_ids for r in reqs]
 
 
-def _free_port_pair() -> int:
-  """A port p with p and p + 1 both free now (for --transfer-port)."""
-  for _ in range(50):
-    p = free_port()
-    with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
-      a.bind(("127.0.0.1", p))
-      b.bind(("127.0.0.1", p + 1))
-      return p
-  raise RuntimeError("no two free consecutive ports")
-
-
 @pytest.fixture(scope="module")
 def servers():
-  """A prefill server (dense; its KV transfer server on fixed ports) and two decode servers (dense, HiSparse)
-  pulling from it."""
+  """A prefill server (dense) and two decode servers (dense, HiSparse) pulling from it; the prefill server and the
+  HiSparse decode server (which pulls) have their KV transfer servers on fixed ports."""
   procs = []
   try:
-    prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill",
-                                   f"--transfer-port={_free_port_pair()}"])
+    prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill", f"--transfer-port={free_port()}"])
     procs.append(prefill)
     decode = {}
-    for name, flags in (("dense", []), ("hisparse", ["--enable-hisparse", f"--hisparse-config={HS}"])):
+    for name, flags in (("dense", []), ("hisparse", ["--enable-hisparse", f"--hisparse-config={HS}",
+                                                     f"--transfer-port={free_port()}"])):
       proc, port = start_server([*_model(), *flags, "--disaggregation-mode=decode",
                                  f"--prefill-servers=127.0.0.1:{pport}", "--metrics-port=0"])
       procs.append(proc)
@@ -99,13 +87,11 @@ def test_pd_tokens_equal_the_colocated_server(servers, colocated, mode):
   """Concurrent requests through a decode server: the colocated greedy tokens; the final message gives the
   prefill server's time, the transfer's time and bytes; every page comes back on both servers."""
   pport, decode = servers
-  # --transfer-port: the prefill server's transfer server announces that port and listens on the next one too.
+  # --transfer-port: the prefill server's transfer server announces and holds that port.
   info = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{pport}")).Info(
       pb.InfoRequest(), timeout=30)
-  tport = int(info.transfer_address.rpartition(":")[2])
-  for port in (tport, tport + 1):
-    with socket.socket() as s, pytest.raises(OSError):
-      s.bind(("127.0.0.1", port))
+  with socket.socket() as s, pytest.raises(OSError):
+    s.bind(("127.0.0.1", int(info.transfer_address.rpartition(":")[2])))
   stub = _stub(decode[mode])
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
     results = list(pool.map(lambda p: _generate(stub, p), PROMPTS))
@@ -254,21 +240,29 @@ def _startup_error(*flags):
     (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be > 0"),
     (["--disaggregation-mode=prefill", "--transfer-host=999.9.9.9"],
      "--transfer-host 999.9.9.9: not an address of this machine"),
-    (["--disaggregation-mode=prefill", "--transfer-port=65535"], "--transfer-port 65535: expected 0 (any free ports)"),
+    (["--disaggregation-mode=prefill", "--transfer-port=65536"], "--transfer-port 65536: expected 0 (any free port)"),
+    (["--transfer-port=5000"], "--transfer-port is for --disaggregation-mode prefill or decode"),
 ])
 def test_bad_disaggregation_flags(flags, message):
   assert message in _startup_error(*flags)
 
 
 def test_transfer_ports_that_clash_with_the_server_ports_or_are_taken():
-  p = _free_port_pair()
-  err = _startup_error("--disaggregation-mode=prefill", f"--transfer-port={p}", f"--port={p + 1}")
-  assert f"--transfer-port {p} takes ports {p} and {p + 1}; --port {p + 1} is one of them" in err
+  from hisparse_jax.serving.disaggregation import TransferEndpoint
+  p = free_port()
+  err = _startup_error("--disaggregation-mode=prefill", f"--transfer-port={p}", f"--port={p}")
+  assert f"--transfer-port {p} is --port {p}: give them different ports" in err
   with socket.socket() as taken:
-    taken.bind(("127.0.0.1", p + 1))
+    taken.bind(("127.0.0.1", p))
     taken.listen()
     err = _startup_error("--disaggregation-mode=prefill", f"--transfer-port={p}")
-  assert f"--transfer-host/--transfer-port 127.0.0.1:{p + 1}: cannot bind" in err
+  assert f"--transfer-host/--transfer-port 127.0.0.1:{p}: cannot bind" in err
+  # Two servers of one host started together both pass that check; jax listens with SO_REUSEPORT, so both would
+  # bind the port and get each other's pulls: the second is refused by a host-wide lock.
+  first = TransferEndpoint(port=p)
+  with pytest.raises(ValueError, match=f"--transfer-port {p}: another server on this host uses it"):
+    TransferEndpoint(port=p)
+  assert first.address.endswith(f":{p}")
 
 
 def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
@@ -408,10 +402,11 @@ def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch)
 
   monkeypatch.setattr(pd, "TAKE_BACK_BASE_S", 1.0)
   engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2)
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0,
-                          disaggregation=pd.DisaggregationConfig("prefill", transfer_timeout_s=30.0))
+  # Both transfer servers on fixed ports (--transfer-port), each pulling several times (take-backs, the caller).
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, disaggregation=pd.DisaggregationConfig(
+      "prefill", transfer_timeout_s=30.0, transfer_port=free_port()))
   take_backs = srv.prefill.take_backs
-  mine = pd.TransferEndpoint()
+  mine = pd.TransferEndpoint(port=free_port())
   stub = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
   def pull(offer):

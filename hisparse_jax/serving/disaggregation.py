@@ -76,8 +76,8 @@ FIRST_MESSAGE_TIMEOUT_S = 10.0
 class DisaggregationConfig:
   """``--disaggregation-mode`` ("null": colocated prefill and decode; "prefill"; "decode"),
   ``--prefill-servers`` (decode: host:port of each prefill server's gRPC endpoint), ``--transfer-host`` (the
-  address this process's transfer server binds and announces), ``--transfer-port`` (its port, and port + 1 for
-  its bulk transport; 0: any free ports) and ``--transfer-timeout-s`` (decode: how long a pull may take;
+  address this process's transfer server binds and announces), ``--transfer-port`` (its port; 0: any free one;
+  the bulk data moves over connections on ports the system picks) and ``--transfer-timeout-s`` (decode: how long a pull may take;
   prefill: how long an offer waits to be pulled). The servers of one deployment share one
   ``--api-key`` (a decode server sends its own to its prefill servers); their links are plain-text gRPC and
   transfer sockets, for a private network."""
@@ -90,8 +90,8 @@ class DisaggregationConfig:
   transfer_port: int = 0
 
   def transfer_ports(self) -> tuple[int, ...]:
-    """The TCP ports the transfer server listens on: --transfer-port and the one after it (none fixed: 0)."""
-    return (self.transfer_port, self.transfer_port + 1) if self.transfer_port else ()
+    """The fixed TCP port the transfer server listens on: (--transfer-port,), or () for any free one."""
+    return (self.transfer_port,) if self.transfer_port else ()
 
   def validate(self) -> None:
     """ValueError naming the flag."""
@@ -107,9 +107,11 @@ class DisaggregationConfig:
         raise ValueError(f"--prefill-servers {s!r}: expected host:port")
     if not self.transfer_timeout_s > 0:
       raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
-    if not 0 <= self.transfer_port <= 65534:
-      raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free ports) or 1..65534 (it and "
-                       "the next port)")
+    if not 0 <= self.transfer_port <= 65535:
+      raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free port) or 1..65535")
+    if self.mode == "null" and self.transfer_port:
+      raise ValueError("--transfer-port is for --disaggregation-mode prefill or decode (a colocated server has no "
+                       "KV transfer server)")
     if self.mode != "null":  # the KV transfer server binds it (an address of another machine cannot be bound)
       from hisparse_jax.serving.addresses import check_bindable
       check_bindable("--transfer-host", self.transfer_host, 0)
@@ -123,20 +125,32 @@ class TransferEndpoint:
   its own (so that one can be cut without the others)."""
 
   def __init__(self, host: str = "127.0.0.1", port: int = 0):
-    """port: the transfer server's TCP port, and port + 1 its bulk transport's (0: any free ports).
+    """port: the transfer server's TCP port (0: any free one). Its bulk transport's address keeps port 0: jax
+    binds each outgoing bulk connection to it, so a fixed one aborted the process at its second pull
+    (socket_bulk_transport.cc "Check failed: bind ... Address already in use").
 
     Raises:
-      ValueError naming --transfer-host/--transfer-port: a port cannot be bound.
+      ValueError naming --transfer-host/--transfer-port: the port cannot be bound, or another server of this
+        host holds it (jax listens with SO_REUSEPORT, so two servers could otherwise share it and get each
+        other's pulls: a host-wide lock, an abstract Unix socket named after the port, refuses the second).
     """
+    import socket
+
     import jax
     from jax.experimental import transfer
-    transport = port + 1 if port else 0
+    self._port_lock = None
+    if port:
+      self._port_lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+      try:
+        self._port_lock.bind(f"\0hisparse-jax-transfer-port-{port}")
+      except OSError:
+        self._port_lock.close()
+        raise ValueError(f"--transfer-port {port}: another server on this host uses it") from None
     try:
       self.server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:{port}",
-                                                   [f"{host}:{transport}"])
+                                                   [f"{host}:0"])
     except jax.errors.JaxRuntimeError as e:
-      raise ValueError(f"--transfer-host/--transfer-port {host}:{port} (transport {host}:{transport}): "
-                       f"{str(e).splitlines()[0]}") from None
+      raise ValueError(f"--transfer-host/--transfer-port {host}:{port}: {str(e).splitlines()[0]}") from None
     self.address = self.server.address()
     self._lock = threading.Lock()
     self._in_flight: set = set()  # connections of the pulls in flight (close() cuts them)

@@ -379,6 +379,9 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
     held, codes, details, waited = asyncio.run(silent())
     assert held == 4 and codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 4, (held, codes, details)
     assert "no PrefillRequest within 1 s" in details[0] and waited < 10
+    deadline = time.monotonic() + 10  # (each handler gives its place back just after its status is sent)
+    while srv.servicer.open_streams and time.monotonic() < deadline:
+      time.sleep(0.02)
     assert srv.servicer.open_streams == 0
     tokens, _ = _generate(hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}")),
                           PROMPTS[0])

@@ -268,10 +268,6 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
   def offers_taken_back(self) -> int:
     return self.take_backs.taken_back
 
-  def close(self) -> None:
-    """Server shutdown: cuts the take-backs in flight."""
-    self.take_backs.close()
-
   def info(self) -> hisparse_pb2.InfoResponse:
     e = self.engine
     L, W, Di, dtype, numerics = _kv_layout(e)
@@ -372,7 +368,8 @@ class TakeBacks:
   gone when none is) polls them every POLL_S and cuts one with no data by its deadline (TAKE_BACK_BASE_S + its
   bytes at TAKE_BACK_MIN_BYTES_PER_S): its offer had been pulled already, by a caller that then went away, and a
   pull of a uuid no longer offered waits until the server exits. So any number of take-backs progress at once,
-  and none outlives its deadline."""
+  and none outlives its deadline; ``TransferEndpoint.close`` (a server stop) cuts them with its other pulls,
+  and the thread then ends."""
 
   POLL_S = 0.01
 
@@ -429,13 +426,6 @@ class TakeBacks:
       with self._lock:
         self._pending = [p for p in self._pending if id(p) not in ended_ids]
       time.sleep(self.POLL_S)
-
-  def close(self) -> None:
-    """Cuts every take-back in flight; their thread then ends."""
-    with self._lock:
-      pending = list(self._pending)
-    for _, _, connection, _ in pending:
-      self.transfer.cut(connection)
 
 
 # ---------------------------------------------------------------------------------------------- decode

@@ -479,7 +479,7 @@ class RunningServer:
   an object whose ``wait()`` blocks until the server is down (grpc.Server's shape)."""
 
   def __init__(self, aio_loop, thread, server, servicer, health_servicer, on_close=()):
-    """on_close: callables run at the end of a stop (after the RPCs): the KV transfer's take-backs and pulls."""
+    """on_close: callables run at the end of a stop (after the RPCs): cutting the KV transfer's pulls."""
     self._aio_loop, self._thread, self._server = aio_loop, thread, server
     self.servicer, self.health = servicer, health_servicer
     self._on_close = tuple(on_close)
@@ -535,7 +535,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
                                       disaggregation.transfer_timeout_s, disaggregation.api_key)
   loop = EngineLoop(engine, metrics)
   loop.start()
-  on_close = []  # the prefill servicer's take-backs, then the transfer endpoint's pulls
+  on_close = []  # the transfer endpoint's pulls (a prefill server's take-backs among them)
   aio_loop = asyncio.new_event_loop()
   thread = threading.Thread(target=aio_loop.run_forever, name="grpc-aio", daemon=True)
   thread.start()
@@ -552,7 +552,6 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     if mode == "prefill":
       prefill = pd.PrefillServicer(loop, transfer, disaggregation.transfer_timeout_s, _AsyncEvents,
                                    streams=servicer)
-      on_close.append(prefill.close)
       pb = hisparse_pb2
       prefill_handlers = {
           "Prefill": grpc.stream_stream_rpc_method_handler(

@@ -178,6 +178,7 @@ class TransferEndpoint:
     connection._poison_connection()  # (jax.experimental.transfer's only way to end a pull)
 
   def done(self, connection) -> None:
+    """Forgets the connection of a pull that ended (its arrays are ready or failed)."""
     with self._lock:
       self._in_flight.discard(connection)
 
@@ -382,6 +383,8 @@ class TakeBacks:
     self.already_pulled = 0  # cut at their deadline
 
   def add(self, uuid: int, specs, nbytes: int) -> None:
+    """Starts taking back the offer ``uuid`` (``specs``: ``_specs`` of its arrays; ``nbytes``: its KV bytes, which
+    set its deadline). Non-blocking; nothing happens once the endpoint is closed (the server is stopping)."""
     try:
       connection, arrays = self.transfer.start_pull(self.transfer.address, uuid, specs)
     except RuntimeError:  # closed: the server is stopping
@@ -394,6 +397,7 @@ class TakeBacks:
         self._thread.start()
 
   def pending(self) -> int:
+    """Take-backs not finished or cut yet."""
     with self._lock:
       return len(self._pending)
 

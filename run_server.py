@@ -9,7 +9,7 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--api-key KEY | --api-key-file FILE] \
       [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]] \
       [--disaggregation-mode null|prefill|decode [--prefill-servers H:P,...] [--transfer-host 127.0.0.1] \
-       [--transfer-port 0] [--transfer-timeout-s 60]] [--coordinator-address H:P --num-processes N --process-id I]
+       [--transfer-port 0] [--transfer-timeout-s 60] [--prefill-timeout-s 600]] [--coordinator-address H:P --num-processes N --process-id I]
 
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script).
 
@@ -59,6 +59,9 @@ flags.DEFINE_integer("transfer-port", 0, "The KV transfer server's TCP port (0: 
                      "moves over connections on ports the system picks (prefill and decode modes).")
 flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV pull may take; prefill: how long "
                    "an offered KV waits to be pulled before it is taken back.")
+flags.DEFINE_float("prefill-timeout-s", 600.0, "Decode: the longest a prefill server may take to offer a prompt's "
+                   "KV, its queue wait included; past it the attempt fails and is retried once on the next "
+                   "prefill server.")
 
 
 MAX_SHUTDOWN_GRACE_S = 3600.0
@@ -147,7 +150,7 @@ def main(argv):
     from hisparse_jax.serving.disaggregation import DisaggregationConfig
     disagg = DisaggregationConfig(FLAGS["disaggregation-mode"].value, tuple(FLAGS["prefill-servers"].value),
                                   FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, api_key,
-                                  FLAGS["transfer-port"].value)
+                                  FLAGS["transfer-port"].value, FLAGS["prefill-timeout-s"].value)
     try:
       disagg.validate()
     except ValueError as e:

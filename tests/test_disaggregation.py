@@ -164,10 +164,12 @@ def test_a_killed_prefill_server(colocated):
 
 class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
   """A prefill server whose offers never arrive: its Info is right, its PrefillOffer names a uuid its transfer
-  server never offers (a pull of it blocks), and it records whether the caller acknowledged."""
+  server never offers (a pull of it blocks), and it records whether the caller acknowledged. With hang=True it
+  sends no offer at all, as a prefill server hung alive, and records when the caller cancels the stream."""
 
-  def __init__(self, info, transfer_address, **offer):
+  def __init__(self, info, transfer_address, hang=False, **offer):
     self.info, self.transfer_address, self.acks = info, transfer_address, []
+    self.hang, self.cancelled = hang, threading.Event()
     # The offer's layout: the Info's unless overridden (a prefill server restarted with other flags).
     self.offer = {**dict(num_layers=info.num_layers, latent_dim=info.latent_dim, index_dim=info.index_dim,
                          latent_dtype=info.latent_dtype, numerics=info.numerics), **offer}
@@ -177,6 +179,11 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
 
   def Prefill(self, request_iterator, context):
     first = next(request_iterator)
+    if self.hang:
+      while context.is_active():
+        time.sleep(0.05)
+      self.cancelled.set()
+      return
     n = len(first.request.input_ids.ids)
     yield pb.PrefillOffer(first_token=1, transfer_uuid=12345, transfer_address=self.transfer_address,
                           kv_positions=max(16, 1 << (n - 1).bit_length()), prefill_seconds=0.01, kv_bytes=1,
@@ -185,12 +192,13 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
       self.acks.append(message.received.pulled)
 
 
-@pytest.mark.parametrize("case", ["timeout", "other layout"])
+@pytest.mark.parametrize("case", ["timeout", "other layout", "no offer"])
 def test_a_transfer_that_times_out(case):
-  """A pull that does not finish within --transfer-timeout-s, or an offer of another KV layout than the start-up
+  """A pull that does not finish within --transfer-timeout-s, an offer of another KV layout than the start-up
   check saw (the prefill server restarted with FP8 rows of bfloat16: 68 bytes, not 48 float32; refused before
-  any pull): the request fails with UNAVAILABLE naming the cause, nothing is held, the decode server keeps
-  serving."""
+  any pull), or a prefill server that sends no offer within --prefill-timeout-s (hung alive, long before the client's
+  deadline): the request fails with UNAVAILABLE naming the cause, nothing is held, the decode server keeps
+  serving, and a hung prefill server's stream is cancelled."""
   from hisparse_jax.engine import Engine
   from hisparse_jax.serving.disaggregation import TransferEndpoint
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
@@ -198,23 +206,27 @@ def test_a_transfer_that_times_out(case):
                          latent_dtype="float32", max_seq_len=256)
   transfer = TransferEndpoint()
   server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-  servicer = _SilentPrefill(info, transfer.address, **({} if case == "timeout" else
-                                                       {"latent_dim": 68, "latent_dtype": "uint8", "numerics": "fp8"}))
+  servicer = _SilentPrefill(info, transfer.address, **{
+      "timeout": {}, "no offer": {"hang": True},
+      "other layout": {"latent_dim": 68, "latent_dtype": "uint8", "numerics": "fp8"}}[case])
   hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
   port = server.add_insecure_port("127.0.0.1:0")
   server.start()
   procs = []
   try:
     dec, dport = start_server([*_model(), "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{port}",
-                               "--transfer-timeout-s=2"])
+                               "--transfer-timeout-s=2", "--prefill-timeout-s=3"])
     procs.append(dec)
     stub = _stub(dport)
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-      _generate(stub, PROMPTS[1])
+      _generate(stub, PROMPTS[1])  # (the client's own deadline, 120 s, is not the one that ends it)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     if case == "timeout":
       assert "the KV transfer took over --transfer-timeout-s 2" in err.value.details(), err.value.details()
+    elif case == "no offer":
+      assert "no KV offer within --prefill-timeout-s 3" in err.value.details(), err.value.details()
+      assert servicer.cancelled.wait(10)
     else:
       assert "(3, 68, 16, 'uint8', 'fp8')" in err.value.details() and "(3, 48, 16, 'float32', '')" in \
           err.value.details() and "--kv-cache-dtype" in err.value.details(), err.value.details()
@@ -237,7 +249,9 @@ def _startup_error(*flags):
     (["--disaggregation-mode=decode"], "--disaggregation-mode decode needs --prefill-servers"),
     (["--prefill-servers=127.0.0.1:1"], "--prefill-servers is for --disaggregation-mode decode"),
     (["--disaggregation-mode=decode", "--prefill-servers=nowhere"], "--prefill-servers 'nowhere': expected host:port"),
-    (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be > 0"),
+    (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be a finite number > 0"),
+    (["--disaggregation-mode=prefill", "--transfer-timeout-s=inf"], "--transfer-timeout-s must be a finite number"),
+    (["--disaggregation-mode=prefill", "--prefill-timeout-s=nan"], "--prefill-timeout-s must be a finite number > 0"),
     (["--disaggregation-mode=prefill", "--transfer-host=999.9.9.9"],
      "--transfer-host 999.9.9.9: not an address of this machine"),
     (["--disaggregation-mode=prefill", "--transfer-port=65536"], "--transfer-port 65536: expected 0 (any free port)"),

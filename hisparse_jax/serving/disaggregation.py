@@ -46,6 +46,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -65,6 +66,10 @@ PULL_THREADS = 8
 # (loopback moves ~0.9 GB/s), is cut: its offer had been pulled already.
 TAKE_BACK_BASE_S = 10.0
 TAKE_BACK_MIN_BYTES_PER_S = 100e6
+# A decode server's default --prefill-timeout-s: how long a prefill server may take to offer a prompt's KV (its
+# queue wait included) before the attempt is given up (SGLang's disaggregation waiting timeout is 300 s; a 160k
+# prompt of a 700B model behind a queue needs more).
+PREFILL_TIMEOUT_S = 600.0
 # Seconds a decode server's start-up waits for each prefill server's Info.
 CONNECT_TIMEOUT_S = 10.0
 # A Prefill stream counts against the stream limit from its opening; a caller that opens one and sends nothing
@@ -78,7 +83,9 @@ class DisaggregationConfig:
   ``--prefill-servers`` (decode: host:port of each prefill server's gRPC endpoint), ``--transfer-host`` (the
   address this process's transfer server binds and announces), ``--transfer-port`` (its port; 0: any free one;
   the bulk data moves over connections on ports the system picks) and ``--transfer-timeout-s`` (decode: how long a pull may take;
-  prefill: how long an offer waits to be pulled). The servers of one deployment share one
+  prefill: how long an offer waits to be pulled) and ``--prefill-timeout-s`` (decode: how long a prefill server
+  may take to offer a prompt's KV, queue wait included; past it the attempt fails and is retried once on the
+  next prefill server). The servers of one deployment share one
   ``--api-key`` (a decode server sends its own to its prefill servers); their links are plain-text gRPC and
   transfer sockets, for a private network."""
 
@@ -88,6 +95,7 @@ class DisaggregationConfig:
   transfer_timeout_s: float = 60.0
   api_key: str | None = None  # sent to the prefill servers (a deployment shares one --api-key)
   transfer_port: int = 0
+  prefill_timeout_s: float = PREFILL_TIMEOUT_S
 
   def transfer_ports(self) -> tuple[int, ...]:
     """The fixed TCP port the transfer server listens on: (--transfer-port,), or () for any free one."""
@@ -105,8 +113,10 @@ class DisaggregationConfig:
       host, sep, port = s.rpartition(":")
       if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--prefill-servers {s!r}: expected host:port")
-    if not self.transfer_timeout_s > 0:
-      raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
+    if not (self.transfer_timeout_s > 0 and math.isfinite(self.transfer_timeout_s)):
+      raise ValueError(f"--transfer-timeout-s must be a finite number > 0, got {self.transfer_timeout_s}")
+    if not (self.prefill_timeout_s > 0 and math.isfinite(self.prefill_timeout_s)):
+      raise ValueError(f"--prefill-timeout-s must be a finite number > 0, got {self.prefill_timeout_s}")
     if not 0 <= self.transfer_port <= 65535:
       raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free port) or 1..65535")
     if self.mode == "null" and self.transfer_port:
@@ -470,12 +480,15 @@ class PrefillClient:
   retries once on another prefill server when one fails (module docstring)."""
 
   def __init__(self, engine, servers: tuple[str, ...], transfer: TransferEndpoint, timeout_s: float,
-               api_key: str | None = None):
+               api_key: str | None = None, prefill_timeout_s: float = PREFILL_TIMEOUT_S):
+    """timeout_s: ``--transfer-timeout-s`` (the longest a pull may take); prefill_timeout_s:
+    ``--prefill-timeout-s`` (the longest one attempt may wait for a prefill server's offer)."""
     self.engine = engine
     self.servers = servers
     self.metadata = _metadata(api_key)
     self.transfer = transfer
     self.timeout_s = timeout_s
+    self.prefill_timeout_s = prefill_timeout_s
     self._stubs: list | None = None  # grpc.aio stubs, made on the server's event loop
     self._next = 0
     self._pulls = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kv-pull")
@@ -489,20 +502,27 @@ class PrefillClient:
 
   async def prefill(self, req: Request, deadline_s: float | None = None) -> None:
     """Sets req.prompt_kv, first_token and its prefill / transfer timings from a prefill server (deadline_s:
-    the seconds the caller's own deadline leaves, bounding each attempt; None: none).
+    the seconds the caller's own deadline leaves, None: none; each attempt ends at that deadline or after
+    ``prefill_timeout_s`` without an offer, whichever comes first).
 
     Raises:
-      Unavailable: the prefill server(s) or the transfer failed (after one retry on another server).
+      Unavailable: the prefill server(s) or the transfer failed (after one retry on another server), or the
+        caller's deadline passed.
       RequestError: the prefill server refused the request (INVALID_ARGUMENT / RESOURCE_EXHAUSTED: no retry).
     """
     if req.seed is None:  # drawn here, so that the first token (sampled there) and the rest share it
       req.seed = int.from_bytes(os.urandom(4), "little")
+    end = None if deadline_s is None else time.monotonic() + deadline_s
     errors = []
     for _ in range(min(2, len(self.servers))):
+      left = None if end is None else end - time.monotonic()
+      if left is not None and left <= 0:
+        errors.append("the request's deadline passed")
+        break
       i = self._next
       self._next = (self._next + 1) % len(self.servers)
       try:
-        await self._prefill_on(i, req, deadline_s)
+        await self._prefill_on(i, req, left)
         return
       except PrefillFailed as e:
         errors.append(f"{self.servers[i]}: {e}")
@@ -510,11 +530,18 @@ class PrefillClient:
 
   async def _prefill_on(self, i: int, req: Request, deadline_s: float | None) -> None:
     call = self._stub(i).Prefill(metadata=self.metadata, timeout=deadline_s)
-    try:
+
+    async def request_and_offer():
       await call.write(hisparse_pb2.PrefillMessage(request=hisparse_pb2.PrefillRequest(
           input_ids=hisparse_pb2.TokenIds(ids=req.prompt_ids), temperature=req.temperature, top_p=req.top_p,
           top_k=req.top_k, **({} if req.seed is None else {"seed": req.seed}))))
-      offer = await call.read()
+      return await call.read()
+
+    try:  # --prefill-timeout-s bounds the wait for the offer only (a pull has --transfer-timeout-s)
+      offer = await asyncio.wait_for(request_and_offer(), self.prefill_timeout_s)
+    except asyncio.TimeoutError:  # cancelling the call stops the prefill there
+      call.cancel()
+      raise PrefillFailed(f"no KV offer within --prefill-timeout-s {self.prefill_timeout_s:g}") from None
     except asyncio.CancelledError:  # the client went away during the prefill: stop it there
       call.cancel()
       raise

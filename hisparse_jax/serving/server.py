@@ -532,7 +532,8 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
   if mode == "decode":
     pd.check_prefill_servers(engine, disaggregation.prefill_servers, disaggregation.api_key)
     prefill_client = pd.PrefillClient(engine, disaggregation.prefill_servers, transfer,
-                                      disaggregation.transfer_timeout_s, disaggregation.api_key)
+                                      disaggregation.transfer_timeout_s, disaggregation.api_key,
+                                      disaggregation.prefill_timeout_s)
   loop = EngineLoop(engine, metrics)
   loop.start()
   on_close = []  # the transfer endpoint's pulls (a prefill server's take-backs among them)

@@ -5,7 +5,8 @@ ORACLE_VENV := .venv-oracle
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # The transformers oracle (test-only) runs on CPU torch 2.13.0 in its own Python 3.11 venv.
-ORACLE_PKGS := torch==2.13.0 transformers==5.24.0 safetensors numpy
+# (accelerate: transformers' loader of FP8 block-quantized checkpoints, which it dequantizes on a CPU)
+ORACLE_PKGS := torch==2.13.0 transformers==5.24.0 accelerate==1.16.0 safetensors numpy
 
 .PHONY: demo test test-fast test-asan oracle proto bench clean
 
@@ -21,13 +22,17 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
 	$(PIP) install --no-build-isolation -e '.[test]'
 	@touch $@
 
-$(ORACLE_VENV)/.installed:
+# Rebuilt when ORACLE_PKGS change (the package list is kept beside the stamp); otherwise made once.
+$(ORACLE_VENV)/.installed: $(if $(filter-out $(ORACLE_PKGS),$(shell cat $(ORACLE_VENV)/.packages 2>/dev/null))$(filter-out $(shell cat $(ORACLE_VENV)/.packages 2>/dev/null),$(ORACLE_PKGS)),FORCE)
 	@py=""; if command -v pyenv >/dev/null 2>&1 && [ -x "$$(pyenv prefix 3.11 2>/dev/null)/bin/python3.11" ]; then py="$$(pyenv prefix 3.11)/bin/python3.11"; \
 	elif command -v python3.11 >/dev/null 2>&1; then py=python3.11; fi; \
 	if [ -z "$$py" ]; then echo "error: the transformers oracle needs Python 3.11 (the machine's CPU torch 2.13.0 wheel is for 3.11)" >&2; exit 1; fi; \
 	rm -rf $(ORACLE_VENV); $$py -m venv $(ORACLE_VENV)
 	$(ORACLE_VENV)/bin/pip -q --disable-pip-version-check install $(ORACLE_PKGS)
+	@echo "$(ORACLE_PKGS)" > $(ORACLE_VENV)/.packages
 	@touch $@
+
+FORCE:
 
 oracle: $(ORACLE_VENV)/.installed
 

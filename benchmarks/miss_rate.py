@@ -163,7 +163,8 @@ def _load_recorded(path: str):
 
 
 class _HotBuffer:
-  """One stream's hot buffer as a replay sees it: D slots holding tokens 0..D-1 after the prefill."""
+  """One stream's hot buffer as a replay sees it: D slots, slot i holding token i until the sequence outgrows
+  them (a prompt shorter than D fills its own slots as it decodes)."""
 
   def __init__(self, D: int):
     self.slot_of = {t: t for t in range(D)}  # token -> slot
@@ -172,6 +173,8 @@ class _HotBuffer:
   def step(self, step, topk, newest, choose_victims, on_hit=None, on_fill=None) -> int:
     """One decode step's swap-in with the kernel's semantics; returns its misses. choose_victims(n, hit
     slots, token_in, step, needed set) -> n slots, none of them a hit."""
+    if newest < len(self.token_in):  # the kernel's fast path (seq_len <= D): no I/O, the policy's state unchanged
+      return 0
     slot_of, token_in = self.slot_of, self.token_in
     needed = [int(t) for t in topk if t != newest and t >= 0]
     hit_slots = {slot_of[t] for t in needed if t in slot_of}

@@ -82,6 +82,11 @@ def main(argv=None) -> int:
     print(f"error: no transformers oracle at {python} (run `make oracle`, or pass --oracle-python)", file=sys.stderr)
     return 2
   from models.config import DSAConfig
+  from models.convert import ORBAX_MARKER, is_orbax_dir
+  if is_orbax_dir(args.model_path):
+    print(f"error: --model-path {args.model_path!r} is an orbax checkpoint, which transformers cannot read: compare "
+          f"the HF directory it was converted from (its {ORBAX_MARKER} names it as \"source\")", file=sys.stderr)
+    return 2
   try:
     cfg = DSAConfig.from_pretrained(args.model_path)
     if args.text is not None:
@@ -126,12 +131,19 @@ def main(argv=None) -> int:
   print(f"greedy: first {agree} of {args.max_new_tokens} tokens agree"
         + ("" if agree == args.max_new_tokens else f" (ours {our_tokens[agree]}, transformers {ref_tokens[agree]})"))
   print(f"  ours:         {our_tokens}\n  transformers: {ref_tokens}")
+  # The sequence length at the first disagreement: prefill row i sees i + 1 tokens; greedy token j, S + j.
+  rows = np.flatnonzero(np.abs(our_logits - ref_logits).max(axis=-1) > 1e-3)
+  first = min(([int(rows[0]) + 1] if rows.size else []) +
+              ([len(prompt) + agree] if agree < args.max_new_tokens else []), default=None)
   topk = cfg.index_topk
-  if (err > 1e-3 or agree < args.max_new_tokens) and len(prompt) + args.max_new_tokens > topk + 1:
-    print(f"note: past index_topk = {topk} positions the indexer picks a top-k, and an exact tie at its cut-off "
-          "(common with few indexer heads: ReLU gives exact zeros) is broken differently by jax.lax.top_k and "
-          f"torch.topk. A prompt plus continuation of at most {topk + 1} tokens has no cut-off: if that agrees, "
-          "look for ties before a porting error.")
+  if first is not None and first > topk:  # the indexer picks a top-k only past index_topk tokens
+    print(f"note: the first disagreement is at a sequence of {first} tokens, past index_topk = {topk}, where the "
+          "indexer picks a top-k; an exact tie at its cut-off (common with few indexer heads: ReLU gives exact "
+          "zeros) is broken differently by jax.lax.top_k and torch.topk. A prompt plus continuation of at most "
+          f"{topk + 1} tokens has no cut-off: if that agrees, look for ties before a porting error.")
+  elif first is not None and args.dtype == "bfloat16":
+    print("note: in bfloat16 both sides drift from their own float32 results within a few tokens; compare in "
+          "float32 (the default) to check a port.")
   return 0
 
 

@@ -255,6 +255,12 @@ def main(argv=None) -> int:
     print(cli_error(e, args.model_path), file=sys.stderr)
     return 2
   print(f"wrote {args.output} ({', '.join(sorted(os.listdir(args.output)))})")
+  with open(os.path.join(args.output, ORBAX_MARKER)) as f:
+    dtype = json.load(f)["dtype"]
+  with open(os.path.join(args.model_path, "config.json")) as f:
+    if "quantization_config" in json.load(f):
+      print(f"note: the FP8 block-quantized weights are stored dequantized, in {dtype}; --weight-dtype fp8 "
+            "(FP8-resident weights) loads from the HF FP8 checkpoint, not from this directory")
   return 0
 
 

@@ -51,3 +51,29 @@ def test_compare_refuses_bad_ids_and_lengths_in_one_line():
                         "--oracle-python", sys.executable, *extra], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_compare_an_fp8_checkpoint_and_refuse_an_orbax_one(tmp_path):
+  """An FP8 block-quantized checkpoint (models.quantize_fp8 of the tiny model): transformers dequantizes it on a
+  CPU (its FP8 loader needs accelerate, in the oracle venv) as our loader does, so the logits agree to float32
+  rounding; a sequence of at most index_topk (8) tokens has no top-k cut-off, so the greedy tokens agree too.
+  An orbax directory is refused in one line, naming where its HF source is."""
+  require_oracle()
+  from tests.tiny_model import tiny_model_dir
+  fp8 = tmp_path / "fp8"
+  r = subprocess.run([sys.executable, "-m", "models.quantize_fp8", "--model-path", tiny_model_dir(), "--output",
+                      str(fp8)], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  r = subprocess.run([sys.executable, "-m", "models.compare", "--model-path", str(fp8), "--input-ids", "1,5,9,13",
+                      "--max-new-tokens", "5"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert float(re.search(r"max abs error ([0-9.e+-]+)", r.stdout).group(1)) <= 1e-4, r.stdout
+  assert "first 5 of 5 tokens agree" in r.stdout and "note:" not in r.stdout, r.stdout
+  orbax = tmp_path / "orbax"
+  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output",
+                      str(orbax)], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  r = subprocess.run([sys.executable, "-m", "models.compare", "--model-path", str(orbax), "--input-ids", "1,5"],
+                     cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "is an orbax checkpoint, which transformers cannot read" in r.stderr, r.stderr
+  assert "Traceback" not in r.stderr

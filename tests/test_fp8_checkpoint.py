@@ -13,6 +13,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -362,6 +364,14 @@ def test_engine_fp8_resident_weights(tmp_path):
     assert bytes_resident < 0.6 * bytes_at_load
     with pytest.raises(StartupError, match="--weight-dtype fp8: .* is not an FP8 block-quantized checkpoint"):
         Engine(deq_dir, weight_dtype="fp8", max_seq_len=64)
+    # An orbax copy of the FP8 checkpoint holds dequantized weights: models.convert says so, and the engine's
+    # refusal names the HF FP8 checkpoint as the way.
+    orbax = tmp_path / "orbax"
+    r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(fp8_dir), "--output", str(orbax)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "note: the FP8 block-quantized weights are stored dequantized" in r.stdout, r.stderr
+    with pytest.raises(StartupError, match="is an orbax checkpoint, whose weights were dequantized .* HF FP8"):
+        Engine(str(orbax), weight_dtype="fp8", max_seq_len=64)
     with pytest.raises(StartupError, match="--weight-dtype 'int4'"):
         Engine(fp8_dir, weight_dtype="int4", max_seq_len=64)
 
@@ -388,9 +398,6 @@ def test_quantize_fp8_cli_writes_a_checkpoint_the_engine_serves_with_fp8_weights
     index and config updated, side files copied; it loads (dequantized within e4m3's rounding of the original)
     and --weight-dtype fp8 gives dequantize-at-load's tokens. A second pass, or a bad --output, is refused
     with nothing written."""
-    import subprocess
-    import sys
-
     from hisparse_jax.engine import Engine, Request
     from models.loader import _TensorStore
     from models.quantize_fp8 import UNQUANTIZED

@@ -134,3 +134,18 @@ def test_score_ema_replay_is_the_reference_policy_on_slot_averages():
       want[l].append(misses)
   assert kernel.misses == want
   assert kernel.misses != plain.misses
+
+
+@pytest.mark.parametrize("policy", ["lru", "clock"])
+def test_python_replays_equal_the_kernel_when_the_prompt_is_shorter_than_the_hot_buffer(policy):
+  """A sequence that starts shorter than D and outgrows it: while seq_len <= D the kernel takes its fast path
+  (every token in its own slot; the policy's state untouched), and the Python replays must do the same, or they
+  disagree with the kernel (and the engine) once the sequence passes D (a 5-token prompt's recorded trace did)."""
+  context, D, K, steps = 5, 16, 6, 40
+  for seed in range(4):
+    rng = np.random.default_rng(seed)
+    trace = [rng.choice(context + t + 1, min(K, context + t + 1), replace=False).astype(np.int32)
+             for t in range(steps)]
+    python = {"lru": miss_rate.replay_lru, "clock": miss_rate.replay_clock}[policy](trace, context, D)
+    kernel = miss_rate.replay_kernel(trace, context, D, policy)
+    assert python == kernel and sum(kernel) > 0 and kernel[:D - context] == [0] * (D - context), seed

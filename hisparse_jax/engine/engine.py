@@ -68,7 +68,7 @@ from hisparse_jax.kernels import ops
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.memory.views import kernel_status
 from hisparse_jax.sharding import MeshError, bytes_per_device, placer, set_expert_parallel
-from models.convert import load_model, model_fingerprint
+from models.convert import is_orbax_dir, load_model, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,10 @@ class Engine:
                                        kv_cache_dtype=args.kv_cache_dtype).fp8_indexer_error()) is not None:
       raise StartupError(f"{fp8_error} ({model_dir})")
     if args.weight_dtype == "fp8" and model_cfg.fp8_block_size is None:
-      raise StartupError(f"--weight-dtype fp8: {model_dir} is not an FP8 block-quantized checkpoint (its config.json "
-                         "has no quantization_config)")
+      raise StartupError(f"--weight-dtype fp8: {model_dir} is " + (
+          "an orbax checkpoint, whose weights were dequantized when it was converted; FP8-resident weights load "
+          "from the HF FP8 checkpoint" if is_orbax_dir(model_dir) else
+          "not an FP8 block-quantized checkpoint (its config.json has no quantization_config)"))
     try:
       self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=bool(args.fp8_numerics),
                                       kv_cache_dtype=args.kv_cache_dtype,

@@ -221,6 +221,27 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
 
 
 
+def _check_rope_numbers(config) -> None:
+    """ValueError unless the RoPE tables the model computes in float32 (inverse frequencies, the YaRN cos/sin and
+    softmax scales) are finite and positive: finite JSON numbers can still overflow there (rope_theta 1e40,
+    mscale_all_dim -1e308), which would give NaN or degenerate logits."""
+    rope = config.rope
+    f32 = float(np.finfo(np.float32).max)
+    with np.errstate(all="ignore"):
+        try:
+            inv = rope.inv_freq(config.qk_rope_head_dim)
+            scales = (rope.cos_sin_scale, config.softmax_scale)
+        except (OverflowError, ValueError, ZeroDivisionError):  # math.log / exp of the YaRN parameters
+            inv, scales = np.array([np.nan]), ()
+        theta_fits = bool(np.float32(rope.theta) < np.inf)
+    if not (theta_fits and np.isfinite(inv).all() and (inv > 0).all()
+            and all(math.isfinite(x) and 0 < abs(x) < f32 for x in scales)):
+        raise ValueError(f"the RoPE parameters (rope_theta={_short(rope.theta)}, rope type {rope.rope_type!r}, factor "
+                         f"{rope.factor:g}, mscale {rope.mscale!r}, mscale_all_dim {rope.mscale_all_dim!r}, "
+                         f"attention_factor {rope.attention_factor!r}) overflow float32 or give a zero or non-finite "
+                         "frequency or scale")
+
+
 def _layer_list(cfg: dict, key: str, n_layers: int, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
     value = cfg.get(key)
     if value is None:
@@ -314,6 +335,20 @@ MAX_LAYERS = 1024
 MAX_ROUTED_EXPERTS = 65536
 
 
+def _finite(value: int | float) -> bool:
+    """A finite float64 (an integer too large for one is not: math.isfinite raises OverflowError for it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _short(value) -> str:
+    """repr(value), cut to 80 characters (a 400-digit integer in an error message helps no one)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _number(d: dict, key: str, where: str, default: float | None = None, *, positive: bool = False,
             non_negative: bool = False) -> float | None:
     """d[key] (default when absent or None) as a finite float; ValueError naming ``where``.``key`` for a bool, a
@@ -321,8 +356,8 @@ def _number(d: dict, key: str, where: str, default: float | None = None, *, posi
     value = d.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{where} key {key!r} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ValueError(f"{where} key {key!r} must be a finite number, got {_short(value)}")
     if positive and not value > 0:
         raise ValueError(f"{where} key {key!r} must be > 0, got {value!r}")
     if non_negative and not value >= 0:
@@ -589,7 +624,7 @@ class DSAConfig:
         nkv = cfg.get("num_key_value_heads")
         if nkv is not None and int(nkv) != int(cfg["num_attention_heads"]):
             raise ValueError("num_key_value_heads != num_attention_heads is not supported for MLA")
-        return cls(
+        config = cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),
@@ -629,12 +664,14 @@ class DSAConfig:
             indexer_rope_interleave=want_idx,
             fp8_block_size=fp8_block,
         )
+        _check_rope_numbers(config)
+        return config
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "DSAConfig":
         """Read ``<model_dir>/config.json`` and build the config."""
-        from .from_torch import read_json  # a regular file of bounded size (not a FIFO or /dev/zero)
-        return cls.from_hf_config(read_json(os.path.join(os.fspath(model_dir), "config.json")))
+        from .from_torch import MAX_CONFIG_BYTES, read_json  # a regular file of bounded size (not a FIFO)
+        return cls.from_hf_config(read_json(os.path.join(os.fspath(model_dir), "config.json"), MAX_CONFIG_BYTES))
 
     def replace(self, **changes) -> "DSAConfig":
         return dataclasses.replace(self, **changes)

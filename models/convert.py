@@ -54,8 +54,7 @@ def model_fingerprint(path: str | os.PathLike) -> str:
   with open(os.path.join(root, "config.json"), "rb") as f:
     h.update(f.read())
   if is_orbax_dir(root):
-    files = sorted(os.path.relpath(os.path.join(d, name), root) for d, _, names in os.walk(os.path.join(root, PARAMS_DIR))
-                   for name in names)
+    files = orbax_files(root)  # ValueError for a file that is not regular, or metadata too large
   else:
     files = [os.path.relpath(f, root) for f in checkpoint_files(root)[1]]  # ValueError for a bad weight file
   for rel in files:
@@ -71,7 +70,23 @@ def model_fingerprint(path: str | os.PathLike) -> str:
 
 
 def is_orbax_dir(path: str | os.PathLike) -> bool:
-  return os.path.exists(os.path.join(os.fspath(path), ORBAX_MARKER))
+  return os.path.lexists(os.path.join(os.fspath(path), ORBAX_MARKER))
+
+
+def orbax_files(path: str | os.PathLike) -> list[str]:
+  """The paths (relative to ``path``, sorted) of every file under an orbax directory's ``params/``, after
+  checking that the marker and each of them (links followed) is a regular file: a FIFO would block the reader
+  forever, a link to /dev/zero never end. Metadata (every file outside TensorStore's "d" data directories, which
+  orbax reads whole) and the marker are bounded too. ValueError naming the file."""
+  from models.from_torch import MAX_CONFIG_BYTES, MAX_JSON_BYTES, check_regular_file
+  root = os.fspath(path)
+  check_regular_file(os.path.join(root, ORBAX_MARKER), MAX_CONFIG_BYTES)
+  files = []
+  for d, _, names in os.walk(os.path.join(root, PARAMS_DIR)):
+    for name in names:
+      check_regular_file(os.path.join(d, name), None if os.path.basename(d) == "d" else MAX_JSON_BYTES)
+      files.append(os.path.relpath(os.path.join(d, name), root))
+  return sorted(files)
 
 
 def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
@@ -141,8 +156,12 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
 
   cfg = DSAConfig.from_pretrained(path).replace(fp8_numerics=fp8_numerics,
                                                 kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
-  with open(os.path.join(path, ORBAX_MARKER)) as f:
-    layout = json.load(f).get("layout", 1)
+  from models.from_torch import read_json
+  orbax_files(path)  # every file regular (ValueError naming one that is not) before orbax opens any
+  marker = read_json(os.path.join(path, ORBAX_MARKER))
+  if not isinstance(marker, dict):
+    raise ValueError(f"{os.path.join(path, ORBAX_MARKER)} must hold a JSON object, got {type(marker).__name__}")
+  layout = marker.get("layout", 1)
   if layout != ORBAX_LAYOUT and not cfg.tie_word_embeddings:
     was = " (lm_head as a [hidden, vocab] kernel, written by an earlier hisparse-jax)" if layout == 1 else ""
     raise ValueError(f"{path} holds parameter layout {layout!r}{was}; this hisparse-jax reads layout {ORBAX_LAYOUT} "

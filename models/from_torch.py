@@ -76,7 +76,8 @@ def _is_trainer_file(name: str) -> bool:
 # Checkpoint-directory helpers, standard library only: models.loader and models.convert use them too, and this
 # file must also run as a plain script in a Python without the package's dependencies.
 
-MAX_JSON_BYTES = 256 * 2**20  # a config or index JSON; DeepSeek-V3.2's index is ~9 MB
+MAX_JSON_BYTES = 256 * 2**20  # an index or tokenizer JSON; DeepSeek-V3.2's index is ~9 MB, its tokenizer.json ~8 MB
+MAX_CONFIG_BYTES = 16 * 2**20  # config.json, hisparse_config.json: a few KB (parsing JSON takes ~30x its size)
 
 
 def check_regular_file(path: str, limit: int | None = None) -> None:
@@ -91,10 +92,14 @@ def check_regular_file(path: str, limit: int | None = None) -> None:
 
 
 def read_json(path: str, limit: int = MAX_JSON_BYTES):
-  """json.load of ``path`` after ``check_regular_file`` (ValueError naming it)."""
+  """json.load of ``path`` after ``check_regular_file`` (ValueError naming it, also for JSON nested too deeply
+  for the parser)."""
   check_regular_file(path, limit)
   with open(path) as f:
-    return json.load(f)
+    try:
+      return json.load(f)
+    except RecursionError:
+      raise ValueError(f"{path}: JSON nested too deeply") from None
 
 
 def read_weight_map(index: str, model_dir: str) -> dict[str, str]:
@@ -231,10 +236,28 @@ def _torch_reason(message: str) -> str:
   return next((l for l in lines if "Unsupported" in l or "global" in l), lines[0] if lines else "")
 
 
+def _check_stored_zip(fn: str) -> None:
+  """ValueError unless every entry of a zip-format torch file is stored uncompressed, as torch.save writes them:
+  a compressed one could inflate to any size in memory (a 2 MB file's data.pkl held 2 GiB). Files that are not
+  zips (torch's legacy format) are read whole, as big as they are."""
+  import zipfile
+  if not zipfile.is_zipfile(fn):
+    return
+  try:
+    with zipfile.ZipFile(fn) as z:
+      packed = next((i for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+  except (zipfile.BadZipFile, OSError, ValueError) as e:
+    raise ValueError(f"{fn}: not a readable torch zip file ({type(e).__name__}: {e})") from None
+  if packed is not None:
+    raise ValueError(f"{fn}: zip entry {packed.filename!r} is compressed (method {packed.compress_type}); "
+                     "torch.save stores its entries uncompressed, and a compressed one could inflate without bound")
+
+
 def _state_dict(fn: str) -> dict:
   """``{name: tensor}`` from one torch file, memory-mapped where its format allows (torch's zip format)."""
   import torch
 
+  _check_stored_zip(fn)
   try:
     try:
       obj = torch.load(fn, map_location="cpu", weights_only=True, mmap=True)

@@ -244,6 +244,10 @@ class _TensorStore:
             for fn in files:
                 with safe_open(fn, framework="numpy") as f:
                     for k in f.keys():
+                        if k in self._where:
+                            raise ValueError(f"tensor {k!r} is in both {os.path.basename(self._where[k])} and "
+                                             f"{os.path.basename(fn)} (without a weight index, each tensor must "
+                                             "be in one file)")
                         self._where[k] = fn
         self._handles: dict[str, object] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
@@ -421,16 +425,19 @@ def _log_skipped_mtp(store, num_layers: int) -> None:
 
 def _check_counts(store: _TensorStore, cfg: DSAConfig, model_dir: str) -> None:
     """ValueError unless the checkpoint holds config.json's last layer and, in its first MoE layer, its last
-    routed expert: a few lookups before the model's shapes (work in proportion to num_hidden_layers x
-    n_routed_experts) are built, so a config that promises more than the files hold fails at once."""
+    routed expert, and its files hold at least as many tensors as the routed experts alone need (3 per expert
+    and MoE layer, 2 per layer in transformers' fused layout): lookups and arithmetic before the model's
+    shapes and key table (work in proportion to num_hidden_layers x n_routed_experts) are built, so a config
+    that promises more than the files hold fails at once."""
     last = cfg.num_hidden_layers - 1
     key = f"model.layers.{last}.input_layernorm.weight"
     if key not in store:
         raise ValueError(f"checkpoint {model_dir} is missing tensor {key!r} (config.json: num_hidden_layers="
                          f"{cfg.num_hidden_layers})")
-    moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), None)
-    if moe is None:
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    if not moe_layers:
         return
+    moe = moe_layers[0]
     p, E = f"model.layers.{moe}.mlp.experts.", cfg.n_routed_experts
     fused = p + "gate_up_proj"
     if fused in store:
@@ -439,6 +446,11 @@ def _check_counts(store: _TensorStore, cfg: DSAConfig, model_dir: str) -> None:
                              f"config.json: n_routed_experts={E}")
     elif (missing := f"{p}{E - 1}.gate_proj.weight") not in store:
         raise ValueError(f"checkpoint {model_dir} is missing tensor {missing!r} (config.json: n_routed_experts={E})")
+    fused_layers = sum(f"model.layers.{i}.mlp.experts.gate_up_proj" in store for i in moe_layers)
+    needed = 2 * fused_layers + 3 * E * (len(moe_layers) - fused_layers)
+    if len(store.keys()) < needed:
+        raise ValueError(f"checkpoint {model_dir} holds {len(store.keys())} tensors, fewer than the {needed} routed-"
+                         f"expert weights of config.json's {len(moe_layers)} MoE layers x n_routed_experts={E}")
 
 
 def load_hf(

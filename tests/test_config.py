@@ -77,3 +77,25 @@ def test_the_python_constructor_defaults_the_buffer_as_the_json_does():
 
 def test_host_pool_rows_is_ratio_times_hot_rows():
   assert HiSparseConfig(2048, 4096, 8).host_pool_rows(3) == 8 * 3 * 4097
+
+
+def test_a_model_dirs_hisparse_config_json_is_read_only_as_a_bounded_regular_file(tmp_path):
+  """The model directory's hisparse_config.json (used without --hisparse-config): a FIFO would block start-up
+  forever and a link to /dev/zero fill memory; both are start-up errors naming the file, as is one too large."""
+  import os
+
+  from hisparse_jax.engine.args import MODEL_HISPARSE_FILE, EngineArgs, StartupError
+  from models.config import DSAConfig
+  from tests.tiny_model import tiny_model_dir
+  cfg = DSAConfig.from_pretrained(tiny_model_dir())
+  args = EngineArgs(model_path=str(tmp_path), enable_hisparse=True)
+  path = tmp_path / MODEL_HISPARSE_FILE
+  path.write_text('{"device_buffer_size": 24}')
+  assert args.resolve_hisparse(str(tmp_path), cfg).device_buffer_size == 24
+  for make, message in ((lambda: os.mkfifo(path), "is not a regular file"),
+                        (lambda: os.symlink("/dev/zero", path), "is not a regular file"),
+                        (lambda: path.write_text(" " * (16 * 2**20 + 1)), "at most 16777216 are read")):
+    path.unlink()
+    make()
+    with pytest.raises(StartupError, match=f"{MODEL_HISPARSE_FILE}.* {message}"):
+      args.resolve_hisparse(str(tmp_path), cfg)

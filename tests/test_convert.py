@@ -198,3 +198,29 @@ def test_failed_orbax_reads_log_nothing_on_asyncio(orbax_dir, tmp_path):
   logged = [(r.getMessage().splitlines()[0], str(r.exc_info[1])) for r in records if r.name == "asyncio"]
   assert [m for m, _ in logged] == ["Future exception was never retrieved", "an unrelated asyncio error"], logged
   assert "elsewhere" in logged[0][1], logged
+
+
+@pytest.mark.parametrize("where", ["marker fifo", "marker /dev/zero", "data fifo", "metadata /dev/zero"])
+def test_orbax_files_that_would_block_or_never_end_are_refused(orbax_dir, tmp_path, where):
+  """The marker or a file under params/ as a FIFO (blocked the loader forever) or a link to /dev/zero (read until
+  memory ran out): one line naming the file, from the loader and from the batch script, before orbax opens any."""
+  import shutil
+
+  bad = tmp_path / "bad"
+  shutil.copytree(orbax_dir, bad)
+  victim = {"marker fifo": bad / "hisparse_orbax.json", "marker /dev/zero": bad / "hisparse_orbax.json",
+            "data fifo": next((bad / "params" / "ocdbt.process_0" / "d").iterdir()),
+            "metadata /dev/zero": bad / "params" / "_METADATA"}[where]
+  victim.unlink()
+  if "fifo" in where:
+    os.mkfifo(victim)
+  else:
+    os.symlink("/dev/zero", victim)
+  with pytest.raises(ValueError, match=f"{victim} is not a regular file"):
+    load_model(str(bad))
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--prompts", str(prompts), "--model-path",
+                      str(bad), "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and f"{victim} is not a regular file" in r.stderr, r.stderr[-3000:]
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -107,6 +107,13 @@ d("empty", ("m.pt", {{}}, {{}}))
 d("int_key", ("m.pt", {{5: base}}, {{}}))
 d("ddp", ("m.pt", {{"module.a": base, "module.b.c": base[0]}}, {{}}))
 d("lightning", ("m.pt", {{"model.a": base, "other": base}}, {{}}))
+import zipfile  # torch.save's zip with its entries deflated (a compressed entry can inflate without bound)
+d("deflated", ("m.pt", {{"a": base}}, {{}}))
+with zipfile.ZipFile(os.path.join(root, "deflated", "m.pt")) as z:
+    entries = [(i.filename, z.read(i)) for i in z.infolist()]
+with zipfile.ZipFile(os.path.join(root, "deflated", "m.pt"), "w", zipfile.ZIP_DEFLATED) as z:
+    for name, data in entries:
+        z.writestr(name, data)
 import json
 d("index_list", ("pytorch_model.bin", {{"a": base}}, {{}}))
 json.dump([1], open(os.path.join(root, "index_list", "pytorch_model.bin.index.json"), "w"))
@@ -160,6 +167,7 @@ def test_nested_legacy_and_shared_tensors_convert_bit_for_bit(pickles, tmp_path)
     ("index_list", "pytorch_model.bin.index.json: not a JSON object with a weight_map"),
     ("index_int", "weight_map must map tensor names to file names"),
     ("index_outside", "names '../twice/x.bin': weight files must be inside"),
+    ("deflated", r"zip entry '.*' is compressed \(method 8\); torch.save stores its entries uncompressed"),
 ])
 def test_what_cannot_convert_fails_naming_it_and_writes_nothing(pickles, tmp_path, case, message):
   r = _from_torch(pickles / case, tmp_path / "out", ORACLE_PYTHON)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -138,11 +139,27 @@ def test_both_rope_forms_parse_identically():
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": 5}}, r"weight_block_size 5"),
         ({"partial_rotary_factor": "abc"}, r"'partial_rotary_factor' must be a finite number"),
         ({"initializer_range": "x"}, r"'initializer_range' must be a finite number"),
+        # Finite in JSON, but not as a float (an OverflowError traceback) or in the model's float32 RoPE tables.
+        ({"rms_norm_eps": 10**400}, r"'rms_norm_eps' must be a finite number, got 1000000000.*\.\.\.$"),
+        ({"rope_theta": 10**40}, r"the RoPE parameters \(rope_theta=1e\+40, .* overflow float32"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0, "mscale": 1.0, "mscale_all_dim": -1e308}},
+         r"the RoPE parameters .*mscale_all_dim -1e\+308.* overflow float32"),
     ],
 )
 def test_unsupported_config_raises_naming_it(change, needle):
     with pytest.raises(ValueError, match=needle):
         DSAConfig.from_hf_config({**TINY, **change})
+
+
+def test_config_json_nested_too_deeply_or_too_large_is_a_one_line_error(tmp_path, ckpt):
+    with open(f"{ckpt}/config.json", "w") as f:
+        f.write('{"x": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(ValueError, match=r"config.json: JSON nested too deeply"):
+        DSAConfig.from_pretrained(ckpt)
+    with open(f"{ckpt}/config.json", "w") as f:
+        f.write(" " * (16 * 2**20 + 1))
+    with pytest.raises(ValueError, match=r"config.json is 16777217 bytes; at most 16777216 are read"):
+        DSAConfig.from_pretrained(ckpt)
 
 
 def test_missing_required_config_key():
@@ -210,6 +227,30 @@ def test_a_config_promising_more_than_the_files_fails_before_building_the_model(
             load_hf(ckpt)
         assert time.monotonic() - t0 < 10  # a lookup (the limit only catches a return to building first)
         json.dump(cfg, open(f"{ckpt}/config.json", "w"))
+    # Both at their limits, with exactly the tensors those lookups find (a 0.8 MB file): the files' tensor count
+    # against what the experts alone need refuses it (a table of 10^8 keys took > 9 GB).
+    cfg = json.load(open(f"{ckpt}/config.json"))
+    json.dump({**cfg, "num_hidden_layers": 1024, "n_routed_experts": 65536, "n_group": 1},
+              open(f"{ckpt}/config.json", "w"))
+    tensors = load_file(f"{ckpt}/model.safetensors")
+    tensors["model.layers.1023.input_layernorm.weight"] = np.ones(32, np.float32)
+    tensors["model.layers.1.mlp.experts.65535.gate_proj.weight"] = np.ones((16, 32), np.float32)
+    save_file(tensors, f"{ckpt}/model.safetensors")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"holds \d+ tensors, fewer than the 201129984 routed-expert weights of "
+                                         r"config.json's 1023 MoE layers x n_routed_experts=65536"):
+        load_hf(ckpt)
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_tensor_in_two_unindexed_files_is_refused(ckpt):
+    """Without a weight index, a tensor in two *.safetensors files has no right answer (the later file won)."""
+    key = "model.layers.1.self_attn.o_proj.weight"
+    tensors = load_file(f"{ckpt}/model.safetensors")
+    os.rename(f"{ckpt}/model.safetensors", f"{ckpt}/a.safetensors")  # (a model.safetensors is read alone)
+    save_file({key: tensors[key] + 1}, f"{ckpt}/zz.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor '{key}' is in both a.safetensors and zz.safetensors"):
+        load_hf(ckpt)
 
 
 def test_weights_must_be_floating_point(ckpt):

@@ -302,12 +302,14 @@ class EngineArgs:
       return None
     source, text = "--hisparse-config", self.hisparse_config
     model_file = os.path.join(model_dir, MODEL_HISPARSE_FILE)
-    if text is None and os.path.exists(model_file):
+    if text is None and os.path.lexists(model_file):
+      from models.from_torch import MAX_CONFIG_BYTES, check_regular_file
       source = model_file
       try:
+        check_regular_file(model_file, MAX_CONFIG_BYTES)  # not a FIFO (blocks) or a link to /dev/zero (never ends)
         with open(model_file) as f:
           text = f.read()
-      except (OSError, UnicodeDecodeError) as e:
+      except (OSError, UnicodeDecodeError, ValueError) as e:
         raise StartupError(f"{model_file}: {e}") from None
     if text is not None and not text.strip():
       raise StartupError(f"{source}: empty (give a JSON object, e.g. '{{\"device_buffer_size\": 4096}}')")

@@ -466,7 +466,7 @@ def main(argv=None) -> int:
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(context=1024, steps=40, top_k=128, layers=3)
   args = ap.parse_args(argv)
-  args.out = args.out or default_out("miss_rate", args.quick)
+  args.out = args.out or default_out("miss_rate_trace" if args.trace else "miss_rate", args.quick)
   for name in ("context", "steps", "top_k", "layers"):
     if getattr(args, name) < 1:
       print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)

@@ -239,7 +239,8 @@ def main(argv=None) -> int:
            f"{args.layers} layers of {args.heads} heads and an MLP {args.mlp[0]} -> {args.mlp[1]}, prefetch depth "
            f"{args.depth}, calibrated "
            f"DeepSeek-V3.2 trace; {os.cpu_count()} cores, {ops.prefetch_threads()} copy thread(s); median of "
-           f"{args.steps - SKIP} steps after {SKIP}.", "",
+           f"{args.steps - SKIP} steps after {SKIP}; the ratios are medians of each step's own ratio to the hits step "
+           "of its round, so they need not equal the ratio of the median times.", "",
            "| batch | hits ms | misses ms | prefetch ms | misses / hits (IQR) | prefetch / hits (IQR) | miss cost hidden "
            "| rows copied / step (no prefetch) | by swap-in / by prefetch (prefetch) |", "|---" * 9 + "|"]
   for r in rows:

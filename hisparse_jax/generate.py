@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -124,6 +125,10 @@ def _read_prompts_and_check_outputs(dump: str | None, model_dir: str) -> list[st
   from hisparse_jax.engine.args import StartupError
   try:
     with open(FLAGS.prompts, "rb") as f:  # lines split on \n only (JSON strings may hold U+2028)
+      # A device other than a terminal or /dev/null (/dev/zero, /dev/urandom) never ends; pipes and FIFOs do.
+      st = os.fstat(f.fileno())
+      if stat.S_ISCHR(st.st_mode) and not os.isatty(f.fileno()) and st.st_rdev != os.stat(os.devnull).st_rdev:
+        raise StartupError(f"--prompts {FLAGS.prompts!r} is a device, not a file, pipe, terminal or /dev/null")
       # A line that is not UTF-8 fails alone (_parse_line), not the file.
       lines = [x.rstrip("\r") for x in f.read().decode("utf-8", "surrogateescape").split("\n")]
   except OSError as e:

@@ -26,7 +26,7 @@ from flax import nnx
 from models.config import DSAConfig
 from models.deepseek_v32 import DeepseekV32ForCausalLM
 from models.kv_format import check_kv_cache_dtype
-from models.loader import checkpoint_files, load_hf, param_path
+from models.loader import check_finite, checkpoint_files, load_hf, param_path
 
 ORBAX_MARKER = "hisparse_orbax.json"
 PARAMS_DIR = "params"
@@ -102,6 +102,7 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   from models.from_torch import new_directory
 
   with new_directory(output, hf_dir) as tmp:  # a failure leaves nothing (ValueError first for a bad output)
+    check_side_files(hf_dir)
     cfg, model = load_hf(hf_dir, dtype=dtype)
     _, state = nnx.split(model)
     with ocp.StandardCheckpointer() as ckpt:
@@ -121,14 +122,22 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   return output
 
 
-def copy_side_files(src: str, dst: str) -> None:
-  """Copies ``SIDE_FILES`` (tokenizer, generation and hisparse configs) that ``src`` has into ``dst``; ValueError
-  for one that is not a regular file (a link to /dev/zero would fill the disk)."""
+def check_side_files(src: str) -> None:
+  """ValueError for a ``SIDE_FILES`` entry of ``src`` that is not a regular file (a FIFO would block the copy,
+  a link to /dev/zero fill the disk): a conversion checks them before its work, and again as it copies."""
   from models.from_torch import check_regular_file
 
   for name in SIDE_FILES:
     if os.path.lexists(os.path.join(src, name)):
       check_regular_file(os.path.join(src, name))
+
+
+def copy_side_files(src: str, dst: str) -> None:
+  """Copies ``SIDE_FILES`` (tokenizer, generation and hisparse configs) that ``src`` has into ``dst``; ValueError
+  for one that is not a regular file (``check_side_files``)."""
+  check_side_files(src)
+  for name in SIDE_FILES:
+    if os.path.lexists(os.path.join(src, name)):
       shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 
@@ -195,6 +204,7 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
                                                                                 dtype=jnp.dtype(dtype))))
     casted = jax.tree.map(lambda want, have: jnp.asarray(have, want.dtype), state2, state)
     model = nnx.merge(graphdef2, casted)
+  check_finite(model, path)
   return cfg, model
 
 

@@ -541,7 +541,8 @@ def load_hf(
             return layout.assemble([read(k, src) for k in ks])
 
         if sharding is None:
-            flat[path].set_value(jnp.asarray(piece(tuple(slice(None) for _ in shape))).astype(target))
+            whole = _check_finite_piece(piece(tuple(slice(None) for _ in shape)), path, model_dir)
+            flat[path].set_value(jnp.asarray(whole).astype(target))
             return
         cache: dict = {}
 
@@ -549,7 +550,7 @@ def load_hf(
             key = tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape))
             key = tuple((sl.start, sl.stop) for sl in key)
             if key not in cache:
-                cache[key] = piece(index).astype(np.dtype(target))
+                cache[key] = _check_finite_piece(piece(index).astype(np.dtype(target)), path, model_dir)
             return cache[key]
 
         flat[path].set_value(jax.make_array_from_callback(shape, sharding(param_path(path), shape), callback))
@@ -567,3 +568,29 @@ def load_hf(
             bar.set_postfix_str(f"{store.bytes_read / 2**20:.1f} MiB read", refresh=False)
     state = nnx.from_flat_state(flat)
     return cfg, nnx.merge(graphdef, state)
+
+
+NONFINITE_WEIGHTS = ("holds a NaN or an infinity: such a weight decodes garbage without an error (NaN logits; in "
+                     "the indexer, NaN scores that select no top-k)")
+
+
+def _check_finite_piece(x: np.ndarray, path, model_dir: str) -> np.ndarray:
+    """x, after checking (on the host, as it is read: one pass over the bytes) that it holds no NaN or infinity
+    (e4m3 NaN bytes and block scales included); ValueError naming the parameter."""
+    if not np.isfinite(x).all():  # (ml_dtypes' bfloat16 and float8 types included)
+        raise ValueError(f"checkpoint {model_dir}: parameter {param_path(path)} {NONFINITE_WEIGHTS}")
+    return x
+
+
+def check_finite(model, model_dir: str) -> None:
+    """ValueError naming the first parameter (and how many more) that holds a NaN or an infinity, for a model
+    already on its devices (an orbax restore): one jitted reduction over every parameter where it lies (each
+    device reads its own shards once; ~20 ms at HBM bandwidth for a 700 B-parameter model's share of one GPU)."""
+    flat = [(path, v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model))]
+    flat = [(path, x) for path, x in flat if jnp.issubdtype(x.dtype, jnp.floating)]
+    ok = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))([x for _, x in flat])
+    ok = np.asarray(ok.addressable_shards[0].data)  # replicated: every process reads its own copy
+    bad = [path for (path, _), good in zip(flat, ok) if not good]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ValueError(f"checkpoint {model_dir}: parameter {param_path(bad[0])}{more} {NONFINITE_WEIGHTS}")

@@ -28,7 +28,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from models import fp8
-from models.convert import cli_error, copy_side_files
+from models.convert import check_side_files, cli_error, copy_side_files
 from models.from_torch import new_directory, read_json
 from models.loader import INDEX_FILE, _TensorStore, checkpoint_files
 
@@ -53,14 +53,22 @@ def quantize_blocks(w: np.ndarray, power_of_two: bool = False) -> tuple[np.ndarr
   a power of two when ``power_of_two``; q = w / scale cast to e4m3 (round to nearest even; |q| <= 448)."""
   rows, cols = w.shape
   nr, nc = -(-rows // BLOCK), -(-cols // BLOCK)
-  padded = np.zeros((nr * BLOCK, nc * BLOCK), np.float32)
-  padded[:rows, :cols] = w
-  blocks = padded.reshape(nr, BLOCK, nc, BLOCK)
-  scale = (np.maximum(np.abs(blocks).max(axis=(1, 3)), np.float32(1e-12)) / np.float32(E4M3_MAX)).astype(np.float32)
-  if power_of_two:
-    scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
-  q = np.clip(blocks / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
-  return q.reshape(nr * BLOCK, nc * BLOCK)[:rows, :cols].copy(), scale
+  q = np.empty((rows, cols), ml_dtypes.float8_e4m3fn)
+  scale = np.empty((nr, nc), np.float32)
+  # One strip of 128 rows at a time, its columns padded to whole blocks: the work memory is a strip's (a matrix
+  # padded whole to 128-row blocks made a [1, 4M] vector a [128, 4M] float32 one, 2 GiB).
+  for i in range(nr):
+    strip = w[i * BLOCK:(i + 1) * BLOCK]
+    padded = np.zeros((strip.shape[0], nc * BLOCK), np.float32)
+    padded[:, :cols] = strip
+    blocks = padded.reshape(strip.shape[0], nc, BLOCK)
+    s = (np.maximum(np.abs(blocks).max(axis=(0, 2)), np.float32(1e-12)) / np.float32(E4M3_MAX)).astype(np.float32)
+    if power_of_two:
+      s = np.exp2(np.ceil(np.log2(s))).astype(np.float32)
+    scale[i] = s
+    strip_q = np.clip(blocks / s[None, :, None], -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    q[i * BLOCK:(i + 1) * BLOCK] = strip_q.reshape(strip.shape[0], nc * BLOCK)[:, :cols]
+  return q, scale
 
 
 def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", log=print) -> dict:
@@ -79,6 +87,7 @@ def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", 
     raise ValueError(f"{hf_dir}/config.json: not a JSON object")
   if config.get("quantization_config"):
     raise ValueError(f"{hf_dir} is already quantized (config.json has a quantization_config)")
+  check_side_files(hf_dir)  # before the work, not after it
   weight_map, files = checkpoint_files(hf_dir)
   store = _TensorStore(hf_dir)  # ValueError for block scales without quantization_config
   done = {"quantized": 0, "kept": 0, "bytes": 0}
@@ -94,6 +103,8 @@ def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", 
         array = store.read_raw(key)
         if fp8.is_fp8(array):
           raise ValueError(f"{hf_dir} is already quantized ({key!r} is {array.dtype})")
+        if not np.isfinite(array).all():  # (it would quantize to NaN blocks, or poison a whole block's scale)
+          raise ValueError(f"{hf_dir}: tensor {key!r} holds a NaN or an infinity")
         if quantizes(key, array):
           q, scale = quantize_blocks(array.astype(np.float32), power_of_two=scale_dtype != "float32")
           tensors[key], tensors[fp8.scale_key(key)] = q, scale.astype(SCALE_DTYPES[scale_dtype])

@@ -378,6 +378,13 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
             "--output", same, timeout=120)
     assert r.returncode == 1 and "is the --prompts file" in r.stderr and "Traceback" not in r.stderr
     assert prompts.read_bytes() == before
+  # A device that never ends (it read /dev/zero until memory ran out); a pipe is read as a file.
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", "/dev/zero", timeout=120)
+  assert r.returncode == 1 and "--prompts '/dev/zero' is a device, not a file, pipe, terminal or /dev/null" in r.stderr, r.stderr
+  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts",
+                      "/dev/stdin"], cwd=REPO, input='{"input_ids": [3, 4, 5], "max_new_tokens": 2}\n',
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and len(json.loads(r.stdout.splitlines()[0])["output_ids"]) == 2, r.stderr[-2000:]
   # Ctrl-C midway: exit 130 with one line; the results finished so far are on disk, whole lines in order.
   out = tmp_path / "out.jsonl"
   proc = subprocess.Popen([sys.executable, "-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(),

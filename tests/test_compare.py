@@ -77,3 +77,15 @@ def test_compare_an_fp8_checkpoint_and_refuse_an_orbax_one(tmp_path):
                      cwd=REPO, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "is an orbax checkpoint, which transformers cannot read" in r.stderr, r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_compare_with_an_unreadable_tokenizer_says_so_in_one_line(tmp_path):
+  import shutil
+  from tests.tiny_model import tiny_model_dir
+  model = tmp_path / "m"
+  shutil.copytree(tiny_model_dir(), model)
+  (model / "tokenizer.json").write_bytes(b"\xff\xfe not json")
+  r = subprocess.run([sys.executable, "-m", "models.compare", "--model-path", str(model), "--text", "hi",
+                      "--oracle-python", sys.executable], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "tokenizer.json: not a tokenizers JSON file" in r.stderr, r.stderr
+  assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

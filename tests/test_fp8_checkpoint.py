@@ -349,8 +349,11 @@ def test_engine_fp8_resident_weights(tmp_path):
 
     fp8_dir, deq_dir, _ = write_fp8_pair(tmp_path, DSV32, seed=13)
 
+    labels = []
+
     def run(**kw):
         e = Engine(fp8_dir, dtype="bfloat16", max_seq_len=64, max_running_requests=2, **kw)
+        labels.append(e.numerics_label())  # (the start-up and summary lines')
         reqs = [Request(str(i), p, max_new_tokens=6, ignore_eos=True) for i, p in enumerate([[5, 6, 7] * 4, [8, 9]])]
         for r in reqs:
             e.submit(r)
@@ -362,6 +365,7 @@ def test_engine_fp8_resident_weights(tmp_path):
     tokens_resident, bytes_resident = run(weight_dtype="fp8")
     assert tokens_resident == tokens_at_load
     assert bytes_resident < 0.6 * bytes_at_load
+    assert labels == [", bfloat16", ", bfloat16, FP8 weights"]
     with pytest.raises(StartupError, match="--weight-dtype fp8: .* is not an FP8 block-quantized checkpoint"):
         Engine(deq_dir, weight_dtype="fp8", max_seq_len=64)
     # An orbax copy of the FP8 checkpoint holds dequantized weights: models.convert says so, and the engine's
@@ -376,7 +380,42 @@ def test_engine_fp8_resident_weights(tmp_path):
         Engine(fp8_dir, weight_dtype="int4", max_seq_len=64)
 
 
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_nan_e4m3_bytes_or_scales_are_refused_naming_the_parameter(tmp_path, fp8_weights):
+    """An e4m3 NaN byte (0x7f) or a NaN block scale: refused as read, dequantized at load or kept in FP8."""
+    fp8_dir, _, qkeys = write_fp8_pair(tmp_path, DSV32, seed=5)
+    path = f"{fp8_dir}/model.safetensors"
+    key = next(k for k in qkeys if "o_proj" in k)
+    original = open(path, "rb").read()
+    n = int.from_bytes(original[:8], "little")
+    header = json.loads(original[8:8 + n])
+    for tensor, nan in ((key, bytes([0x7F])), (key + "_scale_inv", np.float32(np.nan).tobytes())):
+        at = 8 + n + header[tensor]["data_offsets"][0]  # its first element's bytes
+        with open(path, "wb") as f:
+            f.write(original[:at] + nan + original[at + len(nan):])
+        with pytest.raises(ValueError, match=r"parameter layers/\d+/self_attn/o_proj/kernel\w* holds a NaN"):
+            load_hf(fp8_dir, fp8_weights=fp8_weights)
+
+
 # ----------------------------------------------------------------------------- models.quantize_fp8
+def test_quantize_blocks_works_in_strips_of_128_rows():
+    """A short, wide matrix is not padded to 128 rows whole: a [1, 2^20] float32 vector (4 MiB) was worked on as a
+    [128, 2^20] one (512 MiB; a 9 MB [1, 4M] bf16 tensor took 4.4 GB in models.quantize_fp8)."""
+    import tracemalloc
+
+    from models.quantize_fp8 import quantize_blocks
+    w = np.linspace(-3, 3, 1 << 20, dtype=np.float32)[None]
+    tracemalloc.start()
+    try:
+        q, scale = quantize_blocks(w)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert q.shape == (1, 1 << 20) and scale.shape == (1, (1 << 20) // 128)
+    assert peak < 40 * 2**20, peak  # a few copies of the 4 MiB strip
+    np.testing.assert_allclose(q.astype(np.float32) * np.repeat(scale, 128, axis=1), w, rtol=0.07, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(128, 128), (300, 200), (5, 129), (64, 1)])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_quantize_blocks_equals_the_reference_blockwise_quantizer(shape, pow2):
@@ -458,3 +497,24 @@ def test_quantize_fp8_cli_writes_a_checkpoint_the_engine_serves_with_fp8_weights
                             argv[1]], capture_output=True, text=True, timeout=300, cwd=REPO)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "again").exists() and not os.path.exists(f"{src}/inside")
+    # A NaN in a weight is refused, naming the tensor (it passed through as NaN blocks); a FIFO side file before
+    # any work. Nothing is written either way.
+    nan = tmp_path / "nan"
+    nan.mkdir()
+    for f in os.listdir(src):
+        if f.endswith(".safetensors"):
+            t = load_file(os.path.join(src, f))
+            if "model.layers.1.self_attn.o_proj.weight" in t:
+                t["model.layers.1.self_attn.o_proj.weight"][0, 0] = np.nan
+            save_file(t, str(nan / f))
+        else:
+            (nan / f).write_bytes(open(os.path.join(src, f), "rb").read())
+    (nan / "tokenizer.json").unlink(missing_ok=True)
+    for fifo, message in ((False, "tensor 'model.layers.1.self_attn.o_proj.weight' holds a NaN or an infinity"),
+                          (True, "tokenizer.json is not a regular file")):  # (refused before the NaN is read)
+        if fifo:
+            os.mkfifo(nan / "tokenizer.json")
+        r = subprocess.run([sys.executable, "-m", "models.quantize_fp8", "--model-path", str(nan), "--output",
+                            str(tmp_path / "q")], capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "q").exists()

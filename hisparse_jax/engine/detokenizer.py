@@ -30,13 +30,17 @@ MAX_TOKENIZER_BYTES = 256 * 2**20  # DeepSeek-V3.2's tokenizer.json is ~8 MB
 
 def load_tokenizer(model_dir: str) -> Tokenizer | None:
   """The model directory's tokenizer.json, or None when it has none. ValueError (naming it) when it is not a
-  regular file of at most MAX_TOKENIZER_BYTES (a FIFO would block, a link to /dev/zero never end)."""
+  regular file of at most MAX_TOKENIZER_BYTES (a FIFO would block, a link to /dev/zero never end), or when the
+  tokenizers library cannot read it (its error's first line)."""
   from models.from_torch import check_regular_file
   path = os.path.join(model_dir, "tokenizer.json")
   if not os.path.lexists(path):
     return None
   check_regular_file(path, MAX_TOKENIZER_BYTES)
-  return Tokenizer.from_file(path)
+  try:
+    return Tokenizer.from_file(path)
+  except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
+    raise ValueError(f"{path}: not a tokenizers JSON file ({(str(e) or type(e).__name__).splitlines()[0]})") from None
 
 
 GIL_FREE_ENCODE_CHARS = 4096

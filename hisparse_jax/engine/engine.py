@@ -627,10 +627,11 @@ class Engine:
     return None
 
   def numerics_label(self) -> str:
-    """The compute dtype and how this engine stores and computes the KV, for the start-up and summary lines:
-    ", bfloat16" then ", KV cache fp8_e4m3" (stored FP8, which implies the FP8 numerics), ", FP8 numerics"
-    (simulated in the auto cache), or nothing."""
-    label = f", {self.dtype.name}"
+    """The compute dtype, the weights' if FP8-resident, and how this engine stores and computes the KV, for the
+    start-up and summary lines: ", bfloat16" then ", FP8 weights" (``--weight-dtype fp8``), then ", KV cache
+    fp8_e4m3" (stored FP8, which implies the FP8 numerics), ", FP8 numerics" (simulated in the auto cache), or
+    nothing."""
+    label = f", {self.dtype.name}" + (", FP8 weights" if self.args.weight_dtype == "fp8" else "")
     if self.config.kv_cache_dtype != "auto":
       return f"{label}, KV cache {self.config.kv_cache_dtype}"
     return label + (", FP8 numerics" if self.config.fp8_numerics else "")

@@ -7,7 +7,8 @@ r"""Command-line client for the hisparse-jax server: streams one request and pri
   python -m hisparse_jax.serving.client [--target ...] --abort ID     # Abort: ends the requests with that id
 
 Prints the text as it streams (``--print-ids``: then the output token ids too), then a summary line with the
-finish reason and the swap-in hits/misses. Exits 1 with the server's status on an RPC error.
+finish reason and the swap-in hits/misses; the request's id (the server's unless ``--request-id``) goes to stderr
+as the first message arrives. Exits 1 with the server's status on an RPC error.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.
 flags.DEFINE_string("api-key", None, "Bearer token the server requires (sent as 'authorization' metadata).")
 flags.DEFINE_string("api-key-file", None, "File holding the bearer token (first line).")
 flags.DEFINE_string("request-id", None, "The request's id (default: the server picks one; --abort takes it).")
-flags.DEFINE_boolean("print-ids", False, "After the text, print the output token ids.")
+flags.DEFINE_boolean("print-ids", False, "After the text, print the output token ids (printed anyway when the "
+                     "server sends no text: a model without a tokenizer).")
 flags.DEFINE_boolean("loads", False, "Print the server's loads (GetLoads) as JSON and exit; no request.")
 flags.DEFINE_string("abort", None, "Abort the server's requests with this id, print how many, and exit.")
 
@@ -194,6 +196,8 @@ def main(argv):
         sampling["request_id"] = FLAGS["request-id"].value
       for msg in generate(stub, text=FLAGS.text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
                           timeout=timeout, api_key=api_key, **sampling):
+        if msg.request_id:  # (on the first message) where --abort ID from another terminal can find it
+          print(f"[client] request id {msg.request_id}", file=sys.stderr, flush=True)
         sys.stdout.write(msg.text)
         sys.stdout.flush()
         streamed = streamed or bool(msg.text)

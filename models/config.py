@@ -590,6 +590,9 @@ class DSAConfig:
         hidden_act = get("hidden_act")
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu')")
+        for key in ("dtype", "torch_dtype"):
+            if cfg.get(key) is not None and not isinstance(cfg[key], str):
+                raise ValueError(f"config key {key!r} must be a dtype name such as \"bfloat16\", got {_short(cfg[key])}")
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         if str(dtype_name) not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype_name!r}")

@@ -108,14 +108,13 @@ def read_weight_map(index: str, model_dir: str) -> dict[str, str]:
   ``model_dir`` with ``..`` (weights are read from inside the directory only)."""
   check_regular_file(index, MAX_JSON_BYTES)
   try:
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
+    weight_map = read_json(index).get("weight_map")  # (ValueError for JSON nested too deeply)
   except (OSError, ValueError, AttributeError) as e:
     raise ValueError(f"{index}: not a JSON object with a weight_map ({type(e).__name__}: {e})") from None
   if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
     raise ValueError(f"{index}: weight_map must map tensor names to file names")
   for name in set(weight_map.values()):
-    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+    if "\0" in name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
       raise ValueError(f"{index} names {name!r}: weight files must be inside {model_dir}")
   return weight_map
 

@@ -162,6 +162,18 @@ def test_config_json_nested_too_deeply_or_too_large_is_a_one_line_error(tmp_path
         DSAConfig.from_pretrained(ckpt)
 
 
+def test_an_index_nested_too_deeply_or_naming_a_file_with_nul_is_a_one_line_error(ckpt):
+    index = f"{ckpt}/model.safetensors.index.json"
+    for text, message in (('{"weight_map": ' + "[" * 100000 + "]" * 100000 + "}", "JSON nested too deeply"),
+                          (json.dumps({"weight_map": {"a": "x\0y.safetensors"}}), r"names 'x\\x00y.safetensors'")):
+        with open(index, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=message):
+            load_hf(ckpt)
+    with pytest.raises(ValueError, match=r"config key 'dtype' must be a dtype name such as \"bfloat16\", got \[\]"):
+        DSAConfig.from_hf_config({**TINY, "dtype": []})
+
+
 def test_missing_required_config_key():
     cfg = dict(TINY)
     del cfg["index_topk"]

@@ -129,8 +129,14 @@ def _read_prompts_and_check_outputs(dump: str | None, model_dir: str) -> list[st
       st = os.fstat(f.fileno())
       if stat.S_ISCHR(st.st_mode) and not os.isatty(f.fileno()) and st.st_rdev != os.stat(os.devnull).st_rdev:
         raise StartupError(f"--prompts {FLAGS.prompts!r} is a device, not a file, pipe, terminal or /dev/null")
+      # A pipe may never end either: at most 1/8 of physical memory is read (the lines take ~3x their bytes).
+      limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+      data = f.read(limit + 1)
+      if len(data) > limit:
+        raise StartupError(f"--prompts {FLAGS.prompts!r} holds more than {limit} bytes (1/8 of this machine's "
+                           "memory); split it into several runs")
       # A line that is not UTF-8 fails alone (_parse_line), not the file.
-      lines = [x.rstrip("\r") for x in f.read().decode("utf-8", "surrogateescape").split("\n")]
+      lines = [x.rstrip("\r") for x in data.decode("utf-8", "surrogateescape").split("\n")]
   except OSError as e:
     raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
   outputs = []

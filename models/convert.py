@@ -82,7 +82,11 @@ def orbax_files(path: str | os.PathLike) -> list[str]:
   root = os.fspath(path)
   check_regular_file(os.path.join(root, ORBAX_MARKER), MAX_CONFIG_BYTES)
   files = []
-  for d, _, names in os.walk(os.path.join(root, PARAMS_DIR)):
+  for d, dirs, names in os.walk(os.path.join(root, PARAMS_DIR)):
+    linked = next((sub for sub in dirs if os.path.islink(os.path.join(d, sub))), None)
+    if linked is not None:  # (os.walk would not look inside it; orbax would)
+      raise ValueError(f"{os.path.join(d, linked)} is a link to a directory; an orbax directory's params/ must hold "
+                       "its files itself")
     for name in names:
       check_regular_file(os.path.join(d, name), None if os.path.basename(d) == "d" else MAX_JSON_BYTES)
       files.append(os.path.relpath(os.path.join(d, name), root))

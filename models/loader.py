@@ -266,6 +266,10 @@ class _TensorStore:
     def keys(self):
         return self._where.keys()
 
+    def files(self) -> set[str]:
+        """The paths of the weight files the tensors are in."""
+        return set(self._where.values())
+
     def file(self, key: str) -> str:
         """The path of the weight file holding ``key``."""
         return self._where[key]
@@ -451,6 +455,14 @@ def _check_counts(store: _TensorStore, cfg: DSAConfig, model_dir: str) -> None:
     if len(store.keys()) < needed:
         raise ValueError(f"checkpoint {model_dir} holds {len(store.keys())} tensors, fewer than the {needed} routed-"
                          f"expert weights of config.json's {len(moe_layers)} MoE layers x n_routed_experts={E}")
+    # Whatever the layout, the routed experts' parameters take at least a byte each (FP8) in the files.
+    params = len(moe_layers) * E * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+    held = sum(os.path.getsize(f) for f in store.files())
+    if held < params:
+        raise ValueError(f"checkpoint {model_dir}'s weight files hold {held} bytes, fewer than the {params} routed-expert "
+                         f"parameters of config.json ({len(moe_layers)} MoE layers x n_routed_experts={E} x 3 x "
+                         f"moe_intermediate_size={cfg.moe_intermediate_size} x hidden_size={cfg.hidden_size}) need "
+                         "at one byte each")
 
 
 def load_hf(
@@ -528,9 +540,11 @@ def load_hf(
     if missing_params:
         raise KeyError(f"internal: parameters without a checkpoint mapping: {missing_params}")
 
-    def place(path, keys, layout, read, target):
+    def place(path, keys, layout, read, target, limit=None):
         """Parameter ``path`` from the slices ``read(key, source slices)`` of its tensors: whole on the default
-        device, or, with ``sharding``, each addressable device's slice alone (read once per distinct slice)."""
+        device, or, with ``sharding``, each addressable device's slice alone (read once per distinct slice).
+        Each is checked (``_check_finite_piece``) as it is read: finite in ``target`` and, with ``limit``, of
+        magnitude at most that."""
         shape = tuple(flat[path].get_value().shape)
 
         def piece(index):
@@ -538,10 +552,11 @@ def load_hf(
             inner = index[1:] if layout.stacked else index
             src = layout.source_slices(inner, shape)
             ks = keys[index[0]] if layout.stacked else keys
-            return layout.assemble([read(k, src) for k in ks])
+            with np.errstate(over="ignore", invalid="ignore"):  # (an FP8 dequantization that overflows: refused below)
+                return layout.assemble([read(k, src) for k in ks])
 
         if sharding is None:
-            whole = _check_finite_piece(piece(tuple(slice(None) for _ in shape)), path, model_dir)
+            whole = _check_finite_piece(piece(tuple(slice(None) for _ in shape)), path, model_dir, target, limit)
             flat[path].set_value(jnp.asarray(whole).astype(target))
             return
         cache: dict = {}
@@ -550,7 +565,7 @@ def load_hf(
             key = tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape))
             key = tuple((sl.start, sl.stop) for sl in key)
             if key not in cache:
-                cache[key] = _check_finite_piece(piece(index).astype(np.dtype(target)), path, model_dir)
+                cache[key] = _check_finite_piece(piece(index), path, model_dir, target, limit).astype(np.dtype(target))
             return cache[key]
 
         flat[path].set_value(jax.make_array_from_callback(shape, sharding(param_path(path), shape), callback))
@@ -561,8 +576,10 @@ def load_hf(
                 place(path, keys, layout, store.read, _F32 if _is_fp32_param(path) else dt)
             else:  # FP8-resident: the e4m3 weight and its float32 scales, laid out as the parameter
                 place(path, keys, layout, store.read_raw, flat[path].get_value().dtype)
+                # A scale past the compute dtype's max / 448 overflows what dequantizing at load refuses.
                 place(scale_path, tuple(fp8.scale_key(k) for k in keys), layout,
-                      lambda k, src: store.read_raw(k, src).astype(np.float32), _F32)
+                      lambda k, src: store.read_raw(k, src).astype(np.float32), _F32,
+                      limit=float(jnp.finfo(dt).max) / float(jnp.finfo(jnp.float8_e4m3fn).max))
             store.release()
             bar.update(1)
             bar.set_postfix_str(f"{store.bytes_read / 2**20:.1f} MiB read", refresh=False)
@@ -570,8 +587,8 @@ def load_hf(
     return cfg, nnx.merge(graphdef, state)
 
 
-NONFINITE_WEIGHTS = ("holds a NaN or an infinity: such a weight decodes garbage without an error (NaN logits; in "
-                     "the indexer, NaN scores that select no top-k)")
+NONFINITE_WEIGHTS = ("holds a NaN or an infinity (or a value the compute dtype cannot hold): such a weight decodes "
+                     "garbage without an error (NaN logits; in the indexer, NaN scores that select no top-k)")
 
 
 # Elements checked at a time: np.isfinite makes a bool per element, so a whole 2 GB expert stack at once would add
@@ -579,17 +596,34 @@ NONFINITE_WEIGHTS = ("holds a NaN or an infinity: such a weight decodes garbage 
 FINITE_CHECK_ELEMENTS = 1 << 24
 
 
-def _check_finite_piece(x: np.ndarray, path, model_dir: str) -> np.ndarray:
+def _narrower(source, target) -> bool:
+    """target's finite range is smaller than source's (float64 -> float32, float32 -> bfloat16); False for
+    non-float types."""
+    try:
+        return float(ml_dtypes.finfo(target).max) < float(ml_dtypes.finfo(source).max)
+    except (ValueError, TypeError):
+        return False
+
+
+def _check_finite_piece(x: np.ndarray, path, model_dir: str, target=None, limit: float | None = None) -> np.ndarray:
     """x, after checking (on the host, as it is read: one pass over the bytes, about FINITE_CHECK_ELEMENTS at a
-    time along its first axis) that it holds no NaN or infinity (e4m3 NaN bytes and block scales included;
-    ml_dtypes' bfloat16 and float8 types have np.isfinite); ValueError naming the parameter."""
+    time along its first axis) that it holds no NaN or infinity, also once cast to ``target`` (a float64 1e300,
+    or a float32 3.4e38 in bfloat16, overflows there), and, with ``limit``, no magnitude above it (e4m3 NaN bytes
+    and block scales included; ml_dtypes' bfloat16 and float8 types have np.isfinite); ValueError naming the
+    parameter."""
+    if target is not None and not _narrower(x.dtype, target):  # (only then can the cast overflow: no copy else)
+        target = None
     if x.ndim == 0 or x.size == 0:
         parts = [x]
     else:
         rows = max(1, FINITE_CHECK_ELEMENTS * len(x) // x.size)
         parts = (x[i:i + rows] for i in range(0, len(x), rows))
-    if not all(np.isfinite(part).all() for part in parts):
-        raise ValueError(f"checkpoint {model_dir}: parameter {param_path(path)} {NONFINITE_WEIGHTS}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        for part in parts:
+            cast = part if target is None else part.astype(target)
+            if not np.isfinite(cast).all() or (limit is not None and (np.abs(part) > limit).any()):
+                raise ValueError(f"checkpoint {model_dir}: parameter {param_path(path)} {NONFINITE_WEIGHTS}"
+                                 + ("" if limit is None else f" (or a block scale above {limit:.3g})"))
     return x
 
 

@@ -200,7 +200,8 @@ def test_failed_orbax_reads_log_nothing_on_asyncio(orbax_dir, tmp_path):
   assert "elsewhere" in logged[0][1], logged
 
 
-@pytest.mark.parametrize("where", ["marker fifo", "marker /dev/zero", "data fifo", "metadata /dev/zero"])
+@pytest.mark.parametrize("where", ["marker fifo", "marker /dev/zero", "data fifo", "metadata /dev/zero",
+                                   "linked data directory"])
 def test_orbax_files_that_would_block_or_never_end_are_refused(orbax_dir, tmp_path, where):
   """The marker or a file under params/ as a FIFO (blocked the loader forever) or a link to /dev/zero (read until
   memory ran out): one line naming the file, from the loader and from the batch script, before orbax opens any."""
@@ -210,17 +211,24 @@ def test_orbax_files_that_would_block_or_never_end_are_refused(orbax_dir, tmp_pa
   shutil.copytree(orbax_dir, bad)
   victim = {"marker fifo": bad / "hisparse_orbax.json", "marker /dev/zero": bad / "hisparse_orbax.json",
             "data fifo": next((bad / "params" / "ocdbt.process_0" / "d").iterdir()),
-            "metadata /dev/zero": bad / "params" / "_METADATA"}[where]
-  victim.unlink()
-  if "fifo" in where:
-    os.mkfifo(victim)
+            "metadata /dev/zero": bad / "params" / "_METADATA", "linked data directory": None}[where]
+  message = f"{victim} is not a regular file"
+  if where == "linked data directory":  # os.walk does not enter a linked directory, but orbax reads through it
+    data = bad / "params" / "ocdbt.process_0" / "d"
+    shutil.move(str(data), str(tmp_path / "elsewhere"))
+    os.symlink(tmp_path / "elsewhere", data)
+    victim, message = data, f"{data} is a link to a directory"
   else:
-    os.symlink("/dev/zero", victim)
-  with pytest.raises(ValueError, match=f"{victim} is not a regular file"):
+    victim.unlink()
+    if "fifo" in where:
+      os.mkfifo(victim)
+    else:
+      os.symlink("/dev/zero", victim)
+  with pytest.raises(ValueError, match=message):
     load_model(str(bad))
   prompts = tmp_path / "p.jsonl"
   prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
   r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--prompts", str(prompts), "--model-path",
                       str(bad), "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert r.returncode == 1 and f"{victim} is not a regular file" in r.stderr, r.stderr[-3000:]
+  assert r.returncode == 1 and message in r.stderr, r.stderr[-3000:]
   assert "Traceback" not in r.stderr, r.stderr[-3000:]

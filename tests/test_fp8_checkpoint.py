@@ -389,7 +389,9 @@ def test_nan_e4m3_bytes_or_scales_are_refused_naming_the_parameter(tmp_path, fp8
     original = open(path, "rb").read()
     n = int.from_bytes(original[:8], "little")
     header = json.loads(original[8:8 + n])
-    for tensor, nan in ((key, bytes([0x7F])), (key + "_scale_inv", np.float32(np.nan).tobytes())):
+    # An e4m3 NaN byte, a NaN scale, and a finite scale whose largest product (448 x 3e38) overflows float32.
+    for tensor, nan in ((key, bytes([0x7F])), (key + "_scale_inv", np.float32(np.nan).tobytes()),
+                        (key + "_scale_inv", np.float32(3e38).tobytes())):
         at = 8 + n + header[tensor]["data_offsets"][0]  # its first element's bytes
         with open(path, "wb") as f:
             f.write(original[:at] + nan + original[at + len(nan):])

@@ -255,6 +255,20 @@ def test_a_config_promising_more_than_the_files_fails_before_building_the_model(
     assert time.monotonic() - t0 < 10
 
 
+def test_files_smaller_than_the_routed_experts_need_are_refused_before_the_key_table(ckpt):
+    """Whatever the layout (transformers' fused one needs only 2 tensors a layer, each of them tiny in a hostile
+    file), the experts' parameters take a byte each at least: a config promising more is refused at once."""
+    import time
+    cfg = json.load(open(f"{ckpt}/config.json"))
+    json.dump({**cfg, "moe_intermediate_size": 2**30}, open(f"{ckpt}/config.json", "w"))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"weight files hold \d+ bytes, fewer than the 412316860416 routed-expert "
+                                         r"parameters of config.json \(1 MoE layers x n_routed_experts=4 x 3 x "
+                                         r"moe_intermediate_size=1073741824 x hidden_size=32\)"):
+        load_hf(ckpt)
+    assert time.monotonic() - t0 < 10
+
+
 def test_a_tensor_in_two_unindexed_files_is_refused(ckpt):
     """Without a weight index, a tensor in two *.safetensors files has no right answer (the later file won)."""
     key = "model.layers.1.self_attn.o_proj.weight"
@@ -518,3 +532,14 @@ def test_a_weight_holding_nan_or_inf_is_refused_naming_it(ckpt, value):
     model.layers[0].mlp.gate_proj.kernel.set_value(model.layers[0].mlp.gate_proj.kernel.get_value().at[0, 0].set(value))
     with pytest.raises(ValueError, match=r"parameter layers/0/mlp/gate_proj/kernel holds a NaN or an infinity"):
         check_finite(model, ckpt)
+
+
+def test_a_finite_weight_the_compute_dtype_cannot_hold_is_refused(ckpt):
+    """3.4e38 is a float32 but an infinity in bfloat16 (it decoded token 0 forever with --dtype bfloat16)."""
+    tensors = load_file(f"{ckpt}/model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.weight"][0, 0] = 3.4e38
+    save_file(tensors, f"{ckpt}/model.safetensors")
+    load_hf(ckpt)  # float32: it fits
+    with pytest.raises(ValueError, match=r"parameter layers/1/self_attn/o_proj/\w+ holds a NaN or an infinity \(or a "
+                                         r"value the compute dtype cannot hold\)"):
+        load_hf(ckpt, dtype="bfloat16")

@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
 	@touch $@
 
 # Rebuilt when ORACLE_PKGS change (the package list is kept beside the stamp); otherwise made once.
-$(ORACLE_VENV)/.installed: $(if $(filter-out $(ORACLE_PKGS),$(shell cat $(ORACLE_VENV)/.packages 2>/dev/null))$(filter-out $(shell cat $(ORACLE_VENV)/.packages 2>/dev/null),$(ORACLE_PKGS)),FORCE)
+ORACLE_INSTALLED_PKGS := $(shell cat $(ORACLE_VENV)/.packages 2>/dev/null)
+$(ORACLE_VENV)/.installed: $(if $(filter-out $(ORACLE_PKGS),$(ORACLE_INSTALLED_PKGS))$(filter-out $(ORACLE_INSTALLED_PKGS),$(ORACLE_PKGS)),FORCE)
 	@py=""; if command -v pyenv >/dev/null 2>&1 && [ -x "$$(pyenv prefix 3.11 2>/dev/null)/bin/python3.11" ]; then py="$$(pyenv prefix 3.11)/bin/python3.11"; \
 	elif command -v python3.11 >/dev/null 2>&1; then py=python3.11; fi; \
 	if [ -z "$$py" ]; then echo "error: the transformers oracle needs Python 3.11 (the machine's CPU torch 2.13.0 wheel is for 3.11)" >&2; exit 1; fi; \

@@ -540,10 +540,13 @@ def load_hf(
     if missing_params:
         raise KeyError(f"internal: parameters without a checkpoint mapping: {missing_params}")
 
+    def what(path) -> str:
+        return f"checkpoint {model_dir}: parameter {param_path(path)}"
+
     def place(path, keys, layout, read, target, limit=None):
         """Parameter ``path`` from the slices ``read(key, source slices)`` of its tensors: whole on the default
         device, or, with ``sharding``, each addressable device's slice alone (read once per distinct slice).
-        Each is checked (``_check_finite_piece``) as it is read: finite in ``target`` and, with ``limit``, of
+        Each is checked (``check_finite_array``) as it is read: finite in ``target`` and, with ``limit``, of
         magnitude at most that."""
         shape = tuple(flat[path].get_value().shape)
 
@@ -556,7 +559,7 @@ def load_hf(
                 return layout.assemble([read(k, src) for k in ks])
 
         if sharding is None:
-            whole = _check_finite_piece(piece(tuple(slice(None) for _ in shape)), path, model_dir, target, limit)
+            whole = check_finite_array(piece(tuple(slice(None) for _ in shape)), what(path), target, limit)
             flat[path].set_value(jnp.asarray(whole).astype(target))
             return
         cache: dict = {}
@@ -565,7 +568,7 @@ def load_hf(
             key = tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape))
             key = tuple((sl.start, sl.stop) for sl in key)
             if key not in cache:
-                cache[key] = _check_finite_piece(piece(index), path, model_dir, target, limit).astype(np.dtype(target))
+                cache[key] = check_finite_array(piece(index), what(path), target, limit).astype(np.dtype(target))
             return cache[key]
 
         flat[path].set_value(jax.make_array_from_callback(shape, sharding(param_path(path), shape), callback))
@@ -605,12 +608,12 @@ def _narrower(source, target) -> bool:
         return False
 
 
-def _check_finite_piece(x: np.ndarray, path, model_dir: str, target=None, limit: float | None = None) -> np.ndarray:
-    """x, after checking (on the host, as it is read: one pass over the bytes, about FINITE_CHECK_ELEMENTS at a
-    time along its first axis) that it holds no NaN or infinity, also once cast to ``target`` (a float64 1e300,
-    or a float32 3.4e38 in bfloat16, overflows there), and, with ``limit``, no magnitude above it (e4m3 NaN bytes
-    and block scales included; ml_dtypes' bfloat16 and float8 types have np.isfinite); ValueError naming the
-    parameter."""
+def check_finite_array(x: np.ndarray, what: str, target=None, limit: float | None = None) -> np.ndarray:
+    """x (any shape; float, bfloat16 or float8 dtype), after checking on the host, in one pass over its bytes
+    about FINITE_CHECK_ELEMENTS at a time along its first axis, that it holds no NaN or infinity, also once cast
+    to ``target`` (a float64 1e300, or a float32 3.4e38 in bfloat16, overflows there), and, with ``limit``, no
+    magnitude above it (e4m3 NaN bytes and block scales included; ml_dtypes' bfloat16 and float8 types have
+    np.isfinite). ValueError "{what} holds a NaN or an infinity ..." otherwise (``what`` names the tensor)."""
     if target is not None and not _narrower(x.dtype, target):  # (only then can the cast overflow: no copy else)
         target = None
     if x.ndim == 0 or x.size == 0:
@@ -622,7 +625,7 @@ def _check_finite_piece(x: np.ndarray, path, model_dir: str, target=None, limit:
         for part in parts:
             cast = part if target is None else part.astype(target)
             if not np.isfinite(cast).all() or (limit is not None and (np.abs(part) > limit).any()):
-                raise ValueError(f"checkpoint {model_dir}: parameter {param_path(path)} {NONFINITE_WEIGHTS}"
+                raise ValueError(f"{what} {NONFINITE_WEIGHTS}"
                                  + ("" if limit is None else f" (or a block scale above {limit:.3g})"))
     return x
 

@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 from models import fp8
 from models.convert import check_side_files, cli_error, copy_side_files
 from models.from_torch import new_directory, read_json
-from models.loader import INDEX_FILE, _TensorStore, checkpoint_files
+from models.loader import INDEX_FILE, _TensorStore, check_finite_array, checkpoint_files
 
 BLOCK = 128
 E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -103,8 +103,8 @@ def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", 
         array = store.read_raw(key)
         if fp8.is_fp8(array):
           raise ValueError(f"{hf_dir} is already quantized ({key!r} is {array.dtype})")
-        if not np.isfinite(array).all():  # (it would quantize to NaN blocks, or poison a whole block's scale)
-          raise ValueError(f"{hf_dir}: tensor {key!r} holds a NaN or an infinity")
+        # (a NaN would quantize to NaN blocks, or poison a whole block's scale)
+        check_finite_array(array, f"{hf_dir}: tensor {key!r}")
         if quantizes(key, array):
           q, scale = quantize_blocks(array.astype(np.float32), power_of_two=scale_dtype != "float32")
           tensors[key], tensors[fp8.scale_key(key)] = q, scale.astype(SCALE_DTYPES[scale_dtype])

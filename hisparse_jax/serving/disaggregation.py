@@ -113,10 +113,10 @@ class DisaggregationConfig:
       host, sep, port = s.rpartition(":")
       if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--prefill-servers {s!r}: expected host:port")
-    if not (self.transfer_timeout_s > 0 and math.isfinite(self.transfer_timeout_s)):
-      raise ValueError(f"--transfer-timeout-s must be a finite number > 0, got {self.transfer_timeout_s}")
-    if not (self.prefill_timeout_s > 0 and math.isfinite(self.prefill_timeout_s)):
-      raise ValueError(f"--prefill-timeout-s must be a finite number > 0, got {self.prefill_timeout_s}")
+    for flag, seconds in (("--transfer-timeout-s", self.transfer_timeout_s),
+                          ("--prefill-timeout-s", self.prefill_timeout_s)):
+      if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{flag} must be a finite number > 0, got {seconds}")
     if not 0 <= self.transfer_port <= 65535:
       raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free port) or 1..65535")
     if self.mode == "null" and self.transfer_port:

@@ -47,6 +47,8 @@ import time
 
 import numpy as np
 
+from hisparse_jax.serving.addresses import MAX_TIMEOUT_S
+
 # First broadcast of a message (bytes): an 8-byte length and the start of the payload.
 FRAME = 4096
 # The leader's longest silence while idle (seconds).
@@ -56,7 +58,6 @@ SETTINGS_BYTES = 16384
 MAX_PROCESSES = 65536
 # Seconds process 0 waits, on a start-up error every process shares, before it exits (after the others).
 EXIT_GRACE_S = 1.0
-MAX_TIMEOUT_S = 86400  # (JAX's timeouts are 32-bit)
 
 
 _WHO = ["process 0 of 1"]  # this process, for messages (set by initialize; JAX may not answer while it starts)

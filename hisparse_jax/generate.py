@@ -118,27 +118,33 @@ def _same_file(a: str, b: str) -> bool:
                                                         and os.path.samefile(a, b))
 
 
+def read_prompt_lines(path: str, limit: int) -> list[str]:
+  """The lines of the prompts file at ``path`` (split on \\n only: JSON strings may hold U+2028; a trailing \\r
+  dropped; bytes that are not UTF-8 kept as surrogates, so such a line fails alone in _parse_line). ``path`` may
+  be a file, a pipe or FIFO, a terminal or /dev/null; StartupError for another device (/dev/zero, /dev/urandom
+  never end), for more than ``limit`` bytes (a pipe may never end either; the script passes 1/8 of physical
+  memory, as the lines take ~3x their bytes), or when it cannot be read."""
+  from hisparse_jax.engine.args import StartupError
+  try:
+    with open(path, "rb") as f:
+      st = os.fstat(f.fileno())
+      if stat.S_ISCHR(st.st_mode) and not os.isatty(f.fileno()) and st.st_rdev != os.stat(os.devnull).st_rdev:
+        raise StartupError(f"--prompts {path!r} is a device, not a file, pipe, terminal or /dev/null")
+      data = f.read(limit + 1)
+      if len(data) > limit:
+        raise StartupError(f"--prompts {path!r} holds more than {limit} bytes (1/8 of this machine's memory); "
+                           "split it into several runs")
+  except OSError as e:
+    raise StartupError(f"--prompts {path!r}: {e}") from None
+  return [x.rstrip("\r") for x in data.decode("utf-8", "surrogateescape").split("\n")]
+
+
 def _read_prompts_and_check_outputs(dump: str | None, model_dir: str) -> list[str]:
   """The prompt file's lines; StartupError (before the model loads) for an unreadable --prompts, or an --output /
   --dump-topk that cannot be written or would overwrite an input: the prompts file, the other output, or anything
   in the --model-path directory."""
   from hisparse_jax.engine.args import StartupError
-  try:
-    with open(FLAGS.prompts, "rb") as f:  # lines split on \n only (JSON strings may hold U+2028)
-      # A device other than a terminal or /dev/null (/dev/zero, /dev/urandom) never ends; pipes and FIFOs do.
-      st = os.fstat(f.fileno())
-      if stat.S_ISCHR(st.st_mode) and not os.isatty(f.fileno()) and st.st_rdev != os.stat(os.devnull).st_rdev:
-        raise StartupError(f"--prompts {FLAGS.prompts!r} is a device, not a file, pipe, terminal or /dev/null")
-      # A pipe may never end either: at most 1/8 of physical memory is read (the lines take ~3x their bytes).
-      limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
-      data = f.read(limit + 1)
-      if len(data) > limit:
-        raise StartupError(f"--prompts {FLAGS.prompts!r} holds more than {limit} bytes (1/8 of this machine's "
-                           "memory); split it into several runs")
-      # A line that is not UTF-8 fails alone (_parse_line), not the file.
-      lines = [x.rstrip("\r") for x in data.decode("utf-8", "surrogateescape").split("\n")]
-  except OSError as e:
-    raise StartupError(f"--prompts {FLAGS.prompts!r}: {e}") from None
+  lines = read_prompt_lines(FLAGS.prompts, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
   outputs = []
   if FLAGS.output is not None:
     if not FLAGS.output:

@@ -103,9 +103,11 @@ def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", 
         array = store.read_raw(key)
         if fp8.is_fp8(array):
           raise ValueError(f"{hf_dir} is already quantized ({key!r} is {array.dtype})")
-        # (a NaN would quantize to NaN blocks, or poison a whole block's scale)
-        check_finite_array(array, f"{hf_dir}: tensor {key!r}")
-        if quantizes(key, array):
+        # (a NaN would quantize to NaN blocks, or poison a whole block's scale; a float64 weight past float32's
+        # range would too, once cast for quantizing)
+        quantized = quantizes(key, array)
+        check_finite_array(array, f"{hf_dir}: tensor {key!r}", np.float32 if quantized else None)
+        if quantized:
           q, scale = quantize_blocks(array.astype(np.float32), power_of_two=scale_dtype != "float32")
           tensors[key], tensors[fp8.scale_key(key)] = q, scale.astype(SCALE_DTYPES[scale_dtype])
           done["quantized"] += 1

@@ -367,6 +367,44 @@ def test_generate_outputs_never_overwrite_an_input_and_flags_fail_before_the_mod
   assert second == {"error": "line 2: text prompt over 9 bytes (--max-prompt-bytes)", "code": "INVALID_ARGUMENT"}
 
 
+def test_a_prompts_pipe_is_read_up_to_its_limit(tmp_path):
+  """--prompts from a pipe that writes more than the limit (the script's is 1/8 of physical memory: an endless
+  pipe filled it) is refused once the limit is read, with the writer still writing; up to the limit it is read
+  whole, split into lines. (In a subprocess: the script's flags clash with the client's in this one.)"""
+  import threading
+  fifo = str(tmp_path / "prompts")
+  os.mkfifo(fifo)
+  line = b'{"input_ids": [3, 4, 5]}\r\n'  # 26 bytes
+  read = ("import sys\nfrom hisparse_jax.engine.args import StartupError\n"
+          "from hisparse_jax.generate import read_prompt_lines\n"
+          "try:\n  lines = read_prompt_lines(sys.argv[1], int(sys.argv[2]))\n"
+          "  print(len(lines), set(lines))\n"
+          "except StartupError as e:\n  print(e)\n")
+  for count, limit in ((40, 26 * 40), (40, 26 * 40 - 1), (10 ** 6, 4096)):
+    written = []
+
+    def write():
+      try:
+        with open(fifo, "wb") as f:
+          for i in range(count):
+            f.write(line)
+            written.append(i)
+      except BrokenPipeError:  # the reader stopped at its limit
+        pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    r = run("-c", read, fifo, str(limit), timeout=120)
+    writer.join(timeout=60)
+    assert r.returncode == 0 and not writer.is_alive(), r.stderr[-2000:]
+    if limit >= 26 * count:
+      assert r.stdout == f"{count + 1} {{'', '{{\"input_ids\": [3, 4, 5]}}'}}\n", r.stdout
+    else:
+      assert r.stdout == f"--prompts '{fifo}' holds more than {limit} bytes (1/8 of this machine's memory); " \
+                         "split it into several runs\n", r.stdout
+    assert len(written) == count if count == 40 else len(written) < count  # the endless one was cut short
+
+
 def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(tmp_path):
   import signal
   prompts = tmp_path / "p.jsonl"
@@ -415,6 +453,8 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
     (["--tls-client-ca-file", os.path.abspath(__file__)], "--tls-client-ca-file needs --tls-cert-file"),
     (["--api-key", "a b"], "--api-key: must be non-empty printable ASCII"),
     (["--api-key", "k", "--api-key-file", os.path.abspath(__file__)], "not both"),
+    (["--tls-cert-file", "/dev/urandom", "--tls-key-file", os.path.abspath(__file__)],
+     "--tls-cert-file '/dev/urandom': not a regular file or a pipe"),  # (it was read until memory ran out)
     (["--metrics-port", "70000"], "--metrics-port 70000"),
     (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be in [0, 3600.0] seconds"),
     (["--shutdown-grace-s", "nan"], "--shutdown-grace-s must be in [0, 3600.0] seconds, got nan"),
@@ -462,9 +502,13 @@ def test_server_warns_on_an_open_bind_and_prints_the_metrics_port():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--timeout-s", "0"], "--timeout-s must be > 0 seconds, got 0.0"),
-    (["--timeout-s", "nan"], "--timeout-s must be > 0 seconds, got nan"),
-    (["--wait-for-ready-s", "-5"], "--wait-for-ready-s must be >= 0 seconds"),
+    (["--timeout-s", "0"], "--timeout-s must be in (0, 86400] seconds or inf (none), got 0.0"),
+    (["--timeout-s", "nan"], "--timeout-s must be in (0, 86400] seconds or inf (none), got nan"),
+    (["--timeout-s", "1e10"], "got 10000000000.0"),  # (gRPC failed it at once with DEADLINE_EXCEEDED)
+    (["--wait-for-ready-s", "-5"], "--wait-for-ready-s must be in [0, 86400] seconds"),
+    (["--wait-for-ready-s", "1e300"], "--wait-for-ready-s must be in [0, 86400] seconds"),
+    (["--tls-ca-file", "/dev/zero"], "--tls-ca-file '/dev/zero': not a regular file or a pipe"),  # (read for ever)
+    (["--api-key-file", "/dev/zero"], "--api-key-file '/dev/zero': not a regular file or a pipe"),
     (["--seed", "-1"], "--seed -1: outside [0, 18446744073709551615]"),
     (["--top-k", str(2**40)], f"--top-k {2**40}: outside [0, 2147483647]"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0: outside [1, 2147483647]"),

@@ -233,6 +233,14 @@ def test_a_transfer_that_times_out(case):
     assert time.monotonic() - start < 30
     assert _idle(stub)
     assert stub.GetLoads(pb.GetLoadsRequest(), timeout=30).free_lanes == 4
+    if case == "no offer":
+      # A client deadline gRPC cannot represent here (a client in another language may send 10^10 s; the
+      # attempt failed at once with DEADLINE_EXCEEDED) is capped at MAX_TIMEOUT_S: the offer's own timeout ends it.
+      from hisparse_jax.engine import Request, Unavailable
+      from hisparse_jax.serving.disaggregation import PrefillClient
+      client = PrefillClient(e, (f"127.0.0.1:{port}",), transfer, 2, prefill_timeout_s=1)
+      with pytest.raises(Unavailable, match="no KV offer within --prefill-timeout-s 1$"):
+        asyncio.run(client.prefill(Request("far", [3, 4, 5], 2), deadline_s=1e10))
   finally:
     stop(procs)
     server.stop(0)
@@ -249,9 +257,10 @@ def _startup_error(*flags):
     (["--disaggregation-mode=decode"], "--disaggregation-mode decode needs --prefill-servers"),
     (["--prefill-servers=127.0.0.1:1"], "--prefill-servers is for --disaggregation-mode decode"),
     (["--disaggregation-mode=decode", "--prefill-servers=nowhere"], "--prefill-servers 'nowhere': expected host:port"),
-    (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be a finite number > 0"),
-    (["--disaggregation-mode=prefill", "--transfer-timeout-s=inf"], "--transfer-timeout-s must be a finite number"),
-    (["--disaggregation-mode=prefill", "--prefill-timeout-s=nan"], "--prefill-timeout-s must be a finite number > 0"),
+    (["--disaggregation-mode=prefill", "--transfer-timeout-s=0"], "--transfer-timeout-s must be in (0, 86400] seconds"),
+    (["--disaggregation-mode=prefill", "--transfer-timeout-s=inf"], "--transfer-timeout-s must be in (0, 86400]"),
+    (["--disaggregation-mode=prefill", "--transfer-timeout-s=1e300"], "got 1e+300"),  # (its timer never fired)
+    (["--disaggregation-mode=prefill", "--prefill-timeout-s=nan"], "--prefill-timeout-s must be in (0, 86400]"),
     (["--disaggregation-mode=prefill", "--transfer-host=999.9.9.9"],
      "--transfer-host 999.9.9.9: not an address of this machine"),
     (["--disaggregation-mode=prefill", "--transfer-port=65536"], "--transfer-port 65536: expected 0 (any free port)"),

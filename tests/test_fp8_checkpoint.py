@@ -499,24 +499,28 @@ def test_quantize_fp8_cli_writes_a_checkpoint_the_engine_serves_with_fp8_weights
                             argv[1]], capture_output=True, text=True, timeout=300, cwd=REPO)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "again").exists() and not os.path.exists(f"{src}/inside")
-    # A NaN in a weight is refused, naming the tensor (it passed through as NaN blocks); a FIFO side file before
-    # any work. Nothing is written either way.
-    nan = tmp_path / "nan"
-    nan.mkdir()
-    for f in os.listdir(src):
-        if f.endswith(".safetensors"):
-            t = load_file(os.path.join(src, f))
-            if "model.layers.1.self_attn.o_proj.weight" in t:
-                t["model.layers.1.self_attn.o_proj.weight"][0, 0] = np.nan
-            save_file(t, str(nan / f))
-        else:
-            (nan / f).write_bytes(open(os.path.join(src, f), "rb").read())
-    (nan / "tokenizer.json").unlink(missing_ok=True)
-    for fifo, message in ((False, "tensor 'model.layers.1.self_attn.o_proj.weight' holds a NaN or an infinity"),
-                          (True, "tokenizer.json is not a regular file")):  # (refused before the NaN is read)
-        if fifo:
-            os.mkfifo(nan / "tokenizer.json")
-        r = subprocess.run([sys.executable, "-m", "models.quantize_fp8", "--model-path", str(nan), "--output",
+    # A NaN in a weight is refused, naming the tensor (it passed through as NaN blocks), and so is a float64
+    # weight past float32's range (it overflowed in the cast for quantizing); a FIFO side file before any work.
+    # Nothing is written either way.
+    key = "model.layers.1.self_attn.o_proj.weight"
+    for case in ("nan", "float64", "fifo"):
+        bad = tmp_path / case
+        bad.mkdir()
+        for f in os.listdir(src):
+            if f.endswith(".safetensors"):
+                t = load_file(os.path.join(src, f))
+                if key in t:
+                    if case == "float64":
+                        t[key] = t[key].astype(np.float64)
+                    t[key][0, 0] = 1e300 if case == "float64" else np.nan
+                save_file(t, str(bad / f))
+            elif f != "tokenizer.json":
+                (bad / f).write_bytes(open(os.path.join(src, f), "rb").read())
+        if case == "fifo":
+            os.mkfifo(bad / "tokenizer.json")  # (refused before the NaN is read)
+        message = ("tokenizer.json is not a regular file" if case == "fifo"
+                   else f"tensor {key!r} holds a NaN or an infinity")
+        r = subprocess.run([sys.executable, "-m", "models.quantize_fp8", "--model-path", str(bad), "--output",
                             str(tmp_path / "q")], capture_output=True, text=True, timeout=300, cwd=REPO)
-        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (case, r.stderr)
         assert not (tmp_path / "q").exists()

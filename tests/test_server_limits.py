@@ -2,6 +2,7 @@
 work it bounds, a flood of open streams leaves the control plane answering, streams beyond the queue bound
 fail at once, and TLS / API-key access control (all on loopback, bounded)."""
 
+import os
 import shutil
 import subprocess
 import time
@@ -223,3 +224,14 @@ def test_api_key_flags(tmp_path):
   (tmp_path / "empty").write_text("")
   with pytest.raises(ValueError, match="empty"):
     credentials.api_key(None, str(tmp_path / "empty"))
+  # At most MAX_CREDENTIAL_FILE_BYTES, from a file or a pipe (a bash <(...)).
+  (tmp_path / "big").write_bytes(b"k" * (credentials.MAX_CREDENTIAL_FILE_BYTES + 1))
+  with pytest.raises(ValueError, match=f"more than {credentials.MAX_CREDENTIAL_FILE_BYTES} bytes"):
+    credentials.api_key(None, str(tmp_path / "big"))
+  read, write = os.pipe()
+  os.write(write, b"from-a-pipe\n")
+  os.close(write)
+  try:
+    assert credentials.api_key(None, f"/proc/self/fd/{read}") == "from-a-pipe"
+  finally:
+    os.close(read)

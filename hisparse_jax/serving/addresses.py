@@ -1,10 +1,24 @@
-"""Start-up checks of the addresses the server binds, made before the model loads so that a bad ``--host``,
-a port in use or an address of another machine fails in a second, naming its flag (the real binds stay the
-authority: a port taken in between still fails there)."""
+"""Start-up checks of the network flags, made before the model loads so that a bad one fails in a second, naming
+its flag: the addresses the server binds (a bad ``--host``, a port in use or an address of another machine; the
+real binds stay the authority: a port taken in between still fails there), and the range of the timeouts."""
 
 from __future__ import annotations
 
+import math
 import socket
+
+# The longest timeout a flag takes, seconds: a day (the client's --timeout-s also takes inf: no deadline).
+# gRPC makes a deadline past 2262 (int64 nanoseconds since 1970) an immediate DEADLINE_EXCEEDED: the client's
+# --timeout-s 1e10 failed at once; threading.Timer(1e300) raised OverflowError in its thread and never fired;
+# jax.distributed's timeouts are 32-bit.
+MAX_TIMEOUT_S = 86400
+
+
+def check_timeout(flag: str, seconds: float, allow_inf: bool = False) -> None:
+  """ValueError naming ``flag`` unless 0 < seconds <= MAX_TIMEOUT_S (or inf, with ``allow_inf``)."""
+  if not (0 < seconds <= MAX_TIMEOUT_S or (allow_inf and seconds == math.inf)):  # NaN fails too
+    raise ValueError(f"{flag} must be in (0, {MAX_TIMEOUT_S:g}] seconds{' or inf (none)' if allow_inf else ''}, "
+                     f"got {seconds}")
 
 
 def check_bindable(flag: str, host: str, port: int) -> None:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving import credentials
+from hisparse_jax.serving.addresses import MAX_TIMEOUT_S, check_timeout
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "127.0.0.1:50051", "Server address.")
@@ -144,10 +145,10 @@ def _check_flags() -> tuple[list[int] | None, list[int]]:
   _ints("top-k", [FLAGS["top-k"].value], 0, INT32_MAX)
   if FLAGS.seed is not None:
     _ints("seed", [FLAGS.seed], 0, UINT64_MAX)
-  if not FLAGS["timeout-s"].value > 0:  # NaN fails too; inf: no deadline
-    raise ValueError(f"--timeout-s must be > 0 seconds, got {FLAGS['timeout-s'].value}")
-  if not FLAGS["wait-for-ready-s"].value >= 0:
-    raise ValueError(f"--wait-for-ready-s must be >= 0 seconds, got {FLAGS['wait-for-ready-s'].value}")
+  check_timeout("--timeout-s", FLAGS["timeout-s"].value, allow_inf=True)
+  if not 0 <= FLAGS["wait-for-ready-s"].value <= MAX_TIMEOUT_S:
+    raise ValueError(f"--wait-for-ready-s must be in [0, {MAX_TIMEOUT_S:g}] seconds, got "
+                     f"{FLAGS['wait-for-ready-s'].value}")
   return ids, stop_token_ids
 
 

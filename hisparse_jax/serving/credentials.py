@@ -5,16 +5,27 @@ Every function raises ``ValueError`` with a message naming the flag at fault.
 
 from __future__ import annotations
 
+import os
+import stat
+
+# The most bytes a credentials file may hold: a system CA bundle is ~0.2 MB (/etc/ssl/certs/ca-certificates.crt).
+MAX_CREDENTIAL_FILE_BYTES = 4 << 20
+
 
 def read_file(flag: str, path: str | None) -> bytes | None:
-  """The bytes of the file a flag names (None when the flag is unset)."""
+  """The bytes of the file a flag names (None when the flag is unset): a regular file or a pipe (``<(...)``) of
+  at most MAX_CREDENTIAL_FILE_BYTES (a device such as /dev/zero was read until memory ran out)."""
   if path is None:
     return None
   try:
     with open(path, "rb") as f:
-      data = f.read()
+      if not (stat.S_ISREG(mode := os.fstat(f.fileno()).st_mode) or stat.S_ISFIFO(mode)):
+        raise ValueError(f"--{flag} {path!r}: not a regular file or a pipe")
+      data = f.read(MAX_CREDENTIAL_FILE_BYTES + 1)
   except OSError as e:
     raise ValueError(f"--{flag} {path!r}: {e.strerror}") from None
+  if len(data) > MAX_CREDENTIAL_FILE_BYTES:
+    raise ValueError(f"--{flag} {path!r}: more than {MAX_CREDENTIAL_FILE_BYTES} bytes, not a credentials file")
   if not data.strip():
     raise ValueError(f"--{flag} {path!r}: empty file")
   return data

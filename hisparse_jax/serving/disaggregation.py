@@ -46,7 +46,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -56,6 +55,7 @@ import grpc
 
 from hisparse_jax.engine import InvalidRequest, Request, RequestError, Unavailable
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
+from hisparse_jax.serving.addresses import MAX_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -113,17 +113,15 @@ class DisaggregationConfig:
       host, sep, port = s.rpartition(":")
       if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--prefill-servers {s!r}: expected host:port")
-    for flag, seconds in (("--transfer-timeout-s", self.transfer_timeout_s),
-                          ("--prefill-timeout-s", self.prefill_timeout_s)):
-      if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"{flag} must be a finite number > 0, got {seconds}")
+    from hisparse_jax.serving.addresses import check_bindable, check_timeout
+    check_timeout("--transfer-timeout-s", self.transfer_timeout_s)
+    check_timeout("--prefill-timeout-s", self.prefill_timeout_s)
     if not 0 <= self.transfer_port <= 65535:
       raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free port) or 1..65535")
     if self.mode == "null" and self.transfer_port:
       raise ValueError("--transfer-port is for --disaggregation-mode prefill or decode (a colocated server has no "
                        "KV transfer server)")
     if self.mode != "null":  # the KV transfer server binds it (an address of another machine cannot be bound)
-      from hisparse_jax.serving.addresses import check_bindable
       check_bindable("--transfer-host", self.transfer_host, 0)
       for port in self.transfer_ports():
         check_bindable("--transfer-host/--transfer-port", self.transfer_host, port)
@@ -512,7 +510,8 @@ class PrefillClient:
     """
     if req.seed is None:  # drawn here, so that the first token (sampled there) and the rest share it
       req.seed = int.from_bytes(os.urandom(4), "little")
-    end = None if deadline_s is None else time.monotonic() + deadline_s
+    # (a client of another language may send a deadline gRPC here cannot represent: see MAX_TIMEOUT_S)
+    end = None if deadline_s is None else time.monotonic() + min(deadline_s, MAX_TIMEOUT_S)
     errors = []
     for _ in range(min(2, len(self.servers))):
       left = None if end is None else end - time.monotonic()

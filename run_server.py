@@ -103,7 +103,8 @@ def _security():
   if ca is not None and cert is None:
     raise StartupError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
   try:
-    credentials.check_pem(FLAGS["tls-cert-file"].value, FLAGS["tls-key-file"].value, FLAGS["tls-client-ca-file"].value)
+    credentials.check_pem(FLAGS["tls-cert-file"].value, FLAGS["tls-key-file"].value, FLAGS["tls-client-ca-file"].value,
+                          cert, key, ca)
   except ValueError as e:
     raise StartupError(str(e)) from None
   return (TLSConfig(cert, key, ca) if cert is not None else None), api_key
@@ -135,9 +136,12 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from hisparse_jax import distributed
-  from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail
+  from hisparse_jax.engine.args import (EngineArgs, StartupError, client_mem_fraction, load_tokenizer_or_fail,
+                                       reserve_device_memory)
   dist = distributed.DistributedArgs.from_flags()
+  reserve_device_memory()  # (before JAX starts its GPU client)
   try:
+    client_mem_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION in the environment
     if not 0 <= FLAGS.port <= 65535:
       raise StartupError(f"--port {FLAGS.port}: expected 0..65535")
     if not 0 <= FLAGS["shutdown-grace-s"].value <= MAX_SHUTDOWN_GRACE_S:  # NaN fails too

@@ -413,9 +413,10 @@ def check_same(settings: dict) -> None:
           raise StartupError(f"--model-path: process {p} has another model (its config.json or weights differ "
                              f"from process {jax.process_index()}'s); every process needs the same checkpoint")
         flag = _SETTING_FLAGS.get(key, "--" + key.replace("_", "-"))
-        raise StartupError(f"{flag} differs between processes: {mine.get(key)!r} here (process "
-                           f"{jax.process_index()}), {theirs.get(key)!r} on process {p}; start every process with "
-                           "the same flags")
+        shown = lambda v: "unset" if v is None else repr(v)  # noqa: E731 - (a flag left at its default None)
+        raise StartupError(f"{flag} differs between processes: {shown(mine.get(key))} here (process "
+                           f"{jax.process_index()}), {shown(theirs.get(key))} on process {p}; start every process "
+                           "with the same flags")
 
 
 class Lockstep:

@@ -19,6 +19,9 @@ the prompts file, nor each other, nor inside the model directory (start-up error
 the cross-layer prefetch copied, with ``"prefetch": "next_layer"``) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served (finish_reason ``"error"`` with an
 ``error`` message when a kernel refused the request's row mid-run); the others are decoded anyway. All requests run through one continuous-batching engine.
+The prompts are read as the engine takes them (a file of any size, or a pipe that keeps writing: memory holds
+the requests in flight, at most MAX_PENDING lines read and not yet written); a line longer than any prompt the
+engine could take fails alone.
 
 ``--dump-topk FILE.npz`` records the indexer's top-k positions at every decode
 step of every layer: for input line N, ``topk_N`` int32[steps, layers, index_topk]
@@ -28,8 +31,10 @@ step of every layer: for input line N, ``topk_N`` int32[steps, layers, index_top
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import queue
 import signal
 import stat
 import sys
@@ -45,6 +50,19 @@ flags.DEFINE_string("output", None, "JSONL output file (default: stdout).")
 flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate per prompt unless the line says otherwise.")
 flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-layer top-k positions to this .npz "
                     "(keys topk_<line>, prompt_tokens_<line>) for benchmarks/miss_rate.py --trace.")
+
+
+# Requests kept waiting in the engine beyond its lanes, at least, and lines read but not yet written, at most
+# (main(): the prompts are read as the engine needs them).
+QUEUE_AHEAD = 64
+MAX_PENDING = 4096
+WAIT_S = 0.2  # the longest an idle engine waits for a line before it looks at Ctrl-C again
+_EOF = object()
+
+
+class _RunError(Exception):
+  """Reading the prompts or writing the output failed mid-run (an I/O error): the run stops as on a failed
+  step, with this message and no traceback."""
 
 
 MAX_NEW_TOKENS = 2**31 - 1  # token counts are int32 on the device; a line's own value is checked against the context
@@ -118,33 +136,58 @@ def _same_file(a: str, b: str) -> bool:
                                                         and os.path.samefile(a, b))
 
 
-def read_prompt_lines(path: str, limit: int) -> list[str]:
-  """The lines of the prompts file at ``path`` (split on \\n only: JSON strings may hold U+2028; a trailing \\r
-  dropped; bytes that are not UTF-8 kept as surrogates, so such a line fails alone in _parse_line). ``path`` may
-  be a file, a pipe or FIFO, a terminal or /dev/null; StartupError for another device (/dev/zero, /dev/urandom
-  never end), for more than ``limit`` bytes (a pipe may never end either; the script passes 1/8 of physical
-  memory, as the lines take ~3x their bytes), or when it cannot be read."""
+def open_prompts(path: str):
+  """The prompts file at ``path`` opened for reading (binary): a file, a pipe or FIFO, a terminal or /dev/null.
+  StartupError for another device (/dev/zero, /dev/urandom: they never end) or when it cannot be opened."""
   from hisparse_jax.engine.args import StartupError
   try:
-    with open(path, "rb") as f:
-      st = os.fstat(f.fileno())
-      if stat.S_ISCHR(st.st_mode) and not os.isatty(f.fileno()) and st.st_rdev != os.stat(os.devnull).st_rdev:
-        raise StartupError(f"--prompts {path!r} is a device, not a file, pipe, terminal or /dev/null")
-      data = f.read(limit + 1)
-      if len(data) > limit:
-        raise StartupError(f"--prompts {path!r} holds more than {limit} bytes (1/8 of this machine's memory); "
-                           "split it into several runs")
+    f = open(path, "rb")
   except OSError as e:
     raise StartupError(f"--prompts {path!r}: {e}") from None
-  return [x.rstrip("\r") for x in data.decode("utf-8", "surrogateescape").split("\n")]
+  st = os.fstat(f.fileno())
+  if stat.S_ISCHR(st.st_mode) and not os.isatty(f.fileno()) and st.st_rdev != os.stat(os.devnull).st_rdev:
+    f.close()
+    raise StartupError(f"--prompts {path!r} is a device, not a file, pipe, terminal or /dev/null")
+  return f
 
 
-def _read_prompts_and_check_outputs(dump: str | None, model_dir: str) -> list[str]:
-  """The prompt file's lines; StartupError (before the model loads) for an unreadable --prompts, or an --output /
-  --dump-topk that cannot be written or would overwrite an input: the prompts file, the other output, or anything
-  in the --model-path directory."""
+def prompt_lines(f, max_line_bytes: int):
+  """Yields (line number from 1, line) for each non-blank line of the binary file ``f``, read as it is needed
+  (memory holds one line, whatever the file's size or a pipe's length). Lines are split on \\n only (JSON
+  strings may hold U+2028), a trailing \\r is dropped, and bytes that are not UTF-8 are kept as surrogates so
+  that such a line fails alone (_parse_line). A line of more than ``max_line_bytes`` bytes is yielded as None
+  (it fails alone) and skipped, read on in 1 MiB pieces without keeping them. OSError as the file raises it."""
+  lineno = 0
+  while True:
+    raw = f.readline(max_line_bytes + 1)
+    if not raw:
+      return
+    lineno += 1
+    if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+      while raw and not raw.endswith(b"\n"):
+        raw = f.readline(1 << 20)
+      yield lineno, None
+      continue
+    line = raw.decode("utf-8", "surrogateescape").rstrip("\n").rstrip("\r")
+    if line.strip():
+      yield lineno, line
+
+
+def _open_prompts_and_check_outputs(dump: str | None, model_dir: str):
+  """The prompts file, open (``open_prompts``); StartupError (before the model loads) for an unreadable
+  --prompts, or an --output / --dump-topk that cannot be written or would overwrite an input: the prompts file,
+  the other output, or anything in the --model-path directory."""
+  f = open_prompts(FLAGS.prompts)
+  try:
+    _check_outputs(dump, model_dir)
+  except BaseException:
+    f.close()
+    raise
+  return f
+
+
+def _check_outputs(dump: str | None, model_dir: str) -> None:
   from hisparse_jax.engine.args import StartupError
-  lines = read_prompt_lines(FLAGS.prompts, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
   outputs = []
   if FLAGS.output is not None:
     if not FLAGS.output:
@@ -164,7 +207,25 @@ def _read_prompts_and_check_outputs(dump: str | None, model_dir: str) -> list[st
       if _same_file(path, other):
         raise StartupError(f"{flag} {path!r} is the {other_flag} file; give them different names")
     _check_writable_dir(flag, path)
-  return lines
+
+
+def _write_topk_dump(path: str, traces, layers: int, topk: int) -> None:
+  """Writes --dump-topk (module docstring) for ``traces``, [(line number, finished Request)], next to ``path``
+  and renames it there: an existing trace is replaced whole or not at all. OSError as the file system raises it."""
+  import numpy as np
+  arrays = {}
+  for lineno, req in traces:
+    steps = np.stack(req.topk_trace) if req.topk_trace else np.zeros((0, layers, topk), np.int32)
+    arrays[f"topk_{lineno}"] = steps.astype(np.int32)
+    arrays[f"prompt_tokens_{lineno}"] = np.int64(len(req.prompt_ids))
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".npz")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      np.savez_compressed(f, **arrays)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
 
 
 def _follow(args, tokenizer, record_topk: bool) -> None:
@@ -186,22 +247,25 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from hisparse_jax import distributed
-  from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail
+  from hisparse_jax.engine.args import (EngineArgs, StartupError, client_mem_fraction, load_tokenizer_or_fail,
+                                       reserve_device_memory)
   dist = distributed.DistributedArgs.from_flags()
+  reserve_device_memory()  # (before JAX starts its GPU client)
   try:
+    client_mem_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION in the environment
     args = EngineArgs.from_flags()
     args.validate()
     if not 1 <= FLAGS["max-new-tokens"].value <= MAX_NEW_TOKENS:
       raise StartupError(f"--max-new-tokens must be 1..{MAX_NEW_TOKENS}, got {FLAGS['max-new-tokens'].value}")
     distributed.initialize(dist)
     dump = FLAGS["dump-topk"].value
-    lines, error = None, None
+    prompts, error = None, None
     try:  # every process checks its model; process 0 alone reads the prompts and writes the results
       model_dir = args.model_dir()
       model_cfg = args.model_config(model_dir)
       tokenizer = load_tokenizer_or_fail(model_dir)
       if dist.process_id == 0:
-        lines = _read_prompts_and_check_outputs(dump, model_dir)
+        prompts = _open_prompts_and_check_outputs(dump, model_dir)
     except StartupError as e:
       error = str(e)
     distributed.startup_barrier(error)  # every process stops when one's checks fail, with its message
@@ -226,36 +290,103 @@ def main(argv):
 
   from hisparse_jax.engine import Request, RequestError
 
-  # Blank lines are skipped; numbers in messages are the file's own line numbers.
-  numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-  results: list[dict] = [{} for _ in numbered]
-  requests: list[tuple[int, Request]] = []
-  for i, (lineno, line) in enumerate(numbered):
-    try:
-      ids, max_new = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id, FLAGS["max-new-tokens"].value,
-                                 engine.max_prompt_bytes)
-      req = Request(request_id=str(lineno), prompt_ids=ids, max_new_tokens=max_new)
-      engine.submit(req)
-      requests.append((i, req))
-    except RequestError as e:
-      results[i] = {"error": f"line {lineno}: {e}", "code": e.code}
-    except Exception as e:  # noqa: BLE001 - one bad line must not sink the batch
-      msg = str(e) if str(e).startswith(f"line {lineno}:") else f"line {lineno}: {type(e).__name__}: {e}"
-      results[i] = {"error": msg, "code": "INVALID_ARGUMENT"}
+  # The prompts are read as the engine needs them (a 39-byte line became ~2.5 KB of Python objects: a whole file
+  # read up front ran out of memory at a few hundred MB of short prompts). At least QUEUE_AHEAD requests (or two
+  # per lane) wait in the engine, so admission, which may pass one that does not fit yet, has a queue to pick from;
+  # at most MAX_PENDING lines are read and not yet written (a long request at the head of the output holds back
+  # the results after it: reading stops until it is done). A line longer than any prompt the engine could take
+  # fails alone: JSON text takes at most 6 bytes per byte of UTF-8 (\\u escapes), an id with its comma under 16.
+  # A thread reads (a pipe's read blocks: decoding goes on meanwhile), at most queue_ahead lines ahead.
+  max_line_bytes = 8 * engine.max_prompt_bytes + 16 * engine.max_seq_len + 4096
+  queue_ahead = max(QUEUE_AHEAD, 2 * engine.num_slots)
+  inbox = queue.Queue(maxsize=queue_ahead)  # (line number, line or None), then _EOF or an OSError
 
-  index = {req.request_id: i for i, req in requests}
-  written = 0
+  def reader() -> None:
+    try:
+      for item in prompt_lines(prompts, max_line_bytes):
+        inbox.put(item)
+      inbox.put(_EOF)
+    except OSError as e:
+      inbox.put(e)
+
+  threading.Thread(target=reader, name="prompts", daemon=True).start()
+  max_pending = max(MAX_PENDING, 4 * queue_ahead)
+  pending: collections.deque[list] = collections.deque()  # [result or None], one per line read, in input order
+  running: dict[str, tuple[list, int]] = {}  # request id -> (its pending entry, its line number)
+  traces: list[tuple[int, Request]] = []  # with --dump-topk: every request, to write at the end
+  totals = collections.Counter()
+  eof = False
+  read = written = 0
   dest = None if FLAGS.output else sys.stdout  # opened at the first result: a run that fails before keeps the file
+
+  def read_more() -> None:
+    nonlocal eof, read
+    while not eof and len(engine.waiting) < queue_ahead and len(pending) < max_pending:
+      try:  # with nothing to decode, wait for the next line (Ctrl-C is seen within WAIT_S)
+        item = inbox.get(timeout=WAIT_S) if not engine.has_work() else inbox.get_nowait()
+      except queue.Empty:
+        if engine.has_work() or interrupted.is_set():
+          break
+        engine.idle()  # several processes: a heartbeat to the followers while the prompts come slowly
+        continue
+      if isinstance(item, OSError):
+        raise _RunError(f"reading --prompts {FLAGS.prompts!r} failed: {item}")
+      if item is _EOF:
+        eof = True
+        break
+      lineno, line = item
+      read += 1
+      entry = [None]
+      pending.append(entry)
+      if line is None:
+        entry[0] = {"error": f"line {lineno}: over {max_line_bytes} bytes (longer than any prompt this engine "
+                    "takes)", "code": "INVALID_ARGUMENT"}
+        continue
+      try:
+        ids, max_new = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id,
+                                   FLAGS["max-new-tokens"].value, engine.max_prompt_bytes)
+        req = Request(request_id=str(lineno), prompt_ids=ids, max_new_tokens=max_new)
+        engine.submit(req)
+        running[req.request_id] = (entry, lineno)
+        totals["requests"] += 1
+      except RequestError as e:
+        entry[0] = {"error": f"line {lineno}: {e}", "code": e.code}
+      except Exception as e:  # noqa: BLE001 - one bad line must not sink the batch
+        msg = str(e) if str(e).startswith(f"line {lineno}:") else f"line {lineno}: {type(e).__name__}: {e}"
+        entry[0] = {"error": msg, "code": "INVALID_ARGUMENT"}
+
+  def finished(req) -> None:
+    entry, lineno = running.pop(req.request_id)
+    out = {"output_ids": req.output_ids, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids)}
+    if req.finish_reason == "error":  # a kernel refused this request's row; the others went on
+      out["error"] = req.error
+    if tokenizer is not None:
+      out["text"] = req.text
+    totals["tokens"] += len(req.output_ids)
+    if hisparse is not None:
+      out["hits"], out["misses"] = req.hits, req.misses
+      totals["hits"] += req.hits
+      totals["misses"] += req.misses
+      if hisparse.prefetch != "none":
+        out["prefetched"] = req.prefetched
+        totals["prefetched"] += req.prefetched
+    entry[0] = out
+    if dump is not None:
+      traces.append((lineno, req))
 
   def write_ready() -> None:  # the finished prefix of the results, in input order
     nonlocal written, dest
-    while written < len(results) and results[written]:
-      if dest is None:
-        dest = open(FLAGS.output, "w", encoding="utf-8")
-      dest.write(json.dumps(results[written], ensure_ascii=False) + "\n")
-      written += 1
-    if dest is not None:
-      dest.flush()
+    try:
+      while pending and pending[0][0] is not None:
+        if dest is None:
+          dest = open(FLAGS.output, "w", encoding="utf-8")
+        dest.write(json.dumps(pending.popleft()[0], ensure_ascii=False) + "\n")
+        written += 1
+      if dest is not None:
+        dest.flush()
+    except OSError as e:  # a full disk: the run stops, with one line
+      raise _RunError(f"writing --output {FLAGS.output or 'stdout'!r} failed: {e.strerror or e} (the results "
+                      "counted below as written were handed to it, the last perhaps not whole)") from None
 
   # Ctrl-C sets a flag the loop reads between steps (a KeyboardInterrupt raised inside a step could land in
   # a callback that swallows it); a second Ctrl-C interrupts at once.
@@ -271,75 +402,61 @@ def main(argv):
   start = time.perf_counter()
   failure = None
   try:
-    write_ready()  # lines rejected up front
-    while engine.has_work() and not interrupted.is_set():
-      for req in engine.step():
-        out = {"output_ids": req.output_ids, "finish_reason": req.finish_reason,
-               "prompt_tokens": len(req.prompt_ids)}
-        if req.finish_reason == "error":  # a kernel refused this request's row; the others went on
-          out["error"] = req.error
-        if tokenizer is not None:
-          out["text"] = req.text
-        if hisparse is not None:
-          out["hits"], out["misses"] = req.hits, req.misses
-          if hisparse.prefetch != "none":
-            out["prefetched"] = req.prefetched
-        results[index[req.request_id]] = out
-      write_ready()
+    while (engine.has_work() or not eof) and not interrupted.is_set():
+      if engine.has_work():
+        for req in engine.step():
+          finished(req)
+      write_ready()  # (before read_more: with nothing to decode, it waits for the next line)
+      read_more()
+    write_ready()
   except KeyboardInterrupt:
     interrupted.set()
+  except _RunError as e:  # what finished is written, then one line
+    failure = str(e)
   except Exception as e:  # noqa: BLE001 - a step that fails as a whole: what finished is written, then one line
-    failure = f"{type(e).__name__}: {e}"
+    failure = f"a step failed ({type(e).__name__}: {e})"
     logging.exception("a step failed")  # the traceback, for a report
   finally:
     signal.signal(signal.SIGINT, previous)
     signal.signal(signal.SIGTERM, previous_term)
     engine.close()  # several processes: the followers stop too
     if dest not in (None, sys.stdout):
-      dest.close()
-  if failure is not None:
+      try:
+        dest.close()
+      except OSError:  # (the write that failed is reported above; closing flushes it again)
+        pass
+  L, K = model_cfg.num_hidden_layers, model_cfg.index_topk
+  dumped = ""
+  if dump is not None and (traces or (failure is None and not interrupted.is_set())):
+    try:  # (on Ctrl-C or a failure too: the finished requests' traces)
+      _write_topk_dump(dump, traces, L, K)
+      dumped = f"top-k trace of {len(traces)} finished request{'' if len(traces) == 1 else 's'} written to {dump}"
+    except OSError as e:
+      failure = failure or f"--dump-topk {dump!r}: {e.strerror or e}"
+  if failure is not None or interrupted.is_set():
     where = FLAGS.output or "stdout"
-    sys.exit(f"error: a step failed ({failure}); {written} of {len(results)} results written to {where}"
-             + (f" (the earlier {where} is unchanged)" if output_existed and not written else ""))
-  if interrupted.is_set():
-    where = FLAGS.output or "stdout"
-    print(f"\n[generate] interrupted: {written} of {len(results)} results written to {where}"
-          + (f" (the earlier {where} is unchanged)" if output_existed and not written else ""), file=sys.stderr)
+    message = (f"{written} of {read} results written to {where}"
+               + (f" (the earlier {where} is unchanged)" if output_existed and not written else "")
+               + ("" if eof else "; --prompts was not read to its end") + (f"; {dumped}" if dumped else ""))
+    if failure is not None:
+      sys.exit(f"error: {failure}; {message}")
+    print(f"\n[generate] interrupted: {message}", file=sys.stderr)
     sys.exit(130)
   if dest is None:  # a finished run with no result line (no prompts): the output is that, empty
     open(FLAGS.output, "w").close()
   elapsed = time.perf_counter() - start
-  if dump is not None:
-    import numpy as np
-    L, K = model_cfg.num_hidden_layers, model_cfg.index_topk
-    arrays = {}
-    for i, req in requests:
-      lineno = numbered[i][0]
-      steps = np.stack(req.topk_trace) if req.topk_trace else np.zeros((0, L, K), np.int32)
-      arrays[f"topk_{lineno}"] = steps.astype(np.int32)
-      arrays[f"prompt_tokens_{lineno}"] = np.int64(len(req.prompt_ids))
-    # Written next to the target, then renamed: an existing trace is replaced whole or not at all.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dump)), suffix=".npz")
-    try:
-      with os.fdopen(fd, "wb") as f:
-        np.savez_compressed(f, **arrays)
-      os.replace(tmp, dump)
-    except BaseException:
-      os.unlink(tmp)
-      raise
-    print(f"[generate] top-k trace of {len(requests)} requests written to {dump}", file=sys.stderr)
-  n_tokens = sum(len(r.output_ids) for _, r in requests)
+  if dumped:
+    print(f"[generate] {dumped}", file=sys.stderr)
   mode = f"hisparse, host pool: {engine.host_pool}" if hisparse else "dense"
   mode += engine.numerics_label()
-  print(f"[generate] {len(requests)} request{'' if len(requests) == 1 else 's'} ({len(numbered) - len(requests)} rejected), {n_tokens} new tokens "
-        f"in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
+  n = totals["requests"]
+  print(f"[generate] {read} prompt line{'' if read == 1 else 's'}: {n} run, {read - n} rejected; "
+        f"{totals['tokens']} new tokens in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
   if engine.lockstep is not None:
     print(f"[generate] {engine.lockstep.summary(elapsed)}", file=sys.stderr)
   if hisparse is not None:
-    hits = sum(r.hits for _, r in requests)
-    misses = sum(r.misses for _, r in requests)
-    prefetched = (f", {sum(r.prefetched for _, r in requests)} rows prefetched"
-                  if hisparse.prefetch != "none" else "")
+    hits, misses = totals["hits"], totals["misses"]
+    prefetched = f", {totals['prefetched']} rows prefetched" if hisparse.prefetch != "none" else ""
     rate = f"{misses / (hits + misses):.3f}" if hits + misses else "n/a: no swap-in ran"
     print(f"[generate] swap-in: {hits} hits, {misses} misses (miss rate {rate}){prefetched}", file=sys.stderr)
     if hisparse.resident_fraction > 0:

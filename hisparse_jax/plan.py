@@ -6,7 +6,9 @@
 
 For each mode it prints the weights each device holds, the device KV budget, the KV bytes one request of
 ``--context`` tokens holds on a device (and in host memory), and the most requests the engine would run at
-once. Every number comes from the runtime's own formulas: parameter shapes from the Flax model built
+once. Every number comes from the runtime's own formulas: JAX's share of each device from
+``--device-memory`` x the fraction the servers reserve (``engine.args.client_mem_fraction``:
+XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95 unless the environment sets it; a device's ``bytes_limit``), parameter shapes from the Flax model built
 abstractly (``nnx.eval_shape``; no weights), per-device shares from the sharding rule table
 (``hisparse_jax/sharding.py``), the KV budget from ``engine.args.kv_budget``, pool sizes from
 ``memory.backend.plan`` (the function the backend allocates with), and the host-memory limit from the
@@ -39,7 +41,7 @@ import numpy as np
 
 from hisparse_jax.config import ConfigError, HiSparseConfig
 from hisparse_jax.engine.args import (DEFAULT_MEM_FRACTION, MAX_HOST_MEMORY_FRACTION, StartupError, check_context,
-                                      check_page_size, kv_budget)
+                                      check_page_size, client_mem_fraction, kv_budget)
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device
 from models.config import DSAConfig
@@ -122,6 +124,7 @@ class CapacityPlan:
   context: int
   weight_bytes: int
   weight_bytes_per_device: int
+  device_bytes: int  # JAX's share of a device (its bytes_limit), which the KV budget is taken from
   kv_budget_per_device: int
   host_bytes_per_device: int
   hisparse_staging_bytes: int
@@ -197,8 +200,8 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
 def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host_memory: int, context: int,
              hisparse: HiSparseConfig, weight_dtype: str | None = None, kv_cache_dtype: str = "auto",
              page_size: int = 64, mem_fraction_static: float | None = None, params=None) -> CapacityPlan:
-  """The capacity of ``mesh`` (dp x tp devices of device_memory bytes; host_memory bytes of host memory for
-  all of them) serving requests of ``context`` tokens (prompt + output), latent rows and indexer keys stored
+  """The capacity of ``mesh`` (dp x tp devices of which JAX has device_memory bytes each, a device's
+  ``bytes_limit``; host_memory bytes of host memory for all of them) serving requests of ``context`` tokens (prompt + output), latent rows and indexer keys stored
   as kv_cache_dtype says. See the module docstring.
 
   Raises:
@@ -226,8 +229,8 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
     budget = int(DEFAULT_MEM_FRACTION * (device_memory - per_device))
     if budget <= 0:
       hint = "more devices" if weight_dtype == "fp8" else "--weight-dtype fp8 or more devices"
-      raise StartupError(f"the weights take {per_device / GIB:.3g} GiB per device, more than --device-memory "
-                         f"{device_memory / GIB:.3g} GiB (try {hint})")
+      raise StartupError(f"the weights take {per_device / GIB:.3g} GiB per device, more than the "
+                         f"{device_memory / GIB:.3g} GiB JAX has of each device (try {hint})")
   else:
     budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
   kv_cfg = model_cfg.replace(kv_cache_dtype=kv_cache_dtype)
@@ -238,8 +241,8 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
   dense = _dense_plan(layout, budget, context, page_size, mesh.dp_size)
   hs = _hisparse_plan(layout, budget, host_per_device, context, page_size, mesh.dp_size, hisparse)
   staging = -(-context // page_size) * page_size * layout.latent_bytes  # plan()'s "staging" pool
-  return CapacityPlan(model_cfg.model_type, mesh, weight_dtype, kv_cache_dtype, context, total, per_device, budget,
-                      host_per_device, staging, dense, hs)
+  return CapacityPlan(model_cfg.model_type, mesh, weight_dtype, kv_cache_dtype, context, total, per_device,
+                      device_memory, budget, host_per_device, staging, dense, hs)
 
 
 def format_plan(p: CapacityPlan) -> str:
@@ -250,6 +253,8 @@ def format_plan(p: CapacityPlan) -> str:
       f"model {p.model_type}: {g(p.weight_bytes)} of weights ({p.weight_dtype}; {p.weight_bytes / 1e9:,.1f} GB), "
       f"KV cache {p.kv_cache_dtype}",
       f"mesh dp {m.dp_size} x tp {m.tp_size} = {m.num_devices} devices, experts over ep {m.ep_size}",
+      f"JAX's share per device  {g(p.device_bytes)}  (--device-memory x XLA_PYTHON_CLIENT_MEM_FRACTION "
+      f"{client_mem_fraction()}, as the servers reserve it)",
       f"weights per device      {g(p.weight_bytes_per_device)}",
       f"KV budget per device    {g(p.kv_budget_per_device)}",
       f"host memory per device  {g(p.host_bytes_per_device)}  ({MAX_HOST_MEMORY_FRACTION:.0%} of host memory / devices)",
@@ -257,12 +262,12 @@ def format_plan(p: CapacityPlan) -> str:
       "prefills, taken from the KV budget first)",
       f"context                 {p.context:,} tokens",
       "",
-      f"{'mode':<10}{'KV/request device':>20}{'KV/request host':>18}{'requests/group':>16}{'requests':>10}"
+      f"{'mode':<10}{'KV/request device':>20}{'KV/request host':>18}{'requests/group':>16}{'requests':>12}"
       f"  limited by",
   ]
-  for mp in (p.dense, p.hisparse):
-    lines.append(f"{mp.mode:<10}{g(mp.request_device_bytes):>20}{g(mp.request_host_bytes):>18}"
-                 f"{mp.requests_per_group:>16,}{mp.requests:>10,}  {mp.limited_by}")
+  for mp in (p.dense, p.hisparse):  # (a space before each number: a count wider than its column stays apart)
+    lines.append(f"{mp.mode:<10}{g(mp.request_device_bytes):>20} {g(mp.request_host_bytes):>17}"
+                 f" {mp.requests_per_group:>15,} {mp.requests:>11,}  {mp.limited_by}")
   hs = p.hisparse
   ratio = "n/a (dense admits none)" if p.capacity_ratio is None else f"{p.capacity_ratio:.2f}x"
   lines += ["", f"HiSparse / dense requests: {ratio}"]
@@ -279,11 +284,11 @@ def main(argv) -> None:
   from absl import flags
   del argv
   F = lambda name: flags.FLAGS[name].value  # noqa: E731
-  try:
-    with open(F("model-config")) as f:
-      model_cfg = DSAConfig.from_hf_config(json.load(f))
+  from models.from_torch import MAX_CONFIG_BYTES, read_json
+  try:  # (a regular file of bounded size: a FIFO or /dev/zero never ends; ValueError for JSON nested too deeply)
+    model_cfg = DSAConfig.from_hf_config(read_json(F("model-config"), MAX_CONFIG_BYTES))
   except (OSError, ValueError, KeyError, TypeError) as e:
-    sys.exit(f"error: --model-config {F("model-config")!r}: {e}")
+    sys.exit(f"error: --model-config: {e}")  # (read_json's messages name the file)
   devices = F("devices")
   if devices < 1:
     sys.exit(f"error: --devices must be >= 1, got {devices}")
@@ -315,7 +320,9 @@ def main(argv) -> None:
   try:
     if mesh.num_devices != devices:
       raise MeshError(f"--dp-size {dp} x --tp-size {tp} must equal --devices {devices}")
-    plan = capacity(model_cfg, mesh, device_memory=int(F("device-memory") * GIB), host_memory=int(F("host-memory") * GIB),
+    # JAX's share of each device, as the servers take it (client_mem_fraction: a device's bytes_limit)
+    plan = capacity(model_cfg, mesh, device_memory=int(F("device-memory") * GIB * client_mem_fraction()),
+                    host_memory=int(F("host-memory") * GIB),
                     context=F("context"), hisparse=hs, weight_dtype=F("weight-dtype"),
                     kv_cache_dtype=F("kv-cache-dtype"), page_size=F("page-size"),
                     mem_fraction_static=F("mem-fraction-static"))

@@ -77,15 +77,15 @@ def main(argv=None) -> int:
   ap.add_argument("--oracle-python", default=None, help="python with torch + transformers")
   args = ap.parse_args(argv)
 
+  from models.config import DSAConfig
+  from models.convert import ORBAX_MARKER, is_orbax_dir
+  if is_orbax_dir(args.model_path):  # (before the oracle's own check: no oracle helps here)
+    print(f"error: --model-path {args.model_path!r} is an orbax checkpoint, which transformers cannot read: compare "
+          f"the HF directory it was converted from (its {ORBAX_MARKER} names it as \"source\")", file=sys.stderr)
+    return 2
   python = args.oracle_python or default_oracle_python()
   if not os.path.exists(python):
     print(f"error: no transformers oracle at {python} (run `make oracle`, or pass --oracle-python)", file=sys.stderr)
-    return 2
-  from models.config import DSAConfig
-  from models.convert import ORBAX_MARKER, is_orbax_dir
-  if is_orbax_dir(args.model_path):
-    print(f"error: --model-path {args.model_path!r} is an orbax checkpoint, which transformers cannot read: compare "
-          f"the HF directory it was converted from (its {ORBAX_MARKER} names it as \"source\")", file=sys.stderr)
     return 2
   try:
     cfg = DSAConfig.from_pretrained(args.model_path)

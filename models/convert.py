@@ -282,6 +282,10 @@ def main(argv=None) -> int:
   if not os.path.exists(os.path.join(args.model_path, "config.json")):
     print(f"error: --model-path {args.model_path!r}: no config.json", file=sys.stderr)
     return 2
+  if is_orbax_dir(args.model_path):  # (it said "no *.safetensors weights found")
+    print(f"error: --model-path {args.model_path!r} is already an orbax checkpoint (serve it as it is)",
+          file=sys.stderr)
+    return 2
   try:
     convert(args.model_path, args.output, args.dtype)
   except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is the user's error, said in one line

@@ -44,7 +44,7 @@ def test_an_earlier_output_survives_a_start_up_error_and_a_run_without_prompts_e
   assert r.returncode == 1 and "--max-seq-len 100000" in r.stderr and out.read_text() == "earlier results\n"
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(out))
-  assert r.returncode == 0 and "0 requests (0 rejected)" in r.stderr, r.stderr[-2000:]
+  assert r.returncode == 0 and "0 prompt lines: 0 run, 0 rejected" in r.stderr, r.stderr[-2000:]
   assert out.read_text() == ""
 
 
@@ -145,7 +145,8 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--enable-hisparse", "--hisparse-config", '{"slots": 4}'], "unknown key(s) ['slots']"),
     (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model': no such directory"),
     (["--dtype", "float16"], "--dtype 'float16': expected one of float32, bfloat16"),
-    (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+    (["--max-running-requests", "0"], "--max-running-requests must be in [1, 65536], got 0"),
+    (["--max-running-requests", "100000000"], "--max-running-requests must be in [1, 65536]"),  # (9 GB of lanes)
     (["--host-pool", "gpu"], "--host-pool 'gpu': expected one of auto, jax, extension"),
     (["--host-pool", "extension"], "--host-pool extension was given without --enable-hisparse"),
     (["--host-pool", "jax"], "--host-pool jax was given without --enable-hisparse"),
@@ -367,42 +368,69 @@ def test_generate_outputs_never_overwrite_an_input_and_flags_fail_before_the_mod
   assert second == {"error": "line 2: text prompt over 9 bytes (--max-prompt-bytes)", "code": "INVALID_ARGUMENT"}
 
 
-def test_a_prompts_pipe_is_read_up_to_its_limit(tmp_path):
-  """--prompts from a pipe that writes more than the limit (the script's is 1/8 of physical memory: an endless
-  pipe filled it) is refused once the limit is read, with the writer still writing; up to the limit it is read
-  whole, split into lines. (In a subprocess: the script's flags clash with the client's in this one.)"""
+def test_prompt_lines_reads_a_line_at_a_time_and_skips_an_over_long_one(tmp_path):
+  """prompt_lines: non-blank lines with their numbers, \\r\\n and a last line without \\n, bytes that are not
+  UTF-8 kept for the line's own error, and a line over the limit yielded as None and skipped (read on, not kept:
+  here 64 MiB without a newline from a pipe). (In a subprocess: the script's flags clash with the client's in
+  this one.)"""
   import threading
   fifo = str(tmp_path / "prompts")
   os.mkfifo(fifo)
-  line = b'{"input_ids": [3, 4, 5]}\r\n'  # 26 bytes
-  read = ("import sys\nfrom hisparse_jax.engine.args import StartupError\n"
-          "from hisparse_jax.generate import read_prompt_lines\n"
-          "try:\n  lines = read_prompt_lines(sys.argv[1], int(sys.argv[2]))\n"
-          "  print(len(lines), set(lines))\n"
-          "except StartupError as e:\n  print(e)\n")
-  for count, limit in ((40, 26 * 40), (40, 26 * 40 - 1), (10 ** 6, 4096)):
-    written = []
 
-    def write():
-      try:
-        with open(fifo, "wb") as f:
-          for i in range(count):
-            f.write(line)
-            written.append(i)
-      except BrokenPipeError:  # the reader stopped at its limit
-        pass
+  def write():
+    with open(fifo, "wb") as f:
+      f.write(b'{"input_ids": [3]}\r\n\n  \n{"text": "\xff"}\n')
+      for _ in range(64):
+        f.write(b"x" * (1 << 20))
+      f.write(b'\n{"input_ids": [4]}')
 
-    writer = threading.Thread(target=write, daemon=True)
-    writer.start()
-    r = run("-c", read, fifo, str(limit), timeout=120)
-    writer.join(timeout=60)
-    assert r.returncode == 0 and not writer.is_alive(), r.stderr[-2000:]
-    if limit >= 26 * count:
-      assert r.stdout == f"{count + 1} {{'', '{{\"input_ids\": [3, 4, 5]}}'}}\n", r.stdout
-    else:
-      assert r.stdout == f"--prompts '{fifo}' holds more than {limit} bytes (1/8 of this machine's memory); " \
-                         "split it into several runs\n", r.stdout
-    assert len(written) == count if count == 40 else len(written) < count  # the endless one was cut short
+  writer = threading.Thread(target=write, daemon=True)
+  writer.start()
+  read = ("import resource, sys\nfrom hisparse_jax.generate import open_prompts, prompt_lines\n"
+          "with open_prompts(sys.argv[1]) as f:\n  print(list(prompt_lines(f, 1000)))\n"
+          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+  r = run("-c", read, fifo, timeout=120)
+  writer.join(timeout=60)
+  assert r.returncode == 0 and not writer.is_alive(), r.stderr[-2000:]
+  lines, peak_kb = r.stdout.splitlines()
+  assert lines == repr([(1, '{"input_ids": [3]}'), (4, '{"text": "\udcff"}'), (5, None), (6, '{"input_ids": [4]}')])
+  assert int(peak_kb) < 1 << 20  # the 64 MiB line was not kept (JAX's import alone is ~0.3 GB)
+
+
+def test_generate_streams_its_prompts(tmp_path):
+  """The batch script reads its prompts as the engine takes them: from a pipe whose writer waits for the first
+  results before it writes the rest (a script that read to the end first never answers it), and a line longer
+  than any prompt the engine takes fails alone, in order."""
+  import threading
+  import time
+  fifo, out = str(tmp_path / "prompts"), tmp_path / "out.jsonl"
+  os.mkfifo(fifo)
+  seen_first = threading.Event()
+
+  def write():
+    with open(fifo, "w") as f:
+      for i in range(3):
+        f.write(json.dumps({"input_ids": [3, 4, 5 + i], "max_new_tokens": 2}) + "\n")
+      f.flush()
+      deadline = time.monotonic() + 240
+      while (not out.exists() or out.read_text().count("\n") < 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+      if out.exists() and out.read_text().count("\n") >= 3:
+        seen_first.set()
+      f.write(" " * 200_000 + '{"input_ids": [3]}\n')
+      f.write(json.dumps({"input_ids": [3, 4, 9], "max_new_tokens": 2}) + "\n")
+
+  writer = threading.Thread(target=write, daemon=True)
+  writer.start()
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", fifo, "--output", str(out),
+          timeout=300)
+  writer.join(timeout=60)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert seen_first.is_set(), "no result before the pipe ended"
+  res = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [len(x.get("output_ids", ())) for x in res] == [2, 2, 2, 0, 2]
+  assert res[3]["code"] == "INVALID_ARGUMENT" and res[3]["error"].startswith("line 4: over "), res[3]
+  assert "5 prompt lines: 4 run, 1 rejected" in r.stderr, r.stderr[-2000:]
 
 
 def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(tmp_path):
@@ -425,9 +453,10 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
   assert r.returncode == 0 and len(json.loads(r.stdout.splitlines()[0])["output_ids"]) == 2, r.stderr[-2000:]
   # Ctrl-C midway: exit 130 with one line; the results finished so far are on disk, whole lines in order.
   out = tmp_path / "out.jsonl"
+  trace = tmp_path / "trace.npz"
   proc = subprocess.Popen([sys.executable, "-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(),
                            "--prompts", str(prompts), "--output", str(out), "--max-running-requests", "2",
-                           "--max-seq-len", "512"],
+                           "--max-seq-len", "512", "--dump-topk", str(trace)],
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     import time
@@ -445,6 +474,19 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
   res = [json.loads(l) for l in out.read_text().splitlines()]
   assert 2 <= len(res) < 40 and all(len(r["output_ids"]) == 400 for r in res)
   assert f"{len(res)} of 40 results written" in err
+  # The finished requests' top-k traces are written too (they were lost): those written and any finished after.
+  import numpy as np
+  with np.load(trace) as z:
+    lines = {int(k[len("topk_"):]) for k in z.files if k.startswith("topk_")}
+    assert set(range(1, len(res) + 1)) <= lines, lines
+    assert all(z[f"topk_{n}"].shape[0] == 399 for n in range(1, len(res) + 1))  # (400 tokens: 399 decode steps)
+  assert f"top-k trace of {len(lines)} finished requests written to {trace}" in err
+  # A write error on the output (a full disk) ends the run with one line, no traceback.
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+          "--output", "/dev/full", "--max-new-tokens", "1", timeout=300)
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines()[-1].startswith(
+      "error: writing --output '/dev/full' failed: No space left on device"), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("flags, message", [

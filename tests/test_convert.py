@@ -71,6 +71,11 @@ def test_convert_to_bfloat16_and_refuses_non_empty_output(orbax_dir, tmp_path):
                      cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode != 0 and "exists and is not an empty directory" in r.stderr and "Traceback" not in r.stderr
   assert r.stderr.startswith("error: --output ")  # the message names the flag at fault, not the model
+  # An orbax directory as the source: said so (it was "no *.safetensors weights found").
+  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(out), "--output",
+                      str(tmp_path / "again")], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and r.stderr.strip() == f"error: --model-path {str(out)!r} is already an orbax checkpoint " \
+      "(serve it as it is)", r.stderr
   # An --output that is empty, inside the checkpoint, or where no directory can be made: refused before any work.
   model = tmp_path / "model"
   model.mkdir()

@@ -3,6 +3,7 @@ numbers derived by hand from the public DeepSeek-V3.2 and GLM-5 config.json valu
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -201,9 +202,28 @@ def test_tp_must_divide_heads():
     MeshConfig(1, 128, 1).validate(c, num_devices=128)
 
 
-def _cli(*args):
+def _cli(*args, env=None):
   return subprocess.run([sys.executable, "-m", "hisparse_jax.plan", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300)
+                        text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_cli_plans_with_the_device_share_the_servers_reserve():
+  """JAX's GPU client takes XLA_PYTHON_CLIENT_MEM_FRACTION of each device (its default 0.75: 106 of an H200's
+  141 GiB, where the planner assumed all 141); the servers reserve 0.95 unless the environment says otherwise,
+  and the planner takes the same share: KV budget = 0.85 x (141 x fraction - weights)."""
+  base = [f"--model-config={DATA / 'deepseek_v32_config.json'}", "--weight-dtype=fp8", "--json"]
+  plain = os.environ.copy()
+  plain.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+  for fraction, env in ((0.95, {}), (0.75, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75"})):
+    r = subprocess.run([sys.executable, "-m", "hisparse_jax.plan", *base], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**plain, **env})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["device_bytes"] == int(141 * GIB * fraction)
+    assert out["kv_budget_per_device"] == int(P.DEFAULT_MEM_FRACTION * (out["device_bytes"]
+                                                                          - out["weight_bytes_per_device"]))
+  r = _cli(*base, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "lots"})
+  assert r.returncode == 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION='lots': expected a number in (0, 1]" in r.stderr
 
 
 def test_cli_json_and_text():
@@ -228,7 +248,7 @@ def test_cli_json_and_text():
     (["--tp-size=3"], "--tp-size 3 does not divide --devices 8"),
     (["--ep-size=5"], "--ep-size 5"),
     (["--devices=3"], "(--ep-size defaults to --devices 3; pass --ep-size)"),
-    (["--weight-dtype=bfloat16"], "more than --device-memory"),
+    (["--weight-dtype=bfloat16"], "more than the 134 GiB JAX has of each device"),
     (["--weight-dtype=float16"], "--weight-dtype=float16: value should be one of <bfloat16|float32|fp8>"),
     (["--context=0"], "--context must be a finite number > 0"),
     (["--device-memory=inf"], "--device-memory must be a number of GiB in (0, 1073741824], got inf"),
@@ -239,7 +259,7 @@ def test_cli_json_and_text():
     (["--context=163841"], "--context 163841: must be in [1, 163840] (the model's max_position_embeddings)"),
     (["--mem-fraction-static=1.5"], "--mem-fraction-static must be in (0, 1]"),
     (["--weight-dtype=fp8", "--mem-fraction-static=0.5"],
-     "--mem-fraction-static 0.5: that fraction of the device memory (141 GiB) leaves nothing for the KV cache "
+     "--mem-fraction-static 0.5: that fraction of the device memory (133.9 GiB) leaves nothing for the KV cache "
      "beside 94.98 GiB of weights per device"),
     (["--devices=0"], "--devices must be >= 1"),
     (["--hisparse-config={\"top_k\": 7}"], "--hisparse-config"),
@@ -248,6 +268,18 @@ def test_cli_errors_exit_1_without_traceback(args, message):
   r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", *args)
   assert r.returncode == 1
   assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_reads_its_model_config_as_the_loader_does(tmp_path):
+  """--model-config is a regular file of at most MAX_CONFIG_BYTES (a FIFO hung the planner, /dev/zero filled
+  memory) and JSON nested too deeply is a one-line error (it was a RecursionError traceback)."""
+  fifo, deep = tmp_path / "fifo.json", tmp_path / "deep.json"
+  os.mkfifo(fifo)
+  deep.write_text("[" * 200_000 + "]" * 200_000)
+  for path, message in (("/dev/zero", " is not a regular file"), (fifo, " is not a regular file"),
+                        (deep, ": JSON nested too deeply"), (tmp_path / "none.json", " does not exist")):
+    r = _cli(f"--model-config={path}")
+    assert r.returncode == 1 and r.stderr.strip() == f"error: --model-config: {path}{message}", r.stderr[-2000:]
 
 
 def test_cli_refuses_score_eviction_without_an_indexer_on_every_layer(tmp_path):

@@ -209,6 +209,38 @@ def test_malformed_request_bytes_are_invalid_argument(server):
   watch.cancel()
 
 
+def test_health_requests_are_bounded(server, monkeypatch):
+  """grpc.health.v1 needs no credentials, so it has limits of its own: a service name over
+  MAX_HEALTH_SERVICE_BYTES is INVALID_ARGUMENT (a 1 MB name held ~4 MB per Watch stream), and a Watch beyond
+  MAX_HEALTH_WATCHES open ones RESOURCE_EXHAUSTED until one closes (800 streams took 3.7 GB)."""
+  from hisparse_jax.serving import server as server_module
+  _, _, channel = server
+  health = health_pb2_grpc.HealthStub(channel)
+  long_name = health_pb2.HealthCheckRequest(service="x" * (server_module.MAX_HEALTH_SERVICE_BYTES + 1))
+  for call in (lambda: health.Check(long_name, timeout=10), lambda: next(health.Watch(long_name, timeout=10))):
+    with pytest.raises(grpc.RpcError) as e:
+      call()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "service name over 256 bytes" in e.value.details()
+  monkeypatch.setattr(server_module, "MAX_HEALTH_WATCHES", 2)
+  watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(2)]
+  assert [next(w).status for w in watches] == [health_pb2.HealthCheckResponse.SERVING] * 2
+  with pytest.raises(grpc.RpcError) as e:
+    next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10))
+  assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 health Watch streams open" in e.value.details()
+  watches.pop().cancel()
+  deadline = time.monotonic() + 10
+  while True:  # (the server sees the cancel shortly after)
+    again = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    try:
+      assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+      break
+    except grpc.RpcError as e:
+      assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+      time.sleep(0.05)
+  for w in (*watches, again):
+    w.cancel()
+
+
 def test_a_request_a_kernel_refuses_fails_alone_as_internal(server):
   """A decoding request's LRU row corrupted on the device (inside the server's loop, before a step): that stream
   ends with INTERNAL and the kernel's message; a concurrent stream's tokens are exact; the server keeps

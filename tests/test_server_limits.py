@@ -212,6 +212,31 @@ def test_tls_and_api_key(tmp_path):
     loop.stop()
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_pem_files_may_be_pipes(tmp_path):
+  """A PEM file given as a pipe (bash's <(...)) is read once and parsed from memory (check_pem opened the paths
+  again, found the pipes empty and refused good files; a FIFO hung start-up), and a wrong pair is still refused."""
+  key, cert = _self_signed(tmp_path)
+  (tmp_path / "other").mkdir()
+  other_key, _ = _self_signed(tmp_path / "other")
+  got = {}
+  for name, data in (("cert", cert), ("key", key), ("ca", cert)):
+    read, write = os.pipe()
+    os.write(write, data)
+    os.close(write)
+    try:
+      got[name] = credentials.read_file(f"tls-{name}-file", f"/proc/self/fd/{read}")
+    finally:
+      os.close(read)
+  assert got == {"cert": cert, "key": key, "ca": cert}
+  credentials.check_pem("/dev/fd/63", "/dev/fd/62", "/dev/fd/61", got["cert"], got["key"], got["ca"])
+  with pytest.raises(ValueError, match=r"--tls-cert-file 'c' / --tls-key-file 'k': not a PEM certificate chain "
+                                       r"and its unencrypted private key \(KEY_VALUES_MISMATCH\)"):
+    credentials.check_pem("c", "k", None, cert, other_key, None)
+  with pytest.raises(ValueError, match="--tls-client-ca-file 'a': not a PEM CA certificate file"):
+    credentials.check_pem(None, None, "a", None, None, b"not a certificate\n")
+
+
 def test_api_key_flags(tmp_path):
   f = tmp_path / "key"
   f.write_text("abc123\nignored\n")
@@ -224,6 +249,9 @@ def test_api_key_flags(tmp_path):
   (tmp_path / "empty").write_text("")
   with pytest.raises(ValueError, match="empty"):
     credentials.api_key(None, str(tmp_path / "empty"))
+  (tmp_path / "blank").write_text("\nkey-on-line-2\n")  # (the message named --api-key)
+  with pytest.raises(ValueError, match=r"--api-key-file '.*blank': its first line: must be non-empty"):
+    credentials.api_key(None, str(tmp_path / "blank"))
   # At most MAX_CREDENTIAL_FILE_BYTES, from a file or a pipe (a bash <(...)).
   (tmp_path / "big").write_bytes(b"k" * (credentials.MAX_CREDENTIAL_FILE_BYTES + 1))
   with pytest.raises(ValueError, match=f"more than {credentials.MAX_CREDENTIAL_FILE_BYTES} bytes"):

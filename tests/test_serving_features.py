@@ -1,6 +1,8 @@
 """Sampling, stop conditions, Abort / GetLoads RPCs, device-KV admission budget and the queue bound."""
 
+import asyncio
 import concurrent.futures
+import threading
 import time
 
 import grpc
@@ -152,6 +154,36 @@ def server(tokenized_model):
   channel.close()
   srv.stop(0).wait()
   loop.stop()
+
+
+def test_an_abort_while_the_prompt_is_tokenized_is_kept(server, monkeypatch):
+  """An Abort that arrives while the request's text is still being tokenized (0.75 s for 1 MB; here held on a
+  gate) counts the request and ends it as ABORT before it reaches the engine (it was lost: the request then ran
+  to its end)."""
+  from hisparse_jax.serving.server import InferenceServicer
+  engine, stub = server
+  gate, tokenizing = threading.Event(), threading.Event()
+  prompt_ids = InferenceServicer._prompt_ids
+
+  async def held(self, request):
+    tokenizing.set()
+    while not gate.is_set():
+      await asyncio.sleep(0.01)
+    return await prompt_ids(self, request)
+
+  monkeypatch.setattr(InferenceServicer, "_prompt_ids", held)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    stream = pool.submit(lambda: list(generate(stub, text="e e e e " * 10, max_new_tokens=200,  # (ids < 512)
+                                               request_id="early", timeout=60)))
+    assert tokenizing.wait(30)
+    assert stub.Abort(hisparse_pb2.AbortRequest(request_id="early"), timeout=10).aborted == 1
+    gate.set()
+    msgs = stream.result()
+  assert len(msgs) == 1 and msgs[0].request_id == "early" and msgs[0].finished
+  assert msgs[0].finish_reason == hisparse_pb2.ABORT and msgs[0].completion_tokens == 0 and msgs[0].prompt_tokens > 0
+  loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
+  assert loads.running == 0 and loads.queued == 0
+  assert stub.Abort(hisparse_pb2.AbortRequest(request_id="early"), timeout=10).aborted == 0  # (forgotten)
 
 
 def test_abort_rpc_getloads_and_stop_over_grpc(server):

@@ -9,6 +9,7 @@ points print it and exit (no traceback).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from hisparse_jax.config import ConfigError, HiSparseConfig, check_prefetch_threads_env
@@ -34,6 +35,15 @@ GPU_PINNED_HOST_REFUSED = ("XLA refuses a pinned_host array as a custom call's o
 # device that reports no limit (CPU), DEFAULT_CPU_KV_BYTES.
 DEFAULT_MEM_FRACTION = 0.85
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# Requests decoded at once, at most: the engine's per-lane arrays (page tables, sampling state, the decode batch)
+# are sized by it at start-up (10^8 lanes took 9 GB for one 2-token request); SGLang's largest deployments run
+# a few thousand per device.
+MAX_RUNNING_REQUESTS = 65536
+# JAX's GPU client reserves XLA_PYTHON_CLIENT_MEM_FRACTION of each device when it starts (JAX's own default 0.75:
+# a device's ``bytes_limit``, from which the KV budget is taken, would be 106 of an H200's 141 GiB). The server
+# and the batch script set this fraction unless the environment does (reserve_device_memory); the rest of the
+# device is the CUDA context, cuBLAS workspaces and the collectives' buffers. The planner assumes the same.
+CLIENT_MEM_FRACTION = 0.95
 # Text prompt bytes allowed per token of context when --max-prompt-bytes is 0 (DeepSeek-V3's tokenizer averages
 # ~4 bytes a token on English text; runs of whitespace or symbols go higher).
 DEFAULT_PROMPT_BYTES_PER_TOKEN = 8
@@ -211,8 +221,9 @@ class EngineArgs:
       check_prefetch_threads_env()
     except ConfigError as e:
       raise StartupError(str(e)) from None
-    if self.max_running_requests < 1:
-      raise StartupError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+    if not 1 <= self.max_running_requests <= MAX_RUNNING_REQUESTS:
+      raise StartupError(f"--max-running-requests must be in [1, {MAX_RUNNING_REQUESTS}], got "
+                         f"{self.max_running_requests}")
     check_page_size(self.page_size)
     if self.chunked_prefill_size <= 0:
       raise StartupError(f"--chunked-prefill-size must be > 0, got {self.chunked_prefill_size}")
@@ -344,6 +355,29 @@ def check_context(tokens: int, model_cfg: DSAConfig, flag: str) -> int:
     raise StartupError(f"{flag} {tokens}: must be in [1, {model_cfg.max_position_embeddings}] (the model's "
                        "max_position_embeddings)")
   return tokens
+
+
+def client_mem_fraction() -> float:
+  """The fraction of each GPU JAX's client takes (a device's ``bytes_limit`` / its memory): the environment's
+  XLA_PYTHON_CLIENT_MEM_FRACTION, else CLIENT_MEM_FRACTION, which ``reserve_device_memory`` sets. StartupError
+  for an environment value that is not a number in (0, 1]."""
+  text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+  if text is None:
+    return CLIENT_MEM_FRACTION
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not 0 < value <= 1:  # NaN fails too
+    raise StartupError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r}: expected a number in (0, 1]")
+  return value
+
+
+def reserve_device_memory() -> None:
+  """Sets XLA_PYTHON_CLIENT_MEM_FRACTION to CLIENT_MEM_FRACTION unless the environment sets it (before JAX
+  starts its GPU client; no effect on CPU): the server and the batch script take most of each GPU, as SGLang
+  does, not JAX's default 75%."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(CLIENT_MEM_FRACTION))
 
 
 def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int | None = None,

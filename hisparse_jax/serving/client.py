@@ -161,7 +161,7 @@ def main(argv):
     if (tls["cert"] is None) != (tls["key"] is None) or (tls["cert"] is not None and tls["ca"] is None):
       raise ValueError("mutual TLS needs --tls-cert-file and --tls-key-file together, with --tls-ca-file")
     credentials.check_pem(FLAGS["tls-cert-file"].value, FLAGS["tls-key-file"].value, FLAGS["tls-ca-file"].value,
-                          ca_flag="tls-ca-file")
+                          tls["cert"], tls["key"], tls["ca"], ca_flag="tls-ca-file")
   except ValueError as e:
     sys.exit(f"error: {e}")
   timeout = None if FLAGS["timeout-s"].value == float("inf") else FLAGS["timeout-s"].value

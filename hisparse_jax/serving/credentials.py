@@ -5,6 +5,7 @@ Every function raises ``ValueError`` with a message naming the flag at fault.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -51,28 +52,45 @@ def api_key(key: str | None, key_file: str | None) -> str | None:
   if key is None:
     return None
   if not key or not (key.isascii() and key.isprintable()) or " " in key:
-    raise ValueError("--api-key: must be non-empty printable ASCII without spaces")
+    where = "--api-key" if key_file is None else f"--api-key-file {key_file!r}: its first line"
+    raise ValueError(f"{where}: must be non-empty printable ASCII without spaces")
   return key
 
 
-def check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None, *,
-              cert_flag: str = "tls-cert-file", key_flag: str = "tls-key-file",
-              ca_flag: str = "tls-client-ca-file") -> None:
-  """Parses the PEM files now (Python's ``ssl``), so that a wrong file is an error naming its flag at start-up,
-  not a failed bind or handshake later: the certificate chain with its private key (unencrypted, as gRPC
-  needs), and the CA certificates."""
+def check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None, cert: bytes | None,
+              key: bytes | None, ca: bytes | None, *, cert_flag: str = "tls-cert-file",
+              key_flag: str = "tls-key-file", ca_flag: str = "tls-client-ca-file") -> None:
+  """Parses the PEM bytes read from the files (``read_file``; the paths name them in messages) now, with
+  Python's ``ssl``, so that a wrong file is an error naming its flag at start-up, not a failed bind or handshake
+  later: the certificate chain with its private key (unencrypted, as gRPC needs), and the CA certificates.
+  The bytes are parsed from in-memory files, not the paths again: a pipe (``<(...)``) is empty by then, and a
+  FIFO would wait for a writer."""
   import ssl
-  if cert_file is not None and key_file is not None:
+  if cert is not None and key is not None:
     try:
-      ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file, password=lambda: b"")
+      with _memory_file(cert) as cert_path, _memory_file(key) as key_path:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path, password=lambda: b"")
     except (ssl.SSLError, OSError) as e:
       raise ValueError(f"--{cert_flag} {cert_file!r} / --{key_flag} {key_file!r}: not a PEM certificate chain and "
                        f"its unencrypted private key{_why(e)}") from None
-  if ca_file is not None:
+  if ca is not None:
     try:
-      ssl.create_default_context(cafile=ca_file)
+      with _memory_file(ca) as ca_path:
+        ssl.create_default_context(cafile=ca_path)
     except (ssl.SSLError, OSError) as e:
       raise ValueError(f"--{ca_flag} {ca_file!r}: not a PEM CA certificate file{_why(e)}") from None
+
+
+@contextlib.contextmanager
+def _memory_file(data: bytes):
+  """A path to a file in memory holding ``data`` (Linux memfd; nothing is written to disk: it may be a key)."""
+  fd = os.memfd_create("pem", os.MFD_CLOEXEC)
+  try:
+    with open(fd, "wb", closefd=False) as f:
+      f.write(data)
+    yield f"/proc/self/fd/{fd}"
+  finally:
+    os.close(fd)
 
 
 def _why(e: OSError) -> str:

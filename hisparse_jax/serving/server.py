@@ -270,6 +270,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     self._tokenize_pool = futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize",
                                                      initializer=_tokenizer_thread_init)
     self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
+    self._not_submitted: dict[str, bool] = {}  # engine id -> aborted, until Generate submits it to the engine
 
   def close(self) -> None:
     self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -309,32 +310,41 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     if (busy := self.streams_busy()) is not None:
       await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
     self.open_streams += 1
+    # The engine keys requests by a server-side id: client ids need not be unique. The client's id is known to
+    # Abort from here on: while the prompt is tokenized (0.75 s for 1 MB of text) or prefilled elsewhere, an
+    # Abort is recorded, and the request ends as ABORT before it reaches the engine.
+    engine_id, rid = uuid.uuid4().hex, None
     try:
       try:
         check_request_id(request.request_id)
         check_stop_counts(len(request.stop), len(request.stop_token_ids))  # before copying them
         sampling = _sampling(request)
+        rid = request.request_id or uuid.uuid4().hex
+        self._by_client_id.setdefault(rid, set()).add(engine_id)
+        self._not_submitted[engine_id] = False
         ids = await self._prompt_ids(request)
-        # The engine keys requests by a server-side id: client ids need not be unique.
-        req = Request(request_id=uuid.uuid4().hex, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
+        req = Request(request_id=engine_id, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
                       stop_token_ids=frozenset(request.stop_token_ids), stop=tuple(request.stop),
                       include_stop_str_in_output=request.include_stop_str_in_output,
                       ignore_eos=request.ignore_eos, **sampling)
         self.engine.validate(req)
       except RequestError as e:
         await context.abort(grpc.StatusCode[e.code], str(e))
-      rid = request.request_id or uuid.uuid4().hex
-      self._by_client_id.setdefault(rid, set()).add(req.request_id)
       events = _AsyncEvents(asyncio.get_running_loop())
       done = False
       try:
-        if self.prefill_client is not None:  # decode server: a prefill server computes the prompt's KV
-          req.arrival = time.monotonic()
+        if self.prefill_client is not None and not self._not_submitted[engine_id]:
+          req.arrival = time.monotonic()  # decode server: a prefill server computes the prompt's KV
           try:
             await self.prefill_client.prefill(req, context.time_remaining())
           except RequestError as e:
             done = True
             await context.abort(grpc.StatusCode[e.code], str(e))
+        if self._not_submitted.pop(engine_id):  # aborted before it reached the engine
+          done = True
+          yield hisparse_pb2.GenerateResponse(request_id=rid, finished=True, finish_reason=_FINISH["abort"],
+                                              prompt_tokens=len(ids))
+          return
         self.loop.submit(req, events)
         first, sent = True, 0  # sent: characters of the output text streamed so far
         while True:
@@ -363,13 +373,14 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       finally:
         if not done:  # cancelled, deadline, or the client went away: free its slot at the next step
           self.loop.abort(req.request_id)
-        ids = self._by_client_id.get(rid)
-        if ids is not None:
-          ids.discard(req.request_id)
-          if not ids:
-            del self._by_client_id[rid]
     finally:
       self.open_streams -= 1
+      self._not_submitted.pop(engine_id, None)
+      engine_ids = self._by_client_id.get(rid)
+      if engine_ids is not None:
+        engine_ids.discard(engine_id)
+        if not engine_ids:
+          del self._by_client_id[rid]
 
   async def Abort(self, request, context):
     if isinstance(request, _Malformed):
@@ -380,7 +391,10 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       await context.abort(grpc.StatusCode[e.code], str(e))
     ids = list(self._by_client_id.get(request.request_id, ()))
     for engine_id in ids:
-      self.loop.abort(engine_id)
+      if engine_id in self._not_submitted:  # still tokenizing or prefilling: Generate ends it before submitting
+        self._not_submitted[engine_id] = True
+      else:
+        self.loop.abort(engine_id)
     return hisparse_pb2.AbortResponse(aborted=len(ids))
 
   async def GetLoads(self, request, context):
@@ -412,20 +426,41 @@ def _handlers(servicer: InferenceServicer) -> dict:
   }
 
 
-def _add_health(servicer, server) -> None:
-  """grpc.health.v1.Health with the library's servicer, but unparsable request bytes answer INVALID_ARGUMENT
-  (the generated registration lets the parse error escape as UNKNOWN with a logged traceback)."""
-  pb = health_pb2
+# grpc.health.v1 needs no credentials, so its requests are bounded on their own: a service name's bytes (ours
+# are the package-qualified service names, under 64) and the Watch streams open at once (one per client channel
+# that health-checks; each held ~13 KB, and ~4 MB with a 1 MB service name: 800 such streams took 3.7 GB).
+MAX_HEALTH_SERVICE_BYTES = 256
+MAX_HEALTH_WATCHES = 1024
 
-  async def check(request, context):
+
+def _add_health(servicer, server) -> None:
+  """grpc.health.v1.Health with the library's servicer, but unparsable request bytes or a service name over
+  MAX_HEALTH_SERVICE_BYTES answer INVALID_ARGUMENT (the generated registration lets the parse error escape as
+  UNKNOWN with a logged traceback), and a Watch beyond MAX_HEALTH_WATCHES open ones RESOURCE_EXHAUSTED."""
+  pb = health_pb2
+  watches = [0]  # open Watch streams (on the server's one event loop: no lock)
+
+  async def refuse_malformed(request, context):
     if isinstance(request, _Malformed):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+    if len(request.service.encode("utf-8")) > MAX_HEALTH_SERVICE_BYTES:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"service name over {MAX_HEALTH_SERVICE_BYTES} bytes")
+
+  async def check(request, context):
+    await refuse_malformed(request, context)
     return await servicer.Check(request, context)
 
   async def watch(request, context):  # the servicer streams with context.write
-    if isinstance(request, _Malformed):
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-    await servicer.Watch(request, context)
+    await refuse_malformed(request, context)
+    if watches[0] >= MAX_HEALTH_WATCHES:
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{MAX_HEALTH_WATCHES} health Watch streams open; use Check, or close one")
+    watches[0] += 1
+    try:
+      await servicer.Watch(request, context)
+    finally:
+      watches[0] -= 1
 
   handlers = {
       "Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=_tolerant(pb.HealthCheckRequest),
@@ -574,7 +609,10 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
       reason = "bind failed"
     if bound == 0:
       servicer.close()
-      raise OSError(f"cannot bind {host}:{port}: {reason}")
+      # (gRPC reports credentials it cannot use, a DSA key say, as a failed bind: TSI_INVALID_ARGUMENT in its log)
+      hint = (" (or gRPC refused the --tls-cert-file / --tls-key-file pair that Python's ssl accepted: it takes RSA "
+              "and ECDSA keys)") if tls else ""
+      raise OSError(f"cannot bind {host}:{port}: {reason}{hint}")
     await server.start()
     for name in ("", SERVICE_NAME) + ((PREFILL_SERVICE_NAME,) if mode == "prefill" else ()):
       await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

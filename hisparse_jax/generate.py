@@ -299,14 +299,14 @@ def main(argv):
   # A thread reads (a pipe's read blocks: decoding goes on meanwhile), at most queue_ahead lines ahead.
   max_line_bytes = 8 * engine.max_prompt_bytes + 16 * engine.max_seq_len + 4096
   queue_ahead = max(QUEUE_AHEAD, 2 * engine.num_slots)
-  inbox = queue.Queue(maxsize=queue_ahead)  # (line number, line or None), then _EOF or an OSError
+  inbox = queue.Queue(maxsize=queue_ahead)  # (line number, line or None), then _EOF or the reader's exception
 
   def reader() -> None:
     try:
       for item in prompt_lines(prompts, max_line_bytes):
         inbox.put(item)
       inbox.put(_EOF)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - an I/O error (or anything else) ends the run, not this thread alone
       inbox.put(e)
 
   threading.Thread(target=reader, name="prompts", daemon=True).start()
@@ -329,7 +329,7 @@ def main(argv):
           break
         engine.idle()  # several processes: a heartbeat to the followers while the prompts come slowly
         continue
-      if isinstance(item, OSError):
+      if isinstance(item, Exception):
         raise _RunError(f"reading --prompts {FLAGS.prompts!r} failed: {item}")
       if item is _EOF:
         eof = True

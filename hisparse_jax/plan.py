@@ -277,6 +277,9 @@ def format_plan(p: CapacityPlan) -> str:
                  f"{hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)")
   else:
     lines.append(f"HiSparse settings: none; no HiSparse request of {p.context:,} tokens fits ({hs.limited_by})")
+  if hs.limited_by.startswith("host memory"):  # (more devices share the same --host-memory: easy to miss)
+    lines.append(f"note: --host-memory is the whole deployment's, shared by its {m.num_devices} devices "
+                 f"({g(p.host_bytes_per_device)} each for host pools); more of it admits more HiSparse requests")
   return "\n".join(lines)
 
 

@@ -431,6 +431,12 @@ def test_generate_streams_its_prompts(tmp_path):
   assert [len(x.get("output_ids", ())) for x in res] == [2, 2, 2, 0, 2]
   assert res[3]["code"] == "INVALID_ARGUMENT" and res[3]["error"].startswith("line 4: over "), res[3]
   assert "5 prompt lines: 4 run, 1 rejected" in r.stderr, r.stderr[-2000:]
+  # A read that fails mid-run (/proc/self/mem opens, then every read is EIO) ends the run with one line.
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", "/proc/self/mem", timeout=300)
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines()[-1] == ("error: reading --prompts '/proc/self/mem' failed: [Errno 5] Input/output "
+                                               "error; 0 of 0 results written to stdout; --prompts was not read to its "
+                                               "end"), r.stderr[-2000:]
 
 
 def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(tmp_path):

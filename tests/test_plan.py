@@ -162,6 +162,7 @@ def test_nothing_fits_recommends_no_settings(dsv32):
   assert (p.hisparse.requests, p.hisparse.max_running_requests, p.hisparse.limited_by) == (0, 0, "host memory")
   assert p.dense.requests > 0
   assert "HiSparse settings: none; no HiSparse request of 32,768 tokens fits (host memory)" in P.format_plan(p)
+  assert "note: --host-memory is the whole deployment's, shared by its 8 devices (0.00 GiB each" in P.format_plan(p)
 
 
 def test_a_float16_config_needs_a_weight_dtype(dsv32):

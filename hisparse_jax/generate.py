@@ -55,7 +55,9 @@ flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-laye
 # Requests kept waiting in the engine beyond its lanes, at least, and lines read but not yet written, at most
 # (main(): the prompts are read as the engine needs them).
 QUEUE_AHEAD = 64
-MAX_PENDING = 4096
+MAX_QUEUE_AHEAD = 1024  # (however many lanes; the lines queued for the engine also hold READ_AHEAD_BYTES at most)
+READ_AHEAD_BYTES = 64 << 20
+MAX_PENDING = 4096  # (or more: every lane's request and the queue ahead)
 WAIT_S = 0.2  # the longest an idle engine waits for a line before it looks at Ctrl-C again
 _EOF = object()
 
@@ -298,25 +300,30 @@ def main(argv):
   # fails alone: JSON text takes at most 6 bytes per byte of UTF-8 (\\u escapes), an id with its comma under 16.
   # A thread reads (a pipe's read blocks: decoding goes on meanwhile), at most queue_ahead lines ahead.
   max_line_bytes = 8 * engine.max_prompt_bytes + 16 * engine.max_seq_len + 4096
-  queue_ahead = max(QUEUE_AHEAD, 2 * engine.num_slots)
+  queue_ahead = min(max(QUEUE_AHEAD, 2 * engine.num_slots), MAX_QUEUE_AHEAD)
   inbox = queue.Queue(maxsize=queue_ahead)  # (line number, line or None), then _EOF or the reader's exception
+  read_ahead = threading.Condition()  # the inbox's lines hold at most READ_AHEAD_BYTES (+ one line)
+  queued_bytes = [0]
 
   def reader() -> None:
     try:
       for item in prompt_lines(prompts, max_line_bytes):
+        with read_ahead:
+          read_ahead.wait_for(lambda: queued_bytes[0] < READ_AHEAD_BYTES)
+          queued_bytes[0] += len(item[1] or "")
         inbox.put(item)
       inbox.put(_EOF)
     except Exception as e:  # noqa: BLE001 - an I/O error (or anything else) ends the run, not this thread alone
       inbox.put(e)
 
   threading.Thread(target=reader, name="prompts", daemon=True).start()
-  max_pending = max(MAX_PENDING, 4 * queue_ahead)
+  max_pending = max(MAX_PENDING, engine.num_slots + queue_ahead)  # (every lane can be busy)
   pending: collections.deque[list] = collections.deque()  # [result or None], one per line read, in input order
   running: dict[str, tuple[list, int]] = {}  # request id -> (its pending entry, its line number)
   traces: list[tuple[int, Request]] = []  # with --dump-topk: every request, to write at the end
   totals = collections.Counter()
   eof = False
-  read = written = 0
+  read = written = flushed = 0
   dest = None if FLAGS.output else sys.stdout  # opened at the first result: a run that fails before keeps the file
 
   def read_more() -> None:
@@ -335,6 +342,9 @@ def main(argv):
         eof = True
         break
       lineno, line = item
+      with read_ahead:
+        queued_bytes[0] -= len(line or "")
+        read_ahead.notify()
       read += 1
       entry = [None]
       pending.append(entry)
@@ -375,7 +385,7 @@ def main(argv):
       traces.append((lineno, req))
 
   def write_ready() -> None:  # the finished prefix of the results, in input order
-    nonlocal written, dest
+    nonlocal written, flushed, dest
     try:
       while pending and pending[0][0] is not None:
         if dest is None:
@@ -384,9 +394,11 @@ def main(argv):
         written += 1
       if dest is not None:
         dest.flush()
+      flushed = written
     except OSError as e:  # a full disk: the run stops, with one line
-      raise _RunError(f"writing --output {FLAGS.output or 'stdout'!r} failed: {e.strerror or e} (the results "
-                      "counted below as written were handed to it, the last perhaps not whole)") from None
+      written = flushed  # (lines left in the write buffer did not get there)
+      raise _RunError(f"writing {'--output ' + repr(FLAGS.output) if FLAGS.output else 'stdout'} failed: "
+                      f"{e.strerror or e} (the last result counted as written may not be whole)") from None
 
   # Ctrl-C sets a flag the loop reads between steps (a KeyboardInterrupt raised inside a step could land in
   # a callback that swallows it); a second Ctrl-C interrupts at once.
@@ -436,7 +448,7 @@ def main(argv):
   if failure is not None or interrupted.is_set():
     where = FLAGS.output or "stdout"
     message = (f"{written} of {read} results written to {where}"
-               + (f" (the earlier {where} is unchanged)" if output_existed and not written else "")
+               + (f" (the earlier {where} is unchanged)" if output_existed and dest is None else "")
                + ("" if eof else "; --prompts was not read to its end") + (f"; {dumped}" if dumped else ""))
     if failure is not None:
       sys.exit(f"error: {failure}; {message}")

@@ -41,7 +41,7 @@ import numpy as np
 
 from hisparse_jax.config import ConfigError, HiSparseConfig
 from hisparse_jax.engine.args import (DEFAULT_MEM_FRACTION, MAX_HOST_MEMORY_FRACTION, StartupError, check_context,
-                                      check_page_size, client_mem_fraction, kv_budget)
+                                      MAX_RUNNING_REQUESTS, check_page_size, client_mem_fraction, kv_budget)
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device
 from models.config import DSAConfig
@@ -150,7 +150,9 @@ def _dense_plan(layout, budget, context, page_size, dp) -> ModePlan:
   p = kvmem.plan(layout, budget=budget, max_running_requests=1 << 30, max_seq_len=context, page_size=page_size,
                  hisparse=None)
   n = p.pools["kv"][1] // pages_needed
-  return ModePlan("dense", per_request["device"], 0, n, n * dp, "device KV budget", n * dp, None, 0)
+  why = "device KV budget" if n < MAX_RUNNING_REQUESTS // dp else f"the engine's cap ({MAX_RUNNING_REQUESTS} lanes)"
+  n = min(n, MAX_RUNNING_REQUESTS // dp)  # (more than the engine's --max-running-requests takes: it refuses them)
+  return ModePlan("dense", per_request["device"], 0, n, n * dp, why, n * dp, None, 0)
 
 
 def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSparseConfig) -> ModePlan:
@@ -182,17 +184,19 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
   # left beside R hot buffers): the best R is where all R requests still fit, or one more. Binary search for it.
   index_bytes = pages_needed * page_size * layout.index_bytes
   hot = layout.hot_buffer_bytes(hs.device_buffer_size, hs.eviction)
-  lo, hi = 0, min(budget // hot, budget // max(index_bytes, 1)) + 1
+  cap = MAX_RUNNING_REQUESTS // dp  # (the engine refuses a larger --max-running-requests)
+  lo, hi = 0, min(min(budget // hot, budget // max(index_bytes, 1)) + 1, cap)
   while lo < hi:  # the largest R in [0, hi] with admitted(R) >= R
     mid = (lo + hi + 1) // 2
     if admitted(mid)[0] >= mid:
       lo = mid
     else:
       hi = mid - 1
-  candidates = [(admitted(R)[0], R) for R in (lo, lo + 1) if R >= 1]
+  candidates = [(admitted(R)[0], R) for R in (lo, lo + 1) if 1 <= R <= cap]
   best_n, best_R = max(candidates, key=lambda c: (c[0], -c[1])) if candidates else (0, 0)
   pool = admitted(best_R)[2] if best_n else 0
-  why = admitted(best_R + 1)[1] if best_n else admitted(1)[1]
+  why = (f"the engine's cap ({MAX_RUNNING_REQUESTS} lanes)" if best_R == cap else
+         admitted(best_R + 1)[1] if best_n else admitted(1)[1])
   return ModePlan("hisparse", per_request["device"], per_request["host"], best_n, best_n * dp, why,
                   best_R * dp if best_n else 0, ratio, pool)
 

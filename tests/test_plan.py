@@ -310,6 +310,12 @@ def test_planner_answers_huge_memories_quickly(dsv32):
   p = P.capacity(c, MeshConfig(8, 1, 8), device_memory=10**15, host_memory=10**15, context=32768, hisparse=hs,
                  weight_dtype="fp8", params=params)
   assert p.hisparse.requests_per_group > 1000
+  # An exabyte-scale device: both modes stop at the engine's --max-running-requests cap (the planner advised
+  # 80 million lanes, which the engine refuses).
+  huge = P.capacity(c, MeshConfig(8, 1, 8), device_memory=2**60, host_memory=2**60, context=32768, hisparse=hs,
+                    weight_dtype="fp8", params=params)
+  for mode in (huge.dense, huge.hisparse):
+    assert mode.requests == P.MAX_RUNNING_REQUESTS and mode.limited_by == "the engine's cap (65536 lanes)", mode
   small = P.capacity(c, MeshConfig(8, 1, 8), device_memory=141 * GIB, host_memory=2048 * GIB, context=8192,
                      hisparse=hs, weight_dtype="fp8", params=params)
   layout = kvmem.KVLayout.of(c, "bfloat16")

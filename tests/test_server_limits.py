@@ -237,7 +237,7 @@ def test_pem_files_may_be_pipes(tmp_path):
     credentials.check_pem(None, None, "a", None, None, b"not a certificate\n")
 
 
-def test_api_key_flags(tmp_path):
+def test_api_key_flags(tmp_path, monkeypatch):
   f = tmp_path / "key"
   f.write_text("abc123\nignored\n")
   assert credentials.api_key(None, str(f)) == "abc123"
@@ -263,3 +263,16 @@ def test_api_key_flags(tmp_path):
     assert credentials.api_key(None, f"/proc/self/fd/{read}") == "from-a-pipe"
   finally:
     os.close(read)
+  # A pipe that does not end (its writer still open), or a FIFO nobody writes: refused after PIPE_TIMEOUT_S (they
+  # hung start-up).
+  monkeypatch.setattr(credentials, "PIPE_TIMEOUT_S", 0.3)
+  os.mkfifo(tmp_path / "fifo")
+  read, write = os.pipe()
+  os.write(write, b"still-open\n")
+  try:
+    for path in (f"/proc/self/fd/{read}", str(tmp_path / "fifo")):
+      with pytest.raises(ValueError, match=r"the pipe did not end within 0\.3 s"):
+        credentials.api_key(None, path)
+  finally:
+    os.close(read)
+    os.close(write)

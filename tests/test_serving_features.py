@@ -172,15 +172,19 @@ def test_an_abort_while_the_prompt_is_tokenized_is_kept(server, monkeypatch):
     return await prompt_ids(self, request)
 
   monkeypatch.setattr(InferenceServicer, "_prompt_ids", held)
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    stream = pool.submit(lambda: list(generate(stub, text="e e e e " * 10, max_new_tokens=200,  # (ids < 512)
-                                               request_id="early", timeout=60)))
-    assert tokenizing.wait(30)
-    assert stub.Abort(hisparse_pb2.AbortRequest(request_id="early"), timeout=10).aborted == 1
-    gate.set()
-    msgs = stream.result()
-  assert len(msgs) == 1 and msgs[0].request_id == "early" and msgs[0].finished
-  assert msgs[0].finish_reason == hisparse_pb2.ABORT and msgs[0].completion_tokens == 0 and msgs[0].prompt_tokens > 0
+  for max_new in (200, 10**6):  # (the second is over the context: aborted first, it ends as ABORT all the same)
+    gate.clear()
+    tokenizing.clear()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      stream = pool.submit(lambda: list(generate(stub, text="e e e e " * 10, max_new_tokens=max_new,  # (ids < 512)
+                                                 request_id="early", timeout=60)))
+      assert tokenizing.wait(30)
+      assert stub.Abort(hisparse_pb2.AbortRequest(request_id="early"), timeout=10).aborted == 1
+      gate.set()
+      msgs = stream.result()
+    assert len(msgs) == 1 and msgs[0].request_id == "early" and msgs[0].finished
+    assert msgs[0].finish_reason == hisparse_pb2.ABORT and msgs[0].completion_tokens == 0
+    assert msgs[0].prompt_tokens > 0
   loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
   assert loads.running == 0 and loads.queued == 0
   assert stub.Abort(hisparse_pb2.AbortRequest(request_id="early"), timeout=10).aborted == 0  # (forgotten)

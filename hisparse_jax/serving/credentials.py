@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import time
 
 # The most bytes a credentials file may hold: a system CA bundle is ~0.2 MB (/etc/ssl/certs/ca-certificates.crt).
 MAX_CREDENTIAL_FILE_BYTES = 4 << 20
+PIPE_TIMEOUT_S = 10.0  # the longest a credentials pipe may take to end
 
 
 def read_file(flag: str, path: str | None) -> bytes | None:
@@ -18,18 +20,48 @@ def read_file(flag: str, path: str | None) -> bytes | None:
   at most MAX_CREDENTIAL_FILE_BYTES (a device such as /dev/zero was read until memory ran out)."""
   if path is None:
     return None
-  try:
-    with open(path, "rb") as f:
-      if not (stat.S_ISREG(mode := os.fstat(f.fileno()).st_mode) or stat.S_ISFIFO(mode)):
-        raise ValueError(f"--{flag} {path!r}: not a regular file or a pipe")
-      data = f.read(MAX_CREDENTIAL_FILE_BYTES + 1)
+  try:  # (non-blocking: opening a FIFO nobody writes would wait for ever)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
   except OSError as e:
     raise ValueError(f"--{flag} {path!r}: {e.strerror}") from None
+  try:
+    if stat.S_ISREG(mode := os.fstat(fd).st_mode):
+      os.set_blocking(fd, True)
+      with open(fd, "rb", closefd=False) as f:
+        data = f.read(MAX_CREDENTIAL_FILE_BYTES + 1)
+    elif stat.S_ISFIFO(mode):
+      data = _read_pipe(fd, flag, path)
+    else:
+      raise ValueError(f"--{flag} {path!r}: not a regular file or a pipe")
+  except OSError as e:
+    raise ValueError(f"--{flag} {path!r}: {e.strerror}") from None
+  finally:
+    os.close(fd)
   if len(data) > MAX_CREDENTIAL_FILE_BYTES:
     raise ValueError(f"--{flag} {path!r}: more than {MAX_CREDENTIAL_FILE_BYTES} bytes, not a credentials file")
   if not data.strip():
     raise ValueError(f"--{flag} {path!r}: empty file")
   return data
+
+
+def _read_pipe(fd: int, flag: str, path: str) -> bytes:
+  """At most MAX_CREDENTIAL_FILE_BYTES + 1 bytes of the pipe ``fd`` (non-blocking) until its end, which must come
+  within PIPE_TIMEOUT_S (a pipe still open, or a FIFO whose writer never comes, would hang start-up)."""
+  import select
+  chunks, size, deadline = [], 0, time.monotonic() + PIPE_TIMEOUT_S
+  while size <= MAX_CREDENTIAL_FILE_BYTES:
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([fd], [], [], left)[0]:
+      raise ValueError(f"--{flag} {path!r}: the pipe did not end within {PIPE_TIMEOUT_S:g} s")
+    try:
+      chunk = os.read(fd, MAX_CREDENTIAL_FILE_BYTES + 1 - size)
+    except BlockingIOError:
+      continue
+    if not chunk:
+      break
+    chunks.append(chunk)
+    size += len(chunk)
+  return b"".join(chunks)
 
 
 def bearer(api_key: str) -> str:

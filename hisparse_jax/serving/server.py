@@ -327,7 +327,8 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
                       stop_token_ids=frozenset(request.stop_token_ids), stop=tuple(request.stop),
                       include_stop_str_in_output=request.include_stop_str_in_output,
                       ignore_eos=request.ignore_eos, **sampling)
-        self.engine.validate(req)
+        if not self._not_submitted[engine_id]:  # (aborted meanwhile: it ends as ABORT, whatever it holds)
+          self.engine.validate(req)
       except RequestError as e:
         await context.abort(grpc.StatusCode[e.code], str(e))
       events = _AsyncEvents(asyncio.get_running_loop())

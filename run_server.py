@@ -136,12 +136,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from hisparse_jax import distributed
-  from hisparse_jax.engine.args import (EngineArgs, StartupError, client_mem_fraction, load_tokenizer_or_fail,
-                                       reserve_device_memory)
+  from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail, reserve_device_memory
   dist = distributed.DistributedArgs.from_flags()
-  reserve_device_memory()  # (before JAX starts its GPU client)
   try:
-    client_mem_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION in the environment
+    reserve_device_memory()  # (before JAX starts its GPU client; a bad value in the environment is refused)
     if not 0 <= FLAGS.port <= 65535:
       raise StartupError(f"--port {FLAGS.port}: expected 0..65535")
     if not 0 <= FLAGS["shutdown-grace-s"].value <= MAX_SHUTDOWN_GRACE_S:  # NaN fails too

@@ -249,12 +249,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from hisparse_jax import distributed
-  from hisparse_jax.engine.args import (EngineArgs, StartupError, client_mem_fraction, load_tokenizer_or_fail,
-                                       reserve_device_memory)
+  from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail, reserve_device_memory
   dist = distributed.DistributedArgs.from_flags()
-  reserve_device_memory()  # (before JAX starts its GPU client)
   try:
-    client_mem_fraction()  # a bad XLA_PYTHON_CLIENT_MEM_FRACTION in the environment
+    reserve_device_memory()  # (before JAX starts its GPU client; a bad value in the environment is refused)
     args = EngineArgs.from_flags()
     args.validate()
     if not 1 <= FLAGS["max-new-tokens"].value <= MAX_NEW_TOKENS:

@@ -373,11 +373,12 @@ def client_mem_fraction() -> float:
   return value
 
 
-def reserve_device_memory() -> None:
-  """Sets XLA_PYTHON_CLIENT_MEM_FRACTION to CLIENT_MEM_FRACTION unless the environment sets it (before JAX
+def reserve_device_memory() -> float:
+  """Sets XLA_PYTHON_CLIENT_MEM_FRACTION to CLIENT_MEM_FRACTION unless the environment sets it (call before JAX
   starts its GPU client; no effect on CPU): the server and the batch script take most of each GPU, as SGLang
-  does, not JAX's default 75%."""
+  does, not JAX's default 75%. Returns ``client_mem_fraction()`` (StartupError for a bad environment value)."""
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(CLIENT_MEM_FRACTION))
+  return client_mem_fraction()
 
 
 def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int | None = None,

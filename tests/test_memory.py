@@ -94,7 +94,8 @@ def test_dynamic_residency_plan_and_backend():
   assert be.residency([a, None, b]) == "all" and (tables["resident_pages"][1] == -1).all()
   np.testing.assert_array_equal(tables["resident_pages"][0, :4], a.pages["staging"])
   # 13 staging pages, 6 held by residents: a 128-token prompt (8 pages) fits only by offloading them.
-  assert be.free_pages("staging") == 7 and not be.can_admit(120) and be.can_admit(120, resident=[a, b])
+  assert be.free_pages("staging") == 7 and not be.can_admit(120) and be.can_admit(120, reclaimable=be.reclaimable_pages([a, b]))
+  assert be.reclaimable_pages([a, b]) == [{"staging": 6}]
   c = be.admit(100)  # takes the last 7 staging pages
   assert not be.grow_resident(b, 40) and len(b.pages["staging"]) == 2  # a failed growth takes nothing
   be.release(c)

@@ -428,6 +428,44 @@ def test_requests_that_fit_pass_one_that_does_not_a_bounded_number_of_times(skip
   assert all(r.finish_reason == "length" for r in [first, hog] + small) and all_kv_free(eng.loads())
 
 
+def test_admission_counts_passes_per_request_and_stops_scanning_at_the_limit():
+  """Engine._admit on a stub backend (no model): each blocked request is charged the admissions made after it
+  was passed over, whatever its count before; the scan ends at the first request passed max_admission_skips
+  times, so nothing behind it is looked at; resident requests' pages are summed once per step."""
+  import collections
+  import types
+
+  from hisparse_jax.engine.request import Phase
+  calls = []
+
+  def pick_group(n, reserve, prefill, reclaimable):
+    calls.append(n)
+    assert reclaimable == [{"staging": 6}]  # three resident requests of 2 pages, the non-resident one not
+    return None if n >= 100 else 0
+
+  def admit(n, prefill, group):
+    be.free_slots -= 1
+    return types.SimpleNamespace(slot=len(calls), group=0, resident=False)
+
+  be = types.SimpleNamespace(free_slots=8, groups=1, residency_on=False, pick_group=pick_group, admit=admit,
+                             will_grow=lambda kv, n: 0, reclaimable_pages=lambda kvs: [{"staging": 2 * len(list(kvs))}])
+  running = [types.SimpleNamespace(kv=types.SimpleNamespace(resident=i < 3, group=0), phase=Phase.DECODING,
+                                   prompt_ids=[0], max_new_tokens=1) for i in range(4)]
+  big = [types.SimpleNamespace(request_id=f"B{k}", prompt_kv=None, prefill_ids=[0] * 100, times_passed=t)
+         for k, t in enumerate((0, 2))]
+  small = [types.SimpleNamespace(request_id=f"S{k}", prompt_kv=None, prefill_ids=[0] * 10, times_passed=0,
+                                 temperature=0., top_k=0, top_p=1., seed=0) for k in range(5)]
+  waiting = collections.deque([big[0], small[0], big[1]] + small[1:])
+  eng = types.SimpleNamespace(backend=be, running=running, waiting=waiting, groups=1, max_admission_skips=3,
+                              _temperature={}, _top_k={}, _top_p={}, _seed={})
+  eng._decoding = lambda: running
+  Engine._admit(eng)
+  # S0 passes B0; S1 passes B0 and B1, which then has been passed 3 times: S2.. wait and are not looked at.
+  assert [r.request_id for r in waiting] == ["B0", "B1", "S2", "S3", "S4"]
+  assert (big[0].times_passed, big[1].times_passed) == (2, 3)
+  assert calls == [100, 10, 100, 10] and [r.request_id for r in running[4:]] == ["S0", "S1"]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact(overlap):
   """A decoding request's LRU row corrupted on the device: the swap-in leaves that row unchanged and reports it

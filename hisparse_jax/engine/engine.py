@@ -796,39 +796,50 @@ class Engine:
     reserve = [0] * self.groups
     for r in self._decoding():
       reserve[r.kv.group] += self.backend.will_grow(r.kv, len(r.prompt_ids) + r.max_new_tokens)
-    i, blocked = 0, []  # requests ahead of waiting[i] that did not fit this step
-    while i < len(self.waiting) and self.backend.free_slots:
-      req = self.waiting[i]
-      prefill = req.prompt_kv is None
-      resident = [r.kv for r in self.running if r.kv.resident]  # their staging pages can be freed for a prompt
-      group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill, resident)
-      if group is None:
-        blocked.append(req)
-        i += 1
-        continue
-      if any(r.times_passed >= self.max_admission_skips for r in blocked):
-        return  # one ahead of it has been passed often enough: nothing goes ahead of it any more
-      del self.waiting[i]
-      for r in blocked:
-        r.times_passed += 1
-      if prefill and self.backend.residency_on:
-        self._reclaim_staging(group, len(req.prefill_ids))
-      req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill, group=group)
-      req.phase, req.prefilled = Phase.PREFILLING, 0
-      s = req.kv.slot
-      self._temperature[s], self._top_k[s], self._top_p[s], self._seed[s] = (
-          req.temperature, req.top_k, req.top_p, req.seed)
-      self.running.append(req)
+    # Prompt-only pages the resident requests hold, per group: offloading them frees them for a prompt.
+    reclaimable = self.backend.reclaimable_pages(r.kv for r in self.running if r.kv.resident)
+    # Requests ahead of waiting[i] that did not fit this step, each with the admissions counted when it was
+    # passed over; `lead` is the most times one of them had been passed before, less that count. Times are
+    # added at the end, so a step costs O(waiting + running), whatever it admits.
+    i, admitted, blocked, lead = 0, 0, [], -1
+    try:
+      while i < len(self.waiting) and self.backend.free_slots:
+        if lead + admitted >= self.max_admission_skips:
+          return  # one ahead has been passed often enough: nothing behind it goes ahead of it any more
+        req = self.waiting[i]
+        prefill = req.prompt_kv is None
+        group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill, reclaimable)
+        if group is None:
+          blocked.append((req, admitted))
+          lead = max(lead, req.times_passed - admitted)
+          i += 1
+          continue
+        del self.waiting[i]
+        admitted += 1
+        if prefill and self.backend.residency_on:
+          self._reclaim_staging(group, len(req.prefill_ids), reclaimable[group])
+        req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill, group=group)
+        req.phase, req.prefilled = Phase.PREFILLING, 0
+        s = req.kv.slot
+        self._temperature[s], self._top_k[s], self._top_p[s], self._seed[s] = (
+            req.temperature, req.top_k, req.top_p, req.seed)
+        self.running.append(req)
+    finally:
+      for r, seen in blocked:
+        r.times_passed += admitted - seen
 
   # ------------------------------------------------------ dynamic residency
-  def _reclaim_staging(self, group: int, tokens: int) -> None:
+  def _reclaim_staging(self, group: int, tokens: int, reclaimable: dict[str, int]) -> None:
     """Offloads `group`'s resident requests, the most recently admitted first, until a prompt of `tokens`
-    tokens finds its staging pages free."""
+    tokens finds its staging pages free; takes the pages it frees off `reclaimable` (pool name -> pages that
+    `group`'s resident requests hold, as ``backend.reclaimable_pages``)."""
     need = -(-tokens // self.page_size)
     for req in reversed(self.running):
       if self.backend.free_pages("staging", group) >= need:
         return
       if req.kv.resident and req.kv.group == group:
+        for name in reclaimable:
+          reclaimable[name] -= len(req.kv.pages.get(name, ()))
         self._offload(req)
 
   def _offload(self, req: Request) -> None:

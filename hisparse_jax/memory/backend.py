@@ -286,32 +286,41 @@ class KVBackend(abc.ABC):
     return None
 
   def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True, group: int = 0,
-                resident=()) -> bool:
+                reclaimable=None) -> bool:
     """A slot and pages of `group` for the prompt plus its first decoded token are free now, leaving
     reserve_pages free in each per-token pool (growth room for the running requests); prefill=False: the
-    prompt's KV arrives computed (an import) and needs no prompt-only pages. Prompt-only pages that the
-    resident requests ``resident`` (RequestKVs) hold count as free: offloading them frees them."""
+    prompt's KV arrives computed (an import) and needs no prompt-only pages. reclaimable: None, or one
+    {prompt pool name: pages} per group (``reclaimable_pages``), pages that count as free because
+    offloading resident requests frees them."""
     lists = self._group_lists[group]
     if not self._group_slots[group].num_free:
       return False
     for name in self.token_pools:
       if self._pages(prompt_len + 1) + reserve_pages > lists[name].num_free:
         return False
-    reclaimable = {name: sum(len(kv.pages.get(name, ())) for kv in resident if kv.group == group)
-                   for name in self.prompt_pools}
-    return not prefill or all(self._pages(prompt_len) <= lists[name].num_free + reclaimable[name]
+    extra = reclaimable[group] if reclaimable is not None else {}
+    return not prefill or all(self._pages(prompt_len) <= lists[name].num_free + extra.get(name, 0)
                               for name in self.prompt_pools)
+
+  def reclaimable_pages(self, resident) -> list[dict[str, int]]:
+    """Per group, {prompt pool name: pages} held by the resident requests `resident` (RequestKVs): what
+    offloading them to their hot buffers would free. O(len(resident))."""
+    out = [dict.fromkeys(self.prompt_pools, 0) for _ in range(self.groups)]
+    for kv in resident:
+      for name in self.prompt_pools:
+        out[kv.group][name] += len(kv.pages.get(name, ()))
+    return out
 
   def free_pages(self, name: str, group: int = 0) -> int:
     """Free pages of pool `name` in `group`."""
     return self._group_lists[group][name].num_free
 
-  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True, resident=()) -> int | None:
+  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True, reclaimable=None) -> int | None:
     """The group a new request goes to: of those that can admit it now, the one with the most free request
-    slots (then the lowest index); None if none can. reserve_pages: an int, or one per group; resident: as
-    ``can_admit``."""
+    slots (then the lowest index); None if none can. reserve_pages: an int, or one per group; reclaimable:
+    as ``can_admit``."""
     reserve = reserve_pages if isinstance(reserve_pages, (list, tuple)) else [reserve_pages] * self.groups
-    fits = [g for g in range(self.groups) if self.can_admit(prompt_len, reserve[g], prefill, g, resident)]
+    fits = [g for g in range(self.groups) if self.can_admit(prompt_len, reserve[g], prefill, g, reclaimable)]
     return max(fits, key=lambda g: (self._group_slots[g].num_free, -g)) if fits else None
 
   # --------------------------------------------------------------- lifetime

@@ -35,6 +35,7 @@ import collections
 import json
 import os
 import queue
+import reprlib
 import signal
 import stat
 import sys
@@ -95,7 +96,8 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
     raise ValueError(f"line {lineno}: expected a JSON object")
   unknown = set(obj) - {"text", "input_ids", "max_new_tokens"}
   if unknown:
-    raise ValueError(f"line {lineno}: unknown field(s) {sorted(unknown)}")
+    names = reprlib.Repr(maxlist=8, maxstring=64).repr(sorted(unknown))  # (a name may be megabytes long)
+    raise ValueError(f"line {lineno}: unknown field(s) {names}; known: 'text', 'input_ids', 'max_new_tokens'")
   if ("text" in obj) == ("input_ids" in obj):
     raise ValueError(f"line {lineno}: give exactly one of 'text' or 'input_ids'")
   max_new = obj.get("max_new_tokens", default_max_new)

@@ -68,15 +68,17 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
       {"input_ids": [3, 9999]},                    # outside the 512-token vocabulary
   ]
   prompts.write_bytes(("\n".join(json.dumps(l) for l in lines) + "\nnot json\n").encode()
-                      + b'{"text": "\xff"}\n{"text": "\\ud800"}\n')
+                      + b'{"text": "\xff"}\n{"text": "\\ud800"}\n'
+                      + json.dumps({"input_ids": [3], "z" * 20_000: 1, "prompt": "x"}).encode() + b"\n")
   out = tmp_path / "out.jsonl"
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(out), "--max-new-tokens", "6", "--enable-hisparse",
           "--hisparse-config", json.dumps(TINY_HISPARSE), "--dump-topk", str(tmp_path / "trace.npz"))
   assert r.returncode == 0, r.stderr
   res = [json.loads(l) for l in out.read_text().splitlines()]
-  assert len(res) == 10
+  assert len(res) == 11
   assert res[8]["error"] == "line 9: not valid UTF-8" and "line 10: 'text' is not valid Unicode" in res[9]["error"]
+  assert res[10]["error"].startswith("line 11: unknown field(s) ['prompt', 'zzzz") and len(res[10]["error"]) < 200
   assert len(res[0]["output_ids"]) == 6 and res[0]["misses"] > 0 and res[0]["hits"] > 0
   # The recorded top-k trace, replayed through the real kernel and the Python LRU, gives exactly the
   # misses the engine counted while decoding (same policy, same hot-buffer size, same accesses).

@@ -201,6 +201,9 @@ def test_tls_and_api_key(tmp_path):
         code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,
                                                 metadata=auth_metadata(key_sent)))
         assert code == grpc.StatusCode.UNAUTHENTICATED
+      for twice in (auth_metadata("wrong") + auth_metadata("s3cret-key"), auth_metadata("s3cret-key") * 2):
+        code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=twice))
+        assert code == grpc.StatusCode.UNAUTHENTICATED, twice  # several keys: none is taken over another
       assert gen(stub, api_key="s3cret-key")()[-1].finished
       assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=auth_metadata("s3cret-key")).running == 0
     # A plain-text client cannot talk to the TLS port.

@@ -473,7 +473,8 @@ def _add_health(servicer, server) -> None:
 
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-  """Every call except grpc.health.v1 needs ``authorization: Bearer KEY`` metadata (constant-time compare)."""
+  """Every call except grpc.health.v1 needs exactly one ``authorization: Bearer KEY`` metadata value
+  (constant-time compare)."""
 
   def __init__(self, api_key: str):
     self._want = credentials.bearer(api_key).encode()
@@ -487,9 +488,10 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
   async def intercept_service(self, continuation, details):
     if details.method.startswith("/grpc.health.v1.Health/"):
       return await continuation(details)
-    got = dict(details.invocation_metadata or ()).get("authorization", "")
-    if isinstance(got, str):
-      got = got.encode("utf-8", "surrogatepass")
+    keys = [v for k, v in details.invocation_metadata or () if k == "authorization"]
+    if len(keys) != 1:  # none, or several (no value of several is taken over another)
+      return self._deny
+    got = keys[0].encode("utf-8", "surrogatepass") if isinstance(keys[0], str) else keys[0]
     if not hmac.compare_digest(got, self._want):
       return self._deny
     return await continuation(details)

@@ -104,6 +104,8 @@ def test_dynamic_residency_plan_and_backend():
   be.offloaded(a)
   assert not a.resident and a.pages["staging"] == [] and be.residency([a, b]) == "mixed"
   assert "resident_pages" in be.decode_tables([a, b]) and be.residency([a]) == "none"
+  assert {k: v.shape for k, v in be.decode_tables([a, b], pages=3).items()} == {
+      "index_pages": (2, 3), "host_pages": (2, 3), "resident_pages": (2, 3), "req_ids": (2,)}
   assert "resident_pages" not in be.decode_tables([a])
   be.release(a)
   be.release(b)
@@ -128,6 +130,9 @@ def test_dense_backend_pages_follow_tokens_held():
   np.testing.assert_array_equal(tables["pages"][0], -1)  # an idle row
   np.testing.assert_array_equal(tables["pages"][1, :3], kv.pages["kv"])
   assert (tables["pages"][1, 3:] == -1).all() and tables["pages"].shape == (2, 13)
+  # A decode step's tables cover its indexer window's pages only (capped at the page-table width).
+  np.testing.assert_array_equal(be.decode_tables([None, kv], pages=2)["pages"], tables["pages"][:, :2])
+  assert be.decode_tables([kv], pages=99)["pages"].shape == (1, 13)
   be.release(kv)
   assert be.usage()[0].pages_free == total and be.free_slots == 3
   assert be.request_bytes(33) == {"device": 3 * 16 * (LAYOUT.latent_bytes + LAYOUT.index_bytes), "host": 0}

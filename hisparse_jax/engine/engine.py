@@ -1036,12 +1036,16 @@ class Engine:
     B = len(order)
     kvs = [None if r is None else r.kv for r in order]
     slots = [0 if r is None else r.kv.slot for r in order]
-    tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
+    blocks = self._index_blocks(B, 1, int(positions.max()))
+    # Every position the step reads or writes is inside its indexer window: the tables cover that window's
+    # pages, not max_seq_len's (host work and transfer follow the batch's lengths; one shape per window).
+    tables = {k: self._put(v)
+              for k, v in self.backend.decode_tables(kvs, pages=-(-blocks["window"] // self.page_size)).items()}
     residency = self.backend.residency(kvs)
     self.residency_steps[residency] += 1
     out, self.backend.state, logits, *topk = self._decode_fn(
         self._params, tokens, self._put(positions), self.backend.state, tables, self._sampling(slots),
-        logits_buffer, residency=residency, **self._index_blocks(B, 1, int(positions.max())))
+        logits_buffer, residency=residency, **blocks)
     self.decode_steps += 1
     self.last_decode_batch = B
     return _Launched(order, positions, out, logits, topk)

@@ -396,13 +396,14 @@ class KVBackend(abc.ABC):
     kvs[kv.group] = kv
     return kvs
 
-  def _rows(self, name: str, kvs) -> np.ndarray:
-    """int32[B, P]: the page-table rows of a batch (-1 rows for idle entries None; page ids local to each
-    request's group)."""
-    out = np.full((len(kvs), self.max_pages), -1, np.int32)
+  def _rows(self, name: str, kvs, pages: int | None = None) -> np.ndarray:
+    """int32[B, pages]: the first `pages` (default: all P) entries of a batch's page-table rows (-1 rows for
+    idle entries None; page ids local to each request's group)."""
+    width = self.max_pages if pages is None else min(pages, self.max_pages)
+    out = np.full((len(kvs), width), -1, np.int32)
     for b, kv in enumerate(kvs):
       if kv is not None:
-        out[b] = self._tables[name][kv.slot]
+        out[b] = self._tables[name][kv.slot, :width]
     return out
 
   @abc.abstractmethod
@@ -411,8 +412,10 @@ class KVBackend(abc.ABC):
     this call. A dict of int32 NumPy arrays for ``state.view``."""
 
   @abc.abstractmethod
-  def decode_tables(self, kvs) -> dict:
-    """Page-table rows (and request slots) of a decode batch; kvs[b] None = idle row."""
+  def decode_tables(self, kvs, pages: int | None = None) -> dict:
+    """Page-table rows (and request slots) of a decode batch; kvs[b] None = idle row. pages: the rows' first
+    `pages` entries only (int32[B, min(pages, P)]), enough for every position the call reads or writes (a
+    decode step: its indexer window), so that a step's tables follow the batch's lengths, not max_seq_len."""
 
   def residency(self, kvs) -> str:
     """Which rows of a decode batch are resident (``views.RESIDENCY``); "none" without dynamic residency."""
@@ -462,8 +465,8 @@ class DenseBackend(KVBackend):
     del finishing
     return {"pages": self._rows("kv", kvs)}
 
-  def decode_tables(self, kvs) -> dict:
-    return {"pages": self._rows("kv", kvs)}
+  def decode_tables(self, kvs, pages: int | None = None) -> dict:
+    return {"pages": self._rows("kv", kvs, pages)}
 
 
 class HiSparseBackend(KVBackend):
@@ -513,11 +516,12 @@ class HiSparseBackend(KVBackend):
     return {"index_pages": self._rows("index", kvs), "staging_pages": self._rows("staging", kvs),
             "host_pages": self._rows("host", kvs), "hot_slot": hot_slot}
 
-  def decode_tables(self, kvs) -> dict:
-    tables = {"index_pages": self._rows("index", kvs), "host_pages": self._rows("host", kvs),
+  def decode_tables(self, kvs, pages: int | None = None) -> dict:
+    tables = {"index_pages": self._rows("index", kvs, pages), "host_pages": self._rows("host", kvs, pages),
               "req_ids": np.array([-1 if kv is None else self.local_slot(kv) for kv in kvs], np.int32)}
     if self.residency(kvs) != "none":
-      tables["resident_pages"] = self._rows("staging", [kv if kv is not None and kv.resident else None for kv in kvs])
+      tables["resident_pages"] = self._rows("staging", [kv if kv is not None and kv.resident else None for kv in kvs],
+                                            pages)
     return tables
 
   def residency(self, kvs) -> str:

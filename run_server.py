@@ -11,7 +11,7 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--disaggregation-mode null|prefill|decode [--prefill-servers H:P,...] [--transfer-host 127.0.0.1] \
        [--transfer-port 0] [--transfer-timeout-s 60] [--prefill-timeout-s 600]] [--coordinator-address H:P --num-processes N --process-id I]
 
-Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script).
+Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script; ``--helpfull`` lists them).
 
 Serves ``hisparse.HiSparseInference/Generate`` (server streaming), ``Abort``, ``GetLoads`` and
 ``grpc.health.v1.Health`` (which needs no API key, as load balancers expect); with ``--disaggregation-mode prefill``

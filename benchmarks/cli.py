@@ -92,14 +92,15 @@ def check_memory(ap: argparse.ArgumentParser, nbytes: int, what: str) -> None:
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-OUT_HELP = ("results path without extension (default: benchmarks/results/NAME, the committed results BENCHMARKS.md "
-            "quotes; with --quick benchmarks/results/quick/NAME, which git ignores)")
+OUT_HELP = ("results path without extension (default: benchmarks/results/local/NAME, or with --quick "
+            "benchmarks/results/quick/NAME, both git-ignored: only an explicit --out, as `make bench` passes, "
+            "writes the committed results BENCHMARKS.md quotes)")
 
 
 def default_out(name: str, quick: bool) -> str:
-  """Where a benchmark writes when --out is not given: a --quick (smoke) run never overwrites the committed
-  full results."""
-  return os.path.join(RESULTS, "quick", name) if quick else os.path.join(RESULTS, name)
+  """Where a benchmark writes when --out is not given: a git-ignored folder (``quick`` for --quick smoke runs,
+  ``local`` otherwise), so an ad-hoc run never overwrites the committed results (``make bench`` names them)."""
+  return os.path.join(RESULTS, "quick" if quick else "local", name)
 
 
 def write_results(out: str, results: dict, markdown: str) -> None:

@@ -562,8 +562,9 @@ def main(argv=None) -> int:
       gaps, shown = {}, dict.fromkeys(gapped, "n/a")
     summary[D] = {"means": means, "best": best, "best_gap": gaps.get(best), "lru_gap": gaps.get("lru"),
                   "content_oracle_gap": gaps.get("content-oracle")}
+    tied = [p for p in online if means[p] == means[best]]  # (all of them: which one min() picked means nothing)
     lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in policies) +
-                 f" | {shown['lru']} | {label.get(best, best)} {shown[best]} |" +
+                 f" | {shown['lru']} | {' = '.join(label.get(p, p) for p in tied)} {shown[best]} |" +
                  (f" {shown['content-oracle']} |" if oracle else ""))
   if "position-ema-kernel" in policies:
     lines += ["", "position-ema (a moving average of every position's scores) is not an engine option; the "

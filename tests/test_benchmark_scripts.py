@@ -92,6 +92,11 @@ def test_miss_rate_quick():
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1 if Python LRU != the kernel
   assert open(committed, "rb").read() == before
   assert subprocess.run(["git", "check-ignore", "-q", str(quick / "miss_rate.json")], cwd=REPO).returncode == 0
+  # A full run without --out (any settings) writes under results/local/, git-ignored as well.
+  from benchmarks.cli import default_out
+  local = default_out("miss_rate", quick=False) + ".json"
+  assert pathlib.Path(local).parent == quick.parent / "local"
+  assert subprocess.run(["git", "check-ignore", "-q", local], cwd=REPO).returncode == 0
   out = quick / "miss_rate"
   data = json.loads(out.with_suffix(".json").read_text())["misses"]
   for D in (128, 256):

@@ -77,6 +77,8 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   assert r.returncode == 0, r.stderr
   res = [json.loads(l) for l in out.read_text().splitlines()]
   assert len(res) == 11
+  # The trace gets the modes of any new file (mkstemp's are owner-only), as --output has.
+  assert (tmp_path / "trace.npz").stat().st_mode & 0o777 == out.stat().st_mode & 0o777
   assert res[8]["error"] == "line 9: not valid UTF-8" and "line 10: 'text' is not valid Unicode" in res[9]["error"]
   assert res[10]["error"].startswith("line 11: unknown field(s) ['prompt', 'zzzz") and len(res[10]["error"]) < 200
   assert len(res[0]["output_ids"]) == 6 and res[0]["misses"] > 0 and res[0]["hits"] > 0
@@ -438,8 +440,8 @@ def test_generate_streams_its_prompts(tmp_path):
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", "/proc/self/mem", timeout=300)
   assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
   assert r.stderr.strip().splitlines()[-1] == ("error: reading --prompts '/proc/self/mem' failed: [Errno 5] Input/output "
-                                               "error; 0 of 0 results written to stdout; --prompts was not read to its "
-                                               "end"), r.stderr[-2000:]
+                                               "error; 0 results written to stdout (0 prompt lines read); --prompts was "
+                                               "not read to its end"), r.stderr[-2000:]
 
 
 def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(tmp_path):
@@ -456,10 +458,16 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
   # A device that never ends (it read /dev/zero until memory ran out); a pipe is read as a file.
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", "/dev/zero", timeout=120)
   assert r.returncode == 1 and "--prompts '/dev/zero' is a device, not a file, pipe, terminal or /dev/null" in r.stderr, r.stderr
+  # "-" is stdin; a UTF-8 byte order mark before the first line is skipped (an editor's).
   r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts",
-                      "/dev/stdin"], cwd=REPO, input='{"input_ids": [3, 4, 5], "max_new_tokens": 2}\n',
+                      "-"], cwd=REPO, input='\ufeff{"input_ids": [3, 4, 5], "max_new_tokens": 2}\n',
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0 and len(json.loads(r.stdout.splitlines()[0])["output_ids"]) == 2, r.stderr[-2000:]
+  with open(prompts) as stdin:  # the same-file check follows "-" to the file it reads
+    r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(),
+                        "--prompts", "-", "--output", str(prompts)], cwd=REPO, stdin=stdin, capture_output=True,
+                       text=True, timeout=120)
+  assert r.returncode == 1 and "is the --prompts file" in r.stderr and prompts.read_bytes() == before, r.stderr
   # Ctrl-C midway: exit 130 with one line; the results finished so far are on disk, whole lines in order.
   out = tmp_path / "out.jsonl"
   trace = tmp_path / "trace.npz"
@@ -482,7 +490,7 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
   assert "interrupted" in err and "Traceback" not in err
   res = [json.loads(l) for l in out.read_text().splitlines()]
   assert 2 <= len(res) < 40 and all(len(r["output_ids"]) == 400 for r in res)
-  assert f"{len(res)} of 40 results written" in err
+  assert f"{len(res)} results written to {out} (40 prompt lines read)" in err
   # The finished requests' top-k traces are written too (they were lost): those written and any finished after.
   import numpy as np
   with np.load(trace) as z:

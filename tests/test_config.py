@@ -99,3 +99,26 @@ def test_a_model_dirs_hisparse_config_json_is_read_only_as_a_bounded_regular_fil
     make()
     with pytest.raises(StartupError, match=f"{MODEL_HISPARSE_FILE}.* {message}"):
       args.resolve_hisparse(str(tmp_path), cfg)
+
+
+def test_other_runtimes_dtype_spellings_are_taken():
+  """vLLM's / SGLang's --dtype auto (the checkpoint's) and --kv-cache-dtype fp8 (e4m3) mean ours; anything
+  else still fails validation naming the flag."""
+  from hisparse_jax.engine.args import EngineArgs, StartupError
+  args = EngineArgs(dtype="auto", kv_cache_dtype="fp8")
+  assert (args.dtype, args.kv_cache_dtype) == (None, "fp8_e4m3")
+  args.validate()
+  with pytest.raises(StartupError, match="--dtype 'float16': expected one of float32, bfloat16"):
+    EngineArgs(dtype="float16").validate()
+  with pytest.raises(StartupError, match="--kv-cache-dtype 'fp8_e5m2': expected one of auto, fp8_e4m3"):
+    EngineArgs(kv_cache_dtype="fp8_e5m2").validate()
+
+
+def test_a_file_name_for_the_json_gets_a_hint(tmp_path):
+  cfg = tmp_path / "cfg.json"
+  cfg.write_text('{"top_k": 32}')
+  with pytest.raises(ConfigError, match=r"not valid JSON: .* is a file: the flag takes JSON text, e\.g\. \"\$\(cat "):
+    HiSparseConfig.from_json(str(cfg), model_top_k=32)
+  with pytest.raises(ConfigError) as e:
+    HiSparseConfig.from_json(str(tmp_path / "none.json"), model_top_k=32)
+  assert "is a file" not in str(e.value)

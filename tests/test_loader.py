@@ -543,3 +543,27 @@ def test_a_finite_weight_the_compute_dtype_cannot_hold_is_refused(ckpt):
     with pytest.raises(ValueError, match=r"parameter layers/1/self_attn/o_proj/\w+ holds a NaN or an infinity \(or a "
                                          r"value the compute dtype cannot hold\)"):
         load_hf(ckpt, dtype="bfloat16")
+
+
+def test_a_generated_model_says_so_once_and_gets_the_usual_modes(tmp_path, monkeypatch, caplog):
+  """ensure_random_model (the embedded default model's generator) logs where it writes on first use only, and
+  its folder and files get the modes of files made under the umask (mkdtemp's and the checkpoint writer's were
+  owner-only)."""
+  import logging
+  import stat
+
+  from hisparse_jax.default_model import ensure_random_model
+  from tests.tiny_model import tiny_config
+  monkeypatch.setenv("HISPARSE_JAX_CACHE", str(tmp_path))
+  old = os.umask(0o027)
+  try:
+    with caplog.at_level(logging.WARNING, logger="hisparse_jax.default_model"):
+      path = ensure_random_model(tiny_config(), 3, "tiny", tokenizer=False)
+      assert ensure_random_model(tiny_config(), 3, "tiny", tokenizer=False) == path
+  finally:
+    os.umask(old)
+  assert [r.getMessage() for r in caplog.records] == [
+      f"generating the model tiny on its first use (a deterministic random checkpoint) in {path}"]
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o750
+  assert {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode) for name in os.listdir(path)} == {
+      "config.json": 0o640, "model.safetensors": 0o640}

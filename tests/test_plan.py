@@ -162,7 +162,7 @@ def test_nothing_fits_recommends_no_settings(dsv32):
   assert (p.hisparse.requests, p.hisparse.max_running_requests, p.hisparse.limited_by) == (0, 0, "host memory")
   assert p.dense.requests > 0
   assert "HiSparse settings: none; no HiSparse request of 32,768 tokens fits (host memory)" in P.format_plan(p)
-  assert "note: --host-memory is the whole deployment's, shared by its 8 devices (0.00 GiB each" in P.format_plan(p)
+  assert "note: --host-memory is the whole deployment's, shared by its 8 devices (104.86 KiB each" in P.format_plan(p)
 
 
 def test_a_float16_config_needs_a_weight_dtype(dsv32):
@@ -269,6 +269,23 @@ def test_cli_errors_exit_1_without_traceback(args, message):
   r = _cli(f"--model-config={DATA / 'deepseek_v32_config.json'}", *args)
   assert r.returncode == 1
   assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_plans_a_small_model_with_its_own_top_k():
+  """Without --hisparse-config the planner takes SGLang's sizes for the model's top-k (it refused any model
+  whose index_topk is not 2048), and a small model's sizes print in MiB / KiB, not as 0.00 GiB."""
+  from models.random_checkpoint import default_model_config
+  import tempfile
+  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    json.dump(default_model_config(), f)
+    f.flush()
+    r = _cli(f"--model-config={f.name}", "--devices=1", "--device-memory=1", "--host-memory=8", "--context=4096",
+             "--kv-cache-dtype=fp8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["kv_cache_dtype"] == "fp8_e4m3" and out["hisparse"]["requests"] > out["dense"]["requests"] > 0
+    r = _cli(f"--model-config={f.name}", "--devices=1", "--device-memory=1", "--host-memory=8", "--context=4096")
+  assert r.returncode == 0 and " MiB" in r.stdout and "0.00 GiB" not in r.stdout, r.stdout
 
 
 def test_cli_reads_its_model_config_as_the_loader_does(tmp_path):

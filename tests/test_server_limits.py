@@ -5,6 +5,7 @@ fail at once, and TLS / API-key access control (all on loopback, bounded)."""
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import grpc
@@ -210,6 +211,11 @@ def test_tls_and_api_key(tmp_path):
     with grpc.insecure_channel(target) as plain:
       code, _ = code_of(gen(hisparse_pb2_grpc.HiSparseInferenceStub(plain), api_key="s3cret-key"))
       assert code == grpc.StatusCode.UNAVAILABLE
+    # The client says what to do about it.
+    r = subprocess.run([sys.executable, "-m", "hisparse_jax.serving.client", f"--target={target}", "--loads",
+                        "--timeout-s=20"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().startswith("error: UNAVAILABLE: "), r.stderr
+    assert r.stderr.strip().endswith("(a server with TLS closes a plain-text connection: pass --tls-ca-file)")
   finally:
     srv.stop(0).wait()
     loop.stop()

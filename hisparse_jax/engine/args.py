@@ -62,7 +62,7 @@ class EngineArgs:
   Attributes:
     model_path: HF-format model directory or an orbax directory from ``python -m models.convert``; None:
       the embedded default model.
-    dtype: compute / KV dtype ("float32", "bfloat16"); None: the checkpoint's.
+    dtype: compute / KV dtype ("float32", "bfloat16"); None (or "auto"): the checkpoint's.
     enable_hisparse: latent KV in a host pool, a hot buffer per request on device.
     hisparse_config: JSON with top_k, device_buffer_size, host_to_device_ratio (SGLang's flag), eviction
       (lru | clock | score | score_ema), resident_fraction, prefetch (none | next_layer) and prefetch_depth
@@ -102,7 +102,7 @@ class EngineArgs:
       stores FP8 values, so it cannot run without them).
     kv_cache_dtype: how the KV cache (dense pages, HiSparse's hot buffers, host pool, staging and indexer-key
       pages, and the prompt KV a prefill server hands over) stores a token (``models/kv_format.py``): "auto"
-      (latent rows in the compute dtype, indexer keys in float32) or "fp8_e4m3" (DeepSeek-V3.2's FP8 KV
+      (latent rows in the compute dtype, indexer keys in float32) or "fp8_e4m3" (also "fp8"; DeepSeek-V3.2's FP8 KV
       cache: the latent part in e4m3 with a power-of-two scale per 128 values and the RoPE part in the compute
       dtype, 656 bytes against 1,152 in bfloat16; the indexer key in e4m3 with its scale, 132 bytes against
       512). It implies DeepSeek's FP8 numerics (``fp8_numerics``), whose values it stores: the logits are
@@ -144,7 +144,8 @@ class EngineArgs:
   # --------------------------------------------------------------- flags
   _HELP = {
       "model_path": "HF-format model directory or orbax directory (default: the embedded model).",
-      "dtype": "float32 or bfloat16 (default: the checkpoint's dtype; a float16 checkpoint needs one of them).",
+      "dtype": "float32 or bfloat16 (default, or auto: the checkpoint's dtype; a float16 checkpoint needs one of "
+               "them).",
       "enable_hisparse": "Keep the latent KV in a host pool with per-request hot buffers on device.",
       "hisparse_config": "HiSparse sizes and policy as JSON: top_k, device_buffer_size, host_to_device_ratio, "
                          "eviction (lru | clock | score | score_ema), resident_fraction, prefetch "
@@ -173,7 +174,7 @@ class EngineArgs:
       "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
                       "latent KV cache (fake-quantized). Default: on with --kv-cache-dtype fp8_e4m3, else off.",
       "kv_cache_dtype": "How the KV cache stores a token: auto (latent in the compute dtype, indexer keys in "
-                        "float32) or fp8_e4m3 (DeepSeek-V3.2's FP8 KV cache: 656-byte latent rows, 132-byte "
+                        "float32) or fp8_e4m3 (or fp8; DeepSeek-V3.2's FP8 KV cache: 656-byte latent rows, 132-byte "
                         "indexer keys; implies --fp8-numerics, whose values it stores).",
       "dp_size": "Data-parallel attention groups: each runs its share of the requests, its KV on its devices.",
       "tp_size": "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them.",
@@ -182,6 +183,16 @@ class EngineArgs:
                       "dequantized inside the matmuls (half the weight memory of bfloat16). Default: dequantize "
                       "at load.",
   }
+
+  # Other runtimes' spellings, taken as ours: vLLM's and SGLang's --dtype auto (the checkpoint's) and
+  # --kv-cache-dtype fp8 (e4m3, the only FP8 format here).
+  _ALIASES = {"dtype": {"auto": None}, "kv_cache_dtype": {"fp8": "fp8_e4m3"}}
+
+  def __post_init__(self):
+    for name, aliases in self._ALIASES.items():
+      value = getattr(self, name)
+      if isinstance(value, str) and value in aliases:
+        setattr(self, name, aliases[value])
 
   @classmethod
   def define_flags(cls, flags_module=None, **defaults) -> None:

@@ -239,7 +239,8 @@ class Engine:
       raise StartupError(f"--weight-dtype fp8: {model_dir} is " + (
           "an orbax checkpoint, whose weights were dequantized when it was converted; FP8-resident weights load "
           "from the HF FP8 checkpoint" if is_orbax_dir(model_dir) else
-          "not an FP8 block-quantized checkpoint (its config.json has no quantization_config)"))
+          "not an FP8 block-quantized checkpoint (its config.json has no quantization_config; "
+          "`python -m models.quantize_fp8` makes one from it)"))
     try:
       self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=bool(args.fp8_numerics),
                                       kv_cache_dtype=args.kv_cache_dtype,

@@ -33,7 +33,7 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_float("top-p", 1.0, "Nucleus sampling mass (1: off).")
 flags.DEFINE_integer("top-k", 0, "Sample among the k most likely tokens (0: off).")
 flags.DEFINE_integer("seed", None, "Sampling seed (default: random).")
-flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string (repeatable).")
+flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string")
 flags.DEFINE_list("stop-token-ids", [], "Stop after any of these token ids.")
 flags.DEFINE_boolean("include-stop-str-in-output", False, "Keep the matched stop string at the end of the text.")
 flags.DEFINE_boolean("ignore-eos", False, "Keep generating past the model's EOS tokens.")
@@ -152,6 +152,16 @@ def _check_flags() -> tuple[list[int] | None, list[int]]:
   return ids, stop_token_ids
 
 
+def _rpc_error(e: grpc.RpcError, tls: bool) -> str:
+  """The one-line message of a failed call, with a hint where the cause is a common set-up mistake."""
+  text = f"{e.code().name}: {e.details()}"
+  if e.code() == grpc.StatusCode.UNAVAILABLE and not tls and "Socket closed" in (e.details() or ""):
+    text += " (a server with TLS closes a plain-text connection: pass --tls-ca-file)"
+  elif e.code() == grpc.StatusCode.UNAVAILABLE and e.details() == "Cancelling all calls":
+    text += " (the server is shutting down)"
+  return text
+
+
 def main(argv):
   del argv
   try:
@@ -183,7 +193,7 @@ def main(argv):
                          metadata=auth_metadata(api_key))
           print(f"[client] aborted {r.aborted} request{'' if r.aborted == 1 else 's'} with id {FLAGS.abort!r}")
       except grpc.RpcError as e:
-        sys.exit(f"error: {e.code().name}: {e.details()}")
+        sys.exit(f"error: {_rpc_error(e, tls['ca'] is not None)}")
       return
     streamed, output_ids = False, []
     try:
@@ -208,7 +218,7 @@ def main(argv):
             print(("\n" if streamed else "") + f"output_ids={output_ids}", end="")
           print("\n" + summary_line(msg))
     except grpc.RpcError as e:
-      sys.exit(("\n" if streamed else "") + f"error: {e.code().name}: {e.details()}")
+      sys.exit(("\n" if streamed else "") + f"error: {_rpc_error(e, tls['ca'] is not None)}")
     except ValueError as e:  # protobuf: an integer flag outside its field's range (int32 / uint64)
       sys.exit(f"error: {e} (a flag value outside the range of its request field)")
 

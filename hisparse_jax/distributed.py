@@ -313,11 +313,19 @@ def _wait_for_coordinator(host: str, port: int, timeout: float, address: str) ->
       time.sleep(0.25)
 
 
-def fatal(message: str) -> None:
-  """Prints ``[hisparse] process I of N: message`` to stderr and ends the process at once with status 1 (no
-  interpreter shutdown: it would wait in jax.distributed's shutdown barrier for a process that is gone)."""
+def fatal(message: str, before_exit=()) -> None:
+  """Prints ``[hisparse] process I of N: message`` to stderr, calls each of ``before_exit`` (a program's own
+  last words: what it has finished, written; an exception it raises is printed, not raised) and ends the
+  process at once with status 1 (no interpreter shutdown: it would wait in jax.distributed's shutdown barrier
+  for a process that is gone)."""
   print(f"[hisparse] {_WHO[0]}: {message}", file=sys.stderr, flush=True)
+  for hook in before_exit:
+    try:
+      hook()
+    except BaseException as e:  # noqa: BLE001 - exiting anyway
+      print(f"[hisparse] {_WHO[0]}: while exiting: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
   sys.stdout.flush()
+  sys.stderr.flush()
   os._exit(1)
 
 
@@ -435,6 +443,9 @@ class Lockstep:
     self.seconds = 0.0       # spent in them (a follower's includes waiting for the leader)
     self.kinds = collections.Counter()                 # messages by kind ("step", "ops", "idle", "stop")
     self.recent = collections.deque(maxlen=4096)       # the last messages' seconds, for a median
+    # Called (in order, on the thread that found it) when contact is lost, before the process exits: a program
+    # writes what it has finished (the batch script's top-k trace and summary).
+    self.on_lost: list = []
 
   def publish(self, kind: str, ops: list, check: list, arrays: list) -> None:
     """Leader: sends one message (kind "step", "ops", "idle" or "stop") with the changes since the last one."""
@@ -476,4 +487,4 @@ class Lockstep:
     """A collective (a step, a message) failed: another process is gone or out of step. Exits (``fatal``)."""
     peer = "process 0 (the leader)" if not self.is_leader else "a follower process"
     fatal(f"lost contact with {peer}, or the processes fell out of step: {type(error).__name__}: "
-          f"{str(error).splitlines()[0] if str(error) else ''}; exiting")
+          f"{str(error).splitlines()[0] if str(error) else ''}; exiting", before_exit=self.on_lost)

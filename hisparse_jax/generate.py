@@ -410,6 +410,24 @@ def main(argv):
       raise _RunError(f"writing {'--output ' + repr(FLAGS.output) if FLAGS.output else 'stdout'} failed: "
                       f"{e.strerror or e} (the last result counted as written may not be whole)") from None
 
+  L, K = model_cfg.num_hidden_layers, model_cfg.index_topk
+
+  def dump_traces() -> str:  # writes --dump-topk; what the summary says of it. OSError as the file system raises
+    _write_topk_dump(dump, traces, L, K)
+    return f"top-k trace of {len(traces)} finished request{'' if len(traces) == 1 else 's'} written to {dump}"
+
+  def written_summary(dumped: str) -> str:
+    where = FLAGS.output or "stdout"
+    return (f"{written} results written to {where} ({read} prompt lines read)"
+            + (f" (the earlier {where} is unchanged)" if output_existed and dest is None else "")
+            + ("" if eof else "; --prompts was not read to its end") + (f"; {dumped}" if dumped else ""))
+
+  def on_lost() -> None:  # a follower is gone: the process exits from inside a step (distributed.fatal)
+    print(f"[generate] {written_summary(dump_traces() if dump is not None and traces else '')}", file=sys.stderr)
+
+  if engine.lockstep is not None:
+    engine.lockstep.on_lost.append(on_lost)
+
   # Ctrl-C sets a flag the loop reads between steps (a KeyboardInterrupt raised inside a step could land in
   # a callback that swallows it); a second Ctrl-C interrupts at once.
   interrupted = threading.Event()
@@ -447,19 +465,14 @@ def main(argv):
         dest.close()
       except OSError:  # (the write that failed is reported above; closing flushes it again)
         pass
-  L, K = model_cfg.num_hidden_layers, model_cfg.index_topk
   dumped = ""
   if dump is not None and (traces or (failure is None and not interrupted.is_set())):
     try:  # (on Ctrl-C or a failure too: the finished requests' traces)
-      _write_topk_dump(dump, traces, L, K)
-      dumped = f"top-k trace of {len(traces)} finished request{'' if len(traces) == 1 else 's'} written to {dump}"
+      dumped = dump_traces()
     except OSError as e:
       failure = failure or f"--dump-topk {dump!r}: {e.strerror or e}"
   if failure is not None or interrupted.is_set():
-    where = FLAGS.output or "stdout"
-    message = (f"{written} results written to {where} ({read} prompt lines read)"
-               + (f" (the earlier {where} is unchanged)" if output_existed and dest is None else "")
-               + ("" if eof else "; --prompts was not read to its end") + (f"; {dumped}" if dumped else ""))
+    message = written_summary(dumped)
     if failure is not None:
       sys.exit(f"error: {failure}; {message}")
     print(f"\n[generate] interrupted: {message}", file=sys.stderr)

@@ -167,9 +167,9 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
   server never offers (a pull of it blocks), and it records whether the caller acknowledged. With hang=True it
   sends no offer at all, as a prefill server hung alive, and records when the caller cancels the stream."""
 
-  def __init__(self, info, transfer_address, hang=False, **offer):
+  def __init__(self, info, transfer_address, hang=False, refuse=None, **offer):
     self.info, self.transfer_address, self.acks = info, transfer_address, []
-    self.hang, self.cancelled = hang, threading.Event()
+    self.hang, self.cancelled, self.refuse = hang, threading.Event(), refuse
     # The offer's layout: the Info's unless overridden (a prefill server restarted with other flags).
     self.offer = {**dict(num_layers=info.num_layers, latent_dim=info.latent_dim, index_dim=info.index_dim,
                          latent_dtype=info.latent_dtype, numerics=info.numerics), **offer}
@@ -179,6 +179,8 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
 
   def Prefill(self, request_iterator, context):
     first = next(request_iterator)
+    if self.refuse is not None:  # (code, message), as a prefill server's engine refuses a request
+      context.abort(*self.refuse)
     if self.hang:
       while context.is_active():
         time.sleep(0.05)
@@ -192,13 +194,16 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
       self.acks.append(message.received.pulled)
 
 
-@pytest.mark.parametrize("case", ["timeout", "other layout", "no offer"])
+@pytest.mark.parametrize("case", ["timeout", "other layout", "no offer", "abort", "exhausted"])
 def test_a_transfer_that_times_out(case):
   """A pull that does not finish within --transfer-timeout-s, an offer of another KV layout than the start-up
   check saw (the prefill server restarted with FP8 rows of bfloat16: 68 bytes, not 48 float32; refused before
   any pull), or a prefill server that sends no offer within --prefill-timeout-s (hung alive, long before the client's
   deadline): the request fails with UNAVAILABLE naming the cause, nothing is held, the decode server keeps
-  serving, and a hung prefill server's stream is cancelled."""
+  serving, and a hung prefill server's stream is cancelled. An Abort of a request waiting on a hung prefill
+  server ends its stream as ABORT at once (it waited for --prefill-timeout-s) and cancels the prefill there; a
+  prefill server that refuses a request with RESOURCE_EXHAUSTED (too large for its memory) gives the client
+  RESOURCE_EXHAUSTED, not UNAVAILABLE (a client retries that)."""
   from hisparse_jax.engine import Engine
   from hisparse_jax.serving.disaggregation import TransferEndpoint
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
@@ -207,7 +212,8 @@ def test_a_transfer_that_times_out(case):
   transfer = TransferEndpoint()
   server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
   servicer = _SilentPrefill(info, transfer.address, **{
-      "timeout": {}, "no offer": {"hang": True},
+      "timeout": {}, "no offer": {"hang": True}, "abort": {"hang": True},
+      "exhausted": {"refuse": (grpc.StatusCode.RESOURCE_EXHAUSTED, "request needs 4 pages of the kv pool")},
       "other layout": {"latent_dim": 68, "latent_dtype": "uint8", "numerics": "fp8"}}[case])
   hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
   port = server.add_insecure_port("127.0.0.1:0")
@@ -215,12 +221,27 @@ def test_a_transfer_that_times_out(case):
   procs = []
   try:
     dec, dport = start_server([*_model(), "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{port}",
-                               "--transfer-timeout-s=2", "--prefill-timeout-s=3"])
+                               "--transfer-timeout-s=2", f"--prefill-timeout-s={600 if case == 'abort' else 3}"])
     procs.append(dec)
     stub = _stub(dport)
     start = time.monotonic()
+    if case == "abort":
+      call = stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[1]), max_new_tokens=NEW,
+                                              request_id="waiting"), timeout=120)
+      time.sleep(1)
+      assert stub.Abort(pb.AbortRequest(request_id="waiting"), timeout=30).aborted == 1
+      msgs = list(call)
+      assert msgs[-1].finished and msgs[-1].finish_reason == pb.ABORT and not any(m.token_ids for m in msgs)
+      assert time.monotonic() - start < 30 and servicer.cancelled.wait(10)
+      assert _idle(stub)
+      return
     with pytest.raises(grpc.RpcError) as err:
       _generate(stub, PROMPTS[1])  # (the client's own deadline, 120 s, is not the one that ends it)
+    if case == "exhausted":
+      assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.details() == (
+          f"prefill failed: 127.0.0.1:{port}: RESOURCE_EXHAUSTED: request needs 4 pages of the kv pool")
+      assert _idle(stub)
+      return
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     if case == "timeout":
       assert "the KV transfer took over --transfer-timeout-s 2" in err.value.details(), err.value.details()

@@ -258,30 +258,39 @@ def test_a_process_that_dies_takes_the_other_down_with_a_message(victim, sig):
 
 @pytest.mark.parametrize("who,sig", [(1, signal.SIGINT), (0, signal.SIGTERM)])
 def test_signals_to_a_two_process_batch_run(tmp_path, who, sig):
-  """Ctrl-C to the follower: it stops at once saying so, and process 0 follows with a message (exit 1 both).
-  SIGTERM to process 0: as Ctrl-C, it writes what finished and exits 130; the follower stops with it (exit 0)."""
+  """Ctrl-C to the follower: it stops at once saying so, and process 0 follows with a message (exit 1 both),
+  having written what finished: its results and its --dump-topk trace. SIGTERM to process 0: as Ctrl-C, it
+  writes what finished and exits 130; the follower stops with it (exit 0)."""
   prompts = tmp_path / "p.jsonl"
-  prompts.write_text("".join(json.dumps({"input_ids": p, "max_new_tokens": 200}) + "\n" for p in PROMPTS))
-  out = tmp_path / "out.jsonl"
+  prompts.write_text("".join(json.dumps({"input_ids": p, "max_new_tokens": 2 if i == 0 else 200}) + "\n"
+                             for i, p in enumerate(PROMPTS)))
+  out, trace = tmp_path / "out.jsonl", tmp_path / "trace.npz"
   procs = launch(["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={prompts}",
-                  f"--output={out}", *COMMON, "--tp-size=4"], 2, 2)
+                  f"--output={out}", f"--dump-topk={trace}", *COMMON, "--tp-size=4"], 2, 2)
   try:
     deadline = time.monotonic() + 120
-    while not (out.exists() and out.stat().st_size == 0) and time.monotonic() < deadline:  # (truncated at start)
+    while not (out.exists() and out.read_text().count("\n")) and time.monotonic() < deadline:  # the short one
       time.sleep(0.2)
-    time.sleep(3)  # decoding
     procs[who].send_signal(sig)
     results = wait_all(procs, timeout=60)
   finally:
     _kill_all(procs)
   if who == 1:
     assert results[1][0] == 1 and "SIGINT: stopping" in results[1][2], results[1][2][-2000:]
-    # Process 0: ours, or JAX's own when its coordination service notices first (then SIGABRT).
-    assert results[0][0] != 0 and ("lost contact with a follower process" in results[0][2]
-                                   or "another task died" in results[0][2]), results[0][2][-2000:]
+    # Process 0: ours, or JAX's own when its coordination service notices first (then SIGABRT, nothing more).
+    err = results[0][2]
+    assert results[0][0] != 0 and ("lost contact with a follower process" in err
+                                   or "another task died" in err), err[-2000:]
+    if "lost contact with a follower process" in err:
+      assert re.search(r"\[generate\] 1 results written to .*out.jsonl \(4 prompt lines read\); top-k trace of 1 "
+                       "finished request written to", err), err[-2000:]
   else:
     assert [rc for rc, _, _ in results] == [130, 0], [e[-2000:] for _, _, e in results]
     assert "[generate] interrupted:" in results[0][2] and "followed process 0 for" in results[1][2]
+    assert "top-k trace of" in results[0][2]
+  import numpy as np
+  if trace.exists():
+    assert "topk_1" in np.load(trace).files and len(json.loads(out.read_text().splitlines()[0])["output_ids"]) == 2
 
 
 def _cli(*flags, processes=1, devices=1, timeout=120, extra=None):

@@ -138,6 +138,17 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "request_id of 300 characters" in r.stderr
   r = client("--loads", "--text=hi")
   assert r.returncode == 1 and "--loads sends no request" in r.stderr
+  # Ctrl-C mid-stream: one line and status 130 (it was a traceback); the server frees the request.
+  import signal
+  proc = subprocess.Popen([*base, "--input-ids=2,3,4", "--max-new-tokens=250", "--ignore-eos"], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert proc.stderr.readline().startswith("[client] request id ")  # streaming
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130 and err.strip() == "[client] interrupted", err
 
 
 def test_cancelled_stream_releases_its_lane(server):

@@ -224,4 +224,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  try:
+    app.run(main)
+  except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled as the channel closes (the server frees it)
+    print("\n[client] interrupted", file=sys.stderr)
+    sys.exit(130)

@@ -53,7 +53,7 @@ import uuid as uuidlib
 
 import grpc
 
-from hisparse_jax.engine import InvalidRequest, Request, RequestError, Unavailable
+from hisparse_jax.engine import InvalidRequest, Request, RequestError, ResourceExhausted, Unavailable
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving.addresses import MAX_TIMEOUT_S
 
@@ -442,7 +442,12 @@ class TakeBacks:
 
 # ---------------------------------------------------------------------------------------------- decode
 class PrefillFailed(Exception):
-  """A prefill server or its transfer failed (another may succeed)."""
+  """A prefill server or its transfer failed (another may succeed). exhausted: the server refused the request
+  with RESOURCE_EXHAUSTED (busy, or the request cannot fit its memory)."""
+
+  def __init__(self, message: str, exhausted: bool = False):
+    super().__init__(message)
+    self.exhausted = exhausted
 
 
 def _metadata(api_key: str | None) -> tuple:
@@ -495,7 +500,12 @@ class PrefillClient:
 
   def _stub(self, i: int):
     if self._stubs is None:
-      self._stubs = [hisparse_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(s)) for s in self.servers]
+      # A prefill server that comes back is reconnected to within ~1 s (gRPC's default backoff grows to 120 s:
+      # requests kept failing for 8 s after a 75 s outage had ended).
+      options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                 ("grpc.max_reconnect_backoff_ms", 1000)]
+      self._stubs = [hisparse_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(s, options=options))
+                     for s in self.servers]
     return self._stubs[i]
 
   async def prefill(self, req: Request, deadline_s: float | None = None) -> None:
@@ -506,13 +516,15 @@ class PrefillClient:
     Raises:
       Unavailable: the prefill server(s) or the transfer failed (after one retry on another server), or the
         caller's deadline passed.
-      RequestError: the prefill server refused the request (INVALID_ARGUMENT / RESOURCE_EXHAUSTED: no retry).
+      InvalidRequest: the prefill server refused the request as invalid (no retry: another would too).
+      ResourceExhausted: every prefill server tried (two at most) refused it with RESOURCE_EXHAUSTED (busy, or
+        a prompt its memory cannot hold).
     """
     if req.seed is None:  # drawn here, so that the first token (sampled there) and the rest share it
       req.seed = int.from_bytes(os.urandom(4), "little")
     # (a client of another language may send a deadline gRPC here cannot represent: see MAX_TIMEOUT_S)
     end = None if deadline_s is None else time.monotonic() + min(deadline_s, MAX_TIMEOUT_S)
-    errors = []
+    errors, exhausted = [], []
     for _ in range(min(2, len(self.servers))):
       left = None if end is None else end - time.monotonic()
       if left is not None and left <= 0:
@@ -525,6 +537,9 @@ class PrefillClient:
         return
       except PrefillFailed as e:
         errors.append(f"{self.servers[i]}: {e}")
+        exhausted.append(e.exhausted)
+    if exhausted and all(exhausted):  # every server tried refused it for its memory or load: not a retry's cause
+      raise ResourceExhausted("prefill failed: " + "; ".join(errors))
     raise Unavailable("prefill failed: " + "; ".join(errors))
 
   async def _prefill_on(self, i: int, req: Request, deadline_s: float | None) -> None:
@@ -547,7 +562,8 @@ class PrefillClient:
     except grpc.aio.AioRpcError as e:
       if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: another server would refuse it too
         raise InvalidRequest(f"prefill server: {e.details()}") from None
-      raise PrefillFailed(f"{e.code().name}: {e.details()}") from None
+      raise PrefillFailed(f"{e.code().name}: {e.details()}",
+                          exhausted=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED) from None
     if offer is grpc.aio.EOF:
       raise PrefillFailed("the stream ended without an offer")
     L, W, Di, dtype, _ = self.layout

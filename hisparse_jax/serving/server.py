@@ -271,6 +271,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
                                                      initializer=_tokenizer_thread_init)
     self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
     self._not_submitted: dict[str, bool] = {}  # engine id -> aborted, until Generate submits it to the engine
+    self._prefilling: dict[str, asyncio.Task] = {}  # engine id -> its prefill at a prefill server (decode server)
 
   def close(self) -> None:
     self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -293,7 +294,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       ids = request.input_ids.ids
       if len(ids) > self.engine.max_seq_len:
         raise InvalidRequest(f"prompt of {len(ids)} tokens exceeds the model context of "
-                        f"{self.engine.max_seq_len} tokens")
+                             f"{self.engine.max_seq_len} tokens (--max-seq-len)")
       return list(ids)
     raise InvalidRequest("empty prompt: set text or input_ids")
 
@@ -336,11 +337,19 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       try:
         if self.prefill_client is not None and not self._not_submitted[engine_id]:
           req.arrival = time.monotonic()  # decode server: a prefill server computes the prompt's KV
+          # A task of its own, so that an Abort stops it (cancelling it stops the prefill there).
+          task = asyncio.ensure_future(self.prefill_client.prefill(req, context.time_remaining()))
+          self._prefilling[engine_id] = task
           try:
-            await self.prefill_client.prefill(req, context.time_remaining())
+            await task
           except RequestError as e:
             done = True
             await context.abort(grpc.StatusCode[e.code], str(e))
+          except asyncio.CancelledError:
+            if asyncio.current_task().cancelling() or not self._not_submitted.get(engine_id):
+              raise  # this stream itself was cancelled (the client went away, the server stops)
+          finally:  # (an Abort cancelled the prefill: it ends as ABORT below)
+            self._prefilling.pop(engine_id, None)
         if self._not_submitted.pop(engine_id):  # aborted before it reached the engine
           done = True
           yield hisparse_pb2.GenerateResponse(request_id=rid, finished=True, finish_reason=_FINISH["abort"],
@@ -394,6 +403,8 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     for engine_id in ids:
       if engine_id in self._not_submitted:  # still tokenizing or prefilling: Generate ends it before submitting
         self._not_submitted[engine_id] = True
+        if (task := self._prefilling.get(engine_id)) is not None:
+          task.cancel()  # waiting on a prefill server: stop that at once
       else:
         self.loop.abort(engine_id)
     return hisparse_pb2.AbortResponse(aborted=len(ids))

@@ -1,4 +1,4 @@
-r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs out.
+r"""Batch decoding (greedy unless a line asks to sample): a JSONL file of prompts in, a JSONL file of outputs out.
 
   python -m hisparse_jax.generate --prompts prompts.jsonl [--model-path DIR] \
       [--max-new-tokens 32] [--dtype float32|bfloat16] [--max-running-requests 64] \
@@ -10,12 +10,14 @@ r"""Batch greedy decoding: a JSONL file of prompts in, a JSONL file of outputs o
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server; ``--helpfull`` lists them).
 
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
-``"max_new_tokens"``. Output: one line per non-blank input line, in input order, each written (and
+``"max_new_tokens"`` and the server's sampling and stop fields (SAMPLING_FIELDS: ``temperature``, ``top_p``,
+``top_k``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``, as
+``Request`` defines them). Output: one line per non-blank input line, in input order, each written (and
 flushed) as soon as it and every line before it are done, so an interrupted run keeps what it finished;
 Ctrl-C (or SIGTERM) exits with status 130 and a one-line message. ``--output`` and ``--dump-topk`` may be neither
 the prompts file, nor each other, nor inside the model directory (start-up errors). Lines have
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
-``finish_reason``, ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only), ``prefetched`` (rows
+``finish_reason`` (with ``matched_stop`` when a stop string or token ended it), ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only), ``prefetched`` (rows
 the cross-layer prefetch copied, with ``"prefetch": "next_layer"``) — or
 ``{"error": ..., "code": ...}`` for a line that cannot be served (finish_reason ``"error"`` with an
 ``error`` message when a kernel refused the request's row mid-run); the others are decoded anyway. All requests run through one continuous-batching engine.
@@ -81,9 +83,17 @@ def _define_engine_flags():
 _define_engine_flags()
 
 
+# A line's optional sampling and stop fields, as the engine's Request (and the server's GenerateRequest) name them;
+# the engine validates their values (a bad one fails its line alone).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                   "include_stop_str_in_output")
+LINE_FIELDS = ("text", "input_ids", "max_new_tokens") + SAMPLING_FIELDS
+
+
 def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_new: int, max_prompt_bytes: int):
-  """Returns (prompt_ids, max_new_tokens); raises ValueError with a message for a bad line (a ``text`` over
-  ``max_prompt_bytes`` UTF-8 bytes is refused before it is tokenized, as the server does)."""
+  """Returns (prompt_ids, max_new_tokens, sampling: {SAMPLING_FIELDS given: value}); raises ValueError with a
+  message for a bad line (a ``text`` over ``max_prompt_bytes`` UTF-8 bytes is refused before it is tokenized,
+  as the server does)."""
   try:
     line.encode("utf-8")
   except UnicodeEncodeError:
@@ -94,15 +104,22 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
     raise ValueError(f"line {lineno}: not JSON: {e}") from None
   if not isinstance(obj, dict):
     raise ValueError(f"line {lineno}: expected a JSON object")
-  unknown = set(obj) - {"text", "input_ids", "max_new_tokens"}
+  unknown = set(obj) - set(LINE_FIELDS)
   if unknown:
     names = reprlib.Repr(maxlist=8, maxstring=64).repr(sorted(unknown))  # (a name may be megabytes long)
-    raise ValueError(f"line {lineno}: unknown field(s) {names}; known: 'text', 'input_ids', 'max_new_tokens'")
+    raise ValueError(f"line {lineno}: unknown field(s) {names}; known: {', '.join(LINE_FIELDS)}")
   if ("text" in obj) == ("input_ids" in obj):
     raise ValueError(f"line {lineno}: give exactly one of 'text' or 'input_ids'")
   max_new = obj.get("max_new_tokens", default_max_new)
   if isinstance(max_new, bool) or not isinstance(max_new, int):
     raise ValueError(f"line {lineno}: max_new_tokens must be an integer")
+  sampling = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+  for flag in ("ignore_eos", "include_stop_str_in_output"):
+    if not isinstance(sampling.get(flag, False), bool):
+      raise ValueError(f"line {lineno}: {flag} must be true or false")
+  for name in ("stop", "stop_token_ids"):  # (a JSON list: the engine checks its items)
+    if isinstance(sampling.get(name), list):
+      sampling[name] = tuple(sampling[name])
   if "text" in obj:
     if not isinstance(obj["text"], str):
       raise ValueError(f"line {lineno}: 'text' must be a string")
@@ -115,11 +132,11 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
     if tokenizer is None:
       raise ValueError(f"line {lineno}: 'text' given but the model directory has no tokenizer.json")
     from hisparse_jax.engine.detokenizer import encode_prompt
-    return encode_prompt(tokenizer, obj["text"], bos), max_new
+    return encode_prompt(tokenizer, obj["text"], bos), max_new, sampling
   ids = obj["input_ids"]
   if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
     raise ValueError(f"line {lineno}: 'input_ids' must be a list of integers")
-  return ids, max_new
+  return ids, max_new, sampling
 
 
 def _check_writable_dir(flag: str, path: str) -> None:
@@ -363,9 +380,9 @@ def main(argv):
                     "takes)", "code": "INVALID_ARGUMENT"}
         continue
       try:
-        ids, max_new = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id,
-                                   FLAGS["max-new-tokens"].value, engine.max_prompt_bytes)
-        req = Request(request_id=str(lineno), prompt_ids=ids, max_new_tokens=max_new)
+        ids, max_new, sampling = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id,
+                                             FLAGS["max-new-tokens"].value, engine.max_prompt_bytes)
+        req = Request(request_id=str(lineno), prompt_ids=ids, max_new_tokens=max_new, **sampling)
         engine.submit(req)
         running[req.request_id] = (entry, lineno)
         totals["requests"] += 1
@@ -380,6 +397,8 @@ def main(argv):
     out = {"output_ids": req.output_ids, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids)}
     if req.finish_reason == "error":  # a kernel refused this request's row; the others went on
       out["error"] = req.error
+    if req.matched_stop:
+      out["matched_stop"] = req.matched_stop
     if tokenizer is not None:
       out["text"] = req.text
     totals["tokens"] += len(req.output_ids)

@@ -56,6 +56,31 @@ def test_the_python_api_example_runs_and_hisparse_gives_the_dense_tokens():
   assert re.search(r"hisparse-0: 337 prompt tokens, length, \d+ hits / [1-9]\d* misses", r.stdout), r.stdout
 
 
+def test_generate_lines_may_sample_and_stop(tmp_path):
+  """A line's sampling and stop fields (the server's): the same seed gives the same tokens; a stop token ends
+  the line with matched_stop; a bad value fails its line alone with the engine's message."""
+  greedy = {"input_ids": [3, 4, 5], "max_new_tokens": 6}
+  lines = [greedy, dict(greedy, temperature=0.9, top_p=0.95, top_k=50, seed=7),
+           dict(greedy, temperature=0.9, top_p=0.95, top_k=50, seed=7), dict(greedy, temperature=-1),
+           dict(greedy, ignore_eos="yes"), dict(greedy, stop=["x"])]
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("".join(json.dumps(l) + "\n" for l in lines))
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts))
+  assert r.returncode == 0, r.stderr[-2000:]
+  res = [json.loads(l) for l in r.stdout.splitlines()]
+  assert res[1]["output_ids"] == res[2]["output_ids"] and len(res[1]["output_ids"]) == 6
+  assert res[3] == {"error": "line 4: temperature must be >= 0, got -1", "code": "INVALID_ARGUMENT"}
+  assert res[4] == {"error": "line 5: ignore_eos must be true or false", "code": "INVALID_ARGUMENT"}
+  assert res[5]["error"] == "line 6: stop strings need a model with a tokenizer"
+  # A stop token: the greedy line's third token ends it there.
+  third = res[0]["output_ids"][2]
+  prompts.write_text(json.dumps(dict(greedy, stop_token_ids=[third])) + "\n")
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts))
+  out = json.loads(r.stdout.splitlines()[0])
+  assert out["finish_reason"] == "stop_token" and out["matched_stop"] == str(third), out
+  assert out["output_ids"] == res[0]["output_ids"][:res[0]["output_ids"].index(third) + 1]
+
+
 def test_generate_jsonl_with_bad_lines(tmp_path):
   prompts = tmp_path / "p.jsonl"
   lines = [
@@ -80,7 +105,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   # The trace gets the modes of any new file (mkstemp's are owner-only), as --output has.
   assert (tmp_path / "trace.npz").stat().st_mode & 0o777 == out.stat().st_mode & 0o777
   assert res[8]["error"] == "line 9: not valid UTF-8" and "line 10: 'text' is not valid Unicode" in res[9]["error"]
-  assert res[10]["error"].startswith("line 11: unknown field(s) ['prompt', 'zzzz") and len(res[10]["error"]) < 200
+  assert res[10]["error"].startswith("line 11: unknown field(s) ['prompt', 'zzzz") and len(res[10]["error"]) < 400
   assert len(res[0]["output_ids"]) == 6 and res[0]["misses"] > 0 and res[0]["hits"] > 0
   # The recorded top-k trace, replayed through the real kernel and the Python LRU, gives exactly the
   # misses the engine counted while decoding (same policy, same hot-buffer size, same accesses).

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--prompt-tokens", type=int, default=8192)
   ap.add_argument("--new-tokens", type=int, default=500)
-  ap.add_argument("--out", type=out_path, help="the .npz to write (default: benchmarks/results/topk_trace.npz)")
+  ap.add_argument("--out", type=out_path, help="the .npz to write (default: benchmarks/results/local/topk_trace.npz, or quick/ with --quick; "
+                  "`make bench` writes benchmarks/results/topk_trace.npz)")
   ap.add_argument("--quick", action="store_true", help="a 2600-token prompt and 4 new tokens (CI smoke)")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(prompt_tokens=2600, new_tokens=4)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -296,7 +297,9 @@ def main(argv) -> None:
   F = lambda name: flags.FLAGS[name].value  # noqa: E731
   from models.from_torch import MAX_CONFIG_BYTES, read_json
   try:  # (a regular file of bounded size: a FIFO or /dev/zero never ends; ValueError for JSON nested too deeply)
-    model_cfg = DSAConfig.from_hf_config(read_json(F("model-config"), MAX_CONFIG_BYTES))
+    path = F("model-config")  # (a model directory: its config.json)
+    path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    model_cfg = DSAConfig.from_hf_config(read_json(path, MAX_CONFIG_BYTES))
   except (OSError, ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: --model-config: {e}")  # (read_json's messages name the file)
   devices = F("devices")
@@ -347,7 +350,8 @@ def main(argv) -> None:
 
 def define_flags() -> None:
   from absl import flags
-  flags.DEFINE_string("model-config", None, "An HF config.json of a DeepSeek-V3.2 / GLM-5 model.", required=True)
+  flags.DEFINE_string("model-config", None, "An HF config.json of a DeepSeek-V3.2 / GLM-5 model (or the model's "
+                      "directory).", required=True)
   flags.DEFINE_integer("devices", 8, "Devices in the deployment (dp x tp).")
   flags.DEFINE_float("device-memory", 141.0, "Memory of one device, GiB (default: an H200's 141).")
   flags.DEFINE_float("host-memory", 2048.0, "Host memory of the whole deployment, GiB (the host pools may use "

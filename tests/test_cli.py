@@ -180,7 +180,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--host-pool", "extension"], "--host-pool extension was given without --enable-hisparse"),
     (["--host-pool", "jax"], "--host-pool jax was given without --enable-hisparse"),
     (["--enable-hisparse", "--hisparse-config", ""], "--hisparse-config: empty"),
-    (["--enable-hisparse", "--hisparse-config", "README.md"], "(it takes the JSON itself, not a file"),
+    (["--enable-hisparse", "--hisparse-config", "README.md"], "('README.md' is a file: the flag takes JSON text"),
     (["--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 1000000000}'], "more than 80%"),
     (["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 2000000000}'],
      "cannot hold HiSparse's staging pages for one --max-seq-len 512 prompt"),

@@ -286,6 +286,11 @@ def test_cli_plans_a_small_model_with_its_own_top_k():
     assert out["kv_cache_dtype"] == "fp8_e4m3" and out["hisparse"]["requests"] > out["dense"]["requests"] > 0
     r = _cli(f"--model-config={f.name}", "--devices=1", "--device-memory=1", "--host-memory=8", "--context=4096")
   assert r.returncode == 0 and " MiB" in r.stdout and "0.00 GiB" not in r.stdout, r.stdout
+  # A model directory is taken for its config.json.
+  from tests.tiny_model import tiny_model_dir
+  r = _cli(f"--model-config={tiny_model_dir()}", "--devices=1", "--device-memory=1", "--host-memory=8",
+           "--context=256", "--json")
+  assert r.returncode == 0 and json.loads(r.stdout)["context"] == 256, r.stderr
 
 
 def test_cli_reads_its_model_config_as_the_loader_does(tmp_path):

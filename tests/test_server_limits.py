@@ -206,6 +206,11 @@ def test_tls_and_api_key(tmp_path):
         code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=twice))
         assert code == grpc.StatusCode.UNAUTHENTICATED, twice  # several keys: none is taken over another
       assert gen(stub, api_key="s3cret-key")()[-1].finished
+      assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,  # (the scheme's case is free)
+                           metadata=(("authorization", "bearer s3cret-key"),)).running == 0
+      code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,
+                                              metadata=(("authorization", "bearer S3CRET-KEY"),)))
+      assert code == grpc.StatusCode.UNAUTHENTICATED  # (the key's is not)
       assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=auth_metadata("s3cret-key")).running == 0
     # A plain-text client cannot talk to the TLS port.
     with grpc.insecure_channel(target) as plain:

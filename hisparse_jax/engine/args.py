@@ -337,11 +337,8 @@ class EngineArgs:
       raise StartupError(f"{source}: empty (give a JSON object, e.g. '{{\"device_buffer_size\": 4096}}')")
     try:
       return HiSparseConfig.from_json(text, model_top_k=model_cfg.index_topk)
-    except ConfigError as e:
-      hint = ""
-      if source == "--hisparse-config" and os.path.isfile(text.strip()):
-        hint = f" (it takes the JSON itself, not a file: --hisparse-config \"$(cat {text.strip()})\")"
-      raise StartupError(f"{source}: {e}{hint}") from None
+    except ConfigError as e:  # (a file name given as the JSON gets from_json's hint)
+      raise StartupError(f"{source}: {e}") from None
 
   def device_kv_budget(self, weight_bytes: int = 0) -> int:
     """The device KV budget in bytes of this process's first device (``kv_budget``)."""

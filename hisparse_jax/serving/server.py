@@ -503,6 +503,8 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     if len(keys) != 1:  # none, or several (no value of several is taken over another)
       return self._deny
     got = keys[0].encode("utf-8", "surrogatepass") if isinstance(keys[0], str) else keys[0]
+    if got[:7].lower() == b"bearer ":  # the scheme is case-insensitive (RFC 6750 / RFC 9110 section 11.1)
+      got = b"Bearer " + got[7:]
     if not hmac.compare_digest(got, self._want):
       return self._deny
     return await continuation(details)

@@ -181,8 +181,9 @@ def test_layout_bytes_and_backend_checks():
 
 
 def test_bad_kv_cache_dtype_is_a_startup_error(tmp_path):
-  with pytest.raises(StartupError, match="--kv-cache-dtype 'fp8': expected one of auto, fp8_e4m3"):
-    EngineArgs(kv_cache_dtype="fp8").validate()
+  with pytest.raises(StartupError, match="--kv-cache-dtype 'fp8_e5m2': expected one of auto, fp8_e4m3"):
+    EngineArgs(kv_cache_dtype="fp8_e5m2").validate()
+  assert EngineArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's / SGLang's spelling
   # The FP8 cache stores FP8 values: an explicit --nofp8-numerics beside it is a contradiction, not overridden.
   with pytest.raises(StartupError, match="--nofp8-numerics contradicts --kv-cache-dtype fp8_e4m3"):
     EngineArgs(kv_cache_dtype="fp8_e4m3", fp8_numerics=False).validate()

@@ -41,8 +41,9 @@ import sys
 import numpy as np
 
 from hisparse_jax.config import ConfigError, HiSparseConfig
-from hisparse_jax.engine.args import (DEFAULT_MEM_FRACTION, MAX_HOST_MEMORY_FRACTION, StartupError, check_context,
-                                      MAX_RUNNING_REQUESTS, check_page_size, client_mem_fraction, kv_budget)
+from hisparse_jax.engine.args import (DEFAULT_MEM_FRACTION, KV_CACHE_DTYPE_ALIASES, MAX_HOST_MEMORY_FRACTION,
+                                      MAX_RUNNING_REQUESTS, StartupError, check_context, check_page_size,
+                                      client_mem_fraction, kv_budget)
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device
 from models.config import DSAConfig
@@ -338,7 +339,7 @@ def main(argv) -> None:
     plan = capacity(model_cfg, mesh, device_memory=int(F("device-memory") * GIB * client_mem_fraction()),
                     host_memory=int(F("host-memory") * GIB),
                     context=F("context"), hisparse=hs, weight_dtype=F("weight-dtype"),
-                    kv_cache_dtype={"fp8": "fp8_e4m3"}.get(F("kv-cache-dtype"), F("kv-cache-dtype")),
+                    kv_cache_dtype=KV_CACHE_DTYPE_ALIASES.get(F("kv-cache-dtype"), F("kv-cache-dtype")),
                     page_size=F("page-size"),
                     mem_fraction_static=F("mem-fraction-static"))
   except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
@@ -364,7 +365,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("tp-size", None, "Tensor-parallel ranks per group (default: 1).")
   flags.DEFINE_integer("ep-size", None, "Devices the routed experts are split over (default: --devices).")
   flags.DEFINE_enum("weight-dtype", None, list(WEIGHT_DTYPES), "Weight storage (default: the config's dtype).")
-  flags.DEFINE_enum("kv-cache-dtype", "auto", [*KV_CACHE_DTYPES, "fp8"], "How the KV cache stores a token: auto "
+  flags.DEFINE_enum("kv-cache-dtype", "auto", [*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES], "How the KV cache stores a token: auto "
                     "(latent in the compute dtype, keys in float32) or fp8_e4m3 (or fp8: DeepSeek-V3.2's FP8 rows).")
   flags.DEFINE_integer("page-size", 64, "Tokens per KV page (a power of two).")
   flags.DEFINE_float("mem-fraction-static", None, "Fraction of JAX's share of --device-memory (the servers' "

@@ -55,6 +55,10 @@ class StartupError(ValueError):
   """A setting that cannot work; the message names the flag or file at fault."""
 
 
+# --kv-cache-dtype spellings of other runtimes -> ours (the planner takes them too).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
 @dataclasses.dataclass
 class EngineArgs:
   """Engine settings (field = flag with '_' -> '-').
@@ -186,7 +190,7 @@ class EngineArgs:
 
   # Other runtimes' spellings, taken as ours: vLLM's and SGLang's --dtype auto (the checkpoint's) and
   # --kv-cache-dtype fp8 (e4m3, the only FP8 format here).
-  _ALIASES = {"dtype": {"auto": None}, "kv_cache_dtype": {"fp8": "fp8_e4m3"}}
+  _ALIASES = {"dtype": {"auto": None}, "kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
 
   def __post_init__(self):
     for name, aliases in self._ALIASES.items():

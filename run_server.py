@@ -4,7 +4,7 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--enable-hisparse [--hisparse-config JSON] [--host-pool jax|extension]] \
       [--max-running-requests 64] [--max-seq-len N] [--chunked-prefill-size 2048] [--page-size 64] \
       [--max-device-kv-bytes N | --mem-fraction-static F] [--deterministic] [--dtype ...] \
-      [--max-queued-requests 1024] [--max-prompt-bytes N] [--max-admission-skips 16] \
+      [--max-queued-requests 1024] [--max-prompt-bytes N] [--max-admission-skips 16] [--max-streams-per-client N] \
       [--tls-cert-file cert.pem --tls-key-file key.pem [--tls-client-ca-file ca.pem]] \
       [--api-key KEY | --api-key-file FILE] \
       [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]] \
@@ -16,7 +16,8 @@ Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch 
 Serves ``hisparse.HiSparseInference/Generate`` (server streaming), ``Abort``, ``GetLoads`` and
 ``grpc.health.v1.Health`` (which needs no API key, as load balancers expect); with ``--disaggregation-mode prefill``
 also ``hisparse.PrefillService`` (prompts' KV for decode servers: hisparse_jax/serving/disaggregation.py). Generate streams beyond
---max-running-requests + --max-queued-requests get RESOURCE_EXHAUSTED at once. Binding a non-loopback
+--max-running-requests + --max-queued-requests get RESOURCE_EXHAUSTED at once, as do a client's beyond
+--max-streams-per-client. Binding a non-loopback
 address without TLS or an API key prints a warning. Stops cleanly on SIGINT/SIGTERM: in-flight streams get
 --shutdown-grace-s, the engine loop then stops after its current step; a shutdown step that overruns its bound
 is reported and the process exits anyway (status 1). ``kill -USR1 PID`` prints every thread's stack to stderr.
@@ -41,6 +42,10 @@ flags.DEFINE_float("shutdown-grace-s", 5.0, "Seconds in-flight RPCs get to finis
 flags.DEFINE_integer("metrics-port", None, "Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics "
                      "(0: a free port; the chosen one is printed).")
 flags.DEFINE_string("metrics-host", "127.0.0.1", "Address the metrics endpoint binds (loopback by default).")
+flags.DEFINE_integer("max-streams-per-client", None, "Generate streams one client may hold open at once (more get "
+                     "RESOURCE_EXHAUSTED at once): a client is its TLS client certificate's common name under "
+                     "mutual TLS, else its IP address (clients behind one proxy or NAT count as one). Default: no "
+                     "per-client bound.", lower_bound=1)
 flags.DEFINE_string("tls-cert-file", None, "Serve TLS with this certificate chain (PEM); needs --tls-key-file.")
 flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.")
 flags.DEFINE_string("tls-client-ca-file", None, "Require client certificates signed by this CA (mutual TLS).")
@@ -188,7 +193,7 @@ def main(argv):
     return
 
   from hisparse_jax.serving.metrics import ServerMetrics
-  from hisparse_jax.serving.server import serve
+  from hisparse_jax.serving.server import ServerLimits, serve
 
   if not _is_loopback(FLAGS.host) and tls is None and api_key is None:
     print(f"[server] warning: serving plain-text gRPC without authentication on {FLAGS.host}; anyone who can "
@@ -208,7 +213,8 @@ def main(argv):
     metrics_at = f", metrics at http://{host}:{bound}/metrics"
   try:
     server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=api_key,
-                               disaggregation=disagg)
+                               disaggregation=disagg,
+                               limits=ServerLimits(max_streams_per_client=FLAGS["max-streams-per-client"].value))
   except (OSError, ValueError) as e:  # a port it cannot bind; a prefill server that cannot serve this decode server
     message = f"--host/--port: {e}" if isinstance(e, OSError) else str(e)
     engine.close(error=message)

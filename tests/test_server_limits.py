@@ -3,6 +3,7 @@ work it bounds, a flood of open streams leaves the control plane answering, stre
 fail at once, and TLS / API-key access control (all on loopback, bounded)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from hisparse_jax.engine.detokenizer import load_tokenizer
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving import credentials
 from hisparse_jax.serving.client import auth_metadata, generate, open_channel
-from hisparse_jax.serving.server import ServerLimits, TLSConfig, serve
+from hisparse_jax.serving.server import ServerLimits, TLSConfig, client_of, serve
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir, tiny_model_with_tokenizer
 
 SMALL = dict(page_size=16, chunked_prefill_size=64)
@@ -174,6 +175,64 @@ def test_open_streams_beyond_the_queue_fail_at_once_and_the_control_plane_answer
   after = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
   assert [(p.name, p.pages_free) for p in after.pools] == [(p.name, p.pages_free) for p in base.pools]
   assert gen(stub)()[-1].finished  # still serving
+
+
+class _Context:
+  def __init__(self, peer, auth=None):
+    self._peer, self._auth = peer, auth or {}
+
+  def peer(self):
+    return self._peer
+
+  def auth_context(self):
+    return self._auth
+
+
+def test_client_of_names_the_certificate_or_the_address_without_the_port():
+  assert client_of(_Context("ipv4:10.0.0.5:41234")) == "ipv4:10.0.0.5"
+  assert client_of(_Context("ipv6:[::1]:5000")) == "ipv6:[::1]"
+  assert client_of(_Context("unix:/tmp/s.sock")) == "unix:/tmp/s.sock"
+  mtls = {"x509_common_name": [b"alice"], "transport_security_type": [b"ssl"]}
+  assert client_of(_Context("ipv4:10.0.0.5:41234", mtls)) == "cert:alice"
+  for bad in (0, -1):
+    with pytest.raises(ValueError, match="max_streams_per_client must be >= 1"):
+      ServerLimits(max_streams_per_client=bad)
+
+
+def test_one_client_cannot_hold_more_than_its_share_of_streams():
+  """--max-streams-per-client 2: a third stream of one client (address) fails at once with RESOURCE_EXHAUSTED,
+  another client (another loopback address) is served meanwhile, and the first gets its share back when its
+  streams end."""
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL)
+  # Two clients on one machine: IPv4 and IPv6 loopback (a connection to 127.0.0.2 would come from 127.0.0.1).
+  srv, loop, port = serve(engine, None, "[::]", 0, limits=ServerLimits(max_streams_per_client=2))
+  a_channel, b_channel = grpc.insecure_channel(f"127.0.0.1:{port}"), grpc.insecure_channel(f"[::1]:{port}")
+  a, b = hisparse_pb2_grpc.HiSparseInferenceStub(a_channel), hisparse_pb2_grpc.HiSparseInferenceStub(b_channel)
+  long = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=200,
+                                      ignore_eos=True)
+  held = [a.Generate(long, timeout=120) for _ in range(2)]
+  try:
+    for call in held:
+      next(call)  # both streams are open and decoding
+    code, details = code_of(gen(a))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    assert re.search(r"client ipv[46]:\S*127\.0\.0\.1\]? has 2 streams open", details) and "--max-streams-per-client" in details
+    assert gen(b)()[-1].finished  # another client is served
+  finally:
+    for call in held:
+      call.cancel()
+  deadline = time.monotonic() + 30
+  while srv.servicer.open_streams:
+    assert time.monotonic() < deadline, "the cancelled streams never closed"
+    time.sleep(0.05)
+  try:
+    assert not srv.servicer._client_streams  # nothing left counted
+    assert gen(a)()[-1].finished  # its share is back
+  finally:
+    a_channel.close()
+    b_channel.close()
+    srv.stop(0).wait(10)
+    loop.stop()
 
 
 def _self_signed(tmp_path):

@@ -4,8 +4,8 @@ Threads: one asyncio thread runs every RPC handler (``grpc.aio``: an open stream
 not a thread, so any number of streams leaves ``Health``, ``GetLoads`` and ``Abort`` answering at once);
 one ``EngineLoop`` thread owns the engine and runs the decode loop; a small pool tokenizes text prompts
 (never on the decode loop). A handler checks every limit before doing work (``ServerLimits``: open streams,
-prompt bytes before tokenizing, request id, sampling values as sent; the engine's ``validate`` for the rest),
-so a bad request fails alone with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; then it hands the request to the
+streams per client, prompt bytes before tokenizing, request id, sampling values as sent; the engine's
+``validate`` for the rest), so a bad request fails alone with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; then it hands the request to the
 loop and streams the events the loop posts to the request's own asyncio queue (each token with its text
 delta, made by the request's incremental detokenizer on the loop thread). A cancelled RPC aborts its request
 at the next step boundary. ``GetLoads`` answers from the snapshot the loop publishes after every step. The
@@ -19,6 +19,7 @@ mutual, with a client CA) and a bearer token every HiSparseInference call must c
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import dataclasses
 import functools
@@ -197,9 +198,32 @@ class ServerLimits:
     tokenized, or holding a KV offer); more get RESOURCE_EXHAUSTED at once. None: the engine's request slots
     + its max_queued_requests (unbounded when that is None).
   max_prompt_bytes: UTF-8 bytes of a text prompt, checked before tokenizing; None: the engine's.
+  max_streams_per_client: Generate streams one client (``client_of``) may hold open at once, so that one client
+    cannot take every stream ``max_streams`` allows; more get RESOURCE_EXHAUSTED at once. None: no per-client
+    bound (clients behind one proxy or NAT are one client here).
   """
   max_streams: int | None = None
   max_prompt_bytes: int | None = None
+  max_streams_per_client: int | None = None
+
+  def __post_init__(self):
+    for name in ("max_streams", "max_prompt_bytes", "max_streams_per_client"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"ServerLimits.{name} must be >= 1 or None, got {value}")
+
+
+def client_of(context) -> str:
+  """Who a call comes from, for ``ServerLimits.max_streams_per_client``: the common name of its client
+  certificate under mutual TLS ("cert:NAME"), else its peer address without the port ("ipv4:10.0.0.5",
+  "ipv6:[::1]"; a Unix socket's peer as gRPC names it)."""
+  names = (context.auth_context() or {}).get("x509_common_name")
+  if names:
+    return "cert:" + names[0].decode("utf-8", "replace")
+  peer = context.peer() or "unknown"
+  if peer.startswith(("ipv4:", "ipv6:")):
+    return peer.rpartition(":")[0]
+  return peer
 
 
 class _AsyncEvents:
@@ -266,7 +290,9 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     self.max_streams = (limits.max_streams if limits.max_streams is not None else
                         None if queued is None else self.engine.num_slots + queued)
     self.max_prompt_bytes = limits.max_prompt_bytes or self.engine.max_prompt_bytes
+    self.max_streams_per_client = limits.max_streams_per_client
     self.open_streams = 0
+    self._client_streams: collections.Counter[str] = collections.Counter()  # client_of -> open Generate streams
     self._tokenize_pool = futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize",
                                                      initializer=_tokenizer_thread_init)
     self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
@@ -298,19 +324,27 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       return list(ids)
     raise InvalidRequest("empty prompt: set text or input_ids")
 
-  def streams_busy(self) -> str | None:
+  def streams_busy(self, client: str | None = None) -> str | None:
     """The RESOURCE_EXHAUSTED message when ``max_streams`` streams are open (Generate's, and a prefill server's
-    Prefill streams, which share the limit), else None."""
+    Prefill streams, which share the limit), or ``client`` holds ``max_streams_per_client`` Generate streams;
+    else None."""
     if self.max_streams is not None and self.open_streams >= self.max_streams:
       return f"server busy: {self.open_streams} streams open (limit {self.max_streams})"
+    if (client is not None and self.max_streams_per_client is not None
+        and self._client_streams[client] >= self.max_streams_per_client):
+      return (f"client {client} has {self._client_streams[client]} streams open (limit "
+              f"{self.max_streams_per_client} per client, --max-streams-per-client)")
     return None
 
   async def Generate(self, request, context):
     if isinstance(request, _Malformed):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-    if (busy := self.streams_busy()) is not None:
+    client = client_of(context) if self.max_streams_per_client is not None else None
+    if (busy := self.streams_busy(client)) is not None:
       await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
     self.open_streams += 1
+    if client is not None:
+      self._client_streams[client] += 1
     # The engine keys requests by a server-side id: client ids need not be unique. The client's id is known to
     # Abort from here on: while the prompt is tokenized (0.75 s for 1 MB of text) or prefilled elsewhere, an
     # Abort is recorded, and the request ends as ABORT before it reaches the engine.
@@ -385,6 +419,10 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
           self.loop.abort(req.request_id)
     finally:
       self.open_streams -= 1
+      if client is not None:
+        self._client_streams[client] -= 1
+        if not self._client_streams[client]:
+          del self._client_streams[client]
       self._not_submitted.pop(engine_id, None)
       engine_ids = self._by_client_id.get(rid)
       if engine_ids is not None:

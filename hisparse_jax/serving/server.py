@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+import urllib.parse
 import uuid
 from concurrent import futures
 
@@ -220,7 +221,7 @@ def client_of(context) -> str:
   names = (context.auth_context() or {}).get("x509_common_name")
   if names:
     return "cert:" + names[0].decode("utf-8", "replace")
-  peer = context.peer() or "unknown"
+  peer = urllib.parse.unquote(context.peer() or "unknown")  # gRPC writes an IPv6 peer as ipv6:%5B::1%5D:PORT
   if peer.startswith(("ipv4:", "ipv6:")):
     return peer.rpartition(":")[0]
   return peer

@@ -19,6 +19,7 @@ from hisparse_jax.engine.detokenizer import load_tokenizer
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving import credentials
 from hisparse_jax.serving.client import auth_metadata, generate, open_channel
+from hisparse_jax.serving.metrics import ServerMetrics
 from hisparse_jax.serving.server import ServerLimits, TLSConfig, client_of, serve
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir, tiny_model_with_tokenizer
 
@@ -202,10 +203,11 @@ def test_client_of_names_the_certificate_or_the_address_without_the_port():
 def test_one_client_cannot_hold_more_than_its_share_of_streams():
   """--max-streams-per-client 2: a third stream of one client (address) fails at once with RESOURCE_EXHAUSTED,
   another client (another loopback address) is served meanwhile, and the first gets its share back when its
-  streams end."""
+  streams end; hisparse_requests_total counts each stream by its outcome."""
   engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL)
   # Two clients on one machine: IPv4 and IPv6 loopback (a connection to 127.0.0.2 would come from 127.0.0.1).
-  srv, loop, port = serve(engine, None, "[::]", 0, limits=ServerLimits(max_streams_per_client=2))
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes)
+  srv, loop, port = serve(engine, None, "[::]", 0, metrics, limits=ServerLimits(max_streams_per_client=2))
   a_channel, b_channel = grpc.insecure_channel(f"127.0.0.1:{port}"), grpc.insecure_channel(f"[::1]:{port}")
   a, b = hisparse_pb2_grpc.HiSparseInferenceStub(a_channel), hisparse_pb2_grpc.HiSparseInferenceStub(b_channel)
   long = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=200,
@@ -228,6 +230,11 @@ def test_one_client_cannot_hold_more_than_its_share_of_streams():
   try:
     assert not srv.servicer._client_streams  # nothing left counted
     assert gen(a)()[-1].finished  # its share is back
+    assert code_of(gen(a, input_ids=[-1]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    # Every stream counted once, by how it ended (the server's metrics).
+    outcomes = {o: metrics.registry.get_sample_value("hisparse_requests_total", {"outcome": o})
+                for o in ("length", "cancelled", "resource_exhausted", "invalid_argument", "stop")}
+    assert outcomes == {"length": 2, "cancelled": 2, "resource_exhausted": 1, "invalid_argument": 1, "stop": 0}
   finally:
     a_channel.close()
     b_channel.close()

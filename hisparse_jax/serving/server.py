@@ -338,6 +338,32 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     return None
 
   async def Generate(self, request, context):
+    """The stream (``_generate``), counted by outcome in ``ServerMetrics.requests`` when the server has
+    metrics."""
+    metrics = self.loop.metrics
+    if metrics is None:
+      async for message in self._generate(request, context):
+        yield message
+      return
+    outcome = "cancelled"  # ended by the client or its deadline (or the server stopping) before a status
+    try:
+      async for message in self._generate(request, context):
+        if message.finished:
+          outcome = hisparse_pb2.FinishReason.Name(message.finish_reason).lower()
+        yield message
+    except grpc.aio.AbortError:  # context.abort: the status it set
+      code = context.code()
+      outcome = code.name.lower() if isinstance(code, grpc.StatusCode) else "unknown"
+      raise
+    except asyncio.CancelledError:
+      raise
+    except Exception:  # grpc answers UNKNOWN
+      outcome = "unknown"
+      raise
+    finally:
+      metrics.requests.labels(outcome=outcome).inc()
+
+  async def _generate(self, request, context):
     if isinstance(request, _Malformed):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
     client = client_of(context) if self.max_streams_per_client is not None else None

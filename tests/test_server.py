@@ -118,7 +118,7 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   import sys
 
   from tests.multiprocess import REPO
-  _, stub, _ = server
+  engine, stub, _ = server
   base = [sys.executable, "-m", "hisparse_jax.serving.client", f"--target=127.0.0.1:{PORTS[-1]}"]
   client = lambda *flags: subprocess.run([*base, *flags], cwd=REPO, capture_output=True, text=True,  # noqa: E731
                                          timeout=120)
@@ -132,6 +132,10 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   r = client("--loads")
   loads = json.loads(r.stdout)
   assert r.returncode == 0 and loads["running"] == 0 and loads["pools"], r.stdout + r.stderr
+  # The .proto's field names, every field, 64-bit counts as JSON numbers.
+  assert loads["free_lanes"] == engine.num_slots and loads["preemptions"] == 0
+  assert isinstance(loads["device_kv_bytes_budget"], int) and loads["device_kv_bytes_budget"] > 0
+  assert all(isinstance(p["pages_total"], int) and p["pages_total"] > 0 for p in loads["pools"]), loads["pools"]
   r = client("--abort=no-such-request")
   assert r.returncode == 0 and "[client] aborted 0 requests with id 'no-such-request'" in r.stdout, r.stdout + r.stderr
   r = client("--input-ids=2,3", "--request-id=" + "x" * 300)

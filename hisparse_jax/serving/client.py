@@ -13,6 +13,7 @@ as the first message arrives. Exits 1 with the server's status on an RPC error.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -47,7 +48,7 @@ flags.DEFINE_string("api-key-file", None, "File holding the bearer token (first 
 flags.DEFINE_string("request-id", None, "The request's id (default: the server picks one; --abort takes it).")
 flags.DEFINE_boolean("print-ids", False, "After the text, print the output token ids (printed anyway when the "
                      "server sends no text: a model without a tokenizer).")
-flags.DEFINE_boolean("loads", False, "Print the server's loads (GetLoads) as JSON and exit; no request.")
+flags.DEFINE_boolean("loads", False, "Print the server's loads (GetLoads) as JSON (the .proto field names) and exit; no request.")
 flags.DEFINE_string("abort", None, "Abort the server's requests with this id, print how many, and exit.")
 
 
@@ -57,6 +58,24 @@ def open_channel(target: str, *, tls_ca: bytes | None = None, tls_cert: bytes | 
   if tls_ca is None:
     return grpc.insecure_channel(target)
   return grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca, tls_key, tls_cert))
+
+
+def message_fields(message) -> dict:
+  """A protobuf message as a dict keyed by its fields' proto names (GetLoads' ``free_lanes``, as the .proto
+  and GetLoads' docs spell them), every field present, numbers as numbers (``json_format`` would write
+  camelCase names and 64-bit integers as strings, by the proto3 JSON mapping) and enums by name."""
+  out = {}
+  for field in message.DESCRIPTOR.fields:
+    value = getattr(message, field.name)
+    if field.message_type is not None:
+      value = [message_fields(v) for v in value] if field.is_repeated else message_fields(value)
+    elif field.enum_type is not None:
+      name = field.enum_type.values_by_number
+      value = [name[v].name for v in value] if field.is_repeated else name[value].name
+    elif field.is_repeated:
+      value = list(value)
+    out[field.name] = value
+  return out
 
 
 def auth_metadata(api_key: str | None) -> tuple:
@@ -185,9 +204,8 @@ def main(argv):
     if FLAGS.loads or FLAGS.abort is not None:
       try:
         if FLAGS.loads:
-          from google.protobuf import json_format
           loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=timeout, metadata=auth_metadata(api_key))
-          print(json_format.MessageToJson(loads, always_print_fields_with_no_presence=True))
+          print(json.dumps(message_fields(loads), indent=2))
         else:
           r = stub.Abort(hisparse_pb2.AbortRequest(request_id=FLAGS.abort), timeout=timeout,
                          metadata=auth_metadata(api_key))

@@ -192,6 +192,7 @@ def main(argv):
     print(f"[server] process {jax.process_index()}: process 0 stopped after {steps} steps; stopped", flush=True)
     return
 
+  from hisparse_jax.serving.addresses import join_host_port
   from hisparse_jax.serving.metrics import ServerMetrics
   from hisparse_jax.serving.server import ServerLimits, serve
 
@@ -210,7 +211,7 @@ def main(argv):
       message = f"--metrics-host/--metrics-port {host}:{metrics_port}: {e}"
       engine.close(error=message)  # several processes: the followers stop too, with the same message
       sys.exit(f"error: {message}")
-    metrics_at = f", metrics at http://{host}:{bound}/metrics"
+    metrics_at = f", metrics at http://{join_host_port(host, bound)}/metrics"
   try:
     server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=api_key,
                                disaggregation=disagg,
@@ -227,8 +228,8 @@ def main(argv):
     mode += f"; decode server, prefill servers {','.join(disagg.prefill_servers)}"
   security = ", ".join(x for x in ("" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
                                    "API key" if api_key else "") if x) or "plain text, no API key"
-  print(f"[server] listening on {FLAGS.host}:{port} ({mode}, model {model_dir}; {security}){metrics_at}",
-        flush=True)
+  print(f"[server] listening on {join_host_port(FLAGS.host, port)} ({mode}, model {model_dir}; {security})"
+        f"{metrics_at}", flush=True)
   faulthandler.register(signal.SIGUSR1, all_threads=True)
   # The handler only appends (an Event.set() there can deadlock on the Event's lock, which the interrupted main
   # thread may hold); the timed poll lets it run even if the signal was delivered to another thread.

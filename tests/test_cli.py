@@ -553,11 +553,19 @@ def test_bad_security_flags_exit_with_a_message(flags, message):
   assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_server_warns_on_an_open_bind_and_prints_the_metrics_port():
+@pytest.mark.parametrize("host, listening, metrics_host, url_host", [
+    ("0.0.0.0", "0.0.0.0", "127.0.0.1", "127.0.0.1"),
+    ("::", "[::]", "::1", "[::1]"),  # IPv6 addresses bare on the command line, bracketed in addresses
+])
+def test_server_warns_on_an_open_bind_and_prints_the_metrics_port(host, listening, metrics_host, url_host):
   import signal
   import urllib.request
-  proc = subprocess.Popen([sys.executable, "run_server.py", "--model-path", tiny_model_dir(), "--host", "0.0.0.0",
-                           "--port", "0", "--metrics-port", "0", "--max-running-requests", "1"],
+
+  import grpc
+  from grpc_health.v1 import health_pb2, health_pb2_grpc
+  proc = subprocess.Popen([sys.executable, "run_server.py", "--model-path", tiny_model_dir(), "--host", host,
+                           "--port", "0", "--metrics-port", "0", "--metrics-host", metrics_host,
+                           "--max-running-requests", "1"],
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     seen = []
@@ -565,10 +573,13 @@ def test_server_warns_on_an_open_bind_and_prints_the_metrics_port():
     while line and "listening on" not in line:
       seen.append(line)
       line = proc.stdout.readline()
-    assert "listening on 0.0.0.0:" in line and "plain text, no API key" in line
-    assert any("warning: serving plain-text gRPC without authentication on 0.0.0.0" in x for x in seen)
+    assert f"listening on {listening}:" in line and "plain text, no API key" in line, "".join(seen) + line
+    assert any(f"warning: serving plain-text gRPC without authentication on {host}" in x for x in seen)
+    port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+    with grpc.insecure_channel(f"{url_host}:{port}") as channel:  # the gRPC port answers there
+      assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status == 1
     url = line.split("metrics at ")[1].strip()
-    assert url.startswith("http://127.0.0.1:") and not url.startswith("http://127.0.0.1:0/")
+    assert url.startswith(f"http://{url_host}:") and not url.startswith(f"http://{url_host}:0/")
     with urllib.request.urlopen(url, timeout=10) as resp:
       page = resp.read().decode()
     # Before any request: the pools' idle state, and every layer's counters at 0.

@@ -227,7 +227,8 @@ def test_malformed_request_bytes_are_invalid_argument(server):
 def test_health_requests_are_bounded(server, monkeypatch):
   """grpc.health.v1 needs no credentials, so it has limits of its own: a service name over
   MAX_HEALTH_SERVICE_BYTES is INVALID_ARGUMENT (a 1 MB name held ~4 MB per Watch stream), and a Watch beyond
-  MAX_HEALTH_WATCHES open ones RESOURCE_EXHAUSTED until one closes (800 streams took 3.7 GB)."""
+  MAX_HEALTH_WATCHES open ones, or beyond MAX_HEALTH_WATCHES_PER_CLIENT of one client's, RESOURCE_EXHAUSTED until
+  one closes (800 streams took 3.7 GB)."""
   from hisparse_jax.serving import server as server_module
   _, _, channel = server
   health = health_pb2_grpc.HealthStub(channel)
@@ -253,6 +254,26 @@ def test_health_requests_are_bounded(server, monkeypatch):
       assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
       time.sleep(0.05)
   for w in (*watches, again):
+    w.cancel()
+  # One client's share (Watch needs no key: one client must not take every slot).
+  monkeypatch.setattr(server_module, "MAX_HEALTH_WATCHES", 8)
+  monkeypatch.setattr(server_module, "MAX_HEALTH_WATCHES_PER_CLIENT", 2)
+  deadline = time.monotonic() + 10
+  while True:  # (the cancels above reach the server shortly)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(2)]
+    try:
+      assert [next(w).status for w in watches] == [health_pb2.HealthCheckResponse.SERVING] * 2
+      break
+    except grpc.RpcError as e:
+      assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+      for w in watches:
+        w.cancel()
+      time.sleep(0.05)
+  with pytest.raises(grpc.RpcError) as e:
+    next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10))
+  assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+  assert "client ipv4:127.0.0.1 has 2 health Watch streams open (the limit per client)" in e.value.details()
+  for w in watches:
     w.cancel()
 
 

@@ -102,6 +102,26 @@ def test_text_over_the_byte_limit_is_refused_before_tokenizing(server):
   assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details
 
 
+def test_a_message_past_any_legitimate_request_is_refused_as_it_arrives(server):
+  """gRPC buffers a request's whole message before a handler runs: the server's receive limit is the largest
+  legitimate request (``receive_bounds``: a text of --max-prompt-bytes or a context of ids, plus the other
+  fields), not gRPC's 4 MB, so a client cannot make it hold megabytes per call; the largest legitimate
+  requests still get the server's own answers."""
+  from hisparse_jax.serving.server import REQUEST_FIELDS_BYTES
+  engine, stub, _, _, _ = server
+  limit = max(PROMPT_BYTES, 5 * engine.max_seq_len) + REQUEST_FIELDS_BYTES
+  code, details = code_of(gen(stub, text="a" * (limit + 1)))
+  assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"larger than max (" in details and f"vs. {limit})" in details
+  code, details = code_of(gen(stub, input_ids=[2**31 - 1] * (limit // 5 + 1)))
+  assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
+  # Within it: the server's own limits, with their messages.
+  code, details = code_of(gen(stub, text="a" * (PROMPT_BYTES + 1), stop=["x" * 256] * 16,
+                              stop_token_ids=list(range(2**31 - 256, 2**31)), request_id="r" * 256))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and "max-prompt-bytes" in details
+  code, details = code_of(gen(stub, input_ids=[2**31 - 1] * (engine.max_seq_len + 1)))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details
+
+
 @pytest.mark.parametrize("field,value", [("top_p", float("nan")), ("top_p", float("-inf")), ("top_p", -1.0),
                                          ("top_p", 0.0), ("top_p", float("inf")), ("top_p", 5.0),
                                          ("temperature", float("nan")), ("temperature", float("inf")),
@@ -356,3 +376,30 @@ def test_api_key_flags(tmp_path, monkeypatch):
   finally:
     os.close(read)
     os.close(write)
+
+
+def test_streams_cancelled_while_the_server_writes_leave_no_tracebacks(server, caplog):
+  """A client that stops reading and then cancels makes grpc.aio's write fail (ExecuteBatchError, logged with a
+  traceback by grpc); the server drops that record (its request is aborted as a cancel), so clients cannot grow
+  the log by a traceback per stream; the pages come back."""
+  import logging
+  engine, _, _, _, port = server
+  slow = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]  # the client's window stays small
+  caplog.set_level(logging.INFO)
+  for _ in range(3):
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=slow) as channel:
+      stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+      calls = [stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[5, 6, 7]),
+                                                          max_new_tokens=200, ignore_eos=True), timeout=60)
+               for _ in range(3)]
+      for call in calls:
+        next(call)
+      time.sleep(0.5)  # the server's writes block on flow control
+      for call in calls:
+        call.cancel()
+  deadline = time.monotonic() + 30
+  while not all_kv_free(engine.loads_snapshot) or engine.loads_snapshot["running"]:
+    assert time.monotonic() < deadline, engine.loads_snapshot
+    time.sleep(0.05)
+  time.sleep(0.5)
+  assert not [r for r in caplog.records if "ExecuteBatchError" in r.getMessage()], caplog.text[-2000:]

@@ -14,6 +14,14 @@ import socket
 MAX_TIMEOUT_S = 86400
 
 
+def join_host_port(host: str, port: int) -> str:
+  """``HOST:PORT`` as gRPC (and a URL) takes it: an IPv6 address in brackets ("::1" -> "[::1]:PORT"; one already
+  bracketed is kept)."""
+  if ":" in host and not host.startswith("["):
+    host = f"[{host}]"
+  return f"{host}:{port}"
+
+
 def check_timeout(flag: str, seconds: float, allow_inf: bool = False) -> None:
   """ValueError naming ``flag`` unless 0 < seconds <= MAX_TIMEOUT_S (or inf, with ``allow_inf``)."""
   if not (0 < seconds <= MAX_TIMEOUT_S or (allow_inf and seconds == math.inf)):  # NaN fails too

@@ -55,7 +55,7 @@ import grpc
 
 from hisparse_jax.engine import InvalidRequest, Request, RequestError, ResourceExhausted, Unavailable
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
-from hisparse_jax.serving.addresses import MAX_TIMEOUT_S
+from hisparse_jax.serving.addresses import MAX_TIMEOUT_S, join_host_port
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ class TransferEndpoint:
         self._port_lock.close()
         raise ValueError(f"--transfer-port {port}: another server on this host uses it") from None
     try:
-      self.server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:{port}",
-                                                   [f"{host}:0"])
+      self.server = transfer.start_transfer_server(jax.local_devices()[0].client, join_host_port(host, port),
+                                                   [join_host_port(host, 0)])
     except jax.errors.JaxRuntimeError as e:
       raise ValueError(f"--transfer-host/--transfer-port {host}:{port}: {str(e).splitlines()[0]}") from None
     self.address = self.server.address()

@@ -107,7 +107,7 @@ class ServerMetrics:
 
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
     """Serves /metrics on host:port (port 0: a free one); returns the bound port. OSError if it cannot bind."""
-    httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+    httpd, _ = start_http_server(port, addr=host.strip("[]"), registry=self.registry)  # (an IPv6 one bare)
     return httpd.server_port
 
   def on_submit(self, request_id: str, arrival: float | None = None) -> None:

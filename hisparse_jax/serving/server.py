@@ -42,9 +42,25 @@ from hisparse_jax.engine.engine import check_stop_counts
 from hisparse_jax.engine.detokenizer import GIL_FREE_ENCODE_CHARS, encode_prompt
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving import credentials
+from hisparse_jax.serving.addresses import join_host_port
 from hisparse_jax.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+
+class _QuietClientGone(logging.Filter):
+  """Drops grpc.aio's "ExecuteBatchError raised in core by servicer method" record (ERROR, with a traceback):
+  a stream's write after its client went away (cancelled, deadline, disconnected) fails so, which the handler
+  already treats as a cancel (its request is aborted at the next step); a client could otherwise grow the log
+  by a traceback per stream it drops."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and record.exc_info[0] is not None
+                and record.exc_info[0].__name__ == "ExecuteBatchError"
+                and str(record.msg).startswith("ExecuteBatchError raised in core by servicer method"))
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_QuietClientGone())
 
 SERVICE_NAME = "hisparse.HiSparseInference"
 PREFILL_SERVICE_NAME = "hisparse.PrefillService"
@@ -508,14 +524,42 @@ def _handlers(servicer: InferenceServicer) -> dict:
 # that health-checks; each held ~13 KB, and ~4 MB with a 1 MB service name: 800 such streams took 3.7 GB).
 MAX_HEALTH_SERVICE_BYTES = 256
 MAX_HEALTH_WATCHES = 1024
+# Watch streams one client (``client_of``) may hold: Watch needs no API key, so without a share one client
+# could take every slot and leave a load balancer's health checks RESOURCE_EXHAUSTED.
+MAX_HEALTH_WATCHES_PER_CLIENT = 64
+
+
+# Bytes a GenerateRequest takes besides its prompt: MAX_STOP_STRINGS stop strings of MAX_STOP_STRING_BYTES,
+# MAX_STOP_TOKEN_IDS varint ids, the request id and the scalars, each with its field tag and length (~6 KB),
+# rounded up.
+REQUEST_FIELDS_BYTES = 16 << 10
+# Calls in flight beyond the streams (``ServerLimits.max_streams``) and health Watch streams: Check, GetLoads,
+# Abort, Info.
+CONTROL_CALLS = 256
+
+
+def receive_bounds(servicer: InferenceServicer) -> tuple[int, int | None]:
+  """(the largest request message the server accepts, the calls it serves at once) for ``servicer``'s limits.
+
+  Message: the largest legitimate request, a text prompt of ``max_prompt_bytes`` or a context of
+  ``max_seq_len`` token ids (at most 5 bytes each as varints), plus REQUEST_FIELDS_BYTES; a larger one is
+  refused by gRPC (RESOURCE_EXHAUSTED) as it arrives. 1.3 MB at DeepSeek-V3.2's 163840-token context (gRPC's
+  default is 4 MB). Calls: ``max_streams`` + MAX_HEALTH_WATCHES + CONTROL_CALLS (None, unbounded, when
+  ``max_streams`` is); more get RESOURCE_EXHAUSTED from gRPC. Together they bound what request messages being
+  received can hold, to about calls x message (3.1 GB at 256 request slots, 1024 queued and that context)."""
+  engine = servicer.engine
+  message = max(servicer.max_prompt_bytes, 5 * engine.max_seq_len) + REQUEST_FIELDS_BYTES
+  calls = None if servicer.max_streams is None else servicer.max_streams + MAX_HEALTH_WATCHES + CONTROL_CALLS
+  return message, calls
 
 
 def _add_health(servicer, server) -> None:
   """grpc.health.v1.Health with the library's servicer, but unparsable request bytes or a service name over
   MAX_HEALTH_SERVICE_BYTES answer INVALID_ARGUMENT (the generated registration lets the parse error escape as
-  UNKNOWN with a logged traceback), and a Watch beyond MAX_HEALTH_WATCHES open ones RESOURCE_EXHAUSTED."""
+  UNKNOWN with a logged traceback), and a Watch beyond MAX_HEALTH_WATCHES open ones, or beyond
+  MAX_HEALTH_WATCHES_PER_CLIENT of its client's, RESOURCE_EXHAUSTED."""
   pb = health_pb2
-  watches = [0]  # open Watch streams (on the server's one event loop: no lock)
+  watches = collections.Counter()  # client_of -> open Watch streams (on the server's one event loop: no lock)
 
   async def refuse_malformed(request, context):
     if isinstance(request, _Malformed):
@@ -530,14 +574,21 @@ def _add_health(servicer, server) -> None:
 
   async def watch(request, context):  # the servicer streams with context.write
     await refuse_malformed(request, context)
-    if watches[0] >= MAX_HEALTH_WATCHES:
+    client = client_of(context)
+    if watches.total() >= MAX_HEALTH_WATCHES:
       await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{MAX_HEALTH_WATCHES} health Watch streams open; use Check, or close one")
-    watches[0] += 1
+    if watches[client] >= MAX_HEALTH_WATCHES_PER_CLIENT:
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"client {client} has {MAX_HEALTH_WATCHES_PER_CLIENT} health Watch streams open (the "
+                          "limit per client); use Check, or close one")
+    watches[client] += 1
     try:
       await servicer.Watch(request, context)
     finally:
-      watches[0] -= 1
+      watches[client] -= 1
+      if not watches[client]:
+        del watches[client]
 
   handlers = {
       "Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=_tolerant(pb.HealthCheckRequest),
@@ -659,9 +710,13 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
 
   async def start():
     interceptors = [_ApiKeyInterceptor(api_key)] if api_key else []
-    # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     servicer = InferenceServicer(loop, tokenizer, limits, prefill_client)
+    # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it. gRPC buffers a call's
+    # whole request message before any handler (or the API-key check) runs: the receive limit and the bound on
+    # calls in flight (``receive_bounds``) bound the memory clients can make the server hold.
+    max_message, max_calls = receive_bounds(servicer)
+    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_calls,
+                             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
     prefill = None
     handlers = _handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -681,7 +736,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
                                                                             prefill_handlers),))
     health_servicer = health.aio.HealthServicer()
     _add_health(health_servicer, server)
-    address = f"{host}:{port}"
+    address = join_host_port(host, port)
     try:
       bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     except RuntimeError as e:  # grpc raises RuntimeError for a port in use or a bad address
@@ -693,7 +748,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
       # (gRPC reports credentials it cannot use, a DSA key say, as a failed bind: TSI_INVALID_ARGUMENT in its log)
       hint = (" (or gRPC refused the --tls-cert-file / --tls-key-file pair that Python's ssl accepted: it takes RSA "
               "and ECDSA keys)") if tls else ""
-      raise OSError(f"cannot bind {host}:{port}: {reason}{hint}")
+      raise OSError(f"cannot bind {address}: {reason}{hint}")
     await server.start()
     for name in ("", SERVICE_NAME) + ((PREFILL_SERVICE_NAME,) if mode == "prefill" else ()):
       await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -21,7 +21,7 @@ from hisparse_jax.serving import credentials
 from hisparse_jax.serving.client import auth_metadata, generate, open_channel
 from hisparse_jax.serving.metrics import ServerMetrics
 from hisparse_jax.serving.server import ServerLimits, TLSConfig, client_of, serve
-from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir, tiny_model_with_tokenizer
+from tests.tiny_model import TINY_HISPARSE, tiny_model_dir, tiny_model_with_tokenizer, wait_until_idle
 
 SMALL = dict(page_size=16, chunked_prefill_size=64)
 PROMPT_BYTES = 20000
@@ -189,10 +189,7 @@ def test_open_streams_beyond_the_queue_fail_at_once_and_the_control_plane_answer
   finally:
     for c in flood:
       c.cancel()
-  deadline = time.monotonic() + 60
-  while not all_kv_free(engine.loads_snapshot) or engine.loads_snapshot["queued"]:
-    assert time.monotonic() < deadline, engine.loads_snapshot
-    time.sleep(0.05)
+  wait_until_idle(engine)
   after = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
   assert [(p.name, p.pages_free) for p in after.pools] == [(p.name, p.pages_free) for p in base.pools]
   assert gen(stub)()[-1].finished  # still serving
@@ -397,9 +394,6 @@ def test_streams_cancelled_while_the_server_writes_leave_no_tracebacks(server, c
       time.sleep(0.5)  # the server's writes block on flow control
       for call in calls:
         call.cancel()
-  deadline = time.monotonic() + 30
-  while not all_kv_free(engine.loads_snapshot) or engine.loads_snapshot["running"]:
-    assert time.monotonic() < deadline, engine.loads_snapshot
-    time.sleep(0.05)
+  wait_until_idle(engine, 30)
   time.sleep(0.5)
   assert not [r for r in caplog.records if "ExecuteBatchError" in r.getMessage()], caplog.text[-2000:]

@@ -45,6 +45,16 @@ def all_kv_free(loads: dict) -> bool:
   return loads["running"] == 0 and all(p["pages_free"] == p["pages_total"] for p in loads["pools"])
 
 
+def wait_until_idle(engine, timeout: float = 60) -> None:
+  """Waits (AssertionError with the loads after ``timeout`` seconds) until the engine's published loads show
+  no running or queued request and every KV page free (a server's cancels and aborts take effect at a step)."""
+  import time
+  deadline = time.monotonic() + timeout
+  while not all_kv_free(engine.loads_snapshot) or engine.loads_snapshot["queued"]:
+    assert time.monotonic() < deadline, engine.loads_snapshot
+    time.sleep(0.05)
+
+
 def tiny_model_with_tokenizer(dest) -> str:
   """A copy of the tiny model at dest with the DeepSeek-V3 tokenizer beside it (ids < 512, the tiny
   vocabulary, decode to short strings; most text encodes to larger ids)."""

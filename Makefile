@@ -57,7 +57,7 @@ test-fast: $(VENV)/.installed
 RESULTS := benchmarks/results
 bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	@start=$$(date +%s); set -e; \
-	$(PY) benchmarks/swap_in.py --json $(RESULTS)/swap_in_cpu.json; \
+	$(PY) benchmarks/swap_in.py --out $(RESULTS)/swap_in_cpu; \
 	$(PY) benchmarks/miss_rate.py --out $(RESULTS)/miss_rate_calibrated_64k; \
 	$(PY) benchmarks/miss_rate.py --context 16384 --out $(RESULTS)/miss_rate_calibrated_16k; \
 	$(PY) benchmarks/miss_rate.py --trace-model synthetic --context 16384 --steps 1000 --out $(RESULTS)/miss_rate; \

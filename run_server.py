@@ -1,7 +1,7 @@
 r"""Starts the hisparse-jax gRPC inference server.
 
   python run_server.py [--model-path DIR] [--host 127.0.0.1] [--port 50051] \
-      [--enable-hisparse [--hisparse-config JSON] [--host-pool jax|extension]] \
+      [--enable-hisparse [--hisparse-config JSON] [--host-pool auto|jax|extension]] \
       [--max-running-requests 64] [--max-seq-len N] [--chunked-prefill-size 2048] [--page-size 64] \
       [--max-device-kv-bytes N | --mem-fraction-static F] [--deterministic] [--dtype ...] \
       [--max-queued-requests 1024] [--max-prompt-bytes N] [--max-admission-skips 16] [--max-streams-per-client N] \

@@ -1,7 +1,7 @@
 r"""Swap-in kernel benchmark: time per call, bookkeeping per request-layer, miss-copy bandwidth vs memcpy.
 
   python benchmarks/swap_in.py [--quick] [--batch 1,64,256] [--buffer 2048,4096] \
-      [--row-bytes 656,1152] [--miss 0.001,0.05,0.2,1.0] [--layers 2] [--repeats 5] [--json out.json]
+      [--row-bytes 656,1152] [--miss 0.001,0.05,0.2,1.0] [--layers 2] [--repeats 5] [--out benchmarks/results/swap_in_cpu]
 
 For every (B, D, W, miss fraction) point, one jitted call runs the swap-in FFI
 on ``--layers`` layers in a row (a Python loop inside jit, as a decode step
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import platform
 import statistics
 import sys
@@ -36,7 +35,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from cli import check_memory, floats_in, int_in, ints_in, out_path  # benchmarks/ (this script's folder)
+from cli import (OUT_HELP, check_memory, default_out, floats_in, int_in, ints_in, out_path,  # benchmarks/
+                 write_results)
 
 from hisparse_jax import _ffi_cpu
 from hisparse_jax.kernels import ops
@@ -165,8 +165,10 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int_in(1, 10000), default=9)
   ap.add_argument("--quick", action="store_true", help="one small point per axis (CI smoke): replaces --batch, "
                   "--buffer, --row-bytes, --miss and --repeats")
-  ap.add_argument("--json", type=out_path, help="write the results here")
+  ap.add_argument("--out", type=out_path, help=OUT_HELP + "; OUT.json holds every point")
   args = ap.parse_args(argv)
+  args.out = args.out or default_out("swap_in", args.quick)
+  t0 = time.perf_counter()
   if args.quick:
     args.batch, args.buffer, args.row_bytes, args.miss, args.repeats = [4], [2048], [656], [0.05, 1.0], 2
   # Per request and layer, the host pool (a context of D + K + 1 rows: make_case) and the hot buffer (D + 1 rows).
@@ -179,7 +181,7 @@ def main(argv=None):
   header = (f"{'B':>4} {'D':>5} {'W':>5} {'miss':>6} {'call_ms':>9} {'idle_ms':>8} {'book_us':>8} "
             f"{'miss_GBps':>9} {'memcpy_GBps':>11} {'ratio':>6}")
   print(header)
-  results = []
+  results, lines = [], []
   for B in args.batch:
     for D in args.buffer:
       for W in args.row_bytes:
@@ -187,11 +189,12 @@ def main(argv=None):
           r = run_point(B, D, W, args.layers, f, args.repeats, rng)
           results.append(r)
           fmt = lambda v, w: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"
-          print(f"{B:>4} {D:>5} {W:>5} {f:>6.3f} {r['call_ms']:>9.3f} {r['idle_ms']:>8.3f} {r['bookkeeping_us']:>8.2f} "
-                f"{fmt(r['miss_GBps'], 9)} {r['memcpy_GBps']:>11.2f} {fmt(r['ratio'], 6)}", flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+          lines.append(f"{B:>4} {D:>5} {W:>5} {f:>6.3f} {r['call_ms']:>9.3f} {r['idle_ms']:>8.3f} "
+                       f"{r['bookkeeping_us']:>8.2f} {fmt(r['miss_GBps'], 9)} {r['memcpy_GBps']:>11.2f} "
+                       f"{fmt(r['ratio'], 6)}")
+          print(lines[-1], flush=True)
+  write_results(args.out, {"points": results, "seconds": time.perf_counter() - t0},
+                "\n".join(["```", header, *lines, "```"]))
   return results
 
 

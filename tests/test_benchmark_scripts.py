@@ -14,11 +14,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_swap_in_benchmark_quick(tmp_path):
-  out = tmp_path / "b.json"
-  r = subprocess.run([sys.executable, "benchmarks/swap_in.py", "--quick", "--json", str(out)], cwd=REPO,
+  out = tmp_path / "b"
+  r = subprocess.run([sys.executable, "benchmarks/swap_in.py", "--quick", "--out", str(out)], cwd=REPO,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
-  rows = json.loads(out.read_text())
+  rows = json.loads((tmp_path / "b.json").read_text())["points"]
+  assert "book_us" in (tmp_path / "b.md").read_text()
   assert len(rows) == 2
   for row in rows:
     assert row["call_ms"] > 0 and row["bookkeeping_us"] >= 0 and row["memcpy_GBps"] > 0
@@ -216,7 +217,7 @@ def test_kv_dtype_benchmark_quick(tmp_path):
     ("swap_in.py", ["--miss", "nan"], "argument --miss: nan is outside [0.0, 1.0]"),
     ("swap_in.py", ["--repeats", "0"], "argument --repeats: 0 is outside [1, 10000]"),
     ("swap_in.py", ["--row-bytes", "1000000"], "more than 80% of this machine's"),
-    ("swap_in.py", ["--json", "FILE/x.json"], "argument --json: "),
+    ("swap_in.py", ["--out", "FILE/x"], "argument --out: "),
     ("moe.py", ["--tokens", "100000000"], "the dense evaluation's activations (--tokens x --experts x --inter) need"),
     ("kv_dtype.py", ["--contexts", str(2**63 - 1)], f"argument --contexts: {2**63 - 1} is outside [2049, 163840]"),
     ("miss_rate.py", ["--out", "results/"], "argument --out: 'results/': expected a file name, not a folder"),

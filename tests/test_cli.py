@@ -604,7 +604,8 @@ def test_server_warns_on_an_open_bind_and_prints_the_metrics_port(host, listenin
     (["--wait-for-ready-s", "1e300"], "--wait-for-ready-s must be in [0, 86400] seconds"),
     (["--tls-ca-file", "/dev/zero"], "--tls-ca-file '/dev/zero': not a regular file or a pipe"),  # (read for ever)
     (["--api-key-file", "/dev/zero"], "--api-key-file '/dev/zero': not a regular file or a pipe"),
-    (["--seed", "-1"], "--seed -1: outside [0, 18446744073709551615]"),
+    (["--seed", "-1"], "--seed -1: outside [0, 4294967295]"),
+    (["--seed", str(2**32)], "--seed 4294967296: outside [0, 4294967295]"),  # (the engine's range)
     (["--top-k", str(2**40)], f"--top-k {2**40}: outside [0, 2147483647]"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0: outside [1, 2147483647]"),
     (["--stop-token-ids", "1,99999999999"], "--stop-token-ids 99999999999: outside [0, 2147483647]"),

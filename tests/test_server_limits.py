@@ -271,8 +271,10 @@ def _self_signed(tmp_path):
 def test_tls_and_api_key(tmp_path):
   key, cert = _self_signed(tmp_path)
   engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0, tls=TLSConfig(cert, key), api_key="s3cret-key")
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, tls=TLSConfig(cert, key), api_key="s3cret-key")
   target = f"localhost:{port}"
+  outcome = lambda name: metrics.registry.get_sample_value("hisparse_requests_total", {"outcome": name})  # noqa: E731
   try:
     with open_channel(target, tls_ca=cert) as channel:
       stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
@@ -289,6 +291,8 @@ def test_tls_and_api_key(tmp_path):
         code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=twice))
         assert code == grpc.StatusCode.UNAUTHENTICATED, twice  # several keys: none is taken over another
       assert gen(stub, api_key="s3cret-key")()[-1].finished
+      # The 3 Generate calls refused for their key are counted (GetLoads is not a stream), the good one too.
+      assert (outcome("unauthenticated"), outcome("length"), outcome("internal")) == (3, 1, 0)
       assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,  # (the scheme's case is free)
                            metadata=(("authorization", "bearer s3cret-key"),)).running == 0
       code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,

@@ -179,7 +179,8 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
     raise MemoryConfigError(
         f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) cannot hold "
         f"HiSparse's staging pages for one --max-seq-len {max_seq_len} prompt ({staging} bytes) plus one hot buffer "
-        f"(device_buffer_size {hisparse.device_buffer_size}: {hot} bytes) and one index page ({index_page} bytes)")
+        f"(device_buffer_size {hisparse.device_buffer_size}: {hot} bytes) and one index page ({index_page} bytes): "
+        "raise the budget, or lower --max-seq-len (the staging pages grow with it)")
   rest = budget - staging - slots * hot
   # Dynamic residency: resident_fraction of the rest holds resident requests' latent rows (more staging pages).
   resident_pages = min(int(rest * hisparse.resident_fraction) // staging_page, slots * P)

@@ -33,8 +33,9 @@ flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_float("top-p", 1.0, "Nucleus sampling mass (1: off).")
 flags.DEFINE_integer("top-k", 0, "Sample among the k most likely tokens (0: off).")
-flags.DEFINE_integer("seed", None, "Sampling seed (default: random).")
-flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string")
+flags.DEFINE_integer("seed", None, "Sampling seed in [0, 2**32) (default: random).")
+flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string (sent as given: no escapes are "
+                          "read, so pass a newline as bash's $'\\n', not \"\\n\").")
 flags.DEFINE_list("stop-token-ids", [], "Stop after any of these token ids.")
 flags.DEFINE_boolean("include-stop-str-in-output", False, "Keep the matched stop string at the end of the text.")
 flags.DEFINE_boolean("ignore-eos", False, "Keep generating past the model's EOS tokens.")
@@ -134,7 +135,8 @@ def _matched_stop(msg) -> str:
   return repr(msg.matched_stop) if msg.finish_reason == hisparse_pb2.STOP_STRING else msg.matched_stop
 
 
-INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**32 - 1  # the engine's range for a seed (Engine.validate), narrower than the field's uint64
 
 
 def _ints(flag: str, values, low: int, high: int) -> list[int]:
@@ -163,7 +165,7 @@ def _check_flags() -> tuple[list[int] | None, list[int]]:
   _ints("max-new-tokens", [FLAGS["max-new-tokens"].value], 1, INT32_MAX)
   _ints("top-k", [FLAGS["top-k"].value], 0, INT32_MAX)
   if FLAGS.seed is not None:
-    _ints("seed", [FLAGS.seed], 0, UINT64_MAX)
+    _ints("seed", [FLAGS.seed], 0, SEED_MAX)
   check_timeout("--timeout-s", FLAGS["timeout-s"].value, allow_inf=True)
   if not 0 <= FLAGS["wait-for-ready-s"].value <= MAX_TIMEOUT_S:
     raise ValueError(f"--wait-for-ready-s must be in [0, {MAX_TIMEOUT_S:g}] seconds, got "

@@ -38,9 +38,11 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-# hisparse_requests_total's outcomes created at 0 (others appear with their first stream).
+# hisparse_requests_total's outcomes, each created at 0: the finish reasons, "cancelled", and every status a
+# Generate stream can fail with (server.py's aborts; "unknown": an exception the handler did not expect).
 REQUEST_OUTCOMES = ("stop", "length", "abort", "stop_token", "stop_string", "cancelled", "invalid_argument",
-                    "resource_exhausted")
+                    "resource_exhausted", "unavailable", "internal", "deadline_exceeded", "unauthenticated",
+                    "unknown")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -82,8 +84,8 @@ class ServerMetrics:
                           "since start", registry=r)
     self.requests = Counter("hisparse_requests", "Generate streams ended, by outcome: the finish reason (stop, "
                             "length, abort, stop_token, stop_string) or the gRPC status the stream failed with "
-                            "(resource_exhausted, invalid_argument, unavailable, internal, ...; cancelled: the "
-                            "client went away or its deadline passed first)", ["outcome"], registry=r)
+                            "(resource_exhausted, invalid_argument, unavailable, internal, deadline_exceeded, "
+                            "unauthenticated, unknown; cancelled: the client went away or its deadline passed first)", ["outcome"], registry=r)
     for outcome in REQUEST_OUTCOMES:
       self.requests.labels(outcome=outcome)
     self.pd = disaggregation_mode == "decode"

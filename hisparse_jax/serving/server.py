@@ -601,10 +601,11 @@ def _add_health(servicer, server) -> None:
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
   """Every call except grpc.health.v1 needs exactly one ``authorization: Bearer KEY`` metadata value
-  (constant-time compare)."""
+  (constant-time compare). A Generate call refused so counts as outcome "unauthenticated" in ``metrics``."""
 
-  def __init__(self, api_key: str):
+  def __init__(self, api_key: str, metrics: ServerMetrics | None = None):
     self._want = credentials.bearer(api_key).encode()
+    self._metrics = metrics
 
     async def deny(request, context):
       await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata "
@@ -617,13 +618,18 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
       return await continuation(details)
     keys = [v for k, v in details.invocation_metadata or () if k == "authorization"]
     if len(keys) != 1:  # none, or several (no value of several is taken over another)
-      return self._deny
+      return self._refuse(details)
     got = keys[0].encode("utf-8", "surrogatepass") if isinstance(keys[0], str) else keys[0]
     if got[:7].lower() == b"bearer ":  # the scheme is case-insensitive (RFC 6750 / RFC 9110 section 11.1)
       got = b"Bearer " + got[7:]
     if not hmac.compare_digest(got, self._want):
-      return self._deny
+      return self._refuse(details)
     return await continuation(details)
+
+  def _refuse(self, details):
+    if self._metrics is not None and details.method == f"/{SERVICE_NAME}/Generate":
+      self._metrics.requests.labels(outcome="unauthenticated").inc()
+    return self._deny
 
 
 @dataclasses.dataclass(frozen=True)
@@ -709,7 +715,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
   thread.start()
 
   async def start():
-    interceptors = [_ApiKeyInterceptor(api_key)] if api_key else []
+    interceptors = [_ApiKeyInterceptor(api_key, metrics)] if api_key else []
     servicer = InferenceServicer(loop, tokenizer, limits, prefill_client)
     # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it. gRPC buffers a call's
     # whole request message before any handler (or the API-key check) runs: the receive limit and the bound on

@@ -49,7 +49,8 @@ flags.DEFINE_string("api-key-file", None, "File holding the bearer token (first 
 flags.DEFINE_string("request-id", None, "The request's id (default: the server picks one; --abort takes it).")
 flags.DEFINE_boolean("print-ids", False, "After the text, print the output token ids (printed anyway when the "
                      "server sends no text: a model without a tokenizer).")
-flags.DEFINE_boolean("loads", False, "Print the server's loads (GetLoads) as JSON (the .proto field names) and exit; no request.")
+flags.DEFINE_boolean("loads", False, "Print the server's loads (GetLoads) as JSON (the .proto field names) and "
+                     "exit; no request.")
 flags.DEFINE_string("abort", None, "Abort the server's requests with this id, print how many, and exit.")
 
 

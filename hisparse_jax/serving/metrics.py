@@ -85,7 +85,8 @@ class ServerMetrics:
     self.requests = Counter("hisparse_requests", "Generate streams ended, by outcome: the finish reason (stop, "
                             "length, abort, stop_token, stop_string) or the gRPC status the stream failed with "
                             "(resource_exhausted, invalid_argument, unavailable, internal, deadline_exceeded, "
-                            "unauthenticated, unknown; cancelled: the client went away or its deadline passed first)", ["outcome"], registry=r)
+                            "unauthenticated, unknown; cancelled: the client went away or its deadline passed "
+                            "first)", ["outcome"], registry=r)
     for outcome in REQUEST_OUTCOMES:
       self.requests.labels(outcome=outcome)
     self.pd = disaggregation_mode == "decode"

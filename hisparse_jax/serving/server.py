@@ -5,11 +5,12 @@ not a thread, so any number of streams leaves ``Health``, ``GetLoads`` and ``Abo
 one ``EngineLoop`` thread owns the engine and runs the decode loop; a small pool tokenizes text prompts
 (never on the decode loop). A handler checks every limit before doing work (``ServerLimits``: open streams,
 streams per client, prompt bytes before tokenizing, request id, sampling values as sent; the engine's
-``validate`` for the rest), so a bad request fails alone with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; then it hands the request to the
-loop and streams the events the loop posts to the request's own asyncio queue (each token with its text
-delta, made by the request's incremental detokenizer on the loop thread). A cancelled RPC aborts its request
-at the next step boundary. ``GetLoads`` answers from the snapshot the loop publishes after every step. The
-standard ``grpc.health.v1`` service reports SERVING while the loop runs and needs no credentials.
+``validate`` for the rest), so a bad request fails alone with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; then it
+hands the request to the loop and streams the events the loop posts to the request's own asyncio queue (each
+token with its text delta, made by the request's incremental detokenizer on the loop thread). A cancelled RPC
+aborts its request at the next step boundary. ``GetLoads`` answers from the snapshot the loop publishes after
+every step. The standard ``grpc.health.v1`` service reports SERVING while the loop runs and needs no
+credentials.
 
 Security (``serve`` arguments, ``run_server.py`` flags): TLS with grpcio's own credentials (optionally
 mutual, with a client CA) and a bearer token every HiSparseInference call must carry as
@@ -357,13 +358,10 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     """The stream (``_generate``), counted by outcome in ``ServerMetrics.requests`` when the server has
     metrics."""
     metrics = self.loop.metrics
-    if metrics is None:
-      async for message in self._generate(request, context):
-        yield message
-      return
+    stream = self._generate(request, context)
     outcome = "cancelled"  # ended by the client or its deadline (or the server stopping) before a status
     try:
-      async for message in self._generate(request, context):
+      async for message in stream:
         if message.finished:
           outcome = hisparse_pb2.FinishReason.Name(message.finish_reason).lower()
         yield message
@@ -377,7 +375,13 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       outcome = "unknown"
       raise
     finally:
-      metrics.requests.labels(outcome=outcome).inc()
+      try:
+        # Closed here, not when collected: a stream closed while it waits at a yield (the client went away)
+        # releases its stream count and aborts its request now.
+        await stream.aclose()
+      finally:
+        if metrics is not None:
+          metrics.requests.labels(outcome=outcome).inc()
 
   async def _generate(self, request, context):
     if isinstance(request, _Malformed):

@@ -43,8 +43,8 @@ flags.DEFINE_integer("metrics-port", None, "Serve Prometheus metrics at http://M
 flags.DEFINE_string("metrics-host", "127.0.0.1", "Address the metrics endpoint binds (loopback by default).")
 flags.DEFINE_integer("max-streams-per-client", None, "Generate streams one client may hold open at once (more get "
                      "RESOURCE_EXHAUSTED at once): a client is its TLS client certificate's common name under "
-                     "mutual TLS, else its IP address (clients behind one proxy or NAT count as one). Default: no "
-                     "per-client bound.", lower_bound=1)
+                     "mutual TLS, else its IP address (IPv6: its /64 network; clients behind one proxy or NAT "
+                     "count as one). Default: no per-client bound.", lower_bound=1)
 flags.DEFINE_string("tls-cert-file", None, "Serve TLS with this certificate chain (PEM); needs --tls-key-file.")
 flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.")
 flags.DEFINE_string("tls-client-ca-file", None, "Require client certificates signed by this CA (mutual TLS).")

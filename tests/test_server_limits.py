@@ -209,6 +209,11 @@ class _Context:
 def test_client_of_names_the_certificate_or_the_address_without_the_port():
   assert client_of(_Context("ipv4:10.0.0.5:41234")) == "ipv4:10.0.0.5"
   assert client_of(_Context("ipv6:%5B::1%5D:5000")) == "ipv6:[::1]"  # as gRPC writes it
+  # IPv6: the /64 network (one host may hold all of it); an IPv4-mapped address is the IPv4 client.
+  assert client_of(_Context("ipv6:%5B2001:db8:1:2:aaaa::7%5D:5000")) == "ipv6:[2001:db8:1:2::]/64"
+  assert client_of(_Context("ipv6:%5B2001:db8:1:2:bbbb::9%5D:6000")) == "ipv6:[2001:db8:1:2::]/64"
+  assert client_of(_Context("ipv6:%5B2001:db8:1:3::7%5D:5000")) == "ipv6:[2001:db8:1:3::]/64"
+  assert client_of(_Context("ipv6:%5B::ffff:10.0.0.5%5D:5000")) == "ipv4:10.0.0.5"
   assert client_of(_Context("unix:/tmp/s.sock")) == "unix:/tmp/s.sock"
   mtls = {"x509_common_name": [b"alice"], "transport_security_type": [b"ssl"]}
   assert client_of(_Context("ipv4:10.0.0.5:41234", mtls)) == "cert:alice"

@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import functools
 import hmac
+import ipaddress
 import logging
 import math
 import os
@@ -232,15 +233,28 @@ class ServerLimits:
 
 
 def client_of(context) -> str:
-  """Who a call comes from, for ``ServerLimits.max_streams_per_client``: the common name of its client
-  certificate under mutual TLS ("cert:NAME"), else its peer address without the port ("ipv4:10.0.0.5",
-  "ipv6:[::1]"; a Unix socket's peer as gRPC names it)."""
+  """Who a call comes from, for the per-client limits (``ServerLimits.max_streams_per_client``, health Watch
+  streams): the common name of its client certificate under mutual TLS ("cert:NAME"); else its IPv4 address
+  ("ipv4:10.0.0.5"), or for IPv6 its /64 network ("ipv6:[2001:db8:1:2::]/64": a host is commonly given a whole
+  /64, so one client could otherwise take 2^64 shares; the loopback address as itself, "ipv6:[::1]"); a Unix
+  socket's peer as gRPC names it."""
   names = (context.auth_context() or {}).get("x509_common_name")
   if names:
     return "cert:" + names[0].decode("utf-8", "replace")
   peer = urllib.parse.unquote(context.peer() or "unknown")  # gRPC writes an IPv6 peer as ipv6:%5B::1%5D:PORT
-  if peer.startswith(("ipv4:", "ipv6:")):
+  if peer.startswith("ipv4:"):
     return peer.rpartition(":")[0]
+  if peer.startswith("ipv6:"):
+    host = peer.rpartition(":")[0]
+    try:
+      address = ipaddress.IPv6Address(host[len("ipv6:"):].strip("[]").partition("%")[0])  # (no zone id)
+    except ValueError:
+      return host
+    if address.ipv4_mapped is not None:
+      return f"ipv4:{address.ipv4_mapped}"
+    if address.is_loopback:
+      return f"ipv6:[{address}]"
+    return f"ipv6:[{ipaddress.IPv6Network((address, 64), strict=False).network_address}]/64"
   return peer
 
 

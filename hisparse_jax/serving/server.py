@@ -383,9 +383,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       code = context.code()
       outcome = code.name.lower() if isinstance(code, grpc.StatusCode) else "unknown"
       raise
-    except asyncio.CancelledError:
-      raise
-    except Exception:  # grpc answers UNKNOWN
+    except Exception:  # grpc answers UNKNOWN (a cancel, a BaseException, stays "cancelled")
       outcome = "unknown"
       raise
     finally:

@@ -19,7 +19,10 @@ divergence is an error naming both, never a silent hang.
 Messages go through ``jax.experimental.multihost_utils.broadcast_one_to_all`` (a psum over the devices
 of all processes): one ``FRAME``-byte broadcast when the message fits, plus one of the rest (padded to a
 power of two, so few shapes compile) when it does not. While idle the leader sends a heartbeat message
-at most every ``IDLE_HEARTBEAT_S`` seconds, so no follower sits in one collective for long.
+at most every ``IDLE_HEARTBEAT_S`` seconds, so no follower sits in one collective for long. Before a message
+every process waits for its own calls in flight (``Engine._settle``: one process's CPU collectives must not
+overlap), and ``initialize`` turns programs' source locations off (they would give the same program another
+launch id on each process).
 
 Faults. A process that dies takes the others down with a message, never a hang: a collective with a
 dead peer fails (gloo: "Connection closed by peer") and the survivor prints which process was lost and
@@ -175,6 +178,13 @@ def initialize(args: DistributedArgs) -> None:
     _wait_for_coordinator(host, port, timeout, args.coordinator_address)
   _native_stdout_to_stderr()
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Programs' source locations off: XLA derives a program's launch id, which its collectives carry, from a
+  # fingerprint of the program, locations included, and a program traced from different call sites (process
+  # 0 sends a lock-step message from Lockstep.publish, the others receive it in Lockstep.receive) would get
+  # another id on each process. jax/jaxlib 0.12.1's CPU collectives then waited for each other forever at the
+  # first message (measured; 0.12.0 matched them regardless). Op names stay in the programs; only the Python
+  # call stacks leave (profiles of a multi-process run show no source lines).
+  jax.config.update("jax_traceback_in_locations_limit", 0)
   # JAX's preemption service catches SIGTERM in every process and only records it: a process would then
   # ignore SIGTERM. Off: the entry points handle SIGTERM (process 0 as one process does; a follower stops).
   jax.config.update("jax_enable_preemption_service", False)

@@ -689,9 +689,26 @@ class Engine:
     ops, arrays = self._pending_ops, self._pending_arrays
     self._pending_ops, self._pending_arrays = [], []
     try:
+      self._settle()
       self.lockstep.publish(kind, ops, self._step_check(), arrays)
     except Exception as e:  # noqa: BLE001
       self.lockstep.lost(e)
+
+  def _settle(self) -> None:
+    """Waits for every call in flight (the decode step launched ahead among them) before a lock-step message.
+
+    A message is a collective over every process's devices (``broadcast_one_to_all``), and on CPU two
+    collectives of one process must never be in flight at once: XLA:CPU runs a program whose inputs are ready
+    on the calling thread at once, even while one dispatched before it still runs on a worker thread, and
+    XLA's gloo collectives all use one tag, so the other process may pair them the other way round. Measured
+    without this wait (jax 0.12.1, 2 processes, tp 2): each process's message all-reduce, on its calling
+    thread, and its step's all-gather, on a worker thread, both waited for data until killed; with jax 0.12.0,
+    a stop message sent from another thread met a step's collective in the other order (gloo aborted the
+    follower: "Received data size doesn't match expected size"). On a GPU the message's collective runs in
+    stream order after the step anyway, so the wait costs nothing there. Raises the error of a call that
+    failed."""
+    if self.backend is not None:
+      jax.block_until_ready(self.backend.state)  # the output of every earlier call
 
   def _step_check(self) -> list[int]:
     return [self.decode_steps, self.prefill_calls, len(self.running), len(self.waiting), self.num_preemptions]
@@ -707,17 +724,9 @@ class Engine:
     ``DistributedError(error)``: process 0 is stopping on an error of its own, e.g. a port it cannot bind).
     Idempotent; nothing on one process.
 
-    First waits for the calls in flight (a decode step launched ahead, its collectives with the followers' copy
-    of it): close() may run on another thread than the steps (the server's main thread, after its engine loop
-    ended), and XLA:CPU orders a thread's programs, not two threads', so the stop message's collective could
-    otherwise meet the step's on a follower in another order (gloo aborted the follower: "Received data size
-    doesn't match expected size")."""
+    Like every message, the stop message first waits for the calls in flight (``_settle``). close() may run on
+    another thread than the steps (the server's main thread, after its engine loop ended)."""
     if self.lockstep is not None and self.lockstep.is_leader and not self.lockstep.closed:
-      if self.backend is not None:
-        try:
-          jax.block_until_ready(self.backend.state)  # the output of every earlier call
-        except Exception as e:  # noqa: BLE001 - a failed call: the followers cannot be in step either
-          self.lockstep.lost(e)
       if error is not None:
         self._pending_ops.append(["error", error])
       self._send("stop")
@@ -742,6 +751,7 @@ class Engine:
     steps, stopped_with = 0, None
     while True:
       try:
+        self._settle()
         msg, arrays = self.lockstep.receive()
       except Exception as e:  # noqa: BLE001
         self.lockstep.lost(e)

@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
 	if [ -z "$$py" ]; then echo "error: hisparse-jax needs Python >= 3.12 (jax >= 0.12 requires it); none found. Install one (e.g. 'pyenv install 3.12') and run make again." >&2; exit 1; fi; \
 	if [ ! -x $(PY) ]; then echo "creating $(VENV) with $$($$py --version)"; $$py -m venv $(VENV); fi
 	$(PIP) install -U pip
-	$(PIP) install "scikit-build-core>=0.10" "nanobind>=2.4" "jaxlib>=0.11.2,<0.12.1" "cmake>=3.24" ninja
+	$(PIP) install "scikit-build-core>=0.10" "nanobind>=2.4" "jaxlib>=0.11.2,<0.12.2" "cmake>=3.24" ninja
 	$(PIP) install --no-build-isolation -e '.[test]'
 	@touch $@
 

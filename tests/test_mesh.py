@@ -41,11 +41,19 @@ def test_mesh_decoding_equals_one_device(results, key):
 
 def test_fp8_kv_cache_on_a_mesh_equals_one_device(results):
   """--kv-cache-dtype fp8_e4m3 (uint8 latent rows and indexer keys in every pool) on 2 DP groups of 4 tp
-  devices: one device's greedy tokens and swap-ins, HiSparse bitwise dense's logits, pools updated in place."""
+  devices: one device's greedy tokens and swap-ins, HiSparse bitwise dense's logits, pools updated in place.
+
+  The logits are one device's up to a few FP8 codes: a float32 latent value one rounding apart on the mesh
+  may land on the other side of an e4m3 rounding boundary, and a code that differs moves the next layers'
+  values. Measured with jax 0.12.1 at the suite's optimization level (1,8,1 against one device, the pools
+  compared): 61 of 76,800 latent codes differed, 46 of them by one step; logits up to 0.0147 apart (2,4,8),
+  against 3.8 between FP8 and float32 KV. jax 0.12.0 rounded both alike (under 1e-4 apart). So the bound is
+  a small share of what FP8 storage itself moves the logits by."""
   r = results["kv fp8 2,4,8"]
   assert r["greedy_equal_one_device"] and r["logits_bitwise_dense_vs_hisparse"], r
   assert r["swap_stats_equal_one_device"] and r["kv_updated_in_place"] and r["misses"] > 0, r
-  assert r["max_logit_diff_vs_one_device"] < 1e-4 and r["differs_from_auto"], r
+  assert r["fp8_vs_auto_max_diff"] > 0.1, r  # FP8 storage is really on
+  assert r["max_logit_diff_vs_one_device"] < 0.02 * r["fp8_vs_auto_max_diff"], r
 
 
 def test_dynamic_residency_on_a_mesh_equals_one_device(results):

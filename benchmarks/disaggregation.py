@@ -71,7 +71,7 @@ def run_transfer(sizes_mib: list[int], reps: int = 3) -> list[dict]:
                             text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   address = worker.stdout.readline().strip()
   here = TransferEndpoint()
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
   rows, uuid = [], 0
   try:
     for mib in sizes_mib:

@@ -183,7 +183,7 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
   stored = jnp.dtype(cfg.dtype)
   abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored))
   graphdef, abstract_state = nnx.split(abstract)
-  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  default = jax.sharding.make_single_device_sharding(jax.devices()[0])
   target = jax.tree_util.tree_map_with_path(
       lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default if sharding is None else
                                         sharding(param_path(p), tuple(x.shape))), abstract_state)

@@ -98,7 +98,7 @@ def _placement(mesh, memory_kind=None):
   the dp axis, one block per DP group, and each group's block replicated over its tp devices (MLA's latent
   row is shared by all heads, so tensor parallelism does not split it); the first device when mesh is None."""
   if mesh is None:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+    return jax.sharding.make_single_device_sharding(jax.devices()[0], memory_kind=memory_kind)
   return jax.sharding.NamedSharding(mesh, POOL_SPEC, memory_kind=memory_kind)
 
 

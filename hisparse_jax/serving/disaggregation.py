@@ -233,7 +233,7 @@ def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype, 
   """The offered arrays' specs: latent rows, indexer keys and the proof of the pull (uint32[2])."""
   import jax
   import jax.numpy as jnp
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
   return (jax.ShapeDtypeStruct((layers, positions, latent_dim), jnp.dtype(dtype), sharding=device),
           jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device),
           jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=device))

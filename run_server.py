@@ -14,12 +14,13 @@ r"""Starts the hisparse-jax gRPC inference server.
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script; ``--helpfull`` lists them).
 
 Serves ``hisparse.HiSparseInference/Generate`` (server streaming), ``Abort``, ``GetLoads`` and
-``grpc.health.v1.Health`` (which needs no API key, as load balancers expect); with ``--disaggregation-mode prefill``
-also ``hisparse.PrefillService`` (prompts' KV for decode servers: hisparse_jax/serving/disaggregation.py). Generate streams beyond
---max-running-requests + --max-queued-requests get RESOURCE_EXHAUSTED at once, as do a client's beyond
---max-streams-per-client. Binding a non-loopback address without TLS or an API key prints a warning. Stops cleanly on SIGINT/SIGTERM: in-flight streams get
---shutdown-grace-s, the engine loop then stops after its current step; a shutdown step that overruns its bound
-is reported and the process exits anyway (status 1). ``kill -USR1 PID`` prints every thread's stack to stderr.
+``grpc.health.v1.Health`` (which needs no API key, as load balancers expect); with ``--disaggregation-mode
+prefill`` also ``hisparse.PrefillService`` (prompts' KV for decode servers: hisparse_jax/serving/disaggregation.py).
+Generate streams beyond --max-running-requests + --max-queued-requests get RESOURCE_EXHAUSTED at once, as do a
+client's beyond --max-streams-per-client. Binding a non-loopback address without TLS or an API key prints a
+warning. Stops cleanly on SIGINT/SIGTERM: in-flight streams get --shutdown-grace-s, the engine loop then stops
+after its current step; a shutdown step that overruns its bound is reported and the process exits anyway
+(status 1). ``kill -USR1 PID`` prints every thread's stack to stderr.
 """
 
 from __future__ import annotations

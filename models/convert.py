@@ -128,12 +128,16 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
 
 def check_side_files(src: str) -> None:
   """ValueError for a ``SIDE_FILES`` entry of ``src`` that is not a regular file (a FIFO would block the copy,
-  a link to /dev/zero fill the disk): a conversion checks them before its work, and again as it copies."""
+  a link to /dev/zero fill the disk), or for a tokenizer.json the tokenizers library cannot read (a converted
+  directory that no server could start from): a conversion checks them before its work, and again as it
+  copies."""
+  from hisparse_jax.engine.detokenizer import load_tokenizer
   from models.from_torch import check_regular_file
 
   for name in SIDE_FILES:
     if os.path.lexists(os.path.join(src, name)):
       check_regular_file(os.path.join(src, name))
+  load_tokenizer(src)  # (None without one) ValueError naming the file
 
 
 def copy_side_files(src: str, dst: str) -> None:
@@ -171,7 +175,10 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
                                                 kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
   from models.from_torch import read_json
   orbax_files(path)  # every file regular (ValueError naming one that is not) before orbax opens any
-  marker = read_json(os.path.join(path, ORBAX_MARKER))
+  try:
+    marker = read_json(os.path.join(path, ORBAX_MARKER))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{os.path.join(path, ORBAX_MARKER)}: not valid JSON ({e})") from None
   if not isinstance(marker, dict):
     raise ValueError(f"{os.path.join(path, ORBAX_MARKER)} must hold a JSON object, got {type(marker).__name__}")
   layout = marker.get("layout", 1)
@@ -245,12 +252,19 @@ def _quiet_failed_reads(params: str):
 
 def _root_cause(e: BaseException, limit: int = 400) -> str:
   """The first line of the innermost exception of ``e``'s chain (TensorStore's own status, e.g. ``DATA_LOSS: ...``
-  or ``OUT_OF_RANGE: ...``), at most ``limit`` characters."""
+  or ``OUT_OF_RANGE: ...``), at most ``limit`` characters; a context its raiser suppressed (``raise ... from
+  None``: json's StopIteration behind a JSONDecodeError) is not followed, and a bare ``Exception``'s type is
+  left out."""
   seen = set()
-  while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+  while id(e) not in seen:
     seen.add(id(e))
-    e = e.__cause__ or e.__context__
-  line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    if inner is None:
+      break
+    e = inner
+  line = (str(e).strip().splitlines() or [""])[0]
+  if type(e) is not Exception:
+    line = f"{type(e).__name__}: {line}" if line else type(e).__name__
   return line if len(line) <= limit else line[:limit] + " ..."
 
 

@@ -196,7 +196,9 @@ INDEX_FILE = "model.safetensors.index.json"
 def checkpoint_files(model_dir: str) -> tuple[dict[str, str] | None, list[str]]:
     """(weight_map, files) of an HF checkpoint directory: ``model.safetensors.index.json``'s weight_map (tensor
     name -> file name) and the files it names, else (None, [``model.safetensors``]), else (None, every
-    ``*.safetensors`` in the directory). Files are paths under ``model_dir``, in sorted order.
+    ``*.safetensors`` in the directory). Files are paths under ``model_dir``, in sorted order. Other
+    ``*.safetensors`` files beside an index or ``model.safetensors`` are not read (as in transformers), with
+    a WARNING naming them.
 
     Raises ValueError, naming the file, for a malformed index, an index entry that is not a plain relative
     path inside the directory (no absolute path, no ``..``), a weight file that is not a regular file (a
@@ -219,6 +221,12 @@ def checkpoint_files(model_dir: str) -> tuple[dict[str, str] | None, list[str]]:
                     f"convert them once with `python -m models.from_torch --model-path {model_dir} --output "
                     "NEW_DIR` (needs torch: `make oracle`)") if pickles else ""
             raise ValueError(f"no *.safetensors weights found in {model_dir}{hint}")
+    if weight_map is not None or names == ["model.safetensors"]:  # transformers' choice, and its files alone
+        ignored = sorted(set(f for f in os.listdir(model_dir) if f.endswith(".safetensors")) - set(names))
+        if ignored:
+            log.warning("%s: %d other .safetensors file(s) not read (%s names the checkpoint's files): %s%s",
+                        model_dir, len(ignored), INDEX_FILE if weight_map is not None else "model.safetensors",
+                        ", ".join(ignored[:5]), ", ..." if len(ignored) > 5 else "")
     for name in names:
         try:
             check_regular_file(os.path.join(model_dir, name))  # follows links; a FIFO or directory is refused
@@ -419,12 +427,42 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 log = logging.getLogger(__name__)
 
 
-def _log_skipped_mtp(store, num_layers: int) -> None:
-    """One log line naming the multi-token-prediction layers (index >= num_hidden_layers) left out."""
-    skipped = sorted({int(m.group(1)) for k in store.keys() if (m := _LAYER_KEY.match(k))
-                      and int(m.group(1)) >= num_layers})
-    if skipped:
-        log.info("skipping the multi-token-prediction layer(s) %s: not used for decoding", skipped)
+def _num_nextn_predict_layers(model_dir: str) -> int:
+    """config.json's num_nextn_predict_layers (DeepSeek-V3's multi-token-prediction layers, stored after the
+    decoder's), 0 when absent or not a small non-negative integer (config.json was already read and checked)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        n = json.load(f).get("num_nextn_predict_layers", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 64 else 0
+
+
+def _report_unused(store, used: set[str], num_layers: int, model_dir: str) -> None:
+    """Logs the checkpoint's tensors the model does not load (as transformers does for "weights of the checkpoint
+    not used"): the multi-token-prediction layers config.json declares (num_nextn_predict_layers after the
+    num_hidden_layers decoder layers) at INFO; anything else at WARNING, since a config that says fewer layers
+    or experts than the files hold loads, and decodes, a smaller model than the checkpoint is."""
+    nextn = _num_nextn_predict_layers(model_dir)
+    mtp, beyond, other = set(), set(), []
+    for k in store.keys():
+        if k in used or (k.endswith(fp8.SCALE_SUFFIX) and k[: -len(fp8.SCALE_SUFFIX)] in used):
+            continue
+        m = _LAYER_KEY.match(k)
+        layer = int(m.group(1)) if m else -1
+        if layer >= num_layers + nextn:
+            beyond.add(layer)
+        elif layer >= num_layers:
+            mtp.add(layer)
+        else:
+            other.append(k)
+    if mtp:
+        log.info("skipping the multi-token-prediction layer(s) %s: not used for decoding", sorted(mtp))
+    if beyond:
+        log.warning("checkpoint %s holds layer(s) %s beyond config.json's num_hidden_layers=%d (+ "
+                    "num_nextn_predict_layers=%d): they are not loaded; is num_hidden_layers right?",
+                    model_dir, sorted(beyond), num_layers, nextn)
+    if other:
+        other.sort()
+        log.warning("checkpoint %s holds %d tensor(s) the model does not use, not loaded: %s%s", model_dir,
+                    len(other), ", ".join(other[:5]), ", ..." if len(other) > 5 else "")
 
 
 def _check_counts(store: _TensorStore, cfg: DSAConfig, model_dir: str) -> None:
@@ -496,7 +534,6 @@ def load_hf(
     dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
     cfg = cfg.replace(dtype=dt.name, fp8_numerics=fp8_numerics, kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
     store = _TensorStore(model_dir, cfg.fp8_block_size)
-    _log_skipped_mtp(store, cfg.num_hidden_layers)
 
     if fp8_weights and cfg.fp8_block_size is None:
         raise ValueError(f"checkpoint {model_dir} is not FP8 block-quantized (no quantization_config): "
@@ -535,6 +572,7 @@ def load_hf(
                 store.check_fp8(k)
             elif not store.is_float(k):
                 raise ValueError(f"tensor {k!r} has dtype {store.dtype(k)}; weights must be floating point")
+    _report_unused(store, {k for _, (keys, _), _ in plan for k in keys}, cfg.num_hidden_layers, model_dir)
     covered = {path for path, _, _ in plan} | {sp for _, _, sp in plan if sp is not None}
     missing_params = sorted(set(flat) - covered, key=str)
     if missing_params:

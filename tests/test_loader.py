@@ -371,7 +371,23 @@ def test_sharded_index_loading(tmp_path, ckpt):
     _assert_same_params(model, ref)
 
 
+def test_safetensors_files_beside_model_safetensors_are_named(ckpt, caplog):
+    """As in transformers, model.safetensors (or an index) names the checkpoint's files; another .safetensors
+    file beside it is not read, and a WARNING says so (a tensor only there is then reported missing)."""
+    _, ref = load_hf(ckpt)
+    save_file({"lm_head.weight": np.zeros((300, 32), np.float32)}, f"{ckpt}/model-extra.safetensors")
+    with caplog.at_level("WARNING", logger="models.loader"):
+        _, model = load_hf(ckpt)
+    _assert_same_params(model, ref)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{ckpt}: 1 other .safetensors file(s) not read (model.safetensors names the checkpoint's files): "
+        "model-extra.safetensors"]
+
+
 def test_mtp_layer_keys_skipped(ckpt, caplog):
+    """The multi-token-prediction layer config.json declares (num_nextn_predict_layers, after the decoder's
+    layers) is left out with an INFO line; a layer beyond it, or a tensor no parameter reads, loads the same
+    model with a WARNING naming it (a config.json that says fewer layers than the files hold)."""
     _, ref = load_hf(ckpt)
     tensors = load_file(f"{ckpt}/model.safetensors")
     n = TINY["num_hidden_layers"]
@@ -380,10 +396,30 @@ def test_mtp_layer_keys_skipped(ckpt, caplog):
                           ("shared_head.head.weight", (300, 32))]:
         tensors[f"model.layers.{n}.{suffix}"] = np.ones(shape, np.float32)
     save_file(tensors, f"{ckpt}/model.safetensors")
+    config = json.loads(open(f"{ckpt}/config.json").read())
+    with open(f"{ckpt}/config.json", "w") as f:
+        json.dump({**config, "num_nextn_predict_layers": 1}, f)
     with caplog.at_level("INFO", logger="models.loader"):
         _, model = load_hf(ckpt)
     _assert_same_params(model, ref)
     assert f"skipping the multi-token-prediction layer(s) [{n}]" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+    caplog.clear()
+    with open(f"{ckpt}/config.json", "w") as f:
+        json.dump(config, f)  # no num_nextn_predict_layers: layer n is one config.json does not know of
+    tensors["model.layers.0.mlp.experts.99.up_proj.weight"] = np.ones((16, 32), np.float32)
+    tensors["lm_head.bias"] = np.ones((300,), np.float32)
+    save_file(tensors, f"{ckpt}/model.safetensors")
+    with caplog.at_level("INFO", logger="models.loader"):
+        _, model = load_hf(ckpt)
+    _assert_same_params(model, ref)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, caplog.text
+    assert (f"holds layer(s) [{n}] beyond config.json's num_hidden_layers={n} (+ num_nextn_predict_layers=0)"
+            in warnings[0])
+    assert warnings[1].endswith("holds 2 tensor(s) the model does not use, not loaded: lm_head.bias, "
+                                "model.layers.0.mlp.experts.99.up_proj.weight")
 
 
 def test_fused_expert_layout(ckpt):

@@ -90,7 +90,8 @@ class EngineArgs:
       requests that do at most this many times; then nothing behind it is admitted until it is (0: strict
       first come, first served).
     max_prompt_bytes: a text prompt longer than this (UTF-8 bytes) is refused before it is tokenized (0:
-      DEFAULT_PROMPT_BYTES_PER_TOKEN x max_seq_len).
+      DEFAULT_PROMPT_BYTES_PER_TOKEN x max_seq_len); at most max_seq_len x the tokenizer's longest token in
+      bytes (``resolve_max_prompt_bytes``).
     deterministic: run every decode step at the full max_running_requests batch with each request in its
       own row, and prefill one request per call in fixed chunks, so a request's tokens never depend on its
       neighbours (XLA's CPU matmuls are not batch-invariant). Costs a full-batch step even for one request.
@@ -170,7 +171,8 @@ class EngineArgs:
       "max_admission_skips": "Times a waiting request that does not fit yet may be passed by later ones that "
                              "do before admission waits for it (0: strict first come, first served).",
       "max_prompt_bytes": "Text prompts longer than this many UTF-8 bytes are refused before tokenizing "
-                          "(0: 8 x --max-seq-len).",
+                          "(0: 8 x --max-seq-len; at most --max-seq-len x the tokenizer's longest "
+                          "token, 128 bytes for DeepSeek-V3's).",
       "deterministic": "Fixed full-batch decode steps and one-request prefill chunks: a request's tokens do not "
                        "depend on its neighbours (costs a full-batch step per token).",
       "overlap_schedule": "Launch each decode step before the previous step's tokens are read (fed on the "
@@ -321,6 +323,29 @@ class EngineArgs:
     if self.max_seq_len is None:
       return model_cfg.max_position_embeddings
     return check_context(self.max_seq_len, model_cfg, "--max-seq-len")
+
+  def resolve_max_prompt_bytes(self, max_seq_len: int, tokenizer) -> int:
+    """The UTF-8 bytes a text prompt may have (checked before it is tokenized): --max-prompt-bytes, or by
+    default DEFAULT_PROMPT_BYTES_PER_TOKEN x max_seq_len; never more than max_seq_len x the most bytes one
+    token stands for (``detokenizer.max_token_bytes``; 128 for DeepSeek-V3's tokenizer), since a longer text
+    cannot fit the context and would only cost its tokenizing (a 200 MB text took 165 s and 15 GB). Without a
+    tokenizer, text prompts are refused whatever their size, and the limit stays at its default.
+
+    Raises:
+      StartupError: --max-prompt-bytes above that bound (the message gives it).
+    """
+    default = DEFAULT_PROMPT_BYTES_PER_TOKEN * max_seq_len
+    if tokenizer is None:
+      bound, why = default, "the model has no tokenizer.json, so text prompts are refused anyway"
+    else:
+      from hisparse_jax.engine.detokenizer import max_token_bytes
+      per_token = max_token_bytes(tokenizer)
+      bound = per_token * max_seq_len
+      why = (f"{max_seq_len} tokens (--max-seq-len) x {per_token} bytes, the most one of this tokenizer's "
+             "tokens stands for: a longer text cannot fit the context")
+    if self.max_prompt_bytes > bound:
+      raise StartupError(f"--max-prompt-bytes {self.max_prompt_bytes}: at most {bound} ({why})")
+    return self.max_prompt_bytes or min(default, bound)
 
   def resolve_hisparse(self, model_dir: str, model_cfg: DSAConfig) -> HiSparseConfig | None:
     """HiSparse sizes from --hisparse-config, else the model dir's hisparse_config.json, else defaults."""

@@ -59,7 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hisparse_jax import distributed
 from hisparse_jax.config import ConfigError, HiSparseConfig
-from hisparse_jax.engine.args import (DEFAULT_PROMPT_BYTES_PER_TOKEN, DTYPES, EngineArgs, StartupError,
+from hisparse_jax.engine.args import (DTYPES, EngineArgs, StartupError,
                                      check_host_memory)
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
@@ -194,10 +194,16 @@ class Engine:
     check_host_memory(3 * args.max_running_requests * -(-self.max_seq_len // args.page_size) * 4,
                       f"--max-seq-len {self.max_seq_len}: the KV page table memory",
                       "lower --max-seq-len (default: the model's max_position_embeddings) or --max-running-requests")
-    # Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (see EngineArgs).
-    self.max_prompt_bytes = args.max_prompt_bytes or DEFAULT_PROMPT_BYTES_PER_TOKEN * self.max_seq_len
+    # Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (see EngineArgs). A limit above
+    # the most bytes a --max-seq-len context can hold would only let a client make the server tokenize a text
+    # that cannot fit (a 200 MB line: 165 s and 15 GB), so it is refused here.
+    self.max_prompt_bytes = args.resolve_max_prompt_bytes(self.max_seq_len, tokenizer)
     self.tokenizer = tokenizer
     self._detokenizers = DetokenizerFactory(tokenizer) if tokenizer is not None else None
+    known = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else model_cfg.vocab_size
+    if known < model_cfg.vocab_size:  # (a padded vocabulary has a few such ids; most of it missing is the wrong file)
+      log.warning("tokenizer.json knows %d token ids, the model's vocabulary has %d: ids %d to %d decode to no text",
+                  known, model_cfg.vocab_size, known, model_cfg.vocab_size - 1)
     self.record_topk = record_topk
     # The mesh (hisparse_jax/sharding.py): one device, no mesh; several, parameters split by the rule table as
     # they load (no device holds the whole model), KV split over the DP groups.
@@ -541,6 +547,8 @@ class Engine:
       raise InvalidRequest(f"stop token id {bad[0]} outside the vocabulary")
     if any(not isinstance(x, str) or not x for x in req.stop):
       raise InvalidRequest("stop strings must be non-empty")
+    if any(0xD800 <= ord(c) <= 0xDFFF for x in req.stop for c in x):  # (decoded text never holds one)
+      raise InvalidRequest("a stop string is not valid Unicode (a lone surrogate)")
     long = [x for x in req.stop if len(x.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES]
     if long:
       raise InvalidRequest(f"a stop string of {len(long[0].encode('utf-8', 'surrogatepass'))} bytes; at most "

@@ -55,9 +55,11 @@ flags.DEFINE_string("api-key-file", None, "File whose first line is the API key 
 flags.DEFINE_enum("disaggregation-mode", "null", ["null", "prefill", "decode"],
                   "Prefill/decode disaggregation: null = prefill and decode here (colocated); prefill = also serve "
                   "PrefillService (prompts' KV for decode servers); decode = get every prompt's KV from "
-                  "--prefill-servers.")
-flags.DEFINE_list("prefill-servers", [], "Decode mode: host:port of the prefill servers' gRPC endpoints "
-                  "(round-robin; a failed prefill is retried once on the next).")
+                  "--prefill-servers (required there). Prefill and decode servers need the same --model-path, "
+                  "--dtype, --kv-cache-dtype and --fp8-numerics, and a prefill server's --max-seq-len at least "
+                  "the decode server's (checked at the decode server's start).")
+flags.DEFINE_list("prefill-servers", [], "Decode mode (required there): host:port of the prefill servers' gRPC "
+                  "endpoints (round-robin; a failed prefill is retried once on the next).")
 flags.DEFINE_string("transfer-host", "127.0.0.1", "Address this server's KV transfer server binds and announces "
                     "(jax.experimental.transfer; prefill and decode modes).")
 flags.DEFINE_integer("transfer-port", 0, "The KV transfer server's TCP port (0: any free one); the bulk data "

@@ -162,6 +162,36 @@ def test_a_killed_prefill_server(colocated):
     stop(procs)
 
 
+def test_a_lost_prefill_call_is_told_apart_from_a_tls_mismatch():
+  """gRPC's words for a prefill server that exits mid-call ("Stream removed (Socket closed)") or stops gracefully
+  ("Cancelling all calls") get the likely cause in the decode server's error; the client's hint for "Socket
+  closed" (a TLS server refusing plain text) is for its own connection only, not for those relayed words."""
+  from hisparse_jax.serving.client import _rpc_error
+  from hisparse_jax.serving.disaggregation import prefill_error_text
+  U = grpc.StatusCode.UNAVAILABLE
+  assert prefill_error_text(U, "Stream removed (Socket closed)") == (
+      "UNAVAILABLE: Stream removed (Socket closed) (the connection was lost mid-call: did that prefill server exit?)")
+  assert prefill_error_text(U, "Cancelling all calls") == (
+      "UNAVAILABLE: Cancelling all calls (that prefill server is shutting down)")
+  assert prefill_error_text(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy") == "RESOURCE_EXHAUSTED: busy"
+
+  class Failed(grpc.RpcError):
+    def __init__(self, details):
+      self._details = details
+
+    def code(self):
+      return U
+
+    def details(self):
+      return self._details
+
+  tls_hint = "(a server with TLS closes a plain-text connection: pass --tls-ca-file)"
+  assert _rpc_error(Failed("Socket closed"), tls=False).endswith(tls_hint)
+  assert not _rpc_error(Failed("Socket closed"), tls=True).endswith(tls_hint)
+  relayed = "prefill failed: 127.0.0.1:5: " + prefill_error_text(U, "Stream removed (Socket closed)")
+  assert _rpc_error(Failed(relayed), tls=False) == f"UNAVAILABLE: {relayed}"
+
+
 class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
   """A prefill server whose offers never arrive: its Info is right, its PrefillOffer names a uuid its transfer
   server never offers (a pull of it blocks), and it records whether the caller acknowledged. With hang=True it
@@ -312,8 +342,14 @@ def test_transfer_ports_that_clash_with_the_server_ports_or_are_taken():
 def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
   """A decode server whose prefill server does not answer, or serves another layout: exit 1 naming the flag."""
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{free_port()}")
-  assert "--prefill-servers 127.0.0.1:" in err and "no prefill server answered" in err
-  pport, _ = servers
+  assert "--prefill-servers 127.0.0.1:" in err and "no prefill server answered within 10 s" in err
+  pport, decode = servers
+  # A server that answers but serves no PrefillService (here a decode server) is named as such, at once.
+  start = time.monotonic()
+  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{decode['dense']}")
+  assert (f"--prefill-servers 127.0.0.1:{decode['dense']}: the server there is not a prefill server (UNIMPLEMENTED"
+          in err and err.rstrip().endswith("start it with --disaggregation-mode prefill")), err[-2000:]
+  assert "answered within" not in err and time.monotonic() - start < 60
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--dtype=bfloat16")
   assert "serves another model or KV layout" in err
   # FP8 rows against its float32 rows: 100 + 20 uint8 against 48 + 16 float32 per token and layer.

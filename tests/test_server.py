@@ -142,6 +142,32 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "request_id of 300 characters" in r.stderr
   r = client("--loads", "--text=hi")
   assert r.returncode == 1 and "--loads sends no request" in r.stderr
+  # --text-file (test_server_limits checks the text that arrives): a file, or standard input, is sent as text
+  # (refused here: this model has no tokenizer); a device, bytes that are not UTF-8 or a second prompt flag fail
+  # at once.
+  import tempfile
+  no_tokenizer = "error: INVALID_ARGUMENT: text prompt given but the model has no tokenizer"
+  with tempfile.TemporaryDirectory() as tmp:
+    text, latin1 = os.path.join(tmp, "text.txt"), os.path.join(tmp, "latin1.txt")
+    with open(text, "w") as f:
+      f.write("é" * 1500)
+    with open(latin1, "wb") as f:
+      f.write(b"caf\xe9")
+    r = client(f"--text-file={text}")
+    assert r.returncode == 1 and r.stderr.strip() == no_tokenizer, r.stderr
+    r = subprocess.run([*base, "--text-file=-"], input="short", cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == no_tokenizer, r.stderr
+    r = client(f"--text-file={latin1}")
+    assert r.returncode == 1 and r.stderr.strip() == f"error: --text-file {latin1!r}: not UTF-8 (byte 3)", r.stderr
+  r = client("--text-file=/dev/zero")
+  assert r.returncode == 1 and "--text-file '/dev/zero': not a regular file or a pipe" in r.stderr, r.stderr
+  r = client("--text-file=/dev/null", "--text=hi")
+  assert r.returncode == 1 and "give exactly one of --text, --text-file or --input-ids" in r.stderr, r.stderr
+  # Standard output closed early (`--loads | head -1`): status 141, as a shell tool's, and no traceback.
+  proc = subprocess.Popen([*base, "--loads"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc.stdout.close()
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 141 and "Traceback" not in err, (proc.returncode, err)
   # Ctrl-C mid-stream: one line and status 130 (it was a traceback); the server frees the request.
   import signal
   proc = subprocess.Popen([*base, "--input-ids=2,3,4", "--max-new-tokens=250", "--ignore-eos"], cwd=REPO,

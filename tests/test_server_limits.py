@@ -83,7 +83,7 @@ def gen(stub, **kw):
 
 
 def test_text_over_the_byte_limit_is_refused_before_tokenizing(server):
-  engine, stub, _, tok, _ = server
+  engine, stub, _, tok, port = server
   assert engine.max_prompt_bytes == PROMPT_BYTES
   before = tok.chars
   for text in ("a" * (PROMPT_BYTES + 1), "é" * (PROMPT_BYTES // 2 + 1)):  # characters or UTF-8 bytes over
@@ -92,6 +92,19 @@ def test_text_over_the_byte_limit_is_refused_before_tokenizing(server):
   assert tok.chars == before  # never tokenized
   msgs = gen(stub, text="e e e e " * 10)()  # token ids < 512, the tiny model's vocabulary
   assert msgs[-1].finished and tok.chars == before + 80
+  # The command-line client's --text-file sends a file's text exactly: its final newline too (whose token, 539, is
+  # outside the tiny vocabulary: refused after tokenizing), then without it.
+  text_file = os.path.join(os.path.dirname(engine.args.model_path), "prompt.txt")
+  client = [sys.executable, "-m", "hisparse_jax.serving.client", f"--target=127.0.0.1:{port}",
+            f"--text-file={text_file}", "--max-new-tokens=2"]
+  for text, ok in (("e e e e " * 10 + "\n", False), ("e e e e " * 10, True)):
+    with open(text_file, "w") as f:
+      f.write(text)
+    r = subprocess.run(client, capture_output=True, text=True, timeout=120)
+    assert r.returncode == (0 if ok else 1), r.stdout + r.stderr
+    assert ("\n[client] finish=" in r.stdout) if ok else "token id 539 outside the vocabulary" in r.stderr, r.stderr
+  assert tok.chars == before + 80 + 81 + 80
+  before += 81 + 80
   # A long text within the limit is tokenized on the pool (the GIL-releasing path), then checked.
   long_text = "e " * (PROMPT_BYTES // 2 - 10)
   code, details = code_of(gen(stub, text=long_text))

@@ -1,6 +1,6 @@
 r"""Command-line client for the hisparse-jax server: streams one request and prints it.
 
-  python -m hisparse_jax.serving.client [--target 127.0.0.1:50051] (--text "..." | --input-ids 1,2,3) \
+  python -m hisparse_jax.serving.client [--target 127.0.0.1:50051] (--text "..." | --text-file F | --input-ids 1,2,3) \
       [--max-new-tokens 32] [--request-id ID] [--print-ids] [--tls-ca-file ca.pem] \
       [--api-key KEY | --api-key-file FILE]
   python -m hisparse_jax.serving.client [--target ...] --loads        # the server's GetLoads, as JSON
@@ -14,6 +14,8 @@ as the first message arrives. Exits 1 with the server's status on an RPC error.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 import time
 
@@ -28,6 +30,8 @@ from hisparse_jax.serving.addresses import MAX_TIMEOUT_S, check_timeout
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "127.0.0.1:50051", "Server address.")
 flags.DEFINE_string("text", None, "Prompt text.")
+flags.DEFINE_string("text-file", None, "Read the prompt text from this file ('-': standard input), exactly as it is "
+                    "(UTF-8, at most 64 MiB): for prompts longer than a command line holds (~128 KB).")
 flags.DEFINE_list("input-ids", None, "Prompt token ids, comma separated.")
 flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
@@ -152,15 +156,44 @@ def _ints(flag: str, values, low: int, high: int) -> list[int]:
   return ints
 
 
+# --text-file's bound: a 163840-token context of DeepSeek-V3's longest tokens (128 bytes) is 21 MB.
+MAX_TEXT_FILE_BYTES = 64 << 20
+
+
+def read_text_file(path: str) -> str:
+  """The text of --text-file: a regular file, a pipe, or standard input for "-", read whole (its bytes exactly,
+  a final newline included) and decoded as UTF-8. ValueError naming the flag for a file that cannot be opened,
+  a device (/dev/zero never ends), more than MAX_TEXT_FILE_BYTES, or bytes that are not UTF-8."""
+  try:
+    f = open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")
+  except OSError as e:
+    raise ValueError(f"--text-file {path!r}: {e.strerror}") from None
+  with f:
+    mode = os.fstat(f.fileno()).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or (path == "-" and os.isatty(0))):
+      raise ValueError(f"--text-file {path!r}: not a regular file or a pipe")
+    try:
+      data = f.read(MAX_TEXT_FILE_BYTES + 1)
+    except OSError as e:
+      raise ValueError(f"--text-file {path!r}: {e.strerror}") from None
+  if len(data) > MAX_TEXT_FILE_BYTES:
+    raise ValueError(f"--text-file {path!r}: more than {MAX_TEXT_FILE_BYTES} bytes")
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"--text-file {path!r}: not UTF-8 (byte {e.start})") from None
+
+
 def _check_flags() -> tuple[list[int] | None, list[int]]:
   """(prompt ids or None, stop token ids); ValueError naming the flag for a value the request cannot carry."""
   if FLAGS.loads and FLAGS.abort is not None:
     raise ValueError("give at most one of --loads and --abort")
+  prompts = [f for f in ("text", "text-file", "input-ids") if FLAGS[f].value is not None]
   if FLAGS.loads or FLAGS.abort is not None:
-    if FLAGS.text is not None or FLAGS["input-ids"].value is not None:
-      raise ValueError(f"--{'loads' if FLAGS.loads else 'abort'} sends no request: drop --text / --input-ids")
-  elif (FLAGS.text is None) == (FLAGS["input-ids"].value is None):
-    raise ValueError("give exactly one of --text or --input-ids (or --loads, --abort ID)")
+    if prompts:
+      raise ValueError(f"--{'loads' if FLAGS.loads else 'abort'} sends no request: drop --{prompts[0]}")
+  elif len(prompts) != 1:
+    raise ValueError("give exactly one of --text, --text-file or --input-ids (or --loads, --abort ID)")
   ids = None if FLAGS["input-ids"].value is None else _ints("input-ids", FLAGS["input-ids"].value, 0, INT32_MAX)
   stop_token_ids = _ints("stop-token-ids", FLAGS["stop-token-ids"].value, 0, INT32_MAX)
   _ints("max-new-tokens", [FLAGS["max-new-tokens"].value], 1, INT32_MAX)
@@ -177,7 +210,8 @@ def _check_flags() -> tuple[list[int] | None, list[int]]:
 def _rpc_error(e: grpc.RpcError, tls: bool) -> str:
   """The one-line message of a failed call, with a hint where the cause is a common set-up mistake."""
   text = f"{e.code().name}: {e.details()}"
-  if e.code() == grpc.StatusCode.UNAVAILABLE and not tls and "Socket closed" in (e.details() or ""):
+  relayed = (e.details() or "").startswith("prefill failed: ")  # (a decode server's words about its prefill server)
+  if e.code() == grpc.StatusCode.UNAVAILABLE and not tls and not relayed and "Socket closed" in (e.details() or ""):
     text += " (a server with TLS closes a plain-text connection: pass --tls-ca-file)"
   elif e.code() == grpc.StatusCode.UNAVAILABLE and e.details() == "Cancelling all calls":
     text += " (the server is shutting down)"
@@ -188,6 +222,7 @@ def main(argv):
   del argv
   try:
     ids, stop_token_ids = _check_flags()
+    text = read_text_file(FLAGS["text-file"].value) if FLAGS["text-file"].value is not None else FLAGS.text
     tls = {k: credentials.read_file(f"tls-{k}-file", FLAGS[f"tls-{k}-file"].value) for k in ("ca", "cert", "key")}
     api_key = credentials.api_key(FLAGS["api-key"].value, FLAGS["api-key-file"].value)
     if (tls["cert"] is None) != (tls["key"] is None) or (tls["cert"] is not None and tls["ca"] is None):
@@ -226,7 +261,7 @@ def main(argv):
         sampling["seed"] = FLAGS.seed
       if FLAGS["request-id"].value is not None:
         sampling["request_id"] = FLAGS["request-id"].value
-      for msg in generate(stub, text=FLAGS.text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
+      for msg in generate(stub, text=text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
                           timeout=timeout, api_key=api_key, **sampling):
         if msg.request_id:  # (on the first message) where --abort ID from another terminal can find it
           print(f"[client] request id {msg.request_id}", file=sys.stderr, flush=True)
@@ -250,3 +285,6 @@ if __name__ == "__main__":
   except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled as the channel closes (the server frees it)
     print("\n[client] interrupted", file=sys.stderr)
     sys.exit(130)
+  except BrokenPipeError:  # stdout closed early (`... --loads | head -3`): stop quietly, as a shell tool does
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's own flush cannot fail too)
+    sys.exit(141)  # 128 + SIGPIPE, the status a shell gives a tool a closed pipe stopped

@@ -455,6 +455,20 @@ def _metadata(api_key: str | None) -> tuple:
   return (("authorization", credentials.bearer(api_key)),) if api_key else ()
 
 
+def prefill_error_text(code, details: str | None) -> str:
+  """How a prefill server's failed call reads in the decode server's error: ``CODE: details``, with the likely
+  cause where gRPC's own words hide it (a stream cut by the server's exit reads "Stream removed (Socket
+  closed)"; one cut by its graceful stop, "Cancelling all calls")."""
+  details = details or ""
+  text = f"{code.name}: {details}"
+  if code == grpc.StatusCode.UNAVAILABLE:
+    if details == "Cancelling all calls":
+      text += " (that prefill server is shutting down)"
+    elif "Socket closed" in details or "Stream removed" in details:
+      text += " (the connection was lost mid-call: did that prefill server exit?)"
+  return text
+
+
 def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
   """ValueError naming ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S
   (a server not listening yet, e.g. still loading its model, is waited for that long) and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored
@@ -466,8 +480,16 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
         info = hisparse_pb2_grpc.PrefillServiceStub(channel).Info(
             hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=_metadata(api_key), wait_for_ready=True)
       except grpc.RpcError as e:
-        raise ValueError(f"--prefill-servers {address}: no prefill server answered within {CONNECT_TIMEOUT_S:.0f} s "
-                         f"({e.code().name}: {e.details()}); start it with --disaggregation-mode prefill") from None
+        status, fix = f"({e.code().name}: {e.details()})", "; start it with --disaggregation-mode prefill"
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+          why = f"the server there is not a prefill server {status}{fix}"
+        elif e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+          why = f"no prefill server answered within {CONNECT_TIMEOUT_S:.0f} s {status}{fix}"
+        elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
+          why = f"the prefill server refused this server's --api-key {status}; both need the same one"
+        else:
+          why = f"its Info call failed {status}"
+        raise ValueError(f"--prefill-servers {address}: {why}") from None
     theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype, info.numerics)
     if info.model_fingerprint != engine.model_fingerprint or theirs != layout:
       raise ValueError(f"--prefill-servers {address}: serves another model or KV layout (layers, latent row and "
@@ -562,7 +584,7 @@ class PrefillClient:
     except grpc.aio.AioRpcError as e:
       if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: another server would refuse it too
         raise InvalidRequest(f"prefill server: {e.details()}") from None
-      raise PrefillFailed(f"{e.code().name}: {e.details()}",
+      raise PrefillFailed(prefill_error_text(e.code(), e.details()),
                           exhausted=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED) from None
     if offer is grpc.aio.EOF:
       raise PrefillFailed("the stream ended without an offer")

@@ -100,8 +100,11 @@ def _greedy(kind, cfg, model, prompts, max_new):
 
 # ----------------------------------------------------------------------------- oracle tests
 @pytest.mark.parametrize("name", list(CONFIGS) + ["ours"])
-def test_glm_prefill_logits_match_transformers(oracle, name):
+def test_glm_prefill_logits_match_transformers(oracle, name, caplog):
     ck, prompts, ref = oracle[name]
+    with caplog.at_level("WARNING", logger="models.loader"):
+        load_hf(str(ck))  # (uncached: its log is this test's)
+    assert not caplog.records, caplog.text  # every tensor transformers saved is read ("shared" layers have none)
     cfg, model = _load(str(ck))
     assert cfg.model_type == "glm_moe_dsa" and cfg.indexer_rope_interleave and cfg.rope_interleave
     logits, cache = _prefill_batch(model, prompts)

@@ -143,9 +143,11 @@ def _greedy_contiguous(model, prompts, max_new, vocab_major=False):
 
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(CONFIGS) + ["ours"])
-def test_prefill_logits_match_transformers(oracle, name):
+def test_prefill_logits_match_transformers(oracle, name, caplog):
     ck, prompts, ref = oracle[name]
-    cfg, model = load_hf(ck)
+    with caplog.at_level("WARNING", logger="models.loader"):
+        cfg, model = load_hf(ck)
+    assert not caplog.records, caplog.text  # every tensor transformers saved is read (no unused-tensor warning)
     logits, cache = _prefill_batch(model, prompts)
     assert cache.latent.shape == (cfg.num_hidden_layers, len(prompts), PAD_TO, cfg.latent_dim)
     assert cache.index_key.shape == (cfg.num_hidden_layers, len(prompts), PAD_TO, cfg.index_head_dim)

@@ -9,7 +9,8 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--api-key KEY | --api-key-file FILE] \
       [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]] \
       [--disaggregation-mode null|prefill|decode [--prefill-servers H:P,...] [--transfer-host 127.0.0.1] \
-       [--transfer-port 0] [--transfer-timeout-s 60] [--prefill-timeout-s 600]] [--coordinator-address H:P --num-processes N --process-id I]
+       [--transfer-port 0] [--transfer-timeout-s 60] [--prefill-timeout-s 600] [--max-offered-kv-bytes N]] \
+      [--coordinator-address H:P --num-processes N --process-id I]
 
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script; ``--helpfull`` lists them).
 
@@ -66,6 +67,10 @@ flags.DEFINE_integer("transfer-port", 0, "The KV transfer server's TCP port (0: 
                      "moves over connections on ports the system picks (prefill and decode modes).")
 flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV pull may take; prefill: how long "
                    "an offered KV waits to be pulled before it is taken back.")
+flags.DEFINE_integer("max-offered-kv-bytes", 0, "Prefill: the most prompt KV bytes held for decode servers at "
+                     "once (offers not pulled yet, prefills in flight; copies outside the KV pools); a prompt "
+                     "whose offer would pass it gets RESOURCE_EXHAUSTED before it is prefilled. 0: the device KV "
+                     "budget.")
 flags.DEFINE_float("prefill-timeout-s", 600.0, "Decode: the longest a prefill server may take to offer a prompt's "
                    "KV, its queue wait included; past it the attempt fails and is retried once on the next "
                    "prefill server.")
@@ -159,7 +164,8 @@ def main(argv):
     from hisparse_jax.serving.disaggregation import DisaggregationConfig
     disagg = DisaggregationConfig(FLAGS["disaggregation-mode"].value, tuple(FLAGS["prefill-servers"].value),
                                   FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, api_key,
-                                  FLAGS["transfer-port"].value, FLAGS["prefill-timeout-s"].value)
+                                  FLAGS["transfer-port"].value, FLAGS["prefill-timeout-s"].value,
+                                  FLAGS["max-offered-kv-bytes"].value)
     try:
       disagg.validate()
     except ValueError as e:

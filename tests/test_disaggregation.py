@@ -165,7 +165,8 @@ def test_a_killed_prefill_server(colocated):
 def test_a_lost_prefill_call_is_told_apart_from_a_tls_mismatch():
   """gRPC's words for a prefill server that exits mid-call ("Stream removed (Socket closed)") or stops gracefully
   ("Cancelling all calls") get the likely cause in the decode server's error; the client's hint for "Socket
-  closed" (a TLS server refusing plain text) is for its own connection only, not for those relayed words."""
+  closed" (a TLS server refusing plain text) is for its own connection as it connects, not for those relayed
+  words nor for a server lost mid-stream."""
   from hisparse_jax.serving.client import _rpc_error
   from hisparse_jax.serving.disaggregation import prefill_error_text
   U = grpc.StatusCode.UNAVAILABLE
@@ -186,8 +187,12 @@ def test_a_lost_prefill_call_is_told_apart_from_a_tls_mismatch():
       return self._details
 
   tls_hint = "(a server with TLS closes a plain-text connection: pass --tls-ca-file)"
-  assert _rpc_error(Failed("Socket closed"), tls=False).endswith(tls_hint)
-  assert not _rpc_error(Failed("Socket closed"), tls=True).endswith(tls_hint)
+  refused = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:5: Socket closed"
+  assert _rpc_error(Failed(refused), tls=False).endswith(tls_hint)  # (gRPC's words for a TLS port, test_server_limits)
+  assert not _rpc_error(Failed(refused), tls=True).endswith(tls_hint)
+  # A server that exits mid-stream (a two-process deployment losing a process) is not a TLS mismatch.
+  assert _rpc_error(Failed("Stream removed (Socket closed)"), tls=False) == (
+      "UNAVAILABLE: Stream removed (Socket closed) (the connection was lost mid-call: did the server exit?)")
   relayed = "prefill failed: 127.0.0.1:5: " + prefill_error_text(U, "Stream removed (Socket closed)")
   assert _rpc_error(Failed(relayed), tls=False) == f"UNAVAILABLE: {relayed}"
 
@@ -471,6 +476,65 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
     loop.stop()
 
 
+def test_offered_kv_bytes_are_bounded():
+  """A prefill server's offers are copies outside its KV pools, held until pulled or taken back: with
+  --max-offered-kv-bytes one offer's size, a second Prefill while the first offer waits for its pull is refused
+  with RESOURCE_EXHAUSTED before it is prefilled, a prompt whose offer alone is larger always is, and once the
+  offer is taken back the next is served; the metrics show the bytes held and their limit."""
+  from hisparse_jax.engine import Engine
+  from hisparse_jax.serving import disaggregation as pd
+  from hisparse_jax.serving.metrics import ServerMetrics
+  from hisparse_jax.serving.server import serve
+
+  engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2)
+  one = 3 * 32 * (48 * 4 + 16 * 4)  # layers x 32 positions (20 tokens, to a power of two) x (latent + key) float32
+  with pytest.raises(ValueError, match="--max-offered-kv-bytes is for --disaggregation-mode prefill"):
+    pd.DisaggregationConfig("null", max_offered_kv_bytes=one).validate()
+  metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=3, disaggregation_mode="prefill")
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, disaggregation=pd.DisaggregationConfig(
+      "prefill", transfer_timeout_s=2.0, max_offered_kv_bytes=one))
+  stub = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+  sample = lambda state: metrics.registry.get_sample_value("hisparse_pd_offered_kv_bytes",  # noqa: E731
+                                                           {"state": state})
+  request = lambda n: pb.PrefillMessage(request=pb.PrefillRequest(input_ids=pb.TokenIds(ids=list(range(5, 5 + n)))))
+
+  def refusal(n):
+    try:
+      list(stub.Prefill(iter([request(n)]), timeout=60))
+    except grpc.RpcError as e:
+      return e.code(), e.details()
+
+  try:
+    assert srv.prefill.offer_bytes(20) == one and sample("limit") == one and sample("held") == 0
+    held_open = threading.Event()
+
+    def holder():  # takes the offer and holds its stream open, never acknowledging
+      yield request(20)
+      held_open.wait(30)
+
+    first = stub.Prefill(holder(), timeout=60)
+    offer = next(first)
+    assert offer.kv_bytes == one and sample("held") == one
+    code, details = refusal(20)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"holds {one} bytes of prompt KV" in details, details
+    assert "--max-offered-kv-bytes" in details and engine.prefill_calls == 1  # refused before any prefill
+    code, details = refusal(40)  # 64 positions: twice the limit, never
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "is larger than the prefill server's" in details
+    # Unacknowledged past --transfer-timeout-s: DEADLINE_EXCEEDED, taken back, the bytes released.
+    with pytest.raises(grpc.RpcError) as e:
+      list(first)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "taken back" in e.value.details()
+    held_open.set()
+    deadline = time.monotonic() + 30
+    while srv.prefill.offered_bytes and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert sample("held") == 0 and metrics.registry.get_sample_value("hisparse_pd_offers_taken_back") == 1
+    assert next(stub.Prefill(iter([request(20)]), timeout=60)).kv_bytes == one  # served again
+  finally:
+    srv.stop(0).wait()
+    loop.stop()
+
+
 def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch):
   """A prefill server frees every offer: one pulled and acknowledged with the offer's proof is the caller's; one
   acknowledged without the proof (no pull, or a guess) is taken back at once, so a caller that claims pulls it
@@ -509,22 +573,30 @@ def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch)
 
     call = stub.Prefill(messages(), timeout=60)
     replies.put(reply(next(call)))
-    list(call)
+    try:
+      list(call)
+    except grpc.RpcError as e:
+      return e.code(), e.details()
+    return grpc.StatusCode.OK, None
 
   def settled():
     deadline = time.monotonic() + 30
     while take_backs.pending() and time.monotonic() < deadline:
       time.sleep(0.05)
-    return take_backs.pending() == 0
+    return take_backs.pending() == 0 and srv.prefill.offered_bytes == 0  # (every offer's bytes released)
 
+  forged = (grpc.StatusCode.INVALID_ARGUMENT, "the acknowledgement's pull_proof is not the offer's (only its pull "
+            "reveals it): the KV was taken back")
   try:
-    prefill(lambda offer: pb.KVReceived(pulled=True, pull_proof=pd._proof_value(pull(offer)[2])))
+    assert srv.prefill.max_offered_bytes == engine.device_kv_budget  # (the default)
+    status = prefill(lambda offer: pb.KVReceived(pulled=True, pull_proof=pd._proof_value(pull(offer)[2])))
+    assert status == (grpc.StatusCode.OK, None)
     assert settled() and (take_backs.taken_back, take_backs.already_pulled) == (0, 0)
-    prefill(lambda offer: pb.KVReceived(pulled=True))
-    prefill(lambda offer: pb.KVReceived(pulled=True, pull_proof=12345))
+    assert prefill(lambda offer: pb.KVReceived(pulled=True)) == forged  # the caller learns the KV is gone
+    assert prefill(lambda offer: pb.KVReceived(pulled=True, pull_proof=12345)) == forged
     assert settled() and (take_backs.taken_back, take_backs.already_pulled) == (2, 0)
     start = time.monotonic()
-    prefill(lambda offer: pull(offer) and None)
+    assert prefill(lambda offer: pull(offer) and None) == (grpc.StatusCode.OK, None)  # (it ended its stream)
     assert settled() and (take_backs.taken_back, take_backs.already_pulled) == (2, 1)
     assert time.monotonic() - start < 20
     deadline = time.monotonic() + 5

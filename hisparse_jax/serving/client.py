@@ -209,12 +209,16 @@ def _check_flags() -> tuple[list[int] | None, list[int]]:
 
 def _rpc_error(e: grpc.RpcError, tls: bool) -> str:
   """The one-line message of a failed call, with a hint where the cause is a common set-up mistake."""
-  text = f"{e.code().name}: {e.details()}"
-  relayed = (e.details() or "").startswith("prefill failed: ")  # (a decode server's words about its prefill server)
-  if e.code() == grpc.StatusCode.UNAVAILABLE and not tls and not relayed and "Socket closed" in (e.details() or ""):
-    text += " (a server with TLS closes a plain-text connection: pass --tls-ca-file)"
-  elif e.code() == grpc.StatusCode.UNAVAILABLE and e.details() == "Cancelling all calls":
+  details = e.details() or ""
+  text = f"{e.code().name}: {details}"
+  if e.code() != grpc.StatusCode.UNAVAILABLE or details.startswith("prefill failed: "):
+    return text  # (a decode server's words about its prefill server carry their own hints)
+  if details == "Cancelling all calls":
     text += " (the server is shutting down)"
+  elif "Stream removed" in details:  # the connection broke mid-call
+    text += " (the connection was lost mid-call: did the server exit?)"
+  elif "Socket closed" in details and not tls:  # closed as it connected
+    text += " (a server with TLS closes a plain-text connection: pass --tls-ca-file)"
   return text
 
 

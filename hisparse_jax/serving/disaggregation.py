@@ -36,7 +36,12 @@ keeps its arrays forever (``await_pull``'s timeout does not free them) unless so
     offer that was pulled after all (a caller that pulled and then went away) has no data to wait for: it is
     cut at its deadline (TAKE_BACK_BASE_S + the bytes at TAKE_BACK_MIN_BYTES_PER_S). Take-backs are polled by
     one thread, so any number of them progress at once; a stream cancelled while the prompt is still
-    prefilling aborts that prefill.
+    prefilling aborts that prefill;
+  - offers are copies outside the prefill server's KV pools: their bytes, and those of the prefills in flight at
+    their offer's size, are bounded by ``--max-offered-kv-bytes``, checked before a prompt is prefilled.
+The transfer ports have no authentication and jax's transfer server aborts the process on some malformed
+input (16 zero bytes), and keeps a descriptor for every pull of an unknown uuid: only the deployment's own
+servers may reach them (README, "Prefill/decode disaggregation").
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class DisaggregationConfig:
   api_key: str | None = None  # sent to the prefill servers (a deployment shares one --api-key)
   transfer_port: int = 0
   prefill_timeout_s: float = PREFILL_TIMEOUT_S
+  max_offered_kv_bytes: int = 0  # prefill: prompt KV held for decode servers at once (0: the device KV budget)
 
   def transfer_ports(self) -> tuple[int, ...]:
     """The fixed TCP port the transfer server listens on: (--transfer-port,), or () for any free one."""
@@ -118,6 +124,10 @@ class DisaggregationConfig:
     check_timeout("--prefill-timeout-s", self.prefill_timeout_s)
     if not 0 <= self.transfer_port <= 65535:
       raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free port) or 1..65535")
+    if self.max_offered_kv_bytes < 0:
+      raise ValueError(f"--max-offered-kv-bytes must be >= 0, got {self.max_offered_kv_bytes}")
+    if self.mode != "prefill" and self.max_offered_kv_bytes:
+      raise ValueError(f"--max-offered-kv-bytes is for --disaggregation-mode prefill (got {self.mode})")
     if self.mode == "null" and self.transfer_port:
       raise ValueError("--transfer-port is for --disaggregation-mode prefill or decode (a colocated server has no "
                        "KV transfer server)")
@@ -260,11 +270,19 @@ def _sampling(message) -> dict:
 
 # --------------------------------------------------------------------------------------------- prefill
 class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
-  """``PrefillService`` of a prefill server: prompts through its engine loop, KV offered for pulling."""
+  """``PrefillService`` of a prefill server: prompts through its engine loop, KV offered for pulling.
 
-  def __init__(self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls, streams=None):
+  An offer's arrays are copies on the first device, outside the engine's KV pools (whose pages the prompt frees
+  once read), held until the decode server acknowledges its pull or, unacknowledged, until it is taken back. So
+  their bytes are bounded (``max_offered_bytes``): a Prefill whose offer would pass the bound, counting the
+  prefills in flight at their offer's size, is refused with RESOURCE_EXHAUSTED before it is prefilled."""
+
+  def __init__(self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls, streams=None,
+               max_offered_bytes: int = 0):
     """streams: the server's InferenceServicer, whose open-stream count and limit (``ServerLimits.max_streams``)
-    Prefill streams share: each holds a queued or running prefill, then a KV offer, until it ends."""
+    Prefill streams share: each holds a queued or running prefill, then a KV offer, until it ends.
+    max_offered_bytes: the most prompt KV bytes offered (or being prefilled for an offer) at once; 0: the
+    engine's device KV budget (``Engine.device_kv_budget``)."""
     self.streams = streams
     self.loop = loop
     self.engine = loop.engine
@@ -272,6 +290,35 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     self.timeout_s = timeout_s
     self._events_cls = events_cls  # server._AsyncEvents
     self.take_backs = TakeBacks(transfer)
+    self.max_offered_bytes = max_offered_bytes or self.engine.device_kv_budget
+    self.offered_bytes = 0  # held now: offers not acknowledged or taken back yet, and prefills in flight
+    self._offered_lock = threading.Lock()  # (take-backs release from their own thread)
+
+  def offer_bytes(self, prompt_tokens: int) -> int:
+    """The bytes of a prompt's offer (``Engine._export_kv``): latent rows and indexer keys of every layer for the
+    power of two of positions (at least a page) covering the prompt, in their stored dtypes."""
+    import numpy as np
+    e = self.engine
+    positions = max(e.page_size, 1 << max(prompt_tokens - 1, 0).bit_length())
+    row = e.layout.latent_dim * np.dtype(e.kv_dtype).itemsize + e.layout.index_dim * np.dtype(e.layout.index_dtype).itemsize
+    return e.config.num_hidden_layers * positions * row
+
+  def _reserve(self, nbytes: int) -> str | None:
+    """Counts ``nbytes`` as held; or, if that would pass ``max_offered_bytes``, the refusal's message."""
+    with self._offered_lock:
+      if nbytes > self.max_offered_bytes:
+        return (f"this prompt's KV offer ({nbytes} bytes) is larger than the prefill server's "
+                f"--max-offered-kv-bytes {self.max_offered_bytes}")
+      if self.offered_bytes + nbytes > self.max_offered_bytes:
+        return (f"the prefill server holds {self.offered_bytes} bytes of prompt KV for decode servers (offers not "
+                f"pulled yet, prefills in flight); this prompt's {nbytes} would pass its --max-offered-kv-bytes "
+                f"{self.max_offered_bytes}: retry later or on another prefill server")
+      self.offered_bytes += nbytes
+      return None
+
+  def _release(self, nbytes: int) -> None:
+    with self._offered_lock:
+      self.offered_bytes -= nbytes
 
   @property
   def offers_taken_back(self) -> int:
@@ -323,6 +370,20 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
       self.engine.validate(req)
     except RequestError as e:
       await context.abort(grpc.StatusCode[e.code], str(e))
+    held = self.offer_bytes(len(req.prompt_ids))
+    if (refusal := self._reserve(held)) is not None:  # before any work: its offer could not be held
+      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    handed = []  # [True] once a take-back holds the offer: it releases the bytes when the offer is freed
+    try:
+      await self._prefill_and_offer(context, req, held, handed)
+    finally:
+      if not handed:
+        self._release(held)
+
+  async def _prefill_and_offer(self, context, req: Request, held: int, handed: list) -> None:
+    """Prefills ``req``, offers its KV and waits for the acknowledgement of its pull; an offer not acknowledged
+    goes to the take-backs (``handed`` gets True: they release ``held``). Aborts the call (raising) where the
+    prefill fails, or where the caller breaks the protocol (after its offer went to the take-backs)."""
     arrival = time.monotonic()
     events = self._events_cls(asyncio.get_running_loop())
     self.loop.submit(req, events)
@@ -349,7 +410,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     uuid = int.from_bytes(os.urandom(8), "little") >> 1
     proof = jax.device_put(np.frombuffer(os.urandom(8), np.uint32), latent.sharding)
     self.transfer.offer(uuid, (latent, index, proof))
-    acknowledged = False
+    acknowledged, broken = False, None
     try:
       await context.write(hisparse_pb2.PrefillOffer(
           first_token=fin.output_ids[0], transfer_uuid=uuid, transfer_address=self.transfer.address,
@@ -358,17 +419,27 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
           kv_bytes=latent.nbytes + index.nbytes, num_layers=latent.shape[0], latent_dim=latent.shape[2],
           index_dim=index.shape[2], numerics=_kv_layout(self.engine)[4]))
       reply = await asyncio.wait_for(context.read(), self.timeout_s)
-      claimed = (isinstance(reply, hisparse_pb2.PrefillMessage) and reply.WhichOneof("message") == "received"
-                 and reply.received.pulled)
+      kind = reply.WhichOneof("message") if isinstance(reply, hisparse_pb2.PrefillMessage) else None
+      claimed = kind == "received" and reply.received.pulled
       acknowledged = claimed and reply.received.pull_proof == _proof_value(proof)
       if claimed and not acknowledged:
         log.warning("prefill offer %d: acknowledged without the proof of its pull: taken back", uuid)
+        broken = (grpc.StatusCode.INVALID_ARGUMENT, "the acknowledgement's pull_proof is not the offer's (only its "
+                  "pull reveals it): the KV was taken back")
+      elif kind == "request":
+        broken = (grpc.StatusCode.INVALID_ARGUMENT, "a Prefill stream carries one PrefillRequest; its offer was "
+                  "taken back")
     except asyncio.TimeoutError:
       log.warning("prefill offer %d not acknowledged within %.0f s: taken back", uuid, self.timeout_s)
+      broken = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the offer was not acknowledged within --transfer-timeout-s "
+                f"{self.timeout_s:g}: the KV was taken back")
     finally:
       if not acknowledged:
         specs = _specs(*latent.shape, index.shape[2], latent.dtype, index.dtype)
-        self.take_backs.add(uuid, specs, latent.nbytes + index.nbytes)
+        if self.take_backs.add(uuid, specs, latent.nbytes + index.nbytes, on_done=lambda: self._release(held)):
+          handed.append(True)
+    if broken is not None:
+      await context.abort(*broken)  # (raises)
 
 
 class TakeBacks:
@@ -384,25 +455,27 @@ class TakeBacks:
 
   def __init__(self, transfer: TransferEndpoint):
     self.transfer = transfer
-    self._pending: list = []  # (deadline, uuid, connection, arrays)
+    self._pending: list = []  # (deadline, uuid, connection, arrays, on_done)
     self._lock = threading.Lock()
     self._thread: threading.Thread | None = None
     self.taken_back = 0      # offers freed
     self.already_pulled = 0  # cut at their deadline
 
-  def add(self, uuid: int, specs, nbytes: int) -> None:
+  def add(self, uuid: int, specs, nbytes: int, on_done=None) -> bool:
     """Starts taking back the offer ``uuid`` (``specs``: ``_specs`` of its arrays; ``nbytes``: its KV bytes, which
-    set its deadline). Non-blocking; nothing happens once the endpoint is closed (the server is stopping)."""
+    set its deadline); ``on_done()`` runs (on the take-back thread) once it is freed or cut. Non-blocking; returns
+    False, starting nothing, once the endpoint is closed (the server is stopping)."""
     try:
       connection, arrays = self.transfer.start_pull(self.transfer.address, uuid, specs)
     except RuntimeError:  # closed: the server is stopping
-      return
+      return False
     deadline = time.monotonic() + TAKE_BACK_BASE_S + nbytes / TAKE_BACK_MIN_BYTES_PER_S
     with self._lock:
-      self._pending.append((deadline, uuid, connection, arrays))
+      self._pending.append((deadline, uuid, connection, arrays, on_done))
       if self._thread is None:
         self._thread = threading.Thread(target=self._poll, name="take-back")
         self._thread.start()
+    return True
 
   def pending(self) -> int:
     """Take-backs not finished or cut yet."""
@@ -419,7 +492,7 @@ class TakeBacks:
       import jax
       now, ended = time.monotonic(), []
       for item in pending:
-        deadline, uuid, connection, arrays = item
+        deadline, uuid, connection, arrays, on_done = item
         if all(x.is_ready() for x in arrays):
           try:
             jax.block_until_ready(arrays)
@@ -437,6 +510,9 @@ class TakeBacks:
       ended_ids = {id(item) for item in ended}
       with self._lock:
         self._pending = [p for p in self._pending if id(p) not in ended_ids]
+      for item in ended:
+        if item[4] is not None:
+          item[4]()
       time.sleep(self.POLL_S)
 
 

@@ -25,7 +25,12 @@ otherwise):
                                                                  to first token; pulling the prompt KV)
   hisparse_pd_kv_transfer_bytes_total                            counter
   hisparse_pd_kv_transfer_gigabytes_per_second                   gauge (the last pull)
-  (the hisparse_pd_* metrics exist on a decode server only: --disaggregation-mode decode)
+  (those hisparse_pd_* metrics exist on a decode server only: --disaggregation-mode decode)
+  hisparse_pd_offered_kv_bytes{state="held"|"limit"}            gauge (prefill server: prompt KV held for decode
+                                                                 servers, offers not pulled yet and prefills in
+                                                                 flight; --max-offered-kv-bytes)
+  hisparse_pd_offers_taken_back                                  gauge (prefill server: offers not acknowledged,
+                                                                 taken back, since start)
 
 Gauges are set from the engine's published loads when the engine loop starts and after every step, abort or
 release, so an idle server shows its idle state from the start; each layer's counters exist at 0 from the
@@ -107,6 +112,16 @@ class ServerMetrics:
                                   registry=r)
     self.transfer_rate = Gauge("hisparse_pd_kv_transfer_gigabytes_per_second", "The last prompt KV pull's rate "
                                "(GB/s)", registry=r)
+
+  def watch_offers(self, prefill) -> None:
+    """A prefill server's offers (``disaggregation.PrefillServicer``), read at each scrape."""
+    held = Gauge("hisparse_pd_offered_kv_bytes", "Prefill server: prompt KV bytes held for decode servers (offers "
+                 "not pulled yet, prefills in flight), and their limit (--max-offered-kv-bytes)", ["state"],
+                 registry=self.registry)
+    held.labels(state="held").set_function(lambda: prefill.offered_bytes)
+    held.labels(state="limit").set_function(lambda: prefill.max_offered_bytes)
+    Gauge("hisparse_pd_offers_taken_back", "Prefill server: offers not acknowledged, taken back since start",
+          registry=self.registry).set_function(lambda: prefill.offers_taken_back)
 
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
     """Serves /metrics on host:port (port 0: a free one); returns the bound port. OSError if it cannot bind."""

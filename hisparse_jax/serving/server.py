@@ -745,7 +745,9 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     if mode == "prefill":
       prefill = pd.PrefillServicer(loop, transfer, disaggregation.transfer_timeout_s, _AsyncEvents,
-                                   streams=servicer)
+                                   streams=servicer, max_offered_bytes=disaggregation.max_offered_kv_bytes)
+      if metrics is not None:
+        metrics.watch_offers(prefill)
       pb = hisparse_pb2
       prefill_handlers = {
           "Prefill": grpc.stream_stream_rpc_method_handler(

@@ -230,6 +230,27 @@ def test_host_pool_auto_is_the_extension_pool_on_a_gpu():
     EngineArgs(enable_hisparse=True, host_pool="AUTO").resolved_host_pool("gpu")
 
 
+def test_engine_keywords_of_the_wrong_type_are_start_up_errors():
+  """From Python, EngineArgs fields of another type are StartupErrors naming the flag (page_size=64.0 failed
+  later inside a step; deterministic="false" turned it on); numpy integers and bools pass; hisparse= takes a
+  HiSparseConfig."""
+  import numpy as np
+
+  from hisparse_jax.engine import Engine
+  from hisparse_jax.engine.args import EngineArgs, StartupError
+  for kwargs, message in ((dict(page_size=64.0), "--page-size (page_size=) must be an integer, got 64.0"),
+                          (dict(deterministic="false"), "--deterministic (deterministic=) must be True or False"),
+                          (dict(max_running_requests=True), "must be an integer, got True"),
+                          (dict(max_seq_len=128.5), "--max-seq-len (max_seq_len=) must be an integer or None"),
+                          (dict(hisparse_config={"top_k": 8}), "must be a string or None, got {'top_k': 8}"),
+                          (dict(max_admission_skips=None), "must be an integer, got None")):
+    with pytest.raises(StartupError, match=re.escape(message)):
+      EngineArgs(**kwargs).validate()
+  EngineArgs(max_running_requests=np.int64(4), deterministic=np.bool_(True), mem_fraction_static=1).validate()
+  with pytest.raises(StartupError, match="hisparse= must be a HiSparseConfig"):
+    Engine(tiny_model_dir(), hisparse={"top_k": 8})
+
+
 def test_max_prompt_bytes_is_bounded_by_what_the_context_can_hold():
   """--max-prompt-bytes may not exceed --max-seq-len x the tokenizer's longest token (a longer text cannot fit,
   and tokenizing it costs ~75 bytes of memory a byte); the default stays 8 bytes a token."""

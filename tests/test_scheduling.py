@@ -203,7 +203,11 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
                        (Request("j", {1: 2}, 2), "prompt_ids must be a list"),
                        (Request("k", {3, 4}, 2), "prompt_ids must be a list"),
                        (Request("l", prompt(5), 2, output_ids=[5, 5]), "output_ids, text and finish_reason"),
-                       (Request("m", prompt(5), 2, finish_reason="abort"), "output_ids, text and finish_reason")):
+                       (Request("m", prompt(5), 2, finish_reason="abort"), "output_ids, text and finish_reason"),
+                       (Request("n", prompt(5), 2, temperature=10**400), "temperature overflows float32"),
+                       (Request("o", prompt(5), 2, ignore_eos="no"), "ignore_eos must be True or False"),
+                       (Request("p", prompt(5), 2, on_token="print"), "on_token must be callable"),
+                       (Request(None, prompt(5), 2), "request_id must be a string, got NoneType")):
     with pytest.raises(InvalidRequest, match=message):
       eng.submit(bad)
   assert not eng.has_work() and all_kv_free(eng.loads()) and eng.loads()["free_lanes"] == 4  # nothing held
@@ -238,6 +242,74 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
     eng.run()
     assert bad.finish_reason == "error" and message in bad.error, bad.error
     assert good.output_ids == ref.output_ids and all_kv_free(eng.loads())
+
+
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
+def test_an_abort_from_on_token_takes_effect_after_its_step(hisparse):
+  """An on_token callback that aborts another request while that one is being prefilled in the same step (its
+  row is still being computed: the abort crashed the step with an AttributeError), or aborts its own request:
+  the abort is applied once the step is complete, neither comes back from step() (abort() returned it), no
+  on_token runs for them after the abort, and the other requests get the tokens they get alone."""
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, hisparse=hisparse,
+               **SMALL)
+  ref = Request("ref", prompt(20), 4)
+  eng.submit(ref)
+  eng.run()
+  after_abort = []
+  for target in ("b", "a"):
+    def cb(token, delta, target=target):
+      if len(a.output_ids) == 1:
+        assert eng.abort(target) is {"a": a, "b": b}[target]
+
+    a = Request("a", prompt(20), 4, on_token=cb)
+    b = Request("b", prompt(20), 4, on_token=lambda token, delta: after_abort.append(token))
+    eng.submit(a)
+    eng.submit(b)
+    returned = []
+    while eng.has_work():
+      returned += eng.step()
+    aborted, other = (b, a) if target == "b" else (a, b)
+    assert aborted.finish_reason == "abort" and aborted not in returned and all_kv_free(eng.loads())
+    assert other.finish_reason == "length" and other.output_ids == ref.output_ids and returned == [other]
+    if target == "b":
+      assert not after_abort  # b's first token came in the step that aborted it: no callback for it
+    after_abort.clear()
+
+
+def test_a_step_that_did_not_complete_needs_a_reset():
+  """A KeyboardInterrupt (or any exception) that escapes step() leaves its state half-updated: later steps are
+  refused with a RuntimeError naming reset() (they went on to give a request 60 tokens of its 20, silently), and
+  after reset() the engine serves as before. The engine keeps its own copy of a prompt: a caller's list changed
+  after submit changes nothing."""
+  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  ref = Request("ref", prompt(20), 4)
+  eng.submit(ref)
+  eng.run()
+  ids = prompt(20)
+  r = Request("r", ids, 4)
+  eng.submit(r)
+  ids[:] = [7] * 60  # the caller's list, after submit
+  decode = eng._decode
+
+  def interrupted(finished):
+    raise KeyboardInterrupt
+
+  eng._decode = interrupted
+  with pytest.raises(KeyboardInterrupt):
+    eng.step()
+  eng._decode = decode
+  with pytest.raises(RuntimeError, match=r"a previous step did not complete \(KeyboardInterrupt\).*Engine.reset\(\)"):
+    eng.step()
+  assert eng.reset() == [r] and r.finish_reason == "error"
+  again = Request("again", ids[:0] + prompt(20), 4)
+  eng.submit(again)
+  eng.run()
+  assert again.output_ids == ref.output_ids
+  r2 = Request("r2", ids := prompt(20), 4)
+  eng.submit(r2)
+  ids.clear()
+  eng.run()
+  assert r2.output_ids == ref.output_ids and r2.prompt_ids == prompt(20)
 
 
 def test_requests_that_never_fit_or_exceed_the_context_fail_alone():

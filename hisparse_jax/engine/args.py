@@ -224,8 +224,28 @@ class EngineArgs:
     return cls(**{f.name: fv[f.name.replace("_", "-")].value for f in dataclasses.fields(cls)})
 
   # -------------------------------------------------------------- checks
+  def _check_types(self) -> None:
+    """StartupError naming the flag for a value of another type than its field's (from Python: ``page_size=64.0``
+    failed later inside a step, ``deterministic="false"`` turned it on). Integers of any kind (numpy's too) pass
+    where an int or float is due, never a bool; bools (numpy's too) where a bool is."""
+    import numbers
+
+    import numpy as np
+    for field in dataclasses.fields(self):
+      value, kinds = getattr(self, field.name), field.type.replace(" ", "").split("|")
+      is_bool = isinstance(value, (bool, np.bool_))
+      ok = ((value is None and "None" in kinds) or (is_bool and "bool" in kinds)
+            or (not is_bool and "int" in kinds and isinstance(value, numbers.Integral))
+            or (not is_bool and "float" in kinds and isinstance(value, numbers.Real))
+            or ("str" in kinds and isinstance(value, str)))
+      if not ok:
+        want = " or ".join({"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string",
+                            "None": "None"}[k] for k in kinds)
+        raise StartupError(f"--{field.name.replace('_', '-')} ({field.name}=) must be {want}, got {value!r}")
+
   def validate(self) -> None:
     """Checks that need no model (StartupError naming the flag)."""
+    self._check_types()
     if self.dtype not in (None, *DTYPES):
       raise StartupError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
     self._check_host_pool_choice()

@@ -173,6 +173,9 @@ class Engine:
     elif overrides:
       args = dataclasses.replace(args, **overrides)
     if hisparse is not None:
+      if not isinstance(hisparse, HiSparseConfig):
+        raise StartupError(f"hisparse= must be a HiSparseConfig (e.g. HiSparseConfig(top_k=2048)), got "
+                           f"{type(hisparse).__name__}")
       args = dataclasses.replace(args, enable_hisparse=True)
     args.validate()
     self.args = args
@@ -308,6 +311,7 @@ class Engine:
     self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
     self._stepping = False  # inside step(): a second call (from an on_token callback) is refused
     self._interrupt = None  # an on_token's BaseException, raised when its step is complete
+    self._aborting: dict[str, None] = {}  # request ids an on_token callback aborted: applied after its step
     self.reset()
     # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
     self.prefill_seconds = 0.0
@@ -479,6 +483,8 @@ class Engine:
     self._top_p = np.ones(R, np.float32)
     self._seed = np.zeros(R, np.uint32)
     self.num_preemptions = 0
+    self._step_failed = None  # what ended a step that did not complete (step() refuses to go on until reset())
+    self._aborting = {}
     self.loads_snapshot = self.loads()
     return dropped
 
@@ -510,6 +516,17 @@ class Engine:
     for name in ("temperature", "top_p"):
       if not isinstance(getattr(req, name), numbers.Real) or isinstance(getattr(req, name), bool):
         raise InvalidRequest(f"{name} must be a number, got {getattr(req, name)!r}")
+      try:
+        float(getattr(req, name))
+      except OverflowError:  # (an int past a double: math.isfinite would raise below)
+        raise InvalidRequest(f"{name} overflows float32") from None
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+      if not isinstance(getattr(req, name), (bool, np.bool_)):  # ("no" would count as true)
+        raise InvalidRequest(f"{name} must be True or False, got {getattr(req, name)!r}")
+    if req.on_token is not None and not callable(req.on_token):
+      raise InvalidRequest(f"on_token must be callable (token, text delta), got {type(req.on_token).__name__}")
+    if not isinstance(req.request_id, str):
+      raise InvalidRequest(f"request_id must be a string, got {type(req.request_id).__name__}")
     if not _is_int(req.top_k) or (req.seed is not None and not _is_int(req.seed)):
       raise InvalidRequest(f"top_k and seed must be integers, got {req.top_k!r} and {req.seed!r}")
     for name in ("stop", "stop_token_ids"):
@@ -594,6 +611,7 @@ class Engine:
       req.seed = int.from_bytes(os.urandom(4), "little")
     req._submitted = True
     req.stop_token_ids = frozenset(req.stop_token_ids)
+    req.prompt_ids = list(req.prompt_ids)  # the engine's own copy: the caller's list may change after submit
     req.prefill_ids = list(req.prompt_ids)
     req.phase = Phase.WAITING
     req.arrival = req.arrival or time.monotonic()
@@ -611,12 +629,20 @@ class Engine:
     """Stops a waiting or running request (finish_reason "abort") and returns it (None if unknown); ``step``
     does not return it again.
 
-    Called between steps. A call may still be computing the request's row (with ``overlap_schedule``, the step
-    launched ahead; its token for the request is dropped): whatever reuses its slot or pages later is ordered
-    after every earlier call by the KV state's data dependencies.
+    Called between steps, or from an ``on_token`` callback: then it takes effect once that step is complete,
+    since the step is still computing with the request (it may still get that step's token, without its own
+    on_token call; its finish_reason is set, and it is released, then). A call may still be computing the
+    request's row (with ``overlap_schedule``, the step launched ahead; its token for the request is dropped):
+    whatever reuses its slot or pages later is ordered after every earlier call by the KV state's data
+    dependencies.
     With several processes the leader tells the followers first (releasing a request reads its swap-in
     stats from the devices: every process must do that at the same point).
     """
+    if self._stepping:
+      req = next((r for r in (*self.waiting, *self.running) if r.request_id == request_id), None)
+      if req is not None:
+        self._aborting[request_id] = None
+      return req
     if self.lockstep is not None and self.lockstep.is_leader:
       self._pending_ops.append(["abort", request_id])
       self._send("ops")
@@ -673,6 +699,10 @@ class Engine:
     if self._stepping:
       raise RuntimeError("Engine.step() called inside a step (from an on_token callback?): submit or abort "
                          "there, and step from the loop that drives the engine")
+    if self._step_failed is not None:
+      raise RuntimeError(f"a previous step did not complete ({self._step_failed}): the engine's requests and KV "
+                         "pools may disagree; call Engine.reset() (it ends every request in flight) before stepping "
+                         "again")
     self._stepping, self._interrupt = True, None
     try:
       if self.lockstep is None:
@@ -683,8 +713,19 @@ class Engine:
           finished = self._step()
         except Exception as e:  # noqa: BLE001 - any failure leaves the processes out of step
           self.lockstep.lost(e)
+    except BaseException as e:  # (a KeyboardInterrupt inside the step too: its state is half-updated)
+      self._step_failed = type(e).__name__
+      raise
     finally:
       self._stepping = False
+    aborting, self._aborting = self._aborting, {}
+    for request_id in aborting:  # aborted from on_token callbacks during the step: now, or ended in it anyway
+      ended = next((r for r in finished if r.request_id == request_id), None)
+      if ended is not None:
+        finished.remove(ended)
+        ended.finish_reason = "abort"
+      else:
+        self.abort(request_id)
     if self._interrupt is not None:  # an on_token's KeyboardInterrupt / SystemExit, after a consistent step
       interrupt, self._interrupt = self._interrupt, None
       raise interrupt
@@ -1205,7 +1246,7 @@ class Engine:
         req._stops.feed(req._detok.flush())
         delta += req._stops.finish()
       req.text = req._stops.text
-    if req.on_token is not None:
+    if req.on_token is not None and req.request_id not in self._aborting:  # (not after an abort in this step)
       try:
         req.on_token(token, delta)
       except BaseException as e:  # noqa: BLE001 - a caller's callback fails its own request, not the batch

@@ -51,12 +51,17 @@ def check_prefetch_threads_env() -> None:
     raise ConfigError(f"{PREFETCH_THREADS_ENV} must be an integer in [0, {MAX_PREFETCH_THREADS}], got {value!r}")
 
 
-def _unique_keys(pairs) -> dict:
-  """json object hook: a key given twice is an error (json keeps the last silently)."""
+class RepeatedKey(ValueError):
+  """A JSON object names one key twice (``args[0]``: the key)."""
+
+
+def unique_keys(pairs) -> dict:
+  """json ``object_pairs_hook``: RepeatedKey for a key given twice (json.loads keeps the last silently); the
+  hisparse config and the batch script's prompt lines use it."""
   out = {}
   for key, value in pairs:
     if key in out:
-      raise ConfigError(f"hisparse config: key {key!r} is given more than once")
+      raise RepeatedKey(key)
     out[key] = value
   return out
 
@@ -172,9 +177,9 @@ class HiSparseConfig:
     raw: Any = {}
     if text:
       try:
-        raw = json.loads(text, object_pairs_hook=_unique_keys)
-      except ConfigError:
-        raise
+        raw = json.loads(text, object_pairs_hook=unique_keys)
+      except RepeatedKey as e:
+        raise ConfigError(f"hisparse config: key {e.args[0]!r} is given more than once") from None
       except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
         hint = ""
         if len(text) < 4096 and not text.lstrip().startswith("{") and os.path.isfile(text.strip()):

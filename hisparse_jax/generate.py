@@ -90,20 +90,6 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_
 LINE_FIELDS = ("text", "input_ids", "max_new_tokens") + SAMPLING_FIELDS
 
 
-class _RepeatedField(ValueError):
-  pass
-
-
-def _unique_fields(pairs) -> dict:
-  """json object hook: a field given twice fails its line (json.loads would keep the last silently)."""
-  out = {}
-  for key, value in pairs:
-    if key in out:
-      raise _RepeatedField(key)
-    out[key] = value
-  return out
-
-
 def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_new: int, max_prompt_bytes: int):
   """Returns (prompt_ids, max_new_tokens, sampling: {SAMPLING_FIELDS given: value}); raises ValueError with a
   message for a bad line (a ``text`` over ``max_prompt_bytes`` UTF-8 bytes is refused before it is tokenized,
@@ -112,9 +98,10 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
     line.encode("utf-8")
   except UnicodeEncodeError:
     raise ValueError(f"line {lineno}: not valid UTF-8") from None
+  from hisparse_jax.config import RepeatedKey, unique_keys
   try:
-    obj = json.loads(line, object_pairs_hook=_unique_fields)
-  except _RepeatedField as e:
+    obj = json.loads(line, object_pairs_hook=unique_keys)
+  except RepeatedKey as e:
     raise ValueError(f"line {lineno}: field {reprlib.repr(e.args[0])} is given more than once") from None
   except json.JSONDecodeError as e:
     raise ValueError(f"line {lineno}: not JSON: {e}") from None

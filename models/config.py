@@ -448,6 +448,9 @@ class DSAConfig:
     latent_norm_eps: float = 1e-6
     # (rows, cols) of the FP8 weight-quantization block when the checkpoint is FP8 block-quantized.
     fp8_block_size: tuple[int, int] | None = None
+    # Multi-token-prediction layers stored after the decoder's (DeepSeek-V3's), not served: the loader skips
+    # them without a warning. 0 when absent or not a small non-negative integer.
+    num_nextn_predict_layers: int = 0
     # FP8 deployment numerics (models/fp8_numerics.py): not a config.json key; set by the
     # runtime (--fp8-numerics) through load_hf / load_model.
     fp8_numerics: bool = False
@@ -627,6 +630,8 @@ class DSAConfig:
         nkv = cfg.get("num_key_value_heads")
         if nkv is not None and int(nkv) != int(cfg["num_attention_heads"]):
             raise ValueError("num_key_value_heads != num_attention_heads is not supported for MLA")
+        nextn = cfg.get("num_nextn_predict_layers", 0)  # (only tells the loader which layers to skip quietly)
+        nextn = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and 0 <= nextn <= 64 else 0
         config = cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -666,6 +671,7 @@ class DSAConfig:
             rope_interleave=want_mla,
             indexer_rope_interleave=want_idx,
             fp8_block_size=fp8_block,
+            num_nextn_predict_layers=nextn,
         )
         _check_rope_numbers(config)
         return config

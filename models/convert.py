@@ -126,24 +126,25 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
   return output
 
 
-def check_side_files(src: str) -> None:
+def check_side_files(src: str, parse: bool = True) -> None:
   """ValueError for a ``SIDE_FILES`` entry of ``src`` that is not a regular file (a FIFO would block the copy,
-  a link to /dev/zero fill the disk), or for a tokenizer.json the tokenizers library cannot read (a converted
-  directory that no server could start from): a conversion checks them before its work, and again as it
-  copies."""
+  a link to /dev/zero fill the disk), or, with ``parse``, for a tokenizer.json the tokenizers library cannot
+  read (a converted directory that no server could start from): a conversion checks them before its work, and
+  again, without parsing, as it copies."""
   from hisparse_jax.engine.detokenizer import load_tokenizer
   from models.from_torch import check_regular_file
 
   for name in SIDE_FILES:
     if os.path.lexists(os.path.join(src, name)):
       check_regular_file(os.path.join(src, name))
-  load_tokenizer(src)  # (None without one) ValueError naming the file
+  if parse:
+    load_tokenizer(src)  # (None without one) ValueError naming the file
 
 
 def copy_side_files(src: str, dst: str) -> None:
   """Copies ``SIDE_FILES`` (tokenizer, generation and hisparse configs) that ``src`` has into ``dst``; ValueError
   for one that is not a regular file (``check_side_files``)."""
-  check_side_files(src)
+  check_side_files(src, parse=False)
   for name in SIDE_FILES:
     if os.path.lexists(os.path.join(src, name)):
       shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))

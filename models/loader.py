@@ -427,20 +427,12 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 log = logging.getLogger(__name__)
 
 
-def _num_nextn_predict_layers(model_dir: str) -> int:
-    """config.json's num_nextn_predict_layers (DeepSeek-V3's multi-token-prediction layers, stored after the
-    decoder's), 0 when absent or not a small non-negative integer (config.json was already read and checked)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        n = json.load(f).get("num_nextn_predict_layers", 0)
-    return n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 64 else 0
-
-
-def _report_unused(store, used: set[str], num_layers: int, model_dir: str) -> None:
+def _report_unused(store, used: set[str], cfg: DSAConfig, model_dir: str) -> None:
     """Logs the checkpoint's tensors the model does not load (as transformers does for "weights of the checkpoint
     not used"): the multi-token-prediction layers config.json declares (num_nextn_predict_layers after the
     num_hidden_layers decoder layers) at INFO; anything else at WARNING, since a config that says fewer layers
     or experts than the files hold loads, and decodes, a smaller model than the checkpoint is."""
-    nextn = _num_nextn_predict_layers(model_dir)
+    num_layers, nextn = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
     mtp, beyond, other = set(), set(), []
     for k in store.keys():
         if k in used or (k.endswith(fp8.SCALE_SUFFIX) and k[: -len(fp8.SCALE_SUFFIX)] in used):
@@ -572,7 +564,7 @@ def load_hf(
                 store.check_fp8(k)
             elif not store.is_float(k):
                 raise ValueError(f"tensor {k!r} has dtype {store.dtype(k)}; weights must be floating point")
-    _report_unused(store, {k for _, (keys, _), _ in plan for k in keys}, cfg.num_hidden_layers, model_dir)
+    _report_unused(store, {k for _, (keys, _), _ in plan for k in keys}, cfg, model_dir)
     covered = {path for path, _, _ in plan} | {sp for _, _, sp in plan if sp is not None}
     missing_params = sorted(set(flat) - covered, key=str)
     if missing_params:

@@ -311,7 +311,6 @@ class Engine:
     self.residency_steps = collections.Counter()  # decode steps by batch residency (views.RESIDENCY)
     self._stepping = False  # inside step(): a second call (from an on_token callback) is refused
     self._interrupt = None  # an on_token's BaseException, raised when its step is complete
-    self._aborting: dict[str, None] = {}  # request ids an on_token callback aborted: applied after its step
     self.reset()
     # Wall-clock split of step() (seconds, cumulative; each phase ends with its tokens on the host).
     self.prefill_seconds = 0.0
@@ -484,7 +483,7 @@ class Engine:
     self._seed = np.zeros(R, np.uint32)
     self.num_preemptions = 0
     self._step_failed = None  # what ended a step that did not complete (step() refuses to go on until reset())
-    self._aborting = {}
+    self._aborting: dict[str, None] = {}  # request ids an on_token callback aborted: applied after its step
     self.loads_snapshot = self.loads()
     return dropped
 
@@ -564,12 +563,12 @@ class Engine:
       raise InvalidRequest(f"stop token id {bad[0]} outside the vocabulary")
     if any(not isinstance(x, str) or not x for x in req.stop):
       raise InvalidRequest("stop strings must be non-empty")
-    if any(0xD800 <= ord(c) <= 0xDFFF for x in req.stop for c in x):  # (decoded text never holds one)
-      raise InvalidRequest("a stop string is not valid Unicode (a lone surrogate)")
     long = [x for x in req.stop if len(x.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES]
     if long:
       raise InvalidRequest(f"a stop string of {len(long[0].encode('utf-8', 'surrogatepass'))} bytes; at most "
                            f"{MAX_STOP_STRING_BYTES}")
+    if any(0xD800 <= ord(c) <= 0xDFFF for x in req.stop for c in x):  # (decoded text never holds one)
+      raise InvalidRequest("a stop string is not valid Unicode (a lone surrogate)")
     if req.stop and self.tokenizer is None:
       raise InvalidRequest("stop strings need a model with a tokenizer")
     if req.output_ids or req.text or req.finish_reason is not None:
@@ -1001,12 +1000,17 @@ class Engine:
         req.phase = Phase.DECODING
         self._emit(req, int(out[b]), finished)
 
+  def export_positions(self, prompt_tokens: int) -> int:
+    """Positions P of an exported prompt KV (``_export_kv``): the power of two, at least the page size, covering
+    the prompt (one compiled read per P)."""
+    return max(self.page_size, _pow2_at_least(prompt_tokens))
+
   def _export_kv(self, req: Request) -> None:
     """A prefill server's output: the request's prompt KV, read from its pages before they are freed, into
     ``req.prompt_kv`` = (latent T[L, P, W], indexer keys I[L, P, Di]: the stored rows) on one device, P the power
     of two (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt)."""
     n = len(req.prefill_ids)
-    size = max(self.page_size, _pow2_at_least(n))
+    size = self.export_positions(n)
     kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group reads, the others idle
     tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, [False] * self.groups).items()}
     latent, index = self._export_fn(self.backend.state, tables, self._put(np.int32(n)), size=size)

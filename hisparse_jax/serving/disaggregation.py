@@ -295,13 +295,10 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     self._offered_lock = threading.Lock()  # (take-backs release from their own thread)
 
   def offer_bytes(self, prompt_tokens: int) -> int:
-    """The bytes of a prompt's offer (``Engine._export_kv``): latent rows and indexer keys of every layer for the
-    power of two of positions (at least a page) covering the prompt, in their stored dtypes."""
-    import numpy as np
-    e = self.engine
-    positions = max(e.page_size, 1 << max(prompt_tokens - 1, 0).bit_length())
-    row = e.layout.latent_dim * np.dtype(e.kv_dtype).itemsize + e.layout.index_dim * np.dtype(e.layout.index_dtype).itemsize
-    return e.config.num_hidden_layers * positions * row
+    """The bytes of a prompt's offer (``Engine._export_kv``): latent rows and indexer keys of every layer, in their
+    stored dtypes, for ``Engine.export_positions`` positions."""
+    layout = self.engine.layout
+    return self.engine.export_positions(prompt_tokens) * (layout.latent_bytes + layout.index_bytes)
 
   def _reserve(self, nbytes: int) -> str | None:
     """Counts ``nbytes`` as held; or, if that would pass ``max_offered_bytes``, the refusal's message."""

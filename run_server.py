@@ -69,8 +69,8 @@ flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV 
                    "an offered KV waits to be pulled before it is taken back.")
 flags.DEFINE_integer("max-offered-kv-bytes", 0, "Prefill: the most prompt KV bytes held for decode servers at "
                      "once (offers not pulled yet, prefills in flight; copies outside the KV pools); a prompt "
-                     "whose offer would pass it gets RESOURCE_EXHAUSTED before it is prefilled. 0: the device KV "
-                     "budget.")
+                     "whose offer would pass it gets RESOURCE_EXHAUSTED before it is prefilled. Taken from the "
+                     "device KV budget, whose rest sizes the KV pools. 0: half of the budget.")
 flags.DEFINE_float("prefill-timeout-s", 600.0, "Decode: the longest a prefill server may take to offer a prompt's "
                    "KV, its queue wait included; past it the attempt fails and is retried once on the next "
                    "prefill server.")
@@ -186,7 +186,8 @@ def main(argv):
       error = str(e)
     distributed.startup_barrier(error)  # every process stops when one's checks fail, with its message
     from hisparse_jax.engine import Engine
-    engine = Engine(args, tokenizer=tokenizer)
+    engine = Engine(args, tokenizer=tokenizer,
+                    offer_kv_bytes=disagg.max_offered_kv_bytes if disagg.mode == "prefill" else None)
   except StartupError as e:
     distributed.exit_with_error(f"error: {e}")
   if dist.process_id > 0:  # a follower: process 0 serves gRPC; this one takes the same steps

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 import re
 from typing import Any
@@ -108,6 +109,12 @@ class HiSparseConfig:
   prefetch_depth: int | None = None
 
   def __post_init__(self):
+    for key in ("top_k", "device_buffer_size", "host_to_device_ratio", "prefetch_depth", "resident_fraction"):
+      value = getattr(self, key)  # numpy scalars (np.int64, np.float32) are stored as Python numbers
+      kind = float if key == "resident_fraction" else int
+      if (isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool)
+          and type(value) is not kind):
+        object.__setattr__(self, key, kind(value))
     if self.device_buffer_size is None and isinstance(self.top_k, int) and not isinstance(self.top_k, bool):
       object.__setattr__(self, "device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * self.top_k)  # as from_json
     if self.prefetch not in PREFETCHES:

@@ -75,6 +75,20 @@ def test_the_python_constructor_defaults_the_buffer_as_the_json_does():
   assert HiSparseConfig(top_k=32).device_buffer_size == 64
 
 
+def test_the_python_constructor_takes_numpy_numbers_as_python_ones():
+  """Sizes computed with numpy (np.int64 from a shape, np.float32) are taken and stored as int / float, so the
+  config compares, hashes and serializes as the JSON's; numpy bools and non-integral floats stay errors."""
+  import numpy as np
+  c = HiSparseConfig(np.int64(32), np.int32(64), np.int64(2), resident_fraction=np.float32(0.5))
+  assert c == HiSparseConfig(32, 64, 2, resident_fraction=0.5)
+  assert [type(v) for v in (c.top_k, c.device_buffer_size, c.host_to_device_ratio, c.resident_fraction)] == [
+      int, int, int, float]
+  for bad, message in ((dict(top_k=np.bool_(True)), "top_k must be an integer"),
+                       (dict(top_k=32, host_to_device_ratio=np.float64(2)), "host_to_device_ratio must be an integer")):
+    with pytest.raises(ConfigError, match=message):
+      HiSparseConfig(**bad)
+
+
 def test_host_pool_rows_is_ratio_times_hot_rows():
   assert HiSparseConfig(2048, 4096, 8).host_pool_rows(3) == 8 * 3 * 4097
 

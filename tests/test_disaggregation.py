@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -321,6 +322,9 @@ def _startup_error(*flags):
      "--transfer-host 999.9.9.9: not an address of this machine"),
     (["--disaggregation-mode=prefill", "--transfer-port=65536"], "--transfer-port 65536: expected 0 (any free port)"),
     (["--transfer-port=5000"], "--transfer-port is for --disaggregation-mode prefill or decode"),
+    (["--disaggregation-mode=prefill", "--max-device-kv-bytes=4000000", "--max-offered-kv-bytes=4000000"],
+     "--max-offered-kv-bytes 4000000: a prefill server's offers take their bytes from the device KV budget "
+     "(4000000 bytes), which must keep some for its KV pools"),
 ])
 def test_bad_disaggregation_flags(flags, message):
   assert message in _startup_error(*flags)
@@ -486,10 +490,15 @@ def test_offered_kv_bytes_are_bounded():
   from hisparse_jax.serving.metrics import ServerMetrics
   from hisparse_jax.serving.server import serve
 
-  engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2)
   one = 3 * 32 * (48 * 4 + 16 * 4)  # layers x 32 positions (20 tokens, to a power of two) x (latent + key) float32
+  # The offers' bound comes out of the device KV budget (CPU default 1 GiB) as run_server builds the engine.
+  engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2, offer_kv_bytes=one)
+  assert (engine.offer_kv_budget, engine.device_kv_budget) == (one, (1 << 30) - one)
+  assert engine.loads()["device_kv_bytes_budget"] <= engine.device_kv_budget  # (the pools: sized from the rest)
   with pytest.raises(ValueError, match="--max-offered-kv-bytes is for --disaggregation-mode prefill"):
     pd.DisaggregationConfig("null", max_offered_kv_bytes=one).validate()
+  with pytest.raises(ValueError, match=f"--max-offered-kv-bytes {2 * one}: more than the {one} bytes"):
+    pd.PrefillServicer(SimpleNamespace(engine=engine), None, 1.0, None, max_offered_bytes=2 * one)
   metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=3, disaggregation_mode="prefill")
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, disaggregation=pd.DisaggregationConfig(
       "prefill", transfer_timeout_s=2.0, max_offered_kv_bytes=one))
@@ -548,7 +557,7 @@ def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch)
   from hisparse_jax.serving.server import serve
 
   monkeypatch.setattr(pd, "TAKE_BACK_BASE_S", 1.0)
-  engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2)
+  engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2, offer_kv_bytes=0)
   # Both transfer servers on fixed ports (--transfer-port), each pulling several times (take-backs, the caller).
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, disaggregation=pd.DisaggregationConfig(
       "prefill", transfer_timeout_s=30.0, transfer_port=free_port()))
@@ -588,7 +597,8 @@ def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch)
   forged = (grpc.StatusCode.INVALID_ARGUMENT, "the acknowledgement's pull_proof is not the offer's (only its pull "
             "reveals it): the KV was taken back")
   try:
-    assert srv.prefill.max_offered_bytes == engine.device_kv_budget  # (the default)
+    # (the default: half the device KV budget, 1 GiB on CPU; the pools are sized from the other half)
+    assert srv.prefill.max_offered_bytes == engine.offer_kv_budget == engine.device_kv_budget == 1 << 29
     status = prefill(lambda offer: pb.KVReceived(pulled=True, pull_proof=pd._proof_value(pull(offer)[2])))
     assert status == (grpc.StatusCode.OK, None)
     assert settled() and (take_backs.taken_back, take_backs.already_pulled) == (0, 0)

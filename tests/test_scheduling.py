@@ -212,6 +212,19 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
       eng.submit(bad)
   assert not eng.has_work() and all_kv_free(eng.loads()) and eng.loads()["free_lanes"] == 4  # nothing held
   assert eng.submit(Request("np", list(np.asarray(prompt(5), np.int64)), 2)) is None  # numpy ints are ids
+  eng.run()
+  # A request_id is unique among unfinished requests (abort(id) names one), and free again once it ends.
+  eng.submit(Request("dup", prompt(5), 20))
+  with pytest.raises(InvalidRequest, match="request_id 'dup' is already in use"):
+    eng.submit(Request("dup", prompt(5), 2))
+  eng.step()
+  with pytest.raises(InvalidRequest, match="already in use"):
+    eng.submit(Request("dup", prompt(5), 2))  # (running now)
+  eng.run()
+  eng.submit(Request("dup", prompt(5), 2))
+  assert eng.abort("dup").finish_reason == "abort"
+  eng.submit(Request("dup", prompt(5), 2))
+  eng.run()
 
   def boom(token, delta):
     raise RuntimeError("user callback boom")

@@ -160,6 +160,12 @@ class Engine:
     record_topk: keep, in each ``Request.topk_trace``, the top-k positions of every layer at every decode
       step (int32[L, index_topk] per step; -1 padding) -- the indexer's real access trace, replayed by
       ``benchmarks/miss_rate.py --trace``. Costs a device->host copy per step.
+    offer_kv_bytes: a prefill server's share of the device KV budget for the prompt KV it offers to decode servers
+      (``serving/disaggregation.py``: copies outside the KV pools, on the first device, held until pulled; its
+      ``--max-offered-kv-bytes``): the pools are sized from the rest, so pools and offers together stay within
+      the budget. 0: half of the budget (a prompt's offer takes about the bytes its pages took). None (the
+      default): nothing set aside (not a prefill server). Sets ``offer_kv_budget``; ``device_kv_budget`` is the
+      pools' share.
     overrides: EngineArgs fields.
 
   Raises:
@@ -167,7 +173,9 @@ class Engine:
   """
 
   def __init__(self, args: EngineArgs | str | None = None, *, hisparse: HiSparseConfig | None = None,
-               tokenizer=None, record_topk: bool = False, **overrides):
+               tokenizer=None, record_topk: bool = False, offer_kv_bytes: int | None = None, **overrides):
+    if offer_kv_bytes is not None and (not _is_int(offer_kv_bytes) or offer_kv_bytes < 0):
+      raise StartupError(f"offer_kv_bytes (--max-offered-kv-bytes) must be an integer >= 0, got {offer_kv_bytes!r}")
     if not isinstance(args, EngineArgs):
       args = EngineArgs(model_path=args, **overrides)
     elif overrides:
@@ -275,7 +283,15 @@ class Engine:
     del params, leaves
     self.layout = kvmem.KVLayout.of(cfg, self.dtype)
     self.kv_dtype = cfg.kv_row(self.dtype)[1]  # a stored latent row's dtype (uint8 with --kv-cache-dtype fp8_e4m3)
-    self.device_kv_budget = args.device_kv_budget(weight_bytes)
+    self.device_kv_budget = args.device_kv_budget(weight_bytes)  # (the pools' share: offer_kv_budget is not)
+    self.offer_kv_budget = None
+    if offer_kv_bytes is not None:
+      self.offer_kv_budget = offer_kv_bytes or self.device_kv_budget // 2
+      if self.offer_kv_budget >= self.device_kv_budget:
+        raise StartupError(f"--max-offered-kv-bytes {offer_kv_bytes}: a prefill server's offers take their bytes "
+                           f"from the device KV budget ({self.device_kv_budget} bytes), which must keep some for its "
+                           "KV pools: lower it, or raise --max-device-kv-bytes / --mem-fraction-static")
+      self.device_kv_budget -= self.offer_kv_budget
     try:
       # One DP group's pools (each group's devices hold its own KV; one group without DP attention).
       self.groups = self.mesh_config.dp_size
@@ -484,6 +500,7 @@ class Engine:
     self.num_preemptions = 0
     self._step_failed = None  # what ended a step that did not complete (step() refuses to go on until reset())
     self._aborting: dict[str, None] = {}  # request ids an on_token callback aborted: applied after its step
+    self._live: dict[str, Request] = {}  # request_id -> its submitted, unfinished request (ids are unique)
     self.loads_snapshot = self.loads()
     return dropped
 
@@ -602,6 +619,9 @@ class Engine:
     two steps wait for the next step's admission even when slots are free, and up to that many of them take a
     slot there (a burst of max_running_requests + max_queued_requests on an idle engine is accepted whole)."""
     self.validate(req)
+    other = self._live.get(req.request_id)
+    if other is not None and other.phase is not Phase.FINISHED:  # (abort(id) and the caller's callbacks need one)
+      raise InvalidRequest(f"request_id {req.request_id!r} is already in use by a request that has not finished")
     if (self.max_queued_requests is not None
         and len(self.waiting) >= self.max_queued_requests + self.backend.free_slots):
       raise ResourceExhausted(f"queue full ({self.max_queued_requests} requests waiting beyond the "
@@ -617,6 +637,7 @@ class Engine:
     if self._detokenizers is not None:
       req._detok = self._detokenizers()
       req._stops = StopStringMatcher(req.stop, req.include_stop_str_in_output)
+    self._live[req.request_id] = req
     self.waiting.append(req)
     if self.lockstep is not None and self.lockstep.is_leader:  # the followers queue it with the next message
       self._pending_ops.append(["submit", _request_fields(req, self._pending_arrays)])
@@ -649,6 +670,7 @@ class Engine:
       if req.request_id == request_id:
         self.waiting.remove(req)
         req.finish_reason, req.phase = "abort", Phase.FINISHED
+        self._forget(req)
         self._publish()
         return req
     for req in self.running:
@@ -1283,6 +1305,12 @@ class Engine:
       self.running.remove(req)
     req.phase = Phase.FINISHED
     req.finish_time = time.monotonic()
+    self._forget(req)
+
+  def _forget(self, req: Request) -> None:
+    """Frees req's request_id for a new request (req has finished)."""
+    if self._live.get(req.request_id) is req:
+      del self._live[req.request_id]
 
 
 # Request fields a follower process needs to schedule it as the leader does (hisparse_jax/distributed.py).

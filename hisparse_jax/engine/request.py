@@ -54,7 +54,8 @@ class Request:
   """One generation request and its results.
 
   Attributes:
-    request_id: caller's id.
+    request_id: caller's id: unique among the engine's unfinished requests (``submit`` raises InvalidRequest for
+      one in use; it is free again once its request has finished).
     prompt_ids: prompt token ids.
     max_new_tokens: tokens to generate at most (>= 1).
     on_token: called from the engine's thread with each new token id and the text it completes (a delta:

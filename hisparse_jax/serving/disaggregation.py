@@ -38,7 +38,8 @@ keeps its arrays forever (``await_pull``'s timeout does not free them) unless so
     one thread, so any number of them progress at once; a stream cancelled while the prompt is still
     prefilling aborts that prefill;
   - offers are copies outside the prefill server's KV pools: their bytes, and those of the prefills in flight at
-    their offer's size, are bounded by ``--max-offered-kv-bytes``, checked before a prompt is prefilled.
+    their offer's size, are bounded by ``--max-offered-kv-bytes``, checked before a prompt is prefilled, and
+    taken from the device KV budget (default half of it), whose rest sizes the pools.
 The transfer ports have no authentication and jax's transfer server aborts the process on some malformed
 input (16 zero bytes), and keeps a descriptor for every pull of an unknown uuid: only the deployment's own
 servers may reach them (README, "Prefill/decode disaggregation").
@@ -101,7 +102,7 @@ class DisaggregationConfig:
   api_key: str | None = None  # sent to the prefill servers (a deployment shares one --api-key)
   transfer_port: int = 0
   prefill_timeout_s: float = PREFILL_TIMEOUT_S
-  max_offered_kv_bytes: int = 0  # prefill: prompt KV held for decode servers at once (0: the device KV budget)
+  max_offered_kv_bytes: int = 0  # prefill: prompt KV held for decode servers at once (0: half the device KV budget)
 
   def transfer_ports(self) -> tuple[int, ...]:
     """The fixed TCP port the transfer server listens on: (--transfer-port,), or () for any free one."""
@@ -282,7 +283,12 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     """streams: the server's InferenceServicer, whose open-stream count and limit (``ServerLimits.max_streams``)
     Prefill streams share: each holds a queued or running prefill, then a KV offer, until it ends.
     max_offered_bytes: the most prompt KV bytes offered (or being prefilled for an offer) at once; 0: the
-    engine's device KV budget (``Engine.device_kv_budget``)."""
+    engine's share of its device KV budget for offers (``Engine(..., offer_kv_bytes=...)``, as the server builds
+    it: ``Engine.offer_kv_budget``), or, for an engine built without one, its device KV budget (the offers then
+    use memory outside the budget: a warning).
+
+    Raises:
+      ValueError: max_offered_bytes above the engine's ``offer_kv_budget``."""
     self.streams = streams
     self.loop = loop
     self.engine = loop.engine
@@ -290,7 +296,15 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     self.timeout_s = timeout_s
     self._events_cls = events_cls  # server._AsyncEvents
     self.take_backs = TakeBacks(transfer)
-    self.max_offered_bytes = max_offered_bytes or self.engine.device_kv_budget
+    share = self.engine.offer_kv_budget
+    self.max_offered_bytes = max_offered_bytes or share or self.engine.device_kv_budget
+    if share is None:
+      log.warning("prefill server: the engine sets no device KV budget aside for its offers (Engine(..., "
+                  "offer_kv_bytes=...)); up to %d bytes of them live in device memory outside the budget",
+                  self.max_offered_bytes)
+    elif self.max_offered_bytes > share:
+      raise ValueError(f"--max-offered-kv-bytes {self.max_offered_bytes}: more than the {share} bytes of the device "
+                       "KV budget the engine set aside for offers (Engine(..., offer_kv_bytes=...))")
     self.offered_bytes = 0  # held now: offers not acknowledged or taken back yet, and prefills in flight
     self._offered_lock = threading.Lock()  # (take-backs release from their own thread)
 

@@ -74,6 +74,11 @@ def out_path(text: str) -> str:
   if not text or not os.path.basename(text) or os.path.isdir(text):
     raise argparse.ArgumentTypeError(f"{text!r}: expected a file name, not a folder")
   folder = os.path.dirname(os.path.abspath(text))
+  above = folder
+  while not os.path.exists(above) and os.path.dirname(above) != above:
+    above = os.path.dirname(above)
+  if not os.path.isdir(above):  # (makedirs would say "File exists")
+    raise argparse.ArgumentTypeError(f"{text!r}: {above} is a file, not a folder")
   try:
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryFile(dir=folder):

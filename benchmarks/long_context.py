@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
-from cli import OUT_HELP, default_out, out_path, positive_ints, sections, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, int_in, out_path, positive_ints, sections, write_results  # noqa: E402
 
 NEW = 32
 PAGE = 64
@@ -262,9 +262,10 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--prompts", default="4096,8192,16384,32768,65536", type=positive_ints)
-  ap.add_argument("--dense-max-prompt", default=16384, type=int,
-                  help="dense runs stop at this prompt length (the 64k run is HiSparse's)")
-  ap.add_argument("--itl-prompt", default=32768, type=int)
+  ap.add_argument("--dense-max-prompt", default=16384, type=int_in(0, 2**31 - 1),
+                  help="dense runs stop at this prompt length, in tokens (the 64k run is HiSparse's; 0: none)")
+  ap.add_argument("--itl-prompt", default=32768, type=int_in(64, 2**31 - 1),
+                  help="the long prompt admitted while the streams decode, in tokens (>= 64)")
   ap.add_argument("--itl-chunks", default="16", type=positive_ints)
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

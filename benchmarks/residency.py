@@ -11,7 +11,10 @@ live in one process, each with B requests of ``--prompt-len`` random tokens deco
   resident  the same HiSparse config plus ``resident_fraction`` 0.5 and a budget that holds every request's
             latent KV on device: no step swaps in (checked: no offload, every step "all" resident).
 Then ``--rounds`` rounds of one ``Engine.step()`` per engine, in an order rotated each round, so that the
-machine's drift (this is a shared 2-core VM) hits every mode alike. Reported per mode: the median step (ms)
+machine's drift (this is a shared 2-core VM) hits every mode alike. The engines run the plain schedule
+(``overlap_schedule=False``): with the overlapped one a step returns with its successor's decode call still
+running, and that call's time would land on whichever engine is timed next in the rotation (ratios of
+0.06-17 in one run). Reported per mode: the median step (ms)
 and, against dense, the median over rounds of the per-round ratio step(mode) / step(dense) with its
 interquartile range. The first 3 rounds are left out (compilation, warm caches).
 
@@ -42,7 +45,7 @@ def engines(model_dir: str, B: int, prompt_len: int, rounds: int) -> dict:
   max_seq_len = prompt_len + rounds + B + 40
   out = {}
   for mode in MODES:
-    kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len,
+    kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len, overlap_schedule=False,
               max_device_kv_bytes=B * max_seq_len * 8192, chunked_prefill_size=max(2048, B * prompt_len))
     if mode != "dense":  # the model's top_k and hot buffer; a host pool that holds every request
       kw["hisparse_config"] = json.dumps({"host_to_device_ratio": 16, "resident_fraction": 0.5 if mode == "resident" else 0})

@@ -270,6 +270,8 @@ def test_status_codes_and_messages():
   for code, text in want.items():
     assert text in ops.status_message(code)
   assert ops.status_message(0) == "ok"
+  for code in (ops._ffi_cpu.num_statuses, 42, -reference.PREFETCH_STALE):  # (it read "ok")
+    assert ops.status_message(code).startswith("not a status code")
   ops.check_status(np.zeros(3, np.int32))  # all done: no error
 
 
@@ -449,8 +451,14 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
                 jnp.zeros(case[HOT].shape, jnp.int32), *map(jnp.asarray, case[HOT + 1:]), page_size=PAGE,
                 external=pool.ref)
   np.testing.assert_array_equal(pool.read(), before)
+  with pytest.raises(ValueError, match="expected dtype float32, got float64 \\(convert it first\\)"):
+    pool.write(np.full(pool.shape, 1e300))  # (it was cast: inf)
+  np.testing.assert_array_equal(pool.read(), before)
   ref = pool.ref
   pool.close()
+  for use in (pool.read, lambda: pool.write(before)):
+    with pytest.raises(ValueError, match="this ExtensionHostPool is closed"):
+      use()
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
     jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), jnp.zeros((1,), jnp.int32),
                                      external=ref))
@@ -509,6 +517,19 @@ def test_indices_are_never_silently_truncated():
     ops.swap_in(0, case[1].astype(np.float32), *args[2:], page_size=PAGE)
   with pytest.raises(ValueError, match="page_size must be a positive integer"):
     ops.swap_in(*args, page_size=0)
+  with pytest.raises(ValueError, match="top_k must have 2 dimensions .* got shape \\[4\\]"):
+    ops.swap_in(0, case[1][0], *args[2:], page_size=PAGE)
+  for layer in (np.zeros(1, np.int32), jnp.zeros((1, 1), jnp.int32)):  # (taken as layer 0)
+    with pytest.raises(ValueError, match="layer must be a scalar, got shape"):
+      ops.swap_in(layer, *args[1:], page_size=PAGE)
+  # Traced (values unknown): a narrower integer type converts exactly, as it does eagerly; a wider one is refused.
+  jitted = jax.jit(functools.partial(ops.swap_in, page_size=PAGE))
+  want = run_reference(*case)
+  got = jitted(0, jnp.asarray(case[1], jnp.int16), *device_args(case)[2:])
+  for name, g, w in zip(NAMES, got, want):
+    np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+  with pytest.raises(TypeError, match="top_k must be int32 \\(or an integer type int32 holds\\), got uint32"):
+    jitted(0, jnp.asarray(case[1], jnp.uint32), *device_args(case)[2:])
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -862,11 +883,20 @@ def test_prefetch_commits_into_whatever_arrays_the_wait_gets():
   for batch in (-1, 1.0, True):
     with pytest.raises(ValueError, match="batch must be an integer >= 0"):
       ops.prefetch_wait(ticket, hot, slots, order, 0, batch=batch)
-  # A wait handed a hot buffer of another dtype (same bytes a row, or the same shape) is an error.
+  # A wait handed a hot buffer of another dtype (same bytes a row, or the same shape) is an error; so are slot
+  # tables of another dtype (int8 ones were read past their end as int32; float32 ones got int32 slot ids).
   for other in (hot.astype(jnp.int32), jnp.zeros(hot.shape[:3] + (2 * hot.shape[3],), jnp.float16)):
     _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE)
     with pytest.raises(FFI_ERRORS, match="do not match the prefetch_start of the ticket"):
       jax.block_until_ready(ops.prefetch_wait(ticket, other, slots, order, 0, batch=1))
+  for dtype in (jnp.int8, jnp.float32, jnp.uint32):
+    for tables in ((slots.astype(dtype), order), (slots, order.astype(dtype))):
+      _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE)
+      with pytest.raises(FFI_ERRORS, match=r"slot_tokens / lru s32\[L, R, D\]"):
+        jax.block_until_ready(ops.prefetch_wait(ticket, hot, *tables, 0, batch=1))
+  for bad in (ticket.astype(jnp.float32), ticket[0]):
+    with pytest.raises(ValueError, match=r"ticket must be prefetch_start's int32\[1, 2\]"):
+      ops.prefetch_wait(bad, hot, slots, order, 0, batch=1)
 
 
 def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
@@ -964,3 +994,86 @@ def test_closing_an_extension_pool_waits_for_the_swap_in_reading_it():
   assert r.returncode == 0, r.stderr[-3000:]
   outcomes = r.stdout.split()
   assert len(outcomes) == 8 and set(outcomes) <= {"done", "refused"}, r.stdout
+
+
+def _rss_bytes() -> int:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_plan_memory_follows_the_sequence_not_the_page_table_span():
+  """The CPU plan's position map is sized by each row's sequence, not by its page table's span (pages x
+  page_size): a 1-token request with a page of 2^30 tokens took 4.2 GiB of resident memory per planning thread,
+  and 2^31 - 1 crashed the process. A sequence past 2^22 tokens plans with the hash map the CUDA handler uses
+  (O(top_k) memory): the same results as the reference."""
+  # 1. A huge page, one token: the fast path (every token in its own slot), no large allocation.
+  L, R, D, W, page = 1, 2, 4, 2, 1 << 30
+  pool = np.arange(L * 8 * W, dtype=np.float32).reshape(L, 8, W)
+  hot = np.zeros((L, R, D + 1, W), np.float32)
+  tables = np.tile(np.arange(D, dtype=np.int32), (L, R, 1))
+  case = [0, np.array([[0, -1]], np.int32), np.array([1], np.int32), np.array([1], np.int32),
+          np.array([[0]], np.int32), np.full((1, W), 5, np.float32), pool, hot, tables, tables.copy(),
+          np.zeros((L, R, 2), np.int32)]
+  before = _rss_bytes()
+  rows, _, hot_out, _, _, stats, status = run_kernel(*case, page_size=page)
+  assert _rss_bytes() - before < 256 << 20
+  assert status.tolist() == [0] and rows.tolist() == [[1 * (D + 1) + 0, -1]]
+  np.testing.assert_array_equal(hot_out[0, 1, 0], [5, 5])  # the newest token (position 0) in its own slot
+  # 2. Past 2^22 tokens: the hash map; hits, misses and LRU victims as the reference's. Every page of the
+  # table maps to host page 0 (a 2^20-row pool), so the reference's position -> row table stays 8M entries.
+  rng = np.random.default_rng(7)
+  page, P, seq_len, K, D = 1 << 20, 8, 5_000_000, 8, 16
+  pool = rng.standard_normal((1, page, W)).astype(np.float32)
+  resident = rng.choice(seq_len - 1, D, replace=False).astype(np.int32)
+  top_k = np.concatenate([resident[:3], rng.choice(seq_len, K - 3, replace=False)]).astype(np.int32)[None]
+  slot_tokens = np.full((1, 1, D), -1, np.int32)
+  slot_tokens[0, 0] = resident
+  case = [0, top_k, np.array([seq_len], np.int32), np.array([0], np.int32), np.zeros((1, P), np.int32),
+          rng.standard_normal((1, W)).astype(np.float32), pool, np.zeros((1, 1, D + 1, W), np.float32),
+          slot_tokens, rng.permutation(D).astype(np.int32)[None, None], np.zeros((1, 1, 2), np.int32)]
+  got = run_kernel(*case, page_size=page)
+  want = run_reference(*case, page_size=page)
+  for name, g, w in zip(NAMES, got, want):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  assert got[6].tolist() == [0] and got[5][0, 0].tolist() == [3, K - 3]
+
+
+ON_AN_EXPLICIT_MESH = """
+import functools, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from hisparse_jax.kernels import ops, reference
+from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE as PAGE, worked_example
+case = worked_example()
+want = reference.swap_in(*case, page_size=PAGE)
+mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+with jax.set_mesh(mesh):
+  put = lambda i, x, spec=P(): jax.device_put(np.asarray(x), NamedSharding(mesh, spec, memory_kind="pinned_host" if i == 6 else None))
+  args = [0, *(put(i, x) for i, x in enumerate(case) if i)]
+  for name, fn in (("eager", functools.partial(ops.swap_in, page_size=PAGE)),
+                   ("jit", jax.jit(functools.partial(ops.swap_in, page_size=PAGE)))):
+    got = fn(*args)
+    print(name, all(np.array_equal(np.asarray(g), w) for g, w in zip(got, want)))
+  args[7] = put(7, np.zeros((1, 6, 5, 3), np.float32), P(None, "tp"))  # a hot buffer split over R
+  try:
+    ops.swap_in(*args, page_size=PAGE)
+  except ValueError as e:
+    print("refused", "jax.sharding.reshard them first" in str(e))
+"""
+
+
+def test_operands_on_a_mesh_with_explicit_axes():
+  """Under a context mesh with Explicit axes: an eager call runs (an eager shard_map refused the arrays with a
+  jax-internal error) and equals the reference, as the jitted one does; an operand split over the mesh, which
+  the kernels take replicated, is refused naming the remedy (it was shard_map's in_specs error). An operand in
+  unpinned_host memory is refused too (XLA models it as device memory; donated, it aborted the process)."""
+  from tests.xla_env import with_devices
+  r = subprocess.run([sys.executable, "-c", ON_AN_EXPLICIT_MESH], capture_output=True, text=True, timeout=300,
+                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     env={**os.environ, "XLA_FLAGS": with_devices(2)})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.split() == ["eager", "True", "jit", "True", "refused", "True"], r.stdout
+  case = device_args(worked_example())
+  unpinned = jax.sharding.make_single_device_sharding(jax.devices()[0], memory_kind="unpinned_host")
+  case[POOL] = jax.device_put(np.asarray(case[POOL]), unpinned)
+  with pytest.raises(ValueError, match="in unpinned_host memory: the kernels take device arrays and a pinned_host"):
+    ops.swap_in(*case, page_size=PAGE)

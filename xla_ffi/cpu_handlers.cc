@@ -59,6 +59,11 @@ bool SameDims(const Buf& a, std::initializer_list<int64_t> dims) {
   return true;
 }
 
+// The longest sequence a thread plans with a DirectPositionMap (16 MiB of positions + 0.5 MiB of bits per
+// thread, sized by the longest sequence it has planned, never by the page table's span); a longer one plans
+// with the HashPositionMap the CUDA handler uses (O(top_k) memory, the same plan).
+constexpr int64_t kMaxDirectMapPositions = int64_t{1} << 22;
+
 // Per-thread scratch, grown once and reused: no heap allocation per call on
 // the steady-state hot path.
 struct Workspace {
@@ -66,6 +71,7 @@ struct Workspace {
   std::vector<int32_t> need_token, slot_of, heap_key, heap_pos;
   std::vector<uint8_t> slot_state;
   std::vector<uint64_t> bits;  // all zero between plans
+  std::vector<int32_t> hash_keys, hash_slots;  // the hash map of a sequence past kMaxDirectMapPositions
   // Per request of the call (owned by the calling thread): plans kept until commit.
   std::vector<int32_t> new_lru, miss_tokens, miss_slots, misses, hits;
   std::vector<uint64_t> seen;  // request ids seen in the batch (all zero between calls)
@@ -96,6 +102,27 @@ struct Workspace {
     }
   }
   DirectPositionMap Map() { return DirectPositionMap{bits.data(), slot_of.data()}; }
+
+  // plan(map, scratch) with the position map for a sequence of seq_len tokens (a seq_len outside [0, the
+  // page table's span] is refused by the plan before it reads the map) and this thread's plan scratch;
+  // new_lru: the plan's [D] output.
+  template <typename F>
+  int32_t Plan(int64_t K, int64_t D, int64_t seq_len, int32_t* new_lru, F&& plan) {
+    const bool direct = seq_len <= kMaxDirectMapPositions;
+    ReservePlan(K, D, direct ? std::max<int64_t>(seq_len, 0) : 0);
+    SwapInScratch scratch{need_token.data(), slot_state.data(), new_lru, heap_key.data(), heap_pos.data()};
+    if (direct) {
+      DirectPositionMap map = Map();
+      return plan(map, scratch);
+    }
+    const int32_t capacity = HashCapacity(static_cast<int32_t>(K));
+    if (static_cast<int64_t>(hash_keys.size()) < capacity) {
+      hash_keys.assign(capacity, -1);  // (-1: empty; Clear leaves the first `capacity` entries so)
+      hash_slots.resize(capacity);
+    }
+    HashPositionMap map{hash_keys.data(), hash_slots.data(), capacity - 1};
+    return plan(map, scratch);
+  }
 };
 
 Workspace& ThreadWorkspace() {
@@ -220,13 +247,11 @@ void RunSwapIn(ffi::ThreadPool& thread_pool, const PlanCall& c) {
       std::fill(out + b * K, out + (b + 1) * K, -1);
       return;
     }
-    Workspace& ws = ThreadWorkspace();
-    ws.ReservePlan(K, D, P * c.page_size);
-    SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), batch.new_lru.data() + b * D,
-                          ws.heap_key.data(), ws.heap_pos.data()};
-    DirectPositionMap map = ws.Map();
-    const int32_t misses = PlanSwapIn(request(b), map, scratch, out + b * K, batch.miss_tokens.data() + b * K,
-                                      batch.miss_slots.data() + b * K, &batch.hits[b]);
+    const int32_t misses = ThreadWorkspace().Plan(K, D, c.seq_lens[b], batch.new_lru.data() + b * D,
+                                                  [&](auto& map, SwapInScratch& scratch) {
+      return PlanSwapIn(request(b), map, scratch, out + b * K, batch.miss_tokens.data() + b * K,
+                        batch.miss_slots.data() + b * K, &batch.hits[b]);
+    });
     if (misses < 0) {
       status[b] = -misses;
       std::fill(out + b * K, out + (b + 1) * K, -1);
@@ -354,7 +379,6 @@ void PrefetchRows(PrefetchJob& job, int64_t begin, int64_t end) {
   const int64_t K = job.K, D = job.D;
   const char* pool = job.pool.base + static_cast<size_t>(job.layer) * job.pool.H * job.row_bytes;
   Workspace& ws = ThreadWorkspace();
-  ws.ReservePlan(K, D, job.P * job.page_size);
   ws.ReserveBatch(1, K, D, job.R);
   if (static_cast<int64_t>(ws.prefetch_rows.size()) < K) ws.prefetch_rows.resize(K);
   for (int64_t b = begin; b < end; ++b) {
@@ -367,12 +391,11 @@ void PrefetchRows(PrefetchJob& job, int64_t begin, int64_t end) {
                          static_cast<int32_t>(job.page_size), static_cast<int32_t>(job.pool.H),
                          job.new_slots.data() + b * D, job.new_lru.data() + b * D, 0,
                          static_cast<int32_t>(job.eviction), nullptr};
-    SwapInScratch scratch{ws.need_token.data(), ws.slot_state.data(), ws.new_lru.data(), ws.heap_key.data(),
-                          ws.heap_pos.data()};
-    DirectPositionMap map = ws.Map();
     int32_t hits = 0;
     int32_t* slots = job.miss_slots.data() + b * K;
-    const int32_t misses = PlanSwapIn(r, map, scratch, ws.prefetch_rows.data(), ws.miss_tokens.data(), slots, &hits);
+    const int32_t misses = ws.Plan(K, D, r.seq_len, ws.new_lru.data(), [&](auto& map, SwapInScratch& scratch) {
+      return PlanSwapIn(r, map, scratch, ws.prefetch_rows.data(), ws.miss_tokens.data(), slots, &hits);
+    });
     job.counts[b] = misses;  // or -status: the row is left alone
     if (misses < 0) continue;
     CommitSwapIn(r, ws.new_lru.data(), ws.miss_tokens.data(), slots, misses);  // into the job's copy
@@ -546,10 +569,11 @@ ffi::Error PrefetchWaitImpl(ffi::Buffer<ffi::S32> ticket, ffi::AnyBuffer hot, ff
   const PrefetchJob& j = *job;
   auto hd = hot.dimensions();
   if (!SameDims(*prefetched, {j.B}) || hd.size() != 4 || hd[0] != j.pool.L || hd[1] != j.R || hd[2] != j.D + 1 ||
-      hd[3] != j.pool.W || hot.element_type() != j.pool.dtype ||
-      !SameDims(slot_tokens, {hd[0], j.R, j.D}) || !SameDims(lru, {hd[0], j.R, j.D}))
+      hd[3] != j.pool.W || hot.element_type() != j.pool.dtype || slot_tokens.element_type() != ffi::S32 ||
+      lru.element_type() != ffi::S32 || !SameDims(slot_tokens, {hd[0], j.R, j.D}) || !SameDims(lru, {hd[0], j.R, j.D}))
     return ffi::Error::InvalidArgument(
-        "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the prefetch_start of the ticket");
+        "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the prefetch_start of the ticket (hot "
+        "T[L, R, D + 1, W] of the pool's dtype, slot_tokens / lru s32[L, R, D], prefetched s32[B])");
   if (j.layer < 0 || j.layer >= j.pool.L) {  // the start found the layer out of range
     std::copy(j.counts.begin(), j.counts.end(), count);
     return ffi::Error::Success();

@@ -970,10 +970,11 @@ ffi::Error PrefetchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, f
   auto hd = hot.dimensions();
   if (B != static_cast<size_t>(a.B) || hd.size() != 4 || hd[0] != a.L || hd[1] != a.R || hd[2] != a.D + 1 ||
       hot.element_type() != d.dtype || hd[3] * ffi::ByteWidth(hot.element_type()) != a.row_bytes ||
-      slot_tokens.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
+      slot_tokens.element_type() != ffi::S32 || lru.element_type() != ffi::S32 || slot_tokens.element_count() != static_cast<size_t>(a.L) * a.R * a.D ||
       lru.element_count() != static_cast<size_t>(a.L) * a.R * a.D)
     return ffi::Error::InvalidArgument(
-        "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the device's prefetch in flight");
+        "prefetch_wait: hot / slot_tokens / lru / prefetched do not match the device's prefetch in flight (hot "
+        "T[L, R, D + 1, W] of the pool's dtype, slot_tokens / lru s32[L, R, D], prefetched s32[B])");
   if (auto e = CudaStatus(cudaStreamWaitEvent(stream, d.done, 0), "cudaStreamWaitEvent"); e.failure()) return e;
   a.hot = static_cast<char*>(hot_out->untyped_data());
   a.slot_tokens = static_cast<int32_t*>(slot_tokens_out->untyped_data());

@@ -91,7 +91,8 @@ inline const char* StatusMessage(int32_t status) {
     case kBackupRowOutOfRange: return "a backup destination host row is outside [-1, H)";
     case kPrefetchStale:
       return "the row's slot table or LRU order changed between prefetch start and wait (prefetch dropped)";
-    default: return "ok";
+    case kOk: return "ok";
+    default: return "not a status code (prefetch_wait reports a row's status negated)";
   }
 }
 

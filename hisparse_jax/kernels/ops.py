@@ -102,8 +102,27 @@ def per_device(fn, batch_axis: str | None = None):
       return fn(*args)
     split = batch_axis is not None and mesh.shape.get(batch_axis, 1) > 1
     spec = jax.sharding.PartitionSpec(batch_axis) if split else jax.sharding.PartitionSpec()
-    return jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
-  return call
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+      for a in args:  # (shard_map's own error names neither the kernel nor the remedy)
+        have = tuple(getattr(jax.typeof(a).sharding, "spec", ()))
+        want = tuple(spec)[:1] + (None,) * (max(len(have), 1) - 1)
+        if any(x is not None for x in have) and have != want:
+          layout = f"split on {batch_axis} along their batch dimension" if split else "replicated"
+          raise ValueError(f"a kernel operand {jax.typeof(a).str_short()} is sharded {have} on the mesh's Explicit "
+                           f"axes; the kernels take their operands {layout} (jax.sharding.reshard them first)")
+    mapped = jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)
+    if not any(isinstance(a, jax.core.Tracer) for a in args):  # eager: under jit (an eager shard_map refuses
+      mapped = jax.jit(mapped)                                  # arrays on a mesh's Explicit axes)
+    return mapped(*args)
+
+  def checked(*args):
+    for a in args:  # (XLA models unpinned_host as device memory: a donated such pool aborts the process)
+      if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and \
+          getattr(a.sharding, "memory_kind", None) not in (None, "device", "pinned_host"):
+        raise ValueError(f"an operand of shape {list(a.shape)} is in {a.sharding.memory_kind} memory: the kernels "
+                         "take device arrays and a pinned_host host pool")
+    return call(*args)
+  return checked
 
 
 def _like(x: jax.Array):
@@ -119,15 +138,20 @@ def _layer(layer) -> jax.Array:
     raise TypeError(f"layer must be an integer, got {layer!r}")
   if isinstance(layer, (int, np.integer)) and not 0 <= int(layer) < 2**31:
     raise ValueError(f"layer {layer} is outside [0, 2^31)")
+  if jnp.ndim(layer) != 0:
+    raise ValueError(f"layer must be a scalar, got shape {list(jnp.shape(layer))}")
   return jnp.asarray(layer, jnp.int32)
 
 
 def _int32(name: str, x):
-  """Integer indices as int32; concrete values outside the int32 range are an error, not a wrap."""
+  """Integer indices as int32; concrete values outside the int32 range are an error, not a wrap. A traced
+  array's values are unknown: int32 or a narrower integer type (int8, uint16, ...), which converts exactly."""
   if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and x.dtype == jnp.int32):
-    if x.dtype != jnp.int32:
-      raise TypeError(f"{name} must be int32, got {x.dtype}")
-    return x
+    if x.dtype == jnp.int32:
+      return x
+    if not (jnp.issubdtype(x.dtype, jnp.integer) and np.can_cast(x.dtype, np.int32, "safe")):
+      raise TypeError(f"{name} must be int32 (or an integer type int32 holds), got {x.dtype}")
+    return x.astype(jnp.int32)
   a = np.asarray(x)
   if not (np.issubdtype(a.dtype, np.integer) and not np.issubdtype(a.dtype, np.bool_)):
     raise TypeError(f"{name} must be an integer array, got {a.dtype}")
@@ -225,14 +249,24 @@ class ExtensionHostPool:
     """A fresh int32[1] ordering token for a cache that uses this pool."""
     return jnp.zeros((1,), jnp.int32)
 
+  def _live(self) -> None:
+    if not self.address:
+      raise ValueError("this ExtensionHostPool is closed")
+
   def read(self) -> np.ndarray:
-    """A copy of the whole pool as a NumPy array [L, H, W] (tests, debugging)."""
+    """A copy of the whole pool as a NumPy array [L, H, W] (tests, debugging). ValueError once closed."""
+    self._live()
     raw = self._module.read_host_pool(self.address, 0, self.nbytes)
     return np.frombuffer(raw, self.dtype).reshape(self.shape).copy()
 
   def write(self, array) -> None:
-    """Overwrites the whole pool from an array of its shape and dtype."""
-    a = np.ascontiguousarray(array, self.dtype)
+    """Overwrites the whole pool from an array of its shape and dtype (ValueError for another shape or dtype, or
+    once closed: a conversion could round or overflow the rows)."""
+    self._live()
+    a = np.asarray(array)
+    if a.dtype != self.dtype:
+      raise ValueError(f"expected dtype {self.dtype}, got {a.dtype} (convert it first)")
+    a = np.ascontiguousarray(a)
     if a.shape != self.shape:
       raise ValueError(f"expected shape {self.shape}, got {a.shape}")
     self._module.write_host_pool(self.address, 0, a.tobytes())
@@ -257,6 +291,10 @@ def _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction):
   TypeError as ``_int32``), page_size a positive integer and eviction a policy (ValueError)."""
   arrays = tuple(_int32(n, x) for n, x in (("top_k", top_k), ("seq_lens", seq_lens), ("req_ids", req_ids),
                                            ("host_pages", host_pages)))
+  for name, a, rank in zip(("top_k", "seq_lens", "req_ids", "host_pages"), arrays, (2, 1, 1, 2)):
+    if a.ndim != rank:
+      raise ValueError(f"{name} must have {rank} dimension{'s' if rank > 1 else ''} ([B, K], [B], [B], [B, P] for "
+                       f"top_k, seq_lens, req_ids, host_pages), got shape {list(a.shape)}")
   if not _is_int(page_size) or page_size < 1:
     raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
   if eviction not in EVICTIONS:
@@ -435,6 +473,9 @@ def prefetch_wait(ticket, hot, slot_tokens, lru, after, *, batch: int):
   integer >= 0."""
   if not _is_int(batch) or batch < 0:
     raise ValueError(f"prefetch_wait: batch must be an integer >= 0 (the start's batch rows), got {batch!r}")
+  if jnp.ndim(ticket) != 2 or jnp.shape(ticket)[1] != 2 or jnp.result_type(ticket) != jnp.int32:
+    raise ValueError(f"prefetch_wait: ticket must be prefetch_start's int32[1, 2] (a row per device), got "
+                     f"{jnp.result_type(ticket)}{list(jnp.shape(ticket))}")
   call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru),
                                                  jax.ShapeDtypeStruct((batch,), jnp.int32)),
                           input_output_aliases={1: 0, 2: 1, 3: 2})
@@ -470,7 +511,8 @@ def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = No
 
 
 def status_message(code: int) -> str:
-  """The text of a swap-in / backup status code (``xla_ffi/swap_in_core.h`` SwapInStatus; "ok" for 0)."""
+  """The text of a swap-in / backup status code (``xla_ffi/swap_in_core.h`` SwapInStatus; "ok" for 0, "not a
+  status code ..." for any other number: ``prefetch_wait``'s counts carry a status negated)."""
   return _ffi_cpu.status_message(int(code))
 
 

@@ -67,12 +67,13 @@ bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) benchmarks/long_context.py --out $(RESULTS)/long_context; \
 	$(PY) benchmarks/throughput.py --out $(RESULTS)/throughput; \
 	$(PY) benchmarks/vs_transformers.py --out $(RESULTS)/vs_transformers; \
-	$(PY) benchmarks/step_floor.py --out $(RESULTS)/step_floor; \
+	$(PY) benchmarks/step_floor.py --steps 80 --out $(RESULTS)/step_floor; \
 	$(PY) benchmarks/residency.py --out $(RESULTS)/residency; \
 	$(PY) benchmarks/prefetch.py --batches 1,8,64 --steps 24 --out $(RESULTS)/prefetch; \
 	$(PY) benchmarks/prefetch.py --batches 1,8,64 --steps 24 --depth 1024 --out $(RESULTS)/prefetch_depth1024; \
 	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
 	$(PY) benchmarks/moe.py --ep 8 --out $(RESULTS)/moe; \
+	$(PY) benchmarks/kv_dtype.py --out $(RESULTS)/kv_dtype; \
 	$(PY) benchmarks/sharded_load.py --out $(RESULTS)/sharded_load; \
 	$(PY) benchmarks/disaggregation.py --out $(RESULTS)/disaggregation; \
 	echo "make bench: $$(( $$(date +%s) - start )) s"

@@ -26,3 +26,7 @@ def realsize_model() -> str:
   cfg = copy.deepcopy(default_model_config())
   cfg.update(index_topk=REALSIZE_HISPARSE["top_k"], dtype="float32")
   return ensure_random_model(cfg, SEED, "bench-realsize", hisparse_config=REALSIZE_HISPARSE)
+
+
+if __name__ == "__main__":
+  raise SystemExit(f"{__file__}: a module of the benchmarks, not a benchmark: run the benchmarks that name it (record_trace.py, throughput.py, ...)")

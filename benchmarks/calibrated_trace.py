@@ -124,3 +124,7 @@ def overlaps(trace) -> dict:
       temporal.append([len(a & b) / len(a) for a, b in zip(sets, prev)])
     prev = sets
   return {"temporal": np.mean(temporal, axis=0).tolist(), "adjacent": np.mean(adjacent, axis=0).tolist()}
+
+
+if __name__ == "__main__":
+  raise SystemExit(f"{__file__}: a module of the benchmarks, not a benchmark: run benchmarks/miss_rate.py (the calibrated trace's replay)")

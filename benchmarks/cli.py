@@ -18,6 +18,18 @@ def positive_ints(text: str) -> list[int]:
   return values
 
 
+def positive_ints_at_most(high: int):
+  """argparse type: as ``positive_ints``, each at most ``high``."""
+
+  def parse(text: str) -> list[int]:
+    values = positive_ints(text)
+    if values[-1] > high:
+      raise argparse.ArgumentTypeError(f"{values[-1]} is more than {high}")
+    return values
+
+  return parse
+
+
 def sections(choices):
   """argparse type: a comma-separated, non-empty subset of choices, in the order given."""
 
@@ -117,3 +129,7 @@ def write_results(out: str, results: dict, markdown: str) -> None:
   with open(out + ".md", "w") as f:
     f.write(text)
   print(text)
+
+
+if __name__ == "__main__":
+  raise SystemExit(f"{__file__}: a module of the benchmarks, not a benchmark: run any benchmark script")

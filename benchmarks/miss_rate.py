@@ -500,6 +500,9 @@ def main(argv=None) -> int:
               f"prompts of {contexts[0]}..{contexts[-1]} tokens, up to {steps} decode steps, top_k {top_k}")
   else:
     top_k, steps = args.top_k, args.steps
+    if args.trace_model == "calibrated" and args.top_k >= args.context:  # (every position picked: no misses)
+      print(f"error: the calibrated trace needs --top-k ({args.top_k}) < --context ({args.context})", file=sys.stderr)
+      return 2
     if args.trace_model == "synthetic":
       try:
         streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]

@@ -1,4 +1,4 @@
-"""Routed-expert FFN: grouped dispatch (models/moe.py, what the model runs) vs dense evaluation of every expert.
+r"""Routed-expert FFN: grouped dispatch (models/moe.py, what the model runs) vs dense evaluation of every expert.
 
   python benchmarks/moe.py [--quick] [--experts 64] [--active 8] [--tokens 1,8,64,256,1024] \
       [--hidden 1024] [--inter 512] [--ep 8] [--out benchmarks/results/moe]
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from cli import OUT_HELP, check_memory, default_out, out_path, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, check_memory, default_out, int_in, out_path, positive_ints, write_results  # noqa: E402
 
 
 def run(tokens: list[int], experts: int, active: int, hidden: int, inter: int, repeats: int) -> list[dict]:
@@ -136,14 +136,16 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
-  ap.add_argument("--experts", type=int, default=64)
-  ap.add_argument("--active", type=int, default=8)
-  ap.add_argument("--tokens", type=positive_ints, default="1,8,64,256,1024")
-  ap.add_argument("--hidden", type=int, default=1024)
-  ap.add_argument("--inter", type=int, default=512)
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--ep", type=int, default=0, help="also time expert parallelism over this many simulated CPU "
-                  "devices (DP attention): all-to-all dispatch vs psum")
+  ap.add_argument("--experts", type=int_in(1, 4096), default=64, help="routed experts")
+  ap.add_argument("--active", type=int_in(1, 4096), default=8, help="experts per token (<= --experts)")
+  ap.add_argument("--tokens", type=positive_ints, default="1,8,64,256,1024",
+                  help="tokens per call (the grouped-vs-dense comparison)")
+  ap.add_argument("--hidden", type=int_in(1, 2**16), default=1024, help="model width")
+  ap.add_argument("--inter", type=int_in(1, 2**16), default=512, help="expert intermediate width")
+  ap.add_argument("--repeats", type=int_in(1, 10**4), default=5, help="timed calls per point (median)")
+  ap.add_argument("--ep", type=int_in(0, 256), default=0, help="also time expert parallelism over this many "
+                  "simulated CPU devices (DP attention): all-to-all dispatch vs psum, at 64, 256 and 1024 "
+                  "tokens (its own sizes: --tokens is the comparison's)")
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("moe", args.quick)
@@ -151,8 +153,6 @@ def main(argv=None) -> int:
     ap.error(f"--active must be in 1..--experts ({args.experts}), got {args.active}")
   if args.quick:
     args.tokens, args.hidden, args.inter, args.repeats = [1, 32], 64, 32, 3
-  if min(args.hidden, args.inter, args.repeats) < 1 or args.ep < 0:
-    ap.error("--hidden, --inter and --repeats must be >= 1, --ep >= 0")
   # The dense evaluation's float32 activations: every token through every expert (gate, up, their product).
   check_memory(ap, max(args.tokens) * (3 * args.experts * args.inter + 2 * args.hidden) * 4 * 2,
                "the dense evaluation's activations (--tokens x --experts x --inter)")

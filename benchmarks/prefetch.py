@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from calibrated_trace import TraceModel, calibrated_trace  # noqa: E402
-from cli import OUT_HELP, default_out, out_path, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, int_in, out_path, positive_ints_at_most, write_results  # noqa: E402
 
 TOP_K, D, W = 2048, 4096, 576
 SKIP = 3
@@ -210,14 +210,16 @@ def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: in
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--batches", type=positive_ints, default=[1, 8, 64])
-  ap.add_argument("--context", type=int, default=6144)
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--steps", type=int, default=12)
-  ap.add_argument("--heads", type=int, default=2)
+  ap.add_argument("--batches", type=positive_ints_at_most(256), default=[1, 8, 64], help="concurrent requests")
+  ap.add_argument("--context", type=int_in(D + 1, 2**24), default=6144,
+                  help=f"prompt tokens per request (> the hot buffer's {D})")
+  ap.add_argument("--layers", type=int_in(2, 256), default=4)
+  ap.add_argument("--steps", type=int_in(SKIP + 1, 10**6), default=12, help=f"decode steps (the first {SKIP} untimed)")
+  ap.add_argument("--heads", type=int_in(1, 1024), default=2)
   ap.add_argument("--mlp", type=mlp_widths, default=MLP,
                   help=f"the MLP's hidden (>= {W}, also the residual width) and intermediate widths: H,F")
-  ap.add_argument("--depth", type=int, default=TOP_K, help="positions prefetched: the top-scored of each top-k")
+  ap.add_argument("--depth", type=int_in(1, TOP_K), default=TOP_K,
+                  help="positions prefetched: the top-scored of each top-k")
   ap.add_argument("--host-pool", choices=("jax", "extension"), default="jax",
                   help="the pool: a pinned_host JAX array, or the extension's own pinned memory (ops.ExtensionHostPool)")
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
@@ -226,11 +228,8 @@ def main(argv=None) -> int:
     ap.set_defaults(batches=[1, 4], steps=6, layers=3)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("prefetch", args.quick)
-  if (args.context <= D or args.layers < 2 or args.steps <= SKIP or args.heads < 1 or args.batches[-1] > 256
-      or not 1 <= args.depth <= TOP_K or args.mlp[0] < W):
-    print(f"error: need --context > {D}, --layers >= 2, --steps > {SKIP}, --heads >= 1, batches <= 256, "
-          f"--depth in [1, {TOP_K}], --mlp H,F with H >= {W}", file=sys.stderr)
-    return 2
+  if args.mlp[0] < W:
+    ap.error(f"--mlp H,F: H must be >= {W}, got {args.mlp[0]}")
   from hisparse_jax.kernels import ops
   t0 = time.perf_counter()
   rows = [measure(B, args.context, args.layers, args.heads, args.steps, args.depth, args.host_pool, args.mlp)

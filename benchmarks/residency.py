@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import OUT_HELP, default_out, out_path, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, int_in, out_path, positive_ints_at_most, write_results  # noqa: E402
 
 SKIP = 3
 MODES = ("dense", "hisparse", "resident")
@@ -94,18 +94,16 @@ def measure(model_dir: str, B: int, prompt_len: int, rounds: int) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--batches", type=positive_ints, default=[1, 2, 8, 32])
-  ap.add_argument("--rounds", type=int, default=40)
-  ap.add_argument("--prompt-len", type=int, default=96)
+  ap.add_argument("--batches", type=positive_ints_at_most(256), default=[1, 2, 8, 32], help="batch sizes (requests)")
+  ap.add_argument("--rounds", type=int_in(SKIP + 1, 10**6), default=40,
+                  help=f"rounds of one step per engine (the first {SKIP} untimed)")
+  ap.add_argument("--prompt-len", type=int_in(1, 2**20), default=96, help="tokens per prompt")
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:
     ap.set_defaults(batches=[1], rounds=8)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("residency", args.quick)
-  if args.rounds <= SKIP or args.prompt_len < 1 or args.batches[-1] > 256:
-    print(f"error: need --rounds > {SKIP}, --prompt-len >= 1, batches <= 256", file=sys.stderr)
-    return 2
   from hisparse_jax.default_model import ensure_default_model
   model_dir = ensure_default_model()
   t0 = time.perf_counter()

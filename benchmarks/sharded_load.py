@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from cli import OUT_HELP, default_out, out_path, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, int_in, out_path, write_results  # noqa: E402
 
 MODEL = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=32,
@@ -74,12 +74,24 @@ def worker(args) -> None:
                         ratio=peak / shard)), flush=True)
 
 
+def parse_meshes(text: str) -> list[tuple[int, int, int]]:
+  """argparse type: "2,4,8:1,8,8" -> [(2, 4, 8), (1, 8, 8)], each (dp, tp, ep) of positive integers."""
+  try:
+    out = [tuple(int(v) for v in m.split(",")) for m in text.split(":")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected dp,tp,ep meshes separated by ':', got {text!r}") from None
+  if not all(len(m) == 3 and min(m) >= 1 for m in out):
+    raise argparse.ArgumentTypeError(f"expected dp,tp,ep meshes of three positive integers, got {text!r}")
+  return out
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="a small checkpoint, one mesh (the test suite's run)")
-  ap.add_argument("--processes", type=int, default=2)
-  ap.add_argument("--devices-per-process", type=int, default=4)
-  ap.add_argument("--meshes", default="2,4,8:1,8,8:8,1,8", help="dp,tp,ep meshes separated by ':'")
+  ap.add_argument("--processes", type=int_in(1, 64), default=2, help="local processes (jax.distributed)")
+  ap.add_argument("--devices-per-process", type=int_in(1, 64), default=4, help="simulated CPU devices each")
+  ap.add_argument("--meshes", default="2,4,8:1,8,8:8,1,8", type=parse_meshes,
+                  help="dp,tp,ep meshes separated by ':' (dp x tp = processes x devices per process)")
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -91,6 +103,10 @@ def main() -> None:
   args.out = args.out or default_out("sharded_load", args.quick)
   if args.worker:
     return worker(args)
+  devices = args.processes * args.devices_per_process
+  for dp, tp, _ in args.meshes[:1 if args.quick else None]:
+    if dp * tp != devices:
+      ap.error(f"--meshes: {dp},{tp}: dp x tp must be the {devices} devices (--processes x --devices-per-process)")
 
   from models.random_checkpoint import write_random_checkpoint
   from tests.multiprocess import launch, wait_all
@@ -99,7 +115,7 @@ def main() -> None:
   config = tiny_config(**(QUICK if args.quick else MODEL))
   model_dir = write_random_checkpoint(os.path.join(scratch_dir("hisparse-load-"), "ckpt"), config, seed=1)
   size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
-  meshes = [tuple(int(v) for v in m.split(",")) for m in args.meshes.split(":")][:1 if args.quick else None]
+  meshes = args.meshes[:1 if args.quick else None]
   rows = []
   for mesh in meshes:
     procs = launch([os.path.abspath(__file__), "--worker", f"--model={model_dir}", f"--mesh={','.join(map(str, mesh))}"],

@@ -1,6 +1,6 @@
 r"""A decode step against its floor, measured in the same run: dense and HiSparse, batch 1 ... 256.
 
-  python benchmarks/step_floor.py [--quick] [--batches 1,8,32,256] [--prompt-len 64] [--steps 24] \
+  python benchmarks/step_floor.py [--quick] [--batches 1,8,32,256] [--prompt-len 96] [--steps 40] \
       [--out benchmarks/results/step_floor]
 
 Model: the embedded default model (``hisparse_jax.default_model``), float32, on this machine's JAX backend.
@@ -49,7 +49,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli import OUT_HELP, default_out, out_path, positive_ints, write_results  # noqa: E402
+from cli import OUT_HELP, default_out, int_in, out_path, positive_ints_at_most, write_results  # noqa: E402
 
 SKIP = 3  # first decode steps left out of the median (compilation of the batch bucket, warm caches)
 OVERLAP_BLOCK = 4  # consecutive overlapped engine steps per round
@@ -222,11 +222,12 @@ def transformers_steps(path: str) -> dict[int, float]:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--batches", type=positive_ints, default=[1, 8, 32, 256])
-  ap.add_argument("--prompt-len", type=int, default=96,
+  ap.add_argument("--batches", type=positive_ints_at_most(1024), default=[1, 8, 32, 256], help="batch sizes (requests)")
+  ap.add_argument("--prompt-len", type=int_in(1, 2**20), default=96,
                   help="tokens per prompt (the default 96 exceeds the default model's hot buffer of 64, so HiSparse "
                        "swaps in every step)")
-  ap.add_argument("--steps", type=int, default=40, help="decode steps per request (the first 3 untimed)")
+  ap.add_argument("--steps", type=int_in(SKIP + 1, 10**6), default=40,
+                  help=f"decode steps per request (the first {SKIP} untimed)")
   ap.add_argument("--modes", default="dense,hisparse,resident",
                   help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
                        "resident_fraction 0.5, no swap-in while the KV fits); each with the suffix _fp8: with "
@@ -241,9 +242,6 @@ def main(argv=None) -> int:
   known = MODES + tuple(m + FP8_SUFFIX for m in MODES)
   if not modes or any(m not in known for m in modes):
     print(f"error: --modes: choose from {','.join(known)}, got {args.modes!r}", file=sys.stderr)
-    return 2
-  if args.prompt_len < 1 or args.steps <= SKIP or args.batches[-1] > 1024:
-    print(f"error: need --prompt-len >= 1, --steps > {SKIP}, batches <= 1024", file=sys.stderr)
     return 2
   from hisparse_jax.default_model import ensure_default_model
 

@@ -1,7 +1,7 @@
 r"""Swap-in kernel benchmark: time per call, bookkeeping per request-layer, miss-copy bandwidth vs memcpy.
 
   python benchmarks/swap_in.py [--quick] [--batch 1,64,256] [--buffer 2048,4096] \
-      [--row-bytes 656,1152] [--miss 0.001,0.05,0.2,1.0] [--layers 2] [--repeats 5] [--out benchmarks/results/swap_in_cpu]
+      [--row-bytes 656,1152] [--miss 0.001,0.05,0.2,1.0] [--layers 2] [--repeats 9] [--out benchmarks/results/swap_in_cpu]
 
 For every (B, D, W, miss fraction) point, one jitted call runs the swap-in FFI
 on ``--layers`` layers in a row (a Python loop inside jit, as a decode step
@@ -14,8 +14,8 @@ that are not resident (misses) and the rest from resident ones (hits).
 Reported per point (median of --repeats calls, fresh slot tables each call):
   call_ms          wall time of the call (all layers)
   idle_ms          the same call with every lane idle (dispatch + FFI call overhead)
-  bookkeeping_us   (zero-miss call - idle call) / (B x layers): hit detection,
-                   victim choice, LRU update, validation per request-layer
+  book_us          (zero-miss call - idle call) / (B x layers), in microseconds (OUT.json: bookkeeping_us):
+                   hit detection, victim choice, LRU update, validation per request-layer
   miss_GBps        bytes of missing rows / (call time - zero-miss call time)
   memcpy_GBps      a bare memcpy loop over exactly the same (host row -> device
                    row) copies between the same two buffers, in the same run

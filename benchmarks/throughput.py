@@ -25,7 +25,8 @@ Sections:
   decode  C requests whose prompt KV arrives with them (``Request.prompt_kv``, the path a prefill server's KV
           takes; random KV shared by all requests, written into each request's own pages, host rows and hot
           buffer as a prefill would): decode tokens/s, admitted, decode step ms, swap-in misses per step, for
-          concurrency up to 64 -- the memory-bound regime HiSparse is for, measured without hours of prefill.
+          each --concurrency (default 1 and 16) -- the memory-bound regime HiSparse is for, measured without
+          hours of prefill.
 
 Writes OUT.json (all numbers) and OUT.md (tables).
 """

@@ -95,7 +95,7 @@ def test_benchmark_scripts_refuse_bad_input(tmp_path):
   np.savez(tmp_path / "empty.npz")  # --dump-topk of a run without requests: an empty zip archive
   fails([mr, "--trace", str(tmp_path / "empty.npz")], "expected topk_<line> and prompt_tokens_<line>")
   rt = "benchmarks/record_trace.py"
-  fails([rt, "--prompt-tokens", "0"], "--prompt-tokens must be >= 2 (BOS + text), got 0")
+  fails([rt, "--prompt-tokens", "2048"], "--prompt-tokens must exceed the model's top_k (2048)")
   fails([rt, "--new-tokens", "1"], "--new-tokens must be >= 2")
   (tmp_path / "cut.npz").write_bytes((tmp_path / "none.npz").read_bytes()[:100])  # a truncated archive
   fails([mr, "--trace", str(tmp_path / "cut.npz")], "not a readable .npz trace")
@@ -118,4 +118,5 @@ def test_benchmark_scripts_refuse_bad_input(tmp_path):
   fails(["benchmarks/throughput.py", "--contexts", "1000"], "at least 4128")
   fails(["benchmarks/long_context.py", "--sections", "bar"], "unknown section(s) ['bar']")
   fails(["benchmarks/prefetch.py", "--mlp", "7168"], "expected two comma-separated integers H,F, got '7168'")
-  fails(["benchmarks/prefetch.py", "--mlp", "512,1024"], "--mlp H,F with H >= 576")
+  fails(["benchmarks/prefetch.py", "--mlp", "512,1024"], "--mlp H,F: H must be >= 576, got 512")
+  fails([mr, "--top-k", "5000", "--context", "4096"], "the calibrated trace needs --top-k (5000) < --context (4096)")

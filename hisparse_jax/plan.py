@@ -314,7 +314,9 @@ def main(argv) -> None:
     dp, tp = devices, 1  # DP attention over every device (SGLang's recommended HiSparse deployment)
   elif dp is None or tp is None:
     flag, given = ("--tp-size", tp) if dp is None else ("--dp-size", dp)
-    if not given or given < 1 or devices % given:
+    if given < 1:
+      sys.exit(f"error: {flag} must be an integer >= 1, got {given}")
+    if devices % given:
       sys.exit(f"error: {flag} {given} does not divide --devices {devices}")
     dp, tp = (devices // tp, tp) if dp is None else (dp, devices // dp)
   ep = F("ep-size") if F("ep-size") is not None else devices
@@ -345,7 +347,9 @@ def main(argv) -> None:
   except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
     if isinstance(e, MeshError) and F("ep-size") is None and "--ep-size" in str(e):
       sys.exit(f"error: {e} (--ep-size defaults to --devices {devices}; pass --ep-size)")
-    sys.exit(f"error: {e}")
+    # (the engine's budget flags; the planner's budget comes from --device-memory / --mem-fraction-static)
+    sys.exit(f"error: {e}".replace("--max-device-kv-bytes / --mem-fraction-static", "--device-memory / "
+                                   "--mem-fraction-static"))
   print(json.dumps(plan.to_dict(), indent=1) if F("json") else format_plan(plan))
 
 

@@ -136,7 +136,8 @@ class MeshConfig:
         raise MeshError(f"{flag} must be an integer >= 1, got {v!r}")
     if num_devices is not None and (self.num_devices > num_devices or num_devices % self.num_devices):
       raise MeshError(f"--dp-size {self.dp_size} x --tp-size {self.tp_size} = {self.num_devices} devices does not "
-                      f"divide the {num_devices} devices here")
+                      f"divide the {num_devices} device{'s' if num_devices != 1 else ''} here (on CPU, "
+                      "XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices)")
     if self.ep_size not in {1, self.tp_size, self.dp_size, self.num_devices}:
       raise MeshError(f"--ep-size {self.ep_size}: experts are split over the tp axis, the dp axis or both, so it "
                       f"must be one of 1, --tp-size {self.tp_size}, --dp-size {self.dp_size}, or their product "

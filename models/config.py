@@ -539,7 +539,7 @@ class DSAConfig:
             raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})")
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         archs = cfg.get("architectures")
         if archs is not None:
             if not isinstance(archs, list):

@@ -124,6 +124,8 @@ def read_json(path: str, limit: int = MAX_JSON_BYTES):
       return json.load(f)
     except RecursionError:
       raise ValueError(f"{path}: JSON nested too deeply") from None
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def read_weight_map(index: str, model_dir: str) -> dict[str, str]:

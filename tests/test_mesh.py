@@ -72,9 +72,9 @@ def test_engine_on_a_mesh_equals_one_device(results, mode):
 
 
 @pytest.mark.parametrize("kw,message", [
-    ({"tp_size": 2}, "--dp-size 1 x --tp-size 2 = 2 devices does not divide the 1 devices here"),
+    ({"tp_size": 2}, "--dp-size 1 x --tp-size 2 = 2 devices does not divide the 1 device here"),
     ({"ep_size": 3}, "--ep-size 3"),
-    ({"dp_size": 2}, "--dp-size 2 x --tp-size 1 = 2 devices does not divide the 1 devices here"),
+    ({"dp_size": 2}, "--dp-size 2 x --tp-size 1 = 2 devices does not divide the 1 device here"),
     ({"dp_size": 3, "max_running_requests": 8}, "--max-running-requests 8 is not divisible by --dp-size 3"),
     ({"tp_size": 0}, "--tp-size must be an integer >= 1"),
 ])

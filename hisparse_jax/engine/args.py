@@ -182,9 +182,13 @@ class EngineArgs:
       "kv_cache_dtype": "How the KV cache stores a token: auto (latent in the compute dtype, indexer keys in "
                         "float32) or fp8_e4m3 (or fp8; DeepSeek-V3.2's FP8 KV cache: 656-byte latent rows, 132-byte "
                         "indexer keys; implies --fp8-numerics, whose values it stores).",
-      "dp_size": "Data-parallel attention groups: each runs its share of the requests, its KV on its devices.",
-      "tp_size": "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them.",
-      "ep_size": "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size.",
+      "dp_size": "Data-parallel attention groups: each runs its share of the requests (it must divide "
+                 "--max-running-requests), its KV on its devices. --dp-size x --tp-size must divide the devices "
+                 "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N).",
+      "tp_size": "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them (it must "
+                 "divide the heads, the MLP widths and the vocabulary).",
+      "ep_size": "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size (it "
+                 "must divide the routed experts).",
       "weight_dtype": "fp8: keep an FP8 checkpoint's quantized weights in e4m3 + 128x128 scales on device, "
                       "dequantized inside the matmuls (half the weight memory of bfloat16). Default: dequantize "
                       "at load.",

@@ -165,7 +165,7 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
     if pages < 1:
       raise MemoryConfigError(
           f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) is smaller than "
-          f"one page of {page_size} tokens ({per_page} bytes)")
+          f"one page of {page_size} tokens ({per_page} bytes): raise the budget or lower --page-size")
     return MemoryPlan(page_size, max_running_requests, P, {"kv": ("device", pages, per_page)}, pages * per_page)
   index_page = page_size * layout.index_bytes
   staging_page = page_size * layout.latent_bytes

@@ -214,6 +214,11 @@ def main(argv):
   metrics_at = ""
   if metrics_port is not None:
     host = FLAGS["metrics-host"].value
+    if not _is_loopback(host):
+      print(f"[server] warning: the metrics endpoint on {host} has no authentication; anyone who can reach it "
+            "can read the server's load (bind it to a private address, or firewall it)", file=sys.stderr, flush=True)
+    import prometheus_client
+    prometheus_client.disable_created_metrics()  # (no *_created series beside every counter and histogram)
     try:
       bound = metrics.serve(metrics_port, host)
     except OSError as e:

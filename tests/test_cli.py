@@ -614,6 +614,7 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
     (["--host", "999.1.1.1"], "--host/--port 999.1.1.1:0: not an address of this machine"),
     (["--host", ""], "an empty host"),
     (["--metrics-host", "8.8.8.8", "--metrics-port", "0"], "--metrics-host/--metrics-port 8.8.8.8:0: cannot bind"),
+    (["--metrics-host", "[::1", "--metrics-port", "0"], "'[::1:0': unbalanced brackets"),  # (it bound ::1)
 ])
 def test_bad_security_flags_exit_with_a_message(flags, message):
   r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", "0", *flags, timeout=120)
@@ -650,11 +651,17 @@ def test_server_warns_on_an_open_bind_and_prints_the_metrics_port(host, listenin
     with urllib.request.urlopen(url, timeout=10) as resp:
       page = resp.read().decode()
     # Before any request: the pools' idle state, and every layer's counters at 0.
-    assert "hisparse_running_requests 0.0" in page and "hisparse_offloads 0.0" in page, page
+    assert "hisparse_running_requests 0.0" in page and "hisparse_offloads_total 0.0" in page, page
     free = re.search(r'hisparse_kv_pool_pages\{memory="device",pool="kv",state="free"\} ([0-9.]+)', page)
     assert free and float(free.group(1)) > 0, page
     layers = set(re.findall(r'hisparse_swap_in_hits_total\{layer="(\d+)"\} 0\.0', page))
     assert layers == {str(i) for i in range(3)}, page
+    assert "_created" not in page  # (prometheus-client's creation-time series beside every counter)
+    with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as resp:
+      assert resp.status == 200 and resp.read() == b""
+    with pytest.raises(urllib.error.HTTPError) as e:
+      urllib.request.urlopen(url.replace("/metrics", "/etc/passwd"), timeout=10)
+    assert e.value.code == 404
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == 0

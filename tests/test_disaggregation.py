@@ -537,7 +537,7 @@ def test_offered_kv_bytes_are_bounded():
     deadline = time.monotonic() + 30
     while srv.prefill.offered_bytes and time.monotonic() < deadline:
       time.sleep(0.05)
-    assert sample("held") == 0 and metrics.registry.get_sample_value("hisparse_pd_offers_taken_back") == 1
+    assert sample("held") == 0 and metrics.registry.get_sample_value("hisparse_pd_offers_taken_back_total") == 1
     assert next(stub.Prefill(iter([request(20)]), timeout=60)).kv_bytes == one  # served again
   finally:
     srv.stop(0).wait()

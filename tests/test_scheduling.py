@@ -632,7 +632,7 @@ def test_dynamic_residency_is_lossless_and_offloads_under_memory_pressure():
   assert loads_message(eng.loads()).offloads == eng.num_offloads
   metrics = ServerMetrics(row_bytes=4)
   metrics.update(eng.loads())
-  assert metrics.registry.get_sample_value("hisparse_offloads") == eng.num_offloads
+  assert metrics.registry.get_sample_value("hisparse_offloads_total") == eng.num_offloads
 
 
 def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():

@@ -374,3 +374,81 @@ def test_a_failed_step_fails_the_streams_in_flight_and_the_server_keeps_serving(
     time.sleep(0.05)
   assert raised and clean()
   assert collect(stub, prompts[1], 8)[0] == solo
+
+
+def test_a_graceful_stop_ends_health_watches_and_counts_cut_streams_as_unavailable():
+  """A load balancer keeps a health Watch open. At a graceful stop it is told NOT_SERVING and then ended, so an
+  idle server stops at once instead of waiting out its whole grace for that stream (it took the full
+  --shutdown-grace-s, up to an hour). A Generate stream the stop cuts at the end of its grace ends UNAVAILABLE
+  for its client, and the metrics count it so (they said "cancelled", the outcome of a client that went away)."""
+  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=512, page_size=16)
+  metrics = ServerMetrics(row_bytes=4)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+  try:
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    start = time.monotonic()
+    stopping = srv.stop(60)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert list(watch) == []  # the stream ends (OK), not cut at the grace's end
+    assert stopping.wait(30) and time.monotonic() - start < 10
+  finally:
+    channel.close()
+    loop.stop()
+  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=512, page_size=16)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+  try:
+    stream = generate(hisparse_pb2_grpc.HiSparseInferenceStub(channel), input_ids=list(range(2, 10)),
+                      max_new_tokens=500, timeout=120)
+    next(stream)  # decoding
+    stopping = srv.stop(0.2)
+    with pytest.raises(grpc.RpcError) as e:
+      list(stream)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert stopping.wait(30)
+    count = lambda outcome: metrics.registry.get_sample_value("hisparse_requests_total",  # noqa: E731
+                                                              {"outcome": outcome})
+    assert (count("unavailable"), count("cancelled")) == (1, 0)
+  finally:
+    channel.close()
+    loop.stop()
+
+
+def test_the_metrics_endpoint_bounds_its_connections_and_renders(monkeypatch):
+  """Half-open connections to the metrics port each held a thread and a descriptor until the client let go (a
+  break-it run took the server to its descriptor limit, and gRPC could accept nothing): now at most
+  METRICS_CONNECTIONS are served at once, more are closed on arrival, and a silent one is closed after its read
+  timeout. Scrapes within METRICS_CACHE_S share one rendered page."""
+  import socket
+  import threading
+  import urllib.request
+
+  from hisparse_jax.serving import metrics as metrics_module
+  monkeypatch.setattr(metrics_module._MetricsHandler, "timeout", 1.0)
+  m = ServerMetrics(row_bytes=4, num_layers=1)
+  port = m.serve(0)
+  url = f"http://127.0.0.1:{port}/metrics"
+  threads = threading.active_count()
+  idle = [socket.create_connection(("127.0.0.1", port), timeout=10)
+          for _ in range(3 * metrics_module.METRICS_CONNECTIONS)]
+  for s in idle:
+    s.sendall(b"GET /metr")  # a request that never completes
+  time.sleep(0.5)
+  assert threading.active_count() - threads <= metrics_module.METRICS_CONNECTIONS
+  closed = 0
+  for s in idle:  # the connections past the cap were closed at once; the rest after the 1 s read timeout
+    s.settimeout(10)
+    closed += s.recv(1) == b""
+    s.close()
+  assert closed == len(idle)
+  with urllib.request.urlopen(url, timeout=10) as resp:
+    first = resp.read()
+  assert b"hisparse_swap_in_hits_total" in first
+  m.tokens.inc()
+  with urllib.request.urlopen(url, timeout=10) as resp:
+    assert resp.read() == first  # rendered within METRICS_CACHE_S: the same page
+  time.sleep(metrics_module.METRICS_CACHE_S + 0.1)
+  with urllib.request.urlopen(url, timeout=10) as resp:
+    assert b"hisparse_generated_tokens_total 1.0" in resp.read()

@@ -35,6 +35,8 @@ def check_bindable(flag: str, host: str, port: int) -> None:
   where = f"{host}:{port}" if "port" in flag else host
   if not host.strip("[]"):
     raise ValueError(f"{flag} {where!r}: an empty host (0.0.0.0 or [::] for every interface)")
+  if host.startswith("[") != host.endswith("]") or host.count("[") > 1 or host.count("]") > 1:
+    raise ValueError(f"{flag} {where!r}: unbalanced brackets (an IPv6 address is [::1] or ::1)")
   try:
     infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
   except (socket.gaierror, UnicodeError) as e:

@@ -16,11 +16,11 @@ otherwise):
                                                                  pools sized from the budget, not the budget)
   hisparse_kv_pool_pages{pool, memory, state="used"|"free"}      gauge (every KV pool, Engine.loads()["pools"])
   hisparse_kv_pool_bytes{pool, memory, state="used"|"free"}      gauge
-  hisparse_preemptions                                           gauge (requests preempted since start)
+  hisparse_preemptions_total                                     counter (requests preempted)
   hisparse_resident_requests                                     gauge (dynamic residency: requests whose whole
                                                                  latent KV is on device now)
-  hisparse_offloads                                              gauge (resident requests moved to their hot
-                                                                 buffers since start)
+  hisparse_offloads_total                                        counter (resident requests moved to their hot
+                                                                 buffers)
   hisparse_pd_prefill_seconds, hisparse_pd_kv_transfer_seconds   histograms (decode server: prefill server's time
                                                                  to first token; pulling the prompt KV)
   hisparse_pd_kv_transfer_bytes_total                            counter
@@ -29,8 +29,8 @@ otherwise):
   hisparse_pd_offered_kv_bytes{state="held"|"limit"}            gauge (prefill server: prompt KV held for decode
                                                                  servers, offers not pulled yet and prefills in
                                                                  flight; --max-offered-kv-bytes)
-  hisparse_pd_offers_taken_back                                  gauge (prefill server: offers not acknowledged,
-                                                                 taken back, since start)
+  hisparse_pd_offers_taken_back_total                            counter (prefill server: offers not
+                                                                 acknowledged, taken back)
 
 Gauges are set from the engine's published loads when the engine loop starts and after every step, abort or
 release, so an idle server shows its idle state from the start; each layer's counters exist at 0 from the
@@ -39,9 +39,22 @@ start (given ``num_layers``).
 
 from __future__ import annotations
 
+import socket
+import socketserver
+import threading
 import time
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily
+
+# The metrics endpoint serves scrapers, not the public: bounded so that no client can take the server's threads
+# and file descriptors (a break-it run held 1,000 half-open connections, one thread and descriptor each, until
+# gRPC could accept nothing) or its CPU (16 clients scraping in a loop slowed decoding 2-4x).
+METRICS_CONNECTIONS = 16       # connections served at once; more are closed on arrival
+METRICS_READ_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+METRICS_CACHE_S = 0.5          # a page is rendered at most this often (per query, format and encoding)
+METRICS_PATHS = ("/", "/metrics")
 
 # hisparse_requests_total's outcomes, each created at 0: the finish reasons, "cancelled", and every status a
 # Generate stream can fail with (server.py's aborts; "unknown": an exception the handler did not expect).
@@ -81,17 +94,17 @@ class ServerMetrics:
                            registry=r)
     self.pool_pages = Gauge("hisparse_kv_pool_pages", "KV pool pages", ["pool", "memory", "state"], registry=r)
     self.pool_bytes = Gauge("hisparse_kv_pool_bytes", "KV pool bytes", ["pool", "memory", "state"], registry=r)
-    self.preemptions = Gauge("hisparse_preemptions", "Requests preempted (KV freed, recomputed) since start",
-                             registry=r)
+    self.preemptions = Counter("hisparse_preemptions", "Requests preempted (KV freed, recomputed)", registry=r)
     self.resident = Gauge("hisparse_resident_requests", "Dynamic residency: requests whose whole latent KV is "
                           "on device", registry=r)
-    self.offloads = Gauge("hisparse_offloads", "Dynamic residency: resident requests moved to their hot buffers "
-                          "since start", registry=r)
+    self.offloads = Counter("hisparse_offloads", "Dynamic residency: resident requests moved to their hot buffers",
+                            registry=r)
+    self._totals: dict[str, int] = {}  # the engine's totals these counters were last advanced to
     self.requests = Counter("hisparse_requests", "Generate streams ended, by outcome: the finish reason (stop, "
                             "length, abort, stop_token, stop_string) or the gRPC status the stream failed with "
                             "(resource_exhausted, invalid_argument, unavailable, internal, deadline_exceeded, "
-                            "unauthenticated, unknown; cancelled: the client went away or its deadline passed "
-                            "first)", ["outcome"], registry=r)
+                            "unauthenticated, unknown; unavailable also for a stream cut by the server's stop; "
+                            "cancelled: the client went away or its deadline passed first)", ["outcome"], registry=r)
     for outcome in REQUEST_OUTCOMES:
       self.requests.labels(outcome=outcome)
     self.pd = disaggregation_mode == "decode"
@@ -120,12 +133,18 @@ class ServerMetrics:
                  registry=self.registry)
     held.labels(state="held").set_function(lambda: prefill.offered_bytes)
     held.labels(state="limit").set_function(lambda: prefill.max_offered_bytes)
-    Gauge("hisparse_pd_offers_taken_back", "Prefill server: offers not acknowledged, taken back since start",
-          registry=self.registry).set_function(lambda: prefill.offers_taken_back)
+    self.registry.register(_CountOf("hisparse_pd_offers_taken_back", "Prefill server: offers not acknowledged, "
+                                    "taken back, since start", lambda: prefill.offers_taken_back))
 
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
-    """Serves /metrics on host:port (port 0: a free one); returns the bound port. OSError if it cannot bind."""
-    httpd, _ = start_http_server(port, addr=host.strip("[]"), registry=self.registry)  # (an IPv6 one bare)
+    """Serves the metrics at /metrics (and /) of host:port (port 0: a free one) on a daemon thread; returns the
+    bound port. OSError if it cannot bind. At most METRICS_CONNECTIONS connections at once, each closed after
+    METRICS_READ_TIMEOUT_S of silence; a page rendered at most every METRICS_CACHE_S (``_CachedPage``)."""
+    host = host.strip("[]")  # (an IPv6 address bare)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("_MetricsServerOf", (_MetricsServer,), {"address_family": family})
+    httpd = make_server(host, port, _CachedPage(make_wsgi_app(self.registry)), server_class, _MetricsHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return httpd.server_port
 
   def on_submit(self, request_id: str, arrival: float | None = None) -> None:
@@ -170,6 +189,90 @@ class ServerMetrics:
       for state, pages in (("used", used), ("free", p["pages_free"])):
         self.pool_pages.labels(pool=p["name"], memory=p["memory"], state=state).set(pages)
         self.pool_bytes.labels(pool=p["name"], memory=p["memory"], state=state).set(pages * p["bytes_per_page"])
-    self.preemptions.set(loads["preemptions"])
     self.resident.set(loads["resident"])
-    self.offloads.set(loads["offloads"])
+    for counter, key in ((self.preemptions, "preemptions"), (self.offloads, "offloads")):
+      value, last = loads[key], self._totals.get(key, 0)
+      counter.inc(value - last if value >= last else value)  # (an Engine.reset() starts its totals at 0 again)
+      self._totals[key] = value
+
+
+class _CountOf:
+  """A counter read from a number something else keeps (``value()``: a total since start), at each scrape."""
+
+  def __init__(self, name: str, documentation: str, value):
+    self.name, self.documentation, self.value = name, documentation, value
+
+  def collect(self):
+    yield CounterMetricFamily(self.name, self.documentation, value=self.value())
+
+
+class _MetricsHandler(WSGIRequestHandler):
+  timeout = METRICS_READ_TIMEOUT_S  # (socketserver: the connection's socket timeout)
+
+  def log_message(self, *args) -> None:  # (no line on stderr per scrape)
+    pass
+
+
+class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+  """wsgiref's server, a thread per connection, at most METRICS_CONNECTIONS of them."""
+
+  daemon_threads = True
+  request_queue_size = 64  # the listen backlog (socketserver's default of 5 made connects retry for ~1 s)
+
+  def __init__(self, *args, **kwargs):
+    self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+    super().__init__(*args, **kwargs)
+
+  def process_request(self, request, client_address) -> None:
+    if not self._slots.acquire(blocking=False):
+      self.shutdown_request(request)  # over the cap: closed at once
+      return
+    try:
+      super().process_request(request, client_address)
+    except BaseException:
+      self._slots.release()
+      raise
+
+  def process_request_thread(self, request, client_address) -> None:
+    try:
+      super().process_request_thread(request, client_address)
+    finally:
+      self._slots.release()
+
+  def handle_error(self, request, client_address) -> None:  # (a client that timed out or reset: no traceback)
+    pass
+
+
+class _CachedPage:
+  """WSGI app: prometheus-client's, at /metrics and / only (404 elsewhere), GET and HEAD (OPTIONS as it answers),
+  each page rendered at most every METRICS_CACHE_S and shared by the scrapes that ask for it meanwhile (one
+  render at a time)."""
+
+  def __init__(self, app):
+    self.app = app
+    self._lock = threading.Lock()
+    self._pages: dict[tuple, tuple[float, str, list, bytes]] = {}
+
+  def __call__(self, environ, start_response):
+    if environ.get("PATH_INFO", "/") not in METRICS_PATHS:
+      start_response("404 Not Found", [("Content-Type", "text/plain")])
+      return [b"not found: the metrics are at /metrics\n"]
+    method = environ.get("REQUEST_METHOD", "GET")
+    if method not in ("GET", "HEAD"):
+      return self.app(environ, start_response)  # (OPTIONS, and 405 for the rest)
+    key = (environ.get("QUERY_STRING", ""), environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", ""))
+    with self._lock:
+      page = self._pages.get(key)
+      if page is None or time.monotonic() - page[0] > METRICS_CACHE_S:
+        got = {}
+
+        def keep(status, headers, exc_info=None):
+          got["status"], got["headers"] = status, headers
+
+        body = b"".join(self.app({**environ, "REQUEST_METHOD": "GET"}, keep))
+        if len(self._pages) > 64:  # (one key per query / format / encoding a client sent)
+          self._pages.clear()
+        page = self._pages[key] = (time.monotonic(), got["status"], got["headers"], body)
+    _, status, headers, body = page
+    start_response(status, headers)
+    return [b""] if method == "HEAD" else [body]

@@ -330,6 +330,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
     self._not_submitted: dict[str, bool] = {}  # engine id -> aborted, until Generate submits it to the engine
     self._prefilling: dict[str, asyncio.Task] = {}  # engine id -> its prefill at a prefill server (decode server)
+    self.stopping = False  # RunningServer.stop began: a stream cut from now on ends UNAVAILABLE for its client
 
   def close(self) -> None:
     self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -373,7 +374,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     metrics."""
     metrics = self.loop.metrics
     stream = self._generate(request, context)
-    outcome = "cancelled"  # ended by the client or its deadline (or the server stopping) before a status
+    outcome = "cancelled"  # ended by the client or its deadline before a status ("unavailable": the server's stop)
     try:
       async for message in stream:
         if message.finished:
@@ -393,6 +394,8 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
         await stream.aclose()
       finally:
         if metrics is not None:
+          if outcome == "cancelled" and self.stopping:  # cut at the end of the grace: the client got UNAVAILABLE
+            outcome = "unavailable"
           metrics.requests.labels(outcome=outcome).inc()
 
   async def _generate(self, request, context):
@@ -543,6 +546,9 @@ MAX_HEALTH_WATCHES = 1024
 # Watch streams one client (``client_of``) may hold: Watch needs no API key, so without a share one client
 # could take every slot and leave a load balancer's health checks RESOURCE_EXHAUSTED.
 MAX_HEALTH_WATCHES_PER_CLIENT = 64
+# At shutdown, how long the health Watch streams get to send NOT_SERVING before they are ended (each is a write
+# to its own stream's queue on this event loop).
+WATCH_END_DELAY_S = 0.1
 
 
 # Bytes a GenerateRequest takes besides its prompt: MAX_STOP_STRINGS stop strings of MAX_STOP_STRING_BYTES,
@@ -569,13 +575,16 @@ def receive_bounds(servicer: InferenceServicer) -> tuple[int, int | None]:
   return message, calls
 
 
-def _add_health(servicer, server) -> None:
+def _add_health(servicer, server) -> asyncio.Event:
   """grpc.health.v1.Health with the library's servicer, but unparsable request bytes or a service name over
   MAX_HEALTH_SERVICE_BYTES answer INVALID_ARGUMENT (the generated registration lets the parse error escape as
   UNKNOWN with a logged traceback), and a Watch beyond MAX_HEALTH_WATCHES open ones, or beyond
-  MAX_HEALTH_WATCHES_PER_CLIENT of its client's, RESOURCE_EXHAUSTED."""
+  MAX_HEALTH_WATCHES_PER_CLIENT of its client's, RESOURCE_EXHAUSTED. Returns the event that ends every Watch
+  stream (set once NOT_SERVING has been sent at shutdown: an open Watch, which a load balancer keeps, would
+  otherwise hold a drain for its whole grace)."""
   pb = health_pb2
   watches = collections.Counter()  # client_of -> open Watch streams (on the server's one event loop: no lock)
+  closing = asyncio.Event()
 
   async def refuse_malformed(request, context):
     if isinstance(request, _Malformed):
@@ -599,9 +608,15 @@ def _add_health(servicer, server) -> None:
                           f"client {client} has {MAX_HEALTH_WATCHES_PER_CLIENT} health Watch streams open (the "
                           "limit per client); use Check, or close one")
     watches[client] += 1
+    streaming = asyncio.ensure_future(servicer.Watch(request, context))
+    ended = asyncio.ensure_future(closing.wait())
     try:
-      await servicer.Watch(request, context)
+      await asyncio.wait((streaming, ended), return_when=asyncio.FIRST_COMPLETED)
+      if streaming.done():
+        streaming.result()  # (its exception, if any)
     finally:
+      for task in (streaming, ended):
+        task.cancel()
       watches[client] -= 1
       if not watches[client]:
         del watches[client]
@@ -613,6 +628,7 @@ def _add_health(servicer, server) -> None:
                                                     response_serializer=pb.HealthCheckResponse.SerializeToString),
   }
   server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grpc.health.v1.Health", handlers),))
+  return closing
 
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -667,16 +683,22 @@ class RunningServer:
   ``stop(grace)`` stops accepting RPCs, gives in-flight ones `grace` seconds (then cancels them), and returns
   an object whose ``wait()`` blocks until the server is down (grpc.Server's shape)."""
 
-  def __init__(self, aio_loop, thread, server, servicer, health_servicer, on_close=()):
-    """on_close: callables run at the end of a stop (after the RPCs): cutting the KV transfer's pulls."""
+  def __init__(self, aio_loop, thread, server, servicer, health_servicer, on_close=(), end_watches=None):
+    """on_close: callables run at the end of a stop (after the RPCs): cutting the KV transfer's pulls.
+    end_watches: ``_add_health``'s event, set to end the health Watch streams once they were told NOT_SERVING."""
     self._aio_loop, self._thread, self._server = aio_loop, thread, server
     self.servicer, self.health = servicer, health_servicer
+    self._end_watches = end_watches
     self._on_close = tuple(on_close)
     self.prefill = None  # a prefill server's PrefillServicer (set by serve)
 
   def stop(self, grace: float | None):
     async def shutdown():
+      self.servicer.stopping = True
       await self.health.enter_graceful_shutdown()
+      if self._end_watches is not None:
+        await asyncio.sleep(WATCH_END_DELAY_S)  # (the servicer's Watch tasks write NOT_SERVING first)
+        self._end_watches.set()
       await self._server.stop(grace)
 
     fut = asyncio.run_coroutine_threadsafe(shutdown(), self._aio_loop)
@@ -759,7 +781,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
       server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PREFILL_SERVICE_NAME,
                                                                             prefill_handlers),))
     health_servicer = health.aio.HealthServicer()
-    _add_health(health_servicer, server)
+    end_watches = _add_health(health_servicer, server)
     address = join_host_port(host, port)
     try:
       bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
@@ -776,10 +798,11 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     await server.start()
     for name in ("", SERVICE_NAME) + ((PREFILL_SERVICE_NAME,) if mode == "prefill" else ()):
       await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, servicer, health_servicer, bound, prefill
+    return server, servicer, health_servicer, bound, prefill, end_watches
 
   try:
-    server, servicer, health_servicer, bound, prefill = asyncio.run_coroutine_threadsafe(start(), aio_loop).result()
+    server, servicer, health_servicer, bound, prefill, end_watches = asyncio.run_coroutine_threadsafe(
+        start(), aio_loop).result()
   except BaseException:
     loop.stop()
     aio_loop.call_soon_threadsafe(aio_loop.stop)
@@ -787,6 +810,6 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     raise
   if transfer is not None:
     on_close.append(transfer.close)
-  running = RunningServer(aio_loop, thread, server, servicer, health_servicer, on_close)
+  running = RunningServer(aio_loop, thread, server, servicer, health_servicer, on_close, end_watches)
   running.prefill = prefill  # a prefill server's PrefillServicer (None otherwise)
   return running, loop, bound

@@ -37,6 +37,8 @@ def check_bindable(flag: str, host: str, port: int) -> None:
     raise ValueError(f"{flag} {where!r}: an empty host (0.0.0.0 or [::] for every interface)")
   if host.startswith("[") != host.endswith("]") or host.count("[") > 1 or host.count("]") > 1:
     raise ValueError(f"{flag} {where!r}: unbalanced brackets (an IPv6 address is [::1] or ::1)")
+  if host.startswith("[") and ":" not in host:
+    raise ValueError(f"{flag} {where!r}: brackets are for an IPv6 address (write an IPv4 address or a name bare)")
   try:
     infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
   except (socket.gaierror, UnicodeError) as e:

@@ -52,8 +52,10 @@ from prometheus_client.core import CounterMetricFamily
 # and file descriptors (a break-it run held 1,000 half-open connections, one thread and descriptor each, until
 # gRPC could accept nothing) or its CPU (16 clients scraping in a loop slowed decoding 2-4x).
 METRICS_CONNECTIONS = 16       # connections served at once; more are closed on arrival
-METRICS_READ_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+METRICS_READ_TIMEOUT_S = 10.0  # a connection is closed this long after it opened, whatever it has sent
 METRICS_CACHE_S = 0.5          # a page is rendered at most this often (per query, format and encoding)
+METRICS_MIN_INTERVAL_S = 0.05  # requests are answered one at a time, at most one per this interval (waiting
+                               # ones sleep): 20 a second, far above what Prometheus asks (one per 15 s)
 METRICS_PATHS = ("/", "/metrics")
 
 # hisparse_requests_total's outcomes, each created at 0: the finish reasons, "cancelled", and every status a
@@ -138,8 +140,9 @@ class ServerMetrics:
 
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
     """Serves the metrics at /metrics (and /) of host:port (port 0: a free one) on a daemon thread; returns the
-    bound port. OSError if it cannot bind. At most METRICS_CONNECTIONS connections at once, each closed after
-    METRICS_READ_TIMEOUT_S of silence; a page rendered at most every METRICS_CACHE_S (``_CachedPage``)."""
+    bound port. OSError if it cannot bind. At most METRICS_CONNECTIONS connections at once, each closed
+    METRICS_READ_TIMEOUT_S after it opened; requests answered one at a time, at most one per
+    METRICS_MIN_INTERVAL_S, a page rendered at most every METRICS_CACHE_S (``_CachedPage``)."""
     host = host.strip("[]")  # (an IPv6 address bare)
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     server_class = type("_MetricsServerOf", (_MetricsServer,), {"address_family": family})
@@ -205,6 +208,9 @@ class _CountOf:
   def collect(self):
     yield CounterMetricFamily(self.name, self.documentation, value=self.value())
 
+  def describe(self):  # (the registry's name filter, ?name[]=, finds a collector by what it describes)
+    yield CounterMetricFamily(self.name, self.documentation)
+
 
 class _MetricsHandler(WSGIRequestHandler):
   timeout = METRICS_READ_TIMEOUT_S  # (socketserver: the connection's socket timeout)
@@ -221,7 +227,24 @@ class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
 
   def __init__(self, *args, **kwargs):
     self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+    # A deadline for each whole connection, kept by one thread: the socket timeout alone restarts with every
+    # byte (a client sending one byte every few seconds held its connection for good).
+    self._deadlines: dict[socket.socket, float] = {}
+    self._deadlines_lock = threading.Lock()
     super().__init__(*args, **kwargs)
+    threading.Thread(target=self._reap, name="metrics-deadlines", daemon=True).start()
+
+  def _reap(self) -> None:
+    while True:
+      time.sleep(0.25)
+      now = time.monotonic()
+      with self._deadlines_lock:
+        late = [c for c, t in self._deadlines.items() if t < now]
+      for connection in late:  # its thread's blocked read returns; that thread closes it
+        try:
+          connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+          pass
 
   def process_request(self, request, client_address) -> None:
     if not self._slots.acquire(blocking=False):
@@ -234,9 +257,13 @@ class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
       raise
 
   def process_request_thread(self, request, client_address) -> None:
+    with self._deadlines_lock:
+      self._deadlines[request] = time.monotonic() + _MetricsHandler.timeout
     try:
       super().process_request_thread(request, client_address)
     finally:
+      with self._deadlines_lock:
+        del self._deadlines[request]
       self._slots.release()
 
   def handle_error(self, request, client_address) -> None:  # (a client that timed out or reset: no traceback)
@@ -245,13 +272,15 @@ class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
 
 class _CachedPage:
   """WSGI app: prometheus-client's, at /metrics and / only (404 elsewhere), GET and HEAD (OPTIONS as it answers),
-  each page rendered at most every METRICS_CACHE_S and shared by the scrapes that ask for it meanwhile (one
-  render at a time)."""
+  each page rendered at most every METRICS_CACHE_S and shared by the scrapes that ask for it meanwhile; one
+  request at a time, at most one per METRICS_MIN_INTERVAL_S (a varied query string or Accept header, each a
+  fresh render, cannot make it render more often than that)."""
 
   def __init__(self, app):
     self.app = app
     self._lock = threading.Lock()
     self._pages: dict[tuple, tuple[float, str, list, bytes]] = {}
+    self._next = 0.0  # when the next request may be answered (METRICS_MIN_INTERVAL_S)
 
   def __call__(self, environ, start_response):
     if environ.get("PATH_INFO", "/") not in METRICS_PATHS:
@@ -262,6 +291,8 @@ class _CachedPage:
       return self.app(environ, start_response)  # (OPTIONS, and 405 for the rest)
     key = (environ.get("QUERY_STRING", ""), environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", ""))
     with self._lock:
+      time.sleep(max(0.0, self._next - time.monotonic()))
+      self._next = time.monotonic() + METRICS_MIN_INTERVAL_S
       page = self._pages.get(key)
       if page is None or time.monotonic() - page[0] > METRICS_CACHE_S:
         got = {}
@@ -274,5 +305,6 @@ class _CachedPage:
           self._pages.clear()
         page = self._pages[key] = (time.monotonic(), got["status"], got["headers"], body)
     _, status, headers, body = page
-    start_response(status, headers)
+    headers = [(k, v) for k, v in headers if k.lower() != "content-length"]  # (a copy: wsgiref adds to the list)
+    start_response(status, headers + [("Content-Length", str(len(body)))])
     return [b""] if method == "HEAD" else [body]

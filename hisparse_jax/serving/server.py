@@ -330,7 +330,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
     self._not_submitted: dict[str, bool] = {}  # engine id -> aborted, until Generate submits it to the engine
     self._prefilling: dict[str, asyncio.Task] = {}  # engine id -> its prefill at a prefill server (decode server)
-    self.stopping = False  # RunningServer.stop began: a stream cut from now on ends UNAVAILABLE for its client
+    self.cutting = False  # RunningServer.stop's grace is ending: a stream cut now ends UNAVAILABLE for its client
 
   def close(self) -> None:
     self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -394,7 +394,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
         await stream.aclose()
       finally:
         if metrics is not None:
-          if outcome == "cancelled" and self.stopping:  # cut at the end of the grace: the client got UNAVAILABLE
+          if outcome == "cancelled" and self.cutting:  # cut at the end of the grace: the client got UNAVAILABLE
             outcome = "unavailable"
           metrics.requests.labels(outcome=outcome).inc()
 
@@ -549,6 +549,9 @@ MAX_HEALTH_WATCHES_PER_CLIENT = 64
 # At shutdown, how long the health Watch streams get to send NOT_SERVING before they are ended (each is a write
 # to its own stream's queue on this event loop).
 WATCH_END_DELAY_S = 0.1
+# A Generate stream that ends this close to the end of a stop's grace is counted as cut by the stop
+# ("unavailable"), not as cancelled by its client (the cut is gRPC's own timer, so the two cannot be told apart).
+CUT_MARGIN_S = 0.05
 
 
 # Bytes a GenerateRequest takes besides its prompt: MAX_STOP_STRINGS stop strings of MAX_STOP_STRING_BYTES,
@@ -694,7 +697,9 @@ class RunningServer:
 
   def stop(self, grace: float | None):
     async def shutdown():
-      self.servicer.stopping = True
+      if grace is not None:  # (a stream its client cancels during the grace stays "cancelled")
+        asyncio.get_running_loop().call_later(max(0.0, grace - CUT_MARGIN_S), setattr, self.servicer, "cutting",
+                                              True)
       await self.health.enter_graceful_shutdown()
       if self._end_watches is not None:
         await asyncio.sleep(WATCH_END_DELAY_S)  # (the servicer's Watch tasks write NOT_SERVING first)

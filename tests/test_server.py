@@ -432,14 +432,13 @@ def test_a_graceful_stop_ends_health_watches_and_counts_cut_streams_as_unavailab
 def test_the_metrics_endpoint_bounds_its_connections_and_renders(monkeypatch):
   """Half-open connections to the metrics port each held a thread and a descriptor until the client let go (a
   break-it run took the server to its descriptor limit, and gRPC could accept nothing): now at most
-  METRICS_CONNECTIONS are served at once, more are closed on arrival, and a silent one is closed after its read
-  timeout. Scrapes within METRICS_CACHE_S share one rendered page."""
+  METRICS_CONNECTIONS are served at once, more are closed on arrival, and each is closed at its deadline. Scrapes within METRICS_CACHE_S share one rendered page."""
   import socket
   import threading
   import urllib.request
 
   from hisparse_jax.serving import metrics as metrics_module
-  monkeypatch.setattr(metrics_module._MetricsHandler, "timeout", 1.0)
+  monkeypatch.setattr(metrics_module, "METRICS_CONNECTION_S", 1.0)
   m = ServerMetrics(row_bytes=4, num_layers=1)
   port = m.serve(0)
   url = f"http://127.0.0.1:{port}/metrics"
@@ -451,7 +450,7 @@ def test_the_metrics_endpoint_bounds_its_connections_and_renders(monkeypatch):
   time.sleep(0.5)
   assert threading.active_count() - threads <= metrics_module.METRICS_CONNECTIONS
   closed = 0
-  for s in idle:  # the connections past the cap were closed at once; the rest after the 1 s read timeout
+  for s in idle:  # the connections past the cap were closed at once; the rest at their 1 s deadline
     s.settimeout(10)
     closed += s.recv(1) == b""
     s.close()

@@ -97,6 +97,11 @@ def per_device(fn, batch_axis: str | None = None):
   (batch) dimension over it. ``fn`` itself without a mesh of more than one device or inside a shard_map."""
 
   def call(*args):
+    for a in args:  # (XLA models unpinned_host as device memory: a donated such pool aborts the process)
+      if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and \
+          getattr(a.sharding, "memory_kind", None) not in (None, "device", "pinned_host"):
+        raise ValueError(f"an operand of shape {list(a.shape)} is in {a.sharding.memory_kind} memory: the kernels "
+                         "take device arrays and a pinned_host host pool")
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or inside_shard_map():
       return fn(*args)
@@ -114,15 +119,7 @@ def per_device(fn, batch_axis: str | None = None):
     if not any(isinstance(a, jax.core.Tracer) for a in args):  # eager: under jit (an eager shard_map refuses
       mapped = jax.jit(mapped)                                  # arrays on a mesh's Explicit axes)
     return mapped(*args)
-
-  def checked(*args):
-    for a in args:  # (XLA models unpinned_host as device memory: a donated such pool aborts the process)
-      if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and \
-          getattr(a.sharding, "memory_kind", None) not in (None, "device", "pinned_host"):
-        raise ValueError(f"an operand of shape {list(a.shape)} is in {a.sharding.memory_kind} memory: the kernels "
-                         "take device arrays and a pinned_host host pool")
-    return call(*args)
-  return checked
+  return call
 
 
 def _like(x: jax.Array):
@@ -249,24 +246,23 @@ class ExtensionHostPool:
     """A fresh int32[1] ordering token for a cache that uses this pool."""
     return jnp.zeros((1,), jnp.int32)
 
-  def _live(self) -> None:
+  def _check_open(self) -> None:
     if not self.address:
       raise ValueError("this ExtensionHostPool is closed")
 
   def read(self) -> np.ndarray:
     """A copy of the whole pool as a NumPy array [L, H, W] (tests, debugging). ValueError once closed."""
-    self._live()
+    self._check_open()
     raw = self._module.read_host_pool(self.address, 0, self.nbytes)
     return np.frombuffer(raw, self.dtype).reshape(self.shape).copy()
 
   def write(self, array) -> None:
     """Overwrites the whole pool from an array of its shape and dtype (ValueError for another shape or dtype, or
     once closed: a conversion could round or overflow the rows)."""
-    self._live()
+    self._check_open()
     a = np.asarray(array)
     if a.dtype != self.dtype:
       raise ValueError(f"expected dtype {self.dtype}, got {a.dtype} (convert it first)")
-    a = np.ascontiguousarray(a)
     if a.shape != self.shape:
       raise ValueError(f"expected shape {self.shape}, got {a.shape}")
     self._module.write_host_pool(self.address, 0, a.tobytes())

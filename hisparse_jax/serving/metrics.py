@@ -52,7 +52,7 @@ from prometheus_client.core import CounterMetricFamily
 # and file descriptors (a break-it run held 1,000 half-open connections, one thread and descriptor each, until
 # gRPC could accept nothing) or its CPU (16 clients scraping in a loop slowed decoding 2-4x).
 METRICS_CONNECTIONS = 16       # connections served at once; more are closed on arrival
-METRICS_READ_TIMEOUT_S = 10.0  # a connection is closed this long after it opened, whatever it has sent
+METRICS_CONNECTION_S = 10.0    # a connection is closed this long after it opened, whatever it has sent
 METRICS_CACHE_S = 0.5          # a page is rendered at most this often (per query, format and encoding)
 METRICS_MIN_INTERVAL_S = 0.05  # requests are answered one at a time, at most one per this interval (waiting
                                # ones sleep): 20 a second, far above what Prometheus asks (one per 15 s)
@@ -141,7 +141,7 @@ class ServerMetrics:
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
     """Serves the metrics at /metrics (and /) of host:port (port 0: a free one) on a daemon thread; returns the
     bound port. OSError if it cannot bind. At most METRICS_CONNECTIONS connections at once, each closed
-    METRICS_READ_TIMEOUT_S after it opened; requests answered one at a time, at most one per
+    METRICS_CONNECTION_S after it opened; requests answered one at a time, at most one per
     METRICS_MIN_INTERVAL_S, a page rendered at most every METRICS_CACHE_S (``_CachedPage``)."""
     host = host.strip("[]")  # (an IPv6 address bare)
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
@@ -213,8 +213,6 @@ class _CountOf:
 
 
 class _MetricsHandler(WSGIRequestHandler):
-  timeout = METRICS_READ_TIMEOUT_S  # (socketserver: the connection's socket timeout)
-
   def log_message(self, *args) -> None:  # (no line on stderr per scrape)
     pass
 
@@ -227,8 +225,8 @@ class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
 
   def __init__(self, *args, **kwargs):
     self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
-    # A deadline for each whole connection, kept by one thread: the socket timeout alone restarts with every
-    # byte (a client sending one byte every few seconds held its connection for good).
+    # A deadline for each whole connection, kept by one thread (a socket timeout restarts with every byte: a
+    # client sending one byte every few seconds held its connection for good).
     self._deadlines: dict[socket.socket, float] = {}
     self._deadlines_lock = threading.Lock()
     super().__init__(*args, **kwargs)
@@ -258,7 +256,7 @@ class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
 
   def process_request_thread(self, request, client_address) -> None:
     with self._deadlines_lock:
-      self._deadlines[request] = time.monotonic() + _MetricsHandler.timeout
+      self._deadlines[request] = time.monotonic() + METRICS_CONNECTION_S
     try:
       super().process_request_thread(request, client_address)
     finally:

@@ -10,6 +10,7 @@ import pytest
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, InvalidRequest, Request, ResourceExhausted, StartupError
+from tests import engine_fuzz
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 from tests.xla_env import with_devices
 
@@ -673,3 +674,40 @@ def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
   eng.submit(again)
   eng.run()
   assert again.finish_reason == "length" and len(again.output_ids) == 5 and all_kv_free(eng.loads())
+
+
+
+@pytest.fixture(scope="module")
+def fuzz_references():
+  return engine_fuzz.References()
+
+
+@pytest.mark.parametrize("config", ["dense", "clock_prefetch", "resident", "fp8_score_ema"])
+def test_random_workloads_give_each_request_its_tokens_alone(config, fuzz_references):
+  """tests/engine_fuzz.py: random arrivals (some submitted from another request's on_token, some with prompt KV
+  imported from a prefill engine), aborts (between steps and from on_token), callbacks that raise, refused
+  submissions, stop tokens and strings, greedy and seeded sampling, under a budget that forces preemption (and
+  offloads with residency); every request ends once with the tokens and text it gets decoded alone on dense KV
+  (a prefix if aborted or failed), and all KV is freed. Two seeds here; ``python -m tests.engine_fuzz`` runs
+  many."""
+  totals = engine_fuzz.fuzz(config, seeds=(0, 1), references=fuzz_references)
+  # The workloads reach the paths they are for.
+  assert totals["aborted"] >= 4 and totals["preemptions"] >= 1 and totals["imported"] >= 1
+  assert totals["callback_errors"] >= 1 and totals["from_callbacks"] >= 1
+  assert (totals["misses"] > 0) == (config != "dense")
+  assert (totals["offloads"] > 0) == (config == "resident")
+
+
+def test_random_workloads_on_meshes():
+  """The same on DP / TP meshes of simulated devices (a subprocess): each DP group admits, preempts and imports in
+  its own pools. (A prompt KV imported into a dense engine with --dp-size 2 failed inside shard_map: the per-group
+  method's result shapes were evaluated outside the group, where the view method it calls started a shard_map of
+  its own over one group's arrays.)"""
+  env = {**os.environ, "XLA_FLAGS": with_devices(4)}
+  configs = ("dp2_dense", "dp2tp2_fp8")
+  out = subprocess.run([sys.executable, "-m", "tests.engine_fuzz", "--configs", ",".join(configs), "--seeds", "0-1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+  for name in configs:
+    assert f"{name}: 2 workloads passed" in out.stdout, out.stdout
+  assert "'imported': 0" not in out.stdout and "'preemptions': 0" not in out.stdout

@@ -34,6 +34,7 @@ slots hold ids local to the group (memory/backend.py).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 
@@ -102,10 +103,16 @@ def _placement(mesh, memory_kind=None):
   return jax.sharding.NamedSharding(mesh, POOL_SPEC, memory_kind=memory_kind)
 
 
+# True while a per_group method's body is traced for one group: under its shard_map, and also while its result
+# shapes are evaluated (jax.eval_shape of the body on the global arrays, outside any shard_map), where a per_group
+# method it calls must run as is too, not start a shard_map of its own over arrays that are one group's.
+_IN_GROUP = contextvars.ContextVar("hisparse_in_dp_group", default=False)
+
+
 def _dp_groups() -> int:
-  """DP groups of the context mesh (1: none, or already inside a shard_map)."""
+  """DP groups of the context mesh (1: none, or already inside a group's body or a shard_map)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or DP_AXIS not in mesh.axis_names or ops.inside_shard_map():
+  if mesh.empty or DP_AXIS not in mesh.axis_names or _IN_GROUP.get() or ops.inside_shard_map():
     return 1
   return mesh.shape[DP_AXIS]
 
@@ -142,7 +149,11 @@ def per_group(*, replicated=()):
 
       def local(obj, *arrs):
         it = iter(arrs)
-        return method(obj, *(next(it) if keep else a for a, keep in zip(args, is_array)))
+        token = _IN_GROUP.set(True)
+        try:
+          return method(obj, *(next(it) if keep else a for a, keep in zip(args, is_array)))
+        finally:
+          _IN_GROUP.reset(token)
 
       in_specs = (_specs(self), *(_P() if i in replicated else _specs(a)
                                   for i, (a, keep) in enumerate(zip(args, is_array)) if keep))

@@ -208,7 +208,8 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
     self.hang, self.cancelled, self.refuse = hang, threading.Event(), refuse
     # The offer's layout: the Info's unless overridden (a prefill server restarted with other flags).
     self.offer = {**dict(num_layers=info.num_layers, latent_dim=info.latent_dim, index_dim=info.index_dim,
-                         latent_dtype=info.latent_dtype, numerics=info.numerics), **offer}
+                         latent_dtype=info.latent_dtype, numerics=info.numerics,
+                         model_fingerprint=info.model_fingerprint), **offer}
 
   def Info(self, request, context):
     return self.info
@@ -230,11 +231,12 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
       self.acks.append(message.received.pulled)
 
 
-@pytest.mark.parametrize("case", ["timeout", "other layout", "no offer", "abort", "exhausted"])
+@pytest.mark.parametrize("case", ["timeout", "other layout", "other model", "no offer", "abort", "exhausted"])
 def test_a_transfer_that_times_out(case):
   """A pull that does not finish within --transfer-timeout-s, an offer of another KV layout than the start-up
   check saw (the prefill server restarted with FP8 rows of bfloat16: 68 bytes, not 48 float32; refused before
-  any pull), or a prefill server that sends no offer within --prefill-timeout-s (hung alive, long before the client's
+  any pull), an offer of another checkpoint (restarted with other weights of the same shapes, whose KV would
+  decode into other tokens without an error; refused before any pull), or a prefill server that sends no offer within --prefill-timeout-s (hung alive, long before the client's
   deadline): the request fails with UNAVAILABLE naming the cause, nothing is held, the decode server keeps
   serving, and a hung prefill server's stream is cancelled. An Abort of a request waiting on a hung prefill
   server ends its stream as ABORT at once (it waited for --prefill-timeout-s) and cancels the prefill there; a
@@ -250,7 +252,8 @@ def test_a_transfer_that_times_out(case):
   servicer = _SilentPrefill(info, transfer.address, **{
       "timeout": {}, "no offer": {"hang": True}, "abort": {"hang": True},
       "exhausted": {"refuse": (grpc.StatusCode.RESOURCE_EXHAUSTED, "request needs 4 pages of the kv pool")},
-      "other layout": {"latent_dim": 68, "latent_dtype": "uint8", "numerics": "fp8"}}[case])
+      "other layout": {"latent_dim": 68, "latent_dtype": "uint8", "numerics": "fp8"},
+      "other model": {"model_fingerprint": "f" * 64}}[case])
   hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
   port = server.add_insecure_port("127.0.0.1:0")
   server.start()
@@ -284,6 +287,10 @@ def test_a_transfer_that_times_out(case):
     elif case == "no offer":
       assert "no KV offer within --prefill-timeout-s 3" in err.value.details(), err.value.details()
       assert servicer.cancelled.wait(10)
+    elif case == "other model":
+      assert "offer from another model (fingerprint ffffffffffff..., here" in err.value.details() and \
+          "--model-path" in err.value.details(), err.value.details()
+      assert servicer.acks == []  # nothing pulled or acknowledged
     else:
       assert "(3, 68, 16, 'uint8', 'fp8')" in err.value.details() and "(3, 48, 16, 'float32', '')" in \
           err.value.details() and "--kv-cache-dtype" in err.value.details(), err.value.details()
@@ -301,6 +308,54 @@ def test_a_transfer_that_times_out(case):
   finally:
     stop(procs)
     server.stop(0)
+
+
+def test_an_offer_pulled_after_the_callers_deadline_is_still_acknowledged():
+  """The caller's deadline bounds the wait for the offer, not the Prefill call: a pull that ends after the
+  deadline is acknowledged (the prefill server frees the offer). When the deadline was the call's gRPC timeout,
+  the call ended between the pull and its acknowledgement, and the prefill server took back an offer already
+  pulled (it waited for the take-back's deadline and cut it, leaving a socket of jax's transfer library open:
+  10 of 96 requests with 5-150 ms deadlines did, found by a break-it run). A deadline that passes before the
+  offer still cancels the prefill there, and the caller gets DEADLINE_EXCEEDED (its own deadline's status)."""
+  import numpy as np
+
+  from hisparse_jax.engine import DeadlineExceeded, Engine, Request
+  from hisparse_jax.serving.disaggregation import PrefillClient
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
+  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
+                         latent_dtype="float32", max_seq_len=256)
+
+  class SlowTransfer:  # a pull that lands 0.6 s after it starts
+    def pull(self, address, uuid, specs, timeout_s=None):
+      time.sleep(0.6)
+      return [np.zeros(s.shape, s.dtype) for s in specs[:2]] + [np.array([7, 0], np.uint32)]
+
+  server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+  servicer = _SilentPrefill(info, "127.0.0.1:1")
+  hung = _SilentPrefill(info, "127.0.0.1:1", hang=True)
+  hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+  port = server.add_insecure_port("127.0.0.1:0")
+  server.start()
+  hung_server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+  hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(hung, hung_server)
+  hung_port = hung_server.add_insecure_port("127.0.0.1:0")
+  hung_server.start()
+  try:
+    client = PrefillClient(e, (f"127.0.0.1:{port}",), SlowTransfer(), 30)
+    req = Request("late", [3, 4, 5], 2)
+    asyncio.run(client.prefill(req, deadline_s=0.2))
+    assert req.first_token == 1 and req.prompt_kv[0].shape == (3, 16, 48)
+    deadline = time.monotonic() + 10
+    while not servicer.acks and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert servicer.acks == [True]
+    client = PrefillClient(e, (f"127.0.0.1:{hung_port}",), SlowTransfer(), 30)
+    with pytest.raises(DeadlineExceeded, match="the request.s deadline passed before its KV was offered"):
+      asyncio.run(client.prefill(Request("early", [3, 4, 5], 2), deadline_s=0.3))
+    assert hung.cancelled.wait(10)  # the prefill there was stopped
+  finally:
+    server.stop(0)
+    hung_server.stop(0)
 
 
 def _startup_error(*flags):
@@ -360,11 +415,15 @@ def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
           in err and err.rstrip().endswith("start it with --disaggregation-mode prefill")), err[-2000:]
   assert "answered within" not in err and time.monotonic() - start < 60
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--dtype=bfloat16")
-  assert "serves another model or KV layout" in err
+  assert "serves another KV layout" in err
+  # Another checkpoint of the same shapes (other weights): the fingerprint differs, the layout does not.
+  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
+                       f"--model-path={tiny_model_dir(8)}")
+  assert "serves another model (checkpoint fingerprint" in err and "the same --model-path checkpoint" in err, err[-2000:]
   # FP8 rows against its float32 rows: 100 + 20 uint8 against 48 + 16 float32 per token and layer.
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
                        "--kv-cache-dtype=fp8_e4m3")
-  assert "serves another model or KV layout" in err and "(3, 48, 16, 'float32', '')" in err
+  assert "serves another KV layout" in err and "(3, 48, 16, 'float32', '')" in err
   assert "(3, 100, 20, 'uint8', 'fp8')" in err and "--kv-cache-dtype" in err
   # The same rows computed with other numerics: the KV would not be the one this server computes.
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--fp8-numerics")

@@ -36,6 +36,13 @@ class Unavailable(RequestError):
   code = "UNAVAILABLE"
 
 
+class DeadlineExceeded(RequestError):
+  """The caller's deadline passed before the request could start (DEADLINE_EXCEEDED): a decode server's wait for
+  the prompt KV from a prefill server."""
+
+  code = "DEADLINE_EXCEEDED"
+
+
 class InternalError(RequestError):
   """A step of the engine failed; the requests it was running fail with it (INTERNAL)."""
 

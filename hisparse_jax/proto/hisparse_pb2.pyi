@@ -53,7 +53,7 @@ class KVReceived(_message.Message):
     def __init__(self, pulled: _Optional[bool] = ..., pull_proof: _Optional[int] = ...) -> None: ...
 
 class PrefillOffer(_message.Message):
-    __slots__ = ("first_token", "transfer_uuid", "transfer_address", "kv_positions", "latent_dtype", "prefill_seconds", "kv_bytes", "num_layers", "latent_dim", "index_dim", "numerics")
+    __slots__ = ("first_token", "transfer_uuid", "transfer_address", "kv_positions", "latent_dtype", "prefill_seconds", "kv_bytes", "num_layers", "latent_dim", "index_dim", "numerics", "model_fingerprint")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_UUID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class PrefillOffer(_message.Message):
     LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
     INDEX_DIM_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     transfer_uuid: int
     transfer_address: str
@@ -76,7 +77,8 @@ class PrefillOffer(_message.Message):
     latent_dim: int
     index_dim: int
     numerics: str
-    def __init__(self, first_token: _Optional[int] = ..., transfer_uuid: _Optional[int] = ..., transfer_address: _Optional[str] = ..., kv_positions: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, first_token: _Optional[int] = ..., transfer_uuid: _Optional[int] = ..., transfer_address: _Optional[str] = ..., kv_positions: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., numerics: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -59,7 +59,7 @@ import uuid as uuidlib
 
 import grpc
 
-from hisparse_jax.engine import InvalidRequest, Request, RequestError, ResourceExhausted, Unavailable
+from hisparse_jax.engine import DeadlineExceeded, InvalidRequest, Request, RequestError, ResourceExhausted, Unavailable
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving.addresses import MAX_TIMEOUT_S, join_host_port
 
@@ -428,7 +428,8 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
           kv_positions=latent.shape[1], latent_dtype=latent.dtype.name,
           prefill_seconds=(fin.first_token_time or time.monotonic()) - arrival,
           kv_bytes=latent.nbytes + index.nbytes, num_layers=latent.shape[0], latent_dim=latent.shape[2],
-          index_dim=index.shape[2], numerics=_kv_layout(self.engine)[4]))
+          index_dim=index.shape[2], numerics=_kv_layout(self.engine)[4],
+          model_fingerprint=self.engine.model_fingerprint))
       reply = await asyncio.wait_for(context.read(), self.timeout_s)
       kind = reply.WhichOneof("message") if isinstance(reply, hisparse_pb2.PrefillMessage) else None
       claimed = kind == "received" and reply.received.pulled
@@ -530,11 +531,12 @@ class TakeBacks:
 # ---------------------------------------------------------------------------------------------- decode
 class PrefillFailed(Exception):
   """A prefill server or its transfer failed (another may succeed). exhausted: the server refused the request
-  with RESOURCE_EXHAUSTED (busy, or the request cannot fit its memory)."""
+  with RESOURCE_EXHAUSTED (busy, or the request cannot fit its memory); expired: the caller's deadline passed
+  first (no other server is tried)."""
 
-  def __init__(self, message: str, exhausted: bool = False):
+  def __init__(self, message: str, exhausted: bool = False, expired: bool = False):
     super().__init__(message)
-    self.exhausted = exhausted
+    self.exhausted, self.expired = exhausted, expired
 
 
 def _metadata(api_key: str | None) -> tuple:
@@ -578,10 +580,14 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
           why = f"its Info call failed {status}"
         raise ValueError(f"--prefill-servers {address}: {why}") from None
     theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype, info.numerics)
-    if info.model_fingerprint != engine.model_fingerprint or theirs != layout:
-      raise ValueError(f"--prefill-servers {address}: serves another model or KV layout (layers, latent row and "
-                       f"indexer key widths in elements of the row dtype, row dtype, numerics: {theirs}; here "
-                       f"{layout}); both need the same --model-path, --dtype, --kv-cache-dtype and --fp8-numerics")
+    if info.model_fingerprint != engine.model_fingerprint:
+      raise ValueError(f"--prefill-servers {address}: serves another model (checkpoint fingerprint "
+                       f"{info.model_fingerprint[:12]}..., here {engine.model_fingerprint[:12]}...: its config.json "
+                       "and weight files differ); both need the same --model-path checkpoint")
+    if theirs != layout:
+      raise ValueError(f"--prefill-servers {address}: serves another KV layout (layers, latent row and indexer key "
+                       f"widths in elements of the row dtype, row dtype, numerics: {theirs}; here {layout}); both "
+                       "need the same --dtype, --kv-cache-dtype and --fp8-numerics")
     if info.max_seq_len < engine.max_seq_len:
       raise ValueError(f"--prefill-servers {address}: its --max-seq-len {info.max_seq_len} is below this server's "
                        f"{engine.max_seq_len}")
@@ -619,12 +625,13 @@ class PrefillClient:
 
   async def prefill(self, req: Request, deadline_s: float | None = None) -> None:
     """Sets req.prompt_kv, first_token and its prefill / transfer timings from a prefill server (deadline_s:
-    the seconds the caller's own deadline leaves, None: none; each attempt ends at that deadline or after
-    ``prefill_timeout_s`` without an offer, whichever comes first).
+    the seconds the caller's own deadline leaves, None: none; each attempt's wait for an offer ends at that
+    deadline or after ``prefill_timeout_s``, whichever comes first; a pull that has begun is finished and
+    acknowledged even past the deadline, so that the prefill server frees the offer).
 
     Raises:
-      Unavailable: the prefill server(s) or the transfer failed (after one retry on another server), or the
-        caller's deadline passed.
+      Unavailable: the prefill server(s) or the transfer failed (after one retry on another server).
+      DeadlineExceeded: the caller's deadline passed before an offer came (after any failed attempt).
       InvalidRequest: the prefill server refused the request as invalid (no retry: another would too).
       ResourceExhausted: every prefill server tried (two at most) refused it with RESOURCE_EXHAUSTED (busy, or
         a prompt its memory cannot hold).
@@ -633,11 +640,12 @@ class PrefillClient:
       req.seed = int.from_bytes(os.urandom(4), "little")
     # (a client of another language may send a deadline gRPC here cannot represent: see MAX_TIMEOUT_S)
     end = None if deadline_s is None else time.monotonic() + min(deadline_s, MAX_TIMEOUT_S)
-    errors, exhausted = [], []
+    errors, exhausted, expired = [], [], False
     for _ in range(min(2, len(self.servers))):
       left = None if end is None else end - time.monotonic()
       if left is not None and left <= 0:
         errors.append("the request's deadline passed")
+        expired = True
         break
       i = self._next
       self._next = (self._next + 1) % len(self.servers)
@@ -647,12 +655,21 @@ class PrefillClient:
       except PrefillFailed as e:
         errors.append(f"{self.servers[i]}: {e}")
         exhausted.append(e.exhausted)
+        expired = e.expired
+        if expired:
+          break
+    if expired:  # (the caller sees its own deadline's status, whatever failed before it)
+      raise DeadlineExceeded("prefill failed: " + "; ".join(errors))
     if exhausted and all(exhausted):  # every server tried refused it for its memory or load: not a retry's cause
       raise ResourceExhausted("prefill failed: " + "; ".join(errors))
     raise Unavailable("prefill failed: " + "; ".join(errors))
 
   async def _prefill_on(self, i: int, req: Request, deadline_s: float | None) -> None:
-    call = self._stub(i).Prefill(metadata=self.metadata, timeout=deadline_s)
+    # The caller's deadline bounds the wait for the offer, not the call: once the KV is offered, its pull and
+    # acknowledgement finish whatever the caller does (a call ended by a gRPC timeout between the pull and the
+    # acknowledgement left the prefill server taking back an offer already pulled: it waits for that take-back's
+    # deadline, then cuts it, and jax's transfer library keeps that connection's socket open).
+    call = self._stub(i).Prefill(metadata=self.metadata)
 
     async def request_and_offer():
       await call.write(hisparse_pb2.PrefillMessage(request=hisparse_pb2.PrefillRequest(
@@ -660,10 +677,13 @@ class PrefillClient:
           top_k=req.top_k, **({} if req.seed is None else {"seed": req.seed}))))
       return await call.read()
 
+    by_deadline = deadline_s is not None and deadline_s < self.prefill_timeout_s
     try:  # --prefill-timeout-s bounds the wait for the offer only (a pull has --transfer-timeout-s)
-      offer = await asyncio.wait_for(request_and_offer(), self.prefill_timeout_s)
+      offer = await asyncio.wait_for(request_and_offer(), deadline_s if by_deadline else self.prefill_timeout_s)
     except asyncio.TimeoutError:  # cancelling the call stops the prefill there
       call.cancel()
+      if by_deadline:
+        raise PrefillFailed("the request's deadline passed before its KV was offered", expired=True) from None
       raise PrefillFailed(f"no KV offer within --prefill-timeout-s {self.prefill_timeout_s:g}") from None
     except asyncio.CancelledError:  # the client went away during the prefill: stop it there
       call.cancel()
@@ -683,6 +703,11 @@ class PrefillClient:
                           f"indexer key widths, row dtype, numerics); expected >= {len(req.prompt_ids)} of "
                           f"{self.layout}: did it restart with another --dtype, --kv-cache-dtype "
                           "or --fp8-numerics?")
+    if offer.model_fingerprint != self.engine.model_fingerprint:
+      call.cancel()
+      raise PrefillFailed(f"offer from another model (fingerprint {offer.model_fingerprint[:12] or 'none'}..., "
+                          f"here {self.engine.model_fingerprint[:12]}...): did it restart with another "
+                          "--model-path?")
     specs = _specs(L, offer.kv_positions, W, Di, dtype, self.index_dtype)
     start = time.monotonic()
     # The pull and its acknowledgement are shielded from the caller's cancellation (an abort): a pull in
@@ -710,7 +735,7 @@ class PrefillClient:
       await call.write(hisparse_pb2.PrefillMessage(received=hisparse_pb2.KVReceived(
           pulled=True, pull_proof=_proof_value(arrays[2]))))
       await call.done_writing()
-    except grpc.aio.AioRpcError:
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):  # (the latter: "RPC already finished")
       pass  # the KV is here; the prefill server's stream is gone (nothing is left offered)
     return arrays
 

@@ -161,7 +161,8 @@ def random_request(rng: np.random.Generator, rid: str) -> Request:
       top_p=float(rng.choice([1.0, 0.9])) if sampled else 1.0,
       seed=int(rng.integers(0, 2**31)),
       stop_token_ids=tuple(int(t) for t in rng.integers(0, 512, int(rng.integers(0, 4)))),
-      stop=tuple(str(x) for x in rng.choice(STOP_STRINGS, int(rng.integers(1, 3)), replace=False)) if rng.random() < 0.15 else (),
+      stop=(tuple(str(x) for x in rng.choice(STOP_STRINGS, int(rng.integers(1, 3)), replace=False))
+            if rng.random() < 0.15 else ()),
       include_stop_str_in_output=bool(rng.random() < 0.5),
       ignore_eos=bool(rng.random() < 0.5))
 
@@ -204,8 +205,8 @@ def fresh(r: Request) -> Request:
 def run(engine: Engine, references: References, plan: list[Planned], seed: int,
         max_steps: int = 5000) -> dict[str, str]:
   """Steps the workload on ``engine``; returns how each request ended ("step", "abort", or "refused": the queue
-  was full or the request larger than the pools) and checks, on the way, that refused submissions raise and that nothing ends twice or with an
-  error."""
+  was full or the request larger than the pools) and checks, on the way, that refused submissions raise and that
+  nothing ends twice, or with an error its callback did not raise."""
   rng = np.random.default_rng(seed + 10**6)
   ended: dict[str, str] = {}
   by_id = {p.request.request_id: p for p in plan}

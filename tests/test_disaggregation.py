@@ -236,8 +236,8 @@ def test_a_transfer_that_times_out(case):
   """A pull that does not finish within --transfer-timeout-s, an offer of another KV layout than the start-up
   check saw (the prefill server restarted with FP8 rows of bfloat16: 68 bytes, not 48 float32; refused before
   any pull), an offer of another checkpoint (restarted with other weights of the same shapes, whose KV would
-  decode into other tokens without an error; refused before any pull), or a prefill server that sends no offer within --prefill-timeout-s (hung alive, long before the client's
-  deadline): the request fails with UNAVAILABLE naming the cause, nothing is held, the decode server keeps
+  decode into other tokens without an error; refused before any pull), or a prefill server that sends no offer
+  within --prefill-timeout-s (hung alive, long before the client's deadline): the request fails with UNAVAILABLE naming the cause, nothing is held, the decode server keeps
   serving, and a hung prefill server's stream is cancelled. An Abort of a request waiting on a hung prefill
   server ends its stream as ABORT at once (it waited for --prefill-timeout-s) and cancels the prefill there; a
   prefill server that refuses a request with RESOURCE_EXHAUSTED (too large for its memory) gives the client
@@ -419,7 +419,8 @@ def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
   # Another checkpoint of the same shapes (other weights): the fingerprint differs, the layout does not.
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
                        f"--model-path={tiny_model_dir(8)}")
-  assert "serves another model (checkpoint fingerprint" in err and "the same --model-path checkpoint" in err, err[-2000:]
+  assert "serves another model (checkpoint fingerprint" in err and "the same --model-path checkpoint" in err, \
+      err[-2000:]
   # FP8 rows against its float32 rows: 100 + 20 uint8 against 48 + 16 float32 per token and layer.
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
                        "--kv-cache-dtype=fp8_e4m3")

@@ -700,9 +700,10 @@ def test_random_workloads_give_each_request_its_tokens_alone(config, fuzz_refere
 
 def test_random_workloads_on_meshes():
   """The same on a DP mesh of simulated devices (a subprocess), dense and HiSparse with residency: each DP group
-  admits, preempts, offloads and imports in its own pools (the command line also runs TP meshes). (A prompt KV imported into a dense engine with --dp-size 2 failed inside shard_map: the per-group
-  method's result shapes were evaluated outside the group, where the view method it calls started a shard_map of
-  its own over one group's arrays.)"""
+  admits, preempts, offloads and imports in its own pools (the command line also runs TP meshes). (A prompt KV
+  imported into a dense engine with --dp-size 2 failed inside shard_map: the per-group method's result shapes were
+  evaluated outside the group, where the view method it calls started a shard_map of its own over one group's
+  arrays.)"""
   env = {**os.environ, "XLA_FLAGS": with_devices(2)}
   configs = ("dp2_dense", "dp2_resident")
   out = subprocess.run([sys.executable, "-m", "tests.engine_fuzz", "--configs", ",".join(configs), "--seeds", "0-1"],

@@ -119,9 +119,7 @@ class References:
 
   def alone(self, like: Engine, r: Request) -> Request:
     """A request with r's inputs (its prompt KV not included) decoded alone."""
-    key = (like.args.kv_cache_dtype, like.args.tp_size, tuple(r.prompt_ids), r.max_new_tokens, r.temperature,
-           r.top_k, r.top_p, r.seed, tuple(sorted(r.stop_token_ids)), r.stop, r.include_stop_str_in_output,
-           r.ignore_eos)
+    key = (like.args.kv_cache_dtype, like.args.tp_size, *inputs(r).values())
     if key not in self.runs:
       alone = fresh(r)
       self.engine(like).submit(alone)
@@ -195,11 +193,20 @@ class CallbackFailed(RuntimeError):
   """What a planned on_token callback raises."""
 
 
+# What a request asks for (its results and callback aside): what an alone run repeats.
+INPUT_FIELDS = ("prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop",
+                "include_stop_str_in_output", "ignore_eos")
+
+
+def inputs(r: Request) -> dict:
+  """r's INPUT_FIELDS, hashable (prompt a tuple, stop token ids sorted)."""
+  return {**{f: getattr(r, f) for f in INPUT_FIELDS}, "prompt_ids": tuple(r.prompt_ids),
+          "stop_token_ids": tuple(sorted(r.stop_token_ids))}
+
+
 def fresh(r: Request) -> Request:
-  """A new Request with r's inputs (and no callback)."""
-  return Request(r.request_id, list(r.prompt_ids), r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                 top_p=r.top_p, seed=r.seed, stop_token_ids=tuple(sorted(r.stop_token_ids)), stop=r.stop,
-                 include_stop_str_in_output=r.include_stop_str_in_output, ignore_eos=r.ignore_eos)
+  """A new Request with r's id and inputs (no callback, no prompt KV)."""
+  return Request(r.request_id, **{**inputs(r), "prompt_ids": list(r.prompt_ids)})
 
 
 def run(engine: Engine, references: References, plan: list[Planned], seed: int,

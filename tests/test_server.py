@@ -433,7 +433,8 @@ def test_a_graceful_stop_ends_health_watches_and_counts_cut_streams_as_unavailab
 def test_the_metrics_endpoint_bounds_its_connections_and_renders(monkeypatch):
   """Half-open connections to the metrics port each held a thread and a descriptor until the client let go (a
   break-it run took the server to its descriptor limit, and gRPC could accept nothing): now at most
-  METRICS_CONNECTIONS are served at once, more are closed on arrival, and each is closed at its deadline. Scrapes within METRICS_CACHE_S share one rendered page."""
+  METRICS_CONNECTIONS are served at once, more are closed on arrival, and each is closed at its deadline. Scrapes
+  within METRICS_CACHE_S share one rendered page."""
   import socket
   import threading
   import urllib.request

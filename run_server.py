@@ -70,7 +70,8 @@ flags.DEFINE_float("transfer-timeout-s", 60.0, "Decode: the longest a prompt KV 
 flags.DEFINE_integer("max-offered-kv-bytes", 0, "Prefill: the most prompt KV bytes held for decode servers at "
                      "once (offers not pulled yet, prefills in flight; copies outside the KV pools); a prompt "
                      "whose offer would pass it gets RESOURCE_EXHAUSTED before it is prefilled. Taken from the "
-                     "device KV budget, whose rest sizes the KV pools. 0: half of the budget.")
+                     "device KV budget, whose rest sizes the KV pools. 0: half of the budget. Per DP group "
+                     "(--dp-size): each group's offers stay on its first device.")
 flags.DEFINE_float("prefill-timeout-s", 600.0, "Decode: the longest a prefill server may take to offer a prompt's "
                    "KV, its queue wait included; past it the attempt fails and is retried once on the next "
                    "prefill server.")

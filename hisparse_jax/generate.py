@@ -14,7 +14,8 @@ Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``top_k``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``, as
 ``Request`` defines them). Output: one line per non-blank input line, in input order, each written (and
 flushed) as soon as it and every line before it are done, so an interrupted run keeps what it finished;
-Ctrl-C (or SIGTERM) exits with status 130 and a one-line message. ``--output`` and ``--dump-topk`` may be neither
+Ctrl-C (or SIGTERM) exits with status 130 and a one-line message, and a run whose every line was rejected with
+status 1. ``--output`` and ``--dump-topk`` may be neither
 the prompts file, nor each other, nor inside the model directory (start-up errors). Lines have
 ``output_ids`` (new tokens only), ``text`` (when the model has a tokenizer),
 ``finish_reason`` (with ``matched_stop`` when a stop string or token ended it), ``prompt_tokens``, ``hits``/``misses`` (swap-in counts, HiSparse only), ``prefetched`` (rows
@@ -527,6 +528,8 @@ def main(argv):
   if engine.num_preemptions:
     print(f"[generate] {engine.num_preemptions} preemptions (KV freed and recomputed: raise --max-device-kv-bytes "
           "or lower --max-running-requests)", file=sys.stderr)
+  if read and not n:  # (a run with some lines rejected still did its work: exit status 0)
+    sys.exit(f"error: every prompt line was rejected; {written_summary('')}")
 
 
 if __name__ == "__main__":

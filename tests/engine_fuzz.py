@@ -215,6 +215,7 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
   was full or the request larger than the pools) and checks, on the way, that refused submissions raise and that
   nothing ends twice, or with an error its callback did not raise."""
   rng = np.random.default_rng(seed + 10**6)
+  pin_rng = np.random.default_rng(seed + 2 * 10**6)  # (its own stream: the one-device workloads stay the same)
   ended: dict[str, str] = {}
   by_id = {p.request.request_id: p for p in plan}
   live: list[Request] = []
@@ -224,6 +225,8 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
     submitted.add(p.request.request_id)
     if p.imported:
       references.export(engine, p.request)
+    if engine.groups > 1 and pin_rng.random() < 0.25:  # pinned to a DP group, as a prefill server's requests are
+      p.request.dp_group = int(pin_rng.integers(engine.groups))
     full = (engine.max_queued_requests is not None
             and len(engine.waiting) >= engine.max_queued_requests + engine.backend.free_slots)
     try:
@@ -276,6 +279,7 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
         raise AssertionError(f"seed {seed}: {req.request_id} ({len(req.prompt_ids)} tokens) was accepted")
       assert (len(engine.waiting), len(engine.running)) == before
     if engine.has_work():
+      assert all(r.dp_group in (None, r.kv.group) for r in engine.running), f"seed {seed}: a pinned request moved"
       for r in engine.step():
         assert r.request_id in by_id, (seed, r.request_id)
         assert r.request_id not in ended, f"seed {seed}: {r.request_id} ended twice"
@@ -320,7 +324,7 @@ def fuzz(name: str, seeds, requests: int = 24, references: References | None = N
   engine = make_engine(name)
   references = references or References()
   totals = dict(requests=0, aborted=0, refused=0, imported=0, callback_errors=0, from_callbacks=0, preemptions=0,
-                offloads=0, misses=0)
+                offloads=0, misses=0, pinned=0)
   for seed in seeds:
     pre, off = engine.num_preemptions, engine.num_offloads
     plan = workload(seed, requests)
@@ -335,9 +339,29 @@ def fuzz(name: str, seeds, requests: int = 24, references: References | None = N
     totals["preemptions"] += engine.num_preemptions - pre
     totals["offloads"] += engine.num_offloads - off
     totals["misses"] += sum(p.request.misses for p in plan)
+    totals["pinned"] += sum(p.request.dp_group is not None for p in plan)
     if log:
       log(f"{name} seed {seed}: ok ({totals})")
+  if engine.groups > 1:
+    check_exports(engine, references)
   return totals
+
+
+def check_exports(engine: Engine, references: References) -> None:
+  """A prefill server's export from each DP group (its requests pinned there): the prompt KV sits on the group's
+  first device, and its rows and first token equal the reference's export (one device, same KV dtype and TP)."""
+  prompt = list(range(3, 40))
+  want = Request("want", prompt, 1)
+  references.export(engine, want)
+  for group in range(engine.groups):
+    ex = Request(f"export-{group}", prompt, 1, export_kv=True, ignore_eos=True, dp_group=group)
+    engine.submit(ex)
+    engine.run()
+    assert ex.output_ids == [want.first_token], (group, ex.output_ids, want.first_token)
+    for got, ref in zip(ex.prompt_kv, want.prompt_kv):
+      assert got.devices() == {engine.group_device(group)}, (group, got.devices())
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), err_msg=f"group {group}")
+  assert all_kv_free(engine.loads()), engine.loads()
 
 
 def seed_range(text: str) -> list[int]:

@@ -35,7 +35,7 @@ def run(*args, timeout=300, env=None):
 def test_an_earlier_output_survives_a_start_up_error_and_a_run_without_prompts_empties_it(tmp_path):
   """The output is opened at the first result (a run that fails before one keeps the earlier file; checked by
   hand with a step that runs out of memory); a run that finishes without any prompt line still leaves it empty,
-  as a run over an empty prompts file should."""
+  as a run over an empty prompts file should; a run whose every line is rejected exits 1."""
   prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
   prompts.write_text("\n\n")
   out.write_text("earlier results\n")
@@ -46,6 +46,15 @@ def test_an_earlier_output_survives_a_start_up_error_and_a_run_without_prompts_e
           "--output", str(out))
   assert r.returncode == 0 and "0 prompt lines: 0 run, 0 rejected" in r.stderr, r.stderr[-2000:]
   assert out.read_text() == ""
+  # Every line rejected: their error lines are written, and the run exits 1 (one rejected among others exits 0:
+  # test_generate_streams_its_prompts).
+  prompts.write_text('{"input_ids": []}\n\n{"text": 5}\n')
+  r = run("-m", "hisparse_jax.generate", "--model-path", tiny_model_dir(), "--prompts", str(prompts),
+          "--output", str(out))
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines()[-1] == (f"error: every prompt line was rejected; 2 results written to {out} "
+                                               "(2 prompt lines read)"), r.stderr[-2000:]
+  assert [json.loads(line)["code"] for line in out.read_text().splitlines()] == ["INVALID_ARGUMENT"] * 2
 
 
 def test_the_python_api_example_runs_and_hisparse_gives_the_dense_tokens():

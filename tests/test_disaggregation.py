@@ -206,6 +206,7 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
   def __init__(self, info, transfer_address, hang=False, refuse=None, **offer):
     self.info, self.transfer_address, self.acks = info, transfer_address, []
     self.hang, self.cancelled, self.refuse = hang, threading.Event(), refuse
+    self.calls = 0
     # The offer's layout: the Info's unless overridden (a prefill server restarted with other flags).
     self.offer = {**dict(num_layers=info.num_layers, latent_dim=info.latent_dim, index_dim=info.index_dim,
                          latent_dtype=info.latent_dtype, numerics=info.numerics,
@@ -216,6 +217,7 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
 
   def Prefill(self, request_iterator, context):
     first = next(request_iterator)
+    self.calls += 1
     if self.refuse is not None:  # (code, message), as a prefill server's engine refuses a request
       context.abort(*self.refuse)
     if self.hang:
@@ -308,6 +310,51 @@ def test_a_transfer_that_times_out(case):
   finally:
     stop(procs)
     server.stop(0)
+
+
+def test_a_prefill_server_that_refuses_a_valid_request_as_invalid_is_retried_elsewhere():
+  """A prefill server restarted with a smaller --max-seq-len (the start-up check saw the old one) refuses a
+  request this server took as INVALID_ARGUMENT: the other prefill server is tried; the request fails
+  INVALID_ARGUMENT only when every server tried refused it so (it failed at the first before), RESOURCE_EXHAUSTED
+  when the other refused it for its memory or load, and UNAVAILABLE when the other failed."""
+  from hisparse_jax.engine import Engine, InvalidRequest, Request, ResourceExhausted, Unavailable
+  from hisparse_jax.serving.disaggregation import PrefillClient, TransferEndpoint
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
+  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
+                         latent_dtype="float32", max_seq_len=256)
+  too_long = (grpc.StatusCode.INVALID_ARGUMENT, "prompt of 200 tokens exceeds the model context of 128 tokens")
+  busy = (grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue full")
+  down = (grpc.StatusCode.UNAVAILABLE, "shutting down")
+  transfer = TransferEndpoint()
+  servicers = [_SilentPrefill(info, transfer.address, refuse=r) for r in (too_long, too_long, busy, down)]
+  servers, addresses = [], []
+  try:
+    for servicer in servicers:
+      servers.append(grpc.server(concurrent.futures.ThreadPoolExecutor(2)))
+      hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, servers[-1])
+      addresses.append(f"127.0.0.1:{servers[-1].add_insecure_port('127.0.0.1:0')}")
+      servers[-1].start()
+    hint = "does that prefill server run with a smaller --max-seq-len since this server started?"
+    client = PrefillClient(e, tuple(addresses[:2]), transfer, 2, prefill_timeout_s=10)
+    with pytest.raises(InvalidRequest) as err:
+      asyncio.run(client.prefill(Request("long", list(range(3, 203)), 2)))
+    assert str(err.value) == "prefill failed: " + "; ".join(
+        f"{a}: INVALID_ARGUMENT: {too_long[1]} (this server takes the request: {hint})" for a in addresses[:2])
+    assert [s.calls for s in servicers] == [1, 1, 0, 0]
+    refused = f"prefill failed: {addresses[0]}: INVALID_ARGUMENT: {too_long[1]} (this server takes the request: {hint})"
+    client = PrefillClient(e, (addresses[0], addresses[2]), transfer, 2, prefill_timeout_s=10)
+    with pytest.raises(ResourceExhausted) as err:
+      asyncio.run(client.prefill(Request("long", list(range(3, 203)), 2)))
+    assert str(err.value) == f"{refused}; {addresses[2]}: RESOURCE_EXHAUSTED: {busy[1]}"
+    client = PrefillClient(e, (addresses[0], addresses[3]), transfer, 2, prefill_timeout_s=10)
+    with pytest.raises(Unavailable) as err:
+      asyncio.run(client.prefill(Request("long", list(range(3, 203)), 2)))
+    assert str(err.value) == f"{refused}; {addresses[3]}: UNAVAILABLE: {down[1]}"
+    assert [s.calls for s in servicers] == [3, 1, 1, 1]
+  finally:
+    for server in servers:
+      server.stop(0)
+    transfer.close()
 
 
 def test_an_offer_pulled_after_the_callers_deadline_is_still_acknowledged():
@@ -538,6 +585,27 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
   finally:
     srv.stop(0).wait()
     loop.stop()
+
+
+def test_offered_kv_bytes_are_bounded_per_dp_group():
+  """With --dp-size 2 a prefill server's offers stay on their DP group's first device, so the bound holds per
+  group (each device set its share aside): a Prefill goes to the group with the fewest held bytes that has room
+  (then the lowest), is refused when none has, and the metrics' limit is the groups' sum. (Every offer went to the
+  first device, bounded by one device's share, while every device set it aside.) tests/engine_fuzz.py's
+  check_exports runs pinned exports on a DP mesh."""
+  from hisparse_jax.serving import disaggregation as pd
+  servicer = pd.PrefillServicer(SimpleNamespace(engine=SimpleNamespace(offer_kv_budget=100, device_kv_budget=900,
+                                                                       groups=2)), None, 1.0, None)
+  assert (servicer.group_offer_bytes, servicer.max_offered_bytes) == (100, 200)
+  assert [servicer._reserve(n)[0] for n in (60, 60, 30, 30)] == [0, 1, 0, 1] and servicer.offered_bytes == 180
+  assert servicer._reserve(20) == (None, "the prefill server holds 180 bytes of prompt KV for decode servers (offers "
+                                   "not pulled yet, prefills in flight); this prompt's 20 would pass its "
+                                   "--max-offered-kv-bytes 100 per DP group (its 2 groups hold [90, 90]): retry "
+                                   "later or on another prefill server")
+  assert servicer._reserve(101) == (None, "this prompt's KV offer (101 bytes) is larger than the prefill server's "
+                                    "--max-offered-kv-bytes 100")
+  servicer._release(1, 60)
+  assert servicer._reserve(20) == (1, None) and servicer.offered_bytes == 140
 
 
 def test_offered_kv_bytes_are_bounded():

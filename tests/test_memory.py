@@ -188,6 +188,7 @@ def test_dp_groups_have_their_own_slots_and_pages_with_local_ids():
   assert u["index"].pages_total == 3 * p.pools["index"][1]
   assert u["index"].pages_total - u["index"].pages_free == 4 * 2  # 4 requests x 2 pages
   assert be.pick_group(20) in (0, 2)  # group 1 is full
+  assert be.pick_group(20, only=1) is None and be.pick_group(20, only=2) == 2  # a request pinned to a group
   assert not be.can_admit(20, group=1)
   be.release(kv)
   assert be.can_admit(20, group=1) and be.free_slots == 3

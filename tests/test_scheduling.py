@@ -208,9 +208,17 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
                        (Request("n", prompt(5), 2, temperature=10**400), "temperature overflows float32"),
                        (Request("o", prompt(5), 2, ignore_eos="no"), "ignore_eos must be True or False"),
                        (Request("p", prompt(5), 2, on_token="print"), "on_token must be callable"),
-                       (Request(None, prompt(5), 2), "request_id must be a string, got NoneType")):
+                       (Request(None, prompt(5), 2), "request_id must be a string, got NoneType"),
+                       (Request("q", prompt(5), 2, dp_group=1), "dp_group must be None or a DP group in \\[0, 1\\), "
+                        "got 1"),
+                       (Request("r", prompt(5), 2, dp_group=True), "dp_group must be None or a DP group")):
     with pytest.raises(InvalidRequest, match=message):
       eng.submit(bad)
+  import types
+  eng.lockstep = types.SimpleNamespace(is_leader=True)  # as on process 0 of several (only validate reads it here)
+  with pytest.raises(InvalidRequest, match="export_kv \\(a prefill server's request\\) needs an engine of one"):
+    eng.submit(Request("s", prompt(5), 1, export_kv=True))
+  eng.lockstep = None
   assert not eng.has_work() and all_kv_free(eng.loads()) and eng.loads()["free_lanes"] == 4  # nothing held
   assert eng.submit(Request("np", list(np.asarray(prompt(5), np.int64)), 2)) is None  # numpy ints are ids
   eng.run()
@@ -524,7 +532,8 @@ def test_admission_counts_passes_per_request_and_stops_scanning_at_the_limit():
   from hisparse_jax.engine.request import Phase
   calls = []
 
-  def pick_group(n, reserve, prefill, reclaimable):
+  def pick_group(n, reserve, prefill, reclaimable, only=None):
+    assert only is None
     calls.append(n)
     assert reclaimable == [{"staging": 6}]  # three resident requests of 2 pages, the non-resident one not
     return None if n >= 100 else 0
@@ -537,10 +546,10 @@ def test_admission_counts_passes_per_request_and_stops_scanning_at_the_limit():
                              will_grow=lambda kv, n: 0, reclaimable_pages=lambda kvs: [{"staging": 2 * len(list(kvs))}])
   running = [types.SimpleNamespace(kv=types.SimpleNamespace(resident=i < 3, group=0), phase=Phase.DECODING,
                                    prompt_ids=[0], max_new_tokens=1) for i in range(4)]
-  big = [types.SimpleNamespace(request_id=f"B{k}", prompt_kv=None, prefill_ids=[0] * 100, times_passed=t)
-         for k, t in enumerate((0, 2))]
+  big = [types.SimpleNamespace(request_id=f"B{k}", prompt_kv=None, prefill_ids=[0] * 100, times_passed=t,
+                               dp_group=None) for k, t in enumerate((0, 2))]
   small = [types.SimpleNamespace(request_id=f"S{k}", prompt_kv=None, prefill_ids=[0] * 10, times_passed=0,
-                                 temperature=0., top_k=0, top_p=1., seed=0) for k in range(5)]
+                                 dp_group=None, temperature=0., top_k=0, top_p=1., seed=0) for k in range(5)]
   waiting = collections.deque([big[0], small[0], big[1]] + small[1:])
   eng = types.SimpleNamespace(backend=be, running=running, waiting=waiting, groups=1, max_admission_skips=3,
                               _temperature={}, _top_k={}, _top_p={}, _seed={})
@@ -700,7 +709,9 @@ def test_random_workloads_give_each_request_its_tokens_alone(config, fuzz_refere
 
 def test_random_workloads_on_meshes():
   """The same on a DP mesh of simulated devices (a subprocess), dense and HiSparse with residency: each DP group
-  admits, preempts, offloads and imports in its own pools (the command line also runs TP meshes). (A prompt KV
+  admits, preempts, offloads and imports in its own pools, requests pinned to a group (``Request.dp_group``, as a
+  prefill server pins them) stay there, and a prompt KV exported from each group is on that group's first device
+  and equals one device's (the command line also runs TP meshes). (A prompt KV
   imported into a dense engine with --dp-size 2 failed inside shard_map: the per-group method's result shapes were
   evaluated outside the group, where the view method it calls started a shard_map of its own over one group's
   arrays.)"""
@@ -711,4 +722,4 @@ def test_random_workloads_on_meshes():
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
   for name in configs:
     assert f"{name}: 2 workloads passed" in out.stdout, out.stdout
-  assert "'imported': 0" not in out.stdout and "'preemptions': 0" not in out.stdout
+  assert "'imported': 0" not in out.stdout and "'preemptions': 0" not in out.stdout and "'pinned': 0" not in out.stdout

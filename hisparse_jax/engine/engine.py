@@ -161,9 +161,9 @@ class Engine:
       step (int32[L, index_topk] per step; -1 padding) -- the indexer's real access trace, replayed by
       ``benchmarks/miss_rate.py --trace``. Costs a device->host copy per step.
     offer_kv_bytes: a prefill server's share of the device KV budget for the prompt KV it offers to decode servers
-      (``serving/disaggregation.py``: copies outside the KV pools, on the first device, held until pulled; its
-      ``--max-offered-kv-bytes``): the pools are sized from the rest, so pools and offers together stay within
-      the budget. 0: half of the budget (a prompt's offer takes about the bytes its pages took). None (the
+      (``serving/disaggregation.py``: copies outside the KV pools, on each DP group's first device, held until
+      pulled; its ``--max-offered-kv-bytes``): the pools are sized from the rest, so pools and offers together
+      stay within the budget. 0: half of the budget (a prompt's offer takes about the bytes its pages took). None (the
       default): nothing set aside (not a prefill server). Sets ``offer_kv_budget``; ``device_kv_budget`` is the
       pools' share.
     overrides: EngineArgs fields.
@@ -588,6 +588,10 @@ class Engine:
       raise InvalidRequest("a stop string is not valid Unicode (a lone surrogate)")
     if req.stop and self.tokenizer is None:
       raise InvalidRequest("stop strings need a model with a tokenizer")
+    if req.export_kv and self.lockstep is not None:  # (the followers would not run the export's program)
+      raise InvalidRequest("export_kv (a prefill server's request) needs an engine of one process")
+    if req.dp_group is not None and (not _is_int(req.dp_group) or not 0 <= req.dp_group < self.groups):
+      raise InvalidRequest(f"dp_group must be None or a DP group in [0, {self.groups}), got {req.dp_group!r}")
     if req.output_ids or req.text or req.finish_reason is not None:
       raise InvalidRequest("output_ids, text and finish_reason are the engine's to fill: leave them empty")
     if req.prompt_kv is not None:
@@ -631,6 +635,7 @@ class Engine:
     req._submitted = True
     req.stop_token_ids = frozenset(req.stop_token_ids)
     req.prompt_ids = list(req.prompt_ids)  # the engine's own copy: the caller's list may change after submit
+    req.dp_group = None if req.dp_group is None else int(req.dp_group)  # (a numpy integer: a Python int)
     req.prefill_ids = list(req.prompt_ids)
     req.phase = Phase.WAITING
     req.arrival = req.arrival or time.monotonic()
@@ -889,7 +894,7 @@ class Engine:
           return  # one ahead has been passed often enough: nothing behind it goes ahead of it any more
         req = self.waiting[i]
         prefill = req.prompt_kv is None
-        group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill, reclaimable)
+        group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill, reclaimable, only=req.dp_group)
         if group is None:
           blocked.append((req, admitted))
           lead = max(lead, req.times_passed - admitted)
@@ -1030,14 +1035,20 @@ class Engine:
   def _export_kv(self, req: Request) -> None:
     """A prefill server's output: the request's prompt KV, read from its pages before they are freed, into
     ``req.prompt_kv`` = (latent T[L, P, W], indexer keys I[L, P, Di]: the stored rows) on one device, P the power
-    of two (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt)."""
+    of two (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt), on the first
+    device of the request's DP group (``group_device``)."""
     n = len(req.prefill_ids)
     size = self.export_positions(n)
     kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group reads, the others idle
     tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, [False] * self.groups).items()}
     latent, index = self._export_fn(self.backend.state, tables, self._put(np.int32(n)), size=size)
-    device = jax.local_devices()[0]
+    device = self.group_device(req.kv.group)
     req.prompt_kv = tuple(jax.device_put(x[req.kv.group], device) for x in (latent, index))
+
+  def group_device(self, group: int):
+    """The first device of DP group ``group`` (the mesh's row of it; the one device without a mesh): where a
+    prefill server keeps the prompt KV it exports from that group (``_export_kv``)."""
+    return jax.local_devices()[0] if self.mesh is None else self.mesh.devices[group].flat[0]
 
   def _import_kv(self, req: Request, finished: list[Request]) -> None:
     """Writes a request's prompt KV computed elsewhere into its pages (the same views, hence the same
@@ -1315,7 +1326,7 @@ class Engine:
 
 # Request fields a follower process needs to schedule it as the leader does (hisparse_jax/distributed.py).
 _SHARED_FIELDS = ("request_id", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                  "stop_token_ids", "stop", "include_stop_str_in_output", "ignore_eos", "first_token")
+                  "stop_token_ids", "stop", "include_stop_str_in_output", "ignore_eos", "first_token", "dp_group")
 
 
 def _request_fields(req: Request, arrays: list) -> dict:

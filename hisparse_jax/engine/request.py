@@ -100,6 +100,9 @@ class Request:
       engine sets it instead, from its own pools, when the prompt's prefill ends.
     prefill_seconds / transfer_seconds / transfer_bytes: with prefill/decode disaggregation, the prefill
       server's time to the first token, the time to pull the prompt KV from it, and the bytes pulled.
+    dp_group: the DP group (``--dp-size``) the request must run in, in [0, dp_size); None (the default): the
+      scheduler's choice. A prefill server pins each request to the group whose devices hold room for its KV
+      offer (the offer stays on that group's first device).
   """
 
   request_id: str
@@ -117,6 +120,7 @@ class Request:
   prompt_kv: tuple | None = None
   first_token: int | None = None
   export_kv: bool = False
+  dp_group: int | None = None
   prefill_seconds: float = 0.0
   transfer_seconds: float = 0.0
   transfer_bytes: int = 0

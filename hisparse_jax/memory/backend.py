@@ -316,12 +316,14 @@ class KVBackend(abc.ABC):
     """Free pages of pool `name` in `group`."""
     return self._group_lists[group][name].num_free
 
-  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True, reclaimable=None) -> int | None:
+  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True, reclaimable=None,
+                 only: int | None = None) -> int | None:
     """The group a new request goes to: of those that can admit it now, the one with the most free request
     slots (then the lowest index); None if none can. reserve_pages: an int, or one per group; reclaimable:
-    as ``can_admit``."""
+    as ``can_admit``; only: that group or none (a request pinned to it)."""
     reserve = reserve_pages if isinstance(reserve_pages, (list, tuple)) else [reserve_pages] * self.groups
-    fits = [g for g in range(self.groups) if self.can_admit(prompt_len, reserve[g], prefill, g, reclaimable)]
+    fits = [g for g in (range(self.groups) if only is None else (only,))
+            if self.can_admit(prompt_len, reserve[g], prefill, g, reclaimable)]
     return max(fits, key=lambda g: (self._group_slots[g].num_free, -g)) if fits else None
 
   # --------------------------------------------------------------- lifetime

@@ -273,19 +273,22 @@ def _sampling(message) -> dict:
 class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
   """``PrefillService`` of a prefill server: prompts through its engine loop, KV offered for pulling.
 
-  An offer's arrays are copies on the first device, outside the engine's KV pools (whose pages the prompt frees
-  once read), held until the decode server acknowledges its pull or, unacknowledged, until it is taken back. So
-  their bytes are bounded (``max_offered_bytes``): a Prefill whose offer would pass the bound, counting the
-  prefills in flight at their offer's size, is refused with RESOURCE_EXHAUSTED before it is prefilled."""
+  An offer's arrays are copies on the first device of the DP group that prefilled it (``Engine.group_device``),
+  outside the engine's KV pools (whose pages the prompt frees once read), held until the decode server
+  acknowledges its pull or, unacknowledged, until it is taken back. So their bytes are bounded per DP group
+  (``group_offer_bytes``, the share each device set aside): a Prefill is pinned (``Request.dp_group``) to the
+  group with the fewest offered bytes among those its offer fits, counting the prefills in flight at their
+  offer's size, and refused with RESOURCE_EXHAUSTED before it is prefilled when none has room."""
 
   def __init__(self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls, streams=None,
                max_offered_bytes: int = 0):
     """streams: the server's InferenceServicer, whose open-stream count and limit (``ServerLimits.max_streams``)
     Prefill streams share: each holds a queued or running prefill, then a KV offer, until it ends.
-    max_offered_bytes: the most prompt KV bytes offered (or being prefilled for an offer) at once; 0: the
-    engine's share of its device KV budget for offers (``Engine(..., offer_kv_bytes=...)``, as the server builds
-    it: ``Engine.offer_kv_budget``), or, for an engine built without one, its device KV budget (the offers then
-    use memory outside the budget: a warning).
+    max_offered_bytes: the most prompt KV bytes offered (or being prefilled for an offer) at once per DP group
+    (on its first device; ``--max-offered-kv-bytes``); 0: the engine's share of each device's KV budget for
+    offers (``Engine(..., offer_kv_bytes=...)``, as the server builds it: ``Engine.offer_kv_budget``), or, for an
+    engine built without one, its device KV budget (the offers then use memory outside the budget: a warning).
+    Sets ``group_offer_bytes`` (that bound) and ``max_offered_bytes`` (it times the DP groups: the server's).
 
     Raises:
       ValueError: max_offered_bytes above the engine's ``offer_kv_budget``."""
@@ -297,15 +300,17 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     self._events_cls = events_cls  # server._AsyncEvents
     self.take_backs = TakeBacks(transfer)
     share = self.engine.offer_kv_budget
-    self.max_offered_bytes = max_offered_bytes or share or self.engine.device_kv_budget
+    self.group_offer_bytes = max_offered_bytes or share or self.engine.device_kv_budget
     if share is None:
       log.warning("prefill server: the engine sets no device KV budget aside for its offers (Engine(..., "
-                  "offer_kv_bytes=...)); up to %d bytes of them live in device memory outside the budget",
-                  self.max_offered_bytes)
-    elif self.max_offered_bytes > share:
-      raise ValueError(f"--max-offered-kv-bytes {self.max_offered_bytes}: more than the {share} bytes of the device "
+                  "offer_kv_bytes=...)); up to %d bytes of them per DP group live in device memory outside the "
+                  "budget", self.group_offer_bytes)
+    elif self.group_offer_bytes > share:
+      raise ValueError(f"--max-offered-kv-bytes {self.group_offer_bytes}: more than the {share} bytes of the device "
                        "KV budget the engine set aside for offers (Engine(..., offer_kv_bytes=...))")
-    self.offered_bytes = 0  # held now: offers not acknowledged or taken back yet, and prefills in flight
+    self.max_offered_bytes = self.group_offer_bytes * self.engine.groups
+    # Held now per DP group: offers not acknowledged or taken back yet, and prefills in flight.
+    self._group_offered = [0] * self.engine.groups
     self._offered_lock = threading.Lock()  # (take-backs release from their own thread)
 
   def offer_bytes(self, prompt_tokens: int) -> int:
@@ -314,22 +319,31 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     layout = self.engine.layout
     return self.engine.export_positions(prompt_tokens) * (layout.latent_bytes + layout.index_bytes)
 
-  def _reserve(self, nbytes: int) -> str | None:
-    """Counts ``nbytes`` as held; or, if that would pass ``max_offered_bytes``, the refusal's message."""
-    with self._offered_lock:
-      if nbytes > self.max_offered_bytes:
-        return (f"this prompt's KV offer ({nbytes} bytes) is larger than the prefill server's "
-                f"--max-offered-kv-bytes {self.max_offered_bytes}")
-      if self.offered_bytes + nbytes > self.max_offered_bytes:
-        return (f"the prefill server holds {self.offered_bytes} bytes of prompt KV for decode servers (offers not "
-                f"pulled yet, prefills in flight); this prompt's {nbytes} would pass its --max-offered-kv-bytes "
-                f"{self.max_offered_bytes}: retry later or on another prefill server")
-      self.offered_bytes += nbytes
-      return None
+  @property
+  def offered_bytes(self) -> int:
+    """Prompt KV bytes held now over all DP groups (offers not acknowledged or taken back, prefills in flight)."""
+    return sum(self._group_offered)
 
-  def _release(self, nbytes: int) -> None:
+  def _reserve(self, nbytes: int) -> tuple[int | None, str | None]:
+    """(group, None): ``nbytes`` counted as held by that DP group, the one with the fewest held bytes (then the
+    lowest index) of those it fits in ``group_offer_bytes``; or (None, the refusal's message)."""
     with self._offered_lock:
-      self.offered_bytes -= nbytes
+      if nbytes > self.group_offer_bytes:
+        return None, (f"this prompt's KV offer ({nbytes} bytes) is larger than the prefill server's "
+                      f"--max-offered-kv-bytes {self.group_offer_bytes}")
+      held = self._group_offered
+      group = min(range(len(held)), key=lambda g: (held[g], g))
+      if held[group] + nbytes > self.group_offer_bytes:
+        where = "" if len(held) == 1 else f" per DP group (its {len(held)} groups hold {held})"
+        return None, (f"the prefill server holds {sum(held)} bytes of prompt KV for decode servers (offers not "
+                      f"pulled yet, prefills in flight); this prompt's {nbytes} would pass its --max-offered-kv-bytes "
+                      f"{self.group_offer_bytes}{where}: retry later or on another prefill server")
+      held[group] += nbytes
+      return group, None
+
+  def _release(self, group: int, nbytes: int) -> None:
+    with self._offered_lock:
+      self._group_offered[group] -= nbytes
 
   @property
   def offers_taken_back(self) -> int:
@@ -382,19 +396,22 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     except RequestError as e:
       await context.abort(grpc.StatusCode[e.code], str(e))
     held = self.offer_bytes(len(req.prompt_ids))
-    if (refusal := self._reserve(held)) is not None:  # before any work: its offer could not be held
+    group, refusal = self._reserve(held)
+    if refusal is not None:  # before any work: its offer could not be held
       await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    req.dp_group = None if self.engine.groups == 1 else group  # (its offer stays on that group's device)
     handed = []  # [True] once a take-back holds the offer: it releases the bytes when the offer is freed
     try:
-      await self._prefill_and_offer(context, req, held, handed)
+      await self._prefill_and_offer(context, req, (group, held), handed)
     finally:
       if not handed:
-        self._release(held)
+        self._release(group, held)
 
-  async def _prefill_and_offer(self, context, req: Request, held: int, handed: list) -> None:
+  async def _prefill_and_offer(self, context, req: Request, held: tuple[int, int], handed: list) -> None:
     """Prefills ``req``, offers its KV and waits for the acknowledgement of its pull; an offer not acknowledged
-    goes to the take-backs (``handed`` gets True: they release ``held``). Aborts the call (raising) where the
-    prefill fails, or where the caller breaks the protocol (after its offer went to the take-backs)."""
+    goes to the take-backs (``handed`` gets True: they release ``held``, (DP group, bytes)). Aborts the call
+    (raising) where the prefill fails, or where the caller breaks the protocol (after its offer went to the
+    take-backs)."""
     arrival = time.monotonic()
     events = self._events_cls(asyncio.get_running_loop())
     self.loop.submit(req, events)
@@ -448,7 +465,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     finally:
       if not acknowledged:
         specs = _specs(*latent.shape, index.shape[2], latent.dtype, index.dtype)
-        if self.take_backs.add(uuid, specs, latent.nbytes + index.nbytes, on_done=lambda: self._release(held)):
+        if self.take_backs.add(uuid, specs, latent.nbytes + index.nbytes, on_done=lambda: self._release(*held)):
           handed.append(True)
     if broken is not None:
       await context.abort(*broken)  # (raises)
@@ -531,12 +548,13 @@ class TakeBacks:
 # ---------------------------------------------------------------------------------------------- decode
 class PrefillFailed(Exception):
   """A prefill server or its transfer failed (another may succeed). exhausted: the server refused the request
-  with RESOURCE_EXHAUSTED (busy, or the request cannot fit its memory); expired: the caller's deadline passed
-  first (no other server is tried)."""
+  with RESOURCE_EXHAUSTED (busy, or the request cannot fit its memory); invalid: with INVALID_ARGUMENT, though
+  this server's own checks took it (that server's limits are below this one's); expired: the caller's deadline
+  passed first (no other server is tried)."""
 
-  def __init__(self, message: str, exhausted: bool = False, expired: bool = False):
+  def __init__(self, message: str, exhausted: bool = False, expired: bool = False, invalid: bool = False):
     super().__init__(message)
-    self.exhausted, self.expired = exhausted, expired
+    self.exhausted, self.expired, self.invalid = exhausted, expired, invalid
 
 
 def _metadata(api_key: str | None) -> tuple:
@@ -632,15 +650,18 @@ class PrefillClient:
     Raises:
       Unavailable: the prefill server(s) or the transfer failed (after one retry on another server).
       DeadlineExceeded: the caller's deadline passed before an offer came (after any failed attempt).
-      InvalidRequest: the prefill server refused the request as invalid (no retry: another would too).
+      InvalidRequest: every prefill server tried (two at most) refused the request as invalid. The caller
+        validated it first (``Engine.validate``, the checks a prefill server runs), so such a refusal means
+        that server runs with smaller limits than this one (a restart with a smaller --max-seq-len, which the
+        start-up check cannot see): another server is tried.
       ResourceExhausted: every prefill server tried (two at most) refused it with RESOURCE_EXHAUSTED (busy, or
-        a prompt its memory cannot hold).
+        a prompt its memory cannot hold), or some so and the others as invalid (none failed).
     """
     if req.seed is None:  # drawn here, so that the first token (sampled there) and the rest share it
       req.seed = int.from_bytes(os.urandom(4), "little")
     # (a client of another language may send a deadline gRPC here cannot represent: see MAX_TIMEOUT_S)
     end = None if deadline_s is None else time.monotonic() + min(deadline_s, MAX_TIMEOUT_S)
-    errors, exhausted, expired = [], [], False
+    errors, exhausted, invalid, expired = [], [], [], False
     for _ in range(min(2, len(self.servers))):
       left = None if end is None else end - time.monotonic()
       if left is not None and left <= 0:
@@ -655,12 +676,15 @@ class PrefillClient:
       except PrefillFailed as e:
         errors.append(f"{self.servers[i]}: {e}")
         exhausted.append(e.exhausted)
+        invalid.append(e.invalid)
         expired = e.expired
         if expired:
           break
     if expired:  # (the caller sees its own deadline's status, whatever failed before it)
       raise DeadlineExceeded("prefill failed: " + "; ".join(errors))
-    if exhausted and all(exhausted):  # every server tried refused it for its memory or load: not a retry's cause
+    if invalid and all(invalid):  # no server tried takes it: a retry of the same request would fail the same way
+      raise InvalidRequest("prefill failed: " + "; ".join(errors))
+    if exhausted and all(x or y for x, y in zip(exhausted, invalid)):  # refused for memory or load: not a failure
       raise ResourceExhausted("prefill failed: " + "; ".join(errors))
     raise Unavailable("prefill failed: " + "; ".join(errors))
 
@@ -689,10 +713,12 @@ class PrefillClient:
       call.cancel()
       raise
     except grpc.aio.AioRpcError as e:
-      if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: another server would refuse it too
-        raise InvalidRequest(f"prefill server: {e.details()}") from None
-      raise PrefillFailed(prefill_error_text(e.code(), e.details()),
-                          exhausted=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+      text = prefill_error_text(e.code(), e.details())
+      if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # (this server's checks took it: see prefill's Raises)
+        text += (" (this server takes the request: does that prefill server run with a smaller --max-seq-len "
+                 "since this server started?)")
+      raise PrefillFailed(text, exhausted=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          invalid=e.code() == grpc.StatusCode.INVALID_ARGUMENT) from None
     if offer is grpc.aio.EOF:
       raise PrefillFailed("the stream ended without an offer")
     L, W, Di, dtype, _ = self.layout

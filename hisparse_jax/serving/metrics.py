@@ -131,8 +131,8 @@ class ServerMetrics:
   def watch_offers(self, prefill) -> None:
     """A prefill server's offers (``disaggregation.PrefillServicer``), read at each scrape."""
     held = Gauge("hisparse_pd_offered_kv_bytes", "Prefill server: prompt KV bytes held for decode servers (offers "
-                 "not pulled yet, prefills in flight), and their limit (--max-offered-kv-bytes)", ["state"],
-                 registry=self.registry)
+                 "not pulled yet, prefills in flight), and their limit (--max-offered-kv-bytes x DP groups)",
+                 ["state"], registry=self.registry)
     held.labels(state="held").set_function(lambda: prefill.offered_bytes)
     held.labels(state="limit").set_function(lambda: prefill.max_offered_bytes)
     self.registry.register(_CountOf("hisparse_pd_offers_taken_back", "Prefill server: offers not acknowledged, "

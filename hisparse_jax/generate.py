@@ -445,7 +445,8 @@ def main(argv):
 
   def written_summary(dumped: str) -> str:
     where = FLAGS.output or "stdout"
-    return (f"{written} results written to {where} ({read} prompt lines read)"
+    return (f"{written} result{'' if written == 1 else 's'} written to {where} ({read} prompt "
+            f"line{'' if read == 1 else 's'} read)"
             + (f" (the earlier {where} is unchanged)" if output_existed and dest is None else "")
             + ("" if eof else "; --prompts was not read to its end") + (f"; {dumped}" if dumped else ""))
 

@@ -309,7 +309,7 @@ def test_signals_to_a_two_process_batch_run(tmp_path, who, sig):
     assert results[0][0] != 0 and ("lost contact with a follower process" in err
                                    or "another task died" in err), err[-2000:]
     if "lost contact with a follower process" in err:
-      assert re.search(r"\[generate\] 1 results written to .*out.jsonl \(4 prompt lines read\); top-k trace of 1 "
+      assert re.search(r"\[generate\] 1 result written to .*out.jsonl \(4 prompt lines read\); top-k trace of 1 "
                        "finished request written to", err), err[-2000:]
   else:
     assert [rc for rc, _, _ in results] == [130, 0], [e[-2000:] for _, _, e in results]

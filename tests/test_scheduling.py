@@ -723,3 +723,4 @@ def test_random_workloads_on_meshes():
   for name in configs:
     assert f"{name}: 2 workloads passed" in out.stdout, out.stdout
   assert "'imported': 0" not in out.stdout and "'preemptions': 0" not in out.stdout and "'pinned': 0" not in out.stdout
+  assert "'offloads': 0" not in out.stdout.split("dp2_resident: ")[1], out.stdout

@@ -51,6 +51,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -399,19 +400,20 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     group, refusal = self._reserve(held)
     if refusal is not None:  # before any work: its offer could not be held
       await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-    req.dp_group = None if self.engine.groups == 1 else group  # (its offer stays on that group's device)
+    req.dp_group = group  # (its offer stays on that group's device)
+    release = functools.partial(self._release, group, held)
     handed = []  # [True] once a take-back holds the offer: it releases the bytes when the offer is freed
     try:
-      await self._prefill_and_offer(context, req, (group, held), handed)
+      await self._prefill_and_offer(context, req, release, handed)
     finally:
       if not handed:
-        self._release(group, held)
+        release()
 
-  async def _prefill_and_offer(self, context, req: Request, held: tuple[int, int], handed: list) -> None:
+  async def _prefill_and_offer(self, context, req: Request, release, handed: list) -> None:
     """Prefills ``req``, offers its KV and waits for the acknowledgement of its pull; an offer not acknowledged
-    goes to the take-backs (``handed`` gets True: they release ``held``, (DP group, bytes)). Aborts the call
-    (raising) where the prefill fails, or where the caller breaks the protocol (after its offer went to the
-    take-backs)."""
+    goes to the take-backs (``handed`` gets True: they call ``release``, which frees its reserved bytes). Aborts
+    the call (raising) where the prefill fails, or where the caller breaks the protocol (after its offer went to
+    the take-backs)."""
     arrival = time.monotonic()
     events = self._events_cls(asyncio.get_running_loop())
     self.loop.submit(req, events)
@@ -465,7 +467,7 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     finally:
       if not acknowledged:
         specs = _specs(*latent.shape, index.shape[2], latent.dtype, index.dtype)
-        if self.take_backs.add(uuid, specs, latent.nbytes + index.nbytes, on_done=lambda: self._release(*held)):
+        if self.take_backs.add(uuid, specs, latent.nbytes + index.nbytes, on_done=release):
           handed.append(True)
     if broken is not None:
       await context.abort(*broken)  # (raises)

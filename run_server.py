@@ -5,11 +5,14 @@ r"""Starts the hisparse-jax gRPC inference server.
       [--max-running-requests 64] [--max-seq-len N] [--chunked-prefill-size 2048] [--page-size 64] \
       [--max-device-kv-bytes N | --mem-fraction-static F] [--deterministic] [--dtype ...] \
       [--max-queued-requests 1024] [--max-prompt-bytes N] [--max-admission-skips 16] [--max-streams-per-client N] \
+      [--[no]fair-sharing] [--max-connections N] [--handshake-timeout-s 10] \
       [--tls-cert-file cert.pem --tls-key-file key.pem [--tls-client-ca-file ca.pem]] \
-      [--api-key KEY | --api-key-file FILE] \
+      [--api-key KEY | --api-key-file FILE] [--client-keys-file FILE] [--operator-key-file FILE] \
       [--shutdown-grace-s 5] [--metrics-port P [--metrics-host 127.0.0.1]] \
       [--disaggregation-mode null|prefill|decode [--prefill-servers H:P,...] [--transfer-host 127.0.0.1] \
-       [--transfer-port 0] [--transfer-timeout-s 60] [--prefill-timeout-s 600] [--max-offered-kv-bytes N]] \
+       [--transfer-port 0] [--transfer-timeout-s 60] [--prefill-timeout-s 600] [--max-offered-kv-bytes N] \
+       [--[no]isolate-kv-pulls] [--prefill-tls-ca-file ca.pem [--prefill-tls-cert-file c.pem \
+       --prefill-tls-key-file k.pem]]] \
       [--coordinator-address H:P --num-processes N --process-id I]
 
 Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script; ``--helpfull`` lists them).
@@ -46,13 +49,29 @@ flags.DEFINE_string("metrics-host", "127.0.0.1", "Address the metrics endpoint b
 flags.DEFINE_integer("max-streams-per-client", None, "Generate streams one client may hold open at once (more get "
                      "RESOURCE_EXHAUSTED at once): a client is its TLS client certificate's common name under "
                      "mutual TLS, else its IP address (IPv6: its /64 network; clients behind one proxy or NAT "
-                     "count as one). Default: no per-client bound.", lower_bound=1)
+                     "count as one). Default: half of --max-running-requests + --max-queued-requests with "
+                     "--fair-sharing, else no per-client bound.", lower_bound=1)
+flags.DEFINE_bool("fair-sharing", True, "Clients (as --max-streams-per-client counts them) take turns: each "
+                  "client's requests queue in arrival order, clients' in start-time fair order, and a client "
+                  "holding no request slot gets one at the next step, preempting the newest request of the client "
+                  "holding the most. --nofair-sharing: one arrival order for all (a single-tenant deployment).")
+flags.DEFINE_integer("max-connections", None, "TCP connections the gRPC server holds at once; more are closed as "
+                     "they arrive, so a flood of connections cannot take the process's descriptors (its soft "
+                     "descriptor limit is raised to the hard one at start). Default: half the descriptors beyond "
+                     "1024, at most 16384.", lower_bound=1)
+flags.DEFINE_float("handshake-timeout-s", 10.0, "Seconds a connection may take to finish its TLS handshake before "
+                   "it is closed (gRPC's default is 120 s).")
 flags.DEFINE_string("tls-cert-file", None, "Serve TLS with this certificate chain (PEM); needs --tls-key-file.")
 flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.")
 flags.DEFINE_string("tls-client-ca-file", None, "Require client certificates signed by this CA (mutual TLS).")
 flags.DEFINE_string("api-key", None, "Bearer token every inference call must carry ('authorization: Bearer "
                     "KEY' metadata); wrong or missing: UNAUTHENTICATED. Health needs none.")
 flags.DEFINE_string("api-key-file", None, "File whose first line is the API key (keeps it out of `ps`).")
+flags.DEFINE_string("client-keys-file", None, "Per-client API keys, one 'NAME KEY' a line: a call with one is "
+                    "client NAME for --max-streams-per-client, --fair-sharing and the scope of its Aborts (callers "
+                    "of --api-key are told apart by address). Accepted beside --api-key.")
+flags.DEFINE_string("operator-key-file", None, "File whose first line is the operator's API key: accepted for "
+                    "every call, and its Abort reaches every client's requests of that id.")
 flags.DEFINE_enum("disaggregation-mode", "null", ["null", "prefill", "decode"],
                   "Prefill/decode disaggregation: null = prefill and decode here (colocated); prefill = also serve "
                   "PrefillService (prompts' KV for decode servers); decode = get every prompt's KV from "
@@ -72,6 +91,16 @@ flags.DEFINE_integer("max-offered-kv-bytes", 0, "Prefill: the most prompt KV byt
                      "whose offer would pass it gets RESOURCE_EXHAUSTED before it is prefilled. Taken from the "
                      "device KV budget, whose rest sizes the KV pools. 0: half of the budget. Per DP group "
                      "(--dp-size): each group's offers stay on its first device.")
+flags.DEFINE_bool("isolate-kv-pulls", True, "Decode: pull prompt KV in a worker process, so that a peer whose "
+                  "transfer bytes crash jax's transfer library ends that pull, not this server "
+                  "(hisparse_jax/serving/pull_worker.py; costs one host copy per pull). --noisolate-kv-pulls "
+                  "pulls in this process: for links only the deployment's own servers can reach.")
+flags.DEFINE_string("prefill-tls-ca-file", None, "Decode: connect to the prefill servers with TLS, trusting this "
+                    "CA certificate (PEM); they serve TLS with their --tls-cert-file. Without it the links are "
+                    "plain text (a warning unless every prefill server is on loopback).")
+flags.DEFINE_string("prefill-tls-cert-file", None, "Decode: this server's certificate (PEM) for prefill servers that "
+                    "require mutual TLS (their --tls-client-ca-file); needs --prefill-tls-key-file.")
+flags.DEFINE_string("prefill-tls-key-file", None, "Private key (PEM) of --prefill-tls-cert-file.")
 flags.DEFINE_float("prefill-timeout-s", 600.0, "Decode: the longest a prefill server may take to offer a prompt's "
                    "KV, its queue wait included; past it the attempt fails and is retried once on the next "
                    "prefill server.")
@@ -100,15 +129,20 @@ def _is_loopback(host: str) -> bool:
 
 
 def _security():
-  """(TLSConfig or None, API key or None) from the flags; StartupError naming the flag at fault."""
+  """(TLSConfig or None, ApiKeys) from the flags; StartupError naming the flag at fault."""
   from hisparse_jax.engine.args import StartupError
   from hisparse_jax.serving import credentials
-  from hisparse_jax.serving.server import TLSConfig
+  from hisparse_jax.serving.server import ApiKeys, TLSConfig
   try:
     cert = credentials.read_file("tls-cert-file", FLAGS["tls-cert-file"].value)
     key = credentials.read_file("tls-key-file", FLAGS["tls-key-file"].value)
     ca = credentials.read_file("tls-client-ca-file", FLAGS["tls-client-ca-file"].value)
-    api_key = credentials.api_key(FLAGS["api-key"].value, FLAGS["api-key-file"].value)
+    keys = ApiKeys(shared=credentials.api_key(FLAGS["api-key"].value, FLAGS["api-key-file"].value),
+                   clients=credentials.client_keys(FLAGS["client-keys-file"].value),
+                   operator=credentials.api_key(None, FLAGS["operator-key-file"].value, "operator-key-file"))
+    every = [k for k in (keys.shared, keys.operator, *keys.clients.values()) if k is not None]
+    if len(set(every)) != len(every):
+      raise ValueError("--api-key, --client-keys-file and --operator-key-file must hold different keys")
   except ValueError as e:
     raise StartupError(str(e)) from None
   if (cert is None) != (key is None):
@@ -120,7 +154,22 @@ def _security():
                           cert, key, ca)
   except ValueError as e:
     raise StartupError(str(e)) from None
-  return (TLSConfig(cert, key, ca) if cert is not None else None), api_key
+  return (TLSConfig(cert, key, ca) if cert is not None else None), keys
+
+
+def _prefill_tls() -> tuple[bytes | None, bytes | None, bytes | None]:
+  """(CA, certificate, key) PEM bytes of --prefill-tls-ca-file / -cert-file / -key-file; StartupError naming the
+  flag for a file that cannot be read or parsed."""
+  from hisparse_jax.engine.args import StartupError
+  from hisparse_jax.serving import credentials
+  names = ("prefill-tls-ca-file", "prefill-tls-cert-file", "prefill-tls-key-file")
+  try:
+    ca, cert, key = (credentials.read_file(name, FLAGS[name].value) for name in names)
+    credentials.check_pem(FLAGS[names[1]].value, FLAGS[names[2]].value, FLAGS[names[0]].value, cert, key, ca,
+                          cert_flag=names[1], key_flag=names[2], ca_flag=names[0])
+  except ValueError as e:
+    raise StartupError(str(e)) from None
+  return ca, cert, key
 
 
 def _check_addresses(metrics_port: int | None, disagg) -> None:
@@ -161,12 +210,21 @@ def main(argv):
     metrics_port = FLAGS["metrics-port"].value
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
       raise StartupError(f"--metrics-port {metrics_port}: expected 0..65535")
-    tls, api_key = _security()
+    tls, keys = _security()
+    from hisparse_jax.serving.server import ServerLimits
+    try:
+      limits = ServerLimits(max_streams_per_client=FLAGS["max-streams-per-client"].value,
+                            max_connections=FLAGS["max-connections"].value,
+                            handshake_timeout_s=FLAGS["handshake-timeout-s"].value,
+                            fair_sharing=FLAGS["fair-sharing"].value)
+    except ValueError as e:
+      raise StartupError(str(e).replace("ServerLimits.handshake_timeout_s", "--handshake-timeout-s")) from None
     from hisparse_jax.serving.disaggregation import DisaggregationConfig
     disagg = DisaggregationConfig(FLAGS["disaggregation-mode"].value, tuple(FLAGS["prefill-servers"].value),
-                                  FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, api_key,
+                                  FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, keys.shared,
                                   FLAGS["transfer-port"].value, FLAGS["prefill-timeout-s"].value,
-                                  FLAGS["max-offered-kv-bytes"].value)
+                                  FLAGS["max-offered-kv-bytes"].value, FLAGS["isolate-kv-pulls"].value,
+                                  *_prefill_tls())
     try:
       disagg.validate()
     except ValueError as e:
@@ -204,9 +262,14 @@ def main(argv):
 
   from hisparse_jax.serving.addresses import join_host_port
   from hisparse_jax.serving.metrics import ServerMetrics
-  from hisparse_jax.serving.server import ServerLimits, serve
+  from hisparse_jax.serving.server import raise_descriptor_limit, serve
 
-  if not _is_loopback(FLAGS.host) and tls is None and api_key is None:
+  raise_descriptor_limit()
+  plain = [s for s in disagg.prefill_servers if not _is_loopback(s.rpartition(":")[0])]
+  if plain and disagg.prefill_tls_ca is None:
+    print(f"[server] warning: plain-text links to prefill servers {', '.join(plain)}: anyone on that network can "
+          "read the prompts and pose as them (use --prefill-tls-ca-file)", file=sys.stderr, flush=True)
+  if not _is_loopback(FLAGS.host) and tls is None and not keys:
     print(f"[server] warning: serving plain-text gRPC without authentication on {FLAGS.host}; anyone who can "
           "reach it can use and abort requests (use --tls-cert-file/--tls-key-file and --api-key-file)",
           file=sys.stderr, flush=True)
@@ -228,9 +291,9 @@ def main(argv):
       sys.exit(f"error: {message}")
     metrics_at = f", metrics at http://{join_host_port(host, bound)}/metrics"
   try:
-    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=api_key,
+    server, loop, port = serve(engine, tokenizer, FLAGS.host, FLAGS.port, metrics=metrics, tls=tls, api_key=keys,
                                disaggregation=disagg,
-                               limits=ServerLimits(max_streams_per_client=FLAGS["max-streams-per-client"].value))
+                               limits=limits)
   except (OSError, ValueError) as e:  # a port it cannot bind; a prefill server that cannot serve this decode server
     message = f"--host/--port: {e}" if isinstance(e, OSError) else str(e)
     engine.close(error=message)
@@ -242,7 +305,9 @@ def main(argv):
   elif disagg.mode == "decode":
     mode += f"; decode server, prefill servers {','.join(disagg.prefill_servers)}"
   security = ", ".join(x for x in ("" if tls is None else "mutual TLS" if tls.client_ca else "TLS",
-                                   "API key" if api_key else "") if x) or "plain text, no API key"
+                                   "API key" if keys.shared else "",
+                                   f"{len(keys.clients)} client keys" if keys.clients else "",
+                                   "operator key" if keys.operator else "") if x) or "plain text, no API key"
   print(f"[server] listening on {join_host_port(FLAGS.host, port)} ({mode}, model {model_dir}; {security})"
         f"{metrics_at}", flush=True)
   faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -3,9 +3,10 @@
   python benchmarks/disaggregation.py [--quick] [--sections transfer,latency] [--out benchmarks/results/disaggregation]
 
 transfer  one process offers float32 arrays on its jax.experimental.transfer server (TransferEndpoint, as a
-          prefill server does), another pulls them (as a decode server does), over loopback: GB/s per size,
-          median of 3 pulls, next to a plain memcpy (numpy copyto into a warm buffer) of the same bytes in the
-          pulling process, in the same run.
+          prefill server does), another pulls them, over loopback: in its own process (--noisolate-kv-pulls)
+          and through the pull worker a decode server uses by default (pull_worker.PullWorker: a child
+          process, a memfd, a device_put), alternated; GB/s per size, median of 3 pulls each, next to a plain
+          memcpy (numpy copyto into a warm buffer) of the same bytes in the pulling process, in the same run.
 latency   the default model (float32) behind real servers, on this 2-core machine with each server pinned to a
           core (taskset): colocated = one server on core 1; PD = a prefill server on core 0 and a decode server
           on core 1 (so PD has twice the hardware, as a deployment with prefill machines does). 8 streams with
@@ -51,7 +52,7 @@ def _offer_worker(sizes_mib: list[int], reps: int) -> None:
   t = TransferEndpoint()
   uuid = 0
   for mib in sizes_mib:
-    for _ in range(reps + 1):  # + a warm-up pull
+    for _ in range(2 * (reps + 1)):  # in process and through the worker, each + a warm-up pull
       uuid += 1
       x = jnp.full((mib << 18,), float(uuid), jnp.float32)
       x.block_until_ready()
@@ -66,25 +67,28 @@ def run_transfer(sizes_mib: list[int], reps: int = 3) -> list[dict]:
   import numpy as np
 
   from hisparse_jax.serving.disaggregation import TransferEndpoint
+  from hisparse_jax.serving.pull_worker import PullWorker
   worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--offer-worker",
                              ",".join(map(str, sizes_mib)), str(reps)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   address = worker.stdout.readline().strip()
-  here = TransferEndpoint()
+  here, isolated = TransferEndpoint(), PullWorker()
   device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
   rows, uuid = [], 0
   try:
     for mib in sizes_mib:
       spec = jax.ShapeDtypeStruct((mib << 18,), jnp.float32, sharding=device)
-      times = []
+      times, worker_times = [], []
       for rep in range(reps + 1):
-        uuid += 1
-        t0 = time.perf_counter()
-        [x] = here.pull(address, uuid, [spec])
-        dt = time.perf_counter() - t0
-        assert float(x[-1]) == float(uuid)
-        if rep:
-          times.append(dt)
+        for puller, out in ((here, times), (isolated, worker_times)):
+          uuid += 1
+          t0 = time.perf_counter()
+          [x] = puller.pull(address, uuid, [spec])
+          x.block_until_ready()
+          dt = time.perf_counter() - t0
+          assert float(x[-1]) == float(uuid)
+          if rep:
+            out.append(dt)
       src = np.ones(mib << 18, np.float32)
       dst = np.empty_like(src)
       np.copyto(dst, src)  # warm
@@ -96,9 +100,12 @@ def run_transfer(sizes_mib: list[int], reps: int = 3) -> list[dict]:
       nbytes = mib << 20
       pull_gbs, copy_gbs = nbytes / np.median(times) / 1e9, nbytes / np.median(copies) / 1e9
       rows.append(dict(mib=mib, pull_ms=1e3 * float(np.median(times)), pull_gbs=pull_gbs,
+                       worker_pull_ms=1e3 * float(np.median(worker_times)),
+                       worker_cost=float(np.median(worker_times) / np.median(times)),
                        memcpy_ms=1e3 * float(np.median(copies)), memcpy_gbs=copy_gbs, ratio=pull_gbs / copy_gbs))
       print(rows[-1], flush=True)
   finally:
+    isolated.close()
     worker.stdin.close()
     worker.wait(30)
   return rows
@@ -243,9 +250,10 @@ def markdown(res: dict) -> str:
   out = []
   if "transfer" in res:
     out += ["KV transfer (jax.experimental.transfer over loopback) vs memcpy of the same bytes:", "",
-            "| MiB | pull ms | pull GB/s | memcpy ms | memcpy GB/s | pull / memcpy |", "|---|---|---|---|---|---|"]
+            "| MiB | pull ms | pull GB/s | memcpy ms | memcpy GB/s | pull / memcpy | pull through the worker ms | "
+            "worker / in process |", "|---|---|---|---|---|---|---|---|"]
     out += [f"| {r['mib']} | {r['pull_ms']:.1f} | {r['pull_gbs']:.2f} | {r['memcpy_ms']:.1f} | {r['memcpy_gbs']:.2f} | "
-            f"{r['ratio']:.2f} |" for r in res["transfer"]]
+            f"{r['ratio']:.2f} | {r['worker_pull_ms']:.1f} | {r['worker_cost']:.2f}x |" for r in res["transfer"]]
     out.append("")
   if "latency" in res:
     r0 = res["latency"][0]

@@ -12,8 +12,9 @@ Phases (each measured against the idle server in the same run):
           it tokenizes past the context, so the work is tokenizing it, then INVALID_ARGUMENT), over and over;
           meanwhile the small request and Health run. Also a text just over the limit: refused untokenized.
   streams STREAMS long streams held open by one client (more than the 512 worker threads of the thread-pool
-          server this replaced); meanwhile Health, GetLoads and Abort; then a burst past the queue bound
-          (RESOURCE_EXHAUSTED at once); then every stream is cancelled.
+          server this replaced); meanwhile Health, GetLoads and Abort, and another client's (IPv6 loopback)
+          small request's first token (fair sharing: within 2x its idle first token); then a burst past the
+          queue bound (RESOURCE_EXHAUSTED at once); then every stream is cancelled.
   after   the server's resident memory once everything has ended vs before the phases (measured after a
           warm-up that compiles every batch bucket the phases use).
 
@@ -70,6 +71,13 @@ class Probe:
     self.stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
     self.health = health_pb2_grpc.HealthStub(channel)
 
+  def first_token(self) -> None:
+    """Until the small request's first token (the rest of the stream is cancelled)."""
+    call = self.stub.Generate(hisparse_pb2.GenerateRequest(text="e e e", max_new_tokens=8, ignore_eos=True),
+                              timeout=120)
+    assert next(call).token_ids
+    call.cancel()
+
   def small(self) -> None:
     msgs = list(self.stub.Generate(hisparse_pb2.GenerateRequest(text="e e e", max_new_tokens=8, ignore_eos=True),
                                    timeout=120))
@@ -91,15 +99,18 @@ def main(argv=None) -> int:
   args.out = args.out or default_out("server_load", args.quick)
   text_flood, streams, reps = (4, 60, 3) if args.quick else (24, 600, 10)
   t0 = time.perf_counter()
-  proc = subprocess.Popen([sys.executable, "run_server.py", "--port", "0", "--enable-hisparse",
-                           "--max-running-requests", "8", "--max-queued-requests", "1024"],
+  # Bound to IPv4 and IPv6 loopback: two clients (127.0.0.1 and ::1). The flooding client may hold every stream
+  # (the server-wide bounds are measured; by default it would get half).
+  proc = subprocess.Popen([sys.executable, "run_server.py", "--port", "0", "--host", "::", "--enable-hisparse",
+                           "--max-running-requests", "8", "--max-queued-requests", "1024",
+                           "--max-streams-per-client", "2000"],
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   res: dict = {"text_flood_clients": text_flood, "streams": streams}
   try:
     line = proc.stdout.readline()
     while line and "listening on" not in line:
       line = proc.stdout.readline()
-    port = int(line.split("127.0.0.1:")[1].split()[0])
+    port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 << 20)])
     p = Probe(channel)
@@ -117,7 +128,9 @@ def main(argv=None) -> int:
     context = DSAConfig.from_pretrained(ensure_default_model()).max_position_embeddings
     max_bytes = DEFAULT_PROMPT_BYTES_PER_TOKEN * context
     res["max_prompt_bytes"] = max_bytes
+    other = Probe(grpc.insecure_channel(f"[::1]:{port}"))
     res["idle"] = dict(small=_stats([_timed(p.small) for _ in range(reps)]),
+                       other_first_token=_stats([_timed(other.first_token) for _ in range(reps)]),
                        health=_stats([_timed(p.check) for _ in range(50)]),
                        loads=_stats([_timed(p.loads) for _ in range(50)]))
     rss0 = _rss_mb(proc.pid)
@@ -167,6 +180,7 @@ def main(argv=None) -> int:
     loads = [_timed(p.loads) for _ in range(50)]
     aborts = [_timed(lambda i=i: p.stub.Abort(hisparse_pb2.AbortRequest(request_id=f"s{streams - 1 - i}"),
                                               timeout=30)) for i in range(10)]
+    other_first = [_timed(other.first_token) for _ in range(reps)]
     queued = p.loads().queued
     extra = [p.stub.Generate(hisparse_pb2.GenerateRequest(text="e", max_new_tokens=1), timeout=30)
              for _ in range(1024 + 8 - streams + 100)]
@@ -180,6 +194,7 @@ def main(argv=None) -> int:
         codes.append(e.code().name)
     burst_ms = 1e3 * (time.perf_counter() - t)
     res["streams_phase"] = dict(health=_stats(health), loads=_stats(loads), abort=_stats(aborts), queued=queued,
+                                other_first_token=_stats(other_first),
                                 over_queue_codes=sorted(set(codes)), over_queue_ms=burst_ms,
                                 rss_mb=_rss_mb(proc.pid))
     print(f"streams: {res['streams_phase']}", flush=True)
@@ -217,6 +232,10 @@ def _markdown(r: dict) -> str:
   lines += ["", f"{r['streams']} open streams of one client ({sp['queued']} queued in the engine):", "",
             "| call | p50 ms | max ms |", "|---|---|---|"]
   lines += [f"| {k} | {sp[k]['p50_ms']:.1f} | {sp[k]['max_ms']:.1f} |" for k in ("health", "loads", "abort")]
+  o, o0 = sp["other_first_token"], r["idle"]["other_first_token"]
+  lines += ["", f"Another client's small request meanwhile (fair sharing): first token p50 {o['p50_ms']:.0f} ms, "
+            f"max {o['max_ms']:.0f} ms, against {o0['p50_ms']:.0f} / {o0['max_ms']:.0f} ms idle "
+            f"({o['p50_ms'] / o0['p50_ms']:.2f}x at p50)."]
   lines += ["", f"Streams past the queue bound: {', '.join(sp['over_queue_codes'])} "
             f"({sp['over_queue_ms'] / 20:.1f} ms each). Text 1 byte over the limit: {r['over_limit']['code']} in "
             f"{r['over_limit']['ms']:.0f} ms. Flood requests: {r['text']['flood_requests']} "

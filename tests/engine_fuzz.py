@@ -218,6 +218,10 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
   nothing ends twice, or with an error its callback did not raise."""
   rng = np.random.default_rng(seed + 10**6)
   pin_rng = np.random.default_rng(seed + 2 * 10**6)  # (its own stream: the one-device workloads stay the same)
+  # Odd seeds' workloads come from three clients (fair queueing, preemption for a client holding no slot); even
+  # seeds' from one, scheduled in arrival order as before clients existed.
+  client_rng = np.random.default_rng(seed + 3 * 10**6)
+  clients = seed % 2 == 1
   ended: dict[str, str] = {}
   by_id = {p.request.request_id: p for p in plan}
   live: list[Request] = []
@@ -229,6 +233,8 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
       references.export(engine, p.request)
     if engine.groups > 1 and pin_rng.random() < 0.25:  # pinned to a DP group, as a prefill server's requests are
       p.request.dp_group = int(pin_rng.integers(engine.groups))
+    if clients:
+      p.request.client = str(client_rng.choice(["a", "b", "c"]))
     full = (engine.max_queued_requests is not None
             and len(engine.waiting) >= engine.max_queued_requests + engine.backend.free_slots)
     try:
@@ -326,9 +332,9 @@ def fuzz(name: str, seeds, requests: int = 24, references: References | None = N
   engine = make_engine(name)
   references = references or References()
   totals = dict(requests=0, aborted=0, refused=0, imported=0, callback_errors=0, from_callbacks=0, preemptions=0,
-                offloads=0, misses=0, pinned=0)
+                offloads=0, misses=0, pinned=0, fairness_preemptions=0)
   for seed in seeds:
-    pre, off = engine.num_preemptions, engine.num_offloads
+    pre, off, fair = engine.num_preemptions, engine.num_offloads, engine.num_fairness_preemptions
     plan = workload(seed, requests)
     ended = run(engine, references, plan, seed)
     check(engine, references, plan, ended, seed, pre)
@@ -342,6 +348,7 @@ def fuzz(name: str, seeds, requests: int = 24, references: References | None = N
     totals["offloads"] += engine.num_offloads - off
     totals["misses"] += sum(p.request.misses for p in plan)
     totals["pinned"] += sum(p.request.dp_group is not None for p in plan)
+    totals["fairness_preemptions"] += engine.num_fairness_preemptions - fair
     if log:
       log(f"{name} seed {seed}: ok ({totals})")
   if engine.groups > 1:

@@ -72,6 +72,59 @@ def start_server(flags: list[str], env: dict | None = None, timeout: float = 120
   return proc, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
 
+def self_signed(folder) -> tuple[bytes, bytes]:
+  """(key, certificate) PEM bytes of a new self-signed certificate for localhost and 127.0.0.1 (written to
+  folder/key.pem and folder/cert.pem; needs the openssl command). It can serve as its own CA, and as a client
+  certificate checked against itself."""
+  key, cert = folder / "key.pem", folder / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                  "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                 check=True, capture_output=True)
+  return key.read_bytes(), cert.read_bytes()
+
+
+_FLOODER = """
+import resource, socket, sys, time
+port, count, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+held, opened, end = [], 0, time.monotonic() + seconds
+while time.monotonic() < end:
+  live = []
+  for s in held:
+    try:
+      if s.recv(1, socket.MSG_DONTWAIT) == b"":
+        s.close()
+        continue
+    except BlockingIOError:
+      pass
+    except OSError:
+      s.close()
+      continue
+    live.append(s)
+  held = live
+  while len(held) < count:
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+      s.connect_ex(("127.0.0.1", port))
+    except OSError:
+      s.close()
+      break
+    held.append(s)
+    opened += 1
+  time.sleep(0.05)
+print(opened)
+"""
+
+
+def flood_connections(port: int, count: int, seconds: float) -> subprocess.Popen:
+  """A process that holds ``count`` TCP connections to 127.0.0.1:port that never send a byte (a handshake
+  never begun), replacing each one the server closes, for ``seconds``; it prints how many it opened in all."""
+  return subprocess.Popen([sys.executable, "-c", _FLOODER, str(port), str(count), str(seconds)],
+                          stdout=subprocess.PIPE, text=True)
+
+
 def stop(procs) -> list[tuple[int, str]]:
   """Kills every process still running; (returncode, stderr) of each."""
   out = []

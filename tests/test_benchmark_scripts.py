@@ -138,6 +138,7 @@ def test_server_load_quick(tmp_path):
   assert res["streams_phase"]["over_queue_codes"] == ["RESOURCE_EXHAUSTED"]
   assert res["text"]["flood_codes"] == ["INVALID_ARGUMENT"] and res["text"]["flood_requests"] >= 4
   assert res["text"]["small"]["n"] == 3 and res["after"]["rss_mb"] > 0
+  assert res["streams_phase"]["other_first_token"]["n"] == 3  # (another client, served while the streams wait)
 
 
 def test_moe_benchmark_quick(tmp_path):
@@ -175,7 +176,7 @@ def test_disaggregation_benchmark_quick(tmp_path):
   res = json.loads((tmp_path / "pd.json").read_text())
   assert [row["mib"] for row in res["transfer"]] == [1, 4]
   for row in res["transfer"]:
-    assert row["pull_gbs"] > 0 and row["memcpy_gbs"] > 0
+    assert row["pull_gbs"] > 0 and row["memcpy_gbs"] > 0 and row["worker_pull_ms"] > 0
   assert [(row["mode"], row["decode"]) for row in res["latency"]] == [("colocated", "dense"), ("pd", "hisparse")]
   for row in res["latency"]:
     assert row["itl_samples"] > 0 and row["itl_p50_ms"] > 0 and row["ttft_mean_s"] > 0

@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -203,16 +204,22 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
   server never offers (a pull of it blocks), and it records whether the caller acknowledged. With hang=True it
   sends no offer at all, as a prefill server hung alive, and records when the caller cancels the stream."""
 
-  def __init__(self, info, transfer_address, hang=False, refuse=None, **offer):
-    self.info, self.transfer_address, self.acks = info, transfer_address, []
+  ROW_BYTES = 768  # the tiny model's KV bytes per position: 3 layers x (48 + 16) float32
+
+  def __init__(self, info, address, hang=False, refuse=None, endpoint=None, **offer):
+    announced = pb.InfoResponse(transfer_address=address, page_size=16)
+    announced.MergeFrom(info)  # (the Info's own address and page size, where it names them)
+    self.info, self.transfer_address, self.acks = announced, address, []
     self.hang, self.cancelled, self.refuse = hang, threading.Event(), refuse
-    self.calls = 0
+    self.endpoint = endpoint  # a TransferEndpoint: each offer's arrays are really offered there (zeros)
+    self.calls = self.info_calls = 0
     # The offer's layout: the Info's unless overridden (a prefill server restarted with other flags).
     self.offer = {**dict(num_layers=info.num_layers, latent_dim=info.latent_dim, index_dim=info.index_dim,
                          latent_dtype=info.latent_dtype, numerics=info.numerics,
                          model_fingerprint=info.model_fingerprint), **offer}
 
   def Info(self, request, context):
+    self.info_calls += 1
     return self.info
 
   def Prefill(self, request_iterator, context):
@@ -226,9 +233,14 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
       self.cancelled.set()
       return
     n = len(first.request.input_ids.ids)
-    yield pb.PrefillOffer(first_token=1, transfer_uuid=12345, transfer_address=self.transfer_address,
-                          kv_positions=max(16, 1 << (n - 1).bit_length()), prefill_seconds=0.01, kv_bytes=1,
-                          **self.offer)
+    positions = max(16, 1 << (n - 1).bit_length())
+    if self.endpoint is not None:
+      import jax.numpy as jnp
+      self.endpoint.offer(12345, (jnp.zeros((3, positions, 48)), jnp.zeros((3, positions, 16)),
+                                  jnp.array([7, 0], jnp.uint32)))
+    yield pb.PrefillOffer(**{**dict(first_token=1, transfer_uuid=12345, transfer_address=self.transfer_address,
+                                    kv_positions=positions, prefill_seconds=0.01,
+                                    kv_bytes=positions * self.ROW_BYTES), **self.offer})
     for message in request_iterator:
       self.acks.append(message.received.pulled)
 
@@ -310,6 +322,149 @@ def test_a_transfer_that_times_out(case):
   finally:
     stop(procs)
     server.stop(0)
+
+
+def _fake_prefill_servers(*servicers):
+  """Starts a gRPC server for each fake PrefillService; (servers, their host:port addresses)."""
+  servers, addresses = [], []
+  for servicer in servicers:
+    servers.append(grpc.server(concurrent.futures.ThreadPoolExecutor(4)))
+    hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, servers[-1])
+    addresses.append(f"127.0.0.1:{servers[-1].add_insecure_port('127.0.0.1:0')}")
+    servers[-1].start()
+  return servers, addresses
+
+
+class _RecordingTransfer:
+  """Pulls nothing: records each pull's address and returns zeros with the fake's proof."""
+
+  def __init__(self):
+    self.pulls = []
+
+  def pull(self, address, uuid, specs, timeout_s=None):
+    import numpy as np
+    self.pulls.append(address)
+    return [np.zeros(s.shape, s.dtype) for s in specs[:2]] + [np.array([7, 0], np.uint32)]
+
+
+@pytest.mark.parametrize("fault", ["address", "positions", "bytes", "first token", "page size"])
+def test_an_offer_unlike_what_its_prefill_server_announced_is_refused_before_any_pull(fault):
+  """A peer's offer is checked before any pull against what that server announced (Info) and this server's
+  limits: a transfer address other than the announced one (a listener there could crash jax's transfer
+  library), positions other than max(its page size, the prompt's power of two) (2^20 positions for a 40-token
+  prompt were pulled and decoded), bytes other than those positions' rows, a first token outside the
+  vocabulary, a page size beyond this server's longest prompt. Each is the prefill server's fault: the next
+  server is tried (it succeeds), UNAVAILABLE when none is left (never INVALID_ARGUMENT: the client's request
+  was fine); nothing is pulled from the bad offer, whose stream is cancelled. The bad server's Info is asked
+  again once before refusing (it may have restarted on another transfer port)."""
+  from hisparse_jax.engine import Engine, Request, Unavailable
+  from hisparse_jax.serving.disaggregation import PrefillClient
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
+  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
+                         latent_dtype="float32", max_seq_len=256)
+  bad_offer = {"address": {"transfer_address": "127.0.0.1:9"}, "positions": {"kv_positions": 1 << 20},
+               "bytes": {"kv_bytes": 64 * 768 + 1}, "first token": {"first_token": 1 << 20},
+               "page size": {"kv_positions": 512, "kv_bytes": 512 * 768}}[fault]
+  bad = _SilentPrefill(info, "127.0.0.1:1", **bad_offer)
+  if fault == "page size":
+    bad.info.page_size = 512  # (this server's longest prompt is 256 tokens)
+  good = _SilentPrefill(info, "127.0.0.1:2")
+  servers, addresses = _fake_prefill_servers(bad, good)
+  try:
+    transfer = _RecordingTransfer()
+    client = PrefillClient(e, tuple(addresses), transfer, 10, prefill_timeout_s=10)
+    req = Request("r", list(range(3, 43)), 2)  # 40 tokens: an offer of 64 positions
+    asyncio.run(client.prefill(req))
+    assert transfer.pulls == ["127.0.0.1:2"] and req.prompt_kv[0].shape == (3, 64, 48)
+    assert bad.calls == 1 and bad.acks == [] and bad.info_calls == 2
+    client = PrefillClient(e, (addresses[0],), transfer, 10, prefill_timeout_s=10)
+    with pytest.raises(Unavailable) as err:
+      asyncio.run(client.prefill(Request("r", list(range(3, 43)), 2)))
+    want = {"address": "offer names transfer address '127.0.0.1:9'; that prefill server announced '127.0.0.1:1'",
+            "positions": "offer of 1048576 positions for a prompt of 40 tokens; expected 64 (its --page-size 16, "
+                         "at most 256 here)",
+            "bytes": "offer of 49153 bytes; 64 positions of this KV layout hold 49152",
+            "first token": "offer's first token 1048576 is outside the vocabulary of",
+            "page size": "offer of 512 positions for a prompt of 40 tokens; expected 512 (its --page-size 512, "
+                         "at most 256 here)"}[fault]
+    assert str(err.value).startswith(f"prefill failed: {addresses[0]}: {want}"), str(err.value)
+    assert transfer.pulls == ["127.0.0.1:2"]
+  finally:
+    for server in servers:
+      server.stop(0)
+
+
+def test_a_prefill_server_restarted_on_another_transfer_port_is_asked_again():
+  """An offer naming another transfer address than the one recorded at start-up is taken when the server's Info,
+  asked again, announces it (a prefill server restarted with --transfer-port 0 gets another port)."""
+  from hisparse_jax.engine import Engine, Request
+  from hisparse_jax.serving.disaggregation import PrefillClient
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
+  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
+                         latent_dtype="float32", max_seq_len=256)
+  restarted = _SilentPrefill(info, "127.0.0.1:2")
+  servers, addresses = _fake_prefill_servers(restarted)
+  try:
+    before = pb.InfoResponse(transfer_address="127.0.0.1:1", page_size=16)
+    before.MergeFrom(info)
+    transfer = _RecordingTransfer()
+    asyncio.run(PrefillClient(e, tuple(addresses), transfer, 10, infos=[before]).prefill(Request("r", [3, 4], 2)))
+    assert transfer.pulls == ["127.0.0.1:2"] and restarted.info_calls == 1
+  finally:
+    for server in servers:
+      server.stop(0)
+
+
+def test_a_peer_whose_transfer_bytes_crash_jax_fails_only_its_pull():
+  """A listener that answers a pull with 16 zero bytes aborts the process that pulls, inside jax's transfer
+  library (SIGABRT). The decode server pulls in a worker process (``PullWorker``): that worker dies, the request
+  fails with UNAVAILABLE naming it, a new worker takes the next pull, and this process lives on. The proof of a
+  pull through the worker is the offer's."""
+  from hisparse_jax.engine import Engine, Request, Unavailable
+  from hisparse_jax.serving.disaggregation import PrefillClient, TransferEndpoint
+  from hisparse_jax.serving.pull_worker import PullWorker
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
+  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
+                         latent_dtype="float32", max_seq_len=256)
+  garbage = socket.socket()
+  garbage.bind(("127.0.0.1", 0))
+  garbage.listen(16)
+  garbage.settimeout(0.2)
+  stop_garbage = threading.Event()
+
+  def answer_zeros():
+    while not stop_garbage.is_set():
+      try:
+        connection, _ = garbage.accept()
+      except OSError:
+        continue
+      with connection:
+        connection.sendall(bytes(16))
+        time.sleep(0.5)
+
+  threading.Thread(target=answer_zeros, daemon=True).start()
+  endpoint = TransferEndpoint()
+  hostile = _SilentPrefill(info, f"127.0.0.1:{garbage.getsockname()[1]}")  # (its Info announces the listener)
+  honest = _SilentPrefill(info, endpoint.address, endpoint=endpoint)
+  servers, addresses = _fake_prefill_servers(hostile, honest)
+  worker = PullWorker()
+  try:
+    with pytest.raises(Unavailable, match="the KV pull worker process died .* during the pull"):
+      asyncio.run(PrefillClient(e, (addresses[0],), worker, 20).prefill(Request("r", [3, 4, 5], 2)))
+    req = Request("r", list(range(3, 23)), 2)
+    asyncio.run(PrefillClient(e, (addresses[1],), worker, 20).prefill(req))
+    assert worker.restarts == 1 and req.prompt_kv[0].shape == (3, 32, 48) and not req.prompt_kv[0].any()
+    deadline = time.monotonic() + 10
+    while not honest.acks and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert honest.acks == [True]
+  finally:
+    stop_garbage.set()
+    worker.close()
+    endpoint.close()
+    garbage.close()
+    for server in servers:
+      server.stop(0)
 
 
 def test_a_prefill_server_that_refuses_a_valid_request_as_invalid_is_retried_elsewhere():
@@ -476,6 +631,38 @@ def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
   # The same rows computed with other numerics: the KV would not be the one this server computes.
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--fp8-numerics")
   assert "(3, 48, 16, 'float32', '')" in err and "(3, 48, 16, 'float32', 'fp8')" in err and "--fp8-numerics" in err
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_pd_over_mutual_tls_with_the_api_key_both_ways(colocated, tmp_path):
+  """A prefill server serving TLS that requires client certificates (--tls-client-ca-file) and an API key; a
+  decode server reaching it with --prefill-tls-ca-file / -cert-file / -key-file and the same key: the colocated
+  greedy tokens. Without its client certificate, or in plain text, the decode server's start fails naming the
+  flags to set."""
+  from tests.multiprocess import self_signed
+  self_signed(tmp_path)
+  cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+  procs = []
+  try:
+    prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill", f"--tls-cert-file={cert}",
+                                   f"--tls-key-file={key}", f"--tls-client-ca-file={cert}", "--api-key=pd-key"])
+    procs.append(prefill)
+    decode, dport = start_server([*_model(), "--disaggregation-mode=decode", f"--prefill-servers=localhost:{pport}",
+                                  f"--prefill-tls-ca-file={cert}", f"--prefill-tls-cert-file={cert}",
+                                  f"--prefill-tls-key-file={key}", "--api-key=pd-key"])
+    procs.append(decode)
+    channel = grpc.insecure_channel(f"127.0.0.1:{dport}")
+    stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+    msgs = list(stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[1]), max_new_tokens=NEW),
+                              metadata=(("authorization", "Bearer pd-key"),), timeout=120))
+    assert [t for m in msgs for t in m.token_ids] == colocated[1] and msgs[-1].transfer_bytes > 0
+    err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=localhost:{pport}",
+                         f"--prefill-tls-ca-file={cert}", "--api-key=pd-key")
+    assert f"--prefill-servers localhost:{pport}:" in err and "--prefill-tls-cert-file" in err, err[-2000:]
+    err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=localhost:{pport}", "--api-key=pd-key")
+    assert "pass --prefill-tls-ca-file" in err, err[-2000:]
+  finally:
+    stop(procs)
 
 
 def test_pd_with_fp8_kv_rows():

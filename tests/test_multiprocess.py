@@ -69,15 +69,15 @@ def one_device(tmp_path_factory):
 
 def test_a_submitted_request_reaches_the_followers_whole():
   """What process 0 sends its followers for a submitted request (JSON, its prompt KV as arrays) rebuilds it with
-  every field that decides its schedule and tokens, its DP group pin included (dropped before: a follower could
-  put a pinned request in another group than process 0, and the two fall out of step). Every other Request
+  every field that decides its schedule and tokens, its DP group pin and client included (dropped before: a
+  follower could put a pinned request in another group than process 0, and the two fall out of step). Every other Request
   field is the engine's output or state, or stays on process 0 (named here: a new input field must be sent)."""
   import dataclasses
   import numpy as np
   from hisparse_jax.engine import Request
   from hisparse_jax.engine.engine import _SHARED_FIELDS, _request_fields, _request_from_fields
   req = Request("r", [3, 4, 5], 7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=frozenset({9, 2}),
-                stop=("ab",), include_stop_str_in_output=True, ignore_eos=True, first_token=6, dp_group=1,
+                stop=("ab",), include_stop_str_in_output=True, ignore_eos=True, first_token=6, dp_group=1, client="c",
                 prompt_kv=(np.ones((2, 4, 3), np.float32), np.zeros((2, 4, 1), np.float32)))
   arrays = []
   back = _request_from_fields(json.loads(json.dumps(_request_fields(req, arrays))), arrays)
@@ -90,7 +90,7 @@ def test_a_submitted_request_reaches_the_followers_whole():
            "output_ids", "text", "text_sent", "finish_reason", "error", "matched_stop", "hits", "misses",
            "layer_hits", "layer_misses", "prefetched", "layer_prefetched", "topk_trace", "num_preemptions",
            "times_passed", "arrival", "first_token_time", "finish_time", "phase", "kv", "prefill_ids", "prefilled",
-           "_detok", "_stops", "_submitted"}
+           "fair_tag", "_detok", "_stops", "_submitted"}
   assert {f.name for f in dataclasses.fields(Request)} - set(_SHARED_FIELDS) == local
 
 

@@ -549,10 +549,11 @@ def test_admission_counts_passes_per_request_and_stops_scanning_at_the_limit():
   big = [types.SimpleNamespace(request_id=f"B{k}", prompt_kv=None, prefill_ids=[0] * 100, times_passed=t,
                                dp_group=None) for k, t in enumerate((0, 2))]
   small = [types.SimpleNamespace(request_id=f"S{k}", prompt_kv=None, prefill_ids=[0] * 10, times_passed=0,
-                                 dp_group=None, temperature=0., top_k=0, top_p=1., seed=0) for k in range(5)]
+                                 dp_group=None, temperature=0., top_k=0, top_p=1., seed=0, fair_tag=k)
+           for k in range(5)]
   waiting = collections.deque([big[0], small[0], big[1]] + small[1:])
   eng = types.SimpleNamespace(backend=be, running=running, waiting=waiting, groups=1, max_admission_skips=3,
-                              _temperature={}, _top_k={}, _top_p={}, _seed={})
+                              _temperature={}, _top_k={}, _top_p={}, _seed={}, _virtual_time=0)
   eng._decoding = lambda: running
   Engine._admit(eng)
   # S0 passes B0; S1 passes B0 and B1, which then has been passed 3 times: S2.. wait and are not looked at.
@@ -703,6 +704,7 @@ def test_random_workloads_give_each_request_its_tokens_alone(config, fuzz_refere
   # The workloads reach the paths they are for.
   assert totals["aborted"] >= 4 and totals["preemptions"] >= 1 and totals["imported"] >= 1
   assert totals["callback_errors"] >= 1 and totals["from_callbacks"] >= 1
+  assert totals["fairness_preemptions"] >= 1  # (seed 1's requests come from three clients)
   assert (totals["misses"] > 0) == (config != "dense")
   assert (totals["offloads"] > 0) == (config == "resident")
 
@@ -724,3 +726,60 @@ def test_random_workloads_on_meshes():
     assert f"{name}: 2 workloads passed" in out.stdout, out.stdout
   assert "'imported': 0" not in out.stdout and "'preemptions': 0" not in out.stdout and "'pinned': 0" not in out.stdout
   assert "'offloads': 0" not in out.stdout.split("dp2_resident: ")[1], out.stdout
+
+
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
+def test_clients_take_turns_and_a_starved_client_gets_a_slot(hisparse):
+  """Start-time fair queueing between clients (``Request.client``): client a's backlog of 10 requests on 4 slots
+  does not delay client b's one, which is admitted at the next step by preempting a's newest request (a holds
+  every slot); c's two requests submitted after b's interleave with a's backlog, not behind it. Every request
+  gets the tokens it gets alone (the preempted one is recomputed), and all KV comes back."""
+  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128, **SMALL)
+  backlog = [Request(f"a{i}", prompt(12, i), 6, client="a") for i in range(10)]
+  for r in backlog:
+    eng.submit(r)
+  eng.step()
+  assert [r.request_id for r in eng.running] == ["a0", "a1", "a2", "a3"]
+  newest = eng.running[-1]
+  b = Request("b", prompt(9, 99), 6, client="b")
+  eng.submit(b)
+  c = [Request(f"c{i}", prompt(7, 50 + i), 6, client="c") for i in range(2)]
+  for r in c:
+    eng.submit(r)
+  # Waiting in turn: b and c0 (each client's first) before a's backlog, c1 with a's next turn.
+  assert [r.request_id for r in eng.waiting][:4] == ["b", "c0", "a4", "c1"]
+  eng.step()
+  assert b in eng.running and newest not in eng.running and newest.num_preemptions == 1
+  assert eng.waiting[0] is newest  # right behind b, ahead of the rest of a's backlog
+  eng.step()  # c0 holds no slot either: a's next newest makes room (one preemption a step)
+  assert c[0] in eng.running
+  eng.run()
+  for r in [*backlog, b, *c]:
+    alone = Request("alone", r.prompt_ids, r.max_new_tokens)
+    eng.submit(alone)
+    eng.run()
+    assert alone.output_ids == r.output_ids, r.request_id
+  assert all_kv_free(eng.loads())
+
+
+def test_one_client_keeps_arrival_order():
+  """Requests of one client (or none) queue in arrival order whatever they interleave with: the fair tags of a
+  single client are increasing, so nothing is preempted for fairness."""
+  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  reqs = [Request(str(i), prompt(8, i), 3, client=None if i % 2 else "x") for i in range(6)]
+  for r in reqs[:3]:
+    eng.submit(r)
+  eng.step()
+  for r in reqs[3:]:
+    eng.submit(r)
+  order = [r.request_id for r in eng.waiting]
+  eng.run()
+  assert eng.num_preemptions <= 1 and order[0] in ("1", "2")
+  solo = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  same = [Request(str(i), prompt(8, i), 3) for i in range(6)]
+  for r in same[:3]:
+    solo.submit(r)
+  solo.step()
+  for r in same[3:]:
+    solo.submit(r)
+  assert [r.request_id for r in solo.waiting] == ["2", "3", "4", "5"] and solo.num_preemptions == 0

@@ -20,7 +20,9 @@ from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving import credentials
 from hisparse_jax.serving.client import auth_metadata, generate, open_channel
 from hisparse_jax.serving.metrics import ServerMetrics
-from hisparse_jax.serving.server import ServerLimits, TLSConfig, client_of, serve
+from hisparse_jax.serving.server import ApiKeys, ServerLimits, TLSConfig, client_of, serve
+from tests.multiprocess import flood_connections
+from tests.multiprocess import self_signed as _self_signed
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir, tiny_model_with_tokenizer, wait_until_idle
 
 SMALL = dict(page_size=16, chunked_prefill_size=64)
@@ -59,7 +61,8 @@ def server(model_with_tokenizer):
   tok = CountingTokenizer(load_tokenizer(model_with_tokenizer))
   engine = Engine(model_with_tokenizer, hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2,
                   max_seq_len=256, max_queued_requests=700, max_prompt_bytes=PROMPT_BYTES, tokenizer=tok, **SMALL)
-  srv, loop, port = serve(engine, tok, "127.0.0.1", 0)
+  # (One client floods the server-wide limits here: no per-client bound.)
+  srv, loop, port = serve(engine, tok, "127.0.0.1", 0, limits=ServerLimits(max_streams_per_client=10_000))
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), channel, tok, port
   channel.close()
@@ -281,14 +284,6 @@ def test_one_client_cannot_hold_more_than_its_share_of_streams():
     loop.stop()
 
 
-def _self_signed(tmp_path):
-  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                  "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                 check=True, capture_output=True)
-  return key.read_bytes(), cert.read_bytes()
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_and_api_key(tmp_path):
   key, cert = _self_signed(tmp_path)
@@ -423,3 +418,144 @@ def test_streams_cancelled_while_the_server_writes_leave_no_tracebacks(server, c
   wait_until_idle(engine, 30)
   time.sleep(0.5)
   assert not [r for r in caplog.records if "ExecuteBatchError" in r.getMessage()], caplog.text[-2000:]
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "arrival order"])
+def test_one_clients_backlog_does_not_delay_another_clients_first_token(fair):
+  """Client a (IPv4 loopback) holds 12 long streams on 4 request slots; client b (IPv6 loopback) then sends one
+  short request. With fair sharing (the default) b's request gets a slot at the next step (a's newest is
+  preempted) and finishes while every one of a's streams is still running; in arrival order (--nofair-sharing)
+  it waits for a's backlog. The per-client default bound (half the streams) leaves a its 12."""
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, max_queued_requests=64, **SMALL)
+  srv, loop, port = serve(engine, None, "[::]", 0, limits=ServerLimits(fair_sharing=fair))
+  assert srv.servicer.max_streams_per_client == (34 if fair else None)
+  a = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+  b = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"[::1]:{port}"))
+  long = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=120,
+                                      ignore_eos=True)
+  held = [a.Generate(long, timeout=120) for _ in range(12)]
+  try:
+    next(held[0])  # decoding
+    while engine.loads_snapshot.get("queued", 0) < 8:
+      time.sleep(0.01)
+    msgs = gen(b, max_new_tokens=3)()
+    assert msgs[-1].finished and len([t for m in msgs for t in m.token_ids]) == 3
+    a_finished = 12 - len(engine.running) - len(engine.waiting)  # (b's request is done)
+    if fair:  # b's request ran at once: none of a's 120-token streams had finished
+      assert a_finished == 0 and engine.num_preemptions >= 1
+      assert {r.client for r in engine.running} == {"ipv4:127.0.0.1"}
+    else:  # b's request waited until a's backlog fit the slots
+      assert a_finished >= 8 and engine.num_preemptions == 0
+  finally:
+    for call in held:
+      call.cancel()
+    srv.stop(0).wait()
+    loop.stop()
+
+
+def test_an_abort_reaches_only_its_own_clients_requests():
+  """Request ids are scoped to their client: client b's Abort of a's request id aborts nothing (a's stream
+  runs on), a's own Abort of it ends it as ABORT."""
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL)
+  srv, loop, port = serve(engine, None, "[::]", 0)
+  a = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+  b = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"[::1]:{port}"))
+  call = a.Generate(hisparse_pb2.GenerateRequest(request_id="mine", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]),
+                                                 max_new_tokens=200, ignore_eos=True), timeout=120)
+  try:
+    next(call)
+    assert b.Abort(hisparse_pb2.AbortRequest(request_id="mine"), timeout=10).aborted == 0
+    next(call)  # still streaming
+    assert a.Abort(hisparse_pb2.AbortRequest(request_id="mine"), timeout=10).aborted == 1
+    last = list(call)[-1]
+    assert last.finished and last.finish_reason == hisparse_pb2.ABORT
+  finally:
+    call.cancel()
+    srv.stop(0).wait()
+    loop.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_a_connection_flood_costs_the_flooder_and_the_control_plane_keeps_answering(tmp_path):
+  """1,000 connections that never handshake, replaced as they are closed, against a TLS server with
+  --max-connections 200 and --handshake-timeout-s 1: the server never holds more than its bound of them (its
+  descriptors stay within the baseline + 200 + a margin), an open channel's Health and GetLoads keep answering,
+  and once the flood ends every descriptor comes back. (Timing targets, e.g. <= 100 ms through 20,000
+  connections, are benchmarks/connection_flood.py's.)"""
+  key, cert = _self_signed(tmp_path)
+  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, tls=TLSConfig(cert, key),
+                          limits=ServerLimits(max_connections=200, handshake_timeout_s=1.0))
+  channel = grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(cert))
+  health = health_pb2_grpc.HealthStub(channel)
+  stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
+  descriptors = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+  try:
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    baseline = descriptors()
+    flood = flood_connections(port, 1000, 6)
+    try:
+      most, answered = 0, 0
+      while flood.poll() is None:
+        most = max(most, descriptors())
+        health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=5)
+        answered += 1
+        time.sleep(0.1)
+    finally:
+      flood.kill()
+      flood.wait()
+    assert answered >= 20 and most <= baseline + 200 + 64, (answered, most, baseline)
+    assert most >= baseline + 100  # the flood did reach the server
+    deadline = time.monotonic() + 20
+    while descriptors() > baseline + 8:
+      assert time.monotonic() < deadline, (descriptors(), baseline)
+      time.sleep(0.2)
+    assert gen(stub)()[-1].finished
+  finally:
+    channel.close()
+    srv.stop(0).wait()
+    loop.stop()
+
+
+def test_client_keys_name_their_callers_and_the_operator_aborts_any(tmp_path):
+  """--client-keys-file: callers from one address with different keys are different clients (each its own
+  --max-streams-per-client share and Abort scope); a key not in the file is refused; the operator's key may
+  abort any client's request of an id. The file's bad lines are refused naming the line."""
+  keys = ApiKeys(shared="shared-key", clients={"alice": "alice-key", "bob": "bob-key"}, operator="op-key")
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL)
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, api_key=keys, limits=ServerLimits(max_streams_per_client=1))
+  stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+  as_ = lambda key: (("authorization", f"Bearer {key}"),)  # noqa: E731
+  long = hisparse_pb2.GenerateRequest(request_id="job", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]),
+                                      max_new_tokens=200, ignore_eos=True)
+  calls = [stub.Generate(long, metadata=as_(k), timeout=120) for k in ("alice-key", "bob-key")]
+  try:
+    for call in calls:
+      next(call)  # one stream each, though both come from 127.0.0.1 and the bound is 1 per client
+    code, details = code_of(lambda: next(stub.Generate(long, metadata=as_("alice-key"), timeout=30)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "client key:alice has 1 streams open" in details
+    code, _ = code_of(lambda: next(stub.Generate(long, metadata=as_("mallory-key"), timeout=30)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    abort = lambda key: stub.Abort(hisparse_pb2.AbortRequest(request_id="job"), metadata=as_(key), timeout=10)  # noqa: E731
+    assert abort("shared-key").aborted == 0  # (a caller of the shared key is its address, not alice or bob)
+    assert abort("bob-key").aborted == 1  # bob's own "job" only
+    assert list(calls[1])[-1].finish_reason == hisparse_pb2.ABORT
+    next(calls[0])  # alice's runs on
+    assert abort("op-key").aborted == 1
+    assert list(calls[0])[-1].finish_reason == hisparse_pb2.ABORT
+  finally:
+    for call in calls:
+      call.cancel()
+    srv.stop(0).wait()
+    loop.stop()
+  for text, message in (("alice k1\nalice k2\n", "line 2: name 'alice' appears twice"),
+                        ("alice k1\nbob k1\n", "line 2: its key appears twice"),
+                        ("# only a comment\n", "no NAME KEY line"), ("alice k\u00e9y\n", "not ASCII"),
+                        ("alice\n", "line 1: expected NAME KEY")):
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+      credentials.client_keys(str(path))
+  path.write_text("# name key\nalice  a-key\n\nbob b-key\n")
+  assert credentials.client_keys(str(path)) == {"alice": "a-key", "bob": "b-key"}

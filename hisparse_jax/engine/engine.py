@@ -3,9 +3,14 @@
 A request's life:
   1. ``submit`` validates it against sizes fixed at start-up (bad input -> ``InvalidRequest``; one that
      could never fit the pools -> ``ResourceExhausted``) and queues it (bounded queue).
-  2. Each ``step()`` admits waiting requests in arrival order while the backend has a request slot and
-     pages for the prompt (plus one growth page per decoding request that will still grow, so admission
-     does not immediately force a preemption). A request that does not fit yet is passed by later ones
+  2. Each ``step()`` admits waiting requests in turn while the backend has a request slot and pages for the
+     prompt (plus one growth page per decoding request that will still grow, so admission does not
+     immediately force a preemption). The turn is arrival order among one client's requests
+     (``Request.client``) and start-time fair queueing among clients: a client's request queues behind the
+     requests of others submitted earlier but ahead of the client's own backlog, so one client's 300 queued
+     requests do not delay another's one. When no slot is free and a waiting request's client holds none, the
+     most recently admitted request of the client holding the most slots is preempted for it (one a step). A
+     request that does not fit yet is passed by later ones
      that do, at most ``max_admission_skips`` times; after that nothing behind it is admitted until it is
      (no head-of-line blocking by one large request, no starvation of it either). An admitted request
      holds pages only for the tokens it has, growing as it decodes.
@@ -490,14 +495,17 @@ class Engine:
                                           self.host_pool, self.mesh, self.groups))
     R = self.backend.request_slots
     self.num_slots = R
-    self.waiting: collections.deque[Request] = collections.deque()
+    self.waiting: collections.deque[Request] = collections.deque()  # in fair_tag order (submit)
     self.running: list[Request] = []  # admitted, oldest first (prefilling or decoding)
+    self._virtual_time = 0  # the largest fair_tag admitted so far
+    self._client_tags: dict[str | None, int] = {}  # client -> its last submitted request's fair_tag
     # Per-slot sampling parameters (temperature, top_k, top_p, seed).
     self._temperature = np.zeros(R, np.float32)
     self._top_k = np.zeros(R, np.int32)
     self._top_p = np.ones(R, np.float32)
     self._seed = np.zeros(R, np.uint32)
     self.num_preemptions = 0
+    self.num_fairness_preemptions = 0  # of num_preemptions, those for a client holding no slot
     self._step_failed = None  # what ended a step that did not complete (step() refuses to go on until reset())
     self._aborting: dict[str, None] = {}  # request ids an on_token callback aborted: applied after its step
     self._live: dict[str, Request] = {}  # request_id -> its submitted, unfinished request (ids are unique)
@@ -592,6 +600,8 @@ class Engine:
       raise InvalidRequest("export_kv (a prefill server's request) needs an engine of one process")
     if req.dp_group is not None and (not _is_int(req.dp_group) or not 0 <= req.dp_group < self.groups):
       raise InvalidRequest(f"dp_group must be None or a DP group in [0, {self.groups}), got {req.dp_group!r}")
+    if req.client is not None and not (isinstance(req.client, str) and len(req.client) <= 1024):
+      raise InvalidRequest(f"client must be None or a str of at most 1024 characters, got {type(req.client).__name__}")
     if req.output_ids or req.text or req.finish_reason is not None:
       raise InvalidRequest("output_ids, text and finish_reason are the engine's to fill: leave them empty")
     if req.prompt_kv is not None:
@@ -643,9 +653,54 @@ class Engine:
       req._detok = self._detokenizers()
       req._stops = StopStringMatcher(req.stop, req.include_stop_str_in_output)
     self._live[req.request_id] = req
-    self.waiting.append(req)
+    self._enqueue(req)
     if self.lockstep is not None and self.lockstep.is_leader:  # the followers queue it with the next message
       self._pending_ops.append(["submit", _request_fields(req, self._pending_arrays)])
+
+  def _enqueue(self, req: Request) -> None:
+    """Queues a submitted request by its fair tag (start-time fair queueing, a request costing 2): its client's
+    previous tag + 2, or, for a client with nothing waiting, the last admitted tag + 1, which puts it ahead of
+    every backlog's next request; behind waiting requests of an equal or smaller tag (arrival order). With one
+    client every tag is larger than all waiting ones: arrival order."""
+    tag = max(self._virtual_time + 1, self._client_tags.get(req.client, -1) + 2)
+    req.fair_tag = self._client_tags[req.client] = tag
+    if len(self._client_tags) > 2 * len(self.waiting) + 64:  # (a client with nothing waiting starts anew)
+      self._client_tags = {c: t for c, t in self._client_tags.items() if t >= self._virtual_time}
+      self._client_tags[req.client] = tag
+    i = len(self.waiting)
+    while i and self.waiting[i - 1].fair_tag > tag:
+      i -= 1
+    self.waiting.insert(i, req)
+
+  def _preempt_for_fairness(self) -> Request | None:
+    """No slot free: the first waiting request whose client holds no slot (and can run in the victim's DP group)
+    gets one from the client holding the most, if that client holds two or more: its most recently admitted
+    request is preempted, the waiting one moves to the front and the preempted one right behind it. Returns the
+    preempted request (not admitted again this step: a decode step launched ahead may hold its row, whose token
+    must find it not decoding), or None."""
+    held = collections.Counter(r.client for r in self.running)
+    if not held:
+      return None
+    for i, req in enumerate(self.waiting):
+      if held[req.client]:
+        continue
+      client, most = held.most_common(1)[0]
+      if most < 2:
+        return None
+      victim = next((r for r in reversed(self.running) if r.client == client
+                     and (req.dp_group is None or r.kv.group == req.dp_group)), None)
+      if victim is None:
+        return None
+      log.info("preempting request %s of client %s for a waiting request of client %s", victim.request_id,
+               client, req.client)
+      self._preempt(victim)  # (queued at the front, where req goes instead: the victim right behind it)
+      self.num_fairness_preemptions += 1
+      self.waiting.popleft()
+      del self.waiting[i]
+      self.waiting.extendleft((victim, req))
+      self._drop_ended_next()
+      return victim
+    return None
 
   def has_work(self) -> bool:
     return bool(self.waiting) or bool(self.running)
@@ -887,12 +942,16 @@ class Engine:
     # Requests ahead of waiting[i] that did not fit this step, each with the admissions counted when it was
     # passed over; `lead` is the most times one of them had been passed before, less that count. Times are
     # added at the end, so a step costs O(waiting + running), whatever it admits.
+    victim = self._preempt_for_fairness() if not self.backend.free_slots and self.waiting else None
     i, admitted, blocked, lead = 0, 0, [], -1
     try:
       while i < len(self.waiting) and self.backend.free_slots:
         if lead + admitted >= self.max_admission_skips:
           return  # one ahead has been passed often enough: nothing behind it goes ahead of it any more
         req = self.waiting[i]
+        if req is victim:
+          i += 1
+          continue
         prefill = req.prompt_kv is None
         group = self.backend.pick_group(len(req.prefill_ids), reserve, prefill, reclaimable, only=req.dp_group)
         if group is None:
@@ -902,6 +961,7 @@ class Engine:
           continue
         del self.waiting[i]
         admitted += 1
+        self._virtual_time = max(self._virtual_time, req.fair_tag)
         if prefill and self.backend.residency_on:
           self._reclaim_staging(group, len(req.prefill_ids), reclaimable[group])
         req.kv = self.backend.admit(len(req.prefill_ids), prefill=prefill, group=group)
@@ -1326,7 +1386,8 @@ class Engine:
 
 # Request fields a follower process needs to schedule it as the leader does (hisparse_jax/distributed.py).
 _SHARED_FIELDS = ("request_id", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                  "stop_token_ids", "stop", "include_stop_str_in_output", "ignore_eos", "first_token", "dp_group")
+                  "stop_token_ids", "stop", "include_stop_str_in_output", "ignore_eos", "first_token", "dp_group",
+                  "client")
 
 
 def _request_fields(req: Request, arrays: list) -> dict:

@@ -103,6 +103,9 @@ class Request:
     dp_group: the DP group (``--dp-size``) the request must run in, in [0, dp_size); None (the default): the
       scheduler's choice. A prefill server pins each request to the group whose devices hold room for its KV
       offer (the offer stays on that group's first device).
+    client: who submitted it, for fair admission (the server's client identity; ``Engine`` docstring, step
+      2): waiting requests are ordered so that each client's next request takes its turn with the others'.
+      None (the default): one anonymous client, whose requests run in arrival order.
   """
 
   request_id: str
@@ -121,6 +124,7 @@ class Request:
   first_token: int | None = None
   export_kv: bool = False
   dp_group: int | None = None
+  client: str | None = None
   prefill_seconds: float = 0.0
   transfer_seconds: float = 0.0
   transfer_bytes: int = 0
@@ -147,6 +151,7 @@ class Request:
   kv: object = None           # memory.backend.RequestKV while admitted
   prefill_ids: list[int] = dataclasses.field(default_factory=list)  # prompt (+ output after a preemption)
   prefilled: int = 0          # tokens of prefill_ids already in the KV
+  fair_tag: int = 0           # its turn among the waiting requests (Engine.submit: start-time fair queueing)
   _detok: object = None
   _stops: object = None
   _submitted: bool = False    # set by Engine.submit: a Request runs once

@@ -85,7 +85,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "num_layers", "latent_dim", "index_dim", "latent_dtype", "transfer_address", "max_seq_len", "numerics")
+    __slots__ = ("model_fingerprint", "num_layers", "latent_dim", "index_dim", "latent_dtype", "transfer_address", "max_seq_len", "numerics", "page_size")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class InfoResponse(_message.Message):
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     num_layers: int
     latent_dim: int
@@ -102,7 +103,8 @@ class InfoResponse(_message.Message):
     transfer_address: str
     max_seq_len: int
     numerics: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
+    page_size: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., index_dim: _Optional[int] = ..., latent_dtype: _Optional[str] = ..., transfer_address: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., numerics: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -69,24 +69,64 @@ def bearer(api_key: str) -> str:
   return f"Bearer {api_key}"
 
 
-def api_key(key: str | None, key_file: str | None) -> str | None:
-  """The bearer token from --api-key or --api-key-file (its first line, stripped); None if neither is set.
+def api_key(key: str | None, key_file: str | None, file_flag: str = "api-key-file") -> str | None:
+  """The bearer token from --api-key or the file of ``file_flag`` (its first line, stripped); None if neither is
+  set.
 
   A key must be non-empty printable ASCII without spaces (it travels in gRPC metadata)."""
   if key is not None and key_file is not None:
     raise ValueError("give --api-key or --api-key-file, not both")
   if key_file is not None:
-    data = read_file("api-key-file", key_file)
+    data = read_file(file_flag, key_file)
     try:
       key = data.decode("ascii").splitlines()[0].strip()
     except (UnicodeDecodeError, IndexError):
-      raise ValueError(f"--api-key-file {key_file!r}: the first line must be the key (ASCII)") from None
+      raise ValueError(f"--{file_flag} {key_file!r}: the first line must be the key (ASCII)") from None
   if key is None:
     return None
-  if not key or not (key.isascii() and key.isprintable()) or " " in key:
-    where = "--api-key" if key_file is None else f"--api-key-file {key_file!r}: its first line"
-    raise ValueError(f"{where}: must be non-empty printable ASCII without spaces")
+  _check_key(key, "--api-key" if key_file is None else f"--{file_flag} {key_file!r}: its first line")
   return key
+
+
+MAX_CLIENT_KEYS = 4096  # lines of a --client-keys-file
+
+
+def _check_key(key: str, where: str) -> None:
+  if not key or not (key.isascii() and key.isprintable()) or " " in key:
+    raise ValueError(f"{where}: must be non-empty printable ASCII without spaces")
+
+
+def client_keys(path: str | None) -> dict[str, str]:
+  """name -> API key from --client-keys-file: one client a line, ``NAME KEY`` (blank lines and lines starting
+  with # skipped; at most MAX_CLIENT_KEYS). A name is at most 64 printable ASCII characters; no name or key
+  appears twice. {} when the flag is unset."""
+  data = read_file("client-keys-file", path)
+  if data is None:
+    return {}
+  try:
+    lines = data.decode("ascii").splitlines()
+  except UnicodeDecodeError:
+    raise ValueError(f"--client-keys-file {path!r}: not ASCII") from None
+  keys: dict[str, str] = {}
+  for number, line in enumerate(lines, 1):
+    if not line.strip() or line.lstrip().startswith("#"):
+      continue
+    where = f"--client-keys-file {path!r} line {number}"
+    words = line.split()
+    if len(words) != 2:
+      raise ValueError(f"{where}: expected NAME KEY")
+    name, key = words
+    if len(name) > 64 or not name.isprintable():
+      raise ValueError(f"{where}: a name is at most 64 printable ASCII characters")
+    _check_key(key, where)
+    if name in keys or key in keys.values():
+      raise ValueError(f"{where}: {'name ' + repr(name) if name in keys else 'its key'} appears twice")
+    keys[name] = key
+    if len(keys) > MAX_CLIENT_KEYS:
+      raise ValueError(f"--client-keys-file {path!r}: more than {MAX_CLIENT_KEYS} keys")
+  if not keys:
+    raise ValueError(f"--client-keys-file {path!r}: no NAME KEY line")
+  return keys
 
 
 def check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None, cert: bytes | None,

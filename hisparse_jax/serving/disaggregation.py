@@ -40,9 +40,13 @@ keeps its arrays forever (``await_pull``'s timeout does not free them) unless so
   - offers are copies outside the prefill server's KV pools: their bytes, and those of the prefills in flight at
     their offer's size, are bounded by ``--max-offered-kv-bytes``, checked before a prompt is prefilled, and
     taken from the device KV budget (default half of it), whose rest sizes the pools.
-The transfer ports have no authentication and jax's transfer server aborts the process on some malformed
-input (16 zero bytes), and keeps a descriptor for every pull of an unknown uuid: only the deployment's own
-servers may reach them (README, "Prefill/decode disaggregation").
+A decode server takes nothing from a prefill server on trust: an offer must name the transfer address that
+server announced (Info), hold exactly the positions its prompt needs, and carry a first token in the vocabulary
+(``offer_fault``), before anything is pulled; and it pulls in a worker process (``pull_worker.PullWorker``),
+since jax's transfer library aborts the process that pulls when the peer answers with some malformed bytes (16
+zero bytes): such a peer ends that pull, not the server. The transfer ports have no authentication, a prefill
+server's transfer server can itself be aborted that way, and it keeps a descriptor for every pull of an unknown
+uuid: only the deployment's own servers may reach them (README, "Prefill/decode disaggregation").
 """
 
 from __future__ import annotations
@@ -104,6 +108,18 @@ class DisaggregationConfig:
   transfer_port: int = 0
   prefill_timeout_s: float = PREFILL_TIMEOUT_S
   max_offered_kv_bytes: int = 0  # prefill: prompt KV held for decode servers at once (0: half the device KV budget)
+  isolate_pulls: bool = True  # decode: pull prompt KV in a worker process (pull_worker.py); False: in this one
+  # decode: TLS to the prefill servers (PEM bytes): the CA that signed their certificates, and this server's own
+  # certificate and key for those that require mutual TLS (--prefill-tls-ca-file / -cert-file / -key-file).
+  prefill_tls_ca: bytes | None = None
+  prefill_tls_cert: bytes | None = None
+  prefill_tls_key: bytes | None = None
+
+  def channel_credentials(self) -> grpc.ChannelCredentials | None:
+    """The credentials of a decode server's channels to its prefill servers; None: plain text."""
+    if self.prefill_tls_ca is None:
+      return None
+    return grpc.ssl_channel_credentials(self.prefill_tls_ca, self.prefill_tls_key, self.prefill_tls_cert)
 
   def transfer_ports(self) -> tuple[int, ...]:
     """The fixed TCP port the transfer server listens on: (--transfer-port,), or () for any free one."""
@@ -126,6 +142,12 @@ class DisaggregationConfig:
     check_timeout("--prefill-timeout-s", self.prefill_timeout_s)
     if not 0 <= self.transfer_port <= 65535:
       raise ValueError(f"--transfer-port {self.transfer_port}: expected 0 (any free port) or 1..65535")
+    if (self.prefill_tls_cert is None) != (self.prefill_tls_key is None):
+      raise ValueError("--prefill-tls-cert-file and --prefill-tls-key-file go together")
+    if self.prefill_tls_cert is not None and self.prefill_tls_ca is None:
+      raise ValueError("--prefill-tls-cert-file (mutual TLS to the prefill servers) needs --prefill-tls-ca-file")
+    if self.mode != "decode" and self.prefill_tls_ca is not None:
+      raise ValueError(f"--prefill-tls-ca-file is for --disaggregation-mode decode (got {self.mode})")
     if self.max_offered_kv_bytes < 0:
       raise ValueError(f"--max-offered-kv-bytes must be >= 0, got {self.max_offered_kv_bytes}")
     if self.mode != "prefill" and self.max_offered_kv_bytes:
@@ -355,8 +377,8 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     L, W, Di, dtype, numerics = _kv_layout(e)
     return hisparse_pb2.InfoResponse(
         model_fingerprint=e.model_fingerprint, num_layers=L, latent_dim=W, index_dim=Di, latent_dtype=dtype,
-        numerics=numerics,
-        transfer_address=self.transfer.address, max_seq_len=e.max_seq_len)
+        numerics=numerics, transfer_address=self.transfer.address, max_seq_len=e.max_seq_len,
+        page_size=e.page_size)
 
   async def Info(self, request, context):
     return self.info()
@@ -578,13 +600,24 @@ def prefill_error_text(code, details: str | None) -> str:
   return text
 
 
-def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
-  """ValueError naming ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S
-  (a server not listening yet, e.g. still loading its model, is waited for that long) and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored
-  latent row: --dtype and --kv-cache-dtype), and a context >= this engine's."""
+def _channel(address: str, credentials: grpc.ChannelCredentials | None, aio: bool = False, options=None):
+  module = grpc.aio if aio else grpc
+  if credentials is None:
+    return module.insecure_channel(address, options=options)
+  return module.secure_channel(address, credentials, options=options)
+
+
+def check_prefill_servers(engine, servers, api_key: str | None = None,
+                          credentials: grpc.ChannelCredentials | None = None) -> list:
+  """Each prefill server's InfoResponse (what ``PrefillClient`` checks its offers against). ValueError naming
+  ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S (a server not listening
+  yet, e.g. still loading its model, is waited for that long) and serves the same model
+  (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored latent row: --dtype and
+  --kv-cache-dtype), and a context >= this engine's. credentials: TLS to them (None: plain text)."""
   layout = _kv_layout(engine)
+  infos = []
   for address in servers:
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, credentials) as channel:
       try:
         info = hisparse_pb2_grpc.PrefillServiceStub(channel).Info(
             hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=_metadata(api_key), wait_for_ready=True)
@@ -594,6 +627,20 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
           why = f"the server there is not a prefill server {status}{fix}"
         elif e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
           why = f"no prefill server answered within {CONNECT_TIMEOUT_S:.0f} s {status}{fix}"
+          # (waiting for a ready channel hides why it never was: one call that does not wait tells)
+          try:
+            with _channel(address, credentials) as fresh:
+              hisparse_pb2_grpc.PrefillServiceStub(fresh).Info(hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S,
+                                                               metadata=_metadata(api_key))
+            last = ""
+          except grpc.RpcError as again:
+            last = again.details() or ""
+          if "Socket closed" in last or "handshake" in last.lower():
+            why += f"; connecting: {last}" + (
+                " (a prefill server with TLS closes a plain-text connection: pass --prefill-tls-ca-file)"
+                if credentials is None else
+                " (the TLS handshake failed: does --prefill-tls-ca-file sign its certificate, and does it require "
+                "a client certificate, --prefill-tls-cert-file / --prefill-tls-key-file?)")
         elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
           why = f"the prefill server refused this server's --api-key {status}; both need the same one"
         else:
@@ -611,18 +658,58 @@ def check_prefill_servers(engine, servers, api_key: str | None = None) -> None:
     if info.max_seq_len < engine.max_seq_len:
       raise ValueError(f"--prefill-servers {address}: its --max-seq-len {info.max_seq_len} is below this server's "
                        f"{engine.max_seq_len}")
+    if not 0 < info.page_size <= max_offer_positions(engine):
+      raise ValueError(f"--prefill-servers {address}: its --page-size {info.page_size} is not in [1, "
+                       f"{max_offer_positions(engine)}] (its offers would be larger than this server's prompts)")
+    infos.append(info)
+  return infos
+
+
+def max_offer_positions(engine) -> int:
+  """The most positions a decode server pulls for one prompt: its longest prompt's power of two, or its page."""
+  return engine.export_positions(engine.max_seq_len)
+
+
+def offer_fault(engine, info, offer, prompt_tokens: int) -> str | None:
+  """Why a decode server refuses ``offer`` (a PrefillOffer for a prompt of ``prompt_tokens``) before pulling it,
+  given what its prefill server announced (``info``, its InfoResponse); None if it takes it. Checked: the
+  transfer address is the announced one (a pull from any other could be a listener whose bytes crash jax's
+  transfer library); the positions are exactly max(announced page size, the power of two >= the prompt) and
+  within this engine's context (an offer of 2^20 positions for 40 tokens was pulled and decoded); the bytes are
+  those positions' rows; the first token is in the vocabulary."""
+  if offer.transfer_address != info.transfer_address:
+    return (f"offer names transfer address {offer.transfer_address!r}; that prefill server announced "
+            f"{info.transfer_address!r}")
+  want = max(info.page_size, 1 << max(prompt_tokens - 1, 0).bit_length())
+  limit = max_offer_positions(engine)
+  if offer.kv_positions != want or want > limit:
+    return (f"offer of {offer.kv_positions} positions for a prompt of {prompt_tokens} tokens; expected {want} "
+            f"(its --page-size {info.page_size}, at most {limit} here)")
+  layout = engine.layout
+  if offer.kv_bytes != want * (layout.latent_bytes + layout.index_bytes):
+    return (f"offer of {offer.kv_bytes} bytes; {want} positions of this KV layout hold "
+            f"{want * (layout.latent_bytes + layout.index_bytes)}")
+  if not 0 <= offer.first_token < engine.config.vocab_size:
+    return f"offer's first token {offer.first_token} is outside the vocabulary of {engine.config.vocab_size}"
+  return None
 
 
 class PrefillClient:
   """A decode server's side: picks a prefill server round-robin, runs ``Prefill`` there, pulls the KV, and
   retries once on another prefill server when one fails (module docstring)."""
 
-  def __init__(self, engine, servers: tuple[str, ...], transfer: TransferEndpoint, timeout_s: float,
-               api_key: str | None = None, prefill_timeout_s: float = PREFILL_TIMEOUT_S):
-    """timeout_s: ``--transfer-timeout-s`` (the longest a pull may take); prefill_timeout_s:
-    ``--prefill-timeout-s`` (the longest one attempt may wait for a prefill server's offer)."""
+  def __init__(self, engine, servers: tuple[str, ...], transfer, timeout_s: float,
+               api_key: str | None = None, prefill_timeout_s: float = PREFILL_TIMEOUT_S, infos=None,
+               credentials: grpc.ChannelCredentials | None = None):
+    """transfer: what pulls (a ``TransferEndpoint``, or a ``pull_worker.PullWorker``: both have ``pull``);
+    timeout_s: ``--transfer-timeout-s`` (the longest a pull may take); prefill_timeout_s:
+    ``--prefill-timeout-s`` (the longest one attempt may wait for a prefill server's offer); infos: each
+    server's InfoResponse from ``check_prefill_servers`` (None: asked at the first offer); credentials: TLS to
+    the prefill servers (None: plain text)."""
+    self.credentials = credentials
     self.engine = engine
     self.servers = servers
+    self._infos = list(infos) if infos is not None else [None] * len(servers)
     self.metadata = _metadata(api_key)
     self.transfer = transfer
     self.timeout_s = timeout_s
@@ -639,7 +726,7 @@ class PrefillClient:
       # requests kept failing for 8 s after a 75 s outage had ended).
       options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                  ("grpc.max_reconnect_backoff_ms", 1000)]
-      self._stubs = [hisparse_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(s, options=options))
+      self._stubs = [hisparse_pb2_grpc.PrefillServiceStub(_channel(s, self.credentials, aio=True, options=options))
                      for s in self.servers]
     return self._stubs[i]
 
@@ -736,6 +823,9 @@ class PrefillClient:
       raise PrefillFailed(f"offer from another model (fingerprint {offer.model_fingerprint[:12] or 'none'}..., "
                           f"here {self.engine.model_fingerprint[:12]}...): did it restart with another "
                           "--model-path?")
+    if (fault := await self._offer_fault(i, req, offer)) is not None:
+      call.cancel()  # nothing pulled: the prefill server takes its offer back
+      raise PrefillFailed(fault)
     specs = _specs(L, offer.kv_positions, W, Di, dtype, self.index_dtype)
     start = time.monotonic()
     # The pull and its acknowledgement are shielded from the caller's cancellation (an abort): a pull in
@@ -749,6 +839,21 @@ class PrefillClient:
     req.prompt_kv, req.first_token = (latent, index), offer.first_token
     req.prefill_seconds, req.transfer_seconds = offer.prefill_seconds, time.monotonic() - start
     req.transfer_bytes = latent.nbytes + index.nbytes
+
+  async def _offer_fault(self, i: int, req: Request, offer) -> str | None:
+    """``offer_fault`` against server i's InfoResponse; on a fault, asked again once (it may have restarted on
+    another transfer port or page size) and checked again. A failed Info call is the fault."""
+    for fresh in (self._infos[i] is None, True):
+      if fresh:
+        try:
+          self._infos[i] = await self._stub(i).Info(hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S,
+                                                    metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+          return f"its Info call failed ({prefill_error_text(e.code(), e.details())})"
+      fault = offer_fault(self.engine, self._infos[i], offer, len(req.prompt_ids))
+      if fault is None:
+        return None
+    return fault
 
   async def _pull_and_acknowledge(self, call, offer, specs):
     loop = asyncio.get_running_loop()

@@ -218,26 +218,118 @@ class ServerLimits:
     + its max_queued_requests (unbounded when that is None).
   max_prompt_bytes: UTF-8 bytes of a text prompt, checked before tokenizing; None: the engine's.
   max_streams_per_client: Generate streams one client (``client_of``) may hold open at once, so that one client
-    cannot take every stream ``max_streams`` allows; more get RESOURCE_EXHAUSTED at once. None: no per-client
-    bound (clients behind one proxy or NAT are one client here).
+    cannot take every stream ``max_streams`` allows; more get RESOURCE_EXHAUSTED at once. None: half of
+    ``max_streams`` with ``fair_sharing`` (clients behind one proxy or NAT are one client here), else no bound.
+  fair_sharing: each Generate's request carries its client (``Request.client``), so the engine admits clients'
+    requests in turn and gives a client holding no request slot one at the next step (``Engine`` docstring,
+    step 2). False (a single-tenant deployment): arrival order, and no default per-client bound.
+  max_connections: TCP connections the gRPC server holds at once (handshaking or not); more are closed as they
+    arrive, so a flood of connections cannot take the process's descriptors. None: ``default_max_connections``.
+  handshake_timeout_s: seconds a connection may take to finish its TLS handshake before it is closed (gRPC's
+    default is 120 s). A plain-text connection has no handshake: ``max_connections`` alone bounds those.
   """
   max_streams: int | None = None
   max_prompt_bytes: int | None = None
   max_streams_per_client: int | None = None
+  max_connections: int | None = None
+  handshake_timeout_s: float = 10.0
+  fair_sharing: bool = True
 
   def __post_init__(self):
-    for name in ("max_streams", "max_prompt_bytes", "max_streams_per_client"):
+    for name in ("max_streams", "max_prompt_bytes", "max_streams_per_client", "max_connections"):
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"ServerLimits.{name} must be >= 1 or None, got {value}")
+    if not 0 < self.handshake_timeout_s <= 3600:  # (NaN fails too)
+      raise ValueError(f"ServerLimits.handshake_timeout_s must be in (0, 3600] seconds, got {self.handshake_timeout_s}")
+
+  def connections(self) -> int:
+    """``max_connections``, or its default for this process's descriptor limit."""
+    return self.max_connections if self.max_connections is not None else default_max_connections()
 
 
-def client_of(context) -> str:
+# Descriptors a server keeps for everything but its gRPC connections (model files, the KV transfer's sockets, the
+# metrics endpoint, threads' pipes), and the most connections it holds by default.
+RESERVED_DESCRIPTORS = 1024
+DEFAULT_MAX_CONNECTIONS = 16384
+
+
+def default_max_connections() -> int:
+  """Half of the descriptors this process may open beyond RESERVED_DESCRIPTORS (``RLIMIT_NOFILE``'s soft limit),
+  at most DEFAULT_MAX_CONNECTIONS, at least 16."""
+  import resource
+  soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft == resource.RLIM_INFINITY:
+    return DEFAULT_MAX_CONNECTIONS
+  return max(16, min(DEFAULT_MAX_CONNECTIONS, (soft - RESERVED_DESCRIPTORS) // 2))
+
+
+def raise_descriptor_limit() -> int:
+  """Raises this process's soft ``RLIMIT_NOFILE`` to its hard limit (which needs no privilege); the new soft."""
+  import resource
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft != hard:
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+      soft = hard
+    except (ValueError, OSError):
+      pass
+  return soft
+
+
+OPERATOR = "operator"  # the identity of a call with the operator's key (``ApiKeys.operator``)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiKeys:
+  """The bearer tokens a server accepts: every call but grpc.health.v1 must carry one of them.
+
+  shared: ``--api-key``, one key for every caller, who are told apart by certificate or address
+    (``client_of``); a decode server sends its own to its prefill servers.
+  clients: name -> key (``--client-keys-file``): a caller with one is client "key:NAME" for the per-client
+    limits, fair sharing and the scope of its Aborts.
+  operator: ``--operator-key-file``: its Abort reaches every client's requests of that id.
+  """
+  shared: str | None = None
+  clients: dict[str, str] = dataclasses.field(default_factory=dict)
+  operator: str | None = None
+
+  def __bool__(self) -> bool:
+    return bool(self.shared or self.clients or self.operator)
+
+  def identities(self) -> dict[bytes, str]:
+    """The ``authorization`` value (bytes) -> identity of every key that names its caller."""
+    out = {credentials.bearer(key).encode(): f"key:{name}" for name, key in self.clients.items()}
+    if self.operator is not None:
+      out[credentials.bearer(self.operator).encode()] = OPERATOR
+    return out
+
+  def bearers(self) -> list[bytes]:
+    """Every accepted ``authorization`` value."""
+    shared = [credentials.bearer(self.shared).encode()] if self.shared else []
+    return shared + list(self.identities())
+
+
+def _bearer(metadata) -> bytes | None:
+  """The call's one ``authorization`` value, its scheme written "Bearer " (case-insensitive, RFC 6750 / RFC 9110
+  section 11.1); None for none or several (no value of several is taken over another)."""
+  values = [v for k, v in metadata or () if k == "authorization"]
+  if len(values) != 1:
+    return None
+  got = values[0].encode("utf-8", "surrogatepass") if isinstance(values[0], str) else values[0]
+  return b"Bearer " + got[7:] if got[:7].lower() == b"bearer " else got
+
+
+def client_of(context, identities: dict[bytes, str] | None = None) -> str:
   """Who a call comes from, for the per-client limits (``ServerLimits.max_streams_per_client``, health Watch
-  streams): the common name of its client certificate under mutual TLS ("cert:NAME"); else its IPv4 address
+  streams), fair sharing and the scope of Aborts: the name its API key gives it ("key:NAME", or OPERATOR;
+  ``identities`` from ``ApiKeys.identities``); else the common name of its client certificate under mutual TLS
+  ("cert:NAME"); else its IPv4 address
   ("ipv4:10.0.0.5"), or for IPv6 its /64 network ("ipv6:[2001:db8:1:2::]/64": a host is commonly given a whole
   /64, so one client could otherwise take 2^64 shares; the loopback address as itself, "ipv6:[::1]"); a Unix
   socket's peer as gRPC names it."""
+  if identities and (who := identities.get(_bearer(context.invocation_metadata()))) is not None:
+    return who
   names = (context.auth_context() or {}).get("x509_common_name")
   if names:
     return "cert:" + names[0].decode("utf-8", "replace")
@@ -256,6 +348,13 @@ def client_of(context) -> str:
       return f"ipv6:[{address}]"
     return f"ipv6:[{ipaddress.IPv6Network((address, 64), strict=False).network_address}]/64"
   return peer
+
+
+def _gone(deadline: float | None) -> str:
+  """The outcome of a stream whose RPC gRPC had ended under its handler (an abort or write then fails with an
+  error of its own, which was once counted "unknown"): "deadline_exceeded" past its deadline (a
+  time.monotonic() instant), else "cancelled" (the client went away)."""
+  return "deadline_exceeded" if deadline is not None and time.monotonic() >= deadline else "cancelled"
 
 
 class _AsyncEvents:
@@ -312,7 +411,10 @@ def _sampling(request) -> dict:
 class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
   """The HiSparseInference RPCs (coroutines on the server's asyncio thread: its state needs no lock)."""
 
-  def __init__(self, loop: EngineLoop, tokenizer, limits: ServerLimits | None = None, prefill_client=None):
+  def __init__(self, loop: EngineLoop, tokenizer, limits: ServerLimits | None = None, prefill_client=None,
+               keys: ApiKeys | None = None):
+    """keys: the API keys whose callers they name (``ApiKeys.identities``; checking them is the interceptor's)."""
+    self.identities = keys.identities() if keys else {}
     self.loop = loop
     self.engine = loop.engine
     self.tokenizer = tokenizer
@@ -323,11 +425,15 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
                         None if queued is None else self.engine.num_slots + queued)
     self.max_prompt_bytes = limits.max_prompt_bytes or self.engine.max_prompt_bytes
     self.max_streams_per_client = limits.max_streams_per_client
+    if self.max_streams_per_client is None and limits.fair_sharing and self.max_streams is not None:
+      self.max_streams_per_client = max(1, self.max_streams // 2)
+    self.fair_sharing = limits.fair_sharing
     self.open_streams = 0
     self._client_streams: collections.Counter[str] = collections.Counter()  # client_of -> open Generate streams
     self._tokenize_pool = futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize",
                                                      initializer=_tokenizer_thread_init)
-    self._by_client_id: dict[str, set[str]] = {}  # client request_id -> engine request ids
+    # (client_of, the client's request_id) -> engine request ids: an Abort reaches its own client's requests only.
+    self._by_client_id: dict[tuple[str, str], set[str]] = {}
     self._not_submitted: dict[str, bool] = {}  # engine id -> aborted, until Generate submits it to the engine
     self._prefilling: dict[str, asyncio.Task] = {}  # engine id -> its prefill at a prefill server (decode server)
     self.cutting = False  # RunningServer.stop's grace is ending: a stream cut now ends UNAVAILABLE for its client
@@ -364,7 +470,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     if self.max_streams is not None and self.open_streams >= self.max_streams:
       return f"server busy: {self.open_streams} streams open (limit {self.max_streams})"
     if (client is not None and self.max_streams_per_client is not None
-        and self._client_streams[client] >= self.max_streams_per_client):
+        and self._client_streams.get(client, 0) >= self.max_streams_per_client):
       return (f"client {client} has {self._client_streams[client]} streams open (limit "
               f"{self.max_streams_per_client} per client, --max-streams-per-client)")
     return None
@@ -373,6 +479,9 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     """The stream (``_generate``), counted by outcome in ``ServerMetrics.requests`` when the server has
     metrics."""
     metrics = self.loop.metrics
+    # (read now: the context's call may be freed once the RPC has ended; its peer() then crashed the process)
+    peer, left = context.peer(), context.time_remaining()
+    deadline = None if left is None else time.monotonic() + left
     stream = self._generate(request, context)
     outcome = "cancelled"  # ended by the client or its deadline before a status ("unavailable": the server's stop)
     try:
@@ -382,10 +491,14 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
         yield message
     except grpc.aio.AbortError:  # context.abort: the status it set
       code = context.code()
-      outcome = code.name.lower() if isinstance(code, grpc.StatusCode) else "unknown"
+      outcome = code.name.lower() if isinstance(code, grpc.StatusCode) else _gone(deadline)
+      raise
+    except (grpc.aio.UsageError, asyncio.InvalidStateError):  # an abort or write after the RPC had ended
+      outcome = _gone(deadline)
       raise
     except Exception:  # grpc answers UNKNOWN (a cancel, a BaseException, stays "cancelled")
       outcome = "unknown"
+      log.warning("Generate stream from %s failed", peer, exc_info=True)
       raise
     finally:
       try:
@@ -397,16 +510,16 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
           if outcome == "cancelled" and self.cutting:  # cut at the end of the grace: the client got UNAVAILABLE
             outcome = "unavailable"
           metrics.requests.labels(outcome=outcome).inc()
+        log.debug("Generate stream from %s ended: %s", peer, outcome)
 
   async def _generate(self, request, context):
     if isinstance(request, _Malformed):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-    client = client_of(context) if self.max_streams_per_client is not None else None
+    client = client_of(context, self.identities)
     if (busy := self.streams_busy(client)) is not None:
       await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
     self.open_streams += 1
-    if client is not None:
-      self._client_streams[client] += 1
+    self._client_streams[client] += 1
     # The engine keys requests by a server-side id: client ids need not be unique. The client's id is known to
     # Abort from here on: while the prompt is tokenized (0.75 s for 1 MB of text) or prefilled elsewhere, an
     # Abort is recorded, and the request ends as ABORT before it reaches the engine.
@@ -417,13 +530,13 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
         check_stop_counts(len(request.stop), len(request.stop_token_ids))  # before copying them
         sampling = _sampling(request)
         rid = request.request_id or uuid.uuid4().hex
-        self._by_client_id.setdefault(rid, set()).add(engine_id)
+        self._by_client_id.setdefault((client, rid), set()).add(engine_id)
         self._not_submitted[engine_id] = False
         ids = await self._prompt_ids(request)
         req = Request(request_id=engine_id, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
                       stop_token_ids=frozenset(request.stop_token_ids), stop=tuple(request.stop),
                       include_stop_str_in_output=request.include_stop_str_in_output,
-                      ignore_eos=request.ignore_eos, **sampling)
+                      ignore_eos=request.ignore_eos, client=client if self.fair_sharing else None, **sampling)
         if not self._not_submitted[engine_id]:  # (aborted meanwhile: it ends as ABORT, whatever it holds)
           self.engine.validate(req)
       except RequestError as e:
@@ -481,16 +594,15 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
           self.loop.abort(req.request_id)
     finally:
       self.open_streams -= 1
-      if client is not None:
-        self._client_streams[client] -= 1
-        if not self._client_streams[client]:
-          del self._client_streams[client]
+      self._client_streams[client] -= 1
+      if not self._client_streams[client]:
+        del self._client_streams[client]
       self._not_submitted.pop(engine_id, None)
-      engine_ids = self._by_client_id.get(rid)
+      engine_ids = self._by_client_id.get((client, rid))
       if engine_ids is not None:
         engine_ids.discard(engine_id)
         if not engine_ids:
-          del self._by_client_id[rid]
+          del self._by_client_id[(client, rid)]
 
   async def Abort(self, request, context):
     if isinstance(request, _Malformed):
@@ -499,7 +611,12 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       check_request_id(request.request_id)
     except RequestError as e:
       await context.abort(grpc.StatusCode[e.code], str(e))
-    ids = list(self._by_client_id.get(request.request_id, ()))
+    caller = client_of(context, self.identities)
+    if caller == OPERATOR:  # every client's requests of that id
+      ids = [e for (_, rid), engine_ids in self._by_client_id.items() if rid == request.request_id
+             for e in engine_ids]
+    else:
+      ids = list(self._by_client_id.get((caller, request.request_id), ()))
     for engine_id in ids:
       if engine_id in self._not_submitted:  # still tokenizing or prefilling: Generate ends it before submitting
         self._not_submitted[engine_id] = True
@@ -635,11 +752,12 @@ def _add_health(servicer, server) -> asyncio.Event:
 
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-  """Every call except grpc.health.v1 needs exactly one ``authorization: Bearer KEY`` metadata value
-  (constant-time compare). A Generate call refused so counts as outcome "unauthenticated" in ``metrics``."""
+  """Every call except grpc.health.v1 needs exactly one ``authorization: Bearer KEY`` metadata value with one of
+  the keys (each compared in constant time). A Generate call refused so counts as outcome "unauthenticated" in
+  ``metrics``."""
 
-  def __init__(self, api_key: str, metrics: ServerMetrics | None = None):
-    self._want = credentials.bearer(api_key).encode()
+  def __init__(self, keys: ApiKeys, metrics: ServerMetrics | None = None):
+    self._want = keys.bearers()
     self._metrics = metrics
 
     async def deny(request, context):
@@ -651,13 +769,9 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
   async def intercept_service(self, continuation, details):
     if details.method.startswith("/grpc.health.v1.Health/"):
       return await continuation(details)
-    keys = [v for k, v in details.invocation_metadata or () if k == "authorization"]
-    if len(keys) != 1:  # none, or several (no value of several is taken over another)
-      return self._refuse(details)
-    got = keys[0].encode("utf-8", "surrogatepass") if isinstance(keys[0], str) else keys[0]
-    if got[:7].lower() == b"bearer ":  # the scheme is case-insensitive (RFC 6750 / RFC 9110 section 11.1)
-      got = b"Bearer " + got[7:]
-    if not hmac.compare_digest(got, self._want):
+    got = _bearer(details.invocation_metadata)
+    # (every key compared: the time taken does not tell which one a guess came close to)
+    if got is None or not any([hmac.compare_digest(got, want) for want in self._want]):
       return self._refuse(details)
     return await continuation(details)
 
@@ -730,26 +844,33 @@ class RunningServer:
 
 
 def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetrics | None = None, *,
-          limits: ServerLimits | None = None, tls: TLSConfig | None = None, api_key: str | None = None,
+          limits: ServerLimits | None = None, tls: TLSConfig | None = None, api_key: str | ApiKeys | None = None,
           disaggregation=None):
   """Starts the server; returns (RunningServer, EngineLoop, bound port).
 
   limits: per-request and open-stream bounds (``ServerLimits``; defaults from the engine). tls: serve TLS
-  (else plain text). api_key: required bearer token of every HiSparseInference and PrefillService call.
+  (else plain text). api_key: the bearer token every HiSparseInference and PrefillService call needs, or
+  several (``ApiKeys``: per-client keys and an operator's).
   disaggregation: a ``disaggregation.DisaggregationConfig``: "prefill" also serves ``PrefillService``,
   "decode" gets every prompt's KV from the prefill servers (checked first: ValueError naming the flag).
   Raises OSError if host:port cannot be bound.
   """
   from hisparse_jax.serving import disaggregation as pd
   mode = disaggregation.mode if disaggregation is not None else "null"
-  transfer = (pd.TransferEndpoint(disaggregation.transfer_host, disaggregation.transfer_port) if mode != "null"
-              else None)
-  prefill_client = None
+  transfer, prefill_client = None, None
   if mode == "decode":
-    pd.check_prefill_servers(engine, disaggregation.prefill_servers, disaggregation.api_key)
+    credentials = disaggregation.channel_credentials()
+    infos = pd.check_prefill_servers(engine, disaggregation.prefill_servers, disaggregation.api_key, credentials)
+    if disaggregation.isolate_pulls:
+      from hisparse_jax.serving.pull_worker import PullWorker
+      transfer = PullWorker(disaggregation.transfer_host, disaggregation.transfer_port)
+    else:
+      transfer = pd.TransferEndpoint(disaggregation.transfer_host, disaggregation.transfer_port)
     prefill_client = pd.PrefillClient(engine, disaggregation.prefill_servers, transfer,
                                       disaggregation.transfer_timeout_s, disaggregation.api_key,
-                                      disaggregation.prefill_timeout_s)
+                                      disaggregation.prefill_timeout_s, infos, credentials)
+  elif mode == "prefill":
+    transfer = pd.TransferEndpoint(disaggregation.transfer_host, disaggregation.transfer_port)
   loop = EngineLoop(engine, metrics)
   loop.start()
   on_close = []  # the transfer endpoint's pulls (a prefill server's take-backs among them)
@@ -758,14 +879,18 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
   thread.start()
 
   async def start():
-    interceptors = [_ApiKeyInterceptor(api_key, metrics)] if api_key else []
-    servicer = InferenceServicer(loop, tokenizer, limits, prefill_client)
+    keys = ApiKeys(shared=api_key) if isinstance(api_key, str) else api_key or ApiKeys()
+    interceptors = [_ApiKeyInterceptor(keys, metrics)] if keys else []
+    servicer = InferenceServicer(loop, tokenizer, limits, prefill_client, keys)
+    connection_limits = limits or ServerLimits()
     # No SO_REUSEPORT: a second server on a taken port must fail, not silently share it. gRPC buffers a call's
     # whole request message before any handler (or the API-key check) runs: the receive limit and the bound on
     # calls in flight (``receive_bounds``) bound the memory clients can make the server hold.
     max_message, max_calls = receive_bounds(servicer)
-    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_calls,
-                             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)])
+    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_calls, options=[
+        ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_allowed_incoming_connections", connection_limits.connections()),
+        ("grpc.server_handshake_timeout_ms", int(connection_limits.handshake_timeout_s * 1000))])
     prefill = None
     handlers = _handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

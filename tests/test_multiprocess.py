@@ -70,8 +70,9 @@ def one_device(tmp_path_factory):
 def test_a_submitted_request_reaches_the_followers_whole():
   """What process 0 sends its followers for a submitted request (JSON, its prompt KV as arrays) rebuilds it with
   every field that decides its schedule and tokens, its DP group pin and client included (dropped before: a
-  follower could put a pinned request in another group than process 0, and the two fall out of step). Every other Request
-  field is the engine's output or state, or stays on process 0 (named here: a new input field must be sent)."""
+  follower could put a pinned request in another group than process 0, and the two fall out of step). Every other
+  Request field is the engine's output or state, or stays on process 0 (named here: a new input field must be
+  sent)."""
   import dataclasses
   import numpy as np
   from hisparse_jax.engine import Request

@@ -537,7 +537,9 @@ def test_client_keys_name_their_callers_and_the_operator_aborts_any(tmp_path):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "client key:alice has 1 streams open" in details
     code, _ = code_of(lambda: next(stub.Generate(long, metadata=as_("mallory-key"), timeout=30)))
     assert code == grpc.StatusCode.UNAUTHENTICATED
-    abort = lambda key: stub.Abort(hisparse_pb2.AbortRequest(request_id="job"), metadata=as_(key), timeout=10)  # noqa: E731
+    def abort(key):
+      return stub.Abort(hisparse_pb2.AbortRequest(request_id="job"), metadata=as_(key), timeout=10)
+
     assert abort("shared-key").aborted == 0  # (a caller of the shared key is its address, not alice or bob)
     assert abort("bob-key").aborted == 1  # bob's own "job" only
     assert list(calls[1])[-1].finish_reason == hisparse_pb2.ABORT
@@ -559,3 +561,58 @@ def test_client_keys_name_their_callers_and_the_operator_aborts_any(tmp_path):
       credentials.client_keys(str(path))
   path.write_text("# name key\nalice  a-key\n\nbob b-key\n")
   assert credentials.client_keys(str(path)) == {"alice": "a-key", "bob": "b-key"}
+
+
+@pytest.mark.parametrize("deadline_s, want", [(None, "cancelled"), (0.0, "deadline_exceeded"), (60.0, "cancelled")])
+def test_a_stream_whose_rpc_ended_under_its_handler_counts_as_cancelled_or_deadline_exceeded(deadline_s, want):
+  """A stream whose abort fails because gRPC had ended its RPC (the client went away, or its deadline passed as
+  the handler aborted: an error of gRPC's own, not AbortError) counts as cancelled / deadline_exceeded by the
+  RPC's state and deadline (it counted "unknown", 3 of 72 disaggregated streams with short deadlines); a
+  failure on a live RPC stays "unknown"."""
+  import asyncio
+  import types
+
+  from hisparse_jax.serving.server import InferenceServicer
+  engine = types.SimpleNamespace(max_queued_requests=None, num_slots=1, max_prompt_bytes=100)
+  metrics = ServerMetrics(row_bytes=1)
+  servicer = InferenceServicer(types.SimpleNamespace(engine=engine, metrics=metrics), None)
+
+  class Context:
+    ended = False
+
+    def peer(self):
+      return "ipv4:127.0.0.1:5"
+
+    def time_remaining(self):
+      return deadline_s
+
+    def code(self):
+      return None
+
+    def done(self):
+      return self.ended
+
+    def cancelled(self):
+      return False
+
+  def run(ended):
+    context = Context()
+
+    async def failing(request, ctx):
+      ctx.ended = ended  # (abort sets status_sent before it sends; the send fails on an ended RPC)
+      raise RuntimeError("Failed \"execute_batch\": (<grpc._cython.cygrpc.SendStatusFromServerOperation ...>,)")
+      yield
+
+    servicer._generate = failing
+
+    async def drain():
+      with pytest.raises(RuntimeError):
+        async for _ in servicer.Generate(None, context):
+          pass
+    asyncio.run(drain())
+
+  run(ended=True)
+  assert metrics.registry.get_sample_value("hisparse_requests_total", {"outcome": want}) == 1
+  run(ended=False)
+  assert metrics.registry.get_sample_value("hisparse_requests_total", {"outcome": "unknown"}) == 1
+  servicer.close()

@@ -351,9 +351,9 @@ def client_of(context, identities: dict[bytes, str] | None = None) -> str:
 
 
 def _gone(deadline: float | None) -> str:
-  """The outcome of a stream whose RPC gRPC had ended under its handler (an abort or write then fails with an
-  error of its own, which was once counted "unknown"): "deadline_exceeded" past its deadline (a
-  time.monotonic() instant), else "cancelled" (the client went away)."""
+  """The outcome of a stream whose RPC had ended under its handler (an abort then fails sending its status, with
+  an error of gRPC's own that was counted "unknown"): "deadline_exceeded" past its deadline (a time.monotonic()
+  instant), else "cancelled" (the client went away)."""
   return "deadline_exceeded" if deadline is not None and time.monotonic() >= deadline else "cancelled"
 
 
@@ -493,12 +493,13 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       code = context.code()
       outcome = code.name.lower() if isinstance(code, grpc.StatusCode) else _gone(deadline)
       raise
-    except (grpc.aio.UsageError, asyncio.InvalidStateError):  # an abort or write after the RPC had ended
-      outcome = _gone(deadline)
-      raise
     except Exception:  # grpc answers UNKNOWN (a cancel, a BaseException, stays "cancelled")
-      outcome = "unknown"
-      log.warning("Generate stream from %s failed", peer, exc_info=True)
+      # (done / cancelled read the RPC's state in Python: safe once it has ended, unlike peer())
+      if context.done() or context.cancelled():  # an abort or write failed: the RPC had ended under it
+        outcome = _gone(deadline)
+      else:
+        outcome = "unknown"
+        log.warning("Generate stream from %s failed", peer, exc_info=True)
       raise
     finally:
       try:

@@ -58,7 +58,7 @@ flags.DEFINE_bool("fair-sharing", True, "Clients (as --max-streams-per-client co
 flags.DEFINE_integer("max-connections", None, "TCP connections the gRPC server holds at once; more are closed as "
                      "they arrive, so a flood of connections cannot take the process's descriptors (its soft "
                      "descriptor limit is raised to the hard one at start). Default: half the descriptors beyond "
-                     "1024, at most 16384.", lower_bound=1)
+                     "1024, at most 16384; at most all of those.", lower_bound=1)
 flags.DEFINE_float("handshake-timeout-s", 10.0, "Seconds a connection may take to finish its TLS handshake before "
                    "it is closed (gRPC's default is 120 s).")
 flags.DEFINE_string("tls-cert-file", None, "Serve TLS with this certificate chain (PEM); needs --tls-key-file.")
@@ -211,14 +211,19 @@ def main(argv):
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
       raise StartupError(f"--metrics-port {metrics_port}: expected 0..65535")
     tls, keys = _security()
-    from hisparse_jax.serving.server import ServerLimits
+    from hisparse_jax.serving.server import ServerLimits, raise_descriptor_limit
+    raise_descriptor_limit()  # (before --max-connections is checked against it)
     try:
       limits = ServerLimits(max_streams_per_client=FLAGS["max-streams-per-client"].value,
                             max_connections=FLAGS["max-connections"].value,
                             handshake_timeout_s=FLAGS["handshake-timeout-s"].value,
                             fair_sharing=FLAGS["fair-sharing"].value)
     except ValueError as e:
-      raise StartupError(str(e).replace("ServerLimits.handshake_timeout_s", "--handshake-timeout-s")) from None
+      raise StartupError(str(e).replace("ServerLimits.handshake_timeout_s", "--handshake-timeout-s")
+                         .replace("ServerLimits.max_connections", "--max-connections")) from None
+    if FLAGS["isolate-kv-pulls"].present and FLAGS["disaggregation-mode"].value != "decode":
+      raise StartupError(f"--[no]isolate-kv-pulls is for --disaggregation-mode decode (got "
+                         f"{FLAGS['disaggregation-mode'].value})")
     from hisparse_jax.serving.disaggregation import DisaggregationConfig
     disagg = DisaggregationConfig(FLAGS["disaggregation-mode"].value, tuple(FLAGS["prefill-servers"].value),
                                   FLAGS["transfer-host"].value, FLAGS["transfer-timeout-s"].value, keys.shared,
@@ -262,9 +267,8 @@ def main(argv):
 
   from hisparse_jax.serving.addresses import join_host_port
   from hisparse_jax.serving.metrics import ServerMetrics
-  from hisparse_jax.serving.server import raise_descriptor_limit, serve
+  from hisparse_jax.serving.server import serve
 
-  raise_descriptor_limit()
   plain = [s for s in disagg.prefill_servers if not _is_loopback(s.rpartition(":")[0])]
   if plain and disagg.prefill_tls_ca is None:
     print(f"[server] warning: plain-text links to prefill servers {', '.join(plain)}: anyone on that network can "

@@ -627,8 +627,11 @@ def test_generate_refuses_to_overwrite_its_prompts_and_keeps_results_on_ctrl_c(t
     (["--metrics-host", "[127.0.0.1]", "--metrics-port", "0"], "brackets are for an IPv6 address"),
     (["--client-keys-file", os.path.abspath(__file__)], "line 1: expected NAME KEY"),
     (["--operator-key-file", "/dev/zero"], "--operator-key-file '/dev/zero': not a regular file or a pipe"),
-    (["--handshake-timeout-s", "0"], "--handshake-timeout-s must be in (0, 3600] seconds"),
+    (["--handshake-timeout-s", "0"], "--handshake-timeout-s must be in [0.1, 3600] seconds"),
+    (["--handshake-timeout-s", "1e-9"], "--handshake-timeout-s must be in [0.1, 3600] seconds"),  # (0 ms: all failed)
     (["--max-connections", "0"], "--max-connections"),
+    (["--max-connections", str(2**31)], f"--max-connections {2**31}: more than the"),  # (a gRPC OverflowError)
+    (["--noisolate-kv-pulls"], "--[no]isolate-kv-pulls is for --disaggregation-mode decode (got null)"),
 ])
 def test_bad_security_flags_exit_with_a_message(flags, message):
   r = run("run_server.py", "--model-path", tiny_model_dir(), "--port", "0", *flags, timeout=120)

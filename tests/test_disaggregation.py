@@ -324,11 +324,12 @@ def test_a_transfer_that_times_out(case):
     server.stop(0)
 
 
-def _fake_prefill_servers(*servicers):
-  """Starts a gRPC server for each fake PrefillService; (servers, their host:port addresses)."""
+def _fake_prefill_servers(*servicers, threads: int = 4):
+  """Starts a gRPC server for each fake PrefillService (``threads`` streams at once); (servers, their host:port
+  addresses)."""
   servers, addresses = [], []
   for servicer in servicers:
-    servers.append(grpc.server(concurrent.futures.ThreadPoolExecutor(4)))
+    servers.append(grpc.server(concurrent.futures.ThreadPoolExecutor(threads)))
     hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, servers[-1])
     addresses.append(f"127.0.0.1:{servers[-1].add_insecure_port('127.0.0.1:0')}")
     servers[-1].start()
@@ -389,6 +390,56 @@ def test_an_offer_unlike_what_its_prefill_server_announced_is_refused_before_any
                          "at most 256 here)"}[fault]
     assert str(err.value).startswith(f"prefill failed: {addresses[0]}: {want}"), str(err.value)
     assert transfer.pulls == ["127.0.0.1:2"]
+  finally:
+    for server in servers:
+      server.stop(0)
+
+
+def test_pulls_that_never_answer_do_not_outlive_their_requests():
+  """A peer whose pulls never answer, 24 requests at once on the decode server's 8 pull threads with
+  --transfer-timeout-s 1: every request fails UNAVAILABLE by its timeout, and a pull still queued then is
+  dropped, not run for a request that has failed: an honest server's request right after succeeds (the 16
+  queued stalls held the threads 2 s more, and a break-it run saw honest requests fail for 21 s after 80
+  stalled ones)."""
+  import numpy as np
+
+  from hisparse_jax.engine import Engine, Request, Unavailable
+  from hisparse_jax.serving.disaggregation import PULL_THREADS, PrefillClient
+  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
+  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
+                         latent_dtype="float32", max_seq_len=256)
+
+  class Stalling:
+    timeouts = []  # of each stalled pull, as given
+
+    def pull(self, address, uuid, specs, timeout_s=None):
+      if address == "127.0.0.1:7":
+        self.timeouts.append(timeout_s)
+        time.sleep(timeout_s)
+        raise TimeoutError(f"no KV data within {timeout_s:g} s")
+      return [np.zeros(s.shape, s.dtype) for s in specs[:2]] + [np.array([7, 0], np.uint32)]
+
+  servers, addresses = _fake_prefill_servers(_SilentPrefill(info, "127.0.0.1:7"), _SilentPrefill(info, "127.0.0.1:8"),
+                                             threads=32)
+  transfer = Stalling()
+  try:
+    stalled = PrefillClient(e, (addresses[0],), transfer, 1.0, prefill_timeout_s=30)
+    honest = PrefillClient(e, (addresses[1],), transfer, 1.0, prefill_timeout_s=30)
+    stalled._pulls = honest._pulls  # (one decode server: one pool of pull threads)
+
+    async def burst_then_honest():
+      results = await asyncio.gather(*(stalled.prefill(Request(f"s{i}", [3, 4, 5], 2)) for i in range(24)),
+                                     return_exceptions=True)
+      req = Request("honest", [3, 4, 5], 2)
+      await honest.prefill(req)
+      return results, req
+
+    results, req = asyncio.run(burst_then_honest())
+    assert all(isinstance(r, Unavailable) for r in results), results
+    assert req.prompt_kv[0].shape == (3, 16, 48)
+    # The first PULL_THREADS stalls got the whole timeout; those queued behind them only what their requests had
+    # left (or were dropped), not a second.
+    assert sum(t > 0.5 for t in transfer.timeouts) <= PULL_THREADS == 8, transfer.timeouts
   finally:
     for server in servers:
       server.stop(0)

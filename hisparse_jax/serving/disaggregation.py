@@ -855,11 +855,21 @@ class PrefillClient:
         return None
     return fault
 
+  def _pull_by(self, deadline: float, address: str, uuid: int, specs) -> list:
+    """``transfer.pull`` with the time left until ``deadline`` (a time.monotonic() instant, set as the pull was
+    queued); TimeoutError without pulling once it has passed. A request gives up its pull at that deadline, so a
+    pull still queued behind others then (a peer whose pulls never answer filled the PULL_THREADS) must not
+    hold a thread for a request that has failed: the backlog of such a burst ends by its deadline."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+      raise TimeoutError("no pull thread was free before --transfer-timeout-s passed")
+    return self.transfer.pull(address, uuid, specs, left)
+
   async def _pull_and_acknowledge(self, call, offer, specs):
     loop = asyncio.get_running_loop()
     try:
-      arrays = await loop.run_in_executor(self._pulls, self.transfer.pull, offer.transfer_address,
-                                          offer.transfer_uuid, specs, self.timeout_s)
+      arrays = await loop.run_in_executor(self._pulls, self._pull_by, time.monotonic() + self.timeout_s,
+                                          offer.transfer_address, offer.transfer_uuid, specs)
     except Exception as e:  # noqa: BLE001 - the prefill server died or refused: it keeps nothing of ours
       call.cancel()
       raise PrefillFailed(f"KV transfer from {offer.transfer_address}: "

@@ -150,6 +150,7 @@ class PullWorker:
           future.set_result((message, fds))
     except (OSError, ValueError) as e:
       log.warning("KV pull worker: %s", e)
+    sock.close()
     status = proc.wait()
     with self._lock:
       if self._sock is sock:

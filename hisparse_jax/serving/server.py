@@ -240,8 +240,12 @@ class ServerLimits:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"ServerLimits.{name} must be >= 1 or None, got {value}")
-    if not 0 < self.handshake_timeout_s <= 3600:  # (NaN fails too)
-      raise ValueError(f"ServerLimits.handshake_timeout_s must be in (0, 3600] seconds, got {self.handshake_timeout_s}")
+    if not MIN_HANDSHAKE_TIMEOUT_S <= self.handshake_timeout_s <= 3600:  # (NaN fails too)
+      raise ValueError(f"ServerLimits.handshake_timeout_s must be in [{MIN_HANDSHAKE_TIMEOUT_S}, 3600] seconds, got "
+                       f"{self.handshake_timeout_s}")
+    if self.max_connections is not None and self.max_connections > (most := max_connections()):
+      raise ValueError(f"ServerLimits.max_connections {self.max_connections}: more than the {most} this process's "
+                       f"descriptor limit leaves (RLIMIT_NOFILE less {RESERVED_DESCRIPTORS} for the rest)")
 
   def connections(self) -> int:
     """``max_connections``, or its default for this process's descriptor limit."""
@@ -252,16 +256,24 @@ class ServerLimits:
 # metrics endpoint, threads' pipes), and the most connections it holds by default.
 RESERVED_DESCRIPTORS = 1024
 DEFAULT_MAX_CONNECTIONS = 16384
+# The shortest TLS handshake timeout taken, seconds (gRPC counts it in whole milliseconds: 1e-9 s was 0 ms, and
+# every handshake failed).
+MIN_HANDSHAKE_TIMEOUT_S = 0.1
 
 
-def default_max_connections() -> int:
-  """Half of the descriptors this process may open beyond RESERVED_DESCRIPTORS (``RLIMIT_NOFILE``'s soft limit),
-  at most DEFAULT_MAX_CONNECTIONS, at least 16."""
+def max_connections() -> int:
+  """The most connections this process's descriptors allow: ``RLIMIT_NOFILE``'s soft limit less
+  RESERVED_DESCRIPTORS (at least 16; 2^31 - 1, gRPC's largest, when unlimited)."""
   import resource
   soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
   if soft == resource.RLIM_INFINITY:
-    return DEFAULT_MAX_CONNECTIONS
-  return max(16, min(DEFAULT_MAX_CONNECTIONS, (soft - RESERVED_DESCRIPTORS) // 2))
+    return 2**31 - 1
+  return max(16, min(2**31 - 1, soft - RESERVED_DESCRIPTORS))
+
+
+def default_max_connections() -> int:
+  """Half of ``max_connections()``, at most DEFAULT_MAX_CONNECTIONS, at least 16."""
+  return max(16, min(DEFAULT_MAX_CONNECTIONS, max_connections() // 2))
 
 
 def raise_descriptor_limit() -> int:

@@ -1,19 +1,18 @@
 """Health and GetLoads latency through a flood of connections that never handshake (loopback only).
 
   python benchmarks/connection_flood.py [--connections 20000] [--seconds 20] [--max-connections N] \
-      [--handshake-timeout-s 10] [--out DIR]
+      [--handshake-timeout-s 10] [--out benchmarks/results/connection_flood]
 
 Serves the tests' tiny model with TLS (a self-signed certificate; needs `openssl`) and
 the given connection limits, opens one client channel, then starts a flooder process that holds
 ``--connections`` raw TCP connections (replacing each the server closes) for ``--seconds``. Meanwhile the channel
 calls Health.Check and GetLoads in a loop; prints their p50 / p99 / max latency before and during the flood, the
-server's descriptors at most, and how many connections the flooder opened in all; writes JSON to --out.
+server's descriptors at most, and how many connections the flooder opened in all; writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import resource
@@ -24,6 +23,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from cli import OUT_HELP, default_out, out_path, write_results  # noqa: E402
 
 
 def _latencies(health, stub, seconds: float) -> list[float]:
@@ -51,8 +52,10 @@ def main() -> None:
   parser.add_argument("--seconds", type=float, default=20.0)
   parser.add_argument("--max-connections", type=int, default=None)
   parser.add_argument("--handshake-timeout-s", type=float, default=10.0)
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", type=out_path, help=OUT_HELP)
   args = parser.parse_args()
+  args.out = args.out or default_out("connection_flood", False)
+  t0 = time.perf_counter()
   if args.connections < 1 or args.seconds <= 0:
     parser.error("--connections must be >= 1 and --seconds > 0")
   import grpc
@@ -84,16 +87,14 @@ def main() -> None:
             "descriptor_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "flooder_opened": opened,
             "server_descriptors_baseline": baseline, "server_descriptors_max": most,
             "idle": _summary(idle), "during_flood": _summary(during)}
-  print(f"flood of {args.connections} connections for {args.seconds:g} s (flooder opened {opened} in all); "
-        f"--max-connections {limits.connections()}, --handshake-timeout-s {args.handshake_timeout_s:g}")
-  print(f"server descriptors: {baseline} before, {most} at most")
-  for name in ("idle", "during_flood"):
-    r = result[name]
-    print(f"Health + GetLoads {name:>12}: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max "
-          f"{r['max_ms']:.1f} ms over {r['calls']} calls")
-  if args.out:
-    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-    (pathlib.Path(args.out) / "connection_flood.json").write_text(json.dumps(result, indent=1))
+  lines = [f"A flood of {args.connections} connections for {args.seconds:g} s (the flooder opened {opened} in all) "
+           f"against --max-connections {limits.connections()}, --handshake-timeout-s {args.handshake_timeout_s:g}; "
+           f"server descriptors {baseline} before, {most} at most.", "",
+           "| Health + GetLoads on an open channel | calls | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]
+  lines += [f"| {name} | {r['calls']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} |"
+            for name, r in (("idle", result["idle"]), ("during the flood", result["during_flood"]))]
+  result["seconds"] = time.perf_counter() - t0
+  write_results(args.out, result, "\n".join(lines))
   channel.close()
   srv.stop(0).wait()
   loop.stop()

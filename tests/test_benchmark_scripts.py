@@ -233,3 +233,16 @@ def test_bad_benchmark_flags_fail_before_any_work(tmp_path, script, flags, messa
   r = subprocess.run([sys.executable, f"benchmarks/{script}", *flags], cwd=REPO, capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_connection_flood_quick(tmp_path):
+  """The connection-flood benchmark runs end to end: the server holds at most --max-connections of the flood's
+  connections, and the open channel's Health and GetLoads answered throughout."""
+  r = subprocess.run([sys.executable, "benchmarks/connection_flood.py", "--connections", "300", "--seconds", "2",
+                      "--max-connections", "100", "--handshake-timeout-s", "1", "--out", str(tmp_path / "flood")],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  res = json.loads((tmp_path / "flood.json").read_text())
+  assert res["max_connections"] == 100 and res["flooder_opened"] >= 300
+  assert res["server_descriptors_max"] <= res["server_descriptors_baseline"] + 100 + 64
+  assert res["during_flood"]["calls"] > 0 and res["idle"]["calls"] > 0

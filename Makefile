@@ -72,6 +72,7 @@ bench: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) benchmarks/prefetch.py --batches 1,8,64 --steps 24 --out $(RESULTS)/prefetch; \
 	$(PY) benchmarks/prefetch.py --batches 1,8,64 --steps 24 --depth 1024 --out $(RESULTS)/prefetch_depth1024; \
 	$(PY) benchmarks/server_load.py --out $(RESULTS)/server_load; \
+	$(PY) benchmarks/connection_flood.py --out $(RESULTS)/connection_flood; \
 	$(PY) benchmarks/moe.py --ep 8 --out $(RESULTS)/moe; \
 	$(PY) benchmarks/kv_dtype.py --out $(RESULTS)/kv_dtype; \
 	$(PY) benchmarks/sharded_load.py --out $(RESULTS)/sharded_load; \

@@ -47,7 +47,8 @@ flags.DEFINE_integer("metrics-port", None, "Serve Prometheus metrics at http://M
                      "(0: a free port; the chosen one is printed).")
 flags.DEFINE_string("metrics-host", "127.0.0.1", "Address the metrics endpoint binds (loopback by default).")
 flags.DEFINE_integer("max-streams-per-client", None, "Generate streams one client may hold open at once (more get "
-                     "RESOURCE_EXHAUSTED at once): a client is its TLS client certificate's common name under "
+                     "RESOURCE_EXHAUSTED at once): a client is the name of its --client-keys-file key, else its TLS "
+                     "client certificate's common name under "
                      "mutual TLS, else its IP address (IPv6: its /64 network; clients behind one proxy or NAT "
                      "count as one). Default: half of --max-running-requests + --max-queued-requests with "
                      "--fair-sharing, else no per-client bound.", lower_bound=1)
@@ -57,8 +58,8 @@ flags.DEFINE_bool("fair-sharing", True, "Clients (as --max-streams-per-client co
                   "holding the most. --nofair-sharing: one arrival order for all (a single-tenant deployment).")
 flags.DEFINE_integer("max-connections", None, "TCP connections the gRPC server holds at once; more are closed as "
                      "they arrive, so a flood of connections cannot take the process's descriptors (its soft "
-                     "descriptor limit is raised to the hard one at start). Default: half the descriptors beyond "
-                     "1024, at most 16384; at most all of those.", lower_bound=1)
+                     "descriptor limit is raised to the hard one at start). At most the descriptors beyond 1024; "
+                     "default: half of those, at most 16384.", lower_bound=1)
 flags.DEFINE_float("handshake-timeout-s", 10.0, "Seconds a connection may take to finish its TLS handshake before "
                    "it is closed (gRPC's default is 120 s).")
 flags.DEFINE_string("tls-cert-file", None, "Serve TLS with this certificate chain (PEM); needs --tls-key-file.")
@@ -69,7 +70,7 @@ flags.DEFINE_string("api-key", None, "Bearer token every inference call must car
 flags.DEFINE_string("api-key-file", None, "File whose first line is the API key (keeps it out of `ps`).")
 flags.DEFINE_string("client-keys-file", None, "Per-client API keys, one 'NAME KEY' a line: a call with one is "
                     "client NAME for --max-streams-per-client, --fair-sharing and the scope of its Aborts (callers "
-                    "of --api-key are told apart by address). Accepted beside --api-key.")
+                    "of --api-key are told apart by certificate or address). Accepted beside --api-key.")
 flags.DEFINE_string("operator-key-file", None, "File whose first line is the operator's API key: accepted for "
                     "every call, and its Abort reaches every client's requests of that id.")
 flags.DEFINE_enum("disaggregation-mode", "null", ["null", "prefill", "decode"],

@@ -1,6 +1,6 @@
 """Health and GetLoads latency through a flood of connections that never handshake (loopback only).
 
-  python benchmarks/connection_flood.py [--connections 20000] [--seconds 20] [--max-connections N] \
+  python benchmarks/connection_flood.py [--quick] [--connections 20000] [--seconds 20] [--max-connections N] \
       [--handshake-timeout-s 10] [--out benchmarks/results/connection_flood]
 
 Serves the tests' tiny model with TLS (a self-signed certificate; needs `openssl`) and
@@ -48,13 +48,17 @@ def _summary(ms: list[float]) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true",
+                      help="300 connections for 2 s against --max-connections 100 and a 1 s handshake timeout (CI smoke)")
   parser.add_argument("--connections", type=int, default=20000)
   parser.add_argument("--seconds", type=float, default=20.0)
   parser.add_argument("--max-connections", type=int, default=None)
   parser.add_argument("--handshake-timeout-s", type=float, default=10.0)
   parser.add_argument("--out", type=out_path, help=OUT_HELP)
   args = parser.parse_args()
-  args.out = args.out or default_out("connection_flood", False)
+  if args.quick:
+    args.connections, args.seconds, args.max_connections, args.handshake_timeout_s = 300, 2.0, 100, 1.0
+  args.out = args.out or default_out("connection_flood", args.quick)
   t0 = time.perf_counter()
   if args.connections < 1 or args.seconds <= 0:
     parser.error("--connections must be >= 1 and --seconds > 0")

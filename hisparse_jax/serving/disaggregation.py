@@ -97,8 +97,9 @@ class DisaggregationConfig:
   prefill: how long an offer waits to be pulled) and ``--prefill-timeout-s`` (decode: how long a prefill server
   may take to offer a prompt's KV, queue wait included; past it the attempt fails and is retried once on the
   next prefill server). The servers of one deployment share one
-  ``--api-key`` (a decode server sends its own to its prefill servers); their links are plain-text gRPC and
-  transfer sockets, for a private network."""
+  ``--api-key`` (a decode server sends its own to its prefill servers); their gRPC links are plain text unless
+  the decode server has ``--prefill-tls-ca-file`` (``prefill_tls_*``), and the transfer sockets always are: a
+  private network."""
 
   mode: str = "null"
   prefill_servers: tuple[str, ...] = ()

@@ -278,5 +278,8 @@ def _serve(fd: int, host: str, port: int) -> None:
 
 
 if __name__ == "__main__":
+  if len(sys.argv) != 4 or not sys.argv[1].isdigit() or not sys.argv[3].isdigit():
+    sys.exit("hisparse_jax.serving.pull_worker is a decode server's own worker process (PullWorker starts it with "
+             "a socket descriptor, a host and a port), not a command")
   logging.basicConfig(level=logging.WARNING)
   _serve(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

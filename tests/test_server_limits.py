@@ -431,7 +431,8 @@ def test_one_clients_backlog_does_not_delay_another_clients_first_token(fair):
   assert srv.servicer.max_streams_per_client == (34 if fair else None)
   a = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   b = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"[::1]:{port}"))
-  long = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=120,
+  b.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=60)  # (b's connection is up before a's streams start)
+  long = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=240,
                                       ignore_eos=True)
   held = [a.Generate(long, timeout=120) for _ in range(12)]
   try:
@@ -441,7 +442,7 @@ def test_one_clients_backlog_does_not_delay_another_clients_first_token(fair):
     msgs = gen(b, max_new_tokens=3)()
     assert msgs[-1].finished and len([t for m in msgs for t in m.token_ids]) == 3
     a_finished = 12 - len(engine.running) - len(engine.waiting)  # (b's request is done)
-    if fair:  # b's request ran at once: none of a's 120-token streams had finished
+    if fair:  # b's request ran at once: none of a's 240-token streams had finished
       assert a_finished == 0 and engine.num_preemptions >= 1
       assert {r.client for r in engine.running} == {"ipv4:127.0.0.1"}
     else:  # b's request waited until a's backlog fit the slots

@@ -15,7 +15,7 @@ from hisparse_jax.engine import Engine, Request
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
 from hisparse_jax.serving.client import generate
 from hisparse_jax.serving.metrics import ServerMetrics
-from hisparse_jax.serving.server import serve
+from hisparse_jax.serving.server import ServerLimits, serve
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir
 
 N_STREAMS = 256
@@ -55,7 +55,9 @@ def server():
     s.bind(("127.0.0.1", 0))
     metrics_port = s.getsockname()[1]
   metrics.serve(metrics_port)
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics=metrics)
+  # One client opens all 256 streams: the per-client cap (half the streams by default) is lifted.
+  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics=metrics,
+                          limits=ServerLimits(max_streams_per_client=N_STREAMS + 8))
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), metrics, metrics_port
   channel.close()

@@ -58,6 +58,8 @@ import dataclasses
 import functools
 import logging
 import os
+import socket
+import ssl
 import threading
 import time
 import uuid as uuidlib
@@ -608,16 +610,40 @@ def _channel(address: str, credentials: grpc.ChannelCredentials | None, aio: boo
   return module.secure_channel(address, credentials, options=options)
 
 
-def check_prefill_servers(engine, servers, api_key: str | None = None,
-                          credentials: grpc.ChannelCredentials | None = None) -> list:
-  """Each prefill server's InfoResponse (what ``PrefillClient`` checks its offers against). ValueError naming
-  ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S (a server not listening
-  yet, e.g. still loading its model, is waited for that long) and serves the same model
-  (``models.convert.model_fingerprint``) with the same KV layout and dtype (the stored latent row: --dtype and
-  --kv-cache-dtype), and a context >= this engine's. credentials: TLS to them (None: plain text)."""
+def _tls_mismatch(address: str, ca: bytes | None) -> str | None:
+  """Why a connection to ``address`` fails at the TLS layer, found by a TLS handshake of our own (gRPC's errors
+  for it vary with timing and load); None if the handshake says nothing (e.g. nothing listens there). ca: the
+  CA a decode server trusts (--prefill-tls-ca-file; None: it connects in plain text)."""
+  host, _, port = address.rpartition(":")
+  context = ssl.create_default_context(cadata=ca.decode() if ca is not None else None)
+  if ca is None:  # any certificate: the question is only whether TLS answers
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+  context.set_alpn_protocols(["h2"])
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S) as raw:
+      with context.wrap_socket(raw, server_hostname=host.strip("[]") if ca is not None else None):
+        pass  # the server answered the handshake: it speaks TLS
+  except ssl.SSLCertVerificationError as e:
+    return (f"; its TLS certificate does not pass --prefill-tls-ca-file ({e.verify_message}: it must be signed "
+            f"by that CA and name the host {host})")
+  except (OSError, ValueError):
+    return None  # not TLS, or nothing there: gRPC's own error says which
+  if ca is None:
+    return "; it serves TLS and this server connects in plain text: pass --prefill-tls-ca-file"
+  return ("; its TLS certificate passes --prefill-tls-ca-file, yet gRPC could not connect: does it require a "
+          "client certificate (--prefill-tls-cert-file / --prefill-tls-key-file)?")
+
+
+def check_prefill_servers(engine, config: DisaggregationConfig) -> list:
+  """Each of ``config.prefill_servers``' InfoResponse (what ``PrefillClient`` checks its offers against).
+  ValueError naming ``--prefill-servers`` unless every prefill server answers Info within CONNECT_TIMEOUT_S (a
+  server not listening yet, e.g. still loading its model, is waited for that long) over ``config``'s TLS and API
+  key, and serves the same model (``models.convert.model_fingerprint``) with the same KV layout and dtype (the
+  stored latent row: --dtype and --kv-cache-dtype), and a context >= this engine's."""
   layout = _kv_layout(engine)
+  credentials, api_key = config.channel_credentials(), config.api_key
   infos = []
-  for address in servers:
+  for address in config.prefill_servers:
     with _channel(address, credentials) as channel:
       try:
         info = hisparse_pb2_grpc.PrefillServiceStub(channel).Info(
@@ -627,21 +653,8 @@ def check_prefill_servers(engine, servers, api_key: str | None = None,
         if e.code() == grpc.StatusCode.UNIMPLEMENTED:
           why = f"the server there is not a prefill server {status}{fix}"
         elif e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-          why = f"no prefill server answered within {CONNECT_TIMEOUT_S:.0f} s {status}{fix}"
-          # (waiting for a ready channel hides why it never was: one call that does not wait tells)
-          try:
-            with _channel(address, credentials) as fresh:
-              hisparse_pb2_grpc.PrefillServiceStub(fresh).Info(hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S,
-                                                               metadata=_metadata(api_key))
-            last = ""
-          except grpc.RpcError as again:
-            last = again.details() or ""
-          if "Socket closed" in last or "handshake" in last.lower():
-            why += f"; connecting: {last}" + (
-                " (a prefill server with TLS closes a plain-text connection: pass --prefill-tls-ca-file)"
-                if credentials is None else
-                " (the TLS handshake failed: does --prefill-tls-ca-file sign its certificate, and does it require "
-                "a client certificate, --prefill-tls-cert-file / --prefill-tls-key-file?)")
+          why = f"no prefill server answered within {CONNECT_TIMEOUT_S:.0f} s {status}"
+          why += _tls_mismatch(address, config.prefill_tls_ca) or fix
         elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
           why = f"the prefill server refused this server's --api-key {status}; both need the same one"
         else:

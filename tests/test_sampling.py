@@ -1,4 +1,5 @@
-"""The greedy path's argmax (the CPU FFI handler xla_ffi/argmax.cc): exactly jnp.argmax, as int32."""
+"""The greedy path's argmax (the CPU FFI handler xla_ffi/argmax.cc): exactly jnp.argmax, as int32; the sampling
+filters' boundaries."""
 
 import os
 import pathlib
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_jax.engine.sampling import argmax
+from hisparse_jax.engine.sampling import argmax, sample
 from hisparse_jax.kernels import ops
 from tests.xla_env import with_devices
 
@@ -143,12 +144,50 @@ def test_sampling_vocab_major_matches_batch_major():
   top_k = jnp.int32([0, 50, 0, 0, 7, 0])
   top_p = jnp.float32([1, 0.9, 1, 0.5, 1, 1])
   seed, position = jnp.arange(B, dtype=jnp.uint32) + 11, jnp.arange(B, dtype=jnp.int32) + 40
-  from hisparse_jax.engine.sampling import sample
   args = (temperature, top_k, top_p, seed, position)
   want = np.asarray(jax.jit(sample)(logits, *args))
   got = np.asarray(jax.jit(lambda lt, *a: sample(lt, *a, vocab_major=True))(logits.T, *args))
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(want[[0, 2, 5]], np.argmax(np.asarray(logits), axis=-1)[[0, 2, 5]])
+
+
+# Token ids from the most to the least likely, with probabilities 16/32, 8/32, 4/32, 3/32, 1/32: every prefix's mass
+# (0.5, 0.75, 0.875, 0.96875) is exact in float32, so top_p can sit exactly on a boundary.
+RANKED = np.array([3, 0, 4, 1, 2])
+RANKED_PROBS = np.float32([16, 8, 4, 3, 1]) / 32
+
+
+def test_sampling_filters_keep_exactly_the_tokens_at_their_boundaries():
+  """The set of tokens drawn over 1024 seeds and positions per case is exactly the filters' set: top_p keeps the
+  smallest most-likely prefix whose mass is >= top_p (vLLM's rule: a mass of exactly top_p is enough, one ulp
+  more takes the next token); top_k = V keeps all V, V - 1 all but the least likely. The smallest positive
+  temperatures (the engine accepts any finite temperature >= 0) draw only the argmax: float32's smallest normal
+  (logits / t near or past float32's maximum) and smallest subnormal (XLA:CPU flushes it to 0: greedy)."""
+  V, N = len(RANKED), 1024
+  logp = np.zeros(V, np.float32)
+  logp[RANKED] = np.log(RANKED_PROBS)
+  exact = np.asarray(jax.jit(jax.nn.softmax)(jnp.asarray(logp)))[RANKED]
+  assert exact.tolist() == RANKED_PROBS.tolist(), "the cases' premise: XLA's softmax gives these exact masses"
+
+  def up(p):  # the next float32 above p
+    return float(np.nextafter(np.float32(p), np.float32(2)))
+
+  def down(p):
+    return float(np.nextafter(np.float32(p), np.float32(0)))
+
+  tiny, subnormal = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).smallest_subnormal)
+  cases = [  # (temperature, top_k, top_p, added to the logits, how many of the most likely tokens may be drawn)
+      (1, 0, 0.5, 0, 1), (1, 0, down(0.5), 0, 1), (1, 0, up(0.5), 0, 2), (1, 0, 0.75, 0, 2), (1, 0, up(0.75), 0, 3),
+      (1, 0, 0.875, 0, 3), (1, 0, 0.96875, 0, 4), (1, 0, up(0.96875), 0, 5), (1, 0, 1, 0, 5),
+      (1, V, 1, 0, 5), (1, V, 0.75, 0, 2), (1, V - 1, 1, 0, 4), (1, V + 1, 1, 0, 5),
+      (tiny, 0, 1, 0, 1), (tiny, 0, 1, 5, 1), (tiny, V, 0.75, 5, 1), (tiny, 2, 0.5, 0, 1), (subnormal, 0, 1, 0, 1)]
+  t, k, p, shift, _ = (np.repeat(np.array(c), N) for c in zip(*cases))
+  logits = logp[None] + shift[:, None].astype(np.float32)
+  seed, position = np.arange(len(t), dtype=np.uint32) * 7 + 1, np.arange(len(t), dtype=np.int32) % 509
+  got = np.asarray(jax.jit(sample)(jnp.asarray(logits), jnp.float32(t), jnp.int32(k), jnp.float32(p),
+                                   jnp.asarray(seed), jnp.asarray(position))).reshape(len(cases), N)
+  for case, drawn in zip(cases, got):
+    assert set(drawn.tolist()) == set(RANKED[:case[-1]].tolist()), f"(temperature, top_k, top_p, shift, n) {case}"
 
 
 def test_argmax_over_columns_across_pieces_and_axis_forms():

@@ -783,3 +783,57 @@ def test_one_client_keeps_arrival_order():
   for r in same[3:]:
     solo.submit(r)
   assert [r.request_id for r in solo.waiting] == ["2", "3", "4", "5"] and solo.num_preemptions == 0
+
+
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
+def test_chunked_prefill_writes_the_kv_and_tokens_of_one_whole_prompt_call(hisparse):
+  """Engine-level chunked prefill against an independent computation: the model's own one-call prefill of each
+  whole prompt (``prefill_prompts``, contiguous cache) and greedy ``decode_step``. Prompts of 1, one, several and
+  many chunks run together, so the scheduler shortens chunks (boundaries inside and at page boundaries, pages of
+  32); each request's stored prompt KV (``export_kv``) and its tokens must equal the reference's."""
+  import jax.numpy as jnp
+
+  from models.deepseek_v32 import decode_step, prefill_prompts, split_model
+  from models.loader import load_hf
+  lengths, new = [1, 7, 40, 100, 230], 5
+  prompts = [prompt(n, 50 + n) for n in lengths]
+  cfg, model = load_hf(tiny_model_dir())
+  S = max(lengths)
+  padded = jnp.asarray([p + [0] * (S - len(p)) for p in prompts])
+  logits, cache = prefill_prompts(model, padded, jnp.asarray(lengths), max_len=S + new)
+  want = [[int(np.argmax(logits[i, n - 1]))] for i, n in enumerate(lengths)]
+  want_kv = [(np.asarray(cache.latent[:, i, :n]), np.asarray(cache.index_key[:, i, :n])) for i, n in enumerate(lengths)]
+  graphdef, state = split_model(model)
+  for step in range(new - 1):
+    pos = jnp.asarray([n + step for n in lengths])
+    lg, cache = decode_step(graphdef, state, jnp.asarray([w[-1] for w in want]), pos, cache, key_block=32)
+    for i, w in enumerate(want):
+      w.append(int(np.argmax(lg[i])))
+
+  # (--max-seq-len 512: HiSparse's staging pages hold the long prompt and the short ones at once)
+  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=len(prompts), max_seq_len=512,
+               page_size=32, chunked_prefill_size=64)
+  chunks = []  # (request, first position, tokens) of every prefill row
+  call = eng._prefill_call
+
+  def recording(rows, finished):
+    chunks.extend((req.request_id, req.prefilled, n) for req, n in rows)
+    call(rows, finished)
+  eng._prefill_call = recording
+  reqs = [Request(f"p{n}", p, new, ignore_eos=True, export_kv=True) for n, p in zip(lengths, prompts)]
+  # The longest prompt starts alone; two short ones arriving next share its second chunk's call, which
+  # shortens its chunk to 16 positions (a boundary inside a page); the rest arrive after.
+  for arrive in ([reqs[4]], reqs[:2], reqs[2:4]):
+    for r in arrive:
+      eng.submit(r)
+    eng.step()
+  eng.run()
+  for r, n, w, (latent, index) in zip(reqs, lengths, want, want_kv):
+    assert r.output_ids == w, r.request_id
+    np.testing.assert_allclose(np.asarray(r.prompt_kv[0])[:, :n], latent, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(r.prompt_kv[1])[:, :n], index, rtol=1e-4, atol=1e-4)
+  per_request = {r.request_id: sum(1 for c in chunks if c[0] == r.request_id) for r in reqs}
+  assert per_request["p1"] == per_request["p7"] == 1 and per_request["p230"] >= 4, chunks
+  starts = {start for _, start, _ in chunks if start}
+  assert any(s % 32 == 0 for s in starts)
+  assert any(s % 32 for s in starts), chunks  # a shortened chunk ends inside a page

@@ -92,6 +92,18 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   both = run(eng, [Request("v", prompt, 12, stop=(text[-1],), stop_token_ids=(cut,))])[0]
   assert both.output_ids == ss.output_ids and both.text == ss.text
   assert both.finish_reason == "stop_string" and both.matched_stop == text[-1]
+  # A request that ends inside a character: the flushed U+FFFD is streamed too, and a stop it completes is one.
+  def held(i):  # a token that starts a multi-byte character: nothing to show until the end of the text
+    detok = eng._detokenizers()
+    return detok.push(i) == "" and detok.flush() == "\ufffd"
+  lead = next(i for i in range(eng.config.vocab_size) if held(i))
+  exported = run(eng, [Request("e", prompt, 1, export_kv=True)])[0]
+  for stop, reason in (((), "length"), (("\ufffd",), "stop_string")):
+    deltas = []
+    r = run(eng, [Request("f", prompt, 1, prompt_kv=exported.prompt_kv, first_token=lead, stop=stop,
+                          on_token=lambda _, d: deltas.append(d))])[0]
+    assert r.output_ids == [lead] and r.finish_reason == reason
+    assert "".join(deltas) == r.text == ("\ufffd" if reason == "length" else "")
   for bad, msg in [(dict(stop=("",)), "non-empty"), (dict(temperature=-1.0), "temperature"),
                    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(10**6,)), "stop token"),
                    (dict(stop=None), "stop must be a list, got NoneType"),

@@ -899,6 +899,26 @@ def test_prefetch_commits_into_whatever_arrays_the_wait_gets():
       ops.prefetch_wait(bad, hot, slots, order, 0, batch=1)
 
 
+@pytest.mark.parametrize("eviction, change", [
+    ("lru", lambda order: order.at[0, 4].set(jnp.int32([1, 0, 2, 3]))),  # the order permuted
+    ("clock", lambda order: order.at[0, 4, 3].set(3 | REF))],  # one slot's reference bit set, nothing else
+    ids=["lru-order", "clock-bit"])
+def test_prefetch_is_stale_when_only_the_lru_array_changed(eviction, change):
+  """The worked example's prefetch with its slot table untouched but its LRU array changed between start and
+  wait is dropped (PREFETCH_STALE; the row left as the wait got it); with nothing changed it commits."""
+  case = worked_example()
+  pool, hot, slots, order = to_host(case[POOL]), *map(jnp.asarray, case[HOT:STATS])
+  head = [jnp.asarray(x) for x in case[:NEWEST]]
+  changed = change(order)
+  committed = reference.prefetch(*case[:NEWEST], *case[POOL:STATS], page_size=PAGE, eviction=eviction)
+  assert committed[3].tolist() == [1]
+  for lru, want in ((order, committed), (changed, (case[HOT], case[SLOTS], changed, [-reference.PREFETCH_STALE]))):
+    _, ticket = ops.prefetch_start(*head, pool, hot, slots, order, page_size=PAGE, eviction=eviction)
+    got = ops.prefetch_wait(ticket, hot, slots, lru, 0, batch=1)
+    for name, g, w in zip(["hot", "slot_tokens", "lru", "prefetched"], got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
 def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
   """swap-in of layer 0, gather, prefetch of layer 1 ordered before the compute by an optimization barrier,
   then the wait and layer 1's swap-in (a decode step's structure): no copy of the pool or the hot buffer in
@@ -1036,6 +1056,39 @@ def test_plan_memory_follows_the_sequence_not_the_page_table_span():
   for name, g, w in zip(NAMES, got, want):
     np.testing.assert_array_equal(g, w, err_msg=name)
   assert got[6].tolist() == [0] and got[5][0, 0].tolist() == [3, K - 3]
+
+
+def test_hash_map_plans_in_a_row_match_the_reference():
+  """Past 2^22 tokens the CPU plans with the hash map, which every plan must leave empty: six decode steps of
+  three requests (a call plans its rows one after another on one thread) give the reference's results. Each
+  top-k starts with a position whose home is the map's last entry (HashPositionMap::Home, swap_in_core.h), so
+  each next plan inserts it where the last one left it. Top-k 48: a 128-entry map, larger than other tests'
+  (a thread's map is then new, so what a plan leaves behind is this test's own)."""
+  page, P, K, D, W, B, H = 1 << 20, 5, 48, 64, 2, 3, 128
+  rng = np.random.default_rng(3)
+  candidates = np.array([i * page + r for i in range(P - 1) for r in range(H)], np.int64)  # host row r < H
+  last = next(int(t) for t in candidates if (int(t) * 2654435769) % 2**32 & 127 == 127)
+  working = rng.choice(candidates, 96, replace=False)  # a working set: hits and misses
+  pool = rng.standard_normal((1, H, W)).astype(np.float32)
+  host_pages = np.zeros((B, P), np.int32)  # every page on host page 0: position t's row is t % page
+  slot_tokens = np.stack([rng.choice(working, D, replace=False) for _ in range(B)]).astype(np.int32)[None]
+  hot = np.zeros((1, B, D + 1, W), np.float32)
+  hot[0, :, :D] = pool[0, slot_tokens[0] % page]
+  state = [pool, hot, slot_tokens, np.stack([rng.permutation(D) for _ in range(B)]).astype(np.int32)[None],
+           np.zeros((1, B, 2), np.int32)]
+  for step in range(6):
+    top_k = rng.choice(working, (B, K)).astype(np.int32)
+    top_k[:, 0] = last
+    top_k[:, -4:] = np.where(rng.random((B, 4)) < 0.5, -1, top_k[:, -4:])
+    case = [0, top_k, np.full(B, (1 << 22) + 100 + step, np.int32), np.arange(B, dtype=np.int32), host_pages,
+            rng.standard_normal((B, W)).astype(np.float32), *state]
+    got = run_kernel(*case, page_size=page)
+    want = run_reference(*case, page_size=page)
+    for name, g, w in zip(NAMES, got, want):
+      np.testing.assert_array_equal(g, w, err_msg=f"{name}, step {step}")
+    assert not got[6].any()
+    state = got[1:6]
+  assert state[-1][0, :, 1].sum() > 0 and state[-1][0, :, 0].sum() > 0  # misses and hits
 
 
 ON_AN_EXPLICIT_MESH = """

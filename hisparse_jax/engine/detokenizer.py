@@ -167,6 +167,8 @@ class StopStringMatcher:
 
   ``feed(delta)`` -> (text to release now, matched stop string or None). On a match the released text ends
   right before the stop string (or after it with include_stop), the OpenAI / vLLM / SGLang convention.
+  The match is the stop that starts earliest among those the delta completes (on a tie, the first listed):
+  a stop that contains another (["xabc", "b"]) can therefore match differently as the text is split.
   """
 
   def __init__(self, stops, include_stop: bool = False):

@@ -1340,8 +1340,10 @@ class Engine:
       req.finish_reason = "length"
     if req._detok is not None:
       if req.done and hit is None:  # the end of the text: an incomplete trailing character comes out too
-        req._stops.feed(req._detok.flush())
-        delta += req._stops.finish()
+        tail, hit = req._stops.feed(req._detok.flush())
+        delta += tail + req._stops.finish()
+        if hit is not None:  # completed by that last character
+          req.finish_reason, req.matched_stop = "stop_string", hit
       req.text = req._stops.text
     if req.on_token is not None and req.request_id not in self._aborting:  # (not after an abort in this step)
       try:

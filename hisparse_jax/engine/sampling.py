@@ -7,8 +7,9 @@ so a request's tokens never depend on its neighbours in the batch:
 * otherwise logits / temperature, then keep the top_k most likely tokens
   (top_k <= 0: all), then the smallest prefix of those (by probability) whose
   mass reaches top_p (top_p <= 0 or >= 1: all), and draw one by the Gumbel-max
-  trick with the key fold_in(PRNGKey(seed), position): the same seed and the
-  same prompt give the same tokens whatever the batch.
+  trick with the key fold_in(PRNGKey(seed), position), one Gumbel draw per
+  token id (not per rank): the same seed and the same prompt give the same
+  tokens whatever the batch.
 
 Sorting the vocabulary costs O(V log V) per row, so it runs only in steps
 where some row samples (lax.cond); all-greedy steps are a plain argmax.
@@ -63,8 +64,11 @@ def sample(logits, temperature, top_k, top_p, seed, position, *, vocab_major: bo
     use_p = (top_p > 0) & (top_p < 1)
     keep &= jnp.where(use_p[:, None], before < top_p[:, None], True)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, position)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-    choice = argmax(jnp.where(keep, vals + gumbel, -jnp.inf))
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # one draw per token id
+    # Noise by token id, not by rank: two near-tied tokens whose order flips on a last-bit difference of the
+    # logits (another batch shape or mesh) keep their own draws.
+    noise = jnp.take_along_axis(gumbel, order, axis=-1)
+    choice = argmax(jnp.where(keep, vals + noise, -jnp.inf))
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
   sampled = jax.lax.cond(jnp.any(do_sample), draw, lambda: greedy)

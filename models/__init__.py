@@ -7,7 +7,6 @@ from .deepseek_v32 import (DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM, decode_
 from .kv_protocol import ContiguousKVCache, KVCache
 from .fp8 import dequantize_block_fp8
 from .loader import hf_param_table, load_hf
-from .random_checkpoint import default_model_config, write_random_checkpoint
 
 __all__ = [
     "DSAConfig",
@@ -26,3 +25,12 @@ __all__ = [
     "default_model_config",
     "write_random_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    # The random-checkpoint writer loads on first use, so that `python -m models.random_checkpoint` runs a
+    # module the package has not imported already.
+    if name in ("default_model_config", "write_random_checkpoint"):
+        from . import random_checkpoint
+        return getattr(random_checkpoint, name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")

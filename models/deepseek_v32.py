@@ -1,7 +1,7 @@
 """DeepSeek-Sparse-Attention causal LMs in Flax NNX: DeepSeek-V3.2 and GLM-5 / GLM-5.1.
 
-Numerically follows transformers 5.24 ``models/deepseek_v32/modeling_deepseek_v32.py`` and
-``models/glm_moe_dsa/modeling_glm_moe_dsa.py`` (one implementation; the differences are conventions in
+Numerically follows transformers 5.24 ``transformers/models/deepseek_v32/modeling_deepseek_v32.py`` and
+``transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py`` (one implementation; the differences are conventions in
 :class:`~models.config.DSAConfig`, see models/config.py):
 
 * RMSNorm computes in float32 and casts back to the input dtype before the weight multiply.

@@ -163,3 +163,35 @@ def write_random_checkpoint(out_dir: str | os.PathLike, config_dict: dict, seed:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(saved_cfg, f, indent=2, sort_keys=True)
     return out_dir
+
+
+def main(argv=None) -> int:
+    """``python -m models.random_checkpoint --output DIR [--config config.json] [--seed N]``: a checkpoint to
+    serve or to practise porting on. Exit status 2 with one line on stderr for a config that is not a DSA one."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(
+        prog="python -m models.random_checkpoint",
+        description="Write a random DSA checkpoint (config.json + model.safetensors, transformers' tensor names).")
+    ap.add_argument("--output", required=True, help="directory to write (created; files in it are replaced)")
+    ap.add_argument("--config", help="an HF config.json of a DeepSeek-V3.2 or GLM-5 model (default: the "
+                                     "architecture of the project's small default model)")
+    ap.add_argument("--seed", type=int, default=0, help="numpy seed of the weights (default 0)")
+    args = ap.parse_args(argv)
+    try:
+        if args.config is None:
+            config = default_model_config()
+        else:
+            with open(args.config) as f:
+                config = json.load(f)
+        write_random_checkpoint(args.output, config, args.seed)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output} ({', '.join(sorted(os.listdir(args.output)))})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

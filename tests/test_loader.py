@@ -603,3 +603,27 @@ def test_a_generated_model_says_so_once_and_gets_the_usual_modes(tmp_path, monke
   assert stat.S_IMODE(os.stat(path).st_mode) == 0o750
   assert {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode) for name in os.listdir(path)} == {
       "config.json": 0o640, "model.safetensors": 0o640}
+
+
+def test_random_checkpoint_command_writes_what_the_function_writes(tmp_path):
+  """``python -m models.random_checkpoint``: --help answers (no runpy warning: the package does not import the
+  module first); --config/--seed write the function's files byte for byte; a config that is not DSA is exit 2."""
+  import subprocess
+  import sys
+
+  from tests.tiny_model import tiny_config
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = lambda *a: subprocess.run([sys.executable, "-m", "models.random_checkpoint", *a], cwd=root,  # noqa: E731
+                                  capture_output=True, text=True, timeout=300)
+  r = run("--help")
+  assert r.returncode == 0 and "--output" in r.stdout and "Warning" not in r.stderr, r.stderr
+  cfg = tmp_path / "config.json"
+  cfg.write_text(json.dumps(tiny_config()))
+  r = run("--output", str(tmp_path / "cli"), "--config", str(cfg), "--seed", "3")
+  assert r.returncode == 0 and "model.safetensors" in r.stdout, r.stderr
+  want = write_random_checkpoint(tmp_path / "fn", tiny_config(), seed=3)
+  for name in ("config.json", "model.safetensors"):
+    assert (tmp_path / "cli" / name).read_bytes() == open(os.path.join(want, name), "rb").read(), name
+  cfg.write_text(json.dumps({"model_type": "llama"}))
+  r = run("--output", str(tmp_path / "bad"), "--config", str(cfg))
+  assert r.returncode == 2 and "unsupported model_type 'llama'" in r.stderr, r.stderr

@@ -5,7 +5,7 @@
 // request at ONE layer; the caller then copies the planned misses
 // host -> device (memcpy on CPU, a block-wide copy on CUDA).
 //
-// Semantics (the contract; hisparse_jax/reference.py is the executable spec):
+// Semantics (the contract; hisparse_jax/kernels/reference.py is the executable spec):
 //   * A request's hot buffer has D slots plus one reserved slot (index D) that
 //     holds the newest token, position seq_len - 1.
 //   * seq_len <= D (fast path): slot i holds token i; no I/O; LRU unchanged.

@@ -543,7 +543,7 @@ class HiSparseState:
                          f"{(L, H, latent_dim)} {jnp.dtype(dtype)}")
       host_pool = jax.device_put(external_pool.token(), jax.devices()[0])
     else:
-      # With the placement inside the function the pool's type carries <host> (PLATFORM.md: a pool typed
+      # With the placement inside the function the pool's type carries <host> (a pool typed
       # without it aborts when donated).
       kw = {} if mesh is None else {"out_shardings": _placement(mesh, "pinned_host")}
       host_pool = jax.jit(lambda: jax.device_put(jnp.zeros((L, H, latent_dim), dtype), jax.memory.Space.Host),

@@ -166,7 +166,7 @@ class DisaggregationConfig:
 
 class TransferEndpoint:
   """This process's ``jax.experimental.transfer`` server (bound to ``host`` with explicit transport addresses:
-  the defaults abort the process on CPU, PLATFORM.md) and its pulls from other servers, each on a connection of
+  the defaults abort the process on CPU) and its pulls from other servers, each on a connection of
   its own (so that one can be cut without the others)."""
 
   def __init__(self, host: str = "127.0.0.1", port: int = 0):

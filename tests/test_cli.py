@@ -58,7 +58,7 @@ def test_an_earlier_output_survives_a_start_up_error_and_a_run_without_prompts_e
 
 
 def test_the_python_api_example_runs_and_hisparse_gives_the_dense_tokens():
-  """examples/python_api.py, the README's Python API walk-through (it asserts dense == HiSparse itself)."""
+  """examples/python_api.py, docs/batch-decoding.md's Python API walk-through (it asserts dense == HiSparse itself)."""
   r = run("examples/python_api.py", "--max-new-tokens", "6")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "dense and HiSparse tokens agree" in r.stdout and r.stdout.count("refused: prompt (2000 tokens)") == 2

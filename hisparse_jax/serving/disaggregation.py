@@ -46,7 +46,7 @@ server announced (Info), hold exactly the positions its prompt needs, and carry 
 since jax's transfer library aborts the process that pulls when the peer answers with some malformed bytes (16
 zero bytes): such a peer ends that pull, not the server. The transfer ports have no authentication, a prefill
 server's transfer server can itself be aborted that way, and it keeps a descriptor for every pull of an unknown
-uuid: only the deployment's own servers may reach them (README, "Prefill/decode disaggregation").
+uuid: only the deployment's own servers may reach them (docs/disaggregation.md).
 """
 
 from __future__ import annotations

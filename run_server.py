@@ -15,7 +15,7 @@ r"""Starts the hisparse-jax gRPC inference server.
        --prefill-tls-key-file k.pem]]] \
       [--coordinator-address H:P --num-processes N --process-id I]
 
-Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script; ``--helpfull`` lists them).
+Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the batch script; ``--help`` lists them).
 
 Serves ``hisparse.HiSparseInference/Generate`` (server streaming), ``Abort``, ``GetLoads`` and
 ``grpc.health.v1.Health`` (which needs no API key, as load balancers expect); with ``--disaggregation-mode
@@ -115,6 +115,10 @@ def _define_engine_flags():
   from hisparse_jax.engine.args import EngineArgs
   EngineArgs.define_flags(max_queued_requests=1024)
   DistributedArgs.define_flags()
+  from hisparse_jax import distributed
+  from hisparse_jax.engine import args
+  for module in (args, distributed):  # --help lists them with this program's own flags
+    flags.adopt_module_key_flags(module)
 
 
 _define_engine_flags()

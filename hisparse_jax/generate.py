@@ -7,7 +7,7 @@ r"""Batch decoding (greedy unless a line asks to sample): a JSONL file of prompt
       [--page-size 64] [--max-device-kv-bytes N] [--deterministic] [--kv-cache-dtype auto|fp8_e4m3] \
       [--output out.jsonl] [--dump-topk trace.npz]
 
-Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server; ``--helpfull`` lists them).
+Engine flags are ``hisparse_jax.engine.args.EngineArgs`` (shared with the server; ``--help`` lists them).
 
 Input lines: ``{"text": "..."}`` or ``{"input_ids": [...]}``, optionally with
 ``"max_new_tokens"`` and the server's sampling and stop fields (SAMPLING_FIELDS: ``temperature``, ``top_p``,
@@ -79,6 +79,10 @@ def _define_engine_flags():
   from hisparse_jax.engine.args import EngineArgs
   EngineArgs.define_flags()
   DistributedArgs.define_flags()
+  from hisparse_jax import distributed
+  from hisparse_jax.engine import args
+  for module in (args, distributed):  # --help lists them with this program's own flags
+    flags.adopt_module_key_flags(module)
 
 
 _define_engine_flags()

@@ -44,3 +44,25 @@ def test_every_path_named_in_docs_and_code_exists():
   ignored = _ignored(missing + [p + "/" for p in missing])  # (a folder pattern matches "name/" only)
   stale = {p: sorted(named[p]) for p in missing if p not in ignored and p + "/" not in ignored}
   assert len(named) > 100 and not stale, stale
+
+
+def test_engine_flags_are_described_once_and_listed_by_help():
+  """Each engine flag's text is its EngineArgs field's help: docs/batch-decoding.md's table is generated from
+  them (scripts/update_flag_table.py), and both entry points' --help list every engine flag with that text."""
+  import dataclasses
+  import sys
+
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import update_flag_table
+
+  from hisparse_jax.engine.args import EngineArgs
+  page = update_flag_table.PAGE.read_text()
+  assert update_flag_table.updated(page) == page, "docs/batch-decoding.md: run scripts/update_flag_table.py"
+  fields = dataclasses.fields(EngineArgs)
+  assert all(f.metadata["help"] and "|" not in f.metadata["help"] for f in fields)
+  for program in (["run_server.py"], ["-m", "hisparse_jax.generate"]):
+    r = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    text = " ".join((r.stdout + r.stderr).split())
+    for f in fields:
+      flag = ("[no]" if "bool" in f.type else "") + f.name.replace("_", "-")  # (absl: --[no]deterministic)
+      assert f"--{flag}: " + " ".join(f.metadata["help"].split())[:40] in text, (program, flag)

@@ -59,140 +59,105 @@ class StartupError(ValueError):
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
+def _flag(default, help_: str):
+  """A field of EngineArgs with its flag's help text."""
+  return dataclasses.field(default=default, metadata={"help": help_})
+
+
 @dataclasses.dataclass
 class EngineArgs:
-  """Engine settings (field = flag with '_' -> '-').
+  """Engine settings: one field per flag of the batch script and the server ('_' -> '-': ``max_seq_len`` is
+  ``--max-seq-len``). Each field's ``metadata["help"]`` is its only description: the flag's ``--help`` text and its
+  row in docs/batch-decoding.md's table (``flag_table``; tests/test_docs.py fails when the page and the fields
+  disagree). ``validate`` / ``resolve`` raise ``StartupError`` naming the flag."""
 
-  Attributes:
-    model_path: HF-format model directory or an orbax directory from ``python -m models.convert``; None:
-      the embedded default model.
-    dtype: compute / KV dtype ("float32", "bfloat16"); None (or "auto"): the checkpoint's.
-    enable_hisparse: latent KV in a host pool, a hot buffer per request on device.
-    hisparse_config: JSON with top_k, device_buffer_size, host_to_device_ratio (SGLang's flag), eviction
-      (lru | clock | score | score_ema), resident_fraction, prefetch (none | next_layer) and prefetch_depth
-      (HiSparseConfig); None: the
-      model directory's hisparse_config.json, else defaults.
-    host_pool: HiSparse host pool: "jax" (a ``pinned_host`` JAX array), "extension" (pinned memory owned by
-      the FFI extension) or "auto" (the default: "extension" on a GPU, "jax" elsewhere; resolved_host_pool).
-    max_running_requests: requests decoded at once (HiSparse may lower it to the hot buffers that fit).
-    max_seq_len: longest prompt + output per request (tokens); None: the model's max_position_embeddings.
-      Costs nothing until tokens exist (memory is paged).
-    chunked_prefill_size: prompt tokens computed per engine step (a long prompt is prefilled in chunks of
-      this size, interleaved with decode steps of the running requests).
-    page_size: tokens per KV page (device and host pools; a power of two).
-    max_device_kv_bytes / mem_fraction_static: device KV budget in bytes / the fraction F of the device's
-      memory limit for weights + KV (SGLang's flag: budget = F x limit - weights); the smaller wins. Neither:
-      DEFAULT_MEM_FRACTION x (limit - weights), or DEFAULT_CPU_KV_BYTES on a device that reports no limit
-      (CPU).
-    max_queued_requests: waiting requests beyond this (and beyond the free request slots, which take waiting
-      requests at the next step) fail with RESOURCE_EXHAUSTED (None: unbounded).
-    max_admission_skips: a waiting request that does not fit the free memory yet may be passed by later
-      requests that do at most this many times; then nothing behind it is admitted until it is (0: strict
-      first come, first served).
-    max_prompt_bytes: a text prompt longer than this (UTF-8 bytes) is refused before it is tokenized (0:
-      DEFAULT_PROMPT_BYTES_PER_TOKEN x max_seq_len); at most max_seq_len x the tokenizer's longest token in
-      bytes (``resolve_max_prompt_bytes``).
-    deterministic: run every decode step at the full max_running_requests batch with each request in its
-      own row, and prefill one request per call in fixed chunks, so a request's tokens never depend on its
-      neighbours (XLA's CPU matmuls are not batch-invariant). Costs a full-batch step even for one request.
-    overlap_schedule: (default on) launch each decode step before the previous step's tokens are read,
-      feeding them to it on the device, so that reading and delivering tokens and scheduling the next step
-      overlap the device's compute (SGLang's overlap scheduler, vLLM's async scheduling). Each call computes
-      what the plain schedule's would for its rows (with deterministic, the same tokens bit for bit). A
-      request that ends on a stop token, a stop string or an error computes one more token, dropped (its
-      HiSparse hit / miss counts include that step); a request whose prefill ends joins the decode one step
-      later; the next token's page is taken a step earlier.
-    fp8_numerics: DeepSeek-V3.2's FP8 deployment numerics (``models/fp8_numerics.py``). None (no flag): on
-      with kv_cache_dtype "fp8_e4m3", off with "auto"; False with "fp8_e4m3" is a StartupError (that cache
-      stores FP8 values, so it cannot run without them).
-    kv_cache_dtype: how the KV cache (dense pages, HiSparse's hot buffers, host pool, staging and indexer-key
-      pages, and the prompt KV a prefill server hands over) stores a token (``models/kv_format.py``): "auto"
-      (latent rows in the compute dtype, indexer keys in float32) or "fp8_e4m3" (also "fp8"; DeepSeek-V3.2's FP8 KV
-      cache: the latent part in e4m3 with a power-of-two scale per 128 values and the RoPE part in the compute
-      dtype, 656 bytes against 1,152 in bfloat16; the indexer key in e4m3 with its scale, 132 bytes against
-      512). It implies DeepSeek's FP8 numerics (``fp8_numerics``), whose values it stores: the logits are
-      those of ``fp8_numerics`` with "auto", bit for bit.
-    weight_dtype: "fp8": keep an FP8 block-quantized checkpoint's quantized matrices in float8_e4m3fn with
-      their 128 x 128 float32 scales on device, dequantized inside the jitted matmuls (about half the weight
-      memory of bfloat16; the same weights as dequantizing at load, bit for bit), on one device or a mesh (the
-      scales split like their weights). None: dequantize at load to the compute dtype.
-    dp_size / tp_size / ep_size: the device mesh (``hisparse_jax/sharding.py``): dp_size x tp_size devices,
-      MLA heads, dense MLPs and the vocabulary split over tp, routed experts over ep devices (1, tp or
-      dp x tp), the indexer replicated on every device; dp_size > 1: data-parallel attention, each of the
-      dp groups runs max_running_requests / dp_size requests with its KV on its own devices (replicated
-      over its tp devices).
-  """
-
-  model_path: str | None = None
-  dtype: str | None = None
-  enable_hisparse: bool = False
-  hisparse_config: str | None = None
-  host_pool: str = "auto"
-  max_running_requests: int = 64
-  max_seq_len: int | None = None
-  chunked_prefill_size: int = 2048
-  page_size: int = 64
-  max_device_kv_bytes: int | None = None
-  mem_fraction_static: float | None = None
-  max_queued_requests: int | None = None
-  max_admission_skips: int = 16
-  max_prompt_bytes: int = 0
-  deterministic: bool = False
-  overlap_schedule: bool = True
-  fp8_numerics: bool | None = None
-  kv_cache_dtype: str = "auto"
-  dp_size: int = 1
-  tp_size: int = 1
-  ep_size: int = 1
-  weight_dtype: str | None = None
-
-  # --------------------------------------------------------------- flags
-  _HELP = {
-      "model_path": "HF-format model directory or orbax directory (default: the embedded model).",
-      "dtype": "float32 or bfloat16 (default, or auto: the checkpoint's dtype; a float16 checkpoint needs one of "
-               "them).",
-      "enable_hisparse": "Keep the latent KV in a host pool with per-request hot buffers on device.",
-      "hisparse_config": "HiSparse sizes and policy as JSON: top_k, device_buffer_size, host_to_device_ratio, "
-                         "eviction (lru | clock | score | score_ema), resident_fraction, prefetch "
-                         "(none | next_layer), prefetch_depth.",
-      "host_pool": "HiSparse host pool: 'jax' (a pinned_host JAX array), 'extension' (pinned memory owned by the "
-                   "FFI extension) or 'auto' (extension on a GPU, jax elsewhere).",
-      "max_running_requests": "Requests decoded concurrently.",
-      "max_seq_len": "Longest prompt + output per request, in tokens (default: the model's "
-                     "max_position_embeddings; memory is paged, so a long limit costs nothing until used).",
-      "chunked_prefill_size": "Prompt tokens computed per engine step; long prompts are prefilled in chunks "
-                              "interleaved with decode steps.",
-      "page_size": "Tokens per KV page (a power of two).",
-      "max_device_kv_bytes": "Device KV budget in bytes (pools are sized from it).",
-      "mem_fraction_static": "Fraction of the device memory limit for weights + KV cache (SGLang's meaning: KV "
-                             "budget = F x limit - weights; GPU). Unset: 0.85 x (limit - weights).",
-      "max_queued_requests": "Requests waiting beyond this (and the free request slots) fail with "
-                             "RESOURCE_EXHAUSTED.",
-      "max_admission_skips": "Times a waiting request that does not fit yet may be passed by later ones that "
-                             "do before admission waits for it (0: strict first come, first served).",
-      "max_prompt_bytes": "Text prompts longer than this many UTF-8 bytes are refused before tokenizing "
-                          "(0: 8 x --max-seq-len; at most --max-seq-len x the tokenizer's longest "
-                          "token, 128 bytes for DeepSeek-V3's).",
-      "deterministic": "Fixed full-batch decode steps and one-request prefill chunks: a request's tokens do not "
-                       "depend on its neighbours (costs a full-batch step per token).",
-      "overlap_schedule": "Launch each decode step before the previous step's tokens are read (fed on the "
-                          "device), overlapping token delivery and scheduling with the device's compute.",
-      "fp8_numerics": "DeepSeek-V3.2 FP8 deployment numerics: Hadamard-rotated e4m3 indexer q/k and an e4m3 "
-                      "latent KV cache (fake-quantized). Default: on with --kv-cache-dtype fp8_e4m3, else off.",
-      "kv_cache_dtype": "How the KV cache stores a token: auto (latent in the compute dtype, indexer keys in "
-                        "float32) or fp8_e4m3 (or fp8; DeepSeek-V3.2's FP8 KV cache: 656-byte latent rows, 132-byte "
-                        "indexer keys; implies --fp8-numerics, whose values it stores).",
-      "dp_size": "Data-parallel attention groups: each runs its share of the requests (it must divide "
-                 "--max-running-requests), its KV on its devices. --dp-size x --tp-size must divide the devices "
-                 "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N).",
-      "tp_size": "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them (it must "
-                 "divide the heads, the MLP widths and the vocabulary).",
-      "ep_size": "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size (it "
-                 "must divide the routed experts).",
-      "weight_dtype": "fp8: keep an FP8 checkpoint's quantized weights in e4m3 + 128x128 scales on device, "
-                      "dequantized inside the matmuls (half the weight memory of bfloat16). Default: dequantize "
-                      "at load.",
-  }
+  model_path: str | None = _flag(
+      None, "HF-format model directory (config.json + *.safetensors, single or sharded with "
+            "model.safetensors.index.json, optional tokenizer.json) or an orbax directory written by "
+            "python -m models.convert. Unset: the embedded default model.")
+  dtype: str | None = _flag(
+      None, "Compute and KV dtype: float32 or bfloat16. Unset (or auto): the checkpoint's own (dtype / torch_dtype "
+            "in config.json); a float16 checkpoint needs one of the two (XLA:CPU rounds float16 differently in the "
+            "dense and HiSparse programs).")
+  enable_hisparse: bool = _flag(
+      False, "HiSparse: every request's latent KV in a host pool, a hot buffer of slots per request on the device. "
+             "Off: all KV on the device (the baseline).")
+  hisparse_config: str | None = _flag(
+      None, "HiSparse sizes and policy as JSON text (not a file name): top_k (the model's index_topk, the default), "
+            "device_buffer_size (>= top_k; default 2 x top_k), host_to_device_ratio (>= 1; default 8: the host pool "
+            "holds ratio x (D + 1) tokens per request slot), eviction (lru, the default; clock; score; score_ema), "
+            "resident_fraction (in [0, 1); default 0: no dynamic residency), prefetch (none, the default, or "
+            "next_layer) and prefetch_depth (in [1, top_k]; default top_k). Unset: the model directory's "
+            "hisparse_config.json if any; set, that file is not read (keys left out take the defaults above).")
+  host_pool: str = _flag(
+      "auto", "Where HiSparse's host pool lives: jax (a pinned_host JAX array passed to the kernels), extension "
+              "(pinned memory owned by the FFI extension: page-aligned on CPU, cudaHostAlloc-mapped on GPU) or "
+              "auto (extension on a GPU, jax elsewhere). Both decode identically.")
+  max_running_requests: int = _flag(
+      64, "Requests decoded at once; more wait and join as others finish. HiSparse lowers it to the hot buffers "
+          "the KV budget holds (logged).")
+  max_seq_len: int | None = _flag(
+      None, "Longest prompt + output per request, in tokens. Unset: the model's max_position_embeddings. Memory is "
+            "paged, so a long limit costs nothing until tokens exist (HiSparse's staging pages excepted: they hold "
+            "one prompt of this length).")
+  chunked_prefill_size: int = _flag(
+      2048, "Prompt tokens computed per engine step, padding included (a multiple of --page-size). A step's "
+            "prompts are the rows of one [B, C] call (powers of two, C >= 16); a prompt whose row would grow "
+            "B x C past this waits for the next step. Longer prompts are prefilled over several steps while the "
+            "running requests keep decoding.")
+  page_size: int = _flag(64, "Tokens per KV page (a power of two; 64 is FlashMLA's block size).")
+  max_device_kv_bytes: int | None = _flag(
+      None, "Device KV budget in bytes; all KV pools are sized from it. With --mem-fraction-static the smaller "
+            "wins. Neither: 0.85 x (the device memory limit - the weights), or 1 GiB on a device that reports no "
+            "limit (CPU).")
+  mem_fraction_static: float | None = _flag(
+      None, "SGLang's flag: the fraction F of the device memory limit that weights and KV take together (KV "
+            "budget = F x limit - weights). The limit is what JAX holds of the device, 95% of a GPU as both "
+            "entry points reserve it. Unset: see --max-device-kv-bytes.")
+  max_queued_requests: int | None = _flag(
+      None, "Waiting requests beyond this (and beyond the free request slots, which take waiting requests at the "
+            "next step) fail with RESOURCE_EXHAUSTED. Unset: unbounded (the server's default is 1024).")
+  max_admission_skips: int = _flag(
+      16, "Times a waiting request that does not fit the free memory yet may be passed by later requests that "
+          "do; then nothing behind it is admitted until it is (0: strict first come, first served).")
+  max_prompt_bytes: int = _flag(
+      0, "Text prompts longer than this many UTF-8 bytes are refused before tokenizing (0: 8 x --max-seq-len). "
+         "At most --max-seq-len x the tokenizer's longest token in bytes (128 for DeepSeek-V3's, x 4 with a "
+         "normalizer): no longer text fits the context.")
+  deterministic: bool = _flag(
+      False, "A request's tokens never depend on what else runs: every decode step runs all "
+             "--max-running-requests rows (each request in its own slot's row) and prompts are prefilled one per "
+             "call in chunks at fixed offsets (XLA's CPU matmuls are not batch-invariant). Costs a full-size step "
+             "however few requests run.")
+  overlap_schedule: bool = _flag(
+      True, "Launch each decode step before the previous step's tokens are read, feeding them to it on the "
+            "device, so that delivering tokens and scheduling overlap the device's compute (SGLang's overlap "
+            "scheduler, vLLM's async scheduling). Each call computes what the plain schedule's would; a request "
+            "that ends on a stop token, stop string or error computes one more token, dropped.")
+  fp8_numerics: bool | None = _flag(
+      None, "DeepSeek-V3.2's FP8 deployment numerics: Hadamard-rotated e4m3 indexer queries and keys, and an e4m3 "
+            "latent KV (fake-quantized; models/fp8_numerics.py). Unset: on with --kv-cache-dtype fp8_e4m3 (where "
+            "--nofp8-numerics is an error), else off.")
+  kv_cache_dtype: str = _flag(
+      "auto", "How the KV cache stores a token, in every pool, hot buffer and prompt hand-off "
+              "(models/kv_format.py): auto (latent rows in the compute dtype, indexer keys in float32) or "
+              "fp8_e4m3 (fp8 for short, as in vLLM and SGLang: DeepSeek-V3.2's FP8 KV cache, 656-byte latent "
+              "rows and 132-byte indexer keys against 1,152 and 512 in bfloat16). fp8_e4m3 implies "
+              "--fp8-numerics, whose values it stores.")
+  dp_size: int = _flag(
+      1, "Data-parallel attention groups: each runs its share of the requests (it must divide "
+         "--max-running-requests) with its KV on its own devices. --dp-size x --tp-size must divide the devices "
+         "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N).")
+  tp_size: int = _flag(
+      1, "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them (it must divide "
+         "the heads, the MLP widths and the vocabulary); the indexer is replicated.")
+  ep_size: int = _flag(
+      1, "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size (it must "
+         "divide the routed experts).")
+  weight_dtype: str | None = _flag(
+      None, "fp8: keep an FP8 block-quantized checkpoint's matrices in float8_e4m3fn with their 128 x 128 float32 "
+            "scales on the device, dequantized inside the jitted matmuls (about half the weight memory of "
+            "bfloat16; bit for bit the weights of dequantizing at load). Unset: dequantize at load.")
 
   # Other runtimes' spellings, taken as ours: vLLM's and SGLang's --dtype auto (the checkpoint's) and
   # --kv-cache-dtype fp8 (e4m3, the only FP8 format here).
@@ -205,12 +170,23 @@ class EngineArgs:
         setattr(self, name, aliases[value])
 
   @classmethod
+  def flag_table(cls) -> str:
+    """The engine flags as a Markdown table (flag, default, meaning): docs/batch-decoding.md holds it between
+    FLAG_TABLE_BEGIN and FLAG_TABLE_END (scripts/update_flag_table.py writes it there)."""
+    def shown(value):
+      return "unset" if value is None else ("on" if value else "off") if isinstance(value, bool) else f"`{value}`"
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+      rows.append(f"| `--{f.name.replace('_', '-')}` | {shown(f.default)} | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+  @classmethod
   def define_flags(cls, flags_module=None, **defaults) -> None:
     """Defines one absl flag per field (``--max-seq-len`` for max_seq_len); defaults override the field's."""
     from absl import flags as absl_flags
     fl = flags_module or absl_flags
     for f in dataclasses.fields(cls):
-      name, default, help_ = f.name.replace("_", "-"), defaults.get(f.name, f.default), cls._HELP[f.name]
+      name, default, help_ = f.name.replace("_", "-"), defaults.get(f.name, f.default), f.metadata["help"]
       kind = f.type if isinstance(f.type, str) else str(f.type)
       if "bool" in kind:
         fl.DEFINE_boolean(name, default, help_)
@@ -491,3 +467,7 @@ def load_tokenizer_or_fail(model_dir: str):
     return load_tokenizer(model_dir)
   except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
     raise StartupError(f"--model-path {model_dir!r}: tokenizer.json: {e}") from None
+
+
+FLAG_TABLE_BEGIN = "<!-- engine flags: generated from EngineArgs by scripts/update_flag_table.py -->"
+FLAG_TABLE_END = "<!-- end of engine flags -->"

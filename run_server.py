@@ -111,12 +111,10 @@ MAX_SHUTDOWN_GRACE_S = 3600.0
 
 
 def _define_engine_flags():
-  from hisparse_jax.distributed import DistributedArgs
-  from hisparse_jax.engine.args import EngineArgs
-  EngineArgs.define_flags(max_queued_requests=1024)
-  DistributedArgs.define_flags()
   from hisparse_jax import distributed
   from hisparse_jax.engine import args
+  args.EngineArgs.define_flags(max_queued_requests=1024)
+  distributed.DistributedArgs.define_flags()
   for module in (args, distributed):  # --help lists them with this program's own flags
     flags.adopt_module_key_flags(module)
 

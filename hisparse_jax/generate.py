@@ -75,12 +75,10 @@ MAX_NEW_TOKENS = 2**31 - 1  # token counts are int32 on the device; a line's own
 
 
 def _define_engine_flags():
-  from hisparse_jax.distributed import DistributedArgs
-  from hisparse_jax.engine.args import EngineArgs
-  EngineArgs.define_flags()
-  DistributedArgs.define_flags()
   from hisparse_jax import distributed
   from hisparse_jax.engine import args
+  args.EngineArgs.define_flags()
+  distributed.DistributedArgs.define_flags()
   for module in (args, distributed):  # --help lists them with this program's own flags
     flags.adopt_module_key_flags(module)
 

@@ -6,9 +6,11 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from hisparse_jax.engine.args import FLAG_TABLE_BEGIN, FLAG_TABLE_END, EngineArgs  # noqa: E402
+from hisparse_jax.engine.args import EngineArgs  # noqa: E402
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "batch-decoding.md"
+FLAG_TABLE_BEGIN = "<!-- engine flags: generated from EngineArgs by scripts/update_flag_table.py -->"
+FLAG_TABLE_END = "<!-- end of engine flags -->"
 
 
 def updated(text: str) -> str:

@@ -171,8 +171,8 @@ class EngineArgs:
 
   @classmethod
   def flag_table(cls) -> str:
-    """The engine flags as a Markdown table (flag, default, meaning): docs/batch-decoding.md holds it between
-    FLAG_TABLE_BEGIN and FLAG_TABLE_END (scripts/update_flag_table.py writes it there)."""
+    """The engine flags as a Markdown table (flag, default, meaning): scripts/update_flag_table.py writes it into
+    docs/batch-decoding.md."""
     def shown(value):
       return "unset" if value is None else ("on" if value else "off") if isinstance(value, bool) else f"`{value}`"
     rows = ["| flag | default | meaning |", "|---|---|---|"]
@@ -468,6 +468,3 @@ def load_tokenizer_or_fail(model_dir: str):
   except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
     raise StartupError(f"--model-path {model_dir!r}: tokenizer.json: {e}") from None
 
-
-FLAG_TABLE_BEGIN = "<!-- engine flags: generated from EngineArgs by scripts/update_flag_table.py -->"
-FLAG_TABLE_END = "<!-- end of engine flags -->"

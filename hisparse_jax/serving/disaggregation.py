@@ -615,13 +615,16 @@ def _tls_mismatch(address: str, ca: bytes | None) -> str | None:
   for it vary with timing and load); None if the handshake says nothing (e.g. nothing listens there). ca: the
   CA a decode server trusts (--prefill-tls-ca-file; None: it connects in plain text)."""
   host, _, port = address.rpartition(":")
-  context = ssl.create_default_context(cadata=ca.decode() if ca is not None else None)
+  host = host.strip("[]")
+  context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
   if ca is None:  # any certificate: the question is only whether TLS answers
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+  else:
+    context.load_verify_locations(cadata=ca.decode())
   context.set_alpn_protocols(["h2"])
   try:
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S) as raw:
-      with context.wrap_socket(raw, server_hostname=host.strip("[]") if ca is not None else None):
+    with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S) as raw:
+      with context.wrap_socket(raw, server_hostname=host if ca is not None else None):
         pass  # the server answered the handshake: it speaks TLS
   except ssl.SSLCertVerificationError as e:
     return (f"; its TLS certificate does not pass --prefill-tls-ca-file ({e.verify_message}: it must be signed "

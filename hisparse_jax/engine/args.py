@@ -133,7 +133,8 @@ class EngineArgs:
       True, "Launch each decode step before the previous step's tokens are read, feeding them to it on the "
             "device, so that delivering tokens and scheduling overlap the device's compute (SGLang's overlap "
             "scheduler, vLLM's async scheduling). Each call computes what the plain schedule's would; a request "
-            "that ends on a stop token, stop string or error computes one more token, dropped.")
+            "that ends on a stop token, stop string or error computes one more token, dropped, and the next "
+            "token's page is taken a step earlier.")
   fp8_numerics: bool | None = _flag(
       None, "DeepSeek-V3.2's FP8 deployment numerics: Hadamard-rotated e4m3 indexer queries and keys, and an e4m3 "
             "latent KV (fake-quantized; models/fp8_numerics.py). Unset: on with --kv-cache-dtype fp8_e4m3 (where "
@@ -141,8 +142,9 @@ class EngineArgs:
   kv_cache_dtype: str = _flag(
       "auto", "How the KV cache stores a token, in every pool, hot buffer and prompt hand-off "
               "(models/kv_format.py): auto (latent rows in the compute dtype, indexer keys in float32) or "
-              "fp8_e4m3 (fp8 for short, as in vLLM and SGLang: DeepSeek-V3.2's FP8 KV cache, 656-byte latent "
-              "rows and 132-byte indexer keys against 1,152 and 512 in bfloat16). fp8_e4m3 implies "
+              "fp8_e4m3 (fp8 for short, as in vLLM and SGLang: DeepSeek-V3.2's FP8 KV cache, the latent part in "
+              "e4m3 with a power-of-two scale per 128 values and the RoPE part in the compute dtype: 656-byte "
+              "latent rows and 132-byte indexer keys against 1,152 and 512 in bfloat16). fp8_e4m3 implies "
               "--fp8-numerics, whose values it stores.")
   dp_size: int = _flag(
       1, "Data-parallel attention groups: each runs its share of the requests (it must divide "

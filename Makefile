@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip -q --disable-pip-version-check
 # (accelerate: transformers' loader of FP8 block-quantized checkpoints, which it dequantizes on a CPU)
 ORACLE_PKGS := torch==2.13.0 transformers==5.24.0 accelerate==1.16.0 safetensors numpy
 
-.PHONY: demo test test-fast test-asan oracle proto bench clean
+.PHONY: demo test test-fast test-asan lint format oracle proto bench clean
 
 $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
 	@py=""; for c in python3.12 python3.13 python3.14 python3; do \
@@ -48,6 +48,15 @@ PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0
 test: $(VENV)/.installed $(ORACLE_VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_XDIST) --durations=30 tests
+
+# ruff: the lint rules and formatting of pyproject.toml ([tool.ruff]); `make format` rewrites the tree in place.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # Everything but the transformers oracle comparison.
 test-fast: $(VENV)/.installed

@@ -79,7 +79,6 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
 
   dt = jnp.bfloat16
   L, S = layers, context + steps + 1
-  pages = S  # page_size 1: host row of position t of request b = b * S + t
   key = jax.random.key(0)
   k_pool, k_q, k_w1, k_w2, k_x = jax.random.split(key, 5)
 

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.loader import param_path
+from models.moe import ExpertParallel
 
 AXES = ("dp", "tp")
 
@@ -92,6 +93,18 @@ class MeshConfig:
     if self.ep_size == self.dp_size:
       return ("dp",)
     return AXES if self.ep_size == self.num_devices else ()  # any other size: validate() refuses it
+
+  def expert_parallel(self) -> ExpertParallel | None:
+    """How each MoE layer runs its experts on this mesh (the model's ``expert_parallel`` argument): None with
+    ep = 1 (GSPMD splits each expert's width over tp). With data-parallel attention each group works on its own
+    tokens; with experts over dp too (ep = dp or dp x tp) the tokens go to their experts and back by
+    all-to-all (``models.moe.all_to_all_ffn``), else every device of a group sees its group's tokens and a
+    psum adds the devices' parts."""
+    experts = self.expert_axes
+    if not experts:
+      return None
+    return ExpertParallel(experts, width_axis=self.logical_to_mesh()["moe_mlp"],
+                          token_axis="dp" if self.dp_size > 1 else None)
 
   def logical_to_mesh(self) -> dict:
     """Logical axis name -> mesh axes (None: replicated along that dimension)."""
@@ -170,23 +183,6 @@ class MeshConfig:
     self.validate(num_devices=len(devices))
     grid = np.asarray(devices[:self.num_devices]).reshape(self.dp_size, self.tp_size)
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
-
-
-def set_expert_parallel(model, mesh_cfg: MeshConfig) -> None:
-  """Tells each MoE module of ``model`` (before ``nnx.split``) the mesh axes its experts are split over, so it
-  runs them with ``models.moe.expert_parallel_ffn``: each device only its own experts. With data-parallel
-  attention each group works on its own tokens; with experts over dp too (ep = dp or dp x tp) the tokens go to
-  their experts and back by all-to-all (``models.moe.all_to_all_ffn``), else every device of a group sees its
-  group's tokens and a psum adds the devices' parts. With ep = 1 nothing is set: GSPMD splits each expert's width over tp."""
-  from flax import nnx
-  from models.deepseek_v32 import MoE
-  table = mesh_cfg.logical_to_mesh()
-  experts = mesh_cfg.expert_axes
-  for _, module in nnx.iter_graph(model):
-    if isinstance(module, MoE):
-      module.expert_axes = experts
-      module.expert_width_axis = table["moe_mlp"] if experts else None
-      module.expert_token_axis = "dp" if experts and mesh_cfg.dp_size > 1 else None
 
 
 def placer(mesh_cfg: MeshConfig, mesh: Mesh):

@@ -40,7 +40,6 @@ the one inside the rope dict; ``factor=None`` means ``max_position_embeddings / 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any

@@ -158,12 +158,13 @@ def cli_error(e: Exception, model_path: str) -> str:
 
 
 def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",
-               sharding=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+               sharding=None, top_k=jax.lax.top_k, expert_parallel=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """Restores an orbax directory written by ``convert``.
 
   The parameters are restored straight into their final shardings (the default
   device, or ``sharding(path, shape)`` per parameter: each device reads only its
-  slice) with the stored dtype; a different ``dtype`` casts after restoring.
+  slice) with the stored dtype; a different ``dtype`` casts after restoring. top_k, expert_parallel: how the
+  model runs (``DeepseekV32ForCausalLM``'s arguments of the same names).
 
   Raises:
     ValueError: the directory holds an older parameter layout (its marker's "layout" below ORBAX_LAYOUT, and
@@ -186,7 +187,8 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
                      "(lm_head [vocab, hidden]). Convert the HF checkpoint again: "
                      "python -m models.convert --model-path HF_DIR --output NEW_DIR")
   stored = jnp.dtype(cfg.dtype)
-  abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored))
+  build = dict(top_k=top_k, expert_parallel=expert_parallel)
+  abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored, **build))
   graphdef, abstract_state = nnx.split(abstract)
   default = jax.sharding.make_single_device_sharding(jax.devices()[0])
   target = jax.tree_util.tree_map_with_path(
@@ -210,7 +212,7 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
     # Re-load through the HF-equivalent cast rules: float32 stays float32 for the fp32 modules.
     cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
     graphdef2, state2 = nnx.split(nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0),
-                                                                                dtype=jnp.dtype(dtype))))
+                                                                                dtype=jnp.dtype(dtype), **build)))
     casted = jax.tree.map(lambda want, have: jnp.asarray(have, want.dtype), state2, state)
     model = nnx.merge(graphdef2, casted)
   check_finite(model, path)
@@ -267,19 +269,22 @@ def _root_cause(e: BaseException, limit: int = 400) -> str:
 
 
 def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",
-               sharding=None, fp8_weights: bool = False) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+               sharding=None, fp8_weights: bool = False, top_k=jax.lax.top_k,
+               expert_parallel=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """(config, model) from an HF-format directory or an orbax directory written by ``convert``; sharding: a
   function (parameter path, shape) -> jax.sharding.Sharding placing each parameter as it loads (None: the
   default device); fp8_weights: FP8-resident weights (``load_hf``; HF FP8 checkpoints only, ValueError
   otherwise); kv_cache_dtype: how the KV cache stores a latent row (``models/kv_format.py``; ValueError for
-  an unknown one)."""
+  an unknown one); top_k, expert_parallel: how the model runs (``DeepseekV32ForCausalLM``'s arguments)."""
+  build = dict(top_k=top_k, expert_parallel=expert_parallel)
   if is_orbax_dir(path):
     if fp8_weights:
       raise ValueError(f"{path} is an orbax checkpoint (dequantized weights); FP8-resident weights load from the "
                        "HF FP8 checkpoint")
-    return load_orbax(path, dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding)
+    return load_orbax(path, dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding,
+                      **build)
   return load_hf(path, dtype=dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding,
-                 fp8_weights=fp8_weights)
+                 fp8_weights=fp8_weights, **build)
 
 
 def main(argv=None) -> int:

@@ -40,23 +40,26 @@ row's last token), ``decode`` one token per row.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hisparse_jax.kernels.ops import top_k as exact_top_k
-
 from . import kv_format
 from .config import DSAConfig, RopeConfig
 from .fp8_numerics import fake_quant_e4m3, hadamard_rotate, indexer_fp8
 from .kv_protocol import ContiguousKVCache, KVCache, index_scores
 from .fp8 import dequantize_jax
-from .moe import expert_parallel_ffn, grouped_expert_ffn
+from .moe import ExpertParallel, expert_parallel_ffn, grouped_expert_ffn
 
 _F32 = jnp.float32
 _NEG = float(np.finfo(np.float32).min)
+
+# (x float32[..., N], k) -> (values float32[..., k], indices int32[..., k]): the k largest of each row in
+# descending order, equal values by ascending index, exactly as ``jax.lax.top_k``. The indexer's selection.
+TopK = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
 
 
 def _precision(*arrays) -> jax.lax.Precision:
@@ -178,10 +181,12 @@ class Indexer(nnx.Module):
 
     wq_b: [q_lora_rank, nI*Di]; wk: [H, Di]; k_norm: LayerNorm(Di, eps=1e-6);
     weights_proj: float32[H, nI]. Heads split rope-first (qk_rope_head_dim rotated, rest passed).
+    top_k: the exact top-k the selection runs (``TopK``).
     """
 
-    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs, top_k: TopK = jax.lax.top_k):
         std = cfg.initializer_range
+        self.exact_top_k = top_k
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
@@ -228,8 +233,8 @@ class Indexer(nnx.Module):
         intermediate); score_block, scores kept before a top-k (a multiple of key_block; None: the window).
         ``score[q, t] = sum_h w[q, h] * relu(q_h . k_t * Di**-0.5)`` for t <= position(q). Each score block's
         scores are merged into a running top-k (one top-k over the whole window when it fits a score block),
-        so memory is O(B * Q * (K + score_block)) whatever the context. The top-k is the project's exact CPU
-        kernel on CPU (``hisparse_jax.kernels.ops.top_k``; XLA's sorts whole rows). Returns int32[B, Q, K]: the top
+        so memory is O(B * Q * (K + score_block)) whatever the context. The top-k is the one the model was built
+        with (``TopK``; the engine gives its CPU kernel, XLA's sorts whole rows). Returns int32[B, Q, K]: the top
         min(K, position + 1) positions by score, ties to the lower position (``jax.lax.top_k``'s order on a
         whole row, which the merge reproduces exactly), -1 after them and for padding.
         """
@@ -258,7 +263,7 @@ class Indexer(nnx.Module):
         S = window if score_block is None else min(score_block, window)
         if S == window:  # one top-k over the whole window; positions are the indices
             k = min(K, window)
-            vals, idx = exact_top_k(block_scores(0, window), k)
+            vals, idx = self.exact_top_k(block_scores(0, window), k)
             vals = jnp.pad(vals, ((0, 0), (0, 0), (0, K - k)), constant_values=-jnp.inf)
             idx = jnp.pad(idx.astype(jnp.int32), ((0, 0), (0, 0), (0, K - k)), constant_values=-1)
         else:
@@ -268,7 +273,7 @@ class Indexer(nnx.Module):
                 merged = jnp.concatenate([vals, block_scores(start, S)], axis=-1)
                 kpos = start + jnp.arange(S, dtype=jnp.int32)
                 merged_idx = jnp.concatenate([idx, jnp.broadcast_to(kpos, (B, Q, S))], axis=-1)
-                vals, pick = exact_top_k(merged, K)  # earlier (lower) positions first on ties
+                vals, pick = self.exact_top_k(merged, K)  # earlier (lower) positions first on ties
                 return vals, jnp.take_along_axis(merged_idx, pick, axis=-1)
 
             init = (jnp.full((B, Q, K), -jnp.inf, _F32), jnp.full((B, Q, K), -1, jnp.int32))
@@ -285,7 +290,8 @@ class MLAttention(nnx.Module):
     o_proj [nH*dv, H].  (C = kv_lora_rank, dn/dr/dv = nope/rope/v head dims.)
     """
 
-    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs, has_indexer: bool = True):
+    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs, has_indexer: bool = True,
+                 top_k: TopK = jax.lax.top_k):
         std = cfg.initializer_range
         self.n_heads = cfg.num_attention_heads
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -303,7 +309,7 @@ class MLAttention(nnx.Module):
         self.kv_b_proj = Linear(self.kv_lora, self.n_heads * (self.dn + self.dv), dtype=dtype, std=std, rngs=rngs)
         self.o_proj = Linear(self.n_heads * self.dv, cfg.hidden_size, dtype=dtype, std=std, rngs=rngs)
         # None on a "shared" layer (GLM cross-layer top-k sharing): it borrows an earlier layer's top-k.
-        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if has_indexer else None
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs, top_k=top_k) if has_indexer else None
 
     def _queries(self, x, cos, sin):
         """x: [..., H] -> q_resid [..., q_lora], q_nope [..., nH, dn], q_pe [..., nH, dr] (roped)."""
@@ -398,10 +404,11 @@ class MoE(nnx.Module):
     gate_kernel: float32[H, E]; e_score_correction_bias: float32[E] (selection only);
     gate_proj/up_proj: dtype[E, H, I]; down_proj: dtype[E, I, H]; shared_experts: MLP(H, I * n_shared).
     Each routed expert runs only on the tokens routed to it (``models.moe.grouped_expert_ffn``: work
-    proportional to tokens x experts per token, not tokens x experts).
+    proportional to tokens x experts per token, not tokens x experts); with ``expert_parallel``, each device
+    runs its own experts (``models.moe.expert_parallel_ffn``).
     """
 
-    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DSAConfig, *, dtype, rngs: nnx.Rngs, expert_parallel: ExpertParallel | None = None):
         std = cfg.initializer_range
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.n_experts, self.top_k = E, cfg.num_experts_per_tok
@@ -414,13 +421,7 @@ class MoE(nnx.Module):
         self.up_proj = nnx.Param(_normal(rngs, (E, H, I), std, dtype))
         self.down_proj = nnx.Param(_normal(rngs, (E, I, H), std, dtype))
         self.shared_experts = MLP(H, I * cfg.n_shared_experts, dtype=dtype, std=std, rngs=rngs)
-        # Expert parallelism (static; set by hisparse_jax.sharding.set_expert_parallel): the mesh axes the
-        # experts are split over and the axis of their width, or () for one device / GSPMD's own split.
-        self.expert_axes: tuple[str, ...] = ()
-        self.expert_width_axis: str | None = None
-        # The mesh axis the tokens are split over when it is also an expert axis (data-parallel attention):
-        # tokens then go to their experts by all-to-all (models.moe.all_to_all_ffn).
-        self.expert_token_axis: str | None = None
+        self.expert_parallel = expert_parallel  # None: one device, or GSPMD's own split of each expert's width
         # FP8-resident experts (models.loader.load_hf(fp8_weights=True)): the three stacks in float8_e4m3fn
         # with float32 block scales [E, ceil(rows / 128), ceil(cols / 128)], dequantized per expert block.
         self.gate_proj_scale = nnx.data(None)
@@ -459,10 +460,10 @@ class MoE(nnx.Module):
         if self.gate_proj_scale is not None:  # FP8-resident: dequantized per expert block, in the compute dtype
             scales = (self.gate_proj_scale[...], self.up_proj_scale[...], self.down_proj_scale[...])
             precision = _precision(xt, xt)
-        if self.expert_axes:
-            routed = expert_parallel_ffn(xt, idx, w, gate, up, down, expert_axes=self.expert_axes,
-                                         width_axis=self.expert_width_axis, token_axis=self.expert_token_axis,
-                                         precision=precision, scales=scales, compute_dtype=self.expert_compute_dtype)
+        if (ep := self.expert_parallel) is not None:
+            routed = expert_parallel_ffn(xt, idx, w, gate, up, down, expert_axes=ep.axes, width_axis=ep.width_axis,
+                                         token_axis=ep.token_axis, precision=precision, scales=scales,
+                                         compute_dtype=self.expert_compute_dtype)
         else:
             routed = grouped_expert_ffn(xt, idx, w, gate, up, down, precision=precision, scales=scales,
                                         compute_dtype=self.expert_compute_dtype)
@@ -474,12 +475,13 @@ class MoE(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)); then x + mlp(norm(x)) (MLP dense or MoE)."""
 
-    def __init__(self, cfg: DSAConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DSAConfig, layer: int, *, dtype, rngs: nnx.Rngs, top_k: TopK = jax.lax.top_k,
+                 expert_parallel: ExpertParallel | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLAttention(cfg, dtype=dtype, rngs=rngs, has_indexer=cfg.has_indexer(layer))
+        self.self_attn = MLAttention(cfg, dtype=dtype, rngs=rngs, has_indexer=cfg.has_indexer(layer), top_k=top_k)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer):
-            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
+            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs, expert_parallel=expert_parallel)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, std=cfg.initializer_range, rngs=rngs)
 
@@ -506,15 +508,22 @@ class LMHead(nnx.Module):
 class DeepseekV32ForCausalLM(nnx.Module):
     """DSA causal LM (DeepSeek-V3.2 or GLM-5, per ``cfg.model_type``): embed_tokens dtype[V, H] -> layers ->
     norm -> logits = x @ W^T with W = lm_head.weight [V, H] (``LMHead``), or embed_tokens when
-    tie_word_embeddings (lm_head is None)."""
+    tie_word_embeddings (lm_head is None).
 
-    def __init__(self, cfg: DSAConfig, *, rngs: nnx.Rngs, dtype=None):
+    How it runs, fixed at build time (not part of the checkpoint): top_k, the indexer's exact top-k (``TopK``;
+    default ``jax.lax.top_k``); expert_parallel, the mesh axes of the routed experts (``models.moe.ExpertParallel``;
+    None: one device or GSPMD's split)."""
+
+    def __init__(self, cfg: DSAConfig, *, rngs: nnx.Rngs, dtype=None, top_k: TopK = jax.lax.top_k,
+                 expert_parallel: ExpertParallel | None = None):
         dtype = jnp.dtype(dtype if dtype is not None else cfg.dtype)
         self.config = cfg
         self.dtype = dtype
         std = cfg.initializer_range
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), std, dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([
+            DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, top_k=top_k, expert_parallel=expert_parallel)
+            for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, cfg.vocab_size, dtype=dtype, std=std, rngs=rngs)

@@ -141,7 +141,7 @@ def hf_param_table(cfg: DSAConfig) -> list[ParamSpec]:
     specs.append(ParamSpec(("norm", "weight"), ("model.norm.weight",), _ID))
     if not cfg.tie_word_embeddings:
         specs.append(ParamSpec(("lm_head", "weight"), ("lm_head.weight",), _ID))
-    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    E = cfg.n_routed_experts
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         L = ("layers", i)
@@ -497,7 +497,8 @@ def _check_counts(store: _TensorStore, cfg: DSAConfig, model_dir: str) -> None:
 
 def load_hf(
     model_dir: str | os.PathLike, dtype=None, *, progress: bool | None = None, fp8_numerics: bool = False,
-    kv_cache_dtype: str = "auto", sharding=None, fp8_weights: bool = False,
+    kv_cache_dtype: str = "auto", sharding=None, fp8_weights: bool = False, top_k=jax.lax.top_k,
+    expert_parallel=None,
 ) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
     """Load ``model_dir`` (HF layout) -> (config, model).
 
@@ -517,6 +518,7 @@ def load_hf(
     fp8_weights: keep the FP8 checkpoint's block-quantized matrices in float8_e4m3fn with float32 block scales
     (``Linear.kernel_scale``, ``MoE.*_proj_scale``), dequantized inside the jitted matmuls: half the weight
     memory of bfloat16, and exactly the weights dequantize-at-load gives (``models.fp8.dequantize_jax``).
+    top_k, expert_parallel: how the model runs (``DeepseekV32ForCausalLM``'s arguments of the same names).
     Raises ValueError for an unsupported config, a missing tensor (the message names the missing HF key),
     a tensor of the wrong shape, or fp8_weights for a checkpoint that is not FP8 block-quantized (or keeps its
     experts fused).
@@ -532,7 +534,8 @@ def load_hf(
                          "FP8-resident weights need one")
 
     _check_counts(store, cfg, model_dir)
-    abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt))
+    abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dt, top_k=top_k,
+                                                            expert_parallel=expert_parallel))
     table = hf_param_table(cfg)
     # Resolve every parameter's keys, and check every shape, before any loading work: a missing or
     # misshapen tensor fails at once.

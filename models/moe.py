@@ -20,6 +20,8 @@ this module does its own blocking.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,26 @@ import numpy as np
 from .fp8 import dequantize_jax
 
 _F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How a MoE layer's routed experts are split over a device mesh (``expert_parallel_ffn``), fixed when the
+    model is built.
+
+    axes: the mesh axes the experts are split over (ep = the product of their sizes; non-empty).
+    width_axis: the mesh axis each expert's width (moe_intermediate_size) is split over, or None.
+    token_axis: the mesh axis the tokens are split over when it is also an expert axis (data-parallel
+      attention's ``dp``): tokens then reach their experts by all-to-all; None: every device sees every token.
+    """
+
+    axes: tuple[str, ...]
+    width_axis: str | None = None
+    token_axis: str | None = None
+
+    def __post_init__(self):
+        if not self.axes:
+            raise ValueError("ExpertParallel needs at least one mesh axis (no expert parallelism: pass None)")
 
 
 def _pow2_at_least(n: int) -> int:

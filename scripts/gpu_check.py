@@ -363,7 +363,7 @@ def graph_step(platform, quick, path="pinned_host", hits=False) -> dict:
     top_ks = [jnp.asarray(rng.integers(0, S - 1, (L, B, K)), jnp.int32) for _ in range(steps + 3)]
   newest = jnp.zeros((B, W), jnp.uint8)
   times = []
-  for i, tk in enumerate(top_ks):
+  for tk in top_ks:
     t0 = time.perf_counter()
     *state_out, acc, status = step(pool, *state, tk, newest, host_pages)
     jax.block_until_ready(acc)

@@ -18,6 +18,7 @@ from hisparse_jax import sharding
 from hisparse_jax.kernels import ops
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.memory.views import kernel_status
+from models.deepseek_v32 import MoE
 
 
 class KVHarness:
@@ -31,7 +32,11 @@ class KVHarness:
     self.mesh_config = mesh_config
     self.mesh = mesh_config.make_mesh() if mesh_config is not None and mesh_config.num_devices > 1 else None
     if self.mesh is not None:
-      sharding.set_expert_parallel(model, mesh_config)
+      want = mesh_config.expert_parallel()
+      got = {m.expert_parallel for _, m in nnx.iter_graph(model) if isinstance(m, MoE)}
+      if got - {want}:
+        raise ValueError(f"the model's experts run as {got}; this mesh needs {want}: load it with "
+                         "expert_parallel=mesh_config.expert_parallel()")
     # DP groups: request i goes to group i % groups; batches are group-major (engine.py _batch_rows).
     self.groups = mesh_config.dp_size if self.mesh is not None else 1
     dtype = jnp.dtype(dtype or cfg.dtype)

@@ -43,8 +43,7 @@ STEPS = 12
 
 def run(model_dir, mesh, hisparse, kv_cache_dtype="auto"):
   """Greedy decoding of the prompts: (tokens per prompt, float32[steps, prompts, V] logits, swap stats)."""
-  # A fresh model: the harness may mark its MoE modules expert-parallel.
-  cfg, model = load_hf(model_dir, kv_cache_dtype=kv_cache_dtype)
+  cfg, model = load_hf(model_dir, kv_cache_dtype=kv_cache_dtype, expert_parallel=mesh.expert_parallel())
   rng = np.random.default_rng(0)
   prompts = [rng.integers(2, 500, n).tolist() for n in PROMPT_LENS]
   # Prompts prefilled in chunks of 16 (one compiled prefill shape per indexer window).
@@ -138,7 +137,8 @@ def fp8_check(meshes):
 
   def run(mesh_cfg, resident):
     mesh = mesh_cfg.make_mesh() if mesh_cfg.num_devices > 1 else None
-    cfg, model = load_model(fp8_dir, fp8_weights=resident, sharding=None if mesh is None else placer(mesh_cfg, mesh))
+    cfg, model = load_model(fp8_dir, fp8_weights=resident, sharding=None if mesh is None else placer(mesh_cfg, mesh),
+                            expert_parallel=mesh_cfg.expert_parallel())
     h = KVHarness(cfg, model, mesh_config=mesh_cfg)
     logits = [h.prefill([[5, 6, 7, 8] * 6, [9, 10, 11]])]
     for _ in range(5):

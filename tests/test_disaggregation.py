@@ -3,7 +3,6 @@ decode servers pull it (jax.experimental.transfer) and decode; servers as subpro
 
 import asyncio
 import concurrent.futures
-import json
 import os
 import shutil
 import socket
@@ -19,7 +18,7 @@ import pytest
 from hisparse_jax.proto import hisparse_pb2 as pb
 from hisparse_jax.proto import hisparse_pb2_grpc
 from tests.multiprocess import REPO, free_port, start_server, stop
-from tests.tiny_model import all_kv_free, tiny_model_dir
+from tests.tiny_model import tiny_model_dir
 
 # Prompts shorter and longer than the hot buffer (16) and than a prefill chunk (32).
 PROMPTS = [list(range(5, 10)), list(range(21, 41)), list(range(100, 150)), [7] * 33]

@@ -15,6 +15,7 @@ from flax import nnx
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, Request
+from hisparse_jax.kernels import ops
 from hisparse_jax.serving.metrics import ServerMetrics
 from models.deepseek_v32 import Indexer
 from models.kv_protocol import ContiguousKVCache
@@ -164,8 +165,8 @@ def test_paged_and_contiguous_caches_agree():
 
 def test_blockwise_top_k_equals_whole_row_top_k():
   """The indexer's running top-k over key blocks gives exactly jax.lax.top_k of the whole row (ties to the
-  lower position), for every key block size."""
-  cfg, model = load_hf(tiny_model_dir())
+  lower position), for every key block size (with the engine's top-k kernel)."""
+  cfg, model = load_hf(tiny_model_dir(), top_k=ops.top_k)
   p = prompts(2)[4]  # 100 tokens
   cache = ContiguousKVCache.create(cfg, 1, 128)
   _, cache = model.prefill(jnp.asarray([p]), jnp.arange(len(p))[None], cache, key_block=32)
@@ -205,7 +206,7 @@ def test_blockwise_top_k_breaks_ties_across_blocks_as_lax_top_k():
   vals, want = jax.lax.top_k(jnp.float32(scores), K)
   want = np.where(np.isfinite(np.asarray(vals)), np.asarray(want), -1)
   assert want[0, 0].tolist() == [50, 21, 9, 0, 5, 10, 15, 20] and want[1, 2].tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
-  stub = types.SimpleNamespace(k=K, queries=lambda q, cos, sin: q, head_weights=lambda w: w)
+  stub = types.SimpleNamespace(k=K, queries=lambda q, cos, sin: q, head_weights=lambda w: w, exact_top_k=ops.top_k)
   cache = ContiguousKVCache(jnp.zeros((1, 2, window, 1), jnp.float32), jnp.float32(keys)[None, :, :, None])
   ones = jnp.ones((2, 3, 1), jnp.float32)
   for key_block, score_block in ((8, None), (8, 8), (8, 16), (16, 32), (32, None)):

@@ -1,7 +1,6 @@
 """The overlap schedule (``EngineArgs.overlap_schedule``): each decode step is launched before the previous
 step's tokens are read, fed those tokens on the device. It must change no token and lose no page."""
 
-import jax
 import numpy as np
 import pytest
 

@@ -127,7 +127,7 @@ def test_a_message_past_any_legitimate_request_is_refused_as_it_arrives(server):
   engine, stub, _, _, _ = server
   limit = max(PROMPT_BYTES, 5 * engine.max_seq_len) + REQUEST_FIELDS_BYTES
   code, details = code_of(gen(stub, text="a" * (limit + 1)))
-  assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"larger than max (" in details and f"vs. {limit})" in details
+  assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max (" in details and f"vs. {limit})" in details
   code, details = code_of(gen(stub, input_ids=[2**31 - 1] * (limit // 5 + 1)))
   assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
   # Within it: the server's own limits, with their messages.

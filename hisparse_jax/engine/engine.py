@@ -72,7 +72,7 @@ from hisparse_jax.engine.sampling import sample
 from hisparse_jax.kernels import ops
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.memory.views import kernel_status
-from hisparse_jax.sharding import MeshError, bytes_per_device, placer, set_expert_parallel
+from hisparse_jax.sharding import MeshError, bytes_per_device, placer
 from models.convert import is_orbax_dir, load_model, model_fingerprint
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,8 @@ class Engine:
       self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=bool(args.fp8_numerics),
                                       kv_cache_dtype=args.kv_cache_dtype,
                                       sharding=None if self.mesh is None else placer(self.mesh_config, self.mesh),
-                                      fp8_weights=args.weight_dtype == "fp8")
+                                      fp8_weights=args.weight_dtype == "fp8", top_k=ops.top_k,
+                                      expert_parallel=None if self.mesh is None else self.mesh_config.expert_parallel())
     except MemoryError as e:
       raise StartupError(f"out of memory loading the model: {e}") from None
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
@@ -275,8 +276,6 @@ class Engine:
     cfg = self.config
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
-    if self.mesh is not None:
-      set_expert_parallel(model, self.mesh_config)
     graphdef, params = nnx.split(model)
     weight_bytes = bytes_per_device(self.mesh_config, params)  # what one device holds
     # The jitted calls take the weights as a flat list (C++ flattens it) and rebuild the nnx.State inside the
@@ -485,7 +484,6 @@ class Engine:
     for req in dropped:
       req.kv, req.phase, req.finish_time = None, Phase.FINISHED, now
       req.finish_reason, req.error = "error", "dropped by Engine.reset() (after a failed step)"
-    a = self.args
     self._logits_buffers = {}
     self._next: _Launched | None = None  # overlap_schedule: the decode step launched ahead of its step()
     self.backend = None  # the old pools go before the new ones are allocated

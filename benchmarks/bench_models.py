@@ -29,5 +29,7 @@ def realsize_model() -> str:
 
 
 if __name__ == "__main__":
-  raise SystemExit(f"{__file__}: a module of the benchmarks, not a benchmark: run the benchmarks that name it "
-                   "(record_trace.py, throughput.py, ...)")
+  raise SystemExit(
+    f"{__file__}: a module of the benchmarks, not a benchmark: run the benchmarks that name it "
+    "(record_trace.py, throughput.py, ...)"
+  )

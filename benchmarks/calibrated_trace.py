@@ -59,8 +59,9 @@ class TraceModel:
     return self.content_deep - (self.content_deep - self.content_first) * float(np.exp(-layer / self.depth_scale))
 
 
-def calibrated_trace(context: int, steps: int, top_k: int, model: TraceModel = TraceModel(),
-                     seed: int = 0, *, with_forecast: bool = False) -> Iterator[tuple[np.ndarray, ...]]:
+def calibrated_trace(
+  context: int, steps: int, top_k: int, model: TraceModel = TraceModel(), seed: int = 0, *, with_forecast: bool = False
+) -> Iterator[tuple[np.ndarray, ...]]:
   """Yields, for each of ``steps`` decode steps after a ``context``-token prompt (step t attends at seq_len =
   context + t + 1; position seq_len - 1 is the newest token): (top_k int32[layers, top_k] distinct positions
   < seq_len, sorted; scores float32[layers, seq_len], the indexer scores they were picked by: sinks and recent
@@ -80,12 +81,14 @@ def calibrated_trace(context: int, steps: int, top_k: int, model: TraceModel = T
 
   def layered(n):
     """[L, n] unit Gaussians, AR(1) over layers with gamma (a function: one for each field)."""
+
     def draw(gamma):
       out = np.empty((L, n), np.float32)
       out[0] = rng.standard_normal(n, np.float32)
       for l in range(1, L):
         out[l] = gamma * out[l - 1] + np.sqrt(1 - gamma * gamma) * rng.standard_normal(n, np.float32)
       return out
+
     return draw
 
   content = layered(total)(m.gamma_content)
@@ -96,18 +99,21 @@ def calibrated_trace(context: int, steps: int, top_k: int, model: TraceModel = T
       content = rho * content + np.sqrt(1 - rho * rho) * layered(total)(m.gamma_content)
     query = layered(seq_len)(m.gamma_query)
     noise = rng.standard_normal((L, seq_len), np.float32)
-    scores = (np.sqrt(shares)[:, None] * content[:, :seq_len] + np.sqrt(query_share)[:, None] * query
-              + np.float32(np.sqrt(m.noise_share)) * noise)
-    scores[:, :min(m.sinks, seq_len)] = np.inf
-    scores[:, max(0, seq_len - m.recent):] = np.inf
+    scores = (
+      np.sqrt(shares)[:, None] * content[:, :seq_len]
+      + np.sqrt(query_share)[:, None] * query
+      + np.float32(np.sqrt(m.noise_share)) * noise
+    )
+    scores[:, : min(m.sinks, seq_len)] = np.inf
+    scores[:, max(0, seq_len - m.recent) :] = np.inf
     k = min(top_k, seq_len)
     picked = np.sort(np.argpartition(-scores, k - 1, axis=1)[:, :k], axis=1).astype(np.int32)
     if not with_forecast:
       yield picked, scores
       continue
     forecast = (np.sqrt(shares) * rho)[:, None] * content[:, :seq_len]
-    forecast[:, :min(m.sinks, seq_len)] = np.inf
-    forecast[:, max(0, seq_len + 1 - m.recent):] = np.inf
+    forecast[:, : min(m.sinks, seq_len)] = np.inf
+    forecast[:, max(0, seq_len + 1 - m.recent) :] = np.inf
     yield picked, scores, forecast
 
 
@@ -127,4 +133,6 @@ def overlaps(trace) -> dict:
 
 
 if __name__ == "__main__":
-  raise SystemExit(f"{__file__}: a module of the benchmarks, not a benchmark: run benchmarks/miss_rate.py (the calibrated trace's replay)")
+  raise SystemExit(
+    f"{__file__}: a module of the benchmarks, not a benchmark: run benchmarks/miss_rate.py (the calibrated trace's replay)"
+  )

@@ -83,6 +83,7 @@ def out_path(text: str) -> str:
   whose folder exists or can be made, and can hold a new file; checked before any work, so that a run never
   computes for minutes and then fails to write."""
   import tempfile
+
   if not text or not os.path.basename(text) or os.path.isdir(text):
     raise argparse.ArgumentTypeError(f"{text!r}: expected a file name, not a folder")
   folder = os.path.dirname(os.path.abspath(text))
@@ -109,9 +110,11 @@ def check_memory(ap: argparse.ArgumentParser, nbytes: int, what: str) -> None:
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-OUT_HELP = ("results path without extension (default: benchmarks/results/local/NAME, or with --quick "
-            "benchmarks/results/quick/NAME, both git-ignored: only an explicit --out, as `make bench` passes, "
-            "writes the committed results BENCHMARKS.md quotes)")
+OUT_HELP = (
+  "results path without extension (default: benchmarks/results/local/NAME, or with --quick "
+  "benchmarks/results/quick/NAME, both git-ignored: only an explicit --out, as `make bench` passes, "
+  "writes the committed results BENCHMARKS.md quotes)"
+)
 
 
 def default_out(name: str, quick: bool) -> str:

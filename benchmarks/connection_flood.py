@@ -31,6 +31,7 @@ def _latencies(health, stub, seconds: float) -> list[float]:
   from grpc_health.v1 import health_pb2
 
   from hisparse_jax.proto import hisparse_pb2
+
   out, end = [], time.monotonic() + seconds
   while time.monotonic() < end:
     t = time.perf_counter()
@@ -42,14 +43,21 @@ def _latencies(health, stub, seconds: float) -> list[float]:
 
 
 def _summary(ms: list[float]) -> dict:
-  return {"calls": len(ms), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-          "max_ms": float(max(ms))}
+  return {
+    "calls": len(ms),
+    "p50_ms": float(np.percentile(ms, 50)),
+    "p99_ms": float(np.percentile(ms, 99)),
+    "max_ms": float(max(ms)),
+  }
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true",
-                      help="300 connections for 2 s against --max-connections 100 and a 1 s handshake timeout (CI smoke)")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="300 connections for 2 s against --max-connections 100 and a 1 s handshake timeout (CI smoke)",
+  )
   parser.add_argument("--connections", type=int, default=20000)
   parser.add_argument("--seconds", type=float, default=20.0)
   parser.add_argument("--max-connections", type=int, default=None)
@@ -70,6 +78,7 @@ def main() -> None:
   from hisparse_jax.serving.server import ServerLimits, TLSConfig, raise_descriptor_limit, serve
   from tests.multiprocess import flood_connections, self_signed
   from tests.tiny_model import tiny_model_dir
+
   raise_descriptor_limit()
   key, cert = self_signed(pathlib.Path(tempfile.mkdtemp()))
   limits = ServerLimits(max_connections=args.max_connections, handshake_timeout_s=args.handshake_timeout_s)
@@ -86,17 +95,30 @@ def main() -> None:
     during += _latencies(health, stub, 0.5)
     most = max(most, descriptors())
   opened = int(flood.stdout.read().strip() or 0)
-  result = {"connections": args.connections, "seconds": args.seconds, "max_connections": limits.connections(),
-            "handshake_timeout_s": args.handshake_timeout_s,
-            "descriptor_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "flooder_opened": opened,
-            "server_descriptors_baseline": baseline, "server_descriptors_max": most,
-            "idle": _summary(idle), "during_flood": _summary(during)}
-  lines = [f"A flood of {args.connections} connections for {args.seconds:g} s (the flooder opened {opened} in all) "
-           f"against --max-connections {limits.connections()}, --handshake-timeout-s {args.handshake_timeout_s:g}; "
-           f"server descriptors {baseline} before, {most} at most.", "",
-           "| Health + GetLoads on an open channel | calls | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]
-  lines += [f"| {name} | {r['calls']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} |"
-            for name, r in (("idle", result["idle"]), ("during the flood", result["during_flood"]))]
+  result = {
+    "connections": args.connections,
+    "seconds": args.seconds,
+    "max_connections": limits.connections(),
+    "handshake_timeout_s": args.handshake_timeout_s,
+    "descriptor_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+    "flooder_opened": opened,
+    "server_descriptors_baseline": baseline,
+    "server_descriptors_max": most,
+    "idle": _summary(idle),
+    "during_flood": _summary(during),
+  }
+  lines = [
+    f"A flood of {args.connections} connections for {args.seconds:g} s (the flooder opened {opened} in all) "
+    f"against --max-connections {limits.connections()}, --handshake-timeout-s {args.handshake_timeout_s:g}; "
+    f"server descriptors {baseline} before, {most} at most.",
+    "",
+    "| Health + GetLoads on an open channel | calls | p50 ms | p99 ms | max ms |",
+    "|---|---|---|---|---|",
+  ]
+  lines += [
+    f"| {name} | {r['calls']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} |"
+    for name, r in (("idle", result["idle"]), ("during the flood", result["during_flood"]))
+  ]
   result["seconds"] = time.perf_counter() - t0
   write_results(args.out, result, "\n".join(lines))
   channel.close()

@@ -100,11 +100,18 @@ def time_generate(model, input_ids, new_tokens: int, repeats: int) -> dict:
 
   def call(clock=None):
     procs = transformers.LogitsProcessorList([clock] if clock is not None else [])
-    out = model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, logits_processor=procs)
+    out = model.generate(
+      input_ids,
+      attention_mask=mask,
+      do_sample=False,
+      max_new_tokens=new_tokens,
+      min_new_tokens=new_tokens,
+      logits_processor=procs,
+    )
     if out.shape != (input_ids.shape[0], input_ids.shape[1] + new_tokens):
-      raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected "
-                         f"{(input_ids.shape[0], input_ids.shape[1] + new_tokens)}")
+      raise RuntimeError(
+        f"generate returned shape {tuple(out.shape)}, expected {(input_ids.shape[0], input_ids.shape[1] + new_tokens)}"
+      )
     return out
 
   t0 = time.perf_counter()
@@ -120,8 +127,14 @@ def time_generate(model, input_ids, new_tokens: int, repeats: int) -> dict:
     step_ms += (np.diff(clock.stamps) * 1e3).tolist()
   with aligned_topk(model):
     aligned = call()
-  return dict(warmup_s=warmup_s, times_s=times, step_ms=step_ms, prefill_s=prefill_s,
-              ids=out[:, input_ids.shape[1]:].tolist(), aligned_ids=aligned[:, input_ids.shape[1]:].tolist())
+  return dict(
+    warmup_s=warmup_s,
+    times_s=times,
+    step_ms=step_ms,
+    prefill_s=prefill_s,
+    ids=out[:, input_ids.shape[1] :].tolist(),
+    aligned_ids=aligned[:, input_ids.shape[1] :].tolist(),
+  )
 
 
 def main(argv=None) -> int:
@@ -146,10 +159,18 @@ def main(argv=None) -> int:
   load_s = time.perf_counter() - t0
   model.generation_config.eos_token_id = None  # generate exactly --new-tokens, EOS included (ignore_eos)
   model.generation_config.pad_token_id = None
-  result = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads(),
-                attn_implementation=model.config._attn_implementation, model_class=type(model).__name__,
-                param_dtype=str(next(model.parameters()).dtype), load_s=load_s, batches={})
+  result = dict(
+    python=platform.python_version(),
+    torch=torch.__version__,
+    transformers=transformers.__version__,
+    torch_threads=torch.get_num_threads(),
+    torch_interop_threads=torch.get_num_interop_threads(),
+    attn_implementation=model.config._attn_implementation,
+    model_class=type(model).__name__,
+    param_dtype=str(next(model.parameters()).dtype),
+    load_s=load_s,
+    batches={},
+  )
   with torch.inference_mode():
     for b in batches:
       input_ids = torch.tensor(prompts[:b], dtype=torch.long)

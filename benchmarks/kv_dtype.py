@@ -54,17 +54,25 @@ def layer_config(dtype: str, kv_cache_dtype: str, hidden: int | None = None):
   """DeepSeek-V3.2's config with one (dense-MLP) layer, a 256-wide MLP and a 1,024-token vocabulary (and hidden
   size ``hidden``, default the real 7168)."""
   from models.config import DSAConfig
+
   with open(CONFIG) as f:
     cfg = json.load(f)
   cfg.pop("quantization_config")
-  cfg.update(num_hidden_layers=1, first_k_dense_replace=1, intermediate_size=256, vocab_size=1024,
-             torch_dtype=dtype, hidden_size=hidden or cfg["hidden_size"])
+  cfg.update(
+    num_hidden_layers=1,
+    first_k_dense_replace=1,
+    intermediate_size=256,
+    vocab_size=1024,
+    torch_dtype=dtype,
+    hidden_size=hidden or cfg["hidden_size"],
+  )
   return DSAConfig.from_hf_config(cfg).replace(kv_cache_dtype=kv_cache_dtype)
 
 
 def _decode(graphdef, state, cache, tables, tokens, positions, blocks):
   """(logits, the cache with the decoded token's rows appended): one ``model.decode`` over the dense view."""
   from flax import nnx
+
   logits, view = nnx.merge(graphdef, state).decode(tokens, positions, cache.view(tables), **blocks)
   return logits, cache.absorb(view)
 
@@ -91,8 +99,9 @@ def measure(batch: int, context: int, dtype: str, steps: int, hidden: int | None
   keys = rng.standard_normal((1, n_pages, PAGE, 128), np.float32)
   # Each request's pages scattered over the pool, as a serving engine's free list leaves them.
   tables = {"pages": jnp.asarray(rng.permutation(n_pages).reshape(B, S // PAGE), jnp.int32)}
-  top_k = jnp.asarray(np.sort(rng.permuted(np.tile(np.arange(S - 1), (B, 1)), axis=1)[:, :2048], axis=1)[:, None],
-                      jnp.int32)  # int32[B, 1, K]: distinct earlier positions
+  top_k = jnp.asarray(
+    np.sort(rng.permuted(np.tile(np.arange(S - 1), (B, 1)), axis=1)[:, :2048], axis=1)[:, None], jnp.int32
+  )  # int32[B, 1, K]: distinct earlier positions
   state = None  # one set of weights: the formats' models differ only in how their caches store a row
   calls, out = {}, {"batch": B, "context": S, "dtype": dtype, "hidden": hidden or 7168}
   for kind in FORMATS:
@@ -100,16 +109,19 @@ def measure(batch: int, context: int, dtype: str, steps: int, hidden: int | None
     graphdef, own = nnx.split(DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     state = own if state is None else state
     del own
-    cache = DenseState(kv_format.encode(kind, jnp.asarray(latent, cfg.dtype), 512),
-                       kv_format.encode_keys(kind, jnp.asarray(keys)), PAGE)
+    cache = DenseState(
+      kv_format.encode(kind, jnp.asarray(latent, cfg.dtype), 512), kv_format.encode_keys(kind, jnp.asarray(keys)), PAGE
+    )
     blocks = index_blocks(B, 1, S - 1, heads=cfg.index_n_heads, top_k=cfg.index_topk, page_size=PAGE)
     # The cache donated and carried from call to call, as the engine does (else XLA copies the whole pool
     # for the token each call appends: 2.4 GB of float32 rows at B 32, S 32768).
-    step = jax.jit(lambda st, c, g=graphdef, b=blocks: _decode(g, st, c, tables, tokens, positions, b),
-                   donate_argnums=1)
+    step = jax.jit(
+      lambda st, c, g=graphdef, b=blocks: _decode(g, st, c, tables, tokens, positions, b), donate_argnums=1
+    )
     gather = jax.jit(lambda c: c.view(tables).gather(0, positions[:, None], top_k)[0])
-    rows = jax.jit(lambda c, k=kind, d=cfg.dtype: kv_format.decode(
-        k, c.view(tables).gather(0, positions[:, None], top_k)[0], 512, d))
+    rows = jax.jit(
+      lambda c, k=kind, d=cfg.dtype: kv_format.decode(k, c.view(tables).gather(0, positions[:, None], top_k)[0], 512, d)
+    )
     decoded_keys = jax.jit(lambda c: kv_format.decode_keys(c.view(tables).index_keys(0, jnp.int32(0), S)))
     held = {"cache": cache}
     del cache
@@ -118,11 +130,16 @@ def measure(batch: int, context: int, dtype: str, steps: int, hidden: int | None
       logits, held["cache"] = f(state, held["cache"])
       return logits
 
-    calls[kind] = {"step_ms": decode_call, "gather_ms": lambda f=gather, h=held: f(h["cache"]),
-                   "rows_ms": lambda f=rows, h=held: f(h["cache"]),
-                   "keys_ms": lambda f=decoded_keys, h=held: f(h["cache"])}
-    out[kind] = {"row_bytes": int(held["cache"].latent.shape[-1] * held["cache"].latent.dtype.itemsize),
-                 "key_bytes": int(held["cache"].index.shape[-1] * held["cache"].index.dtype.itemsize)}
+    calls[kind] = {
+      "step_ms": decode_call,
+      "gather_ms": lambda f=gather, h=held: f(h["cache"]),
+      "rows_ms": lambda f=rows, h=held: f(h["cache"]),
+      "keys_ms": lambda f=decoded_keys, h=held: f(h["cache"]),
+    }
+    out[kind] = {
+      "row_bytes": int(held["cache"].latent.shape[-1] * held["cache"].latent.dtype.itemsize),
+      "key_bytes": int(held["cache"].index.shape[-1] * held["cache"].index.dtype.itemsize),
+    }
   del latent, keys  # the host copies (2.9 GB at B 32, S 32768)
   times = {(kind, name): [] for kind in FORMATS for name in calls[kind]}
   for r in range(WARMUP + steps):
@@ -138,26 +155,40 @@ def measure(batch: int, context: int, dtype: str, steps: int, hidden: int | None
 
 
 def markdown(rows: list[dict]) -> str:
-  head = ("| B | S | dtype | step ms: auto / fp8 | fp8 / auto | top-k rows gathered ms: auto / fp8 | "
-          "+ decoded ms: auto / fp8 | S keys read + decoded ms: auto / fp8 |\n|---|---|---|---|---|---|---|---|\n")
+  head = (
+    "| B | S | dtype | step ms: auto / fp8 | fp8 / auto | top-k rows gathered ms: auto / fp8 | "
+    "+ decoded ms: auto / fp8 | S keys read + decoded ms: auto / fp8 |\n|---|---|---|---|---|---|---|---|\n"
+  )
 
   def pair(r, key):
     return f"{r['auto'][key]:.1f} / {r['fp8_e4m3'][key]:.1f}"
 
-  body = "".join(f"| {r['batch']} | {r['context']} | {r['dtype']} | {pair(r, 'step_ms')} | **{r['ratio']:.2f}×** | "
-                 f"{pair(r, 'gather_ms')} | {pair(r, 'rows_ms')} | {pair(r, 'keys_ms')} |\n" for r in rows)
+  body = "".join(
+    f"| {r['batch']} | {r['context']} | {r['dtype']} | {pair(r, 'step_ms')} | **{r['ratio']:.2f}×** | "
+    f"{pair(r, 'gather_ms')} | {pair(r, 'rows_ms')} | {pair(r, 'keys_ms')} |\n"
+    for r in rows
+  )
   return head + body
 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--quick", action="store_true", help="one small point (batch 1, context 4096, 3 steps, hidden size "
-                 "1024: a smoke test of the script; the attention and the KV keep their real sizes)")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="one small point (batch 1, context 4096, 3 steps, hidden size "
+    "1024: a smoke test of the script; the attention and the KV keep their real sizes)",
+  )
   p.add_argument("--batches", type=ints_in(1, 1024), default=[1, 8, 32])
-  p.add_argument("--contexts", type=ints_in(2049, 163840), default=[8192, 32768],
-                 help="tokens per request (each > top_k 2048, at most DeepSeek-V3.2's 163840)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                 help="compute dtype (float32: XLA:CPU's fast path)")
+  p.add_argument(
+    "--contexts",
+    type=ints_in(2049, 163840),
+    default=[8192, 32768],
+    help="tokens per request (each > top_k 2048, at most DeepSeek-V3.2's 163840)",
+  )
+  p.add_argument(
+    "--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (float32: XLA:CPU's fast path)"
+  )
   p.add_argument("--steps", type=int, default=12)
   p.add_argument("--out", type=out_path, help=OUT_HELP)
   args = p.parse_args(argv)
@@ -168,8 +199,9 @@ def main(argv=None) -> None:
   if args.steps < 1:
     p.error("--steps must be >= 1")
   # The KV of the largest point: latent rows (576 values) and indexer keys (128) per token, float32 at most.
-  check_memory(p, max(args.batches) * max(args.contexts) * (576 + 128) * 4 * 2,
-               "the KV cache of --batches x --contexts tokens")
+  check_memory(
+    p, max(args.batches) * max(args.contexts) * (576 + 128) * 4 * 2, "the KV cache of --batches x --contexts tokens"
+  )
   t0 = time.perf_counter()
   rows = []
   for S in args.contexts:

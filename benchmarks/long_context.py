@@ -69,6 +69,7 @@ def prefill_child(mode: str, prompt: int) -> dict:
   from hisparse_jax.engine import Engine, Request
   from hisparse_jax.memory import backend as kvmem
   from models.config import DSAConfig
+
   d = ensure_default_model()
   cfg = DSAConfig.from_pretrained(d)
   layout = kvmem.KVLayout.of(cfg, cfg.dtype)
@@ -79,8 +80,11 @@ def prefill_child(mode: str, prompt: int) -> dict:
     budget = pages * PAGE * (layout.latent_bytes + layout.index_bytes)
   else:
     D = DEFAULT_HISPARSE_CONFIG["device_buffer_size"]
-    hisparse = HiSparseConfig(top_k=DEFAULT_HISPARSE_CONFIG["top_k"], device_buffer_size=D,
-                              host_to_device_ratio=math.ceil(pages * PAGE / (D + 1)))
+    hisparse = HiSparseConfig(
+      top_k=DEFAULT_HISPARSE_CONFIG["top_k"],
+      device_buffer_size=D,
+      host_to_device_ratio=math.ceil(pages * PAGE / (D + 1)),
+    )
     budget = pages * PAGE * (layout.latent_bytes + layout.index_bytes) + layout.hot_buffer_bytes(D)
   t0 = time.perf_counter()
   eng = Engine(d, hisparse=hisparse, max_running_requests=1, max_seq_len=pages * PAGE, max_device_kv_bytes=budget)
@@ -97,9 +101,20 @@ def prefill_child(mode: str, prompt: int) -> dict:
   pools = eng.loads()["pools"]
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   per_token = {p["name"]: p["bytes_per_page"] / p["page_size"] for p in pools if p["name"] != "hot"}
-  return dict(mode=mode, prompt=prompt, prefill_s=eng.prefill_seconds, decode_s=eng.decode_seconds,
-              prefill_calls=eng.prefill_calls, build_s=build_s, rss_before_mb=rss_before, peak_rss_mb=peak,
-              budget_bytes=budget, kv_bytes_per_token=per_token, hits=req.hits, misses=req.misses)
+  return dict(
+    mode=mode,
+    prompt=prompt,
+    prefill_s=eng.prefill_seconds,
+    decode_s=eng.decode_seconds,
+    prefill_calls=eng.prefill_calls,
+    build_s=build_s,
+    rss_before_mb=rss_before,
+    peak_rss_mb=peak,
+    budget_bytes=budget,
+    kv_bytes_per_token=per_token,
+    hits=req.hits,
+    misses=req.misses,
+  )
 
 
 def run_prefill(prompts: list[int], modes, dense_max: int) -> list[dict]:
@@ -108,8 +123,12 @@ def run_prefill(prompts: list[int], modes, dense_max: int) -> list[dict]:
     for n in prompts:
       if mode == "dense" and n > dense_max:
         continue
-      out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"prefill:{mode}:{n}"],
-                           capture_output=True, text=True, timeout=3600)
+      out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", f"prefill:{mode}:{n}"],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+      )
       if out.returncode != 0:
         raise RuntimeError(f"prefill child {mode} {n} failed:\n{out.stderr[-3000:]}")
       rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -127,8 +146,14 @@ def _count_compile(event: str, _secs: float, **_kw) -> None:
     _COMPILES[0] += 1
 
 
-def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt: int = 1100,
-            warm_steps: int = 20, baseline_steps: int = 60) -> list[dict]:
+def run_itl(
+  long_prompt: int,
+  chunks: list[int],
+  streams: int = 8,
+  stream_prompt: int = 1100,
+  warm_steps: int = 20,
+  baseline_steps: int = 60,
+) -> list[dict]:
   """ITL of `streams` running requests while one `long_prompt` prompt is prefilled, per chunk size (0: one
   shot), and without the long prompt (the baseline), from the long prompt's arrival to the streams' first
   token after its prefill. No compilation is timed: each variant first runs the same scenario once with other
@@ -139,6 +164,7 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
   import jax
   from hisparse_jax.default_model import DEFAULT_HISPARSE_CONFIG, ensure_default_model
   from hisparse_jax.engine import Engine, Request
+
   d = ensure_default_model()
   jax.monitoring.register_event_duration_secs_listener(_count_compile)
   new = long_prompt // min(c for c in chunks if c) + 2 * warm_steps + 16  # (no stream ends while measured)
@@ -148,9 +174,16 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
   rows = []
   for chunk in [None] + chunks:  # None: no long prompt (the baseline); 0: one shot
     size = 2048 if chunk is None else chunk or long_prompt
-    eng = Engine(d, dtype="float32", enable_hisparse=True, hisparse_config=json.dumps(hisparse),
-                 max_running_requests=streams + 1, max_seq_len=max(long_prompt, stream_prompt + new) + 64,
-                 chunked_prefill_size=size, page_size=math.gcd(PAGE, size))
+    eng = Engine(
+      d,
+      dtype="float32",
+      enable_hisparse=True,
+      hisparse_config=json.dumps(hisparse),
+      max_running_requests=streams + 1,
+      max_seq_len=max(long_prompt, stream_prompt + new) + 64,
+      chunked_prefill_size=size,
+      page_size=math.gcd(PAGE, size),
+    )
     if chunk is not None:  # the scenario once, untimed: every shape it uses compiles here
       warm = [Request(f"warm-s{i}", _prompt(stream_prompt, 10 * i + 1), new, ignore_eos=True) for i in range(streams)]
       for r in warm:
@@ -193,9 +226,19 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
       prev = ts[ts <= t_submit][-1:]
       gaps += np.diff(np.concatenate([prev, sel])).tolist()
     gaps = np.array(gaps)
-    rows.append(dict(chunk=chunk, streams=streams, long_prompt=long_prompt if chunk is not None else 0, ttft_s=ttft,
-                     itl_p50_ms=1e3 * float(np.percentile(gaps, 50)), itl_p99_ms=1e3 * float(np.percentile(gaps, 99)),
-                     itl_max_ms=1e3 * float(gaps.max()), samples=len(gaps), compiles=_COMPILES[0] - compiles))
+    rows.append(
+      dict(
+        chunk=chunk,
+        streams=streams,
+        long_prompt=long_prompt if chunk is not None else 0,
+        ttft_s=ttft,
+        itl_p50_ms=1e3 * float(np.percentile(gaps, 50)),
+        itl_p99_ms=1e3 * float(np.percentile(gaps, 99)),
+        itl_max_ms=1e3 * float(gaps.max()),
+        samples=len(gaps),
+        compiles=_COMPILES[0] - compiles,
+      )
+    )
     print(f"itl chunk {chunk}: {rows[-1]}", flush=True)
   return rows
 
@@ -204,10 +247,12 @@ def run_itl(long_prompt: int, chunks: list[int], streams: int = 8, stream_prompt
 def run_bucket(prompt: int, steps: int, fixed=(8, 256), modes=("dense", "hisparse")) -> list[dict]:
   from hisparse_jax.default_model import ensure_default_model
   from hisparse_jax.engine import Engine, Request
+
   d = ensure_default_model()
   rows = []
   engines = [("bucket", dict(max_running_requests=max(fixed)))] + [
-      (f"fixed {n}", dict(max_running_requests=n, deterministic=True)) for n in fixed]
+    (f"fixed {n}", dict(max_running_requests=n, deterministic=True)) for n in fixed
+  ]
   for label, kw in engines:
     for mode in modes:
       eng = Engine(d, dtype="float32", enable_hisparse=mode == "hisparse", max_seq_len=4096, **kw)
@@ -226,33 +271,50 @@ def run_bucket(prompt: int, steps: int, fixed=(8, 256), modes=("dense", "hispars
 def _markdown(res: dict) -> str:
   lines = []
   if res.get("prefill"):
-    lines += ["One request of P prompt + 32 new tokens, pools sized to it (fresh process each):", "",
-              "| mode | prompt tokens | prefill s | prefill ms / token | decode s (32 tokens, incl. a compile) | "
-              "peak RSS MB | RSS before MB | peak RSS growth / token since the previous row | KV bytes / token "
-              "(pools) |", "|---" * 9 + "|"]
+    lines += [
+      "One request of P prompt + 32 new tokens, pools sized to it (fresh process each):",
+      "",
+      "| mode | prompt tokens | prefill s | prefill ms / token | decode s (32 tokens, incl. a compile) | "
+      "peak RSS MB | RSS before MB | peak RSS growth / token since the previous row | KV bytes / token "
+      "(pools) |",
+      "|---" * 9 + "|",
+    ]
     prev = {}
     for r in res["prefill"]:
       kv = ", ".join(f"{k} {v:.0f}" for k, v in r["kv_bytes_per_token"].items())
       p = prev.get(r["mode"])
-      growth = "" if p is None else f"{(r['peak_rss_mb'] - p['peak_rss_mb']) * 2**20 / (r['prompt'] - p['prompt']):.0f} B"
+      growth = (
+        "" if p is None else f"{(r['peak_rss_mb'] - p['peak_rss_mb']) * 2**20 / (r['prompt'] - p['prompt']):.0f} B"
+      )
       prev[r["mode"]] = r
-      lines.append(f"| {r['mode']} | {r['prompt']} | {r['prefill_s']:.1f} | {1e3 * r['prefill_s'] / r['prompt']:.2f} | "
-                   f"{r['decode_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | {growth} | {kv} |")
+      lines.append(
+        f"| {r['mode']} | {r['prompt']} | {r['prefill_s']:.1f} | {1e3 * r['prefill_s'] / r['prompt']:.2f} | "
+        f"{r['decode_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | {growth} | {kv} |"
+      )
     lines.append("")
   if res.get("itl"):
-    lines += [f"{res['itl'][0]['streams']} running streams while a {res['itl'][1]['long_prompt']}-token prompt is admitted (HiSparse):", "",
-              "| long prompt prefill | ITL p50 ms | ITL p99 ms | ITL max ms | p99 / no long prompt | long prompt TTFT s |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+      f"{res['itl'][0]['streams']} running streams while a {res['itl'][1]['long_prompt']}-token prompt is admitted (HiSparse):",
+      "",
+      "| long prompt prefill | ITL p50 ms | ITL p99 ms | ITL max ms | p99 / no long prompt | long prompt TTFT s |",
+      "|---|---|---|---|---|---|",
+    ]
     base = res["itl"][0]["itl_p99_ms"]
     for r in res["itl"]:
-      name = ("none (baseline)" if r["chunk"] is None else "one shot" if r["chunk"] == 0 else f"chunks of {r['chunk']}")
+      name = "none (baseline)" if r["chunk"] is None else "one shot" if r["chunk"] == 0 else f"chunks of {r['chunk']}"
       ttft = "" if r["ttft_s"] is None else f"{r['ttft_s']:.1f}"
-      lines.append(f"| {name} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.0f} | "
-                   f"{r['itl_p99_ms'] / base:.1f}x | {ttft} |")
+      lines.append(
+        f"| {name} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.0f} | "
+        f"{r['itl_p99_ms'] / base:.1f}x | {ttft} |"
+      )
     lines.append("")
   if res.get("bucket"):
-    lines += ["One running request (prompt 1000 tokens): decode step", "", "| engine | mode | batch rows | step ms |",
-              "|---|---|---|---|"]
+    lines += [
+      "One running request (prompt 1000 tokens): decode step",
+      "",
+      "| engine | mode | batch rows | step ms |",
+      "|---|---|---|---|",
+    ]
     lines += [f"| {r['engine']} | {r['mode']} | {r['batch']} | {r['step_ms']:.2f} |" for r in res["bucket"]]
   return "\n".join(lines) + "\n"
 
@@ -262,10 +324,18 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--prompts", default="4096,8192,16384,32768,65536", type=positive_ints)
-  ap.add_argument("--dense-max-prompt", default=16384, type=int_in(0, 2**31 - 1),
-                  help="dense runs stop at this prompt length, in tokens (the 64k run is HiSparse's; 0: none)")
-  ap.add_argument("--itl-prompt", default=32768, type=int_in(64, 2**31 - 1),
-                  help="the long prompt admitted while the streams decode, in tokens (>= 64)")
+  ap.add_argument(
+    "--dense-max-prompt",
+    default=16384,
+    type=int_in(0, 2**31 - 1),
+    help="dense runs stop at this prompt length, in tokens (the 64k run is HiSparse's; 0: none)",
+  )
+  ap.add_argument(
+    "--itl-prompt",
+    default=32768,
+    type=int_in(64, 2**31 - 1),
+    help="the long prompt admitted while the streams decode, in tokens (>= 64)",
+  )
   ap.add_argument("--itl-chunks", default="16", type=positive_ints)
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -286,7 +356,7 @@ def main(argv=None) -> int:
     quick = {"streams": 2, "stream_prompt": 300, "warm_steps": 4, "baseline_steps": 8}
     res["itl"] = run_itl(args.itl_prompt, args.itl_chunks + [0], **(quick if args.quick else {}))
   if "bucket" in args.sections:
-    res["bucket"] = (run_bucket(100, 4, fixed=(8, 32), modes=("dense",)) if args.quick else run_bucket(1000, 16))
+    res["bucket"] = run_bucket(100, 4, fixed=(8, 32), modes=("dense",)) if args.quick else run_bucket(1000, 16)
   res["seconds"] = time.perf_counter() - t0
   write_results(args.out, res, _markdown(res))
   return 0

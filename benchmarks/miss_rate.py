@@ -60,9 +60,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli import OUT_HELP, default_out, out_path, positive_ints  # noqa: E402
 
 
-def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sinks: int = 16,
-                    window: int | None = None, clusters: int = 24, cluster_width: int | None = None,
-                    drift: float = 2.0, revisit: float = 0.35, noise: float = 0.1):
+def synthetic_trace(
+  context: int,
+  steps: int,
+  top_k: int,
+  seed: int = 0,
+  *,
+  sinks: int = 16,
+  window: int | None = None,
+  clusters: int = 24,
+  cluster_width: int | None = None,
+  drift: float = 2.0,
+  revisit: float = 0.35,
+  noise: float = 0.1,
+):
   """Top-k positions per decode step: list of int32 arrays (distinct, < seq_len).
 
   Locality model (fractions of top_k; parameters are keyword args):
@@ -79,8 +90,9 @@ def synthetic_trace(context: int, steps: int, top_k: int, seed: int = 0, *, sink
   """
   window = top_k // 8 if window is None else window  # 256 at top_k 2048
   if context < top_k + sinks + window:
-    raise ValueError(f"context {context} < top_k + {sinks} sinks + a {window}-position recent window "
-                     f"({top_k + sinks + window})")
+    raise ValueError(
+      f"context {context} < top_k + {sinks} sinks + a {window}-position recent window ({top_k + sinks + window})"
+    )
   cluster_width = max(4, top_k // 21) if cluster_width is None else cluster_width  # 97 at top_k 2048
   rng = np.random.default_rng(seed)
   centres = rng.uniform(sinks, context, clusters)
@@ -136,24 +148,34 @@ def _load_recorded(path: str):
   streams = []
   keys = [k for k in z.files if k.startswith("topk_")]
   if not keys or not all(k[5:].isascii() and k[5:].isdigit() and f"prompt_tokens_{k[5:]}" in z.files for k in keys):
-    raise ValueError(f"{path}: expected topk_<line> and prompt_tokens_<line> arrays (from --dump-topk), "
-                     f"found {sorted(z.files)[:6]}")
+    raise ValueError(
+      f"{path}: expected topk_<line> and prompt_tokens_<line> arrays (from --dump-topk), found {sorted(z.files)[:6]}"
+    )
   for key in sorted(keys, key=lambda k: int(k[5:])):
     line = key[5:]
     steps, context = z[key], z[f"prompt_tokens_{line}"]  # [steps, L, K], a scalar
     if not isinstance(steps, np.ndarray) or steps.ndim != 3 or not np.issubdtype(steps.dtype, np.integer):
-      raise ValueError(f"{path}: {key} must be an integer array [steps, layers, top_k], got "
-                       f"{getattr(steps, 'dtype', type(steps).__name__)}{getattr(steps, 'shape', '')}")
-    if (not isinstance(context, np.ndarray) or context.shape or not np.issubdtype(context.dtype, np.integer)
-        or not 1 <= int(context) <= MAX_POSITIONS - len(steps)):
-      raise ValueError(f"{path}: prompt_tokens_{line} must be an integer in [1, {MAX_POSITIONS} - decode steps], "
-                       f"got {context!r}")
+      raise ValueError(
+        f"{path}: {key} must be an integer array [steps, layers, top_k], got "
+        f"{getattr(steps, 'dtype', type(steps).__name__)}{getattr(steps, 'shape', '')}"
+      )
+    if (
+      not isinstance(context, np.ndarray)
+      or context.shape
+      or not np.issubdtype(context.dtype, np.integer)
+      or not 1 <= int(context) <= MAX_POSITIONS - len(steps)
+    ):
+      raise ValueError(
+        f"{path}: prompt_tokens_{line} must be an integer in [1, {MAX_POSITIONS} - decode steps], got {context!r}"
+      )
     context = int(context)
     # Decode step t attends at seq_len = context + t + 1: its positions are in [0, context + t] (-1: padding).
     limit = context + np.arange(len(steps), dtype=np.int64)[:, None, None]
     if steps.size and ((steps < -1) | (steps > limit)).any():
-      raise ValueError(f"{path}: {key} has a position outside [-1, prompt_tokens + step] (step t attends at "
-                       f"prompt_tokens + t + 1 positions)")
+      raise ValueError(
+        f"{path}: {key} has a position outside [-1, prompt_tokens + step] (step t attends at "
+        f"prompt_tokens + t + 1 positions)"
+      )
     steps = steps.astype(np.int32)
     for layer in range(steps.shape[1] if len(steps) else 0):
       streams.append((f"line {line} layer {layer}", context, [t[t >= 0] for t in steps[:, layer]]))
@@ -168,7 +190,7 @@ class _HotBuffer:
 
   def __init__(self, D: int):
     self.slot_of = {t: t for t in range(D)}  # token -> slot
-    self.token_in = list(range(D))           # slot -> token
+    self.token_in = list(range(D))  # slot -> token
 
   def step(self, step, topk, newest, choose_victims, on_hit=None, on_fill=None) -> int:
     """One decode step's swap-in with the kernel's semantics; returns its misses. choose_victims(n, hit
@@ -316,8 +338,9 @@ class KernelReplay:
     self.newest = jnp.zeros((streams, 1), jnp.float32)
     self.ema = np.zeros((streams, S), np.float32) if eviction == "position-ema" else None
     self.slot_ema = jnp.full((streams, D), jnp.nan, jnp.float32) if eviction == "score-ema" else None
-    self.fn = jax.jit(functools.partial(ops.swap_in, page_size=1, eviction=self.kernel_policy),
-                      donate_argnums=(6, 7, 8, 9, 10))
+    self.fn = jax.jit(
+      functools.partial(ops.swap_in, page_size=1, eviction=self.kernel_policy), donate_argnums=(6, 7, 8, 9, 10)
+    )
     self.check_status = ops.check_status
     self.misses = [[] for _ in range(streams)]
     self._prev = np.zeros(streams, np.int64)
@@ -331,7 +354,7 @@ class KernelReplay:
     seq_len = self.context + step + 1
     tk = np.full((self.n, self.K), -1, np.int32)
     for b, row in enumerate(top_k):
-      tk[b, :len(row)] = row
+      tk[b, : len(row)] = row
     slot_scores = None
     if self.kernel_policy == "score":
       before = np.asarray(self.slots)[0]  # [N, D] positions (the call donates the slot table)
@@ -350,8 +373,19 @@ class KernelReplay:
       if self.slot_ema is not None:
         slot_scores = slot_score_ema(self.slot_ema, slot_scores, self.ema_weight)
     _, self.pool, self.hot, self.slots, self.lru, self.stats, status = self.fn(
-        0, jnp.asarray(tk), jnp.full((self.n,), seq_len, jnp.int32), self.req_ids, self.host_pages, self.newest,
-        self.pool, self.hot, self.slots, self.lru, self.stats, slot_scores)
+      0,
+      jnp.asarray(tk),
+      jnp.full((self.n,), seq_len, jnp.int32),
+      self.req_ids,
+      self.host_pages,
+      self.newest,
+      self.pool,
+      self.hot,
+      self.slots,
+      self.lru,
+      self.stats,
+      slot_scores,
+    )
     self.check_status(status, "miss_rate replay")  # every stream's row done
     if self.slot_ema is not None:
       self.slot_ema = restart_score_ema(slot_scores, before, self.slots[0], jnp.full((self.n,), seq_len))
@@ -406,8 +440,7 @@ def replay_kernel_lru(trace, context, D):
 
 # Policies replayed in Python on the stored top-k (clock and lru also check the kernel step for step), and
 # the kernel's own policies driven step by step (the score policies need the trace's indexer scores).
-POLICIES = {"lru": replay_lru, "fifo": replay_fifo, "clock": replay_clock, "lfu": replay_lfu,
-            "belady": replay_belady}
+POLICIES = {"lru": replay_lru, "fifo": replay_fifo, "clock": replay_clock, "lfu": replay_lfu, "belady": replay_belady}
 KERNEL_POLICIES = ("lru-kernel", "clock-kernel", "score-kernel", "score-ema-kernel", "position-ema-kernel")
 
 
@@ -432,18 +465,24 @@ def _mean_curve(per_stream):
   n = max(len(m) for m in per_stream)
   total, count = np.zeros(n), np.zeros(n)
   for m in per_stream:
-    total[:len(m)] += m
-    count[:len(m)] += 1
+    total[: len(m)] += m
+    count[: len(m)] += 1
   return total / np.maximum(count, 1)
 
 
 def stream_overlaps(streams):
   """Mean top-k overlap of consecutive steps per stream, and of streams i and i + 1 at the same step (the
   adjacent-layer overlap when the streams are a calibrated trace's layers)."""
-  temporal = [float(np.mean([len(np.intersect1d(a, b)) / max(len(a), 1) for a, b in zip(tr[1:], tr)]))
-              if len(tr) > 1 else float("nan") for _, _, tr in streams]
-  adjacent = [float(np.mean([len(np.intersect1d(a, b)) / max(len(a), 1) for a, b in zip(s1[2], s2[2])]))
-              for s1, s2 in zip(streams, streams[1:])]
+  temporal = [
+    float(np.mean([len(np.intersect1d(a, b)) / max(len(a), 1) for a, b in zip(tr[1:], tr)]))
+    if len(tr) > 1
+    else float("nan")
+    for _, _, tr in streams
+  ]
+  adjacent = [
+    float(np.mean([len(np.intersect1d(a, b)) / max(len(a), 1) for a, b in zip(s1[2], s2[2])]))
+    for s1, s2 in zip(streams, streams[1:])
+  ]
   return temporal, adjacent
 
 
@@ -453,13 +492,21 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=500)
   ap.add_argument("--top-k", type=int, default=2048)
   ap.add_argument("--layers", type=int, default=8, help="layers of the calibrated trace (each one stream)")
-  ap.add_argument("--trace-model", choices=["calibrated", "synthetic"], default="calibrated",
-                  help="calibrated: calibrated_trace.py (DeepSeek-V3.2's measured locality, with indexer "
-                       "scores); synthetic: the older cluster model (no scores: no score policies)")
+  ap.add_argument(
+    "--trace-model",
+    choices=["calibrated", "synthetic"],
+    default="calibrated",
+    help="calibrated: calibrated_trace.py (DeepSeek-V3.2's measured locality, with indexer "
+    "scores); synthetic: the older cluster model (no scores: no score policies)",
+  )
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--buffers", default=None, type=positive_ints,
-                  help="hot-buffer sizes D (comma-separated, each >= top_k; default: 1, 2 and 3 x top_k, the "
-                       "trace's with --trace: 2048,4096,6144 at top_k 2048)")
+  ap.add_argument(
+    "--buffers",
+    default=None,
+    type=positive_ints,
+    help="hot-buffer sizes D (comma-separated, each >= top_k; default: 1, 2 and 3 x top_k, the "
+    "trace's with --trace: 2048,4096,6144 at top_k 2048)",
+  )
   ap.add_argument("--trace", default=None, help="replay a --dump-topk .npz instead (no scores: no score policies)")
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
@@ -496,8 +543,10 @@ def main(argv=None) -> int:
     top_k = max(max((len(t) for t in tr), default=0) for _, _, tr in streams)
     contexts = sorted({c for _, c, _ in streams})
     steps = max(len(tr) for _, _, tr in streams)
-    source = (f"Recorded trace {os.path.basename(args.trace)}: {len(streams)} streams (request x layer), "
-              f"prompts of {contexts[0]}..{contexts[-1]} tokens, up to {steps} decode steps, top_k {top_k}")
+    source = (
+      f"Recorded trace {os.path.basename(args.trace)}: {len(streams)} streams (request x layer), "
+      f"prompts of {contexts[0]}..{contexts[-1]} tokens, up to {steps} decode steps, top_k {top_k}"
+    )
   else:
     top_k, steps = args.top_k, args.steps
     if args.trace_model == "calibrated" and args.top_k >= args.context:  # (every position picked: no misses)
@@ -507,28 +556,36 @@ def main(argv=None) -> int:
       try:
         streams = [("synthetic", args.context, synthetic_trace(args.context, args.steps, args.top_k))]
       except ValueError as e:
-        print(f"error: --trace-model synthetic needs --context >= top_k + its sinks and recent window: {e}",
-              file=sys.stderr)
+        print(
+          f"error: --trace-model synthetic needs --context >= top_k + its sinks and recent window: {e}", file=sys.stderr
+        )
         return 2
       source = f"Synthetic trace: context {args.context}, {args.steps} decode steps, top_k {args.top_k}"
   buffers = args.buffers = args.buffers or [m * top_k for m in ((1, 2) if args.quick else (1, 2, 3))]
   if min(buffers) < top_k:
-    print(f"error: --buffers: every hot-buffer size must be >= top_k ({top_k}); got {min(buffers)}",
-          file=sys.stderr)
+    print(f"error: --buffers: every hot-buffer size must be >= top_k ({top_k}); got {min(buffers)}", file=sys.stderr)
     return 2
   longest = max((c + len(tr) for _, c, tr in streams), default=0) if args.trace is not None else 0
   if longest and min(buffers) >= longest:
-    print(f"note: every hot buffer ({', '.join(map(str, buffers))}) holds the trace's longest sequence ({longest} "
-          "tokens) whole, so no policy ever misses; pass --buffers below it (the engine's default D is 2 x top_k = "
-          f"{2 * top_k})", file=sys.stderr)
+    print(
+      f"note: every hot buffer ({', '.join(map(str, buffers))}) holds the trace's longest sequence ({longest} "
+      "tokens) whole, so no policy ever misses; pass --buffers below it (the engine's default D is 2 x top_k = "
+      f"{2 * top_k})",
+      file=sys.stderr,
+    )
   if args.trace is None and args.trace_model == "calibrated":
-    replays = {f"{p}@{D}": KernelReplay(args.layers, args.context, steps, D, top_k, p.removesuffix("-kernel"))
-               for D in buffers for p in KERNEL_POLICIES}
+    replays = {
+      f"{p}@{D}": KernelReplay(args.layers, args.context, steps, D, top_k, p.removesuffix("-kernel"))
+      for D in buffers
+      for p in KERNEL_POLICIES
+    }
     replays.update({f"content-oracle@{D}": ContentOracleReplay(args.layers, args.context, D) for D in buffers})
     streams = calibrated_streams(args.context, steps, top_k, args.layers, args.seed, replays.values())
     per_stream.update({k: r.misses for k, r in replays.items()})
-    source = (f"Calibrated trace (calibrated_trace.py, seed {args.seed}): {args.layers} layers (one stream each), "
-              f"context {args.context}, {steps} decode steps, top_k {top_k}")
+    source = (
+      f"Calibrated trace (calibrated_trace.py, seed {args.seed}): {args.layers} layers (one stream each), "
+      f"context {args.context}, {steps} decode steps, top_k {top_k}"
+    )
   else:
     for D in buffers:
       for p in ("lru-kernel", "clock-kernel"):
@@ -542,17 +599,35 @@ def main(argv=None) -> int:
       if per_stream[f"{p}@{D}"] != per_stream[f"{p}-kernel@{D}"]:
         print(f"error: Python {p} and the kernel disagree at D={D}", file=sys.stderr)
         return 1
-  policies = [p for p in ("lru", "clock", "fifo", "lfu", "score-kernel", "score-ema-kernel", "position-ema-kernel",
-                           "content-oracle", "belady") if f"{p}@{buffers[0]}" in per_stream]
+  policies = [
+    p
+    for p in (
+      "lru",
+      "clock",
+      "fifo",
+      "lfu",
+      "score-kernel",
+      "score-ema-kernel",
+      "position-ema-kernel",
+      "content-oracle",
+      "belady",
+    )
+    if f"{p}@{buffers[0]}" in per_stream
+  ]
   online = [p for p in policies if p not in ("belady", "content-oracle")]  # what a system can run
   results = {k: _mean_curve(v).tolist() for k, v in per_stream.items()}
   temporal, adjacent = stream_overlaps(streams)
   label = {"score-kernel": "score", "score-ema-kernel": "score-ema", "position-ema-kernel": "position-ema"}
   oracle = "content-oracle" in policies
-  lines = [f"{source} ({time.perf_counter() - t0:.1f} s).", "",
-           "| D | " + " | ".join(label.get(p, p) for p in policies) + " | LRU vs Belady | best online vs Belady |"
-           + (" content oracle vs Belady |" if oracle else ""),
-           "|---" * (len(policies) + 3 + oracle) + "|"]
+  lines = [
+    f"{source} ({time.perf_counter() - t0:.1f} s).",
+    "",
+    "| D | "
+    + " | ".join(label.get(p, p) for p in policies)
+    + " | LRU vs Belady | best online vs Belady |"
+    + (" content oracle vs Belady |" if oracle else ""),
+    "|---" * (len(policies) + 3 + oracle) + "|",
+  ]
   summary = {}
   for D in buffers:
     means = {p: float(np.mean(np.concatenate(per_stream[f"{p}@{D}"]))) for p in policies}
@@ -563,31 +638,56 @@ def main(argv=None) -> int:
       shown = {p: f"+{100 * gaps[p]:.0f}%" for p in gapped}
     else:  # nothing misses even with perfect foresight (D covers the whole context)
       gaps, shown = {}, dict.fromkeys(gapped, "n/a")
-    summary[D] = {"means": means, "best": best, "best_gap": gaps.get(best), "lru_gap": gaps.get("lru"),
-                  "content_oracle_gap": gaps.get("content-oracle")}
+    summary[D] = {
+      "means": means,
+      "best": best,
+      "best_gap": gaps.get(best),
+      "lru_gap": gaps.get("lru"),
+      "content_oracle_gap": gaps.get("content-oracle"),
+    }
     tied = [p for p in online if means[p] == means[best]]  # (all of them: which one min() picked means nothing)
-    lines.append(f"| {D} | " + " | ".join(f"{means[p]:.1f}" for p in policies) +
-                 f" | {shown['lru']} | {' = '.join(label.get(p, p) for p in tied)} {shown[best]} |" +
-                 (f" {shown['content-oracle']} |" if oracle else ""))
+    lines.append(
+      f"| {D} | "
+      + " | ".join(f"{means[p]:.1f}" for p in policies)
+      + f" | {shown['lru']} | {' = '.join(label.get(p, p) for p in tied)} {shown[best]} |"
+      + (f" {shown['content-oracle']} |" if oracle else "")
+    )
   if "position-ema-kernel" in policies:
-    lines += ["", "position-ema (a moving average of every position's scores) is not an engine option; the "
-              "engine's policies are lru, clock, score and score-ema (`\"eviction\": \"score_ema\"`)."]
+    lines += [
+      "",
+      "position-ema (a moving average of every position's scores) is not an engine option; the "
+      'engine\'s policies are lru, clock, score and score-ema (`"eviction": "score_ema"`).',
+    ]
   if args.trace is None and args.trace_model == "calibrated":
-    lines += ["", "Measured locality: consecutive steps' top-k overlap per layer " +
-              ", ".join(f"{x:.2f}" for x in temporal) + "; adjacent layers " +
-              (", ".join(f"{x:.2f}" for x in adjacent) or "n/a (one layer)") + "."]
+    lines += [
+      "",
+      "Measured locality: consecutive steps' top-k overlap per layer "
+      + ", ".join(f"{x:.2f}" for x in temporal)
+      + "; adjacent layers "
+      + (", ".join(f"{x:.2f}" for x in adjacent) or "n/a (one layer)")
+      + ".",
+    ]
   table = "\n".join(lines)
   print(table)
   what = "one request, one layer" if len(streams) == 1 else "mean over the streams"
   with open(args.out + ".md", "w") as f:
     f.write(f"Mean misses per decode step ({what}).\n\n" + table + "\n")
   with open(args.out + ".json", "w") as f:
-    json.dump({"args": vars(args), "streams": len(streams), "misses": results,
-               "overlap": {"temporal": temporal, "adjacent": adjacent},
-               "summary": {str(D): v for D, v in summary.items()}}, f)
+    json.dump(
+      {
+        "args": vars(args),
+        "streams": len(streams),
+        "misses": results,
+        "overlap": {"temporal": temporal, "adjacent": adjacent},
+        "summary": {str(D): v for D, v in summary.items()},
+      },
+      f,
+    )
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(10, 5))
   w = max(1, min(100, steps))
   colors = dict(zip(policies, plt.get_cmap("tab10").colors))
@@ -597,8 +697,13 @@ def main(argv=None) -> int:
     if policy not in policies:  # lru-kernel / clock-kernel: identical to lru / clock (checked above)
       continue
     roll = np.convolve(m, np.ones(w) / w, mode="valid")
-    ax.plot(np.arange(len(roll)) + w - 1, roll, label=f"{label.get(policy, policy)}@{D}", color=colors[policy],
-            linestyle=styles[int(D)])
+    ax.plot(
+      np.arange(len(roll)) + w - 1,
+      roll,
+      label=f"{label.get(policy, policy)}@{D}",
+      color=colors[policy],
+      linestyle=styles[int(D)],
+    )
   ax.set_xlabel("decode step")
   ax.set_ylabel(f"misses per step (rolling mean, {w} steps)")
   ax.set_title(f"Swap-in misses by policy and hot-buffer size ({source.split(':')[0].lower()}, top_k {top_k})")

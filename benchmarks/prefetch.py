@@ -65,8 +65,16 @@ def traces(context: int, steps: int, layers: int, seeds=(0, 1)) -> np.ndarray:
   return np.stack(out).astype(np.int32)
 
 
-def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K, host_pool: str = "jax",
-          mlp: tuple[int, int] = MLP):
+def build(
+  B: int,
+  context: int,
+  layers: int,
+  heads: int,
+  steps: int,
+  depth: int = TOP_K,
+  host_pool: str = "jax",
+  mlp: tuple[int, int] = MLP,
+):
   """(step functions by mode, initial states by mode, per-step inputs by mode, the step's weights and tables,
   x0, the extension pools).
 
@@ -102,18 +110,23 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
   H, F = mlp
 
   def weight(k, shape, fan_in):  # drawn in bf16 (the largest, 7168 x 73728, is 1 GiB; 2 GiB in float32)
-    return jax.jit(lambda: jax.random.normal(k, shape, dt) * jnp.asarray(fan_in ** -0.5, dt))()
+    return jax.jit(lambda: jax.random.normal(k, shape, dt) * jnp.asarray(fan_in**-0.5, dt))()
 
   # Arguments of the step, not constants it closes over: XLA would embed them in the program (the real-size
   # layer's 2.5 GB of weights), and JAX's persistent compilation cache would hash and store them.
-  consts = dict(wq=weight(k_q, (H, heads * W), H), w1=weight(k_w1, (H, F), H), w2=weight(k_w2, (F, H), F),
-                wkv=weight(k_x, (H, W), H), req_ids=jnp.arange(B, dtype=jnp.int32),
-                host_pages=jnp.asarray(np.arange(B)[:, None] * S + np.arange(S)[None], jnp.int32))
+  consts = dict(
+    wq=weight(k_q, (H, heads * W), H),
+    w1=weight(k_w1, (H, F), H),
+    w2=weight(k_w2, (F, H), F),
+    wkv=weight(k_x, (H, W), H),
+    req_ids=jnp.arange(B, dtype=jnp.int32),
+    host_pages=jnp.asarray(np.arange(B)[:, None] * S + np.arange(S)[None], jnp.int32),
+  )
 
   def layer_compute(c, x, rows):
     """x [B, H], rows [B, K, W] -> x: absorbed MLA attention of `heads` heads over the rows, then the MLP."""
     q = (x @ c["wq"]).reshape(B, heads, W)
-    s = jnp.einsum("bhw,bkw->bhk", q, rows, preferred_element_type=jnp.float32) * W ** -0.5
+    s = jnp.einsum("bhw,bkw->bhk", q, rows, preferred_element_type=jnp.float32) * W**-0.5
     p = jax.nn.softmax(s, axis=-1).astype(dt)
     o = jnp.einsum("bhk,bkw->bhw", p, rows).mean(1)  # [B, W]
     h = x + jnp.pad(o, ((0, 0), (0, H - W)))
@@ -131,13 +144,14 @@ def build(B: int, context: int, layers: int, heads: int, steps: int, depth: int 
       if prefetch and l:
         hot, slots, lru, n = ops.prefetch_wait(ticket, hot, slots, lru, newest, batch=B)
         started.append(n)
-      rows, pool, hot, slots, lru, stats, _ = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_pages, newest,
-                                                          pool, hot, slots, lru, stats, page_size=1,
-                                                          external=ext)
+      rows, pool, hot, slots, lru, stats, _ = ops.swap_in(
+        l, top_k[l], seq_lens, req_ids, host_pages, newest, pool, hot, slots, lru, stats, page_size=1, external=ext
+      )
       out = hot[l].reshape(B * (D + 1), W)[rows]
       if prefetch and l + 1 < L:
-        pool, ticket = ops.prefetch_start(l + 1, top_k[l][:, :depth], seq_lens, req_ids, host_pages, pool, hot,
-                                          slots, lru, page_size=1, external=ext)
+        pool, ticket = ops.prefetch_start(
+          l + 1, top_k[l][:, :depth], seq_lens, req_ids, host_pages, pool, hot, slots, lru, page_size=1, external=ext
+        )
         out, ticket = jax.lax.optimization_barrier((out, ticket))
       x = layer_compute(c, x, out)
     fetched = jnp.stack(started).sum() if started else jnp.zeros((), jnp.int32)
@@ -166,8 +180,16 @@ def mlp_widths(text: str) -> tuple[int, int]:
   return h, f
 
 
-def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: int = TOP_K,
-            host_pool: str = "jax", mlp: tuple[int, int] = MLP) -> dict:
+def measure(
+  B: int,
+  context: int,
+  layers: int,
+  heads: int,
+  steps: int,
+  depth: int = TOP_K,
+  host_pool: str = "jax",
+  mlp: tuple[int, int] = MLP,
+) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -177,7 +199,7 @@ def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: in
   misses = {m: [] for m in MODES}
   for t in range(steps):
     seq_lens = jnp.full((B,), context + t + 1, jnp.int32)
-    order = MODES[t % 3:] + MODES[:t % 3]
+    order = MODES[t % 3 :] + MODES[: t % 3]
     for m in order:
       before = np.asarray(states[m]["stats"])[..., 1].sum()
       t0 = time.perf_counter()
@@ -199,8 +221,7 @@ def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: in
     row[f"{m}_over_hits_iqr"] = [float(np.percentile(ratio, 25)), float(np.percentile(ratio, 75))]
   cost = row["misses_over_hits"] - 1
   # A miss cost inside the run-to-run noise gives no share worth reporting (a few % of a tiny cost).
-  row["hidden_share"] = ((row["misses_over_hits"] - row["prefetch_over_hits"]) / cost
-                         if cost >= MIN_MISS_COST else None)
+  row["hidden_share"] = (row["misses_over_hits"] - row["prefetch_over_hits"]) / cost if cost >= MIN_MISS_COST else None
   del states, fns
   for ext in exts.values():
     ext.close()
@@ -210,17 +231,27 @@ def measure(B: int, context: int, layers: int, heads: int, steps: int, depth: in
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--batches", type=positive_ints_at_most(256), default=[1, 8, 64], help="concurrent requests")
-  ap.add_argument("--context", type=int_in(D + 1, 2**24), default=6144,
-                  help=f"prompt tokens per request (> the hot buffer's {D})")
+  ap.add_argument(
+    "--context", type=int_in(D + 1, 2**24), default=6144, help=f"prompt tokens per request (> the hot buffer's {D})"
+  )
   ap.add_argument("--layers", type=int_in(2, 256), default=4)
   ap.add_argument("--steps", type=int_in(SKIP + 1, 10**6), default=12, help=f"decode steps (the first {SKIP} untimed)")
   ap.add_argument("--heads", type=int_in(1, 1024), default=2)
-  ap.add_argument("--mlp", type=mlp_widths, default=MLP,
-                  help=f"the MLP's hidden (>= {W}, also the residual width) and intermediate widths: H,F")
-  ap.add_argument("--depth", type=int_in(1, TOP_K), default=TOP_K,
-                  help="positions prefetched: the top-scored of each top-k")
-  ap.add_argument("--host-pool", choices=("jax", "extension"), default="jax",
-                  help="the pool: a pinned_host JAX array, or the extension's own pinned memory (ops.ExtensionHostPool)")
+  ap.add_argument(
+    "--mlp",
+    type=mlp_widths,
+    default=MLP,
+    help=f"the MLP's hidden (>= {W}, also the residual width) and intermediate widths: H,F",
+  )
+  ap.add_argument(
+    "--depth", type=int_in(1, TOP_K), default=TOP_K, help="positions prefetched: the top-scored of each top-k"
+  )
+  ap.add_argument(
+    "--host-pool",
+    choices=("jax", "extension"),
+    default="jax",
+    help="the pool: a pinned_host JAX array, or the extension's own pinned memory (ops.ExtensionHostPool)",
+  )
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:
@@ -230,27 +261,39 @@ def main(argv=None) -> int:
   if args.mlp[0] < W:
     ap.error(f"--mlp H,F: H must be >= {W}, got {args.mlp[0]}")
   from hisparse_jax.kernels import ops
+
   t0 = time.perf_counter()
-  rows = [measure(B, args.context, args.layers, args.heads, args.steps, args.depth, args.host_pool, args.mlp)
-          for B in args.batches]
-  lines = [f"top_k {TOP_K}, D {D}, W {W} bf16, {args.host_pool} host pool, {args.context}-token prompts, "
-           f"{args.layers} layers of {args.heads} heads and an MLP {args.mlp[0]} -> {args.mlp[1]}, prefetch depth "
-           f"{args.depth}, calibrated "
-           f"DeepSeek-V3.2 trace; {os.cpu_count()} cores, {ops.prefetch_threads()} copy thread(s); median of "
-           f"{args.steps - SKIP} steps after {SKIP}; the ratios are medians of each step's own ratio to the hits step "
-           "of its round, so they need not equal the ratio of the median times.", "",
-           "| batch | hits ms | misses ms | prefetch ms | misses / hits (IQR) | prefetch / hits (IQR) | miss cost hidden "
-           "| rows copied / step (no prefetch) | by swap-in / by prefetch (prefetch) |", "|---" * 9 + "|"]
+  rows = [
+    measure(B, args.context, args.layers, args.heads, args.steps, args.depth, args.host_pool, args.mlp)
+    for B in args.batches
+  ]
+  lines = [
+    f"top_k {TOP_K}, D {D}, W {W} bf16, {args.host_pool} host pool, {args.context}-token prompts, "
+    f"{args.layers} layers of {args.heads} heads and an MLP {args.mlp[0]} -> {args.mlp[1]}, prefetch depth "
+    f"{args.depth}, calibrated "
+    f"DeepSeek-V3.2 trace; {os.cpu_count()} cores, {ops.prefetch_threads()} copy thread(s); median of "
+    f"{args.steps - SKIP} steps after {SKIP}; the ratios are medians of each step's own ratio to the hits step "
+    "of its round, so they need not equal the ratio of the median times.",
+    "",
+    "| batch | hits ms | misses ms | prefetch ms | misses / hits (IQR) | prefetch / hits (IQR) | miss cost hidden "
+    "| rows copied / step (no prefetch) | by swap-in / by prefetch (prefetch) |",
+    "|---" * 9 + "|",
+  ]
   for r in rows:
     mi, pi = r["misses_over_hits_iqr"], r["prefetch_over_hits_iqr"]
-    lines.append(f"| {r['batch']} | {r['hits_ms']:.1f} | {r['misses_ms']:.1f} | {r['prefetch_ms']:.1f} | "
-                 f"{r['misses_over_hits']:.3f} ({mi[0]:.2f}-{mi[1]:.2f}) | {r['prefetch_over_hits']:.3f} "
-                 f"({pi[0]:.2f}-{pi[1]:.2f}) | "
-                 f"{'–' if r['hidden_share'] is None else format(100 * r['hidden_share'], '.0f') + '%'} | "
-                 f"{r['misses_copied_per_step']:.0f} | {r['prefetch_copied_per_step']:.0f} / "
-                 f"{r['prefetched_per_step']:.0f} |")
-  write_results(args.out, {"args": vars(args), "prefetch_threads": ops.prefetch_threads(), "rows": rows,
-                           "seconds": time.perf_counter() - t0}, "\n".join(lines))
+    lines.append(
+      f"| {r['batch']} | {r['hits_ms']:.1f} | {r['misses_ms']:.1f} | {r['prefetch_ms']:.1f} | "
+      f"{r['misses_over_hits']:.3f} ({mi[0]:.2f}-{mi[1]:.2f}) | {r['prefetch_over_hits']:.3f} "
+      f"({pi[0]:.2f}-{pi[1]:.2f}) | "
+      f"{'–' if r['hidden_share'] is None else format(100 * r['hidden_share'], '.0f') + '%'} | "
+      f"{r['misses_copied_per_step']:.0f} | {r['prefetch_copied_per_step']:.0f} / "
+      f"{r['prefetched_per_step']:.0f} |"
+    )
+  write_results(
+    args.out,
+    {"args": vars(args), "prefetch_threads": ops.prefetch_threads(), "rows": rows, "seconds": time.perf_counter() - t0},
+    "\n".join(lines),
+  )
   return 0
 
 

@@ -46,25 +46,39 @@ def prompt_text_ids(tokenizer, n: int) -> list[int]:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--prompt-tokens", type=int, default=8192,
-                  help="prompt tokens (> the model's top_k of 2048: a shorter sequence's top-k is all of it)")
+  ap.add_argument(
+    "--prompt-tokens",
+    type=int,
+    default=8192,
+    help="prompt tokens (> the model's top_k of 2048: a shorter sequence's top-k is all of it)",
+  )
   ap.add_argument("--new-tokens", type=int, default=500, help="tokens decoded (one trace step each)")
-  ap.add_argument("--out", type=out_path, help="the .npz to write (default: benchmarks/results/local/topk_trace.npz, or quick/ with --quick; "
-                  "`make bench` writes benchmarks/results/topk_trace.npz)")
+  ap.add_argument(
+    "--out",
+    type=out_path,
+    help="the .npz to write (default: benchmarks/results/local/topk_trace.npz, or quick/ with --quick; "
+    "`make bench` writes benchmarks/results/topk_trace.npz)",
+  )
   ap.add_argument("--quick", action="store_true", help="a 2600-token prompt and 4 new tokens (CI smoke)")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
     ap.set_defaults(prompt_tokens=2600, new_tokens=4)
   args = ap.parse_args(argv)
   import bench_models
+
   top_k = bench_models.REALSIZE_HISPARSE["top_k"]
   if args.prompt_tokens <= top_k:
-    ap.error(f"--prompt-tokens must exceed the model's top_k ({top_k}): a shorter sequence's top-k is every "
-             f"position, which no policy can miss; got {args.prompt_tokens}")
+    ap.error(
+      f"--prompt-tokens must exceed the model's top_k ({top_k}): a shorter sequence's top-k is every "
+      f"position, which no policy can miss; got {args.prompt_tokens}"
+    )
   if args.new_tokens < 2:
-    ap.error(f"--new-tokens must be >= 2 (the first comes from the prefill: decode steps start at the second), "
-             f"got {args.new_tokens}")
+    ap.error(
+      f"--new-tokens must be >= 2 (the first comes from the prefill: decode steps start at the second), "
+      f"got {args.new_tokens}"
+    )
   args.out = args.out or default_out("topk_trace.npz", args.quick)
   from tokenizers import Tokenizer
+
   model_dir = bench_models.realsize_model()
   tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
   try:
@@ -76,10 +90,25 @@ def main(argv=None) -> int:
     prompts = os.path.join(tmp, "prompts.jsonl")
     with open(prompts, "w") as f:
       f.write(json.dumps({"input_ids": ids}) + "\n")
-    cmd = [sys.executable, "-m", "hisparse_jax.generate", "--model-path", model_dir, "--prompts", prompts,
-           "--max-new-tokens", str(args.new_tokens), "--max-running-requests", "1",
-           "--max-seq-len", str(args.prompt_tokens + args.new_tokens), "--dump-topk", args.out,
-           "--output", os.path.join(tmp, "out.jsonl")]
+    cmd = [
+      sys.executable,
+      "-m",
+      "hisparse_jax.generate",
+      "--model-path",
+      model_dir,
+      "--prompts",
+      prompts,
+      "--max-new-tokens",
+      str(args.new_tokens),
+      "--max-running-requests",
+      "1",
+      "--max-seq-len",
+      str(args.prompt_tokens + args.new_tokens),
+      "--dump-topk",
+      args.out,
+      "--output",
+      os.path.join(tmp, "out.jsonl"),
+    ]
     print("+", " ".join(cmd), flush=True)
     rc = subprocess.run(cmd, cwd=REPO).returncode
   if rc:

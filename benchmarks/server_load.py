@@ -62,8 +62,9 @@ def _timed(fn) -> float:
 
 def _stats(xs) -> dict:
   xs = np.asarray(xs) * 1e3
-  return dict(n=len(xs), p50_ms=float(np.percentile(xs, 50)), p99_ms=float(np.percentile(xs, 99)),
-              max_ms=float(xs.max()))
+  return dict(
+    n=len(xs), p50_ms=float(np.percentile(xs, 50)), p99_ms=float(np.percentile(xs, 99)), max_ms=float(xs.max())
+  )
 
 
 class Probe:
@@ -73,19 +74,22 @@ class Probe:
 
   def first_token(self) -> None:
     """Until the small request's first token (the rest of the stream is cancelled)."""
-    call = self.stub.Generate(hisparse_pb2.GenerateRequest(text="e e e", max_new_tokens=8, ignore_eos=True),
-                              timeout=120)
+    call = self.stub.Generate(
+      hisparse_pb2.GenerateRequest(text="e e e", max_new_tokens=8, ignore_eos=True), timeout=120
+    )
     assert next(call).token_ids
     call.cancel()
 
   def small(self) -> None:
-    msgs = list(self.stub.Generate(hisparse_pb2.GenerateRequest(text="e e e", max_new_tokens=8, ignore_eos=True),
-                                   timeout=120))
+    msgs = list(
+      self.stub.Generate(hisparse_pb2.GenerateRequest(text="e e e", max_new_tokens=8, ignore_eos=True), timeout=120)
+    )
     assert msgs[-1].completion_tokens == 8
 
   def check(self) -> None:
-    assert self.health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    assert (
+      self.health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+    )
 
   def loads(self):
     return self.stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=30)
@@ -101,10 +105,27 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   # Bound to IPv4 and IPv6 loopback: two clients (127.0.0.1 and ::1). The flooding client may hold every stream
   # (the server-wide bounds are measured; by default it would get half).
-  proc = subprocess.Popen([sys.executable, "run_server.py", "--port", "0", "--host", "::", "--enable-hisparse",
-                           "--max-running-requests", "8", "--max-queued-requests", "1024",
-                           "--max-streams-per-client", "2000"],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "run_server.py",
+      "--port",
+      "0",
+      "--host",
+      "::",
+      "--enable-hisparse",
+      "--max-running-requests",
+      "8",
+      "--max-queued-requests",
+      "1024",
+      "--max-streams-per-client",
+      "2000",
+    ],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
   res: dict = {"text_flood_clients": text_flood, "streams": streams}
   try:
     line = proc.stdout.readline()
@@ -119,20 +140,29 @@ def main(argv=None) -> int:
     # Compile what the phases run (batch buckets up to 8, the streams' windows), so the baseline RSS holds
     # the same compiled programs as the end.
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-      list(pool.map(lambda i: list(p.stub.Generate(hisparse_pb2.GenerateRequest(
-          text="e e e", max_new_tokens=64, ignore_eos=True), timeout=600)), range(16)))
+      list(
+        pool.map(
+          lambda i: list(
+            p.stub.Generate(hisparse_pb2.GenerateRequest(text="e e e", max_new_tokens=64, ignore_eos=True), timeout=600)
+          ),
+          range(16),
+        )
+      )
     from hisparse_jax.default_model import ensure_default_model
     from hisparse_jax.engine.args import DEFAULT_PROMPT_BYTES_PER_TOKEN
     from models.config import DSAConfig
+
     # The server's default --max-prompt-bytes: per token of the default model's context.
     context = DSAConfig.from_pretrained(ensure_default_model()).max_position_embeddings
     max_bytes = DEFAULT_PROMPT_BYTES_PER_TOKEN * context
     res["max_prompt_bytes"] = max_bytes
     other = Probe(grpc.insecure_channel(f"[::1]:{port}"))
-    res["idle"] = dict(small=_stats([_timed(p.small) for _ in range(reps)]),
-                       other_first_token=_stats([_timed(other.first_token) for _ in range(reps)]),
-                       health=_stats([_timed(p.check) for _ in range(50)]),
-                       loads=_stats([_timed(p.loads) for _ in range(50)]))
+    res["idle"] = dict(
+      small=_stats([_timed(p.small) for _ in range(reps)]),
+      other_first_token=_stats([_timed(other.first_token) for _ in range(reps)]),
+      health=_stats([_timed(p.check) for _ in range(50)]),
+      loads=_stats([_timed(p.loads) for _ in range(50)]),
+    )
     rss0 = _rss_mb(proc.pid)
     print(f"idle: {res['idle']}, RSS {rss0:.0f} MB", flush=True)
 
@@ -166,24 +196,37 @@ def main(argv=None) -> int:
       stop.set()
       for f in futs:
         f.result()
-    res["text"] = dict(small=_stats(small), health=_stats(health), flood_requests=len(flood_codes),
-                       flood_codes=sorted(set(flood_codes)), rss_mb=rss_peak)
+    res["text"] = dict(
+      small=_stats(small),
+      health=_stats(health),
+      flood_requests=len(flood_codes),
+      flood_codes=sorted(set(flood_codes)),
+      rss_mb=rss_peak,
+    )
     print(f"text flood: {res['text']}", flush=True)
 
     # ---- open streams
-    calls = [p.stub.Generate(hisparse_pb2.GenerateRequest(
-        request_id=f"s{i}", text="e e e", max_new_tokens=64, ignore_eos=True), timeout=600) for i in range(streams)]
+    calls = [
+      p.stub.Generate(
+        hisparse_pb2.GenerateRequest(request_id=f"s{i}", text="e e e", max_new_tokens=64, ignore_eos=True), timeout=600
+      )
+      for i in range(streams)
+    ]
     deadline = time.monotonic() + 120
     while p.loads().queued < streams - 8 - 4 and time.monotonic() < deadline:
       time.sleep(0.1)
     health = [_timed(p.check) for _ in range(50)]
     loads = [_timed(p.loads) for _ in range(50)]
-    aborts = [_timed(lambda i=i: p.stub.Abort(hisparse_pb2.AbortRequest(request_id=f"s{streams - 1 - i}"),
-                                              timeout=30)) for i in range(10)]
+    aborts = [
+      _timed(lambda i=i: p.stub.Abort(hisparse_pb2.AbortRequest(request_id=f"s{streams - 1 - i}"), timeout=30))
+      for i in range(10)
+    ]
     other_first = [_timed(other.first_token) for _ in range(reps)]
     queued = p.loads().queued
-    extra = [p.stub.Generate(hisparse_pb2.GenerateRequest(text="e", max_new_tokens=1), timeout=30)
-             for _ in range(1024 + 8 - streams + 100)]
+    extra = [
+      p.stub.Generate(hisparse_pb2.GenerateRequest(text="e", max_new_tokens=1), timeout=30)
+      for _ in range(1024 + 8 - streams + 100)
+    ]
     t = time.perf_counter()
     codes = []
     for c in extra[-20:]:
@@ -193,10 +236,16 @@ def main(argv=None) -> int:
       except grpc.RpcError as e:
         codes.append(e.code().name)
     burst_ms = 1e3 * (time.perf_counter() - t)
-    res["streams_phase"] = dict(health=_stats(health), loads=_stats(loads), abort=_stats(aborts), queued=queued,
-                                other_first_token=_stats(other_first),
-                                over_queue_codes=sorted(set(codes)), over_queue_ms=burst_ms,
-                                rss_mb=_rss_mb(proc.pid))
+    res["streams_phase"] = dict(
+      health=_stats(health),
+      loads=_stats(loads),
+      abort=_stats(aborts),
+      queued=queued,
+      other_first_token=_stats(other_first),
+      over_queue_codes=sorted(set(codes)),
+      over_queue_ms=burst_ms,
+      rss_mb=_rss_mb(proc.pid),
+    )
     print(f"streams: {res['streams_phase']}", flush=True)
     for c in calls + extra:
       c.cancel()
@@ -204,7 +253,9 @@ def main(argv=None) -> int:
     while (p.loads().running or p.loads().queued) and time.monotonic() < deadline:
       time.sleep(0.2)
     time.sleep(2.0)
-    res["after"] = dict(rss_mb=_rss_mb(proc.pid), rss_before_mb=rss0, small=_stats([_timed(p.small) for _ in range(reps)]))
+    res["after"] = dict(
+      rss_mb=_rss_mb(proc.pid), rss_before_mb=rss0, small=_stats([_timed(p.small) for _ in range(reps)])
+    )
     print(f"after: {res['after']}", flush=True)
     channel.close()
   finally:
@@ -220,29 +271,46 @@ def main(argv=None) -> int:
 
 def _markdown(r: dict) -> str:
   idle_small = r["idle"]["small"]["p50_ms"]
-  rows = [("idle", r["idle"]["small"], r["idle"]["health"]),
-          (f"{r['text_flood_clients']} clients sending {r['max_prompt_bytes'] / 2**20:.2f} MB texts", r["text"]["small"],
-           r["text"]["health"]),
-          ("after both", r["after"]["small"], None)]
+  rows = [
+    ("idle", r["idle"]["small"], r["idle"]["health"]),
+    (
+      f"{r['text_flood_clients']} clients sending {r['max_prompt_bytes'] / 2**20:.2f} MB texts",
+      r["text"]["small"],
+      r["text"]["health"],
+    ),
+    ("after both", r["after"]["small"], None),
+  ]
   lines = ["| phase | small request p50 ms | p99 ms | / idle p50 | Health p50 ms | Health max ms |", "|---" * 6 + "|"]
   for name, s, h in rows:
     hh = f"{h['p50_ms']:.1f} | {h['max_ms']:.1f}" if h else " | "
     lines.append(f"| {name} | {s['p50_ms']:.0f} | {s['p99_ms']:.0f} | {s['p50_ms'] / idle_small:.2f}x | {hh} |")
   sp = r["streams_phase"]
-  lines += ["", f"{r['streams']} open streams of one client ({sp['queued']} queued in the engine):", "",
-            "| call | p50 ms | max ms |", "|---|---|---|"]
+  lines += [
+    "",
+    f"{r['streams']} open streams of one client ({sp['queued']} queued in the engine):",
+    "",
+    "| call | p50 ms | max ms |",
+    "|---|---|---|",
+  ]
   lines += [f"| {k} | {sp[k]['p50_ms']:.1f} | {sp[k]['max_ms']:.1f} |" for k in ("health", "loads", "abort")]
   o, o0 = sp["other_first_token"], r["idle"]["other_first_token"]
-  lines += ["", f"Another client's small request meanwhile (fair sharing): first token p50 {o['p50_ms']:.0f} ms, "
-            f"max {o['max_ms']:.0f} ms, against {o0['p50_ms']:.0f} / {o0['max_ms']:.0f} ms idle "
-            f"({o['p50_ms'] / o0['p50_ms']:.2f}x at p50)."]
-  lines += ["", f"Streams past the queue bound: {', '.join(sp['over_queue_codes'])} "
-            f"({sp['over_queue_ms'] / 20:.1f} ms each). Text 1 byte over the limit: {r['over_limit']['code']} in "
-            f"{r['over_limit']['ms']:.0f} ms. Flood requests: {r['text']['flood_requests']} "
-            f"({', '.join(r['text']['flood_codes'])}).", "",
-            f"Server RSS: {r['after']['rss_before_mb']:.0f} MB before, {r['text']['rss_mb']:.0f} MB during the text "
-            f"flood, {sp['rss_mb']:.0f} MB with the streams open, {r['after']['rss_mb']:.0f} MB after "
-            f"({100 * (r['after']['rss_mb'] / r['after']['rss_before_mb'] - 1):+.1f}%)."]
+  lines += [
+    "",
+    f"Another client's small request meanwhile (fair sharing): first token p50 {o['p50_ms']:.0f} ms, "
+    f"max {o['max_ms']:.0f} ms, against {o0['p50_ms']:.0f} / {o0['max_ms']:.0f} ms idle "
+    f"({o['p50_ms'] / o0['p50_ms']:.2f}x at p50).",
+  ]
+  lines += [
+    "",
+    f"Streams past the queue bound: {', '.join(sp['over_queue_codes'])} "
+    f"({sp['over_queue_ms'] / 20:.1f} ms each). Text 1 byte over the limit: {r['over_limit']['code']} in "
+    f"{r['over_limit']['ms']:.0f} ms. Flood requests: {r['text']['flood_requests']} "
+    f"({', '.join(r['text']['flood_codes'])}).",
+    "",
+    f"Server RSS: {r['after']['rss_before_mb']:.0f} MB before, {r['text']['rss_mb']:.0f} MB during the text "
+    f"flood, {sp['rss_mb']:.0f} MB with the streams open, {r['after']['rss_mb']:.0f} MB after "
+    f"({100 * (r['after']['rss_mb'] / r['after']['rss_before_mb'] - 1):+.1f}%).",
+  ]
   return "\n".join(lines) + "\n"
 
 

@@ -35,12 +35,36 @@ sys.path.insert(0, HERE)
 
 from cli import OUT_HELP, default_out, int_in, out_path, write_results  # noqa: E402
 
-MODEL = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
-             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=32,
-             n_shared_experts=1, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-             v_head_dim=64, index_head_dim=64, dtype="bfloat16")
-QUICK = dict(MODEL, vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-             n_routed_experts=8, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)
+MODEL = dict(
+  vocab_size=32768,
+  hidden_size=1024,
+  intermediate_size=2048,
+  moe_intermediate_size=512,
+  num_hidden_layers=4,
+  num_attention_heads=8,
+  num_key_value_heads=8,
+  n_routed_experts=32,
+  n_shared_experts=1,
+  q_lora_rank=256,
+  kv_lora_rank=128,
+  qk_nope_head_dim=64,
+  qk_rope_head_dim=32,
+  v_head_dim=64,
+  index_head_dim=64,
+  dtype="bfloat16",
+)
+QUICK = dict(
+  MODEL,
+  vocab_size=4096,
+  hidden_size=256,
+  intermediate_size=512,
+  moe_intermediate_size=128,
+  n_routed_experts=8,
+  q_lora_rank=128,
+  kv_lora_rank=64,
+  qk_nope_head_dim=32,
+  v_head_dim=32,
+)
 
 
 def _status(field: str) -> int:
@@ -54,12 +78,14 @@ def _status(field: str) -> int:
 def worker(args) -> None:
   """One process: join the others, load onto the mesh, print one JSON line."""
   from hisparse_jax import distributed
+
   distributed.initialize(distributed.DistributedArgs(args.coordinator_address, args.num_processes, args.process_id))
   import jax
   from flax import nnx
 
   from hisparse_jax.sharding import MeshConfig, placer
   from models.convert import load_model
+
   mesh_cfg = MeshConfig(*args.mesh)
   mesh = mesh_cfg.make_mesh()
   with open("/proc/self/clear_refs", "w") as f:
@@ -70,8 +96,12 @@ def worker(args) -> None:
   seconds = time.perf_counter() - start
   shard = sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model)) for s in x.addressable_shards)
   peak = _status("VmHWM") - before
-  print(json.dumps(dict(process=jax.process_index(), shard_bytes=shard, peak_bytes=peak, seconds=seconds,
-                        ratio=peak / shard)), flush=True)
+  print(
+    json.dumps(
+      dict(process=jax.process_index(), shard_bytes=shard, peak_bytes=peak, seconds=seconds, ratio=peak / shard)
+    ),
+    flush=True,
+  )
 
 
 def parse_meshes(text: str) -> list[tuple[int, int, int]]:
@@ -90,8 +120,12 @@ def main() -> None:
   ap.add_argument("--quick", action="store_true", help="a small checkpoint, one mesh (the test suite's run)")
   ap.add_argument("--processes", type=int_in(1, 64), default=2, help="local processes (jax.distributed)")
   ap.add_argument("--devices-per-process", type=int_in(1, 64), default=4, help="simulated CPU devices each")
-  ap.add_argument("--meshes", default="2,4,8:1,8,8:8,1,8", type=parse_meshes,
-                  help="dp,tp,ep meshes separated by ':' (dp x tp = processes x devices per process)")
+  ap.add_argument(
+    "--meshes",
+    default="2,4,8:1,8,8:8,1,8",
+    type=parse_meshes,
+    help="dp,tp,ep meshes separated by ':' (dp x tp = processes x devices per process)",
+  )
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -104,34 +138,44 @@ def main() -> None:
   if args.worker:
     return worker(args)
   devices = args.processes * args.devices_per_process
-  for dp, tp, _ in args.meshes[:1 if args.quick else None]:
+  for dp, tp, _ in args.meshes[: 1 if args.quick else None]:
     if dp * tp != devices:
       ap.error(f"--meshes: {dp},{tp}: dp x tp must be the {devices} devices (--processes x --devices-per-process)")
 
   from models.random_checkpoint import write_random_checkpoint
   from tests.multiprocess import launch, wait_all
   from tests.tiny_model import scratch_dir, tiny_config
+
   t0 = time.perf_counter()
   config = tiny_config(**(QUICK if args.quick else MODEL))
   model_dir = write_random_checkpoint(os.path.join(scratch_dir("hisparse-load-"), "ckpt"), config, seed=1)
   size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
-  meshes = args.meshes[:1 if args.quick else None]
+  meshes = args.meshes[: 1 if args.quick else None]
   rows = []
   for mesh in meshes:
-    procs = launch([os.path.abspath(__file__), "--worker", f"--model={model_dir}", f"--mesh={','.join(map(str, mesh))}"],
-                   args.processes, args.devices_per_process)
+    procs = launch(
+      [os.path.abspath(__file__), "--worker", f"--model={model_dir}", f"--mesh={','.join(map(str, mesh))}"],
+      args.processes,
+      args.devices_per_process,
+    )
     for i, (rc, out, err) in enumerate(wait_all(procs, timeout=900)):
       if rc != 0:
         sys.exit(f"process {i} failed:\n{err[-3000:]}")
       row = json.loads(out.strip().splitlines()[-1])
       rows.append(dict(mesh=list(mesh), **row))
       print(rows[-1], flush=True)
-  md = [f"Checkpoint: {size / 2**20:.0f} MiB (bfloat16); {args.processes} processes x {args.devices_per_process} "
-        "CPU devices.", "", "| mesh (dp, tp, ep) | process | its shard (MiB) | peak during load (MiB) | peak / shard | "
-        "load (s) |", "|---|---|---|---|---|---|"]
+  md = [
+    f"Checkpoint: {size / 2**20:.0f} MiB (bfloat16); {args.processes} processes x {args.devices_per_process} "
+    "CPU devices.",
+    "",
+    "| mesh (dp, tp, ep) | process | its shard (MiB) | peak during load (MiB) | peak / shard | load (s) |",
+    "|---|---|---|---|---|---|",
+  ]
   for r in rows:
-    md.append(f"| {tuple(r['mesh'])} | {r['process']} | {r['shard_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.1f} | "
-              f"{r['ratio']:.3f} | {r['seconds']:.1f} |")
+    md.append(
+      f"| {tuple(r['mesh'])} | {r['process']} | {r['shard_bytes'] / 2**20:.1f} | {r['peak_bytes'] / 2**20:.1f} | "
+      f"{r['ratio']:.3f} | {r['seconds']:.1f} |"
+    )
   write_results(args.out, dict(checkpoint_bytes=size, rows=rows, seconds=time.perf_counter() - t0), "\n".join(md))
 
 

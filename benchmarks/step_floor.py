@@ -71,15 +71,23 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   decode_steps = steps + (steps - SKIP) * (OVERLAP_BLOCK + 1)  # each round: one step, one block, one to drain it
   max_seq_len = prompt_len + decode_steps + extra
   # Every request fits the device KV budget and every prompt one prefill chunk: the whole batch decodes.
-  kw = dict(dtype="float32", max_running_requests=B, max_seq_len=max_seq_len, overlap_schedule=False,
-            max_device_kv_bytes=B * max_seq_len * 4096, chunked_prefill_size=max(2048, B * prompt_len))
+  kw = dict(
+    dtype="float32",
+    max_running_requests=B,
+    max_seq_len=max_seq_len,
+    overlap_schedule=False,
+    max_device_kv_bytes=B * max_seq_len * 4096,
+    chunked_prefill_size=max(2048, B * prompt_len),
+  )
   label = mode
   if mode.endswith(FP8_SUFFIX):  # the FP8 KV cache: rows encoded on append, decoded on every gather
-    mode, kw["kv_cache_dtype"] = mode[:-len(FP8_SUFFIX)], "fp8_e4m3"
+    mode, kw["kv_cache_dtype"] = mode[: -len(FP8_SUFFIX)], "fp8_e4m3"
   if mode != "dense":  # the model's HiSparse sizes, with a host pool that holds every request's whole sequence
     hisparse = dict(DEFAULT_HISPARSE_CONFIG)
-    hisparse["host_to_device_ratio"] = max(hisparse["host_to_device_ratio"],  # ratio x (D + 1) tokens a slot
-                                           -(-max_seq_len // (hisparse["device_buffer_size"] + 1)))
+    hisparse["host_to_device_ratio"] = max(
+      hisparse["host_to_device_ratio"],  # ratio x (D + 1) tokens a slot
+      -(-max_seq_len // (hisparse["device_buffer_size"] + 1)),
+    )
     if mode == "resident":  # dynamic residency: every request keeps its latent KV on device
       hisparse["resident_fraction"] = 0.5
     kw["hisparse_config"] = json.dumps(hisparse)
@@ -87,8 +95,9 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   cfg = engine.config
   rng = np.random.default_rng(B)
   for i in range(B):
-    engine.submit(Request(f"r{i}", rng.integers(2, 100000, prompt_len).tolist(), decode_steps + extra - 8,
-                          ignore_eos=True))
+    engine.submit(
+      Request(f"r{i}", rng.integers(2, 100000, prompt_len).tolist(), decode_steps + extra - 8, ignore_eos=True)
+    )
   reqs = list(engine.waiting)
   while len(engine._decoding()) < B:  # admit and prefill every prompt first
     engine.step()
@@ -146,10 +155,12 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   # The weight in both layouts ([hidden, vocab], and [vocab, hidden] as the model and checkpoints hold it,
   # row-major) and the output both ways, which XLA:CPU's GEMM runs at different rates; the floor takes the
   # fastest.
-  refs = {"gemm_hv": (jax.jit(lambda x, w: x @ w), (x, w_hv)),
-          "gemm_vh": (jax.jit(lambda x, w: jnp.einsum("bh,vh->bv", x, w)), (x, w_vh)),
-          "gemm_vb": (jax.jit(lambda x, w: jnp.einsum("vh,bh->vb", w, x)), (x, w_vh)),
-          "read": (jax.jit(jnp.sum), (big,))}
+  refs = {
+    "gemm_hv": (jax.jit(lambda x, w: x @ w), (x, w_hv)),
+    "gemm_vh": (jax.jit(lambda x, w: jnp.einsum("bh,vh->bv", x, w)), (x, w_vh)),
+    "gemm_vb": (jax.jit(lambda x, w: jnp.einsum("vh,bh->vb", w, x)), (x, w_vh)),
+    "read": (jax.jit(jnp.sum), (big,)),
+  }
   ref_times = {name: [] for name in refs}
   for fn, fn_args in refs.values():
     jax.block_until_ready(fn(*fn_args))  # compiled before the rounds
@@ -164,11 +175,13 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   # machine's drift (this is a shared VM) moves a step and its floor together.
   order = ["step", "overlapped", *refs]
   for k in range(steps - SKIP):
-    for name in order[k % len(order):] + order[:k % len(order)]:
+    for name in order[k % len(order) :] + order[: k % len(order)]:
       engine_step() if name == "step" else overlapped_block() if name == "overlapped" else reference(name)
   if engine.decode_steps - decode_steps0 != decode_steps or len(times) != steps or len(engine._decoding()) != B:
-    raise RuntimeError(f"{engine.decode_steps - decode_steps0} decode calls ({len(times)} timed) for {decode_steps} "
-                       f"({steps}), {len(engine._decoding())} of {B} decoding")
+    raise RuntimeError(
+      f"{engine.decode_steps - decode_steps0} decode calls ({len(times)} timed) for {decode_steps} "
+      f"({steps}), {len(engine._decoding())} of {B} decoding"
+    )
   if mode == "resident" and (engine.num_offloads or set(engine.residency_steps) != {"all"}):
     raise RuntimeError(f"resident mode: {engine.num_offloads} offloads, steps by residency {engine.residency_steps}")
   for i in range(B):
@@ -190,17 +203,35 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   gemm_ms = min(gemm_hv_ms, gemm_vh_ms, gemm_vb_ms)
   compute_ms = flops / (gemm_flops / gemm_ms)
   memory_ms = read_ms  # the weights' bytes at the bare read's bandwidth
-  return dict(batch=B, bucket=batch, mode=label, step_ms=float(np.median(call)), engine_step_ms=float(np.median(eng)),
-              steps_timed=len(call), flops=flops,
-              step_bytes=step_bytes, weight_bytes=weight_bytes, gemm_ms=gemm_ms, gemm_hv_ms=gemm_hv_ms,
-              gemm_vh_ms=gemm_vh_ms, gemm_vb_ms=gemm_vb_ms,
-              gemm_gflops_per_s=gemm_flops / gemm_ms / 1e6, read_gb_per_s=weight_bytes / read_ms / 1e6,
-              compute_floor_ms=compute_ms, memory_floor_ms=memory_ms, floor_ms=max(compute_ms, memory_ms),
-              ratio=float(np.median(call / round_floor)), ratio_iqr=quartiles(call / round_floor),
-              engine_ratio=float(np.median(eng / round_floor)), engine_ratio_iqr=quartiles(eng / round_floor),
-              overlapped_step_ms=float(np.median(over)), overlapped_ratio=float(np.median(over / round_floor)),
-              overlapped_ratio_iqr=quartiles(over / round_floor), overlap_speedup=float(np.median(eng / over)),
-              bound="compute" if compute_ms >= memory_ms else "memory")
+  return dict(
+    batch=B,
+    bucket=batch,
+    mode=label,
+    step_ms=float(np.median(call)),
+    engine_step_ms=float(np.median(eng)),
+    steps_timed=len(call),
+    flops=flops,
+    step_bytes=step_bytes,
+    weight_bytes=weight_bytes,
+    gemm_ms=gemm_ms,
+    gemm_hv_ms=gemm_hv_ms,
+    gemm_vh_ms=gemm_vh_ms,
+    gemm_vb_ms=gemm_vb_ms,
+    gemm_gflops_per_s=gemm_flops / gemm_ms / 1e6,
+    read_gb_per_s=weight_bytes / read_ms / 1e6,
+    compute_floor_ms=compute_ms,
+    memory_floor_ms=memory_ms,
+    floor_ms=max(compute_ms, memory_ms),
+    ratio=float(np.median(call / round_floor)),
+    ratio_iqr=quartiles(call / round_floor),
+    engine_ratio=float(np.median(eng / round_floor)),
+    engine_ratio_iqr=quartiles(eng / round_floor),
+    overlapped_step_ms=float(np.median(over)),
+    overlapped_ratio=float(np.median(over / round_floor)),
+    overlapped_ratio_iqr=quartiles(over / round_floor),
+    overlap_speedup=float(np.median(eng / over)),
+    bound="compute" if compute_ms >= memory_ms else "memory",
+  )
 
 
 def _ratio(row: dict, key: str) -> str:
@@ -216,22 +247,33 @@ def transformers_steps(path: str) -> dict[int, float]:
   except (OSError, ValueError):
     return {}
   rows = data.get("rows") if isinstance(data, dict) else None
-  return {int(b): float(r["transformers_step_ms"]) for b, r in (rows or {}).items()
-          if isinstance(r, dict) and "transformers_step_ms" in r}
+  return {
+    int(b): float(r["transformers_step_ms"])
+    for b, r in (rows or {}).items()
+    if isinstance(r, dict) and "transformers_step_ms" in r
+  }
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--batches", type=positive_ints_at_most(1024), default=[1, 8, 32, 256], help="batch sizes (requests)")
-  ap.add_argument("--prompt-len", type=int_in(1, 2**20), default=96,
-                  help="tokens per prompt (the default 96 exceeds the default model's hot buffer of 64, so HiSparse "
-                       "swaps in every step)")
-  ap.add_argument("--steps", type=int_in(SKIP + 1, 10**6), default=40,
-                  help=f"decode steps per request (the first {SKIP} untimed)")
-  ap.add_argument("--modes", default="dense,hisparse,resident",
-                  help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
-                       "resident_fraction 0.5, no swap-in while the KV fits); each with the suffix _fp8: with "
-                       "--kv-cache-dtype fp8_e4m3 (FP8 latent rows and indexer keys)")
+  ap.add_argument(
+    "--prompt-len",
+    type=int_in(1, 2**20),
+    default=96,
+    help="tokens per prompt (the default 96 exceeds the default model's hot buffer of 64, so HiSparse "
+    "swaps in every step)",
+  )
+  ap.add_argument(
+    "--steps", type=int_in(SKIP + 1, 10**6), default=40, help=f"decode steps per request (the first {SKIP} untimed)"
+  )
+  ap.add_argument(
+    "--modes",
+    default="dense,hisparse,resident",
+    help="dense, hisparse (every step swaps in), resident (HiSparse with dynamic residency: "
+    "resident_fraction 0.5, no swap-in while the KV fits); each with the suffix _fp8: with "
+    "--kv-cache-dtype fp8_e4m3 (FP8 latent rows and indexer keys)",
+  )
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true")
   if ap.parse_known_args(argv)[0].quick:  # small sizes as defaults: flags given explicitly still win
@@ -248,29 +290,40 @@ def main(argv=None) -> int:
   model_dir = ensure_default_model()
   t0 = time.perf_counter()
   from hisparse_jax.engine.args import StartupError
+
   try:
     rows = [measure(model_dir, B, mode, args.prompt_len, args.steps) for B in args.batches for mode in modes]
   except StartupError as e:  # a size the engine refuses (e.g. a prompt past the model's context)
     print(f"error: --prompt-len {args.prompt_len} / --steps {args.steps}: {e}", file=sys.stderr)
     return 2
-  theirs = transformers_steps(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                           "vs_transformers.json"))
+  theirs = transformers_steps(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "vs_transformers.json")
+  )
   import jax
-  lines = [f"Default model, float32, {jax.default_backend()}, {os.cpu_count()} cores; prompts of "
-           f"{args.prompt_len} tokens, {args.steps} decode steps, the first {SKIP} untimed; each timed step one round "
-           f"with the floor's references and a block of {OVERLAP_BLOCK} overlapped steps. Ratios: median over rounds of step / that round's floor (IQR).", "",
-           "| batch | mode | decode call ms | engine step ms: no overlap / overlapped | floor ms (bound) | call / floor "
-           "| engine step / floor: no overlap | overlapped | GFLOP / step | bare GEMM ms (GFLOP/s) "
-           "| GEMM ms: w [H,V] / w [V,H] / out [V,B] | weight read GB/s | transformers step ms |",
-           "|---" * 13 + "|"]
+
+  lines = [
+    f"Default model, float32, {jax.default_backend()}, {os.cpu_count()} cores; prompts of "
+    f"{args.prompt_len} tokens, {args.steps} decode steps, the first {SKIP} untimed; each timed step one round "
+    f"with the floor's references and a block of {OVERLAP_BLOCK} overlapped steps. Ratios: median over rounds of step / that round's floor (IQR).",
+    "",
+    "| batch | mode | decode call ms | engine step ms: no overlap / overlapped | floor ms (bound) | call / floor "
+    "| engine step / floor: no overlap | overlapped | GFLOP / step | bare GEMM ms (GFLOP/s) "
+    "| GEMM ms: w [H,V] / w [V,H] / out [V,B] | weight read GB/s | transformers step ms |",
+    "|---" * 13 + "|",
+  ]
   for r in rows:
     hf = theirs.get(r["batch"])
-    lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['engine_step_ms']:.2f} / "
-                 f"{r['overlapped_step_ms']:.2f} | {r['floor_ms']:.2f} ({r['bound']}) | {_ratio(r, 'ratio')} | "
-                 f"{_ratio(r, 'engine_ratio')} | {_ratio(r, 'overlapped_ratio')} | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
-                 f"{r['gemm_hv_ms']:.2f} / {r['gemm_vh_ms']:.2f} / {r['gemm_vb_ms']:.2f} | {r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |")
-  write_results(args.out, {"args": vars(args), "rows": rows, "transformers_step_ms": theirs,
-                           "seconds": time.perf_counter() - t0}, "\n".join(lines))
+    lines.append(
+      f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['engine_step_ms']:.2f} / "
+      f"{r['overlapped_step_ms']:.2f} | {r['floor_ms']:.2f} ({r['bound']}) | {_ratio(r, 'ratio')} | "
+      f"{_ratio(r, 'engine_ratio')} | {_ratio(r, 'overlapped_ratio')} | {r['flops'] / 1e9:.3f} | {r['gemm_ms']:.2f} ({r['gemm_gflops_per_s']:.0f}) | "
+      f"{r['gemm_hv_ms']:.2f} / {r['gemm_vh_ms']:.2f} / {r['gemm_vb_ms']:.2f} | {r['read_gb_per_s']:.1f} | {'' if hf is None else f'{hf:.2f}'} |"
+    )
+  write_results(
+    args.out,
+    {"args": vars(args), "rows": rows, "transformers_step_ms": theirs, "seconds": time.perf_counter() - t0},
+    "\n".join(lines),
+  )
   return 0
 
 

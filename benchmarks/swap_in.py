@@ -35,8 +35,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from cli import (OUT_HELP, check_memory, default_out, floats_in, int_in, ints_in, out_path,  # benchmarks/
-                 write_results)
+from cli import (
+  OUT_HELP,
+  check_memory,
+  default_out,
+  floats_in,
+  int_in,
+  ints_in,
+  out_path,  # benchmarks/
+  write_results,
+)
 
 from hisparse_jax import _ffi_cpu
 from hisparse_jax.kernels import ops
@@ -58,8 +66,9 @@ def make_case(B, D, K, W, L, miss_fraction, rng):
       order = rng.permutation(S - 1).astype(np.int32)  # positions older than the newest
       resident, absent = order[:D], order[D:]
       slot_tokens[l, b] = resident
-      top_k[l, b] = np.concatenate([rng.choice(absent, n_miss, replace=False),
-                                    rng.choice(resident, K - n_miss, replace=False)])
+      top_k[l, b] = np.concatenate(
+        [rng.choice(absent, n_miss, replace=False), rng.choice(resident, K - n_miss, replace=False)]
+      )
   lru = np.broadcast_to(np.arange(D, dtype=np.int32), (L, B, D)).copy()
   host_rows = (np.arange(B, dtype=np.int32)[:, None] * S + np.arange(S, dtype=np.int32)).astype(np.int32)
   return top_k, slot_tokens, lru, host_rows, S
@@ -96,9 +105,22 @@ def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", plat
   def step(pool, hot, slots, order, stats, top_k, seq_lens, host_rows):
     rows = []
     for l in range(L):
-      r, pool, hot, slots, order, stats, _ = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_rows, newest, pool,
-                                                      hot, slots, order, stats, page_size=1, external=external,
-                                                      copy_blocks=copy_blocks)
+      r, pool, hot, slots, order, stats, _ = ops.swap_in(
+        l,
+        top_k[l],
+        seq_lens,
+        req_ids,
+        host_rows,
+        newest,
+        pool,
+        hot,
+        slots,
+        order,
+        stats,
+        page_size=1,
+        external=external,
+        copy_blocks=copy_blocks,
+      )
       rows.append(r)
     return jnp.stack(rows), pool, hot, slots, order, stats
 
@@ -125,8 +147,20 @@ def time_point(B, D, W, L, miss_fraction, repeats, rng, *, host_pool="jax", plat
   t_book, _ = timed(hits_only, S)
   t_call, rows = timed(top_k, S)
   n_miss = int(round(miss_fraction * K))
-  return dict(t_idle=t_idle, t_book=t_book, t_call=t_call, rows=rows, top_k=top_k, host_rows=host_rows, H=H,
-              n_miss=n_miss, miss_bytes=L * B * n_miss * W, pool=pool, hot=hot, ext=ext)
+  return dict(
+    t_idle=t_idle,
+    t_book=t_book,
+    t_call=t_call,
+    rows=rows,
+    top_k=top_k,
+    host_rows=host_rows,
+    H=H,
+    n_miss=n_miss,
+    miss_bytes=L * B * n_miss * W,
+    pool=pool,
+    hot=hot,
+    ext=ext,
+  )
 
 
 def summarize(B, D, W, L, miss_fraction, t, ref_seconds: float, ref_name: str) -> dict:
@@ -134,12 +168,21 @@ def summarize(B, D, W, L, miss_fraction, t, ref_seconds: float, ref_name: str) -
   copy_s = t["t_call"] - t["t_book"]
   # Below ~10% of the call (or under 1 MiB) the copy time drowns in run-to-run noise: not reported.
   measurable = copy_s > 0.1 * t["t_call"] and t["miss_bytes"] >= 1 << 20
-  return dict(batch=B, buffer=D, row_bytes=W, layers=L, top_k=TOP_K, miss_fraction=miss_fraction,
-              misses_per_request_layer=t["n_miss"], call_ms=t["t_call"] * 1e3, idle_ms=t["t_idle"] * 1e3,
-              bookkeeping_us=max(t["t_book"] - t["t_idle"], 0) / (B * L) * 1e6,
-              miss_GBps=t["miss_bytes"] / copy_s / 1e9 if measurable else None,
-              **{ref_name: t["miss_bytes"] / max(ref_seconds, 1e-9) / 1e9},
-              ratio=ref_seconds / copy_s if measurable else None)
+  return dict(
+    batch=B,
+    buffer=D,
+    row_bytes=W,
+    layers=L,
+    top_k=TOP_K,
+    miss_fraction=miss_fraction,
+    misses_per_request_layer=t["n_miss"],
+    call_ms=t["t_call"] * 1e3,
+    idle_ms=t["t_idle"] * 1e3,
+    bookkeeping_us=max(t["t_book"] - t["t_idle"], 0) / (B * L) * 1e6,
+    miss_GBps=t["miss_bytes"] / copy_s / 1e9 if measurable else None,
+    **{ref_name: t["miss_bytes"] / max(ref_seconds, 1e-9) / 1e9},
+    ratio=ref_seconds / copy_s if measurable else None,
+  )
 
 
 def run_point(B, D, W, L, miss_fraction, repeats, rng):
@@ -148,10 +191,12 @@ def run_point(B, D, W, L, miss_fraction, repeats, rng):
   # Reference: a bare memcpy loop over exactly these rows between the same two buffers.
   src = np.concatenate([l * H + host_rows[b, top_k[l, b, :n]] for l in range(L) for b in range(B)])
   dst = np.concatenate([l * B * (D + 1) + rows[l, b, :n] for l in range(L) for b in range(B)])
-  ref = statistics.median(_ffi_cpu.copy_rows_seconds(t["pool"].unsafe_buffer_pointer(),
-                                                     t["hot"].unsafe_buffer_pointer(), W,
-                                                     src.astype(np.int64), dst.astype(np.int64))
-                          for _ in range(repeats))
+  ref = statistics.median(
+    _ffi_cpu.copy_rows_seconds(
+      t["pool"].unsafe_buffer_pointer(), t["hot"].unsafe_buffer_pointer(), W, src.astype(np.int64), dst.astype(np.int64)
+    )
+    for _ in range(repeats)
+  )
   return summarize(B, D, W, L, miss_fraction, t, ref, "memcpy_GBps")
 
 
@@ -163,8 +208,11 @@ def main(argv=None):
   ap.add_argument("--miss", type=floats_in(0.0, 1.0), default=[0.001, 0.05, 0.2, 1.0])
   ap.add_argument("--layers", type=int_in(1, 256), default=2)
   ap.add_argument("--repeats", type=int_in(1, 10000), default=9)
-  ap.add_argument("--quick", action="store_true", help="one small point per axis (CI smoke): replaces --batch, "
-                  "--buffer, --row-bytes, --miss and --repeats")
+  ap.add_argument(
+    "--quick",
+    action="store_true",
+    help="one small point per axis (CI smoke): replaces --batch, --buffer, --row-bytes, --miss and --repeats",
+  )
   ap.add_argument("--out", type=out_path, help=OUT_HELP + "; OUT.json holds every point")
   args = ap.parse_args(argv)
   args.out = args.out or default_out("swap_in", args.quick)
@@ -173,13 +221,18 @@ def main(argv=None):
     args.batch, args.buffer, args.row_bytes, args.miss, args.repeats = [4], [2048], [656], [0.05, 1.0], 2
   # Per request and layer, the host pool (a context of D + K + 1 rows: make_case) and the hot buffer (D + 1 rows).
   rows = max(args.batch) * (2 * max(args.buffer) + TOP_K + 2) * args.layers
-  check_memory(ap, rows * max(args.row_bytes), "the host pool and hot buffers (--batch x --buffer x --row-bytes "
-               "x --layers)")
+  check_memory(
+    ap, rows * max(args.row_bytes), "the host pool and hot buffers (--batch x --buffer x --row-bytes x --layers)"
+  )
   rng = np.random.default_rng(0)
-  print(f"# swap-in benchmark: {platform.processor() or platform.machine()}, "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, K={TOP_K}, layers/call={args.layers}")
-  header = (f"{'B':>4} {'D':>5} {'W':>5} {'miss':>6} {'call_ms':>9} {'idle_ms':>8} {'book_us':>8} "
-            f"{'miss_GBps':>9} {'memcpy_GBps':>11} {'ratio':>6}")
+  print(
+    f"# swap-in benchmark: {platform.processor() or platform.machine()}, "
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}, K={TOP_K}, layers/call={args.layers}"
+  )
+  header = (
+    f"{'B':>4} {'D':>5} {'W':>5} {'miss':>6} {'call_ms':>9} {'idle_ms':>8} {'book_us':>8} "
+    f"{'miss_GBps':>9} {'memcpy_GBps':>11} {'ratio':>6}"
+  )
   print(header)
   results, lines = [], []
   for B in args.batch:
@@ -189,12 +242,15 @@ def main(argv=None):
           r = run_point(B, D, W, args.layers, f, args.repeats, rng)
           results.append(r)
           fmt = lambda v, w: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"
-          lines.append(f"{B:>4} {D:>5} {W:>5} {f:>6.3f} {r['call_ms']:>9.3f} {r['idle_ms']:>8.3f} "
-                       f"{r['bookkeeping_us']:>8.2f} {fmt(r['miss_GBps'], 9)} {r['memcpy_GBps']:>11.2f} "
-                       f"{fmt(r['ratio'], 6)}")
+          lines.append(
+            f"{B:>4} {D:>5} {W:>5} {f:>6.3f} {r['call_ms']:>9.3f} {r['idle_ms']:>8.3f} "
+            f"{r['bookkeeping_us']:>8.2f} {fmt(r['miss_GBps'], 9)} {r['memcpy_GBps']:>11.2f} "
+            f"{fmt(r['ratio'], 6)}"
+          )
           print(lines[-1], flush=True)
-  write_results(args.out, {"points": results, "seconds": time.perf_counter() - t0},
-                "\n".join(["```", header, *lines, "```"]))
+  write_results(
+    args.out, {"points": results, "seconds": time.perf_counter() - t0}, "\n".join(["```", header, *lines, "```"])
+  )
   return results
 
 

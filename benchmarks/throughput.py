@@ -57,8 +57,9 @@ E2E_CONCURRENCY = {8192: 4, 16384: 2}
 # DeepSeek-V3.2's public config.json: its KV bytes per token under the runtime's FP8 KV cache
 # (--kv-cache-dtype fp8_e4m3, models/kv_format.py: 656 B of latent row and 132 B of indexer key per layer,
 # 61 layers), the capacity this budget would give the real model, from the same plan as the engine's.
-DEEPSEEK_V32_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
-                                   "deepseek_v32_config.json")
+DEEPSEEK_V32_CONFIG = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "deepseek_v32_config.json"
+)
 
 
 def deepseek_v32_layout():
@@ -67,9 +68,12 @@ def deepseek_v32_layout():
 
   from hisparse_jax.memory import backend as kvmem
   from models.config import DSAConfig
+
   with open(DEEPSEEK_V32_CONFIG) as f:
     cfg = DSAConfig.from_hf_config(json.load(f)).replace(kv_cache_dtype="fp8_e4m3")
   return kvmem.KVLayout.of(cfg, "bfloat16")
+
+
 SECTIONS = ("e2e", "decode")
 
 
@@ -79,6 +83,7 @@ class Bench:
     from hisparse_jax.config import HiSparseConfig
     from hisparse_jax.memory import backend as kvmem
     from models.config import DSAConfig
+
     self.model_dir = bench_models.realsize_model()
     self.cfg = DSAConfig.from_pretrained(self.model_dir)
     self.hisparse = HiSparseConfig(**bench_models.REALSIZE_HISPARSE)
@@ -87,6 +92,7 @@ class Bench:
   def budget(self, context: int) -> int:
     """DENSE_FITS dense requests of `context` tokens (the backend's own per-request bytes)."""
     from hisparse_jax.memory import backend as kvmem
+
     return DENSE_FITS * kvmem.request_bytes(self.layout, None, PAGE, context)["device"]
 
   def fits(self, mode: str, context: int, real: bool = False) -> int:
@@ -95,6 +101,7 @@ class Bench:
     its budget on as many hot buffers as it can fill with indexer keys. real: with DeepSeek-V3.2's per-token
     bytes (deepseek_v32_layout) and the budget of 4 of its dense requests."""
     from hisparse_jax.memory import backend as kvmem
+
     layout = deepseek_v32_layout() if real else self.layout
     budget = DENSE_FITS * kvmem.request_bytes(layout, None, PAGE, context)["device"]
     hisparse = self.hisparse if mode == "hisparse" else None
@@ -109,12 +116,19 @@ class Bench:
 
   def engine(self, mode: str, concurrency: int, context: int):
     from hisparse_jax.engine import Engine
-    return Engine(self.model_dir, hisparse=self.hisparse if mode == "hisparse" else None,
-                  max_running_requests=max(1, min(concurrency, self.fits(mode, context))), max_seq_len=context,
-                  max_device_kv_bytes=self.budget(context), page_size=PAGE)
+
+    return Engine(
+      self.model_dir,
+      hisparse=self.hisparse if mode == "hisparse" else None,
+      max_running_requests=max(1, min(concurrency, self.fits(mode, context))),
+      max_seq_len=context,
+      max_device_kv_bytes=self.budget(context),
+      page_size=PAGE,
+    )
 
   def request(self, rid: str, prompt: int, seed: int, prompt_kv=None, new: int = NEW):
     from hisparse_jax.engine import Request
+
     ids = np.random.default_rng(seed).integers(2, 100_000, prompt).tolist()
     extra = {} if prompt_kv is None else dict(prompt_kv=prompt_kv, first_token=7)
     return Request(rid, ids, new, ignore_eos=True, **extra)
@@ -136,13 +150,21 @@ def _drive(engine, reqs) -> dict:
   ttft = np.array([r.first_token_time - r.arrival for r in reqs])
   tokens = len(reqs) * NEW
   decode_tokens = tokens - len(reqs)  # each request's first token comes from prefill / the import
-  return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, admitted=peak,
-              decode_s=engine.decode_seconds, decode_steps=engine.decode_steps, prefill_s=engine.prefill_seconds,
-              decode_tokens_per_s=decode_tokens / max(engine.decode_seconds, 1e-9),
-              step_ms=1e3 * engine.decode_seconds / max(engine.decode_steps, 1),
-              ttft_mean_s=float(ttft.mean()), ttft_p90_s=float(np.percentile(ttft, 90)),
-              misses_per_step=sum(r.misses for r in reqs) / max(engine.decode_steps, 1),
-              preemptions=engine.num_preemptions)
+  return dict(
+    wall_s=wall,
+    tokens=tokens,
+    tokens_per_s=tokens / wall,
+    admitted=peak,
+    decode_s=engine.decode_seconds,
+    decode_steps=engine.decode_steps,
+    prefill_s=engine.prefill_seconds,
+    decode_tokens_per_s=decode_tokens / max(engine.decode_seconds, 1e-9),
+    step_ms=1e3 * engine.decode_seconds / max(engine.decode_steps, 1),
+    ttft_mean_s=float(ttft.mean()),
+    ttft_p90_s=float(np.percentile(ttft, 90)),
+    misses_per_step=sum(r.misses for r in reqs) / max(engine.decode_steps, 1),
+    preemptions=engine.num_preemptions,
+  )
 
 
 def run_point(bench: Bench, section: str, context: int, concurrency: int, mode: str, kv=None) -> dict:
@@ -162,14 +184,16 @@ def run_point(bench: Bench, section: str, context: int, concurrency: int, mode: 
   del warm_kv
   eng.num_preemptions = 0
   reqs = [bench.request(f"{mode}-{i}", context - NEW, 100 + i, prompt_kv=kv) for i in range(concurrency)]
-  return dict(section=section, mode=mode, context=context, concurrency=concurrency, slots=eng.num_slots,
-              **_drive(eng, reqs))
+  return dict(
+    section=section, mode=mode, context=context, concurrency=concurrency, slots=eng.num_slots, **_drive(eng, reqs)
+  )
 
 
 def _random_kv(bench: Bench, prompt: int):
   """Random prompt KV of the model's shapes (latent like kv_a_layernorm's output, unit-norm-ish keys)."""
   import jax
   import jax.numpy as jnp
+
   cfg = bench.cfg
   k1, k2 = jax.random.split(jax.random.key(0))
   latent = jax.random.normal(k1, (cfg.num_hidden_layers, prompt, cfg.latent_dim), jnp.float32)
@@ -185,41 +209,66 @@ def _pairs(points, key):
 
 
 def _markdown(res: dict) -> str:
-  lines = [f"Budget per context: {DENSE_FITS} dense requests of that context. HiSparse {res['hisparse']}.", "",
-           "Requests of the context the budget holds (device pages; HiSparse also bounded by its host pool):", "",
-           "| context | dense | HiSparse (device) | HiSparse (host pool) | ratio | with DeepSeek-V3.2's bytes per token: "
-           "dense | HiSparse | ratio |", "|---" * 8 + "|"]
+  lines = [
+    f"Budget per context: {DENSE_FITS} dense requests of that context. HiSparse {res['hisparse']}.",
+    "",
+    "Requests of the context the budget holds (device pages; HiSparse also bounded by its host pool):",
+    "",
+    "| context | dense | HiSparse (device) | HiSparse (host pool) | ratio | with DeepSeek-V3.2's bytes per token: "
+    "dense | HiSparse | ratio |",
+    "|---" * 8 + "|",
+  ]
   for c in res.get("capacity", []):
     r = c["deepseek_v32"]
-    lines.append(f"| {c['context']} | {c['dense']} | {c['hisparse']} | {c['host_bound']} | "
-                 f"{min(c['hisparse'], c['host_bound']) / max(c['dense'], 1):.2f}x | {r['dense']} | {r['hisparse']} | "
-                 f"{r['hisparse'] / max(r['dense'], 1):.2f}x |")
+    lines.append(
+      f"| {c['context']} | {c['dense']} | {c['hisparse']} | {c['host_bound']} | "
+      f"{min(c['hisparse'], c['host_bound']) / max(c['dense'], 1):.2f}x | {r['dense']} | {r['hisparse']} | "
+      f"{r['hisparse'] / max(r['dense'], 1):.2f}x |"
+    )
   lines.append("")
   if res.get("e2e"):
-    lines += ["End to end (prompts prefilled by the engine):", "",
-              "| context | C | mode | admitted | tokens/s | decode tok/s | step ms | TTFT mean s | TTFT p90 s | "
-              "HiSparse/dense tok/s | HiSparse/dense decode tok/s |", "|---" * 11 + "|"]
+    lines += [
+      "End to end (prompts prefilled by the engine):",
+      "",
+      "| context | C | mode | admitted | tokens/s | decode tok/s | step ms | TTFT mean s | TTFT p90 s | "
+      "HiSparse/dense tok/s | HiSparse/dense decode tok/s |",
+      "|---" * 11 + "|",
+    ]
     for ctx, c, m in _pairs(res["e2e"], "concurrency"):
       for mode in MODES:
         p = m[mode]
-        ratio = (f"**{m['hisparse']['tokens_per_s'] / m['dense']['tokens_per_s']:.2f}x** | "
-                 f"**{m['hisparse']['decode_tokens_per_s'] / m['dense']['decode_tokens_per_s']:.2f}x**"
-                 if mode == "hisparse" else " | ")
-        lines.append(f"| {ctx} | {c} | {mode} | {p['admitted']} | {p['tokens_per_s']:.1f} | "
-                     f"{p['decode_tokens_per_s']:.1f} | {p['step_ms']:.0f} | {p['ttft_mean_s']:.1f} | "
-                     f"{p['ttft_p90_s']:.1f} | {ratio} |")
+        ratio = (
+          f"**{m['hisparse']['tokens_per_s'] / m['dense']['tokens_per_s']:.2f}x** | "
+          f"**{m['hisparse']['decode_tokens_per_s'] / m['dense']['decode_tokens_per_s']:.2f}x**"
+          if mode == "hisparse"
+          else " | "
+        )
+        lines.append(
+          f"| {ctx} | {c} | {mode} | {p['admitted']} | {p['tokens_per_s']:.1f} | "
+          f"{p['decode_tokens_per_s']:.1f} | {p['step_ms']:.0f} | {p['ttft_mean_s']:.1f} | "
+          f"{p['ttft_p90_s']:.1f} | {ratio} |"
+        )
     lines.append("")
   if res.get("decode"):
-    lines += ["Decode phase (prompt KV imported with each request):", "",
-              "| context | C | mode | slots | admitted | decode tok/s | step ms | misses / step | preempted | "
-              "HiSparse/dense decode tok/s |", "|---" * 10 + "|"]
+    lines += [
+      "Decode phase (prompt KV imported with each request):",
+      "",
+      "| context | C | mode | slots | admitted | decode tok/s | step ms | misses / step | preempted | "
+      "HiSparse/dense decode tok/s |",
+      "|---" * 10 + "|",
+    ]
     for ctx, c, m in _pairs(res["decode"], "concurrency"):
       for mode in MODES:
         p = m[mode]
-        ratio = (f"**{m['hisparse']['decode_tokens_per_s'] / m['dense']['decode_tokens_per_s']:.2f}x**"
-                 if mode == "hisparse" else "")
-        lines.append(f"| {ctx} | {c} | {mode} | {p['slots']} | {p['admitted']} | {p['decode_tokens_per_s']:.1f} | "
-                     f"{p['step_ms']:.0f} | {p['misses_per_step']:.0f} | {p['preemptions']} | {ratio} |")
+        ratio = (
+          f"**{m['hisparse']['decode_tokens_per_s'] / m['dense']['decode_tokens_per_s']:.2f}x**"
+          if mode == "hisparse"
+          else ""
+        )
+        lines.append(
+          f"| {ctx} | {c} | {mode} | {p['slots']} | {p['admitted']} | {p['decode_tokens_per_s']:.1f} | "
+          f"{p['step_ms']:.0f} | {p['misses_per_step']:.0f} | {p['preemptions']} | {ratio} |"
+        )
   return "\n".join(lines) + "\n"
 
 
@@ -228,10 +277,13 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="small contexts and counts (CI smoke)")
   ap.add_argument("--sections", default=",".join(SECTIONS), type=sections(SECTIONS))
   ap.add_argument("--contexts", default="8192,16384,32768,65536", type=positive_ints)
-  ap.add_argument("--concurrency", default="1,16", type=positive_ints,
-                  help="decode-section concurrency")
-  ap.add_argument("--e2e-contexts", default=",".join(map(str, E2E_CONCURRENCY)), type=positive_ints,
-                  help="e2e-section contexts (concurrency from E2E_CONCURRENCY, else 1)")
+  ap.add_argument("--concurrency", default="1,16", type=positive_ints, help="decode-section concurrency")
+  ap.add_argument(
+    "--e2e-contexts",
+    default=",".join(map(str, E2E_CONCURRENCY)),
+    type=positive_ints,
+    help="e2e-section contexts (concurrency from E2E_CONCURRENCY, else 1)",
+  )
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   args = ap.parse_args(argv)
   args.out = args.out or default_out("throughput", args.quick)
@@ -242,11 +294,16 @@ def main(argv=None) -> int:
   if min(args.contexts + list(e2e_c)) < 4096 + NEW or any(c % PAGE for c in args.contexts + list(e2e_c)):
     ap.error(f"--contexts: multiples of {PAGE}, at least {4096 + NEW} (longer than the hot buffer)")
   import jax
+
   t0 = time.perf_counter()
   bench = Bench()
-  res = dict(machine=dict(cpus=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend()),
-             hisparse=dict(bench.hisparse.__dict__), new_tokens=NEW, dense_fits=DENSE_FITS,
-             budgets={c: bench.budget(c) for c in args.contexts})
+  res = dict(
+    machine=dict(cpus=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend()),
+    hisparse=dict(bench.hisparse.__dict__),
+    new_tokens=NEW,
+    dense_fits=DENSE_FITS,
+    budgets={c: bench.budget(c) for c in args.contexts},
+  )
   if "decode" in args.sections:
     res["decode"] = []
     for ctx in args.contexts:
@@ -255,11 +312,20 @@ def main(argv=None) -> int:
         for mode in MODES:
           res["decode"].append(run_point(bench, "decode", ctx, c, mode, kv))
           p = res["decode"][-1]
-          print(f"decode {ctx} C={c} {mode}: admitted {p['admitted']}, {p['decode_tokens_per_s']:.1f} decode tok/s",
-                flush=True)
+          print(
+            f"decode {ctx} C={c} {mode}: admitted {p['admitted']}, {p['decode_tokens_per_s']:.1f} decode tok/s",
+            flush=True,
+          )
       del kv
-  res["capacity"] = [dict(context=ctx, **{m: bench.fits(m, ctx) for m in MODES}, host_bound=bench.host_fits(ctx),
-                          deepseek_v32={m: bench.fits(m, ctx, real=True) for m in MODES}) for ctx in args.contexts]
+  res["capacity"] = [
+    dict(
+      context=ctx,
+      **{m: bench.fits(m, ctx) for m in MODES},
+      host_bound=bench.host_fits(ctx),
+      deepseek_v32={m: bench.fits(m, ctx, real=True) for m in MODES},
+    )
+    for ctx in args.contexts
+  ]
   if "e2e" in args.sections:
     res["e2e"] = []
     for ctx in e2e_c:

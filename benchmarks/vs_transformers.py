@@ -84,8 +84,7 @@ def make_prompts(n: int, length: int, seed: int = PROMPT_SEED) -> list[list[int]
   return np.random.default_rng(seed).integers(*PROMPT_ID_RANGE, (n, length)).tolist()
 
 
-def time_ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats: int,
-              max_seq_len: int | None) -> dict:
+def time_ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats: int, max_seq_len: int | None) -> dict:
   """Warm-up + `repeats` timed submit-and-run passes of our engine over all of `prompts` at once.
 
   Returns times_s (each repeat, seconds), step_ms (wall time of every engine step after the first of
@@ -108,8 +107,9 @@ def time_ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats
       stamps.append(time.perf_counter())
     for r in reqs:
       if len(r.output_ids) != new_tokens:
-        raise RuntimeError(f"request {r.request_id}: {len(r.output_ids)} tokens ({r.finish_reason}), "
-                           f"expected {new_tokens}")
+        raise RuntimeError(
+          f"request {r.request_id}: {len(r.output_ids)} tokens ({r.finish_reason}), expected {new_tokens}"
+        )
     return stamps, [r.output_ids for r in reqs]
 
   t0 = time.perf_counter()
@@ -121,21 +121,44 @@ def time_ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats
     times.append(stamps[-1] - stamps[0])
     first_step_s.append(stamps[1] - stamps[0])
     step_ms += (np.diff(stamps[1:]) * 1e3).tolist()
-  return dict(init_s=init_s, warmup_s=warmup_s, times_s=times, step_ms=step_ms, first_step_s=first_step_s,
-              ids=ids, max_seq_len=engine.max_seq_len)
+  return dict(
+    init_s=init_s,
+    warmup_s=warmup_s,
+    times_s=times,
+    step_ms=step_ms,
+    first_step_s=first_step_s,
+    ids=ids,
+    max_seq_len=engine.max_seq_len,
+  )
 
 
-def run_transformers(model_dir: str, prompts: list[list[int]], batches: list[int], new_tokens: int,
-                     repeats: int, threads: int) -> dict:
+def run_transformers(
+  model_dir: str, prompts: list[list[int]], batches: list[int], new_tokens: int, repeats: int, threads: int
+) -> dict:
   """Runs the worker (hf_generate_timing.py) in the oracle env; returns its JSON (RuntimeError on failure)."""
   with tempfile.TemporaryDirectory() as tmp:
     ppath, out = os.path.join(tmp, "prompts.json"), os.path.join(tmp, "hf.json")
     with open(ppath, "w") as f:
       json.dump(prompts, f)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    cmd = [ORACLE_PYTHON, WORKER, "--model-dir", model_dir, "--prompts", ppath, "--batches",
-           ",".join(map(str, batches)), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
-           "--threads", str(threads), "--out", out]
+    cmd = [
+      ORACLE_PYTHON,
+      WORKER,
+      "--model-dir",
+      model_dir,
+      "--prompts",
+      ppath,
+      "--batches",
+      ",".join(map(str, batches)),
+      "--new-tokens",
+      str(new_tokens),
+      "--repeats",
+      str(repeats),
+      "--threads",
+      str(threads),
+      "--out",
+      out,
+    ]
     r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0:
       raise RuntimeError(f"transformers worker failed (exit {r.returncode}):\n{r.stdout[-4000:]}")
@@ -146,6 +169,7 @@ def run_transformers(model_dir: str, prompts: list[list[int]], batches: list[int
 def cpu_busy(seconds: float = 1.0) -> float | None:
   """Fraction of all cores busy (0..1) over the next `seconds`, from /proc/stat (None elsewhere):
   before the run, the share other processes use; a benchmark on a busy machine is flagged."""
+
   def read():
     with open("/proc/stat") as f:
       v = [int(x) for x in f.readline().split()[1:]]
@@ -174,8 +198,7 @@ def main(argv=None) -> int:
   ap.add_argument("--new-tokens", type=int, default=64)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
-  ap.add_argument("--max-seq-len", type=int, default=None,
-                  help="our Engine's max_seq_len (default: the engine's own)")
+  ap.add_argument("--max-seq-len", type=int, default=None, help="our Engine's max_seq_len (default: the engine's own)")
   ap.add_argument("--out", type=out_path, help=OUT_HELP)
   ap.add_argument("--quick", action="store_true", help="batches 1,2, 8 new tokens, 1 repeat (CI smoke)")
   args = ap.parse_args(argv)
@@ -183,8 +206,11 @@ def main(argv=None) -> int:
   if args.quick:
     args.batches, args.new_tokens, args.repeats = "1,2", 8, 1
   if not os.path.exists(ORACLE_PYTHON):
-    print(f"error: oracle python {ORACLE_PYTHON} does not exist (set HISPARSE_ORACLE_PYTHON; "
-          "`make test` creates .venv-oracle)", file=sys.stderr)
+    print(
+      f"error: oracle python {ORACLE_PYTHON} does not exist (set HISPARSE_ORACLE_PYTHON; "
+      "`make test` creates .venv-oracle)",
+      file=sys.stderr,
+    )
     return 2
   batches = [int(x) for x in args.batches.split(",")]
   busy_before = cpu_busy()
@@ -207,54 +233,98 @@ def main(argv=None) -> int:
     prefix = [common_prefix(oi, ti) for oi, ti in zip(o["ids"], t["aligned_ids"])]
     prefix_stock = [common_prefix(oi, ti) for oi, ti in zip(o["ids"], t["ids"])]
     first_token_ok &= all(first)
-    rows[str(b)] = dict(ours_s=o_s, transformers_s=t_s, ours_tok_s=b * args.new_tokens / o_s,
-                        transformers_tok_s=b * args.new_tokens / t_s, speedup=t_s / o_s,
-                        speedup_best=min(t["times_s"]) / min(o["times_s"]),
-                        ours_step_ms=statistics.median(o["step_ms"]) if o["step_ms"] else None,
-                        transformers_step_ms=statistics.median(t["step_ms"]) if t["step_ms"] else None,
-                        first_token_agree=sum(first), first_token_agree_stock=sum(first_stock),
-                        common_prefix=prefix, common_prefix_stock=prefix_stock)
+    rows[str(b)] = dict(
+      ours_s=o_s,
+      transformers_s=t_s,
+      ours_tok_s=b * args.new_tokens / o_s,
+      transformers_tok_s=b * args.new_tokens / t_s,
+      speedup=t_s / o_s,
+      speedup_best=min(t["times_s"]) / min(o["times_s"]),
+      ours_step_ms=statistics.median(o["step_ms"]) if o["step_ms"] else None,
+      transformers_step_ms=statistics.median(t["step_ms"]) if t["step_ms"] else None,
+      first_token_agree=sum(first),
+      first_token_agree_stock=sum(first_stock),
+      common_prefix=prefix,
+      common_prefix_stock=prefix_stock,
+    )
 
-  lines = ["| batch | ours tok/s | transformers tok/s | speed-up | speed-up, best of repeats | first-token agreement (aligned / stock) | "
-           "ours ms/decode step | transformers ms/decode step | common greedy prefix, aligned (min / mean) | "
-           "common greedy prefix, stock (min / mean) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| batch | ours tok/s | transformers tok/s | speed-up | speed-up, best of repeats | first-token agreement (aligned / stock) | "
+    "ours ms/decode step | transformers ms/decode step | common greedy prefix, aligned (min / mean) | "
+    "common greedy prefix, stock (min / mean) |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
   step = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
   for b in batches:
     r = rows[str(b)]
-    lines.append(f"| {b} | {r['ours_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_best']:.2f}x | "
-                 f"{r['first_token_agree']}/{b} / {r['first_token_agree_stock']}/{b} | {step(r['ours_step_ms'])} | "
-                 f"{step(r['transformers_step_ms'])} | {min(r['common_prefix'])} / "
-                 f"{np.mean(r['common_prefix']):.1f} of {args.new_tokens} | {min(r['common_prefix_stock'])} / "
-                 f"{np.mean(r['common_prefix_stock']):.1f} of {args.new_tokens} |")
+    lines.append(
+      f"| {b} | {r['ours_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_best']:.2f}x | "
+      f"{r['first_token_agree']}/{b} / {r['first_token_agree_stock']}/{b} | {step(r['ours_step_ms'])} | "
+      f"{step(r['transformers_step_ms'])} | {min(r['common_prefix'])} / "
+      f"{np.mean(r['common_prefix']):.1f} of {args.new_tokens} | {min(r['common_prefix_stock'])} / "
+      f"{np.mean(r['common_prefix_stock']):.1f} of {args.new_tokens} |"
+    )
   table = "\n".join(lines)
   total_s = time.perf_counter() - t_start
   busy_after = cpu_busy()
-  header = (f"Default model (DeepseekV32ForCausalLM, float32), prompt {args.prompt_len} tokens, "
-            f"{args.new_tokens} new tokens, greedy, median of {args.repeats} after a warm-up, prefill included; "
-            f"{os.cpu_count()} CPU cores, torch threads {theirs['torch_threads']}, JAX on "
-            f"{jax.devices()[0].platform} ({total_s:.0f} s in all).")
+  header = (
+    f"Default model (DeepseekV32ForCausalLM, float32), prompt {args.prompt_len} tokens, "
+    f"{args.new_tokens} new tokens, greedy, median of {args.repeats} after a warm-up, prefill included; "
+    f"{os.cpu_count()} CPU cores, torch threads {theirs['torch_threads']}, JAX on "
+    f"{jax.devices()[0].platform} ({total_s:.0f} s in all)."
+  )
   if busy_before is not None and max(busy_before, busy_after) > 0.25:  # torch's OpenMP threads suffer most
-    header += (f"\n\nWarning: other processes kept {100 * busy_before:.0f}% of the CPUs busy just before the "
-               f"run and {100 * busy_after:.0f}% just after; the numbers are not those of an idle machine.")
+    header += (
+      f"\n\nWarning: other processes kept {100 * busy_before:.0f}% of the CPUs busy just before the "
+      f"run and {100 * busy_after:.0f}% just after; the numbers are not those of an idle machine."
+    )
   print(header + "\n\n" + table)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out + ".md", "w") as f:
     f.write(header + "\n\n" + table + "\n")
-  versions = dict(python=platform.python_version(), jax=jax.__version__, numpy=np.__version__,
-                  oracle_python=theirs["python"], torch=theirs["torch"], transformers=theirs["transformers"])
-  machine = dict(cpu_count=os.cpu_count(), platform=platform.platform(), processor=platform.processor(),
-                 jax_backend=jax.devices()[0].platform, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                 torch_threads=theirs["torch_threads"], torch_interop_threads=theirs["torch_interop_threads"],
-                 omp_num_threads=args.threads, cpu_busy_before=busy_before, cpu_busy_after=busy_after,
-                 loadavg_after=os.getloadavg())
+  versions = dict(
+    python=platform.python_version(),
+    jax=jax.__version__,
+    numpy=np.__version__,
+    oracle_python=theirs["python"],
+    torch=theirs["torch"],
+    transformers=theirs["transformers"],
+  )
+  machine = dict(
+    cpu_count=os.cpu_count(),
+    platform=platform.platform(),
+    processor=platform.processor(),
+    jax_backend=jax.devices()[0].platform,
+    xla_flags=os.environ.get("XLA_FLAGS", ""),
+    torch_threads=theirs["torch_threads"],
+    torch_interop_threads=theirs["torch_interop_threads"],
+    omp_num_threads=args.threads,
+    cpu_busy_before=busy_before,
+    cpu_busy_after=busy_after,
+    loadavg_after=os.getloadavg(),
+  )
   with open(args.out + ".json", "w") as f:
-    json.dump(dict(args=vars(args), model_dir=model_dir, prompt_seed=PROMPT_SEED, versions=versions,
-                   machine=machine, total_s=total_s, first_token_ok=bool(first_token_ok), rows=rows, ours=ours,
-                   transformers=theirs), f)
+    json.dump(
+      dict(
+        args=vars(args),
+        model_dir=model_dir,
+        prompt_seed=PROMPT_SEED,
+        versions=versions,
+        machine=machine,
+        total_s=total_s,
+        first_token_ok=bool(first_token_ok),
+        rows=rows,
+        ours=ours,
+        transformers=theirs,
+      ),
+      f,
+    )
   if not first_token_ok:
-    print("error: the first generated token differs from transformers' (tie-break aligned) for some prompt: "
-          "the two sides do not run the same model", file=sys.stderr)
+    print(
+      "error: the first generated token differs from transformers' (tie-break aligned) for some prompt: "
+      "the two sides do not run the same model",
+      file=sys.stderr,
+    )
     return 1
   return 0
 

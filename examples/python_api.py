@@ -27,8 +27,11 @@ args = ap.parse_args()
 
 model_dir = EngineArgs(model_path=args.model_path).model_dir()  # the default model is generated on first use
 tokenizer = load_tokenizer_or_fail(model_dir)  # None for a model without tokenizer.json: pass ids then
-prompts = [json.loads(line)["text"] for line in
-           (pathlib.Path(__file__).parent / "prompts.jsonl").read_text().splitlines() if line.strip()]
+prompts = [
+  json.loads(line)["text"]
+  for line in (pathlib.Path(__file__).parent / "prompts.jsonl").read_text().splitlines()
+  if line.strip()
+]
 
 outputs = {}
 # top_k must be the model's index_topk (32 for the default model); a 64-slot hot buffer makes these
@@ -36,8 +39,9 @@ outputs = {}
 for mode, hisparse in (("dense", None), ("hisparse", HiSparseConfig(top_k=32, device_buffer_size=64))):
   engine = Engine(model_dir, hisparse=hisparse, tokenizer=tokenizer, max_seq_len=1024, deterministic=True)
   bos = engine.config.bos_token_id
-  requests = [Request(f"{mode}-{i}", encode_prompt(tokenizer, text, bos), args.max_new_tokens)
-              for i, text in enumerate(prompts)]
+  requests = [
+    Request(f"{mode}-{i}", encode_prompt(tokenizer, text, bos), args.max_new_tokens) for i, text in enumerate(prompts)
+  ]
   for req in requests:
     engine.submit(req)
   try:
@@ -52,8 +56,9 @@ for mode, hisparse in (("dense", None), ("hisparse", HiSparseConfig(top_k=32, de
   outputs[mode] = [req.output_ids for req in requests]
   for req in requests:
     stats = f", {req.hits} hits / {req.misses} misses" if hisparse else ""
-    print(f"[{mode}] {req.request_id}: {len(req.prompt_ids)} prompt tokens, {req.finish_reason}{stats}: "
-          f"{req.text[:60]!r}")
+    print(
+      f"[{mode}] {req.request_id}: {len(req.prompt_ids)} prompt tokens, {req.finish_reason}{stats}: {req.text[:60]!r}"
+    )
 
 assert outputs["dense"] == outputs["hisparse"], "HiSparse must give the dense tokens"
 print("dense and HiSparse tokens agree")

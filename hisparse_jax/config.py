@@ -47,8 +47,7 @@ def check_prefetch_threads_env() -> None:
   with ``atoi`` and clamped) is unset or an integer in [0, 64] written in ASCII digits (``str.isdigit``
   would also take "²" or "٣", which ``atoi`` reads differently)."""
   value = os.environ.get(PREFETCH_THREADS_ENV)
-  if value is not None and not (re.fullmatch(r"[ \t]*[0-9]{1,3}[ \t]*", value)
-                                and int(value) <= MAX_PREFETCH_THREADS):
+  if value is not None and not (re.fullmatch(r"[ \t]*[0-9]{1,3}[ \t]*", value) and int(value) <= MAX_PREFETCH_THREADS):
     raise ConfigError(f"{PREFETCH_THREADS_ENV} must be an integer in [0, {MAX_PREFETCH_THREADS}], got {value!r}")
 
 
@@ -112,17 +111,22 @@ class HiSparseConfig:
     for key in ("top_k", "device_buffer_size", "host_to_device_ratio", "prefetch_depth", "resident_fraction"):
       value = getattr(self, key)  # numpy scalars (np.int64, np.float32) are stored as Python numbers
       kind = float if key == "resident_fraction" else int
-      if (isinstance(value, numbers.Integral if kind is int else numbers.Real) and not isinstance(value, bool)
-          and type(value) is not kind):
+      if (
+        isinstance(value, numbers.Integral if kind is int else numbers.Real)
+        and not isinstance(value, bool)
+        and type(value) is not kind
+      ):
         object.__setattr__(self, key, kind(value))
     if self.device_buffer_size is None and isinstance(self.top_k, int) and not isinstance(self.top_k, bool):
       object.__setattr__(self, "device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * self.top_k)  # as from_json
     if self.prefetch not in PREFETCHES:
       raise ConfigError(f"hisparse config: prefetch must be one of {list(PREFETCHES)}, got {self.prefetch!r}")
     if self.prefetch != "none" and self.eviction in SCORED_EVICTIONS:
-      raise ConfigError(f'hisparse config: prefetch "next_layer" needs eviction "lru" or "clock": eviction '
-                        f'"{self.eviction}" ranks slots by the layer\'s own indexer scores, which a prefetch (before '
-                        "the layer runs) does not have")
+      raise ConfigError(
+        f'hisparse config: prefetch "next_layer" needs eviction "lru" or "clock": eviction '
+        f'"{self.eviction}" ranks slots by the layer\'s own indexer scores, which a prefetch (before '
+        "the layer runs) does not have"
+      )
     if self.eviction not in EVICTIONS:
       raise ConfigError(f"hisparse config: eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}")
     f = self.resident_fraction
@@ -141,10 +145,10 @@ class HiSparseConfig:
       raise ConfigError('hisparse config: prefetch_depth is set but prefetch is "none" (set "prefetch": "next_layer")')
     if self.device_buffer_size < self.top_k:
       raise ConfigError(
-          f"hisparse config: device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k})")
+        f"hisparse config: device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k})"
+      )
     if self.host_to_device_ratio < 1:
-      raise ConfigError(
-          f"hisparse config: host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
+      raise ConfigError(f"hisparse config: host_to_device_ratio must be >= 1, got {self.host_to_device_ratio}")
 
   def check_model(self, model_cfg) -> None:
     """ConfigError unless the model can run this config's eviction: the score policies read each layer's
@@ -154,9 +158,11 @@ class HiSparseConfig:
       return
     shared = [l for l in range(model_cfg.num_hidden_layers) if not model_cfg.has_indexer(l)]
     if shared:
-      raise ConfigError(f'hisparse config: eviction "{self.eviction}" needs every layer\'s indexer scores; layers '
-                        f"{shared[:8]}{'...' if len(shared) > 8 else ''} of this model share another layer's "
-                        'top-k and have no indexer (use "lru" or "clock")')
+      raise ConfigError(
+        f'hisparse config: eviction "{self.eviction}" needs every layer\'s indexer scores; layers '
+        f"{shared[:8]}{'...' if len(shared) > 8 else ''} of this model share another layer's "
+        'top-k and have no indexer (use "lru" or "clock")'
+      )
 
   @property
   def prefetch_positions(self) -> int:
@@ -204,9 +210,12 @@ class HiSparseConfig:
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k != model_top_k:  # before what depends on it
       raise ConfigError(f"hisparse config: top_k ({top_k}) differs from the model's index_topk ({model_top_k})")
     config = cls(
-        top_k=top_k,
-        device_buffer_size=raw.get("device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * model_top_k),
-        host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO),
-        eviction=raw.get("eviction", DEFAULT_EVICTION), resident_fraction=raw.get("resident_fraction", 0.0),
-        prefetch=raw.get("prefetch", DEFAULT_PREFETCH), prefetch_depth=raw.get("prefetch_depth"))
+      top_k=top_k,
+      device_buffer_size=raw.get("device_buffer_size", DEFAULT_BUFFER_PER_TOP_K * model_top_k),
+      host_to_device_ratio=raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO),
+      eviction=raw.get("eviction", DEFAULT_EVICTION),
+      resident_fraction=raw.get("resident_fraction", 0.0),
+      prefetch=raw.get("prefetch", DEFAULT_PREFETCH),
+      prefetch_depth=raw.get("prefetch_depth"),
+    )
     return config

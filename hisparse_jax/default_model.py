@@ -40,20 +40,25 @@ def cache_root() -> pathlib.Path:
 
 def ensure_default_model() -> str:
   """Returns the default model's directory, generating it on first use (~5 s)."""
-  return ensure_random_model(default_model_config(), DEFAULT_SEED, "default-deepseek-v32",
-                             hisparse_config=DEFAULT_HISPARSE_CONFIG)
+  return ensure_random_model(
+    default_model_config(), DEFAULT_SEED, "default-deepseek-v32", hisparse_config=DEFAULT_HISPARSE_CONFIG
+  )
 
 
-def ensure_random_model(config: dict, seed: int, name: str, *, hisparse_config: dict | None = None,
-                        tokenizer: bool = True) -> str:
+def ensure_random_model(
+  config: dict, seed: int, name: str, *, hisparse_config: dict | None = None, tokenizer: bool = True
+) -> str:
   """Directory of the deterministic random checkpoint (``models.random_checkpoint``) of an HF config
   dict, generated on first use under ``cache_root()/<name>-<hash of config, seed, options>``.
 
   tokenizer: copy the DeepSeek-V3 tokenizer in (needs ``vocab_size`` >= its 128815 ids);
   hisparse_config: written as ``hisparse_config.json`` (the model's default HiSparse sizes).
   """
-  key = [config, seed] if (tokenizer and hisparse_config == DEFAULT_HISPARSE_CONFIG) else \
-      [config, seed, tokenizer, hisparse_config]  # the first form keeps the default model's folder name
+  key = (
+    [config, seed]
+    if (tokenizer and hisparse_config == DEFAULT_HISPARSE_CONFIG)
+    else [config, seed, tokenizer, hisparse_config]
+  )  # the first form keeps the default model's folder name
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
   target = cache_root() / f"{name}-{digest}"
   if (target / "config.json").exists():

@@ -64,14 +64,17 @@ EXIT_GRACE_S = 1.0
 
 
 _WHO = ["process 0 of 1"]  # this process, for messages (set by initialize; JAX may not answer while it starts)
-_ARGS: list = [None]        # the DistributedArgs initialize joined with
+_ARGS: list = [None]  # the DistributedArgs initialize joined with
 
 
 def flags() -> dict:
   """The distributed flags every process must share (``check_same``), from ``initialize``."""
   a = _ARGS[0]
-  return {} if a is None else dict(num_processes=a.num_processes,
-                                   distributed_heartbeat_timeout_s=a.distributed_heartbeat_timeout_s)
+  return (
+    {}
+    if a is None
+    else dict(num_processes=a.num_processes, distributed_heartbeat_timeout_s=a.distributed_heartbeat_timeout_s)
+  )
 
 
 class DistributedError(RuntimeError):
@@ -93,17 +96,18 @@ class DistributedArgs:
   distributed_heartbeat_timeout_s: int = 30
 
   _HELP = {
-      "coordinator_address": "HOST:PORT of process 0 (it hosts the JAX coordination service there); needed "
-                             "with --num-processes > 1.",
-      "num_processes": "Processes forming one device mesh (each runs this command with its own --process-id).",
-      "process_id": "This process's index in [0, --num-processes); 0 takes the requests, the others follow it.",
-      "distributed_init_timeout_s": "Seconds start-up waits for the coordinator / for every process to join.",
-      "distributed_heartbeat_timeout_s": "Seconds a silent (dead) process is given before the others stop.",
+    "coordinator_address": "HOST:PORT of process 0 (it hosts the JAX coordination service there); needed "
+    "with --num-processes > 1.",
+    "num_processes": "Processes forming one device mesh (each runs this command with its own --process-id).",
+    "process_id": "This process's index in [0, --num-processes); 0 takes the requests, the others follow it.",
+    "distributed_init_timeout_s": "Seconds start-up waits for the coordinator / for every process to join.",
+    "distributed_heartbeat_timeout_s": "Seconds a silent (dead) process is given before the others stop.",
   }
 
   @classmethod
   def define_flags(cls, flags_module=None) -> None:
     from absl import flags as absl_flags
+
     fl = flags_module or absl_flags
     for f in dataclasses.fields(cls):
       name, help_ = f.name.replace("_", "-"), cls._HELP[f.name]
@@ -115,30 +119,38 @@ class DistributedArgs:
   @classmethod
   def from_flags(cls, flag_values=None) -> "DistributedArgs":
     from absl import flags as absl_flags
+
     fv = flag_values or absl_flags.FLAGS
     return cls(**{f.name: fv[f.name.replace("_", "-")].value for f in dataclasses.fields(cls)})
 
   def validate(self) -> None:
     """StartupError naming the flag: sizes out of range, a missing or malformed --coordinator-address."""
     from hisparse_jax.engine.args import StartupError
+
     if not 1 <= self.num_processes <= MAX_PROCESSES:
       raise StartupError(f"--num-processes must be in [1, {MAX_PROCESSES}], got {self.num_processes}")
     if not 0 <= self.process_id < self.num_processes:
-      raise StartupError(f"--process-id {self.process_id}: expected 0..{self.num_processes - 1} "
-                         f"(--num-processes {self.num_processes})")
-    for flag, v in (("--distributed-init-timeout-s", self.distributed_init_timeout_s),
-                    ("--distributed-heartbeat-timeout-s", self.distributed_heartbeat_timeout_s)):
+      raise StartupError(
+        f"--process-id {self.process_id}: expected 0..{self.num_processes - 1} (--num-processes {self.num_processes})"
+      )
+    for flag, v in (
+      ("--distributed-init-timeout-s", self.distributed_init_timeout_s),
+      ("--distributed-heartbeat-timeout-s", self.distributed_heartbeat_timeout_s),
+    ):
       if not 1 <= v <= MAX_TIMEOUT_S:
         raise StartupError(f"{flag} must be in [1, {MAX_TIMEOUT_S}] seconds, got {v}")
     if self.coordinator_address:
       self.host_port()
     if self.num_processes > 1 and not self.coordinator_address:
-      raise StartupError(f"--num-processes {self.num_processes} needs --coordinator-address HOST:PORT (process 0's "
-                         "address; the same on every process)")
+      raise StartupError(
+        f"--num-processes {self.num_processes} needs --coordinator-address HOST:PORT (process 0's "
+        "address; the same on every process)"
+      )
 
   def host_port(self) -> tuple[str, int]:
     """(host, port) of --coordinator-address (an IPv6 address in brackets: [::1]:1234)."""
     from hisparse_jax.engine.args import StartupError
+
     address = self.coordinator_address or ""
     host, sep, port = address.rpartition(":")
     bad = f"--coordinator-address {address!r}: expected HOST:PORT (an IPv6 address as [ADDRESS]:PORT)"
@@ -164,10 +176,12 @@ def initialize(args: DistributedArgs) -> None:
       coordination service cannot start.
   """
   from hisparse_jax.engine.args import StartupError
+
   args.validate()
   if args.num_processes == 1:
     return
   import jax
+
   _WHO[0] = f"process {args.process_id} of {args.num_processes}"
   _ARGS[0] = args
   host, port = args.host_port()
@@ -190,35 +204,49 @@ def initialize(args: DistributedArgs) -> None:
   jax.config.update("jax_enable_preemption_service", False)
   # jax.distributed aborts the whole process (SIGABRT, a misleading "another task died") when the others do
   # not join in time: a watchdog gives the real reason first, and exits.
-  who = ("not every process joined (start each of the other processes with the same --coordinator-address "
-         "and --num-processes and its own --process-id; one that stopped on a flag error before joining says "
-         "why in its own output)" if args.process_id == 0 else
-         "the coordinator answered but start-up did not complete (is another process running with the same "
-         "--process-id, or a different --num-processes?)")
+  who = (
+    "not every process joined (start each of the other processes with the same --coordinator-address "
+    "and --num-processes and its own --process-id; one that stopped on a flag error before joining says "
+    "why in its own output)"
+    if args.process_id == 0
+    else "the coordinator answered but start-up did not complete (is another process running with the same "
+    "--process-id, or a different --num-processes?)"
+  )
   done = threading.Event()
 
   def watchdog():
     if not done.wait(timeout):
-      fatal(f"--num-processes {args.num_processes}, --coordinator-address {args.coordinator_address}: {who} "
-            f"within --distributed-init-timeout-s {timeout}")
+      fatal(
+        f"--num-processes {args.num_processes}, --coordinator-address {args.coordinator_address}: {who} "
+        f"within --distributed-init-timeout-s {timeout}"
+      )
 
   threading.Thread(target=watchdog, name="distributed-init-watchdog", daemon=True).start()
   try:
-    jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
-                               process_id=args.process_id, initialization_timeout=timeout + 30,
-                               heartbeat_timeout_seconds=args.distributed_heartbeat_timeout_s,
-                               shutdown_timeout_seconds=args.distributed_heartbeat_timeout_s)
+    jax.distributed.initialize(
+      args.coordinator_address,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+      initialization_timeout=timeout + 30,
+      heartbeat_timeout_seconds=args.distributed_heartbeat_timeout_s,
+      shutdown_timeout_seconds=args.distributed_heartbeat_timeout_s,
+    )
   except Exception as e:  # noqa: BLE001 - e.g. "Failed to start RPC server"
     done.set()
-    raise StartupError(f"--coordinator-address {args.coordinator_address}: jax.distributed could not start: "
-                       f"{str(e).splitlines()[0]}") from None
+    raise StartupError(
+      f"--coordinator-address {args.coordinator_address}: jax.distributed could not start: {str(e).splitlines()[0]}"
+    ) from None
   done.set()
   if args.process_id == 0:
     # Process 0 leaves last (the others wait in the barrier while it finishes its own work, e.g. writing results),
     # so only its wait means a process is gone. Its handler runs before jax's own (atexit is last-in,
     # first-out), which then finds nothing to do; the watchdog thread starts now (none can once exiting).
-    threading.Thread(target=_shutdown_watchdog, args=(args.distributed_heartbeat_timeout_s / 2,),
-                     name="distributed-shutdown-watchdog", daemon=True).start()
+    threading.Thread(
+      target=_shutdown_watchdog,
+      args=(args.distributed_heartbeat_timeout_s / 2,),
+      name="distributed-shutdown-watchdog",
+      daemon=True,
+    ).start()
     atexit.register(_shutdown)
   _check_devices()
 
@@ -232,6 +260,7 @@ def _shutdown() -> None:
   one there until the coordination service aborts it (SIGABRT, status 134, after the shutdown timeout):
   ``_shutdown_watchdog`` ends the wait first, with a message and status 1."""
   import jax
+
   _EXITING.set()
   jax.distributed.shutdown()
   _LEFT.set()
@@ -240,14 +269,17 @@ def _shutdown() -> None:
 def _shutdown_watchdog(wait_s: float) -> None:
   _EXITING.wait()
   if not _LEFT.wait(wait_s):
-    fatal(f"another process stopped before this one could leave jax.distributed together with it (waited "
-          f"{wait_s:.0f} s); exiting")
+    fatal(
+      f"another process stopped before this one could leave jax.distributed together with it (waited "
+      f"{wait_s:.0f} s); exiting"
+    )
 
 
 def _check_port_free(address: str, port: int) -> None:
   """StartupError unless the coordinator port is free on every address (JAX binds [::]:PORT and would
   abort the process on a port it cannot bind)."""
   from hisparse_jax.engine.args import StartupError
+
   try:
     if socket.has_dualstack_ipv6():
       sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
@@ -255,8 +287,9 @@ def _check_port_free(address: str, port: int) -> None:
       sock = socket.create_server(("0.0.0.0", port))
     sock.close()
   except OSError as e:
-    raise StartupError(f"--coordinator-address {address}: process 0 cannot listen on port {port}: "
-                       f"{e.strerror}") from None
+    raise StartupError(
+      f"--coordinator-address {address}: process 0 cannot listen on port {port}: {e.strerror}"
+    ) from None
 
 
 def _check_devices() -> None:
@@ -267,11 +300,14 @@ def _check_devices() -> None:
   import jax
 
   from hisparse_jax.engine.args import StartupError
+
   counts = collections.Counter(d.process_index for d in jax.devices())
   if len(set(counts.values())) > 1:
     listed = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
-    raise StartupError(f"the processes have different numbers of devices ({listed}); give every process the same "
-                       "(XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)")
+    raise StartupError(
+      f"the processes have different numbers of devices ({listed}); give every process the same "
+      "(XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)"
+    )
 
 
 def startup_barrier(error: str | None) -> None:
@@ -282,6 +318,7 @@ def startup_barrier(error: str | None) -> None:
   from jax.experimental import multihost_utils
 
   from hisparse_jax.engine.args import StartupError
+
   if jax.process_count() == 1:
     if error is not None:
       raise StartupError(error)
@@ -289,12 +326,12 @@ def startup_barrier(error: str | None) -> None:
   data = (error or "").encode()[:SETTINGS_BYTES]
   buf = np.zeros(SETTINGS_BYTES + 4, np.uint8)
   buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
-  buf[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+  buf[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
   everyone = np.asarray(multihost_utils.process_allgather(buf))
   for p in range(jax.process_count()):
     n = int.from_bytes(everyone[p, :4].tobytes(), "little")
     if n:
-      theirs = everyone[p, 4:4 + n].tobytes().decode(errors="replace")
+      theirs = everyone[p, 4 : 4 + n].tobytes().decode(errors="replace")
       raise StartupError(theirs if p == jax.process_index() else f"process {p}: {theirs}")
 
 
@@ -310,6 +347,7 @@ def _native_stdout_to_stderr() -> None:
 
 def _wait_for_coordinator(host: str, port: int, timeout: float, address: str) -> None:
   from hisparse_jax.engine.args import StartupError
+
   deadline = time.monotonic() + timeout
   while True:
     try:
@@ -317,9 +355,11 @@ def _wait_for_coordinator(host: str, port: int, timeout: float, address: str) ->
         return
     except OSError as e:
       if time.monotonic() >= deadline:
-        raise StartupError(f"--coordinator-address {address}: no coordinator answered within "
-                           f"--distributed-init-timeout-s {timeout} ({e.strerror or e}); start process 0 "
-                           "(--process-id 0) with the same --coordinator-address") from None
+        raise StartupError(
+          f"--coordinator-address {address}: no coordinator answered within "
+          f"--distributed-init-timeout-s {timeout} ({e.strerror or e}); start process 0 "
+          "(--process-id 0) with the same --coordinator-address"
+        ) from None
       time.sleep(0.25)
 
 
@@ -345,6 +385,7 @@ def exit_with_error(message: str) -> None:
   others, which may be waiting in a collective for this one; on one process, threads a failed start left behind
   (orbax's restore of a damaged checkpoint) print "Event loop is closed" tracebacks after the message."""
   import jax
+
   print(message, file=sys.stderr, flush=True)
   sys.stdout.flush()
   if jax.distributed.is_initialized() and jax.process_index() == 0:
@@ -356,16 +397,18 @@ def exit_with_error(message: str) -> None:
 def encode(message: dict, arrays: list[np.ndarray] = ()) -> bytes:
   """A JSON-able dict plus raw arrays -> bytes: u32 header length, JSON header (the dict and each array's
   dtype name and shape), the arrays' bytes in order."""
-  header = json.dumps({"message": message,
-                       "arrays": [[np.dtype(a.dtype).name, list(a.shape)] for a in arrays]}).encode()
+  header = json.dumps(
+    {"message": message, "arrays": [[np.dtype(a.dtype).name, list(a.shape)] for a in arrays]}
+  ).encode()
   return len(header).to_bytes(4, "little") + header + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
 
 
 def decode(data: bytes) -> tuple[dict, list[np.ndarray]]:
   """The inverse of ``encode``."""
   import jax.numpy as jnp  # dtype names such as bfloat16
+
   n = int.from_bytes(data[:4], "little")
-  header = json.loads(data[4:4 + n])
+  header = json.loads(data[4 : 4 + n])
   arrays, at = [], 4 + n
   for name, shape in header["arrays"]:
     dt = np.dtype(jnp.dtype(name))
@@ -381,24 +424,26 @@ class Broadcast:
 
   def __init__(self):
     import jax
+
     self.is_leader = jax.process_index() == 0
 
   def exchange(self, payload: bytes | None = None) -> bytes:
     from jax.experimental import multihost_utils
+
     head = np.zeros(FRAME, np.uint8)
     if self.is_leader:
       n = len(payload)
       head[:8] = np.frombuffer(n.to_bytes(8, "little"), np.uint8)
-      first = payload[:FRAME - 8]
-      head[8:8 + len(first)] = np.frombuffer(first, np.uint8)
+      first = payload[: FRAME - 8]
+      head[8 : 8 + len(first)] = np.frombuffer(first, np.uint8)
     head = np.asarray(multihost_utils.broadcast_one_to_all(head))
     n = int.from_bytes(head[:8].tobytes(), "little")
-    data = head[8:8 + min(n, FRAME - 8)].tobytes()
+    data = head[8 : 8 + min(n, FRAME - 8)].tobytes()
     rest = n - len(data)
     if rest > 0:
       buf = np.zeros(1 << (rest - 1).bit_length(), np.uint8)
       if self.is_leader:
-        buf[:rest] = np.frombuffer(payload[FRAME - 8:], np.uint8)
+        buf[:rest] = np.frombuffer(payload[FRAME - 8 :], np.uint8)
       data += np.asarray(multihost_utils.broadcast_one_to_all(buf))[:rest].tobytes()
     return data
 
@@ -414,27 +459,32 @@ def check_same(settings: dict) -> None:
   from jax.experimental import multihost_utils
 
   from hisparse_jax.engine.args import StartupError
+
   data = json.dumps(settings, sort_keys=True).encode()
   if len(data) > SETTINGS_BYTES:
     raise StartupError(f"internal: the engine settings take {len(data)} bytes, more than {SETTINGS_BYTES}")
   buf = np.zeros(SETTINGS_BYTES + 4, np.uint8)
   buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
-  buf[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+  buf[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
   everyone = np.asarray(multihost_utils.process_allgather(buf))  # [processes, bytes]
   mine = settings
   for p in range(jax.process_count()):
     n = int.from_bytes(everyone[p, :4].tobytes(), "little")
-    theirs = json.loads(everyone[p, 4:4 + n].tobytes())
+    theirs = json.loads(everyone[p, 4 : 4 + n].tobytes())
     for key in sorted(set(mine) | set(theirs)):
       if mine.get(key) != theirs.get(key) and p != jax.process_index():
         if key == "model_fingerprint":
-          raise StartupError(f"--model-path: process {p} has another model (its config.json or weights differ "
-                             f"from process {jax.process_index()}'s); every process needs the same checkpoint")
+          raise StartupError(
+            f"--model-path: process {p} has another model (its config.json or weights differ "
+            f"from process {jax.process_index()}'s); every process needs the same checkpoint"
+          )
         flag = _SETTING_FLAGS.get(key, "--" + key.replace("_", "-"))
         shown = lambda v: "unset" if v is None else repr(v)  # noqa: E731 - (a flag left at its default None)
-        raise StartupError(f"{flag} differs between processes: {shown(mine.get(key))} here (process "
-                           f"{jax.process_index()}), {shown(theirs.get(key))} on process {p}; start every process "
-                           "with the same flags")
+        raise StartupError(
+          f"{flag} differs between processes: {shown(mine.get(key))} here (process "
+          f"{jax.process_index()}), {shown(theirs.get(key))} on process {p}; start every process "
+          "with the same flags"
+        )
 
 
 class Lockstep:
@@ -443,16 +493,17 @@ class Lockstep:
 
   def __init__(self):
     import jax
+
     self.process = jax.process_index()
     self.processes = jax.process_count()
     self.is_leader = self.process == 0
     self.channel = Broadcast()
     self.last_sent = time.monotonic()
     self.closed = False
-    self.messages = 0        # sent (leader) or received (follower)
-    self.seconds = 0.0       # spent in them (a follower's includes waiting for the leader)
-    self.kinds = collections.Counter()                 # messages by kind ("step", "ops", "idle", "stop")
-    self.recent = collections.deque(maxlen=4096)       # the last messages' seconds, for a median
+    self.messages = 0  # sent (leader) or received (follower)
+    self.seconds = 0.0  # spent in them (a follower's includes waiting for the leader)
+    self.kinds = collections.Counter()  # messages by kind ("step", "ops", "idle", "stop")
+    self.recent = collections.deque(maxlen=4096)  # the last messages' seconds, for a median
     # Called (in order, on the thread that found it) when contact is lost, before the process exits: a program
     # writes what it has finished (the batch script's top-k trace and summary).
     self.on_lost: list = []
@@ -486,9 +537,11 @@ class Lockstep:
     first ones include every process's compilation) and their total share of ``elapsed`` seconds."""
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
     median = 1e3 * float(np.median(self.recent)) if self.recent else 0.0
-    return (f"{self.processes} processes: {self.messages} messages to the followers ({kinds}), median {median:.2f} "
-            f"ms; {self.seconds:.2f} s in all ({self.seconds / max(elapsed, 1e-9):.1%} of the run), waiting for the "
-            "slowest process included (its compilations too)")
+    return (
+      f"{self.processes} processes: {self.messages} messages to the followers ({kinds}), median {median:.2f} "
+      f"ms; {self.seconds:.2f} s in all ({self.seconds / max(elapsed, 1e-9):.1%} of the run), waiting for the "
+      "slowest process included (its compilations too)"
+    )
 
   def idle_due(self) -> bool:
     return time.monotonic() - self.last_sent >= IDLE_HEARTBEAT_S
@@ -496,5 +549,8 @@ class Lockstep:
   def lost(self, error: BaseException) -> None:
     """A collective (a step, a message) failed: another process is gone or out of step. Exits (``fatal``)."""
     peer = "process 0 (the leader)" if not self.is_leader else "a follower process"
-    fatal(f"lost contact with {peer}, or the processes fell out of step: {type(error).__name__}: "
-          f"{str(error).splitlines()[0] if str(error) else ''}; exiting", before_exit=self.on_lost)
+    fatal(
+      f"lost contact with {peer}, or the processes fell out of step: {type(error).__name__}: "
+      f"{str(error).splitlines()[0] if str(error) else ''}; exiting",
+      before_exit=self.on_lost,
+    )

@@ -52,8 +52,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("prompts", None, "JSONL file of prompts ('-': standard input).", required=True)
 flags.DEFINE_string("output", None, "JSONL output file (default: stdout).")
 flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate per prompt unless the line says otherwise.")
-flags.DEFINE_string("dump-topk", None, "Write every request's per-step, per-layer top-k positions to this .npz "
-                    "(keys topk_<line>, prompt_tokens_<line>) for benchmarks/miss_rate.py --trace.")
+flags.DEFINE_string(
+  "dump-topk",
+  None,
+  "Write every request's per-step, per-layer top-k positions to this .npz "
+  "(keys topk_<line>, prompt_tokens_<line>) for benchmarks/miss_rate.py --trace.",
+)
 
 
 # Requests kept waiting in the engine beyond its lanes, at least, and lines read but not yet written, at most
@@ -77,6 +81,7 @@ MAX_NEW_TOKENS = 2**31 - 1  # token counts are int32 on the device; a line's own
 def _define_engine_flags():
   from hisparse_jax import distributed
   from hisparse_jax.engine import args
+
   args.EngineArgs.define_flags()
   distributed.DistributedArgs.define_flags()
   for module in (args, distributed):  # --help lists them with this program's own flags
@@ -88,8 +93,16 @@ _define_engine_flags()
 
 # A line's optional sampling and stop fields, as the engine's Request (and the server's GenerateRequest) name them;
 # the engine validates their values (a bad one fails its line alone).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                   "include_stop_str_in_output")
+SAMPLING_FIELDS = (
+  "temperature",
+  "top_p",
+  "top_k",
+  "seed",
+  "stop",
+  "stop_token_ids",
+  "ignore_eos",
+  "include_stop_str_in_output",
+)
 LINE_FIELDS = ("text", "input_ids", "max_new_tokens") + SAMPLING_FIELDS
 
 
@@ -102,6 +115,7 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
   except UnicodeEncodeError:
     raise ValueError(f"line {lineno}: not valid UTF-8") from None
   from hisparse_jax.config import RepeatedKey, unique_keys
+
   try:
     obj = json.loads(line, object_pairs_hook=unique_keys)
   except RepeatedKey as e:
@@ -142,6 +156,7 @@ def _parse_line(line: str, lineno: int, tokenizer, bos: int | None, default_max_
     if tokenizer is None:
       raise ValueError(f"line {lineno}: 'text' given but the model directory has no tokenizer.json")
     from hisparse_jax.engine.detokenizer import encode_prompt
+
     return encode_prompt(tokenizer, obj["text"], bos), max_new, sampling
   ids = obj["input_ids"]
   if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -153,6 +168,7 @@ def _check_writable_dir(flag: str, path: str) -> None:
   """StartupError unless a file can be created in ``path``'s folder (a scratch file, removed at once: an existing
   file at ``path`` is left untouched until there is something to write)."""
   from hisparse_jax.engine.args import StartupError
+
   if os.path.isdir(path):
     raise StartupError(f"{flag} {path!r}: is a directory")
   try:
@@ -163,8 +179,9 @@ def _check_writable_dir(flag: str, path: str) -> None:
 
 
 def _same_file(a: str, b: str) -> bool:
-  return os.path.realpath(a) == os.path.realpath(b) or (os.path.exists(a) and os.path.exists(b)
-                                                        and os.path.samefile(a, b))
+  return os.path.realpath(a) == os.path.realpath(b) or (
+    os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+  )
 
 
 def _prompts_path(path: str) -> str:
@@ -176,6 +193,7 @@ def open_prompts(path: str):
   "-" is standard input. StartupError for another device (/dev/zero, /dev/urandom: they never end) or when it
   cannot be opened."""
   from hisparse_jax.engine.args import StartupError
+
   try:
     f = os.fdopen(os.dup(sys.stdin.fileno()), "rb") if path == "-" else open(path, "rb")
   except (OSError, ValueError) as e:  # (ValueError: stdin closed)
@@ -226,6 +244,7 @@ def _open_prompts_and_check_outputs(dump: str | None, model_dir: str):
 
 def _check_outputs(dump: str | None, model_dir: str) -> None:
   from hisparse_jax.engine.args import StartupError
+
   outputs = []
   if FLAGS.output is not None:
     if not FLAGS.output:
@@ -253,6 +272,7 @@ def _write_topk_dump(path: str, traces, layers: int, topk: int) -> None:
   import numpy as np
 
   from models.from_torch import usual_modes
+
   arrays = {}
   for lineno, req in traces:
     steps = np.stack(req.topk_trace) if req.topk_trace else np.zeros((0, layers, topk), np.int32)
@@ -275,13 +295,16 @@ def _follow(args, tokenizer, record_topk: bool) -> None:
 
   from hisparse_jax import distributed
   from hisparse_jax.engine import Engine
+
   engine = Engine(args, tokenizer=tokenizer, record_topk=record_topk)
   try:
     steps = engine.follow()
   except distributed.DistributedError as e:  # process 0 stopped on an error of its own: the same exit
     sys.exit(f"error: process 0: {e}")
-  print(f"[generate] process {jax.process_index()} of {jax.process_count()}: followed process 0 for {steps} steps",
-        file=sys.stderr)
+  print(
+    f"[generate] process {jax.process_index()} of {jax.process_count()}: followed process 0 for {steps} steps",
+    file=sys.stderr,
+  )
 
 
 def main(argv):
@@ -289,6 +312,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from hisparse_jax import distributed
   from hisparse_jax.engine.args import EngineArgs, StartupError, load_tokenizer_or_fail, reserve_device_memory
+
   dist = distributed.DistributedArgs.from_flags()
   try:
     reserve_device_memory()  # (before JAX starts its GPU client; a bad value in the environment is refused)
@@ -310,11 +334,15 @@ def main(argv):
     distributed.startup_barrier(error)  # every process stops when one's checks fail, with its message
     if dist.process_id > 0:
       if FLAGS.output:
-        print(f"[generate] process {dist.process_id}: --output {FLAGS.output!r} is not written here: process 0 "
-              "writes the results", file=sys.stderr)
+        print(
+          f"[generate] process {dist.process_id}: --output {FLAGS.output!r} is not written here: process 0 "
+          "writes the results",
+          file=sys.stderr,
+        )
       _follow(args, tokenizer, record_topk=dump is not None)
       return
     from hisparse_jax.engine import Engine
+
     engine = Engine(args, tokenizer=tokenizer, record_topk=dump is not None)
     output_existed = bool(FLAGS.output) and os.path.exists(FLAGS.output)
     try:  # writable? (appending truncates nothing: the file is replaced only once there is a result to write)
@@ -386,12 +414,15 @@ def main(argv):
       entry = [None]
       pending.append(entry)
       if line is None:
-        entry[0] = {"error": f"line {lineno}: over {max_line_bytes} bytes (longer than any prompt this engine "
-                    "takes)", "code": "INVALID_ARGUMENT"}
+        entry[0] = {
+          "error": f"line {lineno}: over {max_line_bytes} bytes (longer than any prompt this engine takes)",
+          "code": "INVALID_ARGUMENT",
+        }
         continue
       try:
-        ids, max_new, sampling = _parse_line(line, lineno, tokenizer, model_cfg.bos_token_id,
-                                             FLAGS["max-new-tokens"].value, engine.max_prompt_bytes)
+        ids, max_new, sampling = _parse_line(
+          line, lineno, tokenizer, model_cfg.bos_token_id, FLAGS["max-new-tokens"].value, engine.max_prompt_bytes
+        )
         req = Request(request_id=str(lineno), prompt_ids=ids, max_new_tokens=max_new, **sampling)
         engine.submit(req)
         running[req.request_id] = (entry, lineno)
@@ -436,8 +467,10 @@ def main(argv):
       flushed = written
     except OSError as e:  # a full disk: the run stops, with one line
       written = flushed  # (lines left in the write buffer did not get there)
-      raise _RunError(f"writing {'--output ' + repr(FLAGS.output) if FLAGS.output else 'stdout'} failed: "
-                      f"{e.strerror or e} (the last result counted as written may not be whole)") from None
+      raise _RunError(
+        f"writing {'--output ' + repr(FLAGS.output) if FLAGS.output else 'stdout'} failed: "
+        f"{e.strerror or e} (the last result counted as written may not be whole)"
+      ) from None
 
   L, K = model_cfg.num_hidden_layers, model_cfg.index_topk
 
@@ -447,10 +480,13 @@ def main(argv):
 
   def written_summary(dumped: str) -> str:
     where = FLAGS.output or "stdout"
-    return (f"{written} result{'' if written == 1 else 's'} written to {where} ({read} prompt "
-            f"line{'' if read == 1 else 's'} read)"
-            + (f" (the earlier {where} is unchanged)" if output_existed and dest is None else "")
-            + ("" if eof else "; --prompts was not read to its end") + (f"; {dumped}" if dumped else ""))
+    return (
+      f"{written} result{'' if written == 1 else 's'} written to {where} ({read} prompt "
+      f"line{'' if read == 1 else 's'} read)"
+      + (f" (the earlier {where} is unchanged)" if output_existed and dest is None else "")
+      + ("" if eof else "; --prompts was not read to its end")
+      + (f"; {dumped}" if dumped else "")
+    )
 
   def on_lost() -> None:  # a follower is gone: the process exits from inside a step (distributed.fatal)
     print(f"[generate] {written_summary(dump_traces() if dump is not None and traces else '')}", file=sys.stderr)
@@ -515,8 +551,11 @@ def main(argv):
   mode = f"hisparse, host pool: {engine.host_pool}" if hisparse else "dense"
   mode += engine.numerics_label()
   n = totals["requests"]
-  print(f"[generate] {read} prompt line{'' if read == 1 else 's'}: {n} run, {read - n} rejected; "
-        f"{totals['tokens']} new tokens in {elapsed:.2f} s ({mode}; includes compilation)", file=sys.stderr)
+  print(
+    f"[generate] {read} prompt line{'' if read == 1 else 's'}: {n} run, {read - n} rejected; "
+    f"{totals['tokens']} new tokens in {elapsed:.2f} s ({mode}; includes compilation)",
+    file=sys.stderr,
+  )
   if engine.lockstep is not None:
     print(f"[generate] {engine.lockstep.summary(elapsed)}", file=sys.stderr)
   if hisparse is not None:
@@ -526,11 +565,17 @@ def main(argv):
     print(f"[generate] swap-in: {hits} hits, {misses} misses (miss rate {rate}){prefetched}", file=sys.stderr)
     if hisparse.resident_fraction > 0:
       steps = engine.residency_steps
-      print(f"[generate] dynamic residency: {engine.num_offloads} offloads; decode steps with every row resident "
-            f"{steps['all']}, some {steps['mixed']}, none {steps['none']}", file=sys.stderr)
+      print(
+        f"[generate] dynamic residency: {engine.num_offloads} offloads; decode steps with every row resident "
+        f"{steps['all']}, some {steps['mixed']}, none {steps['none']}",
+        file=sys.stderr,
+      )
   if engine.num_preemptions:
-    print(f"[generate] {engine.num_preemptions} preemptions (KV freed and recomputed: raise --max-device-kv-bytes "
-          "or lower --max-running-requests)", file=sys.stderr)
+    print(
+      f"[generate] {engine.num_preemptions} preemptions (KV freed and recomputed: raise --max-device-kv-bytes "
+      "or lower --max-running-requests)",
+      file=sys.stderr,
+    )
   if read and not n:  # (a run with some lines rejected still did its work: exit status 0)
     sys.exit(f"error: every prompt line was rejected; {written_summary('')}")
 

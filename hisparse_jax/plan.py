@@ -41,9 +41,17 @@ import sys
 import numpy as np
 
 from hisparse_jax.config import ConfigError, HiSparseConfig
-from hisparse_jax.engine.args import (DEFAULT_MEM_FRACTION, KV_CACHE_DTYPE_ALIASES, MAX_HOST_MEMORY_FRACTION,
-                                      MAX_RUNNING_REQUESTS, StartupError, check_context, check_page_size,
-                                      client_mem_fraction, kv_budget)
+from hisparse_jax.engine.args import (
+  DEFAULT_MEM_FRACTION,
+  KV_CACHE_DTYPE_ALIASES,
+  MAX_HOST_MEMORY_FRACTION,
+  MAX_RUNNING_REQUESTS,
+  StartupError,
+  check_context,
+  check_page_size,
+  client_mem_fraction,
+  kv_budget,
+)
 from hisparse_jax.memory import backend as kvmem
 from hisparse_jax.sharding import MeshConfig, MeshError, bytes_per_device
 from models.config import DSAConfig
@@ -78,6 +86,7 @@ def weight_itemsize(weight_dtype: str, compute_dtype: str):
     if np.dtype(dtype) == np.float32 and weight_dtype != "float32":
       return math.prod(shape) * 4  # parameters the model keeps in float32 (router, weights_proj)
     return math.prod(shape) * base
+
   return nbytes
 
 
@@ -85,6 +94,7 @@ def abstract_params(cfg: DSAConfig):
   """The model's parameters as shape/dtype structs (nothing allocated)."""
   from flax import nnx
   from models.deepseek_v32 import DeepseekV32ForCausalLM
+
   return nnx.state(nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0))))
 
 
@@ -149,8 +159,9 @@ def _dense_plan(layout, budget, context, page_size, dp) -> ModePlan:
   per_request = kvmem.request_bytes(layout, None, page_size, context)
   pages_needed = -(-context // page_size)
   # max_running_requests only caps pages at R x P; a large value leaves the budget as the limit.
-  p = kvmem.plan(layout, budget=budget, max_running_requests=1 << 30, max_seq_len=context, page_size=page_size,
-                 hisparse=None)
+  p = kvmem.plan(
+    layout, budget=budget, max_running_requests=1 << 30, max_seq_len=context, page_size=page_size, hisparse=None
+  )
   n = p.pools["kv"][1] // pages_needed
   why = "device KV budget" if n < MAX_RUNNING_REQUESTS // dp else f"the engine's cap ({MAX_RUNNING_REQUESTS} lanes)"
   n = min(n, MAX_RUNNING_REQUESTS // dp)  # (more than the engine's --max-running-requests takes: it refuses them)
@@ -170,15 +181,19 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
   def admitted(R):
     """(requests admitted, what stops more, host pool bytes) with --max-running-requests R."""
     try:
-      p = kvmem.plan(layout, budget=budget, max_running_requests=R, max_seq_len=context, page_size=page_size,
-                     hisparse=cfg)
+      p = kvmem.plan(
+        layout, budget=budget, max_running_requests=R, max_seq_len=context, page_size=page_size, hisparse=cfg
+      )
     except kvmem.MemoryConfigError:
       return 0, "device KV budget", 0
     pool = p.pools["host"][1] * host_page
     if pool > host_bytes:
       return 0, "host memory", pool
-    limits = {"hot buffers": p.request_slots, "device KV budget": p.pools["index"][1] // pages_needed,
-              "host memory": p.pools["host"][1] // pages_needed}
+    limits = {
+      "hot buffers": p.request_slots,
+      "device KV budget": p.pools["index"][1] // pages_needed,
+      "host memory": p.pools["host"][1] // pages_needed,
+    }
     why = min(limits, key=limits.get)
     return limits[why], why, pool
 
@@ -197,15 +212,40 @@ def _hisparse_plan(layout, budget, host_bytes, context, page_size, dp, hs: HiSpa
   candidates = [(admitted(R)[0], R) for R in (lo, lo + 1) if 1 <= R <= cap]
   best_n, best_R = max(candidates, key=lambda c: (c[0], -c[1])) if candidates else (0, 0)
   pool = admitted(best_R)[2] if best_n else 0
-  why = (f"the engine's cap ({MAX_RUNNING_REQUESTS} lanes)" if best_R == cap else
-         admitted(best_R + 1)[1] if best_n else admitted(1)[1])
-  return ModePlan("hisparse", per_request["device"], per_request["host"], best_n, best_n * dp, why,
-                  best_R * dp if best_n else 0, ratio, pool)
+  why = (
+    f"the engine's cap ({MAX_RUNNING_REQUESTS} lanes)"
+    if best_R == cap
+    else admitted(best_R + 1)[1]
+    if best_n
+    else admitted(1)[1]
+  )
+  return ModePlan(
+    "hisparse",
+    per_request["device"],
+    per_request["host"],
+    best_n,
+    best_n * dp,
+    why,
+    best_R * dp if best_n else 0,
+    ratio,
+    pool,
+  )
 
 
-def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host_memory: int, context: int,
-             hisparse: HiSparseConfig, weight_dtype: str | None = None, kv_cache_dtype: str = "auto",
-             page_size: int = 64, mem_fraction_static: float | None = None, params=None) -> CapacityPlan:
+def capacity(
+  model_cfg: DSAConfig,
+  mesh: MeshConfig,
+  *,
+  device_memory: int,
+  host_memory: int,
+  context: int,
+  hisparse: HiSparseConfig,
+  weight_dtype: str | None = None,
+  kv_cache_dtype: str = "auto",
+  page_size: int = 64,
+  mem_fraction_static: float | None = None,
+  params=None,
+) -> CapacityPlan:
   """The capacity of ``mesh`` (dp x tp devices of which JAX has device_memory bytes each, a device's
   ``bytes_limit``; host_memory bytes of host memory for all of them) serving requests of ``context`` tokens (prompt + output), latent rows and indexer keys stored
   as kv_cache_dtype says. See the module docstring.
@@ -220,8 +260,10 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
   check_context(context, model_cfg, "--context")
   check_page_size(page_size)
   if weight_dtype is None and model_cfg.dtype not in WEIGHT_DTYPES:
-    raise StartupError(f"the config's dtype {model_cfg.dtype} is not a compute dtype (the engine refuses it without "
-                       "--dtype); pass --weight-dtype bfloat16, float32 or fp8")
+    raise StartupError(
+      f"the config's dtype {model_cfg.dtype} is not a compute dtype (the engine refuses it without "
+      "--dtype); pass --weight-dtype bfloat16, float32 or fp8"
+    )
   weight_dtype = weight_dtype or model_cfg.dtype
   if weight_dtype not in WEIGHT_DTYPES:
     raise StartupError(f"--weight-dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
@@ -235,8 +277,10 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
     budget = int(DEFAULT_MEM_FRACTION * (device_memory - per_device))
     if budget <= 0:
       hint = "more devices" if weight_dtype == "fp8" else "--weight-dtype fp8 or more devices"
-      raise StartupError(f"the weights take {per_device / GIB:.3g} GiB per device, more than the "
-                         f"{device_memory / GIB:.3g} GiB JAX has of each device (try {hint})")
+      raise StartupError(
+        f"the weights take {per_device / GIB:.3g} GiB per device, more than the "
+        f"{device_memory / GIB:.3g} GiB JAX has of each device (try {hint})"
+      )
   else:
     budget = kv_budget(device_memory, per_device, mem_fraction_static=mem_fraction_static)
   kv_cfg = model_cfg.replace(kv_cache_dtype=kv_cache_dtype)
@@ -247,56 +291,79 @@ def capacity(model_cfg: DSAConfig, mesh: MeshConfig, *, device_memory: int, host
   dense = _dense_plan(layout, budget, context, page_size, mesh.dp_size)
   hs = _hisparse_plan(layout, budget, host_per_device, context, page_size, mesh.dp_size, hisparse)
   staging = -(-context // page_size) * page_size * layout.latent_bytes  # plan()'s "staging" pool
-  return CapacityPlan(model_cfg.model_type, mesh, weight_dtype, kv_cache_dtype, context, total, per_device,
-                      device_memory, budget, host_per_device, staging, dense, hs)
+  return CapacityPlan(
+    model_cfg.model_type,
+    mesh,
+    weight_dtype,
+    kv_cache_dtype,
+    context,
+    total,
+    per_device,
+    device_memory,
+    budget,
+    host_per_device,
+    staging,
+    dense,
+    hs,
+  )
 
 
 def format_plan(p: CapacityPlan) -> str:
   """A human-readable report of a CapacityPlan."""
+
   def g(b: float) -> str:  # GiB, or MiB / KiB for a small model's sizes (0.00 GiB says nothing)
-    unit, scale = next((u, v) for u, v in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
-                       if b >= v or v == 1)
+    unit, scale = next(
+      (u, v) for u, v in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)) if b >= v or v == 1
+    )
     return f"{b / scale:,.2f} {unit}" if scale > 1 else f"{b:,.0f} B"
+
   m = p.mesh
   lines = [
-      f"model {p.model_type}: {g(p.weight_bytes)} of weights ({p.weight_dtype}; {p.weight_bytes / 1e9:,.1f} GB), "
-      f"KV cache {p.kv_cache_dtype}",
-      f"mesh dp {m.dp_size} x tp {m.tp_size} = {m.num_devices} devices, experts over ep {m.ep_size}",
-      f"JAX's share per device  {g(p.device_bytes)}  (--device-memory x XLA_PYTHON_CLIENT_MEM_FRACTION "
-      f"{client_mem_fraction()}, as the servers reserve it)",
-      f"weights per device      {g(p.weight_bytes_per_device)}",
-      f"KV budget per device    {g(p.kv_budget_per_device)}",
-      f"host memory per device  {g(p.host_bytes_per_device)}  ({MAX_HOST_MEMORY_FRACTION:.0%} of host memory / devices)",
-      f"HiSparse staging        {g(p.hisparse_staging_bytes)}  (device pages for one prompt of the context while it "
-      "prefills, taken from the KV budget first)",
-      f"context                 {p.context:,} tokens",
-      "",
-      f"{'mode':<10}{'KV/request device':>20}{'KV/request host':>18}{'requests/group':>16}{'requests':>12}"
-      f"  limited by",
+    f"model {p.model_type}: {g(p.weight_bytes)} of weights ({p.weight_dtype}; {p.weight_bytes / 1e9:,.1f} GB), "
+    f"KV cache {p.kv_cache_dtype}",
+    f"mesh dp {m.dp_size} x tp {m.tp_size} = {m.num_devices} devices, experts over ep {m.ep_size}",
+    f"JAX's share per device  {g(p.device_bytes)}  (--device-memory x XLA_PYTHON_CLIENT_MEM_FRACTION "
+    f"{client_mem_fraction()}, as the servers reserve it)",
+    f"weights per device      {g(p.weight_bytes_per_device)}",
+    f"KV budget per device    {g(p.kv_budget_per_device)}",
+    f"host memory per device  {g(p.host_bytes_per_device)}  ({MAX_HOST_MEMORY_FRACTION:.0%} of host memory / devices)",
+    f"HiSparse staging        {g(p.hisparse_staging_bytes)}  (device pages for one prompt of the context while it "
+    "prefills, taken from the KV budget first)",
+    f"context                 {p.context:,} tokens",
+    "",
+    f"{'mode':<10}{'KV/request device':>20}{'KV/request host':>18}{'requests/group':>16}{'requests':>12}  limited by",
   ]
   for mp in (p.dense, p.hisparse):  # (a space before each number: a count wider than its column stays apart)
-    lines.append(f"{mp.mode:<10}{g(mp.request_device_bytes):>20} {g(mp.request_host_bytes):>17}"
-                 f" {mp.requests_per_group:>15,} {mp.requests:>11,}  {mp.limited_by}")
+    lines.append(
+      f"{mp.mode:<10}{g(mp.request_device_bytes):>20} {g(mp.request_host_bytes):>17}"
+      f" {mp.requests_per_group:>15,} {mp.requests:>11,}  {mp.limited_by}"
+    )
   hs = p.hisparse
   ratio = "n/a (dense admits none)" if p.capacity_ratio is None else f"{p.capacity_ratio:.2f}x"
   lines += ["", f"HiSparse / dense requests: {ratio}"]
   if hs.requests:
-    lines.append(f"HiSparse settings: --max-running-requests {hs.max_running_requests} "
-                 f"({hs.max_running_requests // m.dp_size} per dp group), host_to_device_ratio "
-                 f"{hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)")
+    lines.append(
+      f"HiSparse settings: --max-running-requests {hs.max_running_requests} "
+      f"({hs.max_running_requests // m.dp_size} per dp group), host_to_device_ratio "
+      f"{hs.host_to_device_ratio} (host pool {g(hs.host_pool_bytes)} per device)"
+    )
   else:
     lines.append(f"HiSparse settings: none; no HiSparse request of {p.context:,} tokens fits ({hs.limited_by})")
   if hs.limited_by.startswith("host memory"):  # (more devices share the same --host-memory: easy to miss)
-    lines.append(f"note: --host-memory is the whole deployment's, shared by its {m.num_devices} devices "
-                 f"({g(p.host_bytes_per_device)} each for host pools); more of it admits more HiSparse requests")
+    lines.append(
+      f"note: --host-memory is the whole deployment's, shared by its {m.num_devices} devices "
+      f"({g(p.host_bytes_per_device)} each for host pools); more of it admits more HiSparse requests"
+    )
   return "\n".join(lines)
 
 
 def main(argv) -> None:
   from absl import flags
+
   del argv
   F = lambda name: flags.FLAGS[name].value  # noqa: E731
   from models.from_torch import MAX_CONFIG_BYTES, read_json
+
   try:  # (a regular file of bounded size: a FIFO or /dev/zero never ends; ValueError for JSON nested too deeply)
     path = F("model-config")  # (a model directory: its config.json)
     path = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -338,49 +405,78 @@ def main(argv) -> None:
     if mesh.num_devices != devices:
       raise MeshError(f"--dp-size {dp} x --tp-size {tp} must equal --devices {devices}")
     # JAX's share of each device, as the servers take it (client_mem_fraction: a device's bytes_limit)
-    plan = capacity(model_cfg, mesh, device_memory=int(F("device-memory") * GIB * client_mem_fraction()),
-                    host_memory=int(F("host-memory") * GIB),
-                    context=F("context"), hisparse=hs, weight_dtype=F("weight-dtype"),
-                    kv_cache_dtype=KV_CACHE_DTYPE_ALIASES.get(F("kv-cache-dtype"), F("kv-cache-dtype")),
-                    page_size=F("page-size"),
-                    mem_fraction_static=F("mem-fraction-static"))
+    plan = capacity(
+      model_cfg,
+      mesh,
+      device_memory=int(F("device-memory") * GIB * client_mem_fraction()),
+      host_memory=int(F("host-memory") * GIB),
+      context=F("context"),
+      hisparse=hs,
+      weight_dtype=F("weight-dtype"),
+      kv_cache_dtype=KV_CACHE_DTYPE_ALIASES.get(F("kv-cache-dtype"), F("kv-cache-dtype")),
+      page_size=F("page-size"),
+      mem_fraction_static=F("mem-fraction-static"),
+    )
   except (MeshError, StartupError, kvmem.MemoryConfigError) as e:
     if isinstance(e, MeshError) and F("ep-size") is None and "--ep-size" in str(e):
       sys.exit(f"error: {e} (--ep-size defaults to --devices {devices}; pass --ep-size)")
     # (the engine's budget flags; the planner's budget comes from --device-memory / --mem-fraction-static)
-    sys.exit(f"error: {e}".replace("--max-device-kv-bytes / --mem-fraction-static", "--device-memory / "
-                                   "--mem-fraction-static"))
+    sys.exit(
+      f"error: {e}".replace("--max-device-kv-bytes / --mem-fraction-static", "--device-memory / --mem-fraction-static")
+    )
   print(json.dumps(plan.to_dict(), indent=1) if F("json") else format_plan(plan))
 
 
 def define_flags() -> None:
   from absl import flags
-  flags.DEFINE_string("model-config", None, "An HF config.json of a DeepSeek-V3.2 / GLM-5 model (or the model's "
-                      "directory).", required=True)
+
+  flags.DEFINE_string(
+    "model-config",
+    None,
+    "An HF config.json of a DeepSeek-V3.2 / GLM-5 model (or the model's directory).",
+    required=True,
+  )
   flags.DEFINE_integer("devices", 8, "Devices in the deployment (dp x tp).")
   flags.DEFINE_float("device-memory", 141.0, "Memory of one device, GiB (default: an H200's 141).")
-  flags.DEFINE_float("host-memory", 2048.0, "Host memory of the whole deployment, GiB (the host pools may use "
-                     f"{MAX_HOST_MEMORY_FRACTION:.0%} of it).")
+  flags.DEFINE_float(
+    "host-memory",
+    2048.0,
+    f"Host memory of the whole deployment, GiB (the host pools may use {MAX_HOST_MEMORY_FRACTION:.0%} of it).",
+  )
   flags.DEFINE_integer("context", 32768, "Tokens per request (prompt + output).")
-  flags.DEFINE_string("hisparse-config", None, "HiSparse sizes as JSON text (default SGLang's for the model's "
-                      "top-k: top_k = index_topk, device_buffer_size 2 x top_k, host_to_device_ratio 8; at "
-                      "DeepSeek-V3.2's top_k 2048: 4096 and 8).")
+  flags.DEFINE_string(
+    "hisparse-config",
+    None,
+    "HiSparse sizes as JSON text (default SGLang's for the model's "
+    "top-k: top_k = index_topk, device_buffer_size 2 x top_k, host_to_device_ratio 8; at "
+    "DeepSeek-V3.2's top_k 2048: 4096 and 8).",
+  )
   flags.DEFINE_integer("dp-size", None, "DP attention groups (default: --devices / --tp-size).")
   flags.DEFINE_integer("tp-size", None, "Tensor-parallel ranks per group (default: 1).")
   flags.DEFINE_integer("ep-size", None, "Devices the routed experts are split over (default: --devices).")
   flags.DEFINE_enum("weight-dtype", None, list(WEIGHT_DTYPES), "Weight storage (default: the config's dtype).")
-  flags.DEFINE_enum("kv-cache-dtype", "auto", [*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES], "How the KV cache stores a token: auto "
-                    "(latent in the compute dtype, keys in float32) or fp8_e4m3 (or fp8: DeepSeek-V3.2's FP8 rows).")
+  flags.DEFINE_enum(
+    "kv-cache-dtype",
+    "auto",
+    [*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES],
+    "How the KV cache stores a token: auto "
+    "(latent in the compute dtype, keys in float32) or fp8_e4m3 (or fp8: DeepSeek-V3.2's FP8 rows).",
+  )
   flags.DEFINE_integer("page-size", 64, "Tokens per KV page (a power of two).")
-  flags.DEFINE_float("mem-fraction-static", None, "Fraction of JAX's share of --device-memory (the servers' "
-                     "XLA_PYTHON_CLIENT_MEM_FRACTION, printed) for weights + KV cache, as the engine's flag: KV "
-                     "budget = F x share - weights (SGLang's flag, of JAX's share rather than the whole device; "
-                     f"unset: the engine's default, {DEFAULT_MEM_FRACTION} x (share - weights), which is not "
-                     f"F = {DEFAULT_MEM_FRACTION}).")
+  flags.DEFINE_float(
+    "mem-fraction-static",
+    None,
+    "Fraction of JAX's share of --device-memory (the servers' "
+    "XLA_PYTHON_CLIENT_MEM_FRACTION, printed) for weights + KV cache, as the engine's flag: KV "
+    "budget = F x share - weights (SGLang's flag, of JAX's share rather than the whole device; "
+    f"unset: the engine's default, {DEFAULT_MEM_FRACTION} x (share - weights), which is not "
+    f"F = {DEFAULT_MEM_FRACTION}).",
+  )
   flags.DEFINE_boolean("json", False, "Print the plan as JSON.")
 
 
 if __name__ == "__main__":
   from absl import app
+
   define_flags()
   app.run(main)

@@ -41,15 +41,15 @@ AXES = ("dp", "tp")
 # block scales of FP8-resident weights (``kernel_scale``, ``<stack>_scale``: one entry per block) are split
 # like their weights, where their block counts divide (``MeshConfig.spec``).
 LOGICAL_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"^embed_tokens$", ("vocab", "embed")),
-    (r"^lm_head/weight$", ("vocab", "embed")),
-    (r"self_attn/q_b_proj/kernel(_scale)?$", ("q_lora", "heads")),
-    (r"self_attn/kv_b_proj/kernel(_scale)?$", ("kv_lora", "heads")),
-    (r"self_attn/o_proj/kernel(_scale)?$", ("heads", "embed")),
-    (r"mlp/(shared_experts/)?(gate|up)_proj/kernel(_scale)?$", ("embed", "mlp")),
-    (r"mlp/(shared_experts/)?down_proj/kernel(_scale)?$", ("mlp", "embed")),
-    (r"mlp/(gate|up)_proj(_scale)?$", ("expert", "embed", "moe_mlp")),
-    (r"mlp/down_proj(_scale)?$", ("expert", "moe_mlp", "embed")),
+  (r"^embed_tokens$", ("vocab", "embed")),
+  (r"^lm_head/weight$", ("vocab", "embed")),
+  (r"self_attn/q_b_proj/kernel(_scale)?$", ("q_lora", "heads")),
+  (r"self_attn/kv_b_proj/kernel(_scale)?$", ("kv_lora", "heads")),
+  (r"self_attn/o_proj/kernel(_scale)?$", ("heads", "embed")),
+  (r"mlp/(shared_experts/)?(gate|up)_proj/kernel(_scale)?$", ("embed", "mlp")),
+  (r"mlp/(shared_experts/)?down_proj/kernel(_scale)?$", ("mlp", "embed")),
+  (r"mlp/(gate|up)_proj(_scale)?$", ("expert", "embed", "moe_mlp")),
+  (r"mlp/down_proj(_scale)?$", ("expert", "moe_mlp", "embed")),
 )
 FP8_BLOCK = 128  # rows and columns of an FP8 weight block (models/fp8.py)
 
@@ -103,18 +103,23 @@ class MeshConfig:
     experts = self.expert_axes
     if not experts:
       return None
-    return ExpertParallel(experts, width_axis=self.logical_to_mesh()["moe_mlp"],
-                          token_axis="dp" if self.dp_size > 1 else None)
+    return ExpertParallel(
+      experts, width_axis=self.logical_to_mesh()["moe_mlp"], token_axis="dp" if self.dp_size > 1 else None
+    )
 
   def logical_to_mesh(self) -> dict:
     """Logical axis name -> mesh axes (None: replicated along that dimension)."""
     experts = self.expert_axes
     tp = "tp" if self.tp_size > 1 else None
     return {
-        "heads": tp, "mlp": tp, "vocab": tp,
-        "expert": (experts if len(experts) > 1 else experts[0]) if experts else None,
-        "moe_mlp": None if "tp" in experts else tp,
-        "embed": None, "q_lora": None, "kv_lora": None,
+      "heads": tp,
+      "mlp": tp,
+      "vocab": tp,
+      "expert": (experts if len(experts) > 1 else experts[0]) if experts else None,
+      "moe_mlp": None if "tp" in experts else tp,
+      "embed": None,
+      "q_lora": None,
+      "kv_lora": None,
     }
 
   def spec(self, path: str, shape: int | tuple[int, ...]) -> P:
@@ -133,7 +138,7 @@ class MeshConfig:
     sizes = {"dp": self.dp_size, "tp": self.tp_size}
     n = 1
     for entry in spec:
-      for axis in (entry if isinstance(entry, tuple) else (entry,)):
+      for axis in entry if isinstance(entry, tuple) else (entry,):
         if axis is not None:
           n *= sizes[axis]
     return n
@@ -148,19 +153,25 @@ class MeshConfig:
       if not isinstance(v, (int, np.integer)) or v < 1:
         raise MeshError(f"{flag} must be an integer >= 1, got {v!r}")
     if num_devices is not None and (self.num_devices > num_devices or num_devices % self.num_devices):
-      raise MeshError(f"--dp-size {self.dp_size} x --tp-size {self.tp_size} = {self.num_devices} devices does not "
-                      f"divide the {num_devices} device{'s' if num_devices != 1 else ''} here (on CPU, "
-                      "XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices)")
+      raise MeshError(
+        f"--dp-size {self.dp_size} x --tp-size {self.tp_size} = {self.num_devices} devices does not "
+        f"divide the {num_devices} device{'s' if num_devices != 1 else ''} here (on CPU, "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices)"
+      )
     if self.ep_size not in {1, self.tp_size, self.dp_size, self.num_devices}:
-      raise MeshError(f"--ep-size {self.ep_size}: experts are split over the tp axis, the dp axis or both, so it "
-                      f"must be one of 1, --tp-size {self.tp_size}, --dp-size {self.dp_size}, or their product "
-                      f"{self.num_devices}")
+      raise MeshError(
+        f"--ep-size {self.ep_size}: experts are split over the tp axis, the dp axis or both, so it "
+        f"must be one of 1, --tp-size {self.tp_size}, --dp-size {self.dp_size}, or their product "
+        f"{self.num_devices}"
+      )
     if model_cfg is None:
       return
     c = model_cfg
-    checks = [("--tp-size", self.tp_size, c.num_attention_heads, "attention heads"),
-              ("--tp-size", self.tp_size, c.vocab_size, "vocabulary entries"),
-              ("--ep-size", self.ep_size, c.n_routed_experts, "routed experts")]
+    checks = [
+      ("--tp-size", self.tp_size, c.num_attention_heads, "attention heads"),
+      ("--tp-size", self.tp_size, c.vocab_size, "vocabulary entries"),
+      ("--ep-size", self.ep_size, c.n_routed_experts, "routed experts"),
+    ]
     if any(not c.is_moe_layer(l) for l in range(c.num_hidden_layers)):
       checks.append(("--tp-size", self.tp_size, c.intermediate_size, "dense MLP width (intermediate_size)"))
     if c.n_shared_experts:
@@ -173,15 +184,17 @@ class MeshConfig:
     if fp8_weights and self.expert_axes and self.logical_to_mesh()["moe_mlp"] is not None:
       width = c.moe_intermediate_size // self.tp_size
       if width % FP8_BLOCK:
-        raise MeshError(f"--weight-dtype fp8 with --ep-size {self.ep_size} = --dp-size: each expert's width is split "
-                        f"over --tp-size {self.tp_size} into {width} columns, not a whole number of {FP8_BLOCK}-wide "
-                        f"FP8 blocks; use --ep-size {self.num_devices} (or {self.tp_size})")
+        raise MeshError(
+          f"--weight-dtype fp8 with --ep-size {self.ep_size} = --dp-size: each expert's width is split "
+          f"over --tp-size {self.tp_size} into {width} columns, not a whole number of {FP8_BLOCK}-wide "
+          f"FP8 blocks; use --ep-size {self.num_devices} (or {self.tp_size})"
+        )
 
   def make_mesh(self) -> Mesh:
     """A ``Mesh`` of the first dp x tp devices, axes ``("dp", "tp")`` (auto sharding: GSPMD propagates)."""
     devices = jax.devices()
     self.validate(num_devices=len(devices))
-    grid = np.asarray(devices[:self.num_devices]).reshape(self.dp_size, self.tp_size)
+    grid = np.asarray(devices[: self.num_devices]).reshape(self.dp_size, self.tp_size)
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
@@ -200,8 +213,9 @@ def shard_params(mesh_cfg: MeshConfig, mesh: Mesh, state):
   """``state`` placed on ``mesh``: each device gets its slice of every parameter (``jax.device_put`` with the
   rule table's ``NamedSharding``s)."""
   specs = param_specs(mesh_cfg, state)
-  return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                                            is_leaf=lambda x: isinstance(x, P)))
+  return jax.device_put(
+    state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+  )
 
 
 def bytes_per_device(mesh_cfg: MeshConfig, state, itemsize=None) -> int:

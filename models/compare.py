@@ -45,8 +45,7 @@ def ours(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str | No
   logits, cache = prefill_prompts(model, [prompt], [S], max_len=S + max_new_tokens)
   out = [int(jnp.argmax(logits[0, -1]))]
   for pos in range(S, S + max_new_tokens - 1):
-    step, cache = decode_step(graphdef, state, jnp.asarray([out[-1]], jnp.int32), jnp.asarray([pos], jnp.int32),
-                              cache)
+    step, cache = decode_step(graphdef, state, jnp.asarray([out[-1]], jnp.int32), jnp.asarray([pos], jnp.int32), cache)
     out.append(int(jnp.argmax(step[0])))
   return np.asarray(logits[0], np.float32), out
 
@@ -58,8 +57,22 @@ def reference(model_dir: str, prompt: list[int], max_new_tokens: int, python: st
     out = os.path.join(tmp, "out.npz")
     with open(prompts, "w") as f:
       json.dump([prompt], f)
-    r = subprocess.run([python, ORACLE_SCRIPT, "--run", model_dir, "--prompts", prompts, "--max-new-tokens",
-                        str(max_new_tokens), "--out", out], capture_output=True, text=True)
+    r = subprocess.run(
+      [
+        python,
+        ORACLE_SCRIPT,
+        "--run",
+        model_dir,
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--out",
+        out,
+      ],
+      capture_output=True,
+      text=True,
+    )
     if r.returncode != 0:
       raise RuntimeError(f"transformers reference failed:\n{(r.stdout + r.stderr)[-3000:]}")
     data = np.load(out)
@@ -79,9 +92,13 @@ def main(argv=None) -> int:
 
   from models.config import DSAConfig
   from models.convert import ORBAX_MARKER, is_orbax_dir
+
   if is_orbax_dir(args.model_path):  # (before the oracle's own check: no oracle helps here)
-    print(f"error: --model-path {args.model_path!r} is an orbax checkpoint, which transformers cannot read: compare "
-          f"the HF directory it was converted from (its {ORBAX_MARKER} names it as \"source\")", file=sys.stderr)
+    print(
+      f"error: --model-path {args.model_path!r} is an orbax checkpoint, which transformers cannot read: compare "
+      f'the HF directory it was converted from (its {ORBAX_MARKER} names it as "source")',
+      file=sys.stderr,
+    )
     return 2
   python = args.oracle_python or default_oracle_python()
   if not os.path.exists(python):
@@ -91,6 +108,7 @@ def main(argv=None) -> int:
     cfg = DSAConfig.from_pretrained(args.model_path)
     if args.text is not None:
       from hisparse_jax.engine.detokenizer import encode_prompt, load_tokenizer
+
       tok = load_tokenizer(args.model_path)
       if tok is None:
         raise ValueError("--text needs tokenizer.json in the model directory (or pass --input-ids)")
@@ -105,13 +123,18 @@ def main(argv=None) -> int:
     return 2
   bad = next((t for t in prompt if not 0 <= t < cfg.vocab_size), None)
   if not prompt or args.max_new_tokens < 1 or bad is not None:
-    print("error: need a non-empty prompt of ids in the vocabulary [0, "
-          f"{cfg.vocab_size}) and --max-new-tokens >= 1" + (f" (got id {bad})" if bad is not None else ""),
-          file=sys.stderr)
+    print(
+      "error: need a non-empty prompt of ids in the vocabulary [0, "
+      f"{cfg.vocab_size}) and --max-new-tokens >= 1" + (f" (got id {bad})" if bad is not None else ""),
+      file=sys.stderr,
+    )
     return 2
   if len(prompt) + args.max_new_tokens > cfg.max_position_embeddings:
-    print(f"error: prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
-          f"max_position_embeddings {cfg.max_position_embeddings}", file=sys.stderr)
+    print(
+      f"error: prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+      f"max_position_embeddings {cfg.max_position_embeddings}",
+      file=sys.stderr,
+    )
     return 2
 
   try:
@@ -128,22 +151,30 @@ def main(argv=None) -> int:
   agree = next((i for i, (a, b) in enumerate(zip(our_tokens, ref_tokens)) if a != b), len(our_tokens))
   print(f"prompt tokens: {len(prompt)}   dtype: {args.dtype}")
   print(f"prefill logits: max abs error {err:.3e} (over {our_logits.size} values)")
-  print(f"greedy: first {agree} of {args.max_new_tokens} tokens agree"
-        + ("" if agree == args.max_new_tokens else f" (ours {our_tokens[agree]}, transformers {ref_tokens[agree]})"))
+  print(
+    f"greedy: first {agree} of {args.max_new_tokens} tokens agree"
+    + ("" if agree == args.max_new_tokens else f" (ours {our_tokens[agree]}, transformers {ref_tokens[agree]})")
+  )
   print(f"  ours:         {our_tokens}\n  transformers: {ref_tokens}")
   # The sequence length at the first disagreement: prefill row i sees i + 1 tokens; greedy token j, S + j.
   rows = np.flatnonzero(np.abs(our_logits - ref_logits).max(axis=-1) > 1e-3)
-  first = min(([int(rows[0]) + 1] if rows.size else []) +
-              ([len(prompt) + agree] if agree < args.max_new_tokens else []), default=None)
+  first = min(
+    ([int(rows[0]) + 1] if rows.size else []) + ([len(prompt) + agree] if agree < args.max_new_tokens else []),
+    default=None,
+  )
   topk = cfg.index_topk
   if first is not None and first > topk:  # the indexer picks a top-k only past index_topk tokens
-    print(f"note: the first disagreement is at a sequence of {first} tokens, past index_topk = {topk}, where the "
-          "indexer picks a top-k; an exact tie at its cut-off (common with few indexer heads: ReLU gives exact "
-          "zeros) is broken differently by jax.lax.top_k and torch.topk. A prompt plus continuation of at most "
-          f"{topk + 1} tokens has no cut-off: if that agrees, look for ties before a porting error.")
+    print(
+      f"note: the first disagreement is at a sequence of {first} tokens, past index_topk = {topk}, where the "
+      "indexer picks a top-k; an exact tie at its cut-off (common with few indexer heads: ReLU gives exact "
+      "zeros) is broken differently by jax.lax.top_k and torch.topk. A prompt plus continuation of at most "
+      f"{topk + 1} tokens has no cut-off: if that agrees, look for ties before a porting error."
+    )
   elif first is not None and args.dtype == "bfloat16":
-    print("note: in bfloat16 both sides drift from their own float32 results within a few tokens; compare in "
-          "float32 (the default) to check a port.")
+    print(
+      "note: in bfloat16 both sides drift from their own float32 results within a few tokens; compare in "
+      "float32 (the default) to check a port."
+    )
   return 0
 
 

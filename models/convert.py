@@ -49,6 +49,7 @@ def model_fingerprint(path: str | os.PathLike) -> str:
   safetensors header and weights at both ends. Cheap (a few MB for a 700 B-parameter checkpoint) and not a
   checksum: two checkpoints that differ only in their middle bytes collide."""
   import hashlib
+
   root = os.fspath(path)
   h = hashlib.sha256()
   with open(os.path.join(root, "config.json"), "rb") as f:
@@ -79,14 +80,16 @@ def orbax_files(path: str | os.PathLike) -> list[str]:
   forever, a link to /dev/zero never end. Metadata (every file outside TensorStore's "d" data directories, which
   orbax reads whole) and the marker are bounded too. ValueError naming the file."""
   from models.from_torch import MAX_CONFIG_BYTES, MAX_JSON_BYTES, check_regular_file
+
   root = os.fspath(path)
   check_regular_file(os.path.join(root, ORBAX_MARKER), MAX_CONFIG_BYTES)
   files = []
   for d, dirs, names in os.walk(os.path.join(root, PARAMS_DIR)):
     linked = next((sub for sub in dirs if os.path.islink(os.path.join(d, sub))), None)
     if linked is not None:  # (os.walk would not look inside it; orbax would)
-      raise ValueError(f"{os.path.join(d, linked)} is a link to a directory; an orbax directory's params/ must hold "
-                       "its files itself")
+      raise ValueError(
+        f"{os.path.join(d, linked)} is a link to a directory; an orbax directory's params/ must hold its files itself"
+      )
     for name in names:
       check_regular_file(os.path.join(d, name), None if os.path.basename(d) == "d" else MAX_JSON_BYTES)
       files.append(os.path.relpath(os.path.join(d, name), root))
@@ -121,8 +124,16 @@ def convert(hf_dir: str, output: str, dtype: str | None = None) -> str:
       json.dump(hf_config, f, indent=2, sort_keys=True)
     copy_side_files(hf_dir, tmp)
     with open(os.path.join(tmp, ORBAX_MARKER), "w") as f:
-      json.dump({"format": "orbax", "layout": ORBAX_LAYOUT, "params": PARAMS_DIR, "dtype": cfg.dtype,
-                 "source": os.path.abspath(hf_dir)}, f)
+      json.dump(
+        {
+          "format": "orbax",
+          "layout": ORBAX_LAYOUT,
+          "params": PARAMS_DIR,
+          "dtype": cfg.dtype,
+          "source": os.path.abspath(hf_dir),
+        },
+        f,
+      )
   return output
 
 
@@ -157,8 +168,16 @@ def cli_error(e: Exception, model_path: str) -> str:
   return f"error: {e}" if about_output else f"error: {model_path}: {type(e).__name__}: {e}"
 
 
-def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",
-               sharding=None, top_k=jax.lax.top_k, expert_parallel=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+def load_orbax(
+  path: str,
+  dtype=None,
+  *,
+  fp8_numerics: bool = False,
+  kv_cache_dtype: str = "auto",
+  sharding=None,
+  top_k=jax.lax.top_k,
+  expert_parallel=None,
+) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """Restores an orbax directory written by ``convert``.
 
   The parameters are restored straight into their final shardings (the default
@@ -173,9 +192,11 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
   """
   import orbax.checkpoint as ocp
 
-  cfg = DSAConfig.from_pretrained(path).replace(fp8_numerics=fp8_numerics,
-                                                kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
+  cfg = DSAConfig.from_pretrained(path).replace(
+    fp8_numerics=fp8_numerics, kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype)
+  )
   from models.from_torch import read_json
+
   orbax_files(path)  # every file regular (ValueError naming one that is not) before orbax opens any
   marker = read_json(os.path.join(path, ORBAX_MARKER))  # (ValueError naming the file for JSON that is not)
   if not isinstance(marker, dict):
@@ -183,17 +204,22 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
   layout = marker.get("layout", 1)
   if layout != ORBAX_LAYOUT and not cfg.tie_word_embeddings:
     was = " (lm_head as a [hidden, vocab] kernel, written by an earlier hisparse-jax)" if layout == 1 else ""
-    raise ValueError(f"{path} holds parameter layout {layout!r}{was}; this hisparse-jax reads layout {ORBAX_LAYOUT} "
-                     "(lm_head [vocab, hidden]). Convert the HF checkpoint again: "
-                     "python -m models.convert --model-path HF_DIR --output NEW_DIR")
+    raise ValueError(
+      f"{path} holds parameter layout {layout!r}{was}; this hisparse-jax reads layout {ORBAX_LAYOUT} "
+      "(lm_head [vocab, hidden]). Convert the HF checkpoint again: "
+      "python -m models.convert --model-path HF_DIR --output NEW_DIR"
+    )
   stored = jnp.dtype(cfg.dtype)
   build = dict(top_k=top_k, expert_parallel=expert_parallel)
   abstract = nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=stored, **build))
   graphdef, abstract_state = nnx.split(abstract)
   default = jax.sharding.make_single_device_sharding(jax.devices()[0])
   target = jax.tree_util.tree_map_with_path(
-      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default if sharding is None else
-                                        sharding(param_path(p), tuple(x.shape))), abstract_state)
+    lambda p, x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=default if sharding is None else sharding(param_path(p), tuple(x.shape))
+    ),
+    abstract_state,
+  )
   params = os.path.abspath(os.path.join(path, PARAMS_DIR))
   previous_hook, log_filter = _quiet_failed_reads(params)
   try:
@@ -203,16 +229,20 @@ def load_orbax(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
     logging.getLogger("asyncio").removeFilter(log_filter)
   except Exception as e:  # orbax/TensorStore: a generic Exception whose text is the whole TensorStore spec
     import gc
+
     gc.collect()  # the failed reads' coroutines, now (quietly), not at some later collection
-    raise ValueError(f"{path}: the orbax checkpoint cannot be read ({_root_cause(e)}); a file under {params} is "
-                     "damaged, missing or of another checkpoint. Convert the HF checkpoint again: "
-                     "python -m models.convert --model-path HF_DIR --output NEW_DIR") from e
+    raise ValueError(
+      f"{path}: the orbax checkpoint cannot be read ({_root_cause(e)}); a file under {params} is "
+      "damaged, missing or of another checkpoint. Convert the HF checkpoint again: "
+      "python -m models.convert --model-path HF_DIR --output NEW_DIR"
+    ) from e
   model = nnx.merge(graphdef, state)
   if dtype is not None and jnp.dtype(dtype) != stored:
     # Re-load through the HF-equivalent cast rules: float32 stays float32 for the fp32 modules.
     cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
-    graphdef2, state2 = nnx.split(nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0),
-                                                                                dtype=jnp.dtype(dtype), **build)))
+    graphdef2, state2 = nnx.split(
+      nnx.eval_shape(lambda: DeepseekV32ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype), **build))
+    )
     casted = jax.tree.map(lambda want, have: jnp.asarray(have, want.dtype), state2, state)
     model = nnx.merge(graphdef2, casted)
   check_finite(model, path)
@@ -236,8 +266,9 @@ def _quiet_failed_reads(params: str):
 
   def hook(unraisable):
     error, obj = unraisable.exc_value, unraisable.object
-    if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed") or \
-       "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", ""):
+    if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed") or "orbax" in getattr(
+      getattr(obj, "cr_code", None), "co_filename", ""
+    ):
       return
     previous(unraisable)
 
@@ -268,9 +299,17 @@ def _root_cause(e: BaseException, limit: int = 400) -> str:
   return line if len(line) <= limit else line[:limit] + " ..."
 
 
-def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dtype: str = "auto",
-               sharding=None, fp8_weights: bool = False, top_k=jax.lax.top_k,
-               expert_parallel=None) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
+def load_model(
+  path: str,
+  dtype=None,
+  *,
+  fp8_numerics: bool = False,
+  kv_cache_dtype: str = "auto",
+  sharding=None,
+  fp8_weights: bool = False,
+  top_k=jax.lax.top_k,
+  expert_parallel=None,
+) -> tuple[DSAConfig, DeepseekV32ForCausalLM]:
   """(config, model) from an HF-format directory or an orbax directory written by ``convert``; sharding: a
   function (parameter path, shape) -> jax.sharding.Sharding placing each parameter as it loads (None: the
   default device); fp8_weights: FP8-resident weights (``load_hf``; HF FP8 checkpoints only, ValueError
@@ -279,12 +318,19 @@ def load_model(path: str, dtype=None, *, fp8_numerics: bool = False, kv_cache_dt
   build = dict(top_k=top_k, expert_parallel=expert_parallel)
   if is_orbax_dir(path):
     if fp8_weights:
-      raise ValueError(f"{path} is an orbax checkpoint (dequantized weights); FP8-resident weights load from the "
-                       "HF FP8 checkpoint")
-    return load_orbax(path, dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding,
-                      **build)
-  return load_hf(path, dtype=dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding,
-                 fp8_weights=fp8_weights, **build)
+      raise ValueError(
+        f"{path} is an orbax checkpoint (dequantized weights); FP8-resident weights load from the HF FP8 checkpoint"
+      )
+    return load_orbax(path, dtype, fp8_numerics=fp8_numerics, kv_cache_dtype=kv_cache_dtype, sharding=sharding, **build)
+  return load_hf(
+    path,
+    dtype=dtype,
+    fp8_numerics=fp8_numerics,
+    kv_cache_dtype=kv_cache_dtype,
+    sharding=sharding,
+    fp8_weights=fp8_weights,
+    **build,
+  )
 
 
 def main(argv=None) -> int:
@@ -293,15 +339,17 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description="Convert an HF-format DSA checkpoint into a native orbax checkpoint.")
   ap.add_argument("--model-path", required=True, help="HF directory (config.json + *.safetensors)")
   ap.add_argument("--output", required=True, help="new orbax directory")
-  ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                  help="parameter dtype (default: the checkpoint's)")
+  ap.add_argument(
+    "--dtype", choices=("bfloat16", "float32"), default=None, help="parameter dtype (default: the checkpoint's)"
+  )
   args = ap.parse_args(argv)
   if not os.path.exists(os.path.join(args.model_path, "config.json")):
     print(f"error: --model-path {args.model_path!r}: no config.json", file=sys.stderr)
     return 2
   if is_orbax_dir(args.model_path):  # (it said "no *.safetensors weights found")
-    print(f"error: --model-path {args.model_path!r} is already an orbax checkpoint (serve it as it is)",
-          file=sys.stderr)
+    print(
+      f"error: --model-path {args.model_path!r} is already an orbax checkpoint (serve it as it is)", file=sys.stderr
+    )
     return 2
   try:
     convert(args.model_path, args.output, args.dtype)
@@ -313,8 +361,10 @@ def main(argv=None) -> int:
     dtype = json.load(f)["dtype"]
   with open(os.path.join(args.model_path, "config.json")) as f:
     if "quantization_config" in json.load(f):
-      print(f"note: the FP8 block-quantized weights are stored dequantized, in {dtype}; --weight-dtype fp8 "
-            "(FP8-resident weights) loads from the HF FP8 checkpoint, not from this directory")
+      print(
+        f"note: the FP8 block-quantized weights are stored dequantized, in {dtype}; --weight-dtype fp8 "
+        "(FP8-resident weights) loads from the HF FP8 checkpoint, not from this directory"
+      )
   return 0
 
 

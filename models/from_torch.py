@@ -59,9 +59,18 @@ TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
 NESTED_KEYS = ("state_dict", "model", "module")
 # What a transformers checkpoint keeps beside its weights (copied from a single file's directory).
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
-                 "chat_template.jinja")
+HF_SIDE_FILES = (
+  "config.json",
+  "generation_config.json",
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "tokenizer.model",
+  "vocab.json",
+  "merges.txt",
+  "chat_template.jinja",
+)
 
 
 def default_oracle_python() -> str:
@@ -84,8 +93,13 @@ def check_regular_file(path: str, limit: int | None = None) -> None:
   """ValueError unless ``path`` (links followed) is a regular file of at most ``limit`` bytes: a FIFO would block
   a reader forever and a link to /dev/zero never ends."""
   if not os.path.isfile(path):
-    what = ("is a broken link" if os.path.islink(path) and not os.path.exists(path) else
-            "does not exist" if not os.path.lexists(path) else "is not a regular file")
+    what = (
+      "is a broken link"
+      if os.path.islink(path) and not os.path.exists(path)
+      else "does not exist"
+      if not os.path.lexists(path)
+      else "is not a regular file"
+    )
     raise ValueError(f"{path} {what}")
   if limit is not None and os.path.getsize(path) > limit:
     raise ValueError(f"{path} is {os.path.getsize(path)} bytes; at most {limit} are read")
@@ -162,7 +176,7 @@ def remove_stale_directories(parent: str) -> list[str]:
   for name in names:
     if not name.startswith(f"{NEW_DIRECTORY_PREFIX}{host}-"):
       continue
-    pid_text = name[len(NEW_DIRECTORY_PREFIX) + len(host) + 1:].split("-", 1)[0]
+    pid_text = name[len(NEW_DIRECTORY_PREFIX) + len(host) + 1 :].split("-", 1)[0]
     if not pid_text.isdigit() or pid_text == str(os.getpid()):
       continue
     try:
@@ -241,8 +255,11 @@ def torch_files(path: str) -> list[str]:
   if "pytorch_model.bin" in names:
     check_regular_file(os.path.join(path, "pytorch_model.bin"))
     return [os.path.join(path, "pytorch_model.bin")]
-  files = [os.path.join(path, n) for n in names if n.endswith(TORCH_SUFFIXES) and not _is_trainer_file(n)
-           and os.path.isfile(os.path.join(path, n))]
+  files = [
+    os.path.join(path, n)
+    for n in names
+    if n.endswith(TORCH_SUFFIXES) and not _is_trainer_file(n) and os.path.isfile(os.path.join(path, n))
+  ]
   if not files:
     raise ValueError(f"no torch pickle weights (pytorch_model.bin, *.bin, *.pt, *.pth) in {path}")
   return files
@@ -261,6 +278,7 @@ def _check_stored_zip(fn: str) -> None:
   a compressed one could inflate to any size in memory (a 2 MB file's data.pkl held 2 GiB). Files that are not
   zips (torch's legacy format) are read whole, as big as they are."""
   import zipfile
+
   if not zipfile.is_zipfile(fn):
     return
   try:
@@ -269,8 +287,10 @@ def _check_stored_zip(fn: str) -> None:
   except (zipfile.BadZipFile, OSError, ValueError) as e:
     raise ValueError(f"{fn}: not a readable torch zip file ({type(e).__name__}: {e})") from None
   if packed is not None:
-    raise ValueError(f"{fn}: zip entry {packed.filename!r} is compressed (method {packed.compress_type}); "
-                     "torch.save stores its entries uncompressed, and a compressed one could inflate without bound")
+    raise ValueError(
+      f"{fn}: zip entry {packed.filename!r} is compressed (method {packed.compress_type}); "
+      "torch.save stores its entries uncompressed, and a compressed one could inflate without bound"
+    )
 
 
 def _state_dict(fn: str) -> dict:
@@ -287,9 +307,11 @@ def _state_dict(fn: str) -> dict:
       obj = torch.load(fn, map_location="cpu", weights_only=True)
   except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for what it will not load
     reason = _torch_reason(str(e))
-    raise ValueError(f"{fn}: torch.load(weights_only=True) refused it ({type(e).__name__}{': ' + reason if reason else ''}"
-                     "); only a state dict of tensors converts (if you trust the file, load it yourself and "
-                     "torch.save its state dict alone)") from e
+    raise ValueError(
+      f"{fn}: torch.load(weights_only=True) refused it ({type(e).__name__}{': ' + reason if reason else ''}"
+      "); only a state dict of tensors converts (if you trust the file, load it yourself and "
+      "torch.save its state dict alone)"
+    ) from e
   if isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
     nested = [k for k in NESTED_KEYS if isinstance(obj.get(k), dict)]
     if len(nested) == 1:
@@ -302,8 +324,9 @@ def _state_dict(fn: str) -> dict:
     if not isinstance(k, str):
       raise ValueError(f"{fn}: key {k!r} is a {type(k).__name__}; state dict keys are tensor names (str)")
     if not isinstance(v, torch.Tensor):
-      raise ValueError(f"{fn}: entry {k!r} is a {type(v).__name__}, not a tensor (keys at the top: "
-                       f"{sorted(map(str, obj))[:8]})")
+      raise ValueError(
+        f"{fn}: entry {k!r} is a {type(v).__name__}, not a tensor (keys at the top: {sorted(map(str, obj))[:8]})"
+      )
     if v.layout != torch.strided:
       raise ValueError(f"{fn}: tensor {k!r} has layout {v.layout}; only dense (strided) tensors convert")
   return obj
@@ -343,14 +366,16 @@ def _strip(state: dict, prefix: str | None, fn: str, log) -> dict:
   if prefix is None:
     prefix = "module." if all(k.startswith("module.") for k in state) else ""
     if prefix:
-      log(f"{os.path.basename(fn)}: every tensor name starts with 'module.' (a DistributedDataParallel "
-          "wrapper's): stripped")
+      log(
+        f"{os.path.basename(fn)}: every tensor name starts with 'module.' (a DistributedDataParallel "
+        "wrapper's): stripped"
+      )
   if not prefix:
     return state
   bad = next((k for k in state if not k.startswith(prefix)), None)
   if bad is not None:
     raise ValueError(f"{fn}: tensor {bad!r} does not start with --strip-prefix {prefix!r}")
-  return {k[len(prefix):]: v for k, v in state.items()}
+  return {k[len(prefix) :]: v for k, v in state.items()}
 
 
 def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print, strip_prefix: str | None = None) -> dict:
@@ -382,8 +407,7 @@ def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print, str
           save_file({k: tensors[k] for k in group}, os.path.join(tmp, part), metadata={"format": "pt"})
         except Exception as e:  # safetensors raises several types for a dtype or layout it cannot store
           dtypes = sorted({str(tensors[k].dtype) for k in group})
-          raise ValueError(f"{fn}: safetensors cannot write it ({type(e).__name__}: {e}); its dtypes: "
-                           f"{dtypes}") from e
+          raise ValueError(f"{fn}: safetensors cannot write it ({type(e).__name__}: {e}); its dtypes: {dtypes}") from e
         parts.append((part, group))
         nbytes += sum(tensors[k].numel() * tensors[k].element_size() for k in group)
       total += nbytes
@@ -405,8 +429,13 @@ def convert(src: str, dst: str, max_shard_bytes: int = 5 * 2**30, log=print, str
     used = {os.path.abspath(f) for f in files}
     for name in sorted(os.listdir(side_dir)):
       p = os.path.join(side_dir, name)
-      if (os.path.isfile(p) and os.path.abspath(p) not in used and not name.endswith(TORCH_SUFFIXES)
-          and not name.endswith((".safetensors", ".index.json")) and (os.path.isdir(src) or name in HF_SIDE_FILES)):
+      if (
+        os.path.isfile(p)
+        and os.path.abspath(p) not in used
+        and not name.endswith(TORCH_SUFFIXES)
+        and not name.endswith((".safetensors", ".index.json"))
+        and (os.path.isdir(src) or name in HF_SIDE_FILES)
+      ):
         shutil.copy2(p, os.path.join(tmp, name))
   return {"files": n, "tensors": len(weight_map), "bytes": total}
 
@@ -430,31 +459,51 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model-path", required=True, help="torch checkpoint directory or one .bin/.pt/.pth file")
   ap.add_argument("--output", required=True, help="new directory for the safetensors checkpoint")
-  ap.add_argument("--max-shard-size", type=_positive_gib, default=5.0,
-                  help="GiB per output safetensors file (default 5; a larger tensor gets a file of its own)")
-  ap.add_argument("--strip-prefix", default=None,
-                  help="cut this prefix from every tensor name, e.g. 'model.' for a Lightning module's state dict "
-                       "(default: 'module.' when every name has it, as DistributedDataParallel saves them; '': none)")
-  ap.add_argument("--torch-python", default=None,
-                  help="a Python with torch + safetensors, used when this one lacks them (default: "
-                       "$HISPARSE_ORACLE_PYTHON, else .venv-oracle/bin/python)")
+  ap.add_argument(
+    "--max-shard-size",
+    type=_positive_gib,
+    default=5.0,
+    help="GiB per output safetensors file (default 5; a larger tensor gets a file of its own)",
+  )
+  ap.add_argument(
+    "--strip-prefix",
+    default=None,
+    help="cut this prefix from every tensor name, e.g. 'model.' for a Lightning module's state dict "
+    "(default: 'module.' when every name has it, as DistributedDataParallel saves them; '': none)",
+  )
+  ap.add_argument(
+    "--torch-python",
+    default=None,
+    help="a Python with torch + safetensors, used when this one lacks them (default: "
+    "$HISPARSE_ORACLE_PYTHON, else .venv-oracle/bin/python)",
+  )
   args = ap.parse_args(argv)
   if not _has_torch():
     python = args.torch_python or default_oracle_python()
     if not os.path.exists(python):
-      print(f"error: reading a torch pickle needs torch, which this Python lacks, and there is no {python} "
-            "(run `make oracle`, or pass --torch-python)", file=sys.stderr)
+      print(
+        f"error: reading a torch pickle needs torch, which this Python lacks, and there is no {python} "
+        "(run `make oracle`, or pass --torch-python)",
+        file=sys.stderr,
+      )
       return 2
     # -I: the script's own directory (models/, whose module names are generic) stays off sys.path.
     return subprocess.call([python, "-I", os.path.abspath(__file__), *argv])
   try:
-    info = convert(args.model_path, args.output, int(args.max_shard_size * 2**30),
-                   log=lambda s: print(s, flush=True), strip_prefix=args.strip_prefix)
+    info = convert(
+      args.model_path,
+      args.output,
+      int(args.max_shard_size * 2**30),
+      log=lambda s: print(s, flush=True),
+      strip_prefix=args.strip_prefix,
+    )
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"wrote {args.output}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB in {info['files']} "
-        f"safetensors file{'s' if info['files'] > 1 else ''}")
+  print(
+    f"wrote {args.output}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB in {info['files']} "
+    f"safetensors file{'s' if info['files'] > 1 else ''}"
+  )
   return 0
 
 

@@ -105,11 +105,13 @@ def decode(kind: str, rows: jax.Array, kv_lora_rank: int, dtype) -> jax.Array:
   C, nb = kv_lora_rank, -(-kv_lora_rank // BLOCK)
   rope_bytes = rows.shape[-1] - C - 4 * nb
   if rows.dtype != jnp.uint8 or rope_bytes < 0 or rope_bytes % np.dtype(dtype).itemsize:
-    raise ValueError(f"FP8 latent rows must be uint8 of {C} + {4 * nb} + (RoPE values x {np.dtype(dtype).itemsize}) "
-                     f"bytes for kv_lora_rank {C}; got {rows.dtype} rows of {rows.shape[-1]}")
+    raise ValueError(
+      f"FP8 latent rows must be uint8 of {C} + {4 * nb} + (RoPE values x {np.dtype(dtype).itemsize}) "
+      f"bytes for kv_lora_rank {C}; got {rows.dtype} rows of {rows.shape[-1]}"
+    )
   q = _from_bytes(rows[..., :C], jnp.float8_e4m3fn)
-  scale = _from_bytes(rows[..., C:C + 4 * nb], jnp.float32)
-  pe = _from_bytes(rows[..., C + 4 * nb:], dtype)
+  scale = _from_bytes(rows[..., C : C + 4 * nb], jnp.float32)
+  pe = _from_bytes(rows[..., C + 4 * nb :], dtype)
   return jnp.concatenate([dequantize_e4m3(q, scale, dtype), pe], axis=-1)
 
 

@@ -52,8 +52,14 @@ class KVCache(Protocol):
     (start: traced int32 scalar, a multiple of size; size: static)."""
     ...
 
-  def gather(self, layer: int, positions: jax.Array, top_k: jax.Array, index_q: jax.Array | None = None,
-             index_w: jax.Array | None = None) -> tuple[jax.Array, Self]:
+  def gather(
+    self,
+    layer: int,
+    positions: jax.Array,
+    top_k: jax.Array,
+    index_q: jax.Array | None = None,
+    index_w: jax.Array | None = None,
+  ) -> tuple[jax.Array, Self]:
     """(rows [B, Q, K, W] in the stored dtype, cache): the stored latent rows of the top-k positions
     int32[B, Q, K] chosen for the queries at positions int32[B, Q] (-1 entries give zero rows). index_q
     float32[B, Q, nI, Di] and index_w float32[B, Q, nI]: the layer's indexer queries and head weights
@@ -67,7 +73,7 @@ def index_scores(index_q: jax.Array, index_w: jax.Array, keys: jax.Array) -> jax
   ``score[b, q, t] = sum_h w[b, q, h] * relu(q[b, q, h] . k[b, t] * Di**-0.5)`` (DeepSeek-V3.2 technical
   report, the indexer's I_{t,s}; the Di**-0.5 scale of its reference implementation). Full-precision matmuls
   (the scores pick the top-k: TF32 would change it on GPUs)."""
-  s = jnp.einsum("bqhd,btd->bqht", index_q, keys, precision=jax.lax.Precision.HIGHEST) * index_q.shape[-1]**-0.5
+  s = jnp.einsum("bqhd,btd->bqht", index_q, keys, precision=jax.lax.Precision.HIGHEST) * index_q.shape[-1] ** -0.5
   return jnp.einsum("bqht,bqh->bqt", jax.nn.relu(s), index_w, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -96,16 +102,17 @@ class ContiguousKVCache:
     L = cfg.num_hidden_layers
     width, stored = cfg.kv_row(dtype)
     index_width, index_stored = cfg.kv_index_row()
-    return cls(jnp.zeros((L, batch, max_len, width), stored),
-               jnp.zeros((L, batch, max_len, index_width), index_stored))
+    return cls(jnp.zeros((L, batch, max_len, width), stored), jnp.zeros((L, batch, max_len, index_width), index_stored))
 
   def append(self, layer, positions, latent, index_key):
     B, S = self.latent.shape[1], self.latent.shape[2]
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], positions.shape)
     pos = jnp.where(positions >= 0, positions, S)  # S is out of range: dropped
     return dataclasses.replace(
-        self, latent=self.latent.at[layer, rows, pos].set(latent.astype(self.latent.dtype), mode="drop"),
-        index_key=self.index_key.at[layer, rows, pos].set(index_key, mode="drop"))
+      self,
+      latent=self.latent.at[layer, rows, pos].set(latent.astype(self.latent.dtype), mode="drop"),
+      index_key=self.index_key.at[layer, rows, pos].set(index_key, mode="drop"),
+    )
 
   def index_keys(self, layer, start, size):
     pos = start + jnp.arange(size)

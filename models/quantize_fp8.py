@@ -35,16 +35,24 @@ from models.loader import INDEX_FILE, _TensorStore, check_finite_array, checkpoi
 BLOCK = 128
 E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "weights_proj")
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK],
-                       "activation_scheme": "dynamic"}
+QUANTIZATION_CONFIG = {
+  "quant_method": "fp8",
+  "fmt": "e4m3",
+  "weight_block_size": [BLOCK, BLOCK],
+  "activation_scheme": "dynamic",
+}
 FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))
 SCALE_DTYPES = {d.name: d for d in fp8.SCALE_DTYPES}  # the scale dtypes the loader reads, by name
 
 
 def quantizes(key: str, array: np.ndarray) -> bool:
   """Whether ``key`` is a linear weight this module quantizes (a float matrix not in ``UNQUANTIZED``)."""
-  return (key.endswith(".weight") and array.ndim == 2 and array.dtype in FLOAT_DTYPES
-          and not any(name in key for name in UNQUANTIZED))
+  return (
+    key.endswith(".weight")
+    and array.ndim == 2
+    and array.dtype in FLOAT_DTYPES
+    and not any(name in key for name in UNQUANTIZED)
+  )
 
 
 def quantize_blocks(w: np.ndarray, power_of_two: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +66,7 @@ def quantize_blocks(w: np.ndarray, power_of_two: bool = False) -> tuple[np.ndarr
   # One strip of 128 rows at a time, its columns padded to whole blocks: the work memory is a strip's (a matrix
   # padded whole to 128-row blocks made a [1, 4M] vector a [128, 4M] float32 one, 2 GiB).
   for i in range(nr):
-    strip = w[i * BLOCK:(i + 1) * BLOCK]
+    strip = w[i * BLOCK : (i + 1) * BLOCK]
     padded = np.zeros((strip.shape[0], nc * BLOCK), np.float32)
     padded[:, :cols] = strip
     blocks = padded.reshape(strip.shape[0], nc, BLOCK)
@@ -67,7 +75,7 @@ def quantize_blocks(w: np.ndarray, power_of_two: bool = False) -> tuple[np.ndarr
       s = np.exp2(np.ceil(np.log2(s))).astype(np.float32)
     scale[i] = s
     strip_q = np.clip(blocks / s[None, :, None], -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
-    q[i * BLOCK:(i + 1) * BLOCK] = strip_q.reshape(strip.shape[0], nc * BLOCK)[:, :cols]
+    q[i * BLOCK : (i + 1) * BLOCK] = strip_q.reshape(strip.shape[0], nc * BLOCK)[:, :cols]
   return q, scale
 
 
@@ -124,8 +132,7 @@ def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", 
       del tensors
     if weight_map is not None:
       with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": done["bytes"]}, "weight_map": dict(sorted(new_map.items()))}, f,
-                  indent=2)
+        json.dump({"metadata": {"total_size": done["bytes"]}, "weight_map": dict(sorted(new_map.items()))}, f, indent=2)
     config["quantization_config"] = dict(QUANTIZATION_CONFIG)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config, f, indent=2, sort_keys=True)
@@ -136,24 +143,33 @@ def quantize_checkpoint(hf_dir: str, output: str, scale_dtype: str = "float32", 
 def main(argv=None) -> int:
   import argparse
 
-  ap = argparse.ArgumentParser(description="FP8 block-quantize an HF-format DSA checkpoint (DeepSeek-V3's "
-                                           "layout: e4m3 weights, one scale per 128x128 block).")
+  ap = argparse.ArgumentParser(
+    description="FP8 block-quantize an HF-format DSA checkpoint (DeepSeek-V3's "
+    "layout: e4m3 weights, one scale per 128x128 block)."
+  )
   ap.add_argument("--model-path", required=True, help="HF directory (config.json + *.safetensors)")
   ap.add_argument("--output", required=True, help="new directory")
-  ap.add_argument("--scale-dtype", choices=tuple(SCALE_DTYPES), default="float32",
-                  help="dtype of the block scales (bfloat16 / float8_e8m0fnu: power-of-two scales)")
+  ap.add_argument(
+    "--scale-dtype",
+    choices=tuple(SCALE_DTYPES),
+    default="float32",
+    help="dtype of the block scales (bfloat16 / float8_e8m0fnu: power-of-two scales)",
+  )
   args = ap.parse_args(argv)
   if not os.path.exists(os.path.join(args.model_path, "config.json")):
     print(f"error: --model-path {args.model_path!r}: no config.json", file=sys.stderr)
     return 2
   try:
-    done = quantize_checkpoint(args.model_path, args.output, args.scale_dtype,
-                               log=lambda line: print(line, file=sys.stderr))
+    done = quantize_checkpoint(
+      args.model_path, args.output, args.scale_dtype, log=lambda line: print(line, file=sys.stderr)
+    )
   except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is the user's error, said in one line
     print(cli_error(e, args.model_path), file=sys.stderr)
     return 2
-  print(f"wrote {args.output}: {done['quantized']} matrices in FP8 (128x128 {args.scale_dtype} block scales), "
-        f"{done['kept']} tensors kept, {done['bytes'] / 2**20:.1f} MiB of weights")
+  print(
+    f"wrote {args.output}: {done['quantized']} matrices in FP8 (128x128 {args.scale_dtype} block scales), "
+    f"{done['kept']} tensors kept, {done['bytes'] / 2**20:.1f} MiB of weights"
+  )
   return 0
 
 

@@ -76,11 +76,13 @@ HOST_POOL_FLAG = {"pinned_host": "jax", "extension": "extension"}  # --host-pool
 
 def _non_negative(kind):
   """argparse type: a finite number >= 0 of `kind` (int or float)."""
+
   def parse(text):
     value = kind(text)
     if not (value >= 0 and value != float("inf")):
       raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
   return parse
 
 
@@ -88,6 +90,7 @@ def _jax(platform):
   if platform == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
   import jax
+
   return jax
 
 
@@ -95,6 +98,7 @@ def _run_path(path, case, jax, platform, page_size, copy_blocks=0):
   """Runs ops.swap_in on `case` through host-pool path `path` (with `copy_blocks`); returns numpy results."""
   import jax.numpy as jnp
   from hisparse_jax.kernels import ops
+
   layer, top_k, seq_lens, req_ids, host_pages, newest, pool, hot, slot_tokens, lru, stats = case
   dev = jax.devices()[0]
   put = lambda x: jax.device_put(jnp.asarray(x), dev)
@@ -107,8 +111,10 @@ def _run_path(path, case, jax, platform, page_size, copy_blocks=0):
     return [np.asarray(x) for x in fn(layer, *args, host, *state)]
   ext = ops.ExtensionHostPool(*pool.shape, pool.dtype, platform="gpu" if platform == "gpu" else "cpu")
   ext.write(pool)
-  fn = jax.jit(functools.partial(ops.swap_in, page_size=page_size, external=ext.ref, copy_blocks=copy_blocks),
-               donate_argnums=donate)
+  fn = jax.jit(
+    functools.partial(ops.swap_in, page_size=page_size, external=ext.ref, copy_blocks=copy_blocks),
+    donate_argnums=donate,
+  )
   out = [np.asarray(x) for x in fn(layer, *args, ext.token(), *state)]
   out[1] = ext.read()
   ext.close()
@@ -120,6 +126,7 @@ def _run_prefetch(path, case, jax, platform, page_size):
   slot_tokens, lru, prefetched)."""
   import jax.numpy as jnp
   from hisparse_jax.kernels import ops
+
   layer, top_k, seq_lens, req_ids, host_pages, _, pool, hot, slot_tokens, lru, _ = case
   dev = jax.devices()[0]
   put = lambda x: jax.device_put(jnp.asarray(x), dev)
@@ -132,12 +139,24 @@ def _run_prefetch(path, case, jax, platform, page_size):
     host = ext.token()
 
   def run(host, hot, slots, order, top_k, seq_lens, req_ids, host_pages):
-    host, ticket = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host, hot, slots, order,
-                                      page_size=page_size, external=ext and ext.ref)
+    host, ticket = ops.prefetch_start(
+      layer,
+      top_k,
+      seq_lens,
+      req_ids,
+      host_pages,
+      host,
+      hot,
+      slots,
+      order,
+      page_size=page_size,
+      external=ext and ext.ref,
+    )
     return ops.prefetch_wait(ticket, hot, slots, order, top_k, batch=top_k.shape[0])
 
-  out = jax.jit(run, donate_argnums=(0, 1, 2, 3))(host, put(hot), put(slot_tokens), put(lru), put(top_k),
-                                                  put(seq_lens), put(req_ids), put(host_pages))
+  out = jax.jit(run, donate_argnums=(0, 1, 2, 3))(
+    host, put(hot), put(slot_tokens), put(lru), put(top_k), put(seq_lens), put(req_ids), put(host_pages)
+  )
   out = [np.asarray(x) for x in out]
   if ext is not None:
     ext.close()
@@ -168,6 +187,7 @@ def probe(path, platform) -> dict:
   jax = _jax(platform)
   from hisparse_jax.kernels import reference
   from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE as page, worked_example
+
   case = worked_example()
   got = _run_path(path, case, jax, platform, page)
   err = _compare(got, reference.swap_in(*case, page_size=page))
@@ -178,6 +198,7 @@ def correctness(paths, platform, n_random) -> dict:
   jax = _jax(platform)
   from hisparse_jax.kernels import reference
   from hisparse_jax.kernels.reference import WORKED_EXAMPLE_PAGE_SIZE, worked_example
+
   rng = np.random.default_rng(0)
   report = {}
   for path in paths:
@@ -185,9 +206,22 @@ def correctness(paths, platform, n_random) -> dict:
     cases = [(worked_example(), WORKED_EXAMPLE_PAGE_SIZE)]
     for _ in range(n_random):
       page, B = int(rng.choice([1, 4, 64])), int(rng.integers(1, 9))
-      cases.append((reference.random_case(rng, L=2, B=B, R=B + int(rng.integers(0, 3)), D=int(rng.integers(4, 64)),
-                                          K=4, S=int(rng.integers(1, 200)), W=int(rng.choice([1, 3, 8, 288])),
-                                          page_size=page), page))
+      cases.append(
+        (
+          reference.random_case(
+            rng,
+            L=2,
+            B=B,
+            R=B + int(rng.integers(0, 3)),
+            D=int(rng.integers(4, 64)),
+            K=4,
+            S=int(rng.integers(1, 200)),
+            W=int(rng.choice([1, 3, 8, 288])),
+            page_size=page,
+          ),
+          page,
+        )
+      )
     # real sizes (K 2048, D 4096) and one between: the plan's block-wide passes over many chunks of threads
     for kw in (dict(D=4096, K=2048, S=12000, W=16, page_size=64), dict(D=600, K=300, S=2000, W=8, page_size=1)) * 2:
       cases.append((reference.random_case(rng, L=2, B=4, R=5, **kw), kw["page_size"]))
@@ -214,8 +248,11 @@ def correctness(paths, platform, n_random) -> dict:
     bad[1][0, 0] = 16  # position >= seq_len: the row's status, nothing changed, no host synchronization
     try:
       got = _run_path(path, bad, jax, platform, WORKED_EXAMPLE_PAGE_SIZE)
-      error_ok = (int(got[6][0]) == reference.POSITION_OUT_OF_RANGE and (got[0] == -1).all() and
-                  all(np.array_equal(g, w) for g, w in zip(got[2:6], bad[7:11])))
+      error_ok = (
+        int(got[6][0]) == reference.POSITION_OUT_OF_RANGE
+        and (got[0] == -1).all()
+        and all(np.array_equal(g, w) for g, w in zip(got[2:6], bad[7:11]))
+      )
     except Exception as e:  # noqa: BLE001
       print(f"  bad input raised instead of a status: {e}")
       error_ok = False
@@ -226,6 +263,7 @@ def correctness(paths, platform, n_random) -> dict:
 def h2d_gbps(jax, nbytes, repeats=5) -> float:
   """Pinned host -> device bandwidth for nbytes (jax.device_put of a pinned_host array)."""
   import jax.numpy as jnp
+
   nbytes = max(int(nbytes), 1 << 16)
   host = jax.jit(lambda: jax.device_put(jnp.ones((nbytes,), jnp.uint8), jax.memory.Space.Host))()
   dev = jax.devices()[0]
@@ -245,21 +283,32 @@ def sweep(path, platform, quick, deadline=float("inf")) -> list[dict]:
   points first); no new point after `deadline` (time.time())."""
   jax = _jax(platform)
   from swap_in import summarize, time_point
+
   rng = np.random.default_rng(0)
   if quick:
     grid = [(4, 2048, 656, 1.0, 1)] + [(4, 2048, 656, f, 0) for f in (0.05, 1.0)]
   else:
     grid = [(B, 4096, 656, f, c) for B in (1, 8, 64) for f in (0.2, 1.0) for c in (1, 0)]
-    grid += [p for p in ((B, D, W, f, 0) for W in (656, 1152) for D in (4096, 2048) for B in (1, 64, 256)
-                         for f in (0.001, 0.05, 0.2, 1.0)) if p not in grid]
+    grid += [
+      p
+      for p in (
+        (B, D, W, f, 0)
+        for W in (656, 1152)
+        for D in (4096, 2048)
+        for B in (1, 64, 256)
+        for f in (0.001, 0.05, 0.2, 1.0)
+      )
+      if p not in grid
+    ]
   L, repeats = 2, 3 if quick else 7
   results = []
   for B, D, W, f, copy_blocks in grid:
     if time.time() > deadline:
       print(f"  stopped at the time budget after {len(results)} of {len(grid)} points", flush=True)
       break
-    t = time_point(B, D, W, L, f, repeats, rng, host_pool=HOST_POOL_FLAG[path],
-                   platform=platform, copy_blocks=copy_blocks)
+    t = time_point(
+      B, D, W, L, f, repeats, rng, host_pool=HOST_POOL_FLAG[path], platform=platform, copy_blocks=copy_blocks
+    )
     ext = t.pop("ext")
     t.pop("pool"), t.pop("hot")
     if ext is not None:
@@ -268,8 +317,11 @@ def sweep(path, platform, quick, deadline=float("inf")) -> list[dict]:
     r = {**summarize(B, D, W, L, f, t, t["miss_bytes"] / (bw * 1e9), "h2d_GBps"), "copy_blocks": copy_blocks}
     results.append(r)
     fmt = lambda v: f"{v:7.2f}" if v is not None else f"{'-':>7}"
-    print(f"  B={B:>3} D={D} W={W:>4} miss={f:<5} copy_blocks={copy_blocks} call {r['call_ms']:8.3f} ms  book {r['bookkeeping_us']:7.2f} us"
-          f"  miss {fmt(r['miss_GBps'])} GB/s  h2d {bw:7.2f} GB/s  ratio {fmt(r['ratio'])}", flush=True)
+    print(
+      f"  B={B:>3} D={D} W={W:>4} miss={f:<5} copy_blocks={copy_blocks} call {r['call_ms']:8.3f} ms  book {r['bookkeeping_us']:7.2f} us"
+      f"  miss {fmt(r['miss_GBps'])} GB/s  h2d {bw:7.2f} GB/s  ratio {fmt(r['ratio'])}",
+      flush=True,
+    )
   return results
 
 
@@ -281,15 +333,35 @@ def generate_check(path, platform, out_dir, env, new_tokens=16) -> dict:
   outputs, result = {}, {"path": path}
   # --host-pool auto: what a user gets on this platform (on a GPU the extension's pool; see EngineArgs)
   fp8 = ["--kv-cache-dtype", "fp8_e4m3"]
-  for mode, extra in (("dense", []), ("hisparse", ["--enable-hisparse", "--host-pool", "auto"]), ("dense_fp8", fp8),
-                      ("hisparse_fp8", ["--enable-hisparse", "--host-pool", "auto", *fp8])):
+  for mode, extra in (
+    ("dense", []),
+    ("hisparse", ["--enable-hisparse", "--host-pool", "auto"]),
+    ("dense_fp8", fp8),
+    ("hisparse_fp8", ["--enable-hisparse", "--host-pool", "auto", *fp8]),
+  ):
     outputs[mode] = os.path.join(out_dir, f"generate_{mode}.jsonl")
-    cmd = [sys.executable, "-m", "hisparse_jax.generate", "--prompts", os.path.join(REPO, "examples", "prompts.jsonl"),
-           "--max-new-tokens", str(new_tokens), "--output", outputs[mode], *extra]
+    cmd = [
+      sys.executable,
+      "-m",
+      "hisparse_jax.generate",
+      "--prompts",
+      os.path.join(REPO, "examples", "prompts.jsonl"),
+      "--max-new-tokens",
+      str(new_tokens),
+      "--output",
+      outputs[mode],
+      *extra,
+    ]
     t0 = time.time()
     try:
-      r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=REPO,
-                         env={**env, **({"JAX_PLATFORMS": "cpu"} if platform == "cpu" else {})})
+      r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+        env={**env, **({"JAX_PLATFORMS": "cpu"} if platform == "cpu" else {})},
+      )
     except subprocess.TimeoutExpired:
       return {**result, "error": f"{mode}: timed out"}
     result[f"{mode}_seconds"] = round(time.time() - t0, 1)
@@ -307,8 +379,10 @@ def generate_check(path, platform, out_dir, env, new_tokens=16) -> dict:
 
 
 # XLA_FLAGS of the two graph-step modes (flags must be set before JAX starts: one process each).
-GRAPH_MODES = {"eager": "--xla_gpu_enable_command_buffer=",
-               "graph": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"}
+GRAPH_MODES = {
+  "eager": "--xla_gpu_enable_command_buffer=",
+  "graph": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+}
 GRAPH_MODES.update({m + "_hits": f for m, f in list(GRAPH_MODES.items())})  # the all-hits step (graph_step hits)
 
 
@@ -319,6 +393,7 @@ def graph_step(platform, quick, path="pinned_host", hits=False) -> dict:
   jax = _jax(platform)
   import jax.numpy as jnp
   from hisparse_jax.kernels import ops
+
   L, B, K, D, S, W = (2, 4, 64, 128, 1024, 64) if quick else (8, 32, 2048, 4096, 32768, 656)
   rng = np.random.default_rng(0)
   R, H = B + 1, B * S
@@ -331,9 +406,15 @@ def graph_step(platform, quick, path="pinned_host", hits=False) -> dict:
     pool = jax.jit(lambda: jax.device_put(jnp.ones((L, H, W), jnp.uint8), jax.memory.Space.Host))()
   slot_tokens = np.stack([np.stack([rng.permutation(S - 1)[:D] for _ in range(R)]) for _ in range(L)])
   lru = np.stack([np.stack([rng.permutation(D) for _ in range(R)]) for _ in range(L)])
-  state = [jax.device_put(jnp.asarray(x), dev) for x in (
-      np.zeros((L, R, D + 1, W), np.uint8), slot_tokens.astype(np.int32), lru.astype(np.int32),
-      np.zeros((L, R, 2), np.int32))]
+  state = [
+    jax.device_put(jnp.asarray(x), dev)
+    for x in (
+      np.zeros((L, R, D + 1, W), np.uint8),
+      slot_tokens.astype(np.int32),
+      lru.astype(np.int32),
+      np.zeros((L, R, 2), np.int32),
+    )
+  ]
   host_pages = jnp.asarray(np.arange(B * S, dtype=np.int32).reshape(B, S))  # page size 1
   req_ids = jnp.arange(B, dtype=jnp.int32)
   seq_lens = jnp.full((B,), S, jnp.int32)
@@ -346,9 +427,21 @@ def graph_step(platform, quick, path="pinned_host", hits=False) -> dict:
     acc = jnp.zeros((B, 256), jnp.float32)
     for l in range(L):
       pool, st = ops.backup(l, newest[None], host_pages[:, -1], pool, external=external)
-      rows, pool, hot, slots, order, stats, st2 = ops.swap_in(l, top_k[l], seq_lens, req_ids, host_pages, newest,
-                                                              pool, hot, slots, order, stats, page_size=1,
-                                                              external=external)
+      rows, pool, hot, slots, order, stats, st2 = ops.swap_in(
+        l,
+        top_k[l],
+        seq_lens,
+        req_ids,
+        host_pages,
+        newest,
+        pool,
+        hot,
+        slots,
+        order,
+        stats,
+        page_size=1,
+        external=external,
+      )
       status = jnp.maximum(status, jnp.maximum(st, st2))
       kv = hot[l].reshape(-1, W)[jnp.maximum(rows, 0)].astype(jnp.bfloat16)  # [B, K, W]
       acc = acc + jnp.einsum("bkw,wn->bn", kv, weight, preferred_element_type=jnp.float32)
@@ -357,8 +450,10 @@ def graph_step(platform, quick, path="pinned_host", hits=False) -> dict:
 
   steps = 5 if quick else 30
   if hits:  # K of each request-layer's resident tokens: every position a hit, the slot tables unchanged
-    top_ks = [jnp.asarray(np.take_along_axis(slot_tokens[:, :B], np.argsort(rng.random((L, B, D)), -1)[..., :K], -1),
-                          jnp.int32) for _ in range(steps + 3)]
+    top_ks = [
+      jnp.asarray(np.take_along_axis(slot_tokens[:, :B], np.argsort(rng.random((L, B, D)), -1)[..., :K], -1), jnp.int32)
+      for _ in range(steps + 3)
+    ]
   else:
     top_ks = [jnp.asarray(rng.integers(0, S - 1, (L, B, K)), jnp.int32) for _ in range(steps + 3)]
   newest = jnp.zeros((B, W), jnp.uint8)
@@ -373,8 +468,14 @@ def graph_step(platform, quick, path="pinned_host", hits=False) -> dict:
   if ext is not None:
     del pool, state
     ext.close()
-  return {"ms_per_step": statistics.median(times[3:]) * 1e3, "steps": steps, "path": path, "hits": hits,
-          "shape": dict(L=L, B=B, K=K, D=D, S=S, W=W), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  return {
+    "ms_per_step": statistics.median(times[3:]) * 1e3,
+    "steps": steps,
+    "path": path,
+    "hits": hits,
+    "shape": dict(L=L, B=B, K=K, D=D, S=S, W=W),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }
 
 
 def main():
@@ -382,10 +483,15 @@ def main():
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(REPO, "out"), "gpu_check.json"))
   ap.add_argument("--quick", action="store_true", help="a few points only (dry runs)")
   ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
-  ap.add_argument("--cases", type=_non_negative(int), help="random correctness cases per path (default: 16, "
-                  "10 with --quick)")
-  ap.add_argument("--budget", type=_non_negative(float), default=300,
-                  help="seconds from the start after which the sweep (the last step) stops adding points")
+  ap.add_argument(
+    "--cases", type=_non_negative(int), help="random correctness cases per path (default: 16, 10 with --quick)"
+  )
+  ap.add_argument(
+    "--budget",
+    type=_non_negative(float),
+    default=300,
+    help="seconds from the start after which the sweep (the last step) stops adding points",
+  )
   ap.add_argument("--probe", choices=PATHS, help=argparse.SUPPRESS)
   ap.add_argument("--graph-step", choices=PATHS, help=argparse.SUPPRESS)
   ap.add_argument("--hits", action="store_true", help=argparse.SUPPRESS)
@@ -413,11 +519,19 @@ def main():
   print("== 1. host-pool paths", flush=True)
   for path in PATHS:
     try:
-      r = subprocess.run([sys.executable, __file__, "--probe", path, "--platform", args.platform],
-                         capture_output=True, text=True, timeout=240, env=env)
+      r = subprocess.run(
+        [sys.executable, __file__, "--probe", path, "--platform", args.platform],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+      )
       line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
-      res = json.loads(line) if line.startswith("{") else {
-          "path": path, "ok": False, "error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"}
+      res = (
+        json.loads(line)
+        if line.startswith("{")
+        else {"path": path, "ok": False, "error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"}
+      )
     except subprocess.TimeoutExpired:
       res = {"path": path, "ok": False, "error": "timed out"}
     report["probes"][path] = res
@@ -432,15 +546,20 @@ def main():
     cases = args.cases if args.cases is not None else 10 if args.quick else 16
     report["correctness"] = correctness(working, args.platform, cases)
     for path, c in report["correctness"].items():
-      print(f"  {path:12s} {c['cases']} cases, {len(c['failures'])} failures, bad input is an error: "
-            f"{c['bad_input_is_error']}", flush=True)
+      print(
+        f"  {path:12s} {c['cases']} cases, {len(c['failures'])} failures, bad input is an error: "
+        f"{c['bad_input_is_error']}",
+        flush=True,
+      )
     save("correctness", t0)
     t0 = time.time()
     print("== 3. decode-like step, command buffers (CUDA graphs) off / on", flush=True)
     report["graph_step"] = {}
     for mode, flags in GRAPH_MODES.items():
       genv = {**env, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
-      cmd = [sys.executable, __file__, "--graph-step", working[0], "--platform", args.platform] + (["--quick"] if args.quick else [])
+      cmd = [sys.executable, __file__, "--graph-step", working[0], "--platform", args.platform] + (
+        ["--quick"] if args.quick else []
+      )
       cmd += ["--hits"] if mode.endswith("_hits") else []
       try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=genv)
@@ -449,8 +568,10 @@ def main():
       except subprocess.TimeoutExpired:
         res = {"error": "timed out"}
       report["graph_step"][mode] = res
-      print(f"  {mode:6s} " + (f"{res['ms_per_step']:.3f} ms per step" if "ms_per_step" in res else res["error"]),
-            flush=True)
+      print(
+        f"  {mode:6s} " + (f"{res['ms_per_step']:.3f} ms per step" if "ms_per_step" in res else res["error"]),
+        flush=True,
+      )
     g = report["graph_step"]
     for suffix in ("", "_hits"):
       if all("ms_per_step" in g[m + suffix] for m in ("eager", "graph")):
@@ -464,14 +585,29 @@ def main():
       t0 = time.time()
       print(f"== 4. cross-layer prefetch ({' '.join(['benchmarks/prefetch.py', *extra])})", flush=True)
       out = os.path.join(os.path.dirname(os.path.abspath(args.out)), section)
-      cmd = [sys.executable, os.path.join(REPO, "benchmarks", "prefetch.py"), "--out", out,
-             "--host-pool", HOST_POOL_FLAG[working[0]], *extra]
+      cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "prefetch.py"),
+        "--out",
+        out,
+        "--host-pool",
+        HOST_POOL_FLAG[working[0]],
+        *extra,
+      ]
       cmd += ["--quick"] if args.quick else ["--batches", "1,8,64", "--steps", "12"]
       try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                           env={**env, **({"JAX_PLATFORMS": "cpu"} if args.platform == "cpu" else {})})
-        report[section] = (json.load(open(out + ".json"))["rows"] if r.returncode == 0 else
-                           {"error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"})
+        r = subprocess.run(
+          cmd,
+          capture_output=True,
+          text=True,
+          timeout=300,
+          env={**env, **({"JAX_PLATFORMS": "cpu"} if args.platform == "cpu" else {})},
+        )
+        report[section] = (
+          json.load(open(out + ".json"))["rows"]
+          if r.returncode == 0
+          else {"error": f"exit {r.returncode}: {r.stderr.strip()[-800:]}"}
+        )
         print(r.stdout.strip()[-1500:] if r.returncode == 0 else "  " + report[section]["error"], flush=True)
       except subprocess.TimeoutExpired:
         report[section] = {"error": "timed out"}
@@ -482,17 +618,18 @@ def main():
     report["sweep"] = sweep(working[0], args.platform, args.quick, deadline=start + args.budget)
     save("sweep", t0)
     t0 = time.time()
-    print("== 6. end to end: greedy decoding of examples/prompts.jsonl, dense vs HiSparse, both KV caches",
-          flush=True)
-    report["generate"] = generate_check(working[0], args.platform, os.path.dirname(os.path.abspath(args.out)), env,
-                                        4 if args.quick else 16)
+    print("== 6. end to end: greedy decoding of examples/prompts.jsonl, dense vs HiSparse, both KV caches", flush=True)
+    report["generate"] = generate_check(
+      working[0], args.platform, os.path.dirname(os.path.abspath(args.out)), env, 4 if args.quick else 16
+    )
     print("  " + json.dumps(report["generate"])[:1500], flush=True)
     save("generate", t0)
   save("total", start)
   failed = [] if working else ["no host-pool path works"]
   if working:
-    failed += [f"correctness on {p}" for p, c in report["correctness"].items()
-               if c["failures"] or not c["bad_input_is_error"]]
+    failed += [
+      f"correctness on {p}" for p, c in report["correctness"].items() if c["failures"] or not c["bad_input_is_error"]
+    ]
     failed += [f"graph step {m}" for m in GRAPH_MODES if "ms_per_step" not in report["graph_step"][m]]
     failed += [f"{s} benchmark" for s in ("prefetch", "prefetch_real_layer") if not isinstance(report[s], list)]
     failed += ["end-to-end generate"] if not report["generate"].get("ok") else []

@@ -18,7 +18,7 @@ def updated(text: str) -> str:
   start, end = text.find(FLAG_TABLE_BEGIN), text.find(FLAG_TABLE_END)
   if start < 0 or end < start:
     raise ValueError(f"{PAGE}: no {FLAG_TABLE_BEGIN!r} ... {FLAG_TABLE_END!r} block")
-  return text[:start + len(FLAG_TABLE_BEGIN)] + "\n" + EngineArgs.flag_table() + "\n" + text[end:]
+  return text[: start + len(FLAG_TABLE_BEGIN)] + "\n" + EngineArgs.flag_table() + "\n" + text[end:]
 
 
 def main(argv: list[str]) -> int:

@@ -38,8 +38,10 @@ def swap(pool):
   @jax.jit
   def f(x, token):
     newest = jnp.zeros((B, W), jnp.float32) + x[0, 0] * 0  # waits for x
-    return ops.swap_in(0, top_k, seq_lens, req_ids, host_pages, newest, token, hot, slots, lru, stats,
-                       page_size=PAGE, external=pool.ref)
+    return ops.swap_in(
+      0, top_k, seq_lens, req_ids, host_pages, newest, token, hot, slots, lru, stats, page_size=PAGE, external=pool.ref
+    )
+
   return f
 
 

@@ -78,17 +78,28 @@ def pytest_unconfigure(config):
   if _OWN_CACHE:
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
+
 # Slowest first (seconds of one worker in a 2-worker `make test`, 2026-12-02): the mesh subprocess ~800,
 # benchmark scripts ~570, throughput benchmarks ~450, scheduling ~390, lossless ~300, multiprocess ~290; then
 # collection order. The Makefile passes --no-loadscope-reorder, without which xdist orders modules by their
 # number of tests instead.
-FIRST = ("test_mesh.py", "test_benchmark_scripts.py", "test_throughput_benchmark.py", "test_scheduling.py",
-         "test_lossless.py", "test_multiprocess.py", "test_fp8_checkpoint.py", "test_model_oracle.py",
-         "test_cli.py", "test_disaggregation.py")
+FIRST = (
+  "test_mesh.py",
+  "test_benchmark_scripts.py",
+  "test_throughput_benchmark.py",
+  "test_scheduling.py",
+  "test_lossless.py",
+  "test_multiprocess.py",
+  "test_fp8_checkpoint.py",
+  "test_model_oracle.py",
+  "test_cli.py",
+  "test_disaggregation.py",
+)
 
 
 def pytest_collection_modifyitems(session, config, items):
   def rank(item):
     name = item.path.name
     return FIRST.index(name) if name in FIRST else len(FIRST)
+
   items.sort(key=rank)  # stable: the order inside a module is kept

@@ -46,35 +46,39 @@ from hisparse_jax.engine.detokenizer import load_tokenizer
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, scratch_dir, tiny_model_with_tokenizer
 
 MAX_SEQ_LEN = 160
-ENGINE = dict(page_size=16, chunked_prefill_size=32, max_seq_len=MAX_SEQ_LEN, max_running_requests=4,
-              deterministic=True)
+ENGINE = dict(
+  page_size=16, chunked_prefill_size=32, max_seq_len=MAX_SEQ_LEN, max_running_requests=4, deterministic=True
+)
 # name -> (Engine keyword arguments, HiSparse settings or None). The device budgets hold about two or three of
 # the workload's longer requests: pools run out and the scheduler preempts (dense: 12 pages of 16 tokens).
 CONFIGS = {
-    "dense": (dict(max_device_kv_bytes=12 * 16 * 768), None),
-    "dense_plain": (dict(max_device_kv_bytes=12 * 16 * 768, overlap_schedule=False), None),
-    "lru": (dict(max_device_kv_bytes=200_000), {}),
-    "lru_plain": (dict(max_device_kv_bytes=200_000, overlap_schedule=False), {}),
-    "clock_prefetch": (dict(max_device_kv_bytes=200_000), dict(eviction="clock", prefetch="next_layer")),
-    "score_ema": (dict(max_device_kv_bytes=200_000), dict(eviction="score_ema")),
-    "resident": (dict(max_device_kv_bytes=220_000), dict(resident_fraction=0.4, prefetch="next_layer",
-                                                          prefetch_depth=4)),
-    "fp8_score_ema": (dict(max_device_kv_bytes=160_000, kv_cache_dtype="fp8_e4m3"), dict(eviction="score_ema")),
-    "lru_queue": (dict(max_device_kv_bytes=200_000, max_queued_requests=1), {}),  # bursts are refused
-    # Meshes (the process needs the devices: XLA_FLAGS=--xla_force_host_platform_device_count=N): each DP group
-    # admits and preempts in its own pools.
-    "dp2_lru": (dict(max_device_kv_bytes=200_000, dp_size=2), {}),
-    "dp2_dense": (dict(max_device_kv_bytes=12 * 16 * 768, dp_size=2), None),
-    "tp2_lru": (dict(max_device_kv_bytes=200_000, tp_size=2), {}),
-    # (Four lanes per group: with two, no prompt ever needed a resident request's staging pages, and 42 seeds
-    # offloaded nothing.)
-    "dp2_resident": (dict(max_device_kv_bytes=220_000, dp_size=2, max_running_requests=8),
-                     dict(resident_fraction=0.4, eviction="clock", prefetch="next_layer")),
-    # (Open: in one run of 60 seeds, one sampled request of seed 249 left its dp1 x tp2 reference at its 23rd
-    # token; dp2 and tp2 alone, and another 61 seeds of this one, were exact. An FP8 cache can round a last-bit
-    # difference to another FP8 value; where that difference comes from under DP x TP is not shown yet.)
-    "dp2tp2_fp8": (dict(max_device_kv_bytes=160_000, dp_size=2, tp_size=2, kv_cache_dtype="fp8_e4m3"),
-                   dict(eviction="score_ema")),
+  "dense": (dict(max_device_kv_bytes=12 * 16 * 768), None),
+  "dense_plain": (dict(max_device_kv_bytes=12 * 16 * 768, overlap_schedule=False), None),
+  "lru": (dict(max_device_kv_bytes=200_000), {}),
+  "lru_plain": (dict(max_device_kv_bytes=200_000, overlap_schedule=False), {}),
+  "clock_prefetch": (dict(max_device_kv_bytes=200_000), dict(eviction="clock", prefetch="next_layer")),
+  "score_ema": (dict(max_device_kv_bytes=200_000), dict(eviction="score_ema")),
+  "resident": (dict(max_device_kv_bytes=220_000), dict(resident_fraction=0.4, prefetch="next_layer", prefetch_depth=4)),
+  "fp8_score_ema": (dict(max_device_kv_bytes=160_000, kv_cache_dtype="fp8_e4m3"), dict(eviction="score_ema")),
+  "lru_queue": (dict(max_device_kv_bytes=200_000, max_queued_requests=1), {}),  # bursts are refused
+  # Meshes (the process needs the devices: XLA_FLAGS=--xla_force_host_platform_device_count=N): each DP group
+  # admits and preempts in its own pools.
+  "dp2_lru": (dict(max_device_kv_bytes=200_000, dp_size=2), {}),
+  "dp2_dense": (dict(max_device_kv_bytes=12 * 16 * 768, dp_size=2), None),
+  "tp2_lru": (dict(max_device_kv_bytes=200_000, tp_size=2), {}),
+  # (Four lanes per group: with two, no prompt ever needed a resident request's staging pages, and 42 seeds
+  # offloaded nothing.)
+  "dp2_resident": (
+    dict(max_device_kv_bytes=220_000, dp_size=2, max_running_requests=8),
+    dict(resident_fraction=0.4, eviction="clock", prefetch="next_layer"),
+  ),
+  # (Open: in one run of 60 seeds, one sampled request of seed 249 left its dp1 x tp2 reference at its 23rd
+  # token; dp2 and tp2 alone, and another 61 seeds of this one, were exact. An FP8 cache can round a last-bit
+  # difference to another FP8 value; where that difference comes from under DP x TP is not shown yet.)
+  "dp2tp2_fp8": (
+    dict(max_device_kv_bytes=160_000, dp_size=2, tp_size=2, kv_cache_dtype="fp8_e4m3"),
+    dict(eviction="score_ema"),
+  ),
 }
 
 
@@ -101,8 +105,13 @@ def reference_engine(kv_cache_dtype: str = "auto", tp_size: int = 1) -> Engine:
   reductions, so its logits differ from one device's in the last bits (the tiny model's by up to 1e-5 in float32;
   tests/mesh_check.py compares meshes by greedy tokens), and with an FP8 KV cache such a difference can round to
   another FP8 value; against one device, 2 of ~4,000 sampled requests at temperature 1.3 drew another token."""
-  return Engine(model_dir(), tokenizer=load_tokenizer(model_dir()), **{**ENGINE, "overlap_schedule": False},
-                kv_cache_dtype=kv_cache_dtype, tp_size=tp_size)
+  return Engine(
+    model_dir(),
+    tokenizer=load_tokenizer(model_dir()),
+    **{**ENGINE, "overlap_schedule": False},
+    kv_cache_dtype=kv_cache_dtype,
+    tp_size=tp_size,
+  )
 
 
 class References:
@@ -141,30 +150,37 @@ class References:
 @dataclasses.dataclass
 class Planned:
   """A request of a workload and how the workload treats it."""
+
   request: Request
   arrive_step: int
-  abort_step: int | None = None       # aborted between steps, before this step
+  abort_step: int | None = None  # aborted between steps, before this step
   abort_after_tokens: int | None = None  # aborted from its on_token callback at this many tokens
   raise_after_tokens: int | None = None  # its on_token callback raises at this many tokens (it ends in "error")
-  imported: bool = False              # arrives with its prompt KV and first token (from a prefill server)
-  parent: int | None = None           # submitted from this earlier request's on_token at its first token
-                                      # (arrive_step: when it is submitted if the parent never gets one)
+  imported: bool = False  # arrives with its prompt KV and first token (from a prefill server)
+  parent: int | None = None  # submitted from this earlier request's on_token at its first token
+  # (arrive_step: when it is submitted if the parent never gets one)
 
 
 def random_request(rng: np.random.Generator, rid: str) -> Request:
   n = int(rng.choice([1, 2, 7, 16, 17, 31, 33, 60, 95]) if rng.random() < 0.4 else rng.integers(1, 100))
   sampled = rng.random() < 0.35
   return Request(
-      rid, rng.integers(0, 512, n).tolist(), int(rng.integers(1, 61)),
-      temperature=float(rng.choice([0.7, 1.0, 1.3])) if sampled else 0.0,
-      top_k=int(rng.choice([0, 5, 50])) if sampled else 0,
-      top_p=float(rng.choice([1.0, 0.9])) if sampled else 1.0,
-      seed=int(rng.integers(0, 2**31)),
-      stop_token_ids=tuple(int(t) for t in rng.integers(0, 512, int(rng.integers(0, 4)))),
-      stop=(tuple(str(x) for x in rng.choice(STOP_STRINGS, int(rng.integers(1, 3)), replace=False))
-            if rng.random() < 0.15 else ()),
-      include_stop_str_in_output=bool(rng.random() < 0.5),
-      ignore_eos=bool(rng.random() < 0.5))
+    rid,
+    rng.integers(0, 512, n).tolist(),
+    int(rng.integers(1, 61)),
+    temperature=float(rng.choice([0.7, 1.0, 1.3])) if sampled else 0.0,
+    top_k=int(rng.choice([0, 5, 50])) if sampled else 0,
+    top_p=float(rng.choice([1.0, 0.9])) if sampled else 1.0,
+    seed=int(rng.integers(0, 2**31)),
+    stop_token_ids=tuple(int(t) for t in rng.integers(0, 512, int(rng.integers(0, 4)))),
+    stop=(
+      tuple(str(x) for x in rng.choice(STOP_STRINGS, int(rng.integers(1, 3)), replace=False))
+      if rng.random() < 0.15
+      else ()
+    ),
+    include_stop_str_in_output=bool(rng.random() < 0.5),
+    ignore_eos=bool(rng.random() < 0.5),
+  )
 
 
 def workload(seed: int, requests: int = 24) -> list[Planned]:
@@ -196,14 +212,27 @@ class CallbackFailed(RuntimeError):
 
 
 # What a request asks for (its results and callback aside): what an alone run repeats.
-INPUT_FIELDS = ("prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop",
-                "include_stop_str_in_output", "ignore_eos")
+INPUT_FIELDS = (
+  "prompt_ids",
+  "max_new_tokens",
+  "temperature",
+  "top_k",
+  "top_p",
+  "seed",
+  "stop_token_ids",
+  "stop",
+  "include_stop_str_in_output",
+  "ignore_eos",
+)
 
 
 def inputs(r: Request) -> dict:
   """r's INPUT_FIELDS, hashable (prompt a tuple, stop token ids sorted)."""
-  return {**{f: getattr(r, f) for f in INPUT_FIELDS}, "prompt_ids": tuple(r.prompt_ids),
-          "stop_token_ids": tuple(sorted(r.stop_token_ids))}
+  return {
+    **{f: getattr(r, f) for f in INPUT_FIELDS},
+    "prompt_ids": tuple(r.prompt_ids),
+    "stop_token_ids": tuple(sorted(r.stop_token_ids)),
+  }
 
 
 def fresh(r: Request) -> Request:
@@ -211,8 +240,9 @@ def fresh(r: Request) -> Request:
   return Request(r.request_id, **{**inputs(r), "prompt_ids": list(r.prompt_ids)})
 
 
-def run(engine: Engine, references: References, plan: list[Planned], seed: int,
-        max_steps: int = 5000) -> dict[str, str]:
+def run(
+  engine: Engine, references: References, plan: list[Planned], seed: int, max_steps: int = 5000
+) -> dict[str, str]:
   """Steps the workload on ``engine``; returns how each request ended ("step", "abort", or "refused": the queue
   was full or the request larger than the pools) and checks, on the way, that refused submissions raise and that
   nothing ends twice, or with an error its callback did not raise."""
@@ -235,8 +265,10 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
       p.request.dp_group = int(pin_rng.integers(engine.groups))
     if clients:
       p.request.client = str(client_rng.choice(["a", "b", "c"]))
-    full = (engine.max_queued_requests is not None
-            and len(engine.waiting) >= engine.max_queued_requests + engine.backend.free_slots)
+    full = (
+      engine.max_queued_requests is not None
+      and len(engine.waiting) >= engine.max_queued_requests + engine.backend.free_slots
+    )
     try:
       engine.submit(p.request)
     except ResourceExhausted as e:  # the queue is full, or the request needs more KV than the pools hold
@@ -258,13 +290,17 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
         engine.abort(p.request.request_id)
       if p.raise_after_tokens is not None and n >= p.raise_after_tokens:
         raise CallbackFailed(f"planned failure of {p.request.request_id}")
+
     p.request.on_token = on_token
   step = 0
   while len(submitted) < len(plan) or engine.has_work():
     assert step < max_steps, f"seed {seed}: no progress after {max_steps} steps ({engine.loads()})"
     for p in plan:
-      if p.arrive_step <= step and p.request.request_id not in submitted and (
-          p.parent is None or plan[p.parent].request.done or plan[p.parent].request.request_id in ended):
+      if (
+        p.arrive_step <= step
+        and p.request.request_id not in submitted
+        and (p.parent is None or plan[p.parent].request.done or plan[p.parent].request.request_id in ended)
+      ):
         submit(p)  # (a child whose parent ended without a token: now)
       if p.abort_step == step and p.request in live and p.request.request_id not in ended:
         got = engine.abort(p.request.request_id)
@@ -304,8 +340,14 @@ def run(engine: Engine, references: References, plan: list[Planned], seed: int,
   return ended
 
 
-def check(engine: Engine, references: References, plan: list[Planned], ended: dict[str, str], seed: int,
-          preemptions_before: int = 0) -> None:
+def check(
+  engine: Engine,
+  references: References,
+  plan: list[Planned],
+  ended: dict[str, str],
+  seed: int,
+  preemptions_before: int = 0,
+) -> None:
   """The contract in the module docstring; ``preemptions_before``: the engine's count before the workload."""
   loads = engine.loads()
   assert all_kv_free(loads) and loads["queued"] == 0 and loads["resident"] == 0, (seed, loads)
@@ -315,24 +357,40 @@ def check(engine: Engine, references: References, plan: list[Planned], ended: di
     assert ended.get(r.request_id) is not None, f"seed {seed}: {r.request_id} never ended"
     alone = references.alone(engine, r)
     want, reason = alone.output_ids, alone.finish_reason
-    where = (f"seed {seed}, {r.request_id} ({len(r.prompt_ids)}-token prompt{', imported' if p.imported else ''}, "
-             f"{r.max_new_tokens} new, temperature {r.temperature}, stop {r.stop}, preempted {r.num_preemptions}x)")
+    where = (
+      f"seed {seed}, {r.request_id} ({len(r.prompt_ids)}-token prompt{', imported' if p.imported else ''}, "
+      f"{r.max_new_tokens} new, temperature {r.temperature}, stop {r.stop}, preempted {r.num_preemptions}x)"
+    )
     if ended[r.request_id] == "refused":
       assert not r.output_ids and r.finish_reason is None, where
     elif r.finish_reason in ("abort", "error"):  # (error: its callback raised)
-      assert r.output_ids == want[:len(r.output_ids)], f"{where}: aborted with {r.output_ids}, alone {want}"
+      assert r.output_ids == want[: len(r.output_ids)], f"{where}: aborted with {r.output_ids}, alone {want}"
     else:
-      assert (r.output_ids, r.finish_reason, r.matched_stop, r.text) == (want, reason, alone.matched_stop,
-                                                                         alone.text), \
-          f"{where}: {r.finish_reason} {r.output_ids} {r.text!r}, alone {reason} {want} {alone.text!r}"
+      assert (r.output_ids, r.finish_reason, r.matched_stop, r.text) == (
+        want,
+        reason,
+        alone.matched_stop,
+        alone.text,
+      ), f"{where}: {r.finish_reason} {r.output_ids} {r.text!r}, alone {reason} {want} {alone.text!r}"
 
 
 def fuzz(name: str, seeds, requests: int = 24, references: References | None = None, log=None) -> dict:
   """Runs and checks ``workload(seed)`` for each seed on one engine of configuration ``name``; returns totals."""
   engine = make_engine(name)
   references = references or References()
-  totals = dict(requests=0, aborted=0, refused=0, imported=0, callback_errors=0, from_callbacks=0, preemptions=0,
-                offloads=0, misses=0, pinned=0, fairness_preemptions=0)
+  totals = dict(
+    requests=0,
+    aborted=0,
+    refused=0,
+    imported=0,
+    callback_errors=0,
+    from_callbacks=0,
+    preemptions=0,
+    offloads=0,
+    misses=0,
+    pinned=0,
+    fairness_preemptions=0,
+  )
   for seed in seeds:
     pre, off, fair = engine.num_preemptions, engine.num_offloads, engine.num_fairness_preemptions
     plan = workload(seed, requests)

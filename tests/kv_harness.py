@@ -22,10 +22,24 @@ from models.deepseek_v32 import MoE
 
 
 class KVHarness:
-
-  def __init__(self, cfg, model, *, hisparse=None, max_seq_len=160, page_size=16, chunk=None, slots=8,
-               budget=1 << 26, dtype=None, host_pool="jax", shuffle_seed=1, key_block=32, score_block=None,
-               mesh_config=None):
+  def __init__(
+    self,
+    cfg,
+    model,
+    *,
+    hisparse=None,
+    max_seq_len=160,
+    page_size=16,
+    chunk=None,
+    slots=8,
+    budget=1 << 26,
+    dtype=None,
+    host_pool="jax",
+    shuffle_seed=1,
+    key_block=32,
+    score_block=None,
+    mesh_config=None,
+  ):
     self.cfg = cfg
     # A MeshConfig of more than one device: parameters split by the rule table, KV replicated, calls traced
     # under the mesh (as the engine does).
@@ -35,17 +49,23 @@ class KVHarness:
       want = mesh_config.expert_parallel()
       got = {m.expert_parallel for _, m in nnx.iter_graph(model) if isinstance(m, MoE)}
       if got - {want}:
-        raise ValueError(f"the model's experts run as {got}; this mesh needs {want}: load it with "
-                         "expert_parallel=mesh_config.expert_parallel()")
+        raise ValueError(
+          f"the model's experts run as {got}; this mesh needs {want}: load it with "
+          "expert_parallel=mesh_config.expert_parallel()"
+        )
     # DP groups: request i goes to group i % groups; batches are group-major (engine.py _batch_rows).
     self.groups = mesh_config.dp_size if self.mesh is not None else 1
     dtype = jnp.dtype(dtype or cfg.dtype)
     layout = kvmem.KVLayout.of(cfg, dtype)
     dtype = cfg.kv_row(dtype)[1]  # the stored rows' (cfg.kv_cache_dtype)
-    plan = kvmem.plan(layout, budget=budget, max_running_requests=slots, max_seq_len=max_seq_len,
-                      page_size=page_size, hisparse=hisparse)
-    self.backend = (kvmem.DenseBackend(plan, layout, dtype, self.mesh, self.groups) if hisparse is None else
-                    kvmem.HiSparseBackend(plan, layout, dtype, hisparse, host_pool, self.mesh, self.groups))
+    plan = kvmem.plan(
+      layout, budget=budget, max_running_requests=slots, max_seq_len=max_seq_len, page_size=page_size, hisparse=hisparse
+    )
+    self.backend = (
+      kvmem.DenseBackend(plan, layout, dtype, self.mesh, self.groups)
+      if hisparse is None
+      else kvmem.HiSparseBackend(plan, layout, dtype, hisparse, host_pool, self.mesh, self.groups)
+    )
     rng = np.random.default_rng(shuffle_seed)
     for lists in self.backend._group_lists:
       for free_list in lists.values():
@@ -65,6 +85,7 @@ class KVHarness:
     def call(*args):
       with jax.set_mesh(self.mesh):
         return fn(*args)
+
     return call
 
   def prefill(self, prompts) -> np.ndarray:
@@ -76,18 +97,23 @@ class KVHarness:
       kv = self.backend.admit(len(p), group=g)
       chunk = self.chunk or len(p)
       for start in range(0, len(p), chunk):
-        part = p[start:start + chunk]
+        part = p[start : start + chunk]
         tokens = np.zeros((G, chunk), np.int32)  # one row per DP group; only the request's group has one
         positions = np.full((G, chunk), -1, np.int32)
-        tokens[g, :len(part)] = part
-        positions[g, :len(part)] = np.arange(start, start + len(part))
+        tokens[g, : len(part)] = part
+        positions[g, : len(part)] = np.arange(start, start + len(part))
         last = start + chunk >= len(p)
         kvs, finishing = [None] * G, [False] * G
         kvs[g], finishing[g] = kv, last
         tables = self.backend.prefill_tables(kvs, finishing)
         logits, self.backend.state, status = self._prefill(
-            self.params, jnp.asarray(tokens), jnp.asarray(positions), self.backend.state, _device(tables),
-            self._blocks(start + chunk))
+          self.params,
+          jnp.asarray(tokens),
+          jnp.asarray(positions),
+          self.backend.state,
+          _device(tables),
+          self._blocks(start + chunk),
+        )
         ops.check_status(status, "prefill")  # every row's backup done
       self.backend.prefill_finished(kv)
       out.append(np.asarray(logits[g]))
@@ -109,9 +135,14 @@ class KVHarness:
     for i, r in enumerate(rows):
       kvs[r], toks[r], positions[r] = self.kvs[i], tokens[i], self.seq_lens[i]
     tables = self.backend.decode_tables(kvs)
-    logits, self.backend.state, topk, status = self._decode(self.params, jnp.asarray(toks), jnp.asarray(positions),
-                                                            self.backend.state, _device(tables),
-                                                            self._blocks(max(self.seq_lens) + 1))
+    logits, self.backend.state, topk, status = self._decode(
+      self.params,
+      jnp.asarray(toks),
+      jnp.asarray(positions),
+      self.backend.state,
+      _device(tables),
+      self._blocks(max(self.seq_lens) + 1),
+    )
     ops.check_status(status, "decode")  # every row's backup and swap-in done
     logits = np.asarray(logits)
     assert np.isfinite(logits).all(), "non-finite decode logits (idle row included)"
@@ -166,18 +197,18 @@ def _steps(graphdef):
   def prefill(params, tokens, positions, state, tables, blocks):
     window, key_block, score_block = blocks
     view = state.view(tables)
-    logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, window=window, key_block=key_block,
-                                                       score_block=score_block)
+    logits, view = nnx.merge(graphdef, params).prefill(
+      tokens, positions, view, window=window, key_block=key_block, score_block=score_block
+    )
     return logits, state.absorb(view).finish_prefill(tables), kernel_status(view, tokens.shape[0])
 
   @functools.partial(jax.jit, donate_argnums=(3,), static_argnums=(5,))
   def decode(params, tokens, positions, state, tables, blocks):
     window, key_block, score_block = blocks
     view = state.view(tables)
-    logits, view, topk = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=True,
-                                                            window=window, key_block=key_block,
-                                                            score_block=score_block)
+    logits, view, topk = nnx.merge(graphdef, params).decode(
+      tokens, positions, view, return_topk=True, window=window, key_block=key_block, score_block=score_block
+    )
     return logits, state.absorb(view), topk, kernel_status(view, tokens.shape[0])
 
   return prefill, decode
-

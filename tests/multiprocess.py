@@ -23,19 +23,32 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(args: list[str], processes: int, devices: int, *, port: int | None = None, extra: dict | None = None,
-           stdout=subprocess.PIPE, env: dict | None = None, env_per_process: dict | None = None) -> list[subprocess.Popen]:
+def launch(
+  args: list[str],
+  processes: int,
+  devices: int,
+  *,
+  port: int | None = None,
+  extra: dict | None = None,
+  stdout=subprocess.PIPE,
+  env: dict | None = None,
+  env_per_process: dict | None = None,
+) -> list[subprocess.Popen]:
   """Popen of ``python ARGS --coordinator-address ... --process-id I`` for I = 1..N-1, then 0 (text mode, stderr
   piped). extra: {process id: more flags for that process}; env_per_process: {process id: environment changes}."""
   port = port or free_port()
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(devices),
-         **(env or {})}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(devices), **(env or {})}
   procs = {}
   for i in [*range(1, processes), 0]:
     flags = [f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={processes}", f"--process-id={i}"]
-    procs[i] = subprocess.Popen([sys.executable, *args, *flags, *(extra or {}).get(i, [])], cwd=REPO,
-                                env={**env, **(env_per_process or {}).get(i, {})}, stdout=stdout,
-                                stderr=subprocess.PIPE, text=True)
+    procs[i] = subprocess.Popen(
+      [sys.executable, *args, *flags, *(extra or {}).get(i, [])],
+      cwd=REPO,
+      env={**env, **(env_per_process or {}).get(i, {})},
+      stdout=stdout,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
   return [procs[i] for i in range(processes)]
 
 
@@ -54,14 +67,19 @@ def wait_all(procs, timeout: float) -> list[tuple[int, str, str]]:
   return out
 
 
-def start_server(flags: list[str], env: dict | None = None, timeout: float = 120,
-                 prefix: list[str] = ()) -> tuple[subprocess.Popen, int]:
+def start_server(
+  flags: list[str], env: dict | None = None, timeout: float = 120, prefix: list[str] = ()
+) -> tuple[subprocess.Popen, int]:
   """``[PREFIX] python run_server.py --port=0 FLAGS`` in a subprocess (prefix: e.g. taskset): (process, the
   port it printed it listens on). Raises AssertionError with its stderr if it exits first."""
-  proc = subprocess.Popen([*prefix, sys.executable, "run_server.py", "--port=0", *flags], cwd=REPO,
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+  proc = subprocess.Popen(
+    [*prefix, sys.executable, "run_server.py", "--port=0", *flags],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+  )
   line = proc.stdout.readline()
   while line and "listening on" not in line:
     line = proc.stdout.readline()
@@ -77,9 +95,28 @@ def self_signed(folder) -> tuple[bytes, bytes]:
   folder/key.pem and folder/cert.pem; needs the openssl command). It can serve as its own CA, and as a client
   certificate checked against itself."""
   key, cert = folder / "key.pem", folder / "cert.pem"
-  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                  "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                 check=True, capture_output=True)
+  subprocess.run(
+    [
+      "openssl",
+      "req",
+      "-x509",
+      "-newkey",
+      "rsa:2048",
+      "-nodes",
+      "-keyout",
+      str(key),
+      "-out",
+      str(cert),
+      "-days",
+      "1",
+      "-subj",
+      "/CN=localhost",
+      "-addext",
+      "subjectAltName=DNS:localhost,IP:127.0.0.1",
+    ],
+    check=True,
+    capture_output=True,
+  )
   return key.read_bytes(), cert.read_bytes()
 
 
@@ -124,8 +161,9 @@ print(opened)
 def flood_connections(port: int, count: int, seconds: float) -> subprocess.Popen:
   """A process that holds ``count`` TCP connections to 127.0.0.1:port that never send a byte (a handshake
   never begun), replacing each one the server closes, for ``seconds``; it prints how many it opened in all."""
-  return subprocess.Popen([sys.executable, "-c", _FLOODER, str(port), str(count), str(seconds)],
-                          stdout=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+    [sys.executable, "-c", _FLOODER, str(port), str(count), str(seconds)], stdout=subprocess.PIPE, text=True
+  )
 
 
 def stop(procs) -> list[tuple[int, str]]:

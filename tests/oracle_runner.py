@@ -27,8 +27,9 @@ def require_oracle() -> None:
     pytest.skip(reason)
 
 
-def run_oracle(root: pathlib.Path, prompts: list[list[int]], max_new: int, configs: dict, ours: tuple,
-               model_type: str | None = None) -> dict:
+def run_oracle(
+  root: pathlib.Path, prompts: list[list[int]], max_new: int, configs: dict, ours: tuple, model_type: str | None = None
+) -> dict:
   """{name: (checkpoint dir, prompts, npz results)} for every config.
 
   configs: {name: (seed, config overrides)} -> checkpoints transformers makes and saves itself;

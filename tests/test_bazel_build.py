@@ -28,11 +28,13 @@ def bazel_library():
   env = dict(os.environ, HISPARSE_PYTHON=sys.executable)
   # A short idle timeout: the Bazel server must not outlive the test run by hours.
   bazel = ["bazel", "--max_idle_secs=60"]
-  r = subprocess.run([*bazel, "build", "//:hisparse_ffi_cpu"], cwd=REPO, env=env, capture_output=True,
-                     text=True, timeout=600)
+  r = subprocess.run(
+    [*bazel, "build", "//:hisparse_ffi_cpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+  )
   assert r.returncode == 0, r.stderr[-3000:]
-  out = subprocess.run([*bazel, "info", "bazel-bin"], cwd=REPO, env=env, capture_output=True, text=True,
-                       check=True).stdout.strip()
+  out = subprocess.run(
+    [*bazel, "info", "bazel-bin"], cwd=REPO, env=env, capture_output=True, text=True, check=True
+  ).stdout.strip()
   return pathlib.Path(out) / "libhisparse_ffi_cpu.so"
 
 
@@ -61,7 +63,8 @@ def test_bazel_library_exports_the_argmax(bazel_library):
   x = np.float32([[1, 3, 3, -np.inf], [np.nan, 2, np.nan, 9], [-np.inf] * 4])
   call = jax.ffi.ffi_call("hisparse_argmax_bazel", jax.ShapeDtypeStruct((3,), np.int32))
   np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), [1, 0, 0])
-  jax.ffi.register_ffi_target("hisparse_argmax_columns_bazel", jax.ffi.pycapsule(lib.HisparseArgmaxColumnsCpu),
-                              platform="cpu")
+  jax.ffi.register_ffi_target(
+    "hisparse_argmax_columns_bazel", jax.ffi.pycapsule(lib.HisparseArgmaxColumnsCpu), platform="cpu"
+  )
   columns = jax.ffi.ffi_call("hisparse_argmax_columns_bazel", jax.ShapeDtypeStruct((4,), np.int32))
   np.testing.assert_array_equal(np.asarray(jax.jit(columns)(x)), [1, 0, 1, 1])

@@ -15,8 +15,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_swap_in_benchmark_quick(tmp_path):
   out = tmp_path / "b"
-  r = subprocess.run([sys.executable, "benchmarks/swap_in.py", "--quick", "--out", str(out)], cwd=REPO,
-                     capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/swap_in.py", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   rows = json.loads((tmp_path / "b.json").read_text())["points"]
   assert "book_us" in (tmp_path / "b.md").read_text()
@@ -29,8 +34,14 @@ def test_swap_in_benchmark_quick(tmp_path):
 
 def test_gpu_check_dry_run_on_cpu(tmp_path):
   out = tmp_path / "g.json"
-  r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--platform", "cpu", "--quick", "--out", str(out)],
-                     cwd=REPO, capture_output=True, text=True, timeout=900, env=optimized())  # real-size programs
+  r = subprocess.run(
+    [sys.executable, "scripts/gpu_check.py", "--platform", "cpu", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    env=optimized(),
+  )  # real-size programs
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   report = json.loads(out.read_text())
   assert report["working_paths"] == ["pinned_host", "extension"]
@@ -50,8 +61,16 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert 0 < row["prefetch_copied_per_step"] < row["misses_copied_per_step"]
     assert row["hits_ms"] > 0 and row["misses_ms"] > 0 and row["prefetch_ms"] > 0
   # the JSON is rewritten after each step, each step's time recorded
-  assert set(report["section_seconds"]) == {"probes", "correctness", "graph_step", "prefetch", "prefetch_real_layer",
-                                            "sweep", "generate", "total"}
+  assert set(report["section_seconds"]) == {
+    "probes",
+    "correctness",
+    "graph_step",
+    "prefetch",
+    "prefetch_real_layer",
+    "sweep",
+    "generate",
+    "total",
+  }
   # end to end: dense and HiSparse greedy tokens agree, and the HiSparse run really missed, with either KV cache
   g = report["generate"]
   for kv in ("", "_fp8"):
@@ -61,8 +80,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
 
 def test_step_floor_quick(tmp_path):
   out = tmp_path / "sf"
-  r = subprocess.run([sys.executable, "benchmarks/step_floor.py", "--quick", "--out", str(out)], cwd=REPO,
-                     capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/step_floor.py", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   rows = json.loads((tmp_path / "sf.json").read_text())["rows"]
   assert [(x["batch"], x["mode"]) for x in rows] == [(2, "dense"), (2, "hisparse"), (2, "resident")]
@@ -89,13 +113,15 @@ def test_miss_rate_quick():
   quick = pathlib.Path(REPO, "benchmarks", "results", "quick")
   for f in quick.glob("miss_rate.*"):  # an earlier run's
     f.unlink()
-  r = subprocess.run([sys.executable, "benchmarks/miss_rate.py", "--quick"], cwd=REPO,
-                     capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/miss_rate.py", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=900
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1 if Python LRU != the kernel
   assert open(committed, "rb").read() == before
   assert subprocess.run(["git", "check-ignore", "-q", str(quick / "miss_rate.json")], cwd=REPO).returncode == 0
   # A full run without --out (any settings) writes under results/local/, git-ignored as well.
   from benchmarks.cli import default_out
+
   local = default_out("miss_rate", quick=False) + ".json"
   assert pathlib.Path(local).parent == quick.parent / "local"
   assert subprocess.run(["git", "check-ignore", "-q", local], cwd=REPO).returncode == 0
@@ -115,8 +141,13 @@ def test_vs_transformers_quick(tmp_path):
 
   require_oracle()
   out = tmp_path / "vs"
-  r = subprocess.run([sys.executable, "benchmarks/vs_transformers.py", "--quick", "--out", str(out)], cwd=REPO,
-                     capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/vs_transformers.py", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1: first tokens differ
   report = json.loads((tmp_path / "vs.json").read_text())
   assert report["first_token_ok"] and set(report["rows"]) == {"1", "2"}
@@ -131,8 +162,13 @@ def test_server_load_quick(tmp_path):
   """The hostile-load benchmark runs end to end: the small request and Health keep answering under a text
   flood and open streams, the over-limit text and the streams past the queue bound are refused."""
   out = tmp_path / "load"
-  r = subprocess.run([sys.executable, "benchmarks/server_load.py", "--quick", "--out", str(out)], cwd=REPO,
-                     capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/server_load.py", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
   res = json.loads((tmp_path / "load.json").read_text())
   assert res["over_limit"]["code"] == "INVALID_ARGUMENT"
@@ -144,8 +180,13 @@ def test_server_load_quick(tmp_path):
 
 def test_moe_benchmark_quick(tmp_path):
   out = tmp_path / "moe"
-  r = subprocess.run([sys.executable, "benchmarks/moe.py", "--quick", "--ep", "4", "--out", str(out)], cwd=REPO,
-                     capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/moe.py", "--quick", "--ep", "4", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   res = json.loads((tmp_path / "moe.json").read_text())
   rows = res["rows"]
@@ -160,8 +201,13 @@ def test_moe_benchmark_quick(tmp_path):
 
 def test_sharded_load_benchmark_quick(tmp_path):
   """2 processes x 4 devices load a checkpoint onto a mesh and report their shards and peak memory."""
-  r = subprocess.run([sys.executable, "benchmarks/sharded_load.py", "--quick", "--out", str(tmp_path / "sl")],
-                     cwd=REPO, capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/sharded_load.py", "--quick", "--out", str(tmp_path / "sl")],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   rows = json.loads((tmp_path / "sl.json").read_text())["rows"]
   assert [row["process"] for row in rows] == [0, 1] and all(row["mesh"] == [2, 4, 8] for row in rows)
@@ -171,8 +217,13 @@ def test_sharded_load_benchmark_quick(tmp_path):
 
 def test_disaggregation_benchmark_quick(tmp_path):
   """The KV transfer next to memcpy, and streams' latency while prompts arrive, colocated and disaggregated."""
-  r = subprocess.run([sys.executable, "benchmarks/disaggregation.py", "--quick", "--out", str(tmp_path / "pd")],
-                     cwd=REPO, capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/disaggregation.py", "--quick", "--out", str(tmp_path / "pd")],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads((tmp_path / "pd.json").read_text())
   assert [row["mib"] for row in res["transfer"]] == [1, 4]
@@ -187,8 +238,13 @@ def test_disaggregation_benchmark_quick(tmp_path):
 
 def test_residency_benchmark_quick(tmp_path):
   out = tmp_path / "res"
-  r = subprocess.run([sys.executable, "benchmarks/residency.py", "--quick", "--out", str(out)], cwd=REPO,
-                     capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/residency.py", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]  # exit 1 if the resident engine swapped in
   (row,) = json.loads((tmp_path / "res.json").read_text())["rows"]
   assert row["batch"] == 1 and row["rounds"] == 5 and row["hisparse_misses_per_step"] > 0
@@ -199,8 +255,13 @@ def test_residency_benchmark_quick(tmp_path):
 
 def test_kv_dtype_benchmark_quick(tmp_path):
   out = tmp_path / "kvd"
-  r = subprocess.run([sys.executable, "benchmarks/kv_dtype.py", "--quick", "--out", str(out)], cwd=REPO,
-                     capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/kv_dtype.py", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   (row,) = json.loads((tmp_path / "kvd.json").read_text())["rows"]
   assert (row["batch"], row["context"], row["dtype"], row["hidden"]) == (1, 4096, "float32", 1024)
@@ -214,7 +275,9 @@ def test_kv_dtype_benchmark_quick(tmp_path):
   assert "| 1 | 4096 | float32 | " in (tmp_path / "kvd.md").read_text()
 
 
-@pytest.mark.parametrize("script, flags, message", [
+@pytest.mark.parametrize(
+  "script, flags, message",
+  [
     ("swap_in.py", ["--batch", "0"], "argument --batch: 0 is outside [1, 4096]"),
     ("swap_in.py", ["--miss", "nan"], "argument --miss: nan is outside [0.0, 1.0]"),
     ("swap_in.py", ["--repeats", "0"], "argument --repeats: 0 is outside [1, 10000]"),
@@ -225,22 +288,29 @@ def test_kv_dtype_benchmark_quick(tmp_path):
     ("kv_dtype.py", ["--contexts", str(2**63 - 1)], f"argument --contexts: {2**63 - 1} is outside [2049, 163840]"),
     ("miss_rate.py", ["--out", "results/"], "argument --out: 'results/': expected a file name, not a folder"),
     ("prefetch.py", ["--out", ""], "argument --out: '': expected a file name"),
-])
+  ],
+)
 def test_bad_benchmark_flags_fail_before_any_work(tmp_path, script, flags, message):
   """A size that would not fit in memory, a value outside its range or a results path that cannot be written is
   an argparse error (exit 2) before anything is computed or allocated."""
   (tmp_path / "FILE").write_text("a file, not a folder")
   flags = [f.replace("FILE", str(tmp_path / "FILE")) for f in flags]
-  r = subprocess.run([sys.executable, f"benchmarks/{script}", *flags], cwd=REPO, capture_output=True, text=True,
-                     timeout=120)
+  r = subprocess.run(
+    [sys.executable, f"benchmarks/{script}", *flags], cwd=REPO, capture_output=True, text=True, timeout=120
+  )
   assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_connection_flood_quick(tmp_path):
   """The connection-flood benchmark runs end to end: the server holds at most --max-connections of the flood's
   connections, and the open channel's Health and GetLoads answered throughout."""
-  r = subprocess.run([sys.executable, "benchmarks/connection_flood.py", "--quick", "--out", str(tmp_path / "flood")],
-                     cwd=REPO, capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+    [sys.executable, "benchmarks/connection_flood.py", "--quick", "--out", str(tmp_path / "flood")],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads((tmp_path / "flood.json").read_text())
   assert res["max_connections"] == 100 and res["flooder_opened"] >= 300

@@ -33,7 +33,9 @@ def test_full_sglang_config():
   assert c == HiSparseConfig(2048, 4096, 8)
 
 
-@pytest.mark.parametrize("text, message", [
+@pytest.mark.parametrize(
+  "text, message",
+  [
     ('{"top_k": 32, "device_buffer_size": 16}', r"device_buffer_size \(16\) must be >= top_k \(32\)"),
     ('{"host_to_device_ratio": 0}', "host_to_device_ratio must be >= 1"),
     ('{"top_k": 64}', r"top_k \(64\) differs from the model's index_topk \(32\)"),
@@ -42,9 +44,9 @@ def test_full_sglang_config():
     ('{"device_buffer_size": "64"}', "device_buffer_size must be an integer"),
     ('{"device_buffer_size": 64.0}', "device_buffer_size must be an integer"),
     ('{"top_k": true}', "top_k must be an integer"),
-    ('[1, 2]', "must be a JSON object"),
-    ('{top_k: 1}', "not valid JSON"),
-    ('{"device_buffer_size": ' + "9" * 5000 + '}', "not valid JSON.*digits"),  # past int()'s digit limit
+    ("[1, 2]", "must be a JSON object"),
+    ("{top_k: 1}", "not valid JSON"),
+    ('{"device_buffer_size": ' + "9" * 5000 + "}", "not valid JSON.*digits"),  # past int()'s digit limit
     ("[" * 100_000, "not valid JSON: nested too deeply"),  # json's recursion, not a traceback
     ('{"a":' * 100_000, "not valid JSON: nested too deeply"),
     ('{"eviction": "score_ema", "eviction": "lru"}', "key 'eviction' is given more than once"),  # json keeps the last
@@ -59,12 +61,16 @@ def test_full_sglang_config():
     ('{"prefetch": "yes"}', r"prefetch must be one of \['none', 'next_layer'\], got 'yes'"),
     ('{"prefetch": true}', "prefetch must be one of"),
     ('{"prefetch_depth": 8}', r'prefetch_depth is set but prefetch is "none"'),
-    ('{"prefetch": "next_layer", "prefetch_depth": 33}', r"prefetch_depth must be an integer in \[1, top_k = 32\], got 33"),
+    (
+      '{"prefetch": "next_layer", "prefetch_depth": 33}',
+      r"prefetch_depth must be an integer in \[1, top_k = 32\], got 33",
+    ),
     ('{"prefetch": "next_layer", "prefetch_depth": 0}', "prefetch_depth must be an integer in"),
     ('{"prefetch": "next_layer", "prefetch_depth": 2.0}', "prefetch_depth must be an integer in"),
     ('{"prefetch": "next_layer", "eviction": "score"}', r'prefetch "next_layer" needs eviction "lru" or "clock"'),
     ('{"prefetch": "next_layer", "eviction": "score_ema"}', r'needs eviction "lru" or "clock": eviction "score_ema"'),
-])
+  ],
+)
 def test_errors_name_the_key(text, message):
   with pytest.raises(ConfigError, match=message):
     HiSparseConfig.from_json(text, model_top_k=32)
@@ -79,12 +85,19 @@ def test_the_python_constructor_takes_numpy_numbers_as_python_ones():
   """Sizes computed with numpy (np.int64 from a shape, np.float32) are taken and stored as int / float, so the
   config compares, hashes and serializes as the JSON's; numpy bools and non-integral floats stay errors."""
   import numpy as np
+
   c = HiSparseConfig(np.int64(32), np.int32(64), np.int64(2), resident_fraction=np.float32(0.5))
   assert c == HiSparseConfig(32, 64, 2, resident_fraction=0.5)
   assert [type(v) for v in (c.top_k, c.device_buffer_size, c.host_to_device_ratio, c.resident_fraction)] == [
-      int, int, int, float]
-  for bad, message in ((dict(top_k=np.bool_(True)), "top_k must be an integer"),
-                       (dict(top_k=32, host_to_device_ratio=np.float64(2)), "host_to_device_ratio must be an integer")):
+    int,
+    int,
+    int,
+    float,
+  ]
+  for bad, message in (
+    (dict(top_k=np.bool_(True)), "top_k must be an integer"),
+    (dict(top_k=32, host_to_device_ratio=np.float64(2)), "host_to_device_ratio must be an integer"),
+  ):
     with pytest.raises(ConfigError, match=message):
       HiSparseConfig(**bad)
 
@@ -101,14 +114,17 @@ def test_a_model_dirs_hisparse_config_json_is_read_only_as_a_bounded_regular_fil
   from hisparse_jax.engine.args import MODEL_HISPARSE_FILE, EngineArgs, StartupError
   from models.config import DSAConfig
   from tests.tiny_model import tiny_model_dir
+
   cfg = DSAConfig.from_pretrained(tiny_model_dir())
   args = EngineArgs(model_path=str(tmp_path), enable_hisparse=True)
   path = tmp_path / MODEL_HISPARSE_FILE
   path.write_text('{"device_buffer_size": 24}')
   assert args.resolve_hisparse(str(tmp_path), cfg).device_buffer_size == 24
-  for make, message in ((lambda: os.mkfifo(path), "is not a regular file"),
-                        (lambda: os.symlink("/dev/zero", path), "is not a regular file"),
-                        (lambda: path.write_text(" " * (16 * 2**20 + 1)), "at most 16777216 are read")):
+  for make, message in (
+    (lambda: os.mkfifo(path), "is not a regular file"),
+    (lambda: os.symlink("/dev/zero", path), "is not a regular file"),
+    (lambda: path.write_text(" " * (16 * 2**20 + 1)), "at most 16777216 are read"),
+  ):
     path.unlink()
     make()
     with pytest.raises(StartupError, match=f"{MODEL_HISPARSE_FILE}.* {message}"):
@@ -119,6 +135,7 @@ def test_other_runtimes_dtype_spellings_are_taken():
   """vLLM's / SGLang's --dtype auto (the checkpoint's) and --kv-cache-dtype fp8 (e4m3) mean ours; anything
   else still fails validation naming the flag."""
   from hisparse_jax.engine.args import EngineArgs, StartupError
+
   args = EngineArgs(dtype="auto", kv_cache_dtype="fp8")
   assert (args.dtype, args.kv_cache_dtype) == (None, "fp8_e4m3")
   args.validate()

@@ -22,8 +22,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def orbax_dir(tmp_path_factory):
   out = tmp_path_factory.mktemp("conv") / "orbax"
-  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", str(out)],
-                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   return str(out)
 
@@ -53,41 +58,93 @@ def test_engine_and_cli_accept_orbax_dirs(orbax_dir, tmp_path):
   assert outs[0] == outs[1]
   prompts = tmp_path / "p.jsonl"
   prompts.write_text(json.dumps({"input_ids": ps[0]}) + "\n")
-  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--model-path", orbax_dir, "--prompts",
-                      str(prompts), "--max-new-tokens", "8", "--output", str(tmp_path / "o.jsonl")],
-                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "hisparse_jax.generate",
+      "--model-path",
+      orbax_dir,
+      "--prompts",
+      str(prompts),
+      "--max-new-tokens",
+      "8",
+      "--output",
+      str(tmp_path / "o.jsonl"),
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   assert json.loads((tmp_path / "o.jsonl").read_text())["output_ids"] == outs[0][0]
 
 
 def test_convert_to_bfloat16_and_refuses_non_empty_output(orbax_dir, tmp_path):
   out = tmp_path / "bf16"
-  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", str(out),
-                      "--dtype", "bfloat16"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "models.convert",
+      "--model-path",
+      tiny_model_dir(),
+      "--output",
+      str(out),
+      "--dtype",
+      "bfloat16",
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr
   cfg, model = load_model(str(out))
   assert cfg.dtype == "bfloat16" and model.embed_tokens[...].dtype == jnp.bfloat16
-  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", orbax_dir],
-                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [sys.executable, "-m", "models.convert", "--model-path", tiny_model_dir(), "--output", orbax_dir],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode != 0 and "exists and is not an empty directory" in r.stderr and "Traceback" not in r.stderr
   assert r.stderr.startswith("error: --output ")  # the message names the flag at fault, not the model
   # An orbax directory as the source: said so (it was "no *.safetensors weights found").
-  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(out), "--output",
-                      str(tmp_path / "again")], cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert r.returncode == 2 and r.stderr.strip() == f"error: --model-path {str(out)!r} is already an orbax checkpoint " \
-      "(serve it as it is)", r.stderr
+  r = subprocess.run(
+    [sys.executable, "-m", "models.convert", "--model-path", str(out), "--output", str(tmp_path / "again")],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert (
+    r.returncode == 2
+    and r.stderr.strip() == f"error: --model-path {str(out)!r} is already an orbax checkpoint (serve it as it is)"
+  ), r.stderr
   # An --output that is empty, inside the checkpoint, or where no directory can be made: refused before any work.
   model = tmp_path / "model"
   model.mkdir()
   for f in os.listdir(tiny_model_dir()):
     (model / f).write_bytes(open(os.path.join(tiny_model_dir(), f), "rb").read())
   (tmp_path / "file").write_text("x")
-  for output, message in (("", "error: --output '': an empty path"),
-                          (str(model / "orbax"), "is inside the checkpoint being converted"),
-                          (str(tmp_path / "file" / "orbax"), "error: --output %s: cannot create a directory in"
-                           % (tmp_path / "file" / "orbax"))):
-    r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(model), "--output", output],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+  for output, message in (
+    ("", "error: --output '': an empty path"),
+    (str(model / "orbax"), "is inside the checkpoint being converted"),
+    (
+      str(tmp_path / "file" / "orbax"),
+      "error: --output %s: cannot create a directory in" % (tmp_path / "file" / "orbax"),
+    ),
+  ):
+    r = subprocess.run(
+      [sys.executable, "-m", "models.convert", "--model-path", str(model), "--output", output],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (output, r.stderr[-2000:])
   assert sorted(os.listdir(model)) == sorted(os.listdir(tiny_model_dir()))
 
@@ -96,6 +153,7 @@ def test_a_failed_conversion_says_why_in_one_line_and_leaves_nothing(tmp_path):
   """A truncated weight file (safetensors' own error) and a side file that cannot be copied (after the
   parameters were written): exit 2, one line, and no output directory, so the same command can run again."""
   import shutil
+
   src = tmp_path / "src"
   shutil.copytree(tiny_model_dir(), src)
   weights = src / "model.safetensors"
@@ -104,8 +162,13 @@ def test_a_failed_conversion_says_why_in_one_line_and_leaves_nothing(tmp_path):
   os.mkdir(src / "tokenizer.json")
   for fix in (lambda: weights.write_bytes(data), None):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+      [sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
     assert r.returncode == 2 and r.stderr.startswith(f"error: {src}: ") and "Traceback" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no temporary directory
     if fix:
@@ -113,20 +176,31 @@ def test_a_failed_conversion_says_why_in_one_line_and_leaves_nothing(tmp_path):
   assert "tokenizer.json is not a regular file" in r.stderr, r.stderr  # a directory
   os.rmdir(src / "tokenizer.json")
   os.symlink("/dev/zero", src / "tokenizer.json")  # copied as it was, it would fill the disk
-  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
-                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 2 and "tokenizer.json is not a regular file" in r.stderr, r.stderr
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
   os.unlink(src / "tokenizer.json")
   (src / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # no server could start from a copy of it
-  r = subprocess.run([sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
-                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [sys.executable, "-m", "models.convert", "--model-path", str(src), "--output", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 2 and "tokenizer.json: not a tokenizers JSON file" in r.stderr, r.stderr
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_a_marker_that_is_not_json_is_named(orbax_dir, tmp_path):
   import shutil
+
   bad = tmp_path / "bad"
   shutil.copytree(orbax_dir, bad)
   (bad / "hisparse_orbax.json").write_text('{"format":\n')
@@ -164,9 +238,9 @@ def test_a_damaged_orbax_checkpoint_says_so_in_one_line(orbax_dir, tmp_path, dam
   victim = max(data.iterdir(), key=lambda p: p.stat().st_size)
   blob = victim.read_bytes()
   if damage == "truncated":
-    victim.write_bytes(blob[:len(blob) // 2])
+    victim.write_bytes(blob[: len(blob) // 2])
   elif damage == "flipped":
-    victim.write_bytes(blob[:len(blob) // 2] + bytes(b ^ 0xFF for b in blob[len(blob) // 2:]))
+    victim.write_bytes(blob[: len(blob) // 2] + bytes(b ^ 0xFF for b in blob[len(blob) // 2 :]))
   elif damage == "missing":
     victim.unlink()
   else:
@@ -180,8 +254,23 @@ def test_a_damaged_orbax_checkpoint_says_so_in_one_line(orbax_dir, tmp_path, dam
   assert "Convert the HF checkpoint again" in message and len(message) < 800, message
   prompts = tmp_path / "p.jsonl"
   prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
-  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--prompts", str(prompts), "--model-path",
-                      str(bad), "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "hisparse_jax.generate",
+      "--prompts",
+      str(prompts),
+      "--model-path",
+      str(bad),
+      "--max-new-tokens",
+      "2",
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 1 and "the orbax checkpoint cannot be read" in r.stderr, r.stderr[-3000:]
   assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
 
@@ -214,8 +303,10 @@ def test_failed_orbax_reads_log_nothing_on_asyncio(orbax_dir, tmp_path):
       gc.collect()
     asyncio_log = logging.getLogger("asyncio")
     for where in (bad / "params", tmp_path / "elsewhere"):
-      asyncio_log.error("Future exception was never retrieved\nfuture: <Future finished>",
-                        exc_info=ValueError(f'FAILED_PRECONDITION: Error reading "x" at local file "{where}/"'))
+      asyncio_log.error(
+        "Future exception was never retrieved\nfuture: <Future finished>",
+        exc_info=ValueError(f'FAILED_PRECONDITION: Error reading "x" at local file "{where}/"'),
+      )
     asyncio_log.error("an unrelated asyncio error", exc_info=ValueError("elsewhere"))
   finally:
     logging.getLogger().removeHandler(handler)
@@ -224,8 +315,9 @@ def test_failed_orbax_reads_log_nothing_on_asyncio(orbax_dir, tmp_path):
   assert "elsewhere" in logged[0][1], logged
 
 
-@pytest.mark.parametrize("where", ["marker fifo", "marker /dev/zero", "data fifo", "metadata /dev/zero",
-                                   "linked data directory"])
+@pytest.mark.parametrize(
+  "where", ["marker fifo", "marker /dev/zero", "data fifo", "metadata /dev/zero", "linked data directory"]
+)
 def test_orbax_files_that_would_block_or_never_end_are_refused(orbax_dir, tmp_path, where):
   """The marker or a file under params/ as a FIFO (blocked the loader forever) or a link to /dev/zero (read until
   memory ran out): one line naming the file, from the loader and from the batch script, before orbax opens any."""
@@ -233,9 +325,13 @@ def test_orbax_files_that_would_block_or_never_end_are_refused(orbax_dir, tmp_pa
 
   bad = tmp_path / "bad"
   shutil.copytree(orbax_dir, bad)
-  victim = {"marker fifo": bad / "hisparse_orbax.json", "marker /dev/zero": bad / "hisparse_orbax.json",
-            "data fifo": next((bad / "params" / "ocdbt.process_0" / "d").iterdir()),
-            "metadata /dev/zero": bad / "params" / "_METADATA", "linked data directory": None}[where]
+  victim = {
+    "marker fifo": bad / "hisparse_orbax.json",
+    "marker /dev/zero": bad / "hisparse_orbax.json",
+    "data fifo": next((bad / "params" / "ocdbt.process_0" / "d").iterdir()),
+    "metadata /dev/zero": bad / "params" / "_METADATA",
+    "linked data directory": None,
+  }[where]
   message = f"{victim} is not a regular file"
   if where == "linked data directory":  # os.walk does not enter a linked directory, but orbax reads through it
     data = bad / "params" / "ocdbt.process_0" / "d"
@@ -252,7 +348,22 @@ def test_orbax_files_that_would_block_or_never_end_are_refused(orbax_dir, tmp_pa
     load_model(str(bad))
   prompts = tmp_path / "p.jsonl"
   prompts.write_text('{"prompt_ids": [3, 4, 5]}\n')
-  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", "--prompts", str(prompts), "--model-path",
-                      str(bad), "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "hisparse_jax.generate",
+      "--prompts",
+      str(prompts),
+      "--model-path",
+      str(bad),
+      "--max-new-tokens",
+      "2",
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert r.returncode == 1 and message in r.stderr, r.stderr[-3000:]
   assert "Traceback" not in r.stderr, r.stderr[-3000:]

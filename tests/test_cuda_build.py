@@ -17,7 +17,7 @@ def _section(path: pathlib.Path, name: str) -> bytes:
     if name in fields:
       i = fields.index(name)
       offset, size = int(fields[i + 3], 16), int(fields[i + 4], 16)
-      return path.read_bytes()[offset:offset + size]
+      return path.read_bytes()[offset : offset + size]
   raise AssertionError(f"no {name} section in {path}")
 
 
@@ -26,12 +26,22 @@ def test_cuda_handler_built_for_sm90a():
     pytest.skip("nvcc not found on PATH: the build compiled the CPU handlers only")
   assert ops.cuda_handler_built(), "nvcc is on PATH but hisparse_jax._ffi_cuda was not built"
   from hisparse_jax import _ffi_cuda
+
   assert _ffi_cuda.cuda_arch == "sm_90a"
-  assert set(_ffi_cuda.registrations()) == {ops.SWAP_IN_TARGET, ops.BACKUP_TARGET, ops.SWAP_IN_EXT_TARGET,
-                                           ops.BACKUP_EXT_TARGET, ops.PREFETCH_START_TARGET,
-                                           ops.PREFETCH_START_EXT_TARGET, ops.PREFETCH_WAIT_TARGET}
+  assert set(_ffi_cuda.registrations()) == {
+    ops.SWAP_IN_TARGET,
+    ops.BACKUP_TARGET,
+    ops.SWAP_IN_EXT_TARGET,
+    ops.BACKUP_EXT_TARGET,
+    ops.PREFETCH_START_TARGET,
+    ops.PREFETCH_START_EXT_TARGET,
+    ops.PREFETCH_WAIT_TARGET,
+  }
   # The CPU module registers the same targets (plus its top-k and argmax: other platforms use XLA's own).
-  assert set(ops._ffi_cpu.registrations()) == set(_ffi_cuda.registrations()) | {ops.TOP_K_TARGET, ops.ARGMAX_TARGET,
-                                                                                 ops.ARGMAX_COLUMNS_TARGET}
+  assert set(ops._ffi_cpu.registrations()) == set(_ffi_cuda.registrations()) | {
+    ops.TOP_K_TARGET,
+    ops.ARGMAX_TARGET,
+    ops.ARGMAX_COLUMNS_TARGET,
+  }
   fatbin = _section(pathlib.Path(_ffi_cuda.__file__), ".nv_fatbin")
   assert len(fatbin) > 1000 and b"sm_90a" in fatbin

@@ -10,8 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from hisparse_jax.engine.detokenizer import (DetokenizerFactory, StopStringMatcher, _byte_level_table, encode_prompt,
-                                             load_tokenizer)
+from hisparse_jax.engine.detokenizer import (
+  DetokenizerFactory,
+  StopStringMatcher,
+  _byte_level_table,
+  encode_prompt,
+  load_tokenizer,
+)
 
 BOS = 0
 LONE_CONTINUATION_BYTE = 225  # DeepSeek-V3: byte 0xA1 alone, a genuine U+FFFD when decoded
@@ -77,8 +82,30 @@ def test_stop_strings_end_the_text_before_the_stop_and_hold_possible_prefixes():
 
 def _wordpiece() -> Tokenizer:
   """A BERT-style WordPiece tokenizer: "##" continuations, punctuation the decoder glues to the word before."""
-  vocab = ["[UNK]", "[CLS]", "[SEP]", "the", "cat", "sat", "un", "##able", "##s", "##'t", "n", "do", "a", ".", ",",
-           "'", "!", "é", "##é", "日本", "##語", "\ufffd"]
+  vocab = [
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "the",
+    "cat",
+    "sat",
+    "un",
+    "##able",
+    "##s",
+    "##'t",
+    "n",
+    "do",
+    "a",
+    ".",
+    ",",
+    "'",
+    "!",
+    "é",
+    "##é",
+    "日本",
+    "##語",
+    "\ufffd",
+  ]
   tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
   tok.decoder = decoders.WordPiece()
@@ -88,8 +115,25 @@ def _wordpiece() -> Tokenizer:
 
 def _metaspace() -> Tokenizer:
   """A SentencePiece-style Unigram tokenizer: "▁" marks a word start (a space, dropped at the text's start)."""
-  vocab = ["<unk>", "<s>", "</s>", "▁", "▁▁", "▁the", "▁cat", "s", "at", "▁a", ".", "'", "t", "é", "▁日本", "語",
-           "\ufffd"]
+  vocab = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "▁",
+    "▁▁",
+    "▁the",
+    "▁cat",
+    "s",
+    "at",
+    "▁a",
+    ".",
+    "'",
+    "t",
+    "é",
+    "▁日本",
+    "語",
+    "\ufffd",
+  ]
   tok = Tokenizer(models.Unigram([(t, -1.0) for t in vocab], unk_id=0))
   tok.pre_tokenizer = pre_tokenizers.Metaspace()
   tok.decoder = decoders.Metaspace()
@@ -154,9 +198,12 @@ def _stream(deltas: list[str], stops: list[str], include_stop: bool) -> tuple[st
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text("ab!", max_size=16),
-       stops=st.lists(st.text("ab!", min_size=1, max_size=4), max_size=4, unique=True),
-       include_stop=st.booleans(), data=st.data())
+@given(
+  text=st.text("ab!", max_size=16),
+  stops=st.lists(st.text("ab!", min_size=1, max_size=4), max_size=4, unique=True),
+  include_stop=st.booleans(),
+  data=st.data(),
+)
 def test_stop_matcher_equals_str_find_however_the_text_is_split(text, stops, include_stop, data):
   """Over any split of a text into deltas (empty ones too), the matcher releases and reports what str.find gives
   on the text received by the first delta that completes a stop. When no stop contains another, that is the

@@ -23,8 +23,13 @@ from tests.tiny_model import tiny_model_dir
 # Prompts shorter and longer than the hot buffer (16) and than a prefill chunk (32).
 PROMPTS = [list(range(5, 10)), list(range(21, 41)), list(range(100, 150)), [7] * 33]
 HS = '{"top_k": 8, "device_buffer_size": 16, "host_to_device_ratio": 4}'
-COMMON = ["--max-seq-len=256", "--page-size=16", "--chunked-prefill-size=32", "--max-running-requests=4",
-          "--deterministic"]
+COMMON = [
+  "--max-seq-len=256",
+  "--page-size=16",
+  "--chunked-prefill-size=32",
+  "--max-running-requests=4",
+  "--deterministic",
+]
 NEW = 8
 
 
@@ -36,8 +41,10 @@ def _model():
 def colocated():
   """The tokens of the colocated engine (one device, full-batch steps) for PROMPTS."""
   from hisparse_jax.engine import Engine, Request
-  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4,
-             deterministic=True)
+
+  e = Engine(
+    tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4, deterministic=True
+  )
   reqs = [Request(str(i), p, NEW) for i, p in enumerate(PROMPTS)]
   for r in reqs:
     e.submit(r)
@@ -54,10 +61,13 @@ def servers():
     prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill", f"--transfer-port={free_port()}"])
     procs.append(prefill)
     decode = {}
-    for name, flags in (("dense", []), ("hisparse", ["--enable-hisparse", f"--hisparse-config={HS}",
-                                                     f"--transfer-port={free_port()}"])):
-      proc, port = start_server([*_model(), *flags, "--disaggregation-mode=decode",
-                                 f"--prefill-servers=127.0.0.1:{pport}", "--metrics-port=0"])
+    for name, flags in (
+      ("dense", []),
+      ("hisparse", ["--enable-hisparse", f"--hisparse-config={HS}", f"--transfer-port={free_port()}"]),
+    ):
+      proc, port = start_server(
+        [*_model(), *flags, "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--metrics-port=0"]
+      )
       procs.append(proc)
       decode[name] = port
       decode[name + " metrics"] = proc.listening_line.split("metrics at ")[1].strip()
@@ -71,8 +81,7 @@ def _stub(port):
 
 
 def _generate(stub, prompt, n=NEW, **kw):
-  msgs = list(stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt), max_new_tokens=n, **kw),
-                            timeout=120))
+  msgs = list(stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt), max_new_tokens=n, **kw), timeout=120))
   assert msgs[-1].finished
   return [t for m in msgs for t in m.token_ids], msgs[-1]
 
@@ -90,7 +99,8 @@ def test_pd_tokens_equal_the_colocated_server(servers, colocated, mode):
   pport, decode = servers
   # --transfer-port: the prefill server's transfer server announces and holds that port.
   info = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{pport}")).Info(
-      pb.InfoRequest(), timeout=30)
+    pb.InfoRequest(), timeout=30
+  )
   with socket.socket() as s, pytest.raises(OSError):
     s.bind(("127.0.0.1", int(info.transfer_address.rpartition(":")[2])))
   stub = _stub(decode[mode])
@@ -106,6 +116,7 @@ def test_pd_tokens_equal_the_colocated_server(servers, colocated, mode):
       assert final.swap_in_misses > 0
   assert _idle(stub) and _idle(_stub(pport))
   import urllib.request
+
   text = urllib.request.urlopen(decode[mode + " metrics"], timeout=30).read().decode()
   metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
   assert metrics["hisparse_pd_kv_transfer_bytes_total"] >= sum(r[1].transfer_bytes for r in results)
@@ -119,8 +130,9 @@ def test_abort_while_the_kv_is_in_flight_leaves_nothing_stale(servers, colocated
   pport, decode = servers
   stub = _stub(decode["hisparse"])
   for prompt in PROMPTS[1:3] * 2:
-    call = stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt), max_new_tokens=50, ignore_eos=True),
-                         timeout=120)
+    call = stub.Generate(
+      pb.GenerateRequest(input_ids=pb.TokenIds(ids=prompt), max_new_tokens=50, ignore_eos=True), timeout=120
+    )
     time.sleep(0.05)
     call.cancel()
   deadline = time.monotonic() + 60
@@ -139,14 +151,20 @@ def test_a_killed_prefill_server(colocated):
     a, aport = start_server([*_model(), "--disaggregation-mode=prefill"])
     b, bport = start_server([*_model(), "--disaggregation-mode=prefill"])
     procs += [a, b]
-    dec, dport = start_server([*_model(), "--enable-hisparse", f"--hisparse-config={HS}",
-                               "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{aport},127.0.0.1:{bport}"])
+    dec, dport = start_server(
+      [
+        *_model(),
+        "--enable-hisparse",
+        f"--hisparse-config={HS}",
+        "--disaggregation-mode=decode",
+        f"--prefill-servers=127.0.0.1:{aport},127.0.0.1:{bport}",
+      ]
+    )
     procs.append(dec)
     stub = _stub(dport)
     assert _generate(stub, PROMPTS[0])[0] == colocated[0]  # prefilled on a (round-robin: the next goes to b)
     # b killed while it prefills the next request (its first: it compiles, seconds): retried on a.
-    call = stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[2]), max_new_tokens=NEW),
-                         timeout=120)
+    call = stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[2]), max_new_tokens=NEW), timeout=120)
     time.sleep(0.5)
     b.kill()
     b.communicate()
@@ -170,11 +188,14 @@ def test_a_lost_prefill_call_is_told_apart_from_a_tls_mismatch():
   words nor for a server lost mid-stream."""
   from hisparse_jax.serving.client import _rpc_error
   from hisparse_jax.serving.disaggregation import prefill_error_text
+
   U = grpc.StatusCode.UNAVAILABLE
   assert prefill_error_text(U, "Stream removed (Socket closed)") == (
-      "UNAVAILABLE: Stream removed (Socket closed) (the connection was lost mid-call: did that prefill server exit?)")
+    "UNAVAILABLE: Stream removed (Socket closed) (the connection was lost mid-call: did that prefill server exit?)"
+  )
   assert prefill_error_text(U, "Cancelling all calls") == (
-      "UNAVAILABLE: Cancelling all calls (that prefill server is shutting down)")
+    "UNAVAILABLE: Cancelling all calls (that prefill server is shutting down)"
+  )
   assert prefill_error_text(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy") == "RESOURCE_EXHAUSTED: busy"
 
   class Failed(grpc.RpcError):
@@ -193,7 +214,8 @@ def test_a_lost_prefill_call_is_told_apart_from_a_tls_mismatch():
   assert not _rpc_error(Failed(refused), tls=True).endswith(tls_hint)
   # A server that exits mid-stream (a two-process deployment losing a process) is not a TLS mismatch.
   assert _rpc_error(Failed("Stream removed (Socket closed)"), tls=False) == (
-      "UNAVAILABLE: Stream removed (Socket closed) (the connection was lost mid-call: did the server exit?)")
+    "UNAVAILABLE: Stream removed (Socket closed) (the connection was lost mid-call: did the server exit?)"
+  )
   relayed = "prefill failed: 127.0.0.1:5: " + prefill_error_text(U, "Stream removed (Socket closed)")
   assert _rpc_error(Failed(relayed), tls=False) == f"UNAVAILABLE: {relayed}"
 
@@ -213,9 +235,17 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
     self.endpoint = endpoint  # a TransferEndpoint: each offer's arrays are really offered there (zeros)
     self.calls = self.info_calls = 0
     # The offer's layout: the Info's unless overridden (a prefill server restarted with other flags).
-    self.offer = {**dict(num_layers=info.num_layers, latent_dim=info.latent_dim, index_dim=info.index_dim,
-                         latent_dtype=info.latent_dtype, numerics=info.numerics,
-                         model_fingerprint=info.model_fingerprint), **offer}
+    self.offer = {
+      **dict(
+        num_layers=info.num_layers,
+        latent_dim=info.latent_dim,
+        index_dim=info.index_dim,
+        latent_dtype=info.latent_dtype,
+        numerics=info.numerics,
+        model_fingerprint=info.model_fingerprint,
+      ),
+      **offer,
+    }
 
   def Info(self, request, context):
     self.info_calls += 1
@@ -235,11 +265,23 @@ class _SilentPrefill(hisparse_pb2_grpc.PrefillServiceServicer):
     positions = max(16, 1 << (n - 1).bit_length())
     if self.endpoint is not None:
       import jax.numpy as jnp
-      self.endpoint.offer(12345, (jnp.zeros((3, positions, 48)), jnp.zeros((3, positions, 16)),
-                                  jnp.array([7, 0], jnp.uint32)))
-    yield pb.PrefillOffer(**{**dict(first_token=1, transfer_uuid=12345, transfer_address=self.transfer_address,
-                                    kv_positions=positions, prefill_seconds=0.01,
-                                    kv_bytes=positions * self.ROW_BYTES), **self.offer})
+
+      self.endpoint.offer(
+        12345, (jnp.zeros((3, positions, 48)), jnp.zeros((3, positions, 16)), jnp.array([7, 0], jnp.uint32))
+      )
+    yield pb.PrefillOffer(
+      **{
+        **dict(
+          first_token=1,
+          transfer_uuid=12345,
+          transfer_address=self.transfer_address,
+          kv_positions=positions,
+          prefill_seconds=0.01,
+          kv_bytes=positions * self.ROW_BYTES,
+        ),
+        **self.offer,
+      }
+    )
     for message in request_iterator:
       self.acks.append(message.received.pulled)
 
@@ -257,29 +299,51 @@ def test_a_transfer_that_times_out(case):
   RESOURCE_EXHAUSTED, not UNAVAILABLE (a client retries that)."""
   from hisparse_jax.engine import Engine
   from hisparse_jax.serving.disaggregation import TransferEndpoint
+
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
-  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
-                         latent_dtype="float32", max_seq_len=256)
+  info = pb.InfoResponse(
+    model_fingerprint=e.model_fingerprint,
+    num_layers=3,
+    latent_dim=48,
+    index_dim=16,
+    latent_dtype="float32",
+    max_seq_len=256,
+  )
   transfer = TransferEndpoint()
   server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-  servicer = _SilentPrefill(info, transfer.address, **{
-      "timeout": {}, "no offer": {"hang": True}, "abort": {"hang": True},
+  servicer = _SilentPrefill(
+    info,
+    transfer.address,
+    **{
+      "timeout": {},
+      "no offer": {"hang": True},
+      "abort": {"hang": True},
       "exhausted": {"refuse": (grpc.StatusCode.RESOURCE_EXHAUSTED, "request needs 4 pages of the kv pool")},
       "other layout": {"latent_dim": 68, "latent_dtype": "uint8", "numerics": "fp8"},
-      "other model": {"model_fingerprint": "f" * 64}}[case])
+      "other model": {"model_fingerprint": "f" * 64},
+    }[case],
+  )
   hisparse_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
   port = server.add_insecure_port("127.0.0.1:0")
   server.start()
   procs = []
   try:
-    dec, dport = start_server([*_model(), "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{port}",
-                               "--transfer-timeout-s=2", f"--prefill-timeout-s={600 if case == 'abort' else 3}"])
+    dec, dport = start_server(
+      [
+        *_model(),
+        "--disaggregation-mode=decode",
+        f"--prefill-servers=127.0.0.1:{port}",
+        "--transfer-timeout-s=2",
+        f"--prefill-timeout-s={600 if case == 'abort' else 3}",
+      ]
+    )
     procs.append(dec)
     stub = _stub(dport)
     start = time.monotonic()
     if case == "abort":
-      call = stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[1]), max_new_tokens=NEW,
-                                              request_id="waiting"), timeout=120)
+      call = stub.Generate(
+        pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[1]), max_new_tokens=NEW, request_id="waiting"), timeout=120
+      )
       time.sleep(1)
       assert stub.Abort(pb.AbortRequest(request_id="waiting"), timeout=30).aborted == 1
       msgs = list(call)
@@ -291,7 +355,8 @@ def test_a_transfer_that_times_out(case):
       _generate(stub, PROMPTS[1])  # (the client's own deadline, 120 s, is not the one that ends it)
     if case == "exhausted":
       assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.details() == (
-          f"prefill failed: 127.0.0.1:{port}: RESOURCE_EXHAUSTED: request needs 4 pages of the kv pool")
+        f"prefill failed: 127.0.0.1:{port}: RESOURCE_EXHAUSTED: request needs 4 pages of the kv pool"
+      )
       assert _idle(stub)
       return
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -301,12 +366,17 @@ def test_a_transfer_that_times_out(case):
       assert "no KV offer within --prefill-timeout-s 3" in err.value.details(), err.value.details()
       assert servicer.cancelled.wait(10)
     elif case == "other model":
-      assert "offer from another model (fingerprint ffffffffffff..., here" in err.value.details() and \
-          "--model-path" in err.value.details(), err.value.details()
+      assert (
+        "offer from another model (fingerprint ffffffffffff..., here" in err.value.details()
+        and "--model-path" in err.value.details()
+      ), err.value.details()
       assert servicer.acks == []  # nothing pulled or acknowledged
     else:
-      assert "(3, 68, 16, 'uint8', 'fp8')" in err.value.details() and "(3, 48, 16, 'float32', '')" in \
-          err.value.details() and "--kv-cache-dtype" in err.value.details(), err.value.details()
+      assert (
+        "(3, 68, 16, 'uint8', 'fp8')" in err.value.details()
+        and "(3, 48, 16, 'float32', '')" in err.value.details()
+        and "--kv-cache-dtype" in err.value.details()
+      ), err.value.details()
     assert time.monotonic() - start < 30
     assert _idle(stub)
     assert stub.GetLoads(pb.GetLoadsRequest(), timeout=30).free_lanes == 4
@@ -315,6 +385,7 @@ def test_a_transfer_that_times_out(case):
       # attempt failed at once with DEADLINE_EXCEEDED) is capped at MAX_TIMEOUT_S: the offer's own timeout ends it.
       from hisparse_jax.engine import Request, Unavailable
       from hisparse_jax.serving.disaggregation import PrefillClient
+
       client = PrefillClient(e, (f"127.0.0.1:{port}",), transfer, 2, prefill_timeout_s=1)
       with pytest.raises(Unavailable, match="no KV offer within --prefill-timeout-s 1$"):
         asyncio.run(client.prefill(Request("far", [3, 4, 5], 2), deadline_s=1e10))
@@ -343,6 +414,7 @@ class _RecordingTransfer:
 
   def pull(self, address, uuid, specs, timeout_s=None):
     import numpy as np
+
     self.pulls.append(address)
     return [np.zeros(s.shape, s.dtype) for s in specs[:2]] + [np.array([7, 0], np.uint32)]
 
@@ -359,12 +431,23 @@ def test_an_offer_unlike_what_its_prefill_server_announced_is_refused_before_any
   again once before refusing (it may have restarted on another transfer port)."""
   from hisparse_jax.engine import Engine, Request, Unavailable
   from hisparse_jax.serving.disaggregation import PrefillClient
+
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
-  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
-                         latent_dtype="float32", max_seq_len=256)
-  bad_offer = {"address": {"transfer_address": "127.0.0.1:9"}, "positions": {"kv_positions": 1 << 20},
-               "bytes": {"kv_bytes": 64 * 768 + 1}, "first token": {"first_token": 1 << 20},
-               "page size": {"kv_positions": 512, "kv_bytes": 512 * 768}}[fault]
+  info = pb.InfoResponse(
+    model_fingerprint=e.model_fingerprint,
+    num_layers=3,
+    latent_dim=48,
+    index_dim=16,
+    latent_dtype="float32",
+    max_seq_len=256,
+  )
+  bad_offer = {
+    "address": {"transfer_address": "127.0.0.1:9"},
+    "positions": {"kv_positions": 1 << 20},
+    "bytes": {"kv_bytes": 64 * 768 + 1},
+    "first token": {"first_token": 1 << 20},
+    "page size": {"kv_positions": 512, "kv_bytes": 512 * 768},
+  }[fault]
   bad = _SilentPrefill(info, "127.0.0.1:1", **bad_offer)
   if fault == "page size":
     bad.info.page_size = 512  # (this server's longest prompt is 256 tokens)
@@ -380,13 +463,15 @@ def test_an_offer_unlike_what_its_prefill_server_announced_is_refused_before_any
     client = PrefillClient(e, (addresses[0],), transfer, 10, prefill_timeout_s=10)
     with pytest.raises(Unavailable) as err:
       asyncio.run(client.prefill(Request("r", list(range(3, 43)), 2)))
-    want = {"address": "offer names transfer address '127.0.0.1:9'; that prefill server announced '127.0.0.1:1'",
-            "positions": "offer of 1048576 positions for a prompt of 40 tokens; expected 64 (its --page-size 16, "
-                         "at most 256 here)",
-            "bytes": "offer of 49153 bytes; 64 positions of this KV layout hold 49152",
-            "first token": "offer's first token 1048576 is outside the vocabulary of",
-            "page size": "offer of 512 positions for a prompt of 40 tokens; expected 512 (its --page-size 512, "
-                         "at most 256 here)"}[fault]
+    want = {
+      "address": "offer names transfer address '127.0.0.1:9'; that prefill server announced '127.0.0.1:1'",
+      "positions": "offer of 1048576 positions for a prompt of 40 tokens; expected 64 (its --page-size 16, "
+      "at most 256 here)",
+      "bytes": "offer of 49153 bytes; 64 positions of this KV layout hold 49152",
+      "first token": "offer's first token 1048576 is outside the vocabulary of",
+      "page size": "offer of 512 positions for a prompt of 40 tokens; expected 512 (its --page-size 512, "
+      "at most 256 here)",
+    }[fault]
     assert str(err.value).startswith(f"prefill failed: {addresses[0]}: {want}"), str(err.value)
     assert transfer.pulls == ["127.0.0.1:2"]
   finally:
@@ -404,9 +489,16 @@ def test_pulls_that_never_answer_do_not_outlive_their_requests():
 
   from hisparse_jax.engine import Engine, Request, Unavailable
   from hisparse_jax.serving.disaggregation import PULL_THREADS, PrefillClient
+
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
-  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
-                         latent_dtype="float32", max_seq_len=256)
+  info = pb.InfoResponse(
+    model_fingerprint=e.model_fingerprint,
+    num_layers=3,
+    latent_dim=48,
+    index_dim=16,
+    latent_dtype="float32",
+    max_seq_len=256,
+  )
 
   class Stalling:
     timeouts = []  # of each stalled pull, as given
@@ -418,8 +510,9 @@ def test_pulls_that_never_answer_do_not_outlive_their_requests():
         raise TimeoutError(f"no KV data within {timeout_s:g} s")
       return [np.zeros(s.shape, s.dtype) for s in specs[:2]] + [np.array([7, 0], np.uint32)]
 
-  servers, addresses = _fake_prefill_servers(_SilentPrefill(info, "127.0.0.1:7"), _SilentPrefill(info, "127.0.0.1:8"),
-                                             threads=32)
+  servers, addresses = _fake_prefill_servers(
+    _SilentPrefill(info, "127.0.0.1:7"), _SilentPrefill(info, "127.0.0.1:8"), threads=32
+  )
   transfer = Stalling()
   try:
     stalled = PrefillClient(e, (addresses[0],), transfer, 1.0, prefill_timeout_s=30)
@@ -427,8 +520,9 @@ def test_pulls_that_never_answer_do_not_outlive_their_requests():
     stalled._pulls = honest._pulls  # (one decode server: one pool of pull threads)
 
     async def burst_then_honest():
-      results = await asyncio.gather(*(stalled.prefill(Request(f"s{i}", [3, 4, 5], 2)) for i in range(24)),
-                                     return_exceptions=True)
+      results = await asyncio.gather(
+        *(stalled.prefill(Request(f"s{i}", [3, 4, 5], 2)) for i in range(24)), return_exceptions=True
+      )
       req = Request("honest", [3, 4, 5], 2)
       await honest.prefill(req)
       return results, req
@@ -449,9 +543,16 @@ def test_a_prefill_server_restarted_on_another_transfer_port_is_asked_again():
   asked again, announces it (a prefill server restarted with --transfer-port 0 gets another port)."""
   from hisparse_jax.engine import Engine, Request
   from hisparse_jax.serving.disaggregation import PrefillClient
+
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
-  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
-                         latent_dtype="float32", max_seq_len=256)
+  info = pb.InfoResponse(
+    model_fingerprint=e.model_fingerprint,
+    num_layers=3,
+    latent_dim=48,
+    index_dim=16,
+    latent_dtype="float32",
+    max_seq_len=256,
+  )
   restarted = _SilentPrefill(info, "127.0.0.1:2")
   servers, addresses = _fake_prefill_servers(restarted)
   try:
@@ -473,9 +574,16 @@ def test_a_peer_whose_transfer_bytes_crash_jax_fails_only_its_pull():
   from hisparse_jax.engine import Engine, Request, Unavailable
   from hisparse_jax.serving.disaggregation import PrefillClient, TransferEndpoint
   from hisparse_jax.serving.pull_worker import PullWorker
+
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
-  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
-                         latent_dtype="float32", max_seq_len=256)
+  info = pb.InfoResponse(
+    model_fingerprint=e.model_fingerprint,
+    num_layers=3,
+    latent_dim=48,
+    index_dim=16,
+    latent_dtype="float32",
+    max_seq_len=256,
+  )
   garbage = socket.socket()
   garbage.bind(("127.0.0.1", 0))
   garbage.listen(16)
@@ -524,9 +632,16 @@ def test_a_prefill_server_that_refuses_a_valid_request_as_invalid_is_retried_els
   when the other refused it for its memory or load, and UNAVAILABLE when the other failed."""
   from hisparse_jax.engine import Engine, InvalidRequest, Request, ResourceExhausted, Unavailable
   from hisparse_jax.serving.disaggregation import PrefillClient, TransferEndpoint
+
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
-  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
-                         latent_dtype="float32", max_seq_len=256)
+  info = pb.InfoResponse(
+    model_fingerprint=e.model_fingerprint,
+    num_layers=3,
+    latent_dim=48,
+    index_dim=16,
+    latent_dtype="float32",
+    max_seq_len=256,
+  )
   too_long = (grpc.StatusCode.INVALID_ARGUMENT, "prompt of 200 tokens exceeds the model context of 128 tokens")
   busy = (grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue full")
   down = (grpc.StatusCode.UNAVAILABLE, "shutting down")
@@ -544,7 +659,8 @@ def test_a_prefill_server_that_refuses_a_valid_request_as_invalid_is_retried_els
     with pytest.raises(InvalidRequest) as err:
       asyncio.run(client.prefill(Request("long", list(range(3, 203)), 2)))
     assert str(err.value) == "prefill failed: " + "; ".join(
-        f"{a}: INVALID_ARGUMENT: {too_long[1]} (this server takes the request: {hint})" for a in addresses[:2])
+      f"{a}: INVALID_ARGUMENT: {too_long[1]} (this server takes the request: {hint})" for a in addresses[:2]
+    )
     assert [s.calls for s in servicers] == [1, 1, 0, 0]
     refused = f"prefill failed: {addresses[0]}: INVALID_ARGUMENT: {too_long[1]} (this server takes the request: {hint})"
     client = PrefillClient(e, (addresses[0], addresses[2]), transfer, 2, prefill_timeout_s=10)
@@ -573,9 +689,16 @@ def test_an_offer_pulled_after_the_callers_deadline_is_still_acknowledged():
 
   from hisparse_jax.engine import DeadlineExceeded, Engine, Request
   from hisparse_jax.serving.disaggregation import PrefillClient
+
   e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4)
-  info = pb.InfoResponse(model_fingerprint=e.model_fingerprint, num_layers=3, latent_dim=48, index_dim=16,
-                         latent_dtype="float32", max_seq_len=256)
+  info = pb.InfoResponse(
+    model_fingerprint=e.model_fingerprint,
+    num_layers=3,
+    latent_dim=48,
+    index_dim=16,
+    latent_dtype="float32",
+    max_seq_len=256,
+  )
 
   class SlowTransfer:  # a pull that lands 0.6 s after it starts
     def pull(self, address, uuid, specs, timeout_s=None):
@@ -611,13 +734,21 @@ def test_an_offer_pulled_after_the_callers_deadline_is_still_acknowledged():
 
 
 def _startup_error(*flags):
-  r = subprocess.run([sys.executable, "run_server.py", "--port=0", *_model(), *flags], cwd=REPO, capture_output=True,
-                     text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  r = subprocess.run(
+    [sys.executable, "run_server.py", "--port=0", *_model(), *flags],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
   return r.stderr
 
 
-@pytest.mark.parametrize("flags,message", [
+@pytest.mark.parametrize(
+  "flags,message",
+  [
     (["--disaggregation-mode=decode"], "--disaggregation-mode decode needs --prefill-servers"),
     (["--prefill-servers=127.0.0.1:1"], "--prefill-servers is for --disaggregation-mode decode"),
     (["--disaggregation-mode=decode", "--prefill-servers=nowhere"], "--prefill-servers 'nowhere': expected host:port"),
@@ -625,20 +756,26 @@ def _startup_error(*flags):
     (["--disaggregation-mode=prefill", "--transfer-timeout-s=inf"], "--transfer-timeout-s must be in (0, 86400]"),
     (["--disaggregation-mode=prefill", "--transfer-timeout-s=1e300"], "got 1e+300"),  # (its timer never fired)
     (["--disaggregation-mode=prefill", "--prefill-timeout-s=nan"], "--prefill-timeout-s must be in (0, 86400]"),
-    (["--disaggregation-mode=prefill", "--transfer-host=999.9.9.9"],
-     "--transfer-host 999.9.9.9: not an address of this machine"),
+    (
+      ["--disaggregation-mode=prefill", "--transfer-host=999.9.9.9"],
+      "--transfer-host 999.9.9.9: not an address of this machine",
+    ),
     (["--disaggregation-mode=prefill", "--transfer-port=65536"], "--transfer-port 65536: expected 0 (any free port)"),
     (["--transfer-port=5000"], "--transfer-port is for --disaggregation-mode prefill or decode"),
-    (["--disaggregation-mode=prefill", "--max-device-kv-bytes=4000000", "--max-offered-kv-bytes=4000000"],
-     "--max-offered-kv-bytes 4000000: a prefill server's offers take their bytes from the device KV budget "
-     "(4000000 bytes), which must keep some for its KV pools"),
-])
+    (
+      ["--disaggregation-mode=prefill", "--max-device-kv-bytes=4000000", "--max-offered-kv-bytes=4000000"],
+      "--max-offered-kv-bytes 4000000: a prefill server's offers take their bytes from the device KV budget "
+      "(4000000 bytes), which must keep some for its KV pools",
+    ),
+  ],
+)
 def test_bad_disaggregation_flags(flags, message):
   assert message in _startup_error(*flags)
 
 
 def test_transfer_ports_that_clash_with_the_server_ports_or_are_taken():
   from hisparse_jax.serving.disaggregation import TransferEndpoint
+
   p = free_port()
   err = _startup_error("--disaggregation-mode=prefill", f"--transfer-port={p}", f"--port={p}")
   assert f"--transfer-port {p} is --port {p}: give them different ports" in err
@@ -663,19 +800,24 @@ def test_unreachable_or_mismatched_prefill_server_at_startup(servers):
   # A server that answers but serves no PrefillService (here a decode server) is named as such, at once.
   start = time.monotonic()
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{decode['dense']}")
-  assert (f"--prefill-servers 127.0.0.1:{decode['dense']}: the server there is not a prefill server (UNIMPLEMENTED"
-          in err and err.rstrip().endswith("start it with --disaggregation-mode prefill")), err[-2000:]
+  assert (
+    f"--prefill-servers 127.0.0.1:{decode['dense']}: the server there is not a prefill server (UNIMPLEMENTED" in err
+    and err.rstrip().endswith("start it with --disaggregation-mode prefill")
+  ), err[-2000:]
   assert "answered within" not in err and time.monotonic() - start < 60
   err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--dtype=bfloat16")
   assert "serves another KV layout" in err
   # Another checkpoint of the same shapes (other weights): the fingerprint differs, the layout does not.
-  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
-                       f"--model-path={tiny_model_dir(8)}")
-  assert "serves another model (checkpoint fingerprint" in err and "the same --model-path checkpoint" in err, \
-      err[-2000:]
+  err = _startup_error(
+    "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", f"--model-path={tiny_model_dir(8)}"
+  )
+  assert "serves another model (checkpoint fingerprint" in err and "the same --model-path checkpoint" in err, err[
+    -2000:
+  ]
   # FP8 rows against its float32 rows: 100 + 20 uint8 against 48 + 16 float32 per token and layer.
-  err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}",
-                       "--kv-cache-dtype=fp8_e4m3")
+  err = _startup_error(
+    "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}", "--kv-cache-dtype=fp8_e4m3"
+  )
   assert "serves another KV layout" in err and "(3, 48, 16, 'float32', '')" in err
   assert "(3, 100, 20, 'uint8', 'fp8')" in err and "--kv-cache-dtype" in err
   # The same rows computed with other numerics: the KV would not be the one this server computes.
@@ -690,24 +832,50 @@ def test_pd_over_mutual_tls_with_the_api_key_both_ways(colocated, tmp_path):
   greedy tokens. Without its client certificate, or in plain text, the decode server's start fails naming the
   flags to set."""
   from tests.multiprocess import self_signed
+
   self_signed(tmp_path)
   cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
   procs = []
   try:
-    prefill, pport = start_server([*_model(), "--disaggregation-mode=prefill", f"--tls-cert-file={cert}",
-                                   f"--tls-key-file={key}", f"--tls-client-ca-file={cert}", "--api-key=pd-key"])
+    prefill, pport = start_server(
+      [
+        *_model(),
+        "--disaggregation-mode=prefill",
+        f"--tls-cert-file={cert}",
+        f"--tls-key-file={key}",
+        f"--tls-client-ca-file={cert}",
+        "--api-key=pd-key",
+      ]
+    )
     procs.append(prefill)
-    decode, dport = start_server([*_model(), "--disaggregation-mode=decode", f"--prefill-servers=localhost:{pport}",
-                                  f"--prefill-tls-ca-file={cert}", f"--prefill-tls-cert-file={cert}",
-                                  f"--prefill-tls-key-file={key}", "--api-key=pd-key"])
+    decode, dport = start_server(
+      [
+        *_model(),
+        "--disaggregation-mode=decode",
+        f"--prefill-servers=localhost:{pport}",
+        f"--prefill-tls-ca-file={cert}",
+        f"--prefill-tls-cert-file={cert}",
+        f"--prefill-tls-key-file={key}",
+        "--api-key=pd-key",
+      ]
+    )
     procs.append(decode)
     channel = grpc.insecure_channel(f"127.0.0.1:{dport}")
     stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
-    msgs = list(stub.Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[1]), max_new_tokens=NEW),
-                              metadata=(("authorization", "Bearer pd-key"),), timeout=120))
+    msgs = list(
+      stub.Generate(
+        pb.GenerateRequest(input_ids=pb.TokenIds(ids=PROMPTS[1]), max_new_tokens=NEW),
+        metadata=(("authorization", "Bearer pd-key"),),
+        timeout=120,
+      )
+    )
     assert [t for m in msgs for t in m.token_ids] == colocated[1] and msgs[-1].transfer_bytes > 0
-    err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=localhost:{pport}",
-                         f"--prefill-tls-ca-file={cert}", "--api-key=pd-key")
+    err = _startup_error(
+      "--disaggregation-mode=decode",
+      f"--prefill-servers=localhost:{pport}",
+      f"--prefill-tls-ca-file={cert}",
+      "--api-key=pd-key",
+    )
     assert f"--prefill-servers localhost:{pport}:" in err and "--prefill-tls-cert-file" in err, err[-2000:]
     err = _startup_error("--disaggregation-mode=decode", f"--prefill-servers=localhost:{pport}", "--api-key=pd-key")
     assert "pass --prefill-tls-ca-file" in err, err[-2000:]
@@ -720,8 +888,16 @@ def test_pd_with_fp8_kv_rows():
   row and indexer key a token and layer, against 192 + 64 in float32), the HiSparse decode server swaps them
   in, and the tokens are the colocated FP8 engine's."""
   from hisparse_jax.engine import Engine, Request
-  e = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, chunked_prefill_size=32, max_running_requests=4,
-             deterministic=True, kv_cache_dtype="fp8_e4m3")
+
+  e = Engine(
+    tiny_model_dir(),
+    max_seq_len=256,
+    page_size=16,
+    chunked_prefill_size=32,
+    max_running_requests=4,
+    deterministic=True,
+    kv_cache_dtype="fp8_e4m3",
+  )
   prompts = PROMPTS[1:3]
   reqs = [Request(str(i), p, NEW) for i, p in enumerate(prompts)]
   for r in reqs:
@@ -733,8 +909,16 @@ def test_pd_with_fp8_kv_rows():
     fp8 = ["--kv-cache-dtype=fp8_e4m3"]
     prefill, pport = start_server([*_model(), *fp8, "--disaggregation-mode=prefill"])
     procs.append(prefill)
-    proc, port = start_server([*_model(), *fp8, "--enable-hisparse", f"--hisparse-config={HS}",
-                               "--disaggregation-mode=decode", f"--prefill-servers=127.0.0.1:{pport}"])
+    proc, port = start_server(
+      [
+        *_model(),
+        *fp8,
+        "--enable-hisparse",
+        f"--hisparse-config={HS}",
+        "--disaggregation-mode=decode",
+        f"--prefill-servers=127.0.0.1:{pport}",
+      ]
+    )
     procs.append(proc)
     stub = _stub(port)
     for prompt, req in zip(prompts, reqs):
@@ -764,8 +948,15 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
   # The pulled-KV metrics are a decode server's: a prefill server does not export them (they would stay 0).
   assert metrics.registry.get_sample_value("hisparse_pd_kv_transfer_bytes_total") is None
   assert metrics.registry.get_sample_value("hisparse_time_to_first_token_seconds_count") == 0
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, limits=ServerLimits(max_streams=4),
-                          disaggregation=DisaggregationConfig("prefill", transfer_timeout_s=30.0))
+  srv, loop, port = serve(
+    engine,
+    None,
+    "127.0.0.1",
+    0,
+    metrics,
+    limits=ServerLimits(max_streams=4),
+    disaggregation=DisaggregationConfig("prefill", transfer_timeout_s=30.0),
+  )
 
   async def flood():
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -816,8 +1007,9 @@ def test_prefill_streams_count_against_the_stream_limit_and_refusals_leave_no_me
     while srv.servicer.open_streams and time.monotonic() < deadline:
       time.sleep(0.02)
     assert srv.servicer.open_streams == 0
-    tokens, _ = _generate(hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}")),
-                          PROMPTS[0])
+    tokens, _ = _generate(
+      hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}")), PROMPTS[0]
+    )
     assert len(tokens) == NEW
   finally:
     srv.stop(0).wait()
@@ -831,16 +1023,23 @@ def test_offered_kv_bytes_are_bounded_per_dp_group():
   first device, bounded by one device's share, while every device set it aside.) tests/engine_fuzz.py's
   check_exports runs pinned exports on a DP mesh."""
   from hisparse_jax.serving import disaggregation as pd
-  servicer = pd.PrefillServicer(SimpleNamespace(engine=SimpleNamespace(offer_kv_budget=100, device_kv_budget=900,
-                                                                       groups=2)), None, 1.0, None)
+
+  servicer = pd.PrefillServicer(
+    SimpleNamespace(engine=SimpleNamespace(offer_kv_budget=100, device_kv_budget=900, groups=2)), None, 1.0, None
+  )
   assert (servicer.group_offer_bytes, servicer.max_offered_bytes) == (100, 200)
   assert [servicer._reserve(n)[0] for n in (60, 60, 30, 30)] == [0, 1, 0, 1] and servicer.offered_bytes == 180
-  assert servicer._reserve(20) == (None, "the prefill server holds 180 bytes of prompt KV for decode servers (offers "
-                                   "not pulled yet, prefills in flight); this prompt's 20 would pass its "
-                                   "--max-offered-kv-bytes 100 per DP group (its 2 groups hold [90, 90]): retry "
-                                   "later or on another prefill server")
-  assert servicer._reserve(101) == (None, "this prompt's KV offer (101 bytes) is larger than the prefill server's "
-                                    "--max-offered-kv-bytes 100")
+  assert servicer._reserve(20) == (
+    None,
+    "the prefill server holds 180 bytes of prompt KV for decode servers (offers "
+    "not pulled yet, prefills in flight); this prompt's 20 would pass its "
+    "--max-offered-kv-bytes 100 per DP group (its 2 groups hold [90, 90]): retry "
+    "later or on another prefill server",
+  )
+  assert servicer._reserve(101) == (
+    None,
+    "this prompt's KV offer (101 bytes) is larger than the prefill server's --max-offered-kv-bytes 100",
+  )
   servicer._release(1, 60)
   assert servicer._reserve(20) == (1, None) and servicer.offered_bytes == 140
 
@@ -865,11 +1064,19 @@ def test_offered_kv_bytes_are_bounded():
   with pytest.raises(ValueError, match=f"--max-offered-kv-bytes {2 * one}: more than the {one} bytes"):
     pd.PrefillServicer(SimpleNamespace(engine=engine), None, 1.0, None, max_offered_bytes=2 * one)
   metrics = ServerMetrics(row_bytes=engine.layout.row_bytes, num_layers=3, disaggregation_mode="prefill")
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, disaggregation=pd.DisaggregationConfig(
-      "prefill", transfer_timeout_s=2.0, max_offered_kv_bytes=one))
+  srv, loop, port = serve(
+    engine,
+    None,
+    "127.0.0.1",
+    0,
+    metrics,
+    disaggregation=pd.DisaggregationConfig("prefill", transfer_timeout_s=2.0, max_offered_kv_bytes=one),
+  )
   stub = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-  sample = lambda state: metrics.registry.get_sample_value("hisparse_pd_offered_kv_bytes",  # noqa: E731
-                                                           {"state": state})
+  sample = lambda state: metrics.registry.get_sample_value(
+    "hisparse_pd_offered_kv_bytes",  # noqa: E731
+    {"state": state},
+  )
   request = lambda n: pb.PrefillMessage(request=pb.PrefillRequest(input_ids=pb.TokenIds(ids=list(range(5, 5 + n)))))
 
   def refusal(n):
@@ -924,15 +1131,26 @@ def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch)
   monkeypatch.setattr(pd, "TAKE_BACK_BASE_S", 1.0)
   engine = Engine(tiny_model_dir(), max_seq_len=256, page_size=16, max_running_requests=2, offer_kv_bytes=0)
   # Both transfer servers on fixed ports (--transfer-port), each pulling several times (take-backs, the caller).
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0, disaggregation=pd.DisaggregationConfig(
-      "prefill", transfer_timeout_s=30.0, transfer_port=free_port()))
+  srv, loop, port = serve(
+    engine,
+    None,
+    "127.0.0.1",
+    0,
+    disaggregation=pd.DisaggregationConfig("prefill", transfer_timeout_s=30.0, transfer_port=free_port()),
+  )
   take_backs = srv.prefill.take_backs
   mine = pd.TransferEndpoint(port=free_port())
   stub = hisparse_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
   def pull(offer):
-    specs = pd._specs(offer.num_layers, offer.kv_positions, offer.latent_dim, offer.index_dim, offer.latent_dtype,
-                      engine.layout.index_dtype)
+    specs = pd._specs(
+      offer.num_layers,
+      offer.kv_positions,
+      offer.latent_dim,
+      offer.index_dim,
+      offer.latent_dtype,
+      engine.layout.index_dtype,
+    )
     return mine.pull(offer.transfer_address, offer.transfer_uuid, specs, timeout_s=30)
 
   def prefill(reply):
@@ -959,8 +1177,10 @@ def test_an_offer_is_held_only_until_a_proven_pull_or_its_take_back(monkeypatch)
       time.sleep(0.05)
     return take_backs.pending() == 0 and srv.prefill.offered_bytes == 0  # (every offer's bytes released)
 
-  forged = (grpc.StatusCode.INVALID_ARGUMENT, "the acknowledgement's pull_proof is not the offer's (only its pull "
-            "reveals it): the KV was taken back")
+  forged = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    "the acknowledgement's pull_proof is not the offer's (only its pull reveals it): the KV was taken back",
+  )
   try:
     # (the default: half the device KV budget, 1 GiB on CPU; the pools are sized from the other half)
     assert srv.prefill.max_offered_bytes == engine.offer_kv_budget == engine.device_kv_budget == 1 << 29

@@ -19,8 +19,9 @@ def _tracked() -> list[str]:
 
 
 def _ignored(paths: list[str]) -> set[str]:
-  r = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(paths),
-                     capture_output=True, text=True)
+  r = subprocess.run(
+    ["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(paths), capture_output=True, text=True
+  )
   return set(r.stdout.split())
 
 
@@ -56,6 +57,7 @@ def test_engine_flags_are_described_once_and_listed_by_help():
   import update_flag_table
 
   from hisparse_jax.engine.args import EngineArgs
+
   page = update_flag_table.PAGE.read_text()
   assert update_flag_table.updated(page) == page, "docs/batch-decoding.md: run scripts/update_flag_table.py"
   fields = dataclasses.fields(EngineArgs)

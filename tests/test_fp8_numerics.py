@@ -1,6 +1,5 @@
 """FP8 deployment numerics: the quantizer against hand-computed values, the rotation, and the model mode."""
 
-
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -35,9 +35,14 @@ def _oracle(code: str) -> None:
 def _from_torch(src, dst, python=sys.executable, *extra) -> subprocess.CompletedProcess:
   """The command a user runs: this venv's `python -m models.from_torch` (it re-runs itself in the oracle
   Python, which has torch), or the file itself under `python`."""
-  cmd = ([sys.executable, "-m", "models.from_torch"] if python == sys.executable else [python, "-I", str(FROM_TORCH)])
-  return subprocess.run([*cmd, "--model-path", str(src), "--output", str(dst), *extra], cwd=REPO,
-                        capture_output=True, text=True, timeout=300)
+  cmd = [sys.executable, "-m", "models.from_torch"] if python == sys.executable else [python, "-I", str(FROM_TORCH)]
+  return subprocess.run(
+    [*cmd, "--model-path", str(src), "--output", str(dst), *extra],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 def _logits(model_dir) -> np.ndarray:
@@ -53,10 +58,31 @@ def test_a_torch_checkpoint_ports_with_transformers_logits(tmp_path):
   require_oracle()
   st, pt, out = tmp_path / "st", tmp_path / "pt", tmp_path / "ported"
   (tmp_path / "prompts.json").write_text(json.dumps([PROMPT]))
-  r = subprocess.run([ORACLE_PYTHON, str(ORACLE_SCRIPT), "--make-checkpoint", str(st), "--seed", "7",
-                      "--config-json", json.dumps({"tie_word_embeddings": True}), "--save-torch", str(pt),
-                      "--run", str(st), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "1",
-                      "--out", str(tmp_path / "ref.npz")], capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [
+      ORACLE_PYTHON,
+      str(ORACLE_SCRIPT),
+      "--make-checkpoint",
+      str(st),
+      "--seed",
+      "7",
+      "--config-json",
+      json.dumps({"tie_word_embeddings": True}),
+      "--save-torch",
+      str(pt),
+      "--run",
+      str(st),
+      "--prompts",
+      str(tmp_path / "prompts.json"),
+      "--max-new-tokens",
+      "1",
+      "--out",
+      str(tmp_path / "ref.npz"),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   index = json.loads((pt / "pytorch_model.bin.index.json").read_text())["weight_map"]
   assert any(k.endswith("experts.gate_up_proj") for k in index) and "lm_head.weight" in index  # fused, tied
@@ -68,10 +94,12 @@ def test_a_torch_checkpoint_ports_with_transformers_logits(tmp_path):
   n = len(set(written.values()))
   assert n > 2 and f"{n} safetensors files" in r.stdout, r.stdout
   assert sorted(p.name for p in out.iterdir()) == sorted(
-      ["config.json", "model.safetensors.index.json"] + [f"model-{i:05d}-of-{n:05d}.safetensors" for i in
-                                                         range(1, n + 1)])
-  assert all((out / f).stat().st_size < 200 * 1024 + 16 * 1024 or sum(v == f for v in written.values()) == 1
-             for f in set(written.values()))  # at most 200 KiB (+ header) unless one tensor alone
+    ["config.json", "model.safetensors.index.json"] + [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+  )
+  assert all(
+    (out / f).stat().st_size < 200 * 1024 + 16 * 1024 or sum(v == f for v in written.values()) == 1
+    for f in set(written.values())
+  )  # at most 200 KiB (+ header) unless one tensor alone
 
   ours = _logits(out)
   assert np.array_equal(ours, _logits(st))
@@ -142,7 +170,10 @@ def test_nested_legacy_and_shared_tensors_convert_bit_for_bit(pickles, tmp_path)
   assert r.returncode == 0, r.stderr[-3000:]
   out = tmp_path / "out"
   assert sorted(p.name for p in out.iterdir()) == [
-      "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+  ]
   index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
   store = _TensorStore(str(out))  # the loader's reader (safetensors' numpy one has no e8m0)
   got = {k: store.read_raw(k) for k in store.keys()}
@@ -154,10 +185,14 @@ def test_nested_legacy_and_shared_tensors_convert_bit_for_bit(pickles, tmp_path)
   assert got["f8"].dtype == ml_dtypes.float8_e4m3fn
   assert np.array_equal(got["f8"].view(np.uint8), base.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
   assert got["e8m0"].dtype == ml_dtypes.float8_e8m0fnu
-  assert np.array_equal(got["e8m0"].view(np.uint8), (2.0 ** (base - 12)).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8))
+  assert np.array_equal(
+    got["e8m0"].view(np.uint8), (2.0 ** (base - 12)).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+  )
 
 
-@pytest.mark.parametrize("case,message", [
+@pytest.mark.parametrize(
+  "case,message",
+  [
     ("not_a_tensor", "entry 'step' is a int, not a tensor"),
     ("code", r"torch.load\(weights_only=True\) refused it"),
     ("twice", "tensor 'a' is in both"),
@@ -168,7 +203,8 @@ def test_nested_legacy_and_shared_tensors_convert_bit_for_bit(pickles, tmp_path)
     ("index_int", "weight_map must map tensor names to file names"),
     ("index_outside", "names '../twice/x.bin': weight files must be inside"),
     ("deflated", r"zip entry '.*' is compressed \(method 8\); torch.save stores its entries uncompressed"),
-])
+  ],
+)
 def test_what_cannot_convert_fails_naming_it_and_writes_nothing(pickles, tmp_path, case, message):
   r = _from_torch(pickles / case, tmp_path / "out", ORACLE_PYTHON)
   assert r.returncode == 2 and re.search(message, r.stderr), (r.returncode, r.stderr[-2000:])
@@ -180,6 +216,7 @@ def test_prefixes_indexes_and_side_files(pickles, tmp_path):
   """DistributedDataParallel's "module." is cut from every name; --strip-prefix cuts another one and refuses a
   name without it; a safetensors index beside the pickles is not copied over the one written (it named files
   that do not exist); a single file takes config and tokenizer files from its directory, nothing else."""
+
   def names(out):
     store = _TensorStore(str(out))
     return sorted(store.keys())
@@ -201,8 +238,11 @@ def test_prefixes_indexes_and_side_files(pickles, tmp_path):
 
   r = _from_torch(pickles / "single" / "ckpt.pt", tmp_path / "single", ORACLE_PYTHON)
   assert r.returncode == 0, r.stderr
-  assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["config.json", "model.safetensors",
-                                                                     "tokenizer.json"]
+  assert sorted(p.name for p in (tmp_path / "single").iterdir()) == [
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+  ]
   assert names(tmp_path / "single") == ["a"]
 
 
@@ -228,8 +268,11 @@ def test_the_loader_points_a_torch_checkpoint_to_the_converter(tmp_path):
   """Our loader reads only safetensors; a directory of torch pickles gets the command that converts it."""
   (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
   shutil.copy(pathlib.Path(tiny_model_dir()) / "config.json", tmp_path)
-  with pytest.raises(ValueError, match=r"PyTorch pickle weights \(pytorch_model.bin\): convert them once with "
-                                       r"`python -m models.from_torch --model-path "):
+  with pytest.raises(
+    ValueError,
+    match=r"PyTorch pickle weights \(pytorch_model.bin\): convert them once with "
+    r"`python -m models.from_torch --model-path ",
+  ):
     load_hf(str(tmp_path))
 
 
@@ -241,13 +284,23 @@ def test_a_killed_conversions_directory_is_removed_by_the_next(tmp_path):
   from models.from_torch import NEW_DIRECTORY_PREFIX, new_directory
 
   host = socket.gethostname()
-  writer = subprocess.Popen([sys.executable, "-c", "import sys\n"
-                             "from models.from_torch import new_directory\n"
-                             "with new_directory(sys.argv[1]) as tmp:\n"
-                             "  open(tmp + '/part.safetensors', 'wb').write(b'x' * 1000)\n"
-                             "  print(tmp, flush=True)\n"
-                             "  sys.stdin.read()\n", str(tmp_path / "killed")],
-                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  writer = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      "import sys\n"
+      "from models.from_torch import new_directory\n"
+      "with new_directory(sys.argv[1]) as tmp:\n"
+      "  open(tmp + '/part.safetensors', 'wb').write(b'x' * 1000)\n"
+      "  print(tmp, flush=True)\n"
+      "  sys.stdin.read()\n",
+      str(tmp_path / "killed"),
+    ],
+    cwd=REPO,
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   stale = pathlib.Path(writer.stdout.readline().strip())
   assert stale.parent == tmp_path and stale.name.startswith(f"{NEW_DIRECTORY_PREFIX}{host}-{writer.pid}-")
   sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

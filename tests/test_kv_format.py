@@ -41,12 +41,17 @@ def _bits(x) -> np.ndarray:
 
 
 @settings(max_examples=25, deadline=None)
-@given(C=st.sampled_from([16, 128, 200, 512]), dr=st.sampled_from([8, 64]),
-       dtype=st.sampled_from([np.float32, jnp.bfloat16]), log_scale=st.integers(-30, 12), seed=st.integers(0, 2**16),
-       zero_rows=st.integers(0, 2))
+@given(
+  C=st.sampled_from([16, 128, 200, 512]),
+  dr=st.sampled_from([8, 64]),
+  dtype=st.sampled_from([np.float32, jnp.bfloat16]),
+  log_scale=st.integers(-30, 12),
+  seed=st.integers(0, 2**16),
+  zero_rows=st.integers(0, 2),
+)
 def test_round_trip_is_the_fake_quantization(C, dr, dtype, log_scale, seed, zero_rows):
   rng = np.random.default_rng(seed)
-  x = rng.standard_normal((4, 3, C + dr)) * 2.0 ** log_scale
+  x = rng.standard_normal((4, 3, C + dr)) * 2.0**log_scale
   x[0, :zero_rows] = 0.0  # all-zero blocks: amax floored at 1e-4
   x = jnp.asarray(x, dtype)
   stored = kv_format.encode("fp8_e4m3", x, C)
@@ -57,8 +62,8 @@ def test_round_trip_is_the_fake_quantization(C, dr, dtype, log_scale, seed, zero
   nb = -(-C // 128)
   s = np.asarray(stored)
   np.testing.assert_array_equal(s[..., :C], _bits(q))
-  np.testing.assert_array_equal(s[..., C:C + 4 * nb].copy().view("<f4"), np.asarray(scale))
-  np.testing.assert_array_equal(s[..., C + 4 * nb:].copy().view(np.dtype(dtype)), np.asarray(x[..., C:]))
+  np.testing.assert_array_equal(s[..., C : C + 4 * nb].copy().view("<f4"), np.asarray(scale))
+  np.testing.assert_array_equal(s[..., C + 4 * nb :].copy().view(np.dtype(dtype)), np.asarray(x[..., C:]))
   # Decoding gives exactly what --fp8-numerics simulates: bit for bit, RoPE part untouched.
   want = jnp.concatenate([fake_quant_e4m3(x[..., :C]), x[..., C:]], axis=-1)
   got = kv_format.decode("fp8_e4m3", stored, C, dtype)
@@ -79,8 +84,11 @@ def test_key_round_trip_is_the_fake_quantization(Di):
   assert not np.asarray(kv_format.decode_keys(jnp.zeros_like(stored))).any()
   with pytest.raises(TypeError, match="stored indexer keys must be float32 or uint8"):
     kv_format.decode_keys(keys.astype(jnp.bfloat16))
-  for fn, args in ((kv_format.encode_keys, (keys,)), (kv_format.encode, (keys, 8)),
-                   (kv_format.decode, (stored, 8, jnp.float32))):
+  for fn, args in (
+    (kv_format.encode_keys, (keys,)),
+    (kv_format.encode, (keys, 8)),
+    (kv_format.decode, (stored, 8, jnp.float32)),
+  ):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3; got 'fp8'"):
       fn("fp8", *args)
 
@@ -100,8 +108,9 @@ def test_rows_of_the_wrong_width_are_refused():
   for width in (4, 133, 136, 266):  # no Di gives these (Di 128 -> 132 bytes, 129 -> 137; 256 -> 264, 257 -> 269)
     with pytest.raises(ValueError, match=f"{width} bytes is not the width of an FP8 indexer key"):
       kv_format.decode_keys(jnp.zeros((2, width), jnp.uint8))
-  assert [w for w in range(1, 300) if _valid_key_width(w)] == [kv_format.index_spec("fp8_e4m3", d)[0]
-                                                              for d in range(1, 300) if d + 4 * -(-d // 128) < 300]
+  assert [w for w in range(1, 300) if _valid_key_width(w)] == [
+    kv_format.index_spec("fp8_e4m3", d)[0] for d in range(1, 300) if d + 4 * -(-d // 128) < 300
+  ]
   with pytest.raises(ValueError, match="FP8 latent rows must be uint8 of 32 \\+ 4 \\+ \\(RoPE values x 4\\) bytes"):
     kv_format.decode("fp8_e4m3", jnp.zeros((2, 38), jnp.uint8), 32, jnp.float32)  # 2 RoPE bytes: half a float32
   with pytest.raises(ValueError, match="got float32 rows of 48"):
@@ -121,10 +130,10 @@ def test_encoding_a_fake_quantized_row_again_changes_nothing():
   # including blocks whose rounded maximum lands on 224 x scale (the ue8m0 scale then halves).
   rng = np.random.default_rng(3)
   x = rng.standard_normal((64, 256)).astype(np.float32) * 2.0 ** rng.integers(-20, 20, (64, 1))
-  x[0, :128] = np.linspace(-1, 1, 128) * 225.0 * 2.0 ** -10  # scale 2**-10; 225 rounds to 224 in e4m3
+  x[0, :128] = np.linspace(-1, 1, 128) * 225.0 * 2.0**-10  # scale 2**-10; 225 rounds to 224 in e4m3
   fq = fake_quant_e4m3(jnp.asarray(x))
-  assert float(quantize_e4m3(jnp.asarray(x[:1, :128]))[1][0, 0]) == 2.0 ** -10
-  assert float(quantize_e4m3(fq[:1, :128])[1][0, 0]) == 2.0 ** -11  # the second quantization's scale halves
+  assert float(quantize_e4m3(jnp.asarray(x[:1, :128]))[1][0, 0]) == 2.0**-10
+  assert float(quantize_e4m3(fq[:1, :128])[1][0, 0]) == 2.0**-11  # the second quantization's scale halves
   again = kv_format.decode("fp8_e4m3", kv_format.encode("fp8_e4m3", fq, 256), 256, jnp.float32)
   np.testing.assert_array_equal(np.asarray(again), np.asarray(fq))
 
@@ -140,8 +149,9 @@ def test_fp8_kv_cache_is_fp8_numerics_stored_and_stays_lossless():
   l_dense, dense = teacher_forced_logits(cfg8, on, prompts, 5)
   l_hs, hs = teacher_forced_logits(cfg8, on, prompts, 5, hisparse=HiSparseConfig(top_k=8, device_buffer_size=16))
   # The score-aware policy scores the resident tokens' keys, decoded from the FP8 key pages.
-  l_score, _ = teacher_forced_logits(cfg8, on, prompts, 5,
-                              hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, eviction="score_ema"))
+  l_score, _ = teacher_forced_logits(
+    cfg8, on, prompts, 5, hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, eviction="score_ema")
+  )
   np.testing.assert_array_equal(l_dense, l_sim)  # storing FP8 = simulating it, bit for bit
   np.testing.assert_array_equal(l_hs, l_dense)  # HiSparse over FP8 rows: lossless
   np.testing.assert_array_equal(l_score, l_dense)
@@ -157,7 +167,7 @@ def test_fp8_kv_cache_is_fp8_numerics_stored_and_stays_lossless():
   # position 0 of layer 0, read back from the dense pages, is e4m3 bytes with a power-of-two scale.
   assert sum(hs.backend.swap_stats(hs.kvs[0])[1]) > 0  # misses: rows came from the host pool
   row = np.asarray(dense.backend.state.latent)[0, dense.kvs[0].pages["kv"][0], 0]
-  scale = row[C:C + 4].copy().view("<f4")[0]
+  scale = row[C : C + 4].copy().view("<f4")[0]
   assert scale > 0 and np.log2(scale) == np.round(np.log2(scale))
   assert np.isfinite(row[:C].view(ml_dtypes.float8_e4m3fn).astype(np.float32)).all()
 
@@ -176,8 +186,11 @@ def test_layout_bytes_and_backend_checks():
   # Same itemsize, other dtype: rows of bfloat16 are not FP8 bytes reinterpreted, nor float16 bfloat16.
   bf16 = kvmem.KVLayout.of(cfg.replace(kv_cache_dtype="auto"), jnp.bfloat16)
   with pytest.raises(ValueError, match="KV row dtype float16 is not the layout's bfloat16"):
-    kvmem.DenseBackend(kvmem.plan(bf16, budget=1 << 22, max_running_requests=2, max_seq_len=64, page_size=16,
-                                  hisparse=None), bf16, np.float16)
+    kvmem.DenseBackend(
+      kvmem.plan(bf16, budget=1 << 22, max_running_requests=2, max_seq_len=64, page_size=16, hisparse=None),
+      bf16,
+      np.float16,
+    )
 
 
 def test_bad_kv_cache_dtype_is_a_startup_error(tmp_path):
@@ -195,5 +208,6 @@ def test_bad_kv_cache_dtype_is_a_startup_error(tmp_path):
   # compile.
   d = write_random_checkpoint(str(tmp_path / "m"), tiny_config(index_head_dim=24), seed=0)
   from hisparse_jax.engine import Engine
+
   with pytest.raises(StartupError, match="needs a power-of-two index_head_dim; .* has 24"):
     Engine(d, max_seq_len=64, kv_cache_dtype="fp8_e4m3")

@@ -48,16 +48,16 @@ def solo():
 @pytest.fixture(scope="module")
 def server():
   # 10 request slots: most of the 256 streams queue.
-  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_queued_requests=N_STREAMS,
-                  **COMMON)
+  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_queued_requests=N_STREAMS, **COMMON)
   metrics = ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     metrics_port = s.getsockname()[1]
   metrics.serve(metrics_port)
   # One client opens all 256 streams: the per-client cap (half the streams by default) is lifted.
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics=metrics,
-                          limits=ServerLimits(max_streams_per_client=N_STREAMS + 8))
+  srv, loop, port = serve(
+    engine, None, "127.0.0.1", 0, metrics=metrics, limits=ServerLimits(max_streams_per_client=N_STREAMS + 8)
+  )
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel), metrics, metrics_port
   channel.close()
@@ -86,8 +86,13 @@ def test_256_concurrent_streams_equal_solo_and_release_everything(server, solo):
     assert tokens == solo[i % N_PROMPTS], f"stream {i} differs from its solo decode"
     assert final.finish_reason in (hisparse_pb2.LENGTH, hisparse_pb2.STOP)
   loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
-  assert (loads.running, loads.queued, loads.free_lanes, loads.free_host_rows, loads.device_kv_bytes_used) == \
-      (0, 0, base.free_lanes, base.free_host_rows, 0)
+  assert (loads.running, loads.queued, loads.free_lanes, loads.free_host_rows, loads.device_kv_bytes_used) == (
+    0,
+    0,
+    base.free_lanes,
+    base.free_host_rows,
+    0,
+  )
   # Metrics saw every token and the swap-in traffic.
   total = sum(len(t) for t, _ in results)
   assert metrics.registry.get_sample_value("hisparse_generated_tokens_total") >= total
@@ -122,16 +127,27 @@ def test_abort_storm_leaves_the_rest_unchanged(server, solo):
     else:
       assert tokens == solo[i % N_PROMPTS]
   loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
-  assert (loads.running, loads.queued, loads.free_host_rows, loads.device_kv_bytes_used) == \
-      (0, 0, base.free_host_rows, 0)
+  assert (loads.running, loads.queued, loads.free_host_rows, loads.device_kv_bytes_used) == (
+    0,
+    0,
+    base.free_host_rows,
+    0,
+  )
 
 
 def test_tiny_pools_under_a_burst_queue_or_refuse_then_recover():
   # One request slot and an index pool of 4 pages of 16 tokens: a 100-token request can never fit.
   hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4)
   staging, hot, index_page = 8 * 16 * 3 * 48 * 4, 17 * 3 * 48 * 4 + 3 * (8 * 16 + 12), 16 * 3 * 16 * 4
-  eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=1, max_seq_len=128, page_size=16,
-               chunked_prefill_size=64, max_device_kv_bytes=staging + hot + 4 * index_page)
+  eng = Engine(
+    tiny_model_dir(),
+    hisparse=hs,
+    max_running_requests=1,
+    max_seq_len=128,
+    page_size=16,
+    chunked_prefill_size=64,
+    max_device_kv_bytes=staging + hot + 4 * index_page,
+  )
   assert eng.memory_plan.pools["index"][1] == 4 and eng.memory_plan.request_slots == 1
   srv, loop, port = serve(eng, None, "127.0.0.1", 0)
   stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -157,8 +173,11 @@ def test_gauges_return_to_idle_after_cancel_and_abort(server):
   engine, stub, metrics, _ = server
   gauge = lambda name, **labels: metrics.registry.get_sample_value(name, labels or None)
   for how in ("cancel", "abort"):
-    call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=list(range(2, 60))),
-                                                      max_new_tokens=60, request_id=f"g-{how}"))
+    call = stub.Generate(
+      hisparse_pb2.GenerateRequest(
+        input_ids=hisparse_pb2.TokenIds(ids=list(range(2, 60))), max_new_tokens=60, request_id=f"g-{how}"
+      )
+    )
     next(call)
     deadline = time.monotonic() + 10
     while gauge("hisparse_running_requests") != 1 and time.monotonic() < deadline:  # set after the step
@@ -181,16 +200,28 @@ def test_burst_beyond_the_pools_preempts_keeps_serving_and_returns_to_baseline()
   """A burst of long requests through gRPC on a device pool that holds about two of them at their full length:
   requests queue, running ones are preempted when the pool runs out, every stream completes, and GetLoads'
   free pages return to the baseline."""
-  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, page_size=16, chunked_prefill_size=32,
-               max_device_kv_bytes=12 * 16 * 768)
+  eng = Engine(
+    tiny_model_dir(),
+    max_running_requests=4,
+    max_seq_len=128,
+    page_size=16,
+    chunked_prefill_size=32,
+    max_device_kv_bytes=12 * 16 * 768,
+  )
   srv, loop, port = serve(eng, None, "127.0.0.1", 0)
   stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   try:
     base = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
     assert [(p.name, p.pages_total, p.pages_free) for p in base.pools] == [("kv", 12, 12)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-      futures = [pool.submit(lambda i=i: list(generate(stub, input_ids=list(range(2 + i, 32 + i)), max_new_tokens=60,
-                                                       ignore_eos=True, timeout=300))) for i in range(6)]
+      futures = [
+        pool.submit(
+          lambda i=i: list(
+            generate(stub, input_ids=list(range(2 + i, 32 + i)), max_new_tokens=60, ignore_eos=True, timeout=300)
+          )
+        )
+        for i in range(6)
+      ]
       finals = [f.result()[-1] for f in futures]
     assert all(m.finished and m.completion_tokens == 60 for m in finals)
     after = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)

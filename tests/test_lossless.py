@@ -36,23 +36,33 @@ def prompts(seed=0):
   return [rng.integers(2, 512, n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("chunk, eviction, prefetch", [(None, "lru", "all"), (7, "lru", None), (None, "clock", 3),
-                                                      (7, "score", None)])
+@pytest.mark.parametrize(
+  "chunk, eviction, prefetch", [(None, "lru", "all"), (7, "lru", None), (None, "clock", 3), (7, "score", None)]
+)
 def test_logits_bitwise_equal_dense_vs_hisparse(chunk, eviction, prefetch):
   """Teacher-forced decoding of 5 prompts over scattered pages: every logit is bitwise equal, whichever
   eviction policy decides which rows stay on device, with or without the cross-layer prefetch (of the whole
   top-k, or of its 3 best positions, then against the same policy without it too)."""
   cfg, model = load_hf(tiny_model_dir())
-  hs_cfg = HiSparseConfig(**TINY_HISPARSE, eviction=eviction, prefetch="none" if prefetch is None else "next_layer",
-                          prefetch_depth=prefetch if isinstance(prefetch, int) else None)
+  hs_cfg = HiSparseConfig(
+    **TINY_HISPARSE,
+    eviction=eviction,
+    prefetch="none" if prefetch is None else "next_layer",
+    prefetch_depth=prefetch if isinstance(prefetch, int) else None,
+  )
   # Chunks of 7: the indexer also merges running top-ks over score blocks of 64 keys.
   score_block = None if chunk is None else 64
   dense = KVHarness(cfg, model, chunk=chunk, score_block=score_block)
   hs = KVHarness(cfg, model, hisparse=hs_cfg, chunk=chunk, score_block=score_block)
   # With the prefetch of the 3 best positions, also the same policy without it: the prefetch must change which
   # rows are copied (the whole top-k's prefetch is checked so in test_cross_layer_prefetch_gives_the_dense_tokens).
-  plain = (KVHarness(cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction), chunk=chunk,
-                     score_block=score_block) if prefetch == 3 else None)
+  plain = (
+    KVHarness(
+      cfg, model, hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction), chunk=chunk, score_block=score_block
+    )
+    if prefetch == 3
+    else None
+  )
   ps = prompts()
   want = dense.prefill(ps)
   np.testing.assert_array_equal(hs.prefill(ps), want)
@@ -106,8 +116,9 @@ def test_lossless_at_xla_default_optimization():
   """The suite compiles at XLA:CPU backend optimization level 0 (tests/conftest.py), whose code rounds some
   float32 results differently; at XLA's default level, the one users run, dense and HiSparse logits are
   equal bit for bit too (teacher-forced prefill of two prompts and 12 decode steps, rows swapped in)."""
-  r = subprocess.run([sys.executable, "-c", AT_XLA_DEFAULT], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env=optimized())
+  r = subprocess.run(
+    [sys.executable, "-c", AT_XLA_DEFAULT], cwd=ROOT, capture_output=True, text=True, timeout=300, env=optimized()
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   got = json.loads(r.stdout.strip().splitlines()[-1])
   assert "optimization_level" not in got["xla_flags"] and "optimization_level" in os.environ["XLA_FLAGS"]
@@ -156,8 +167,7 @@ def test_paged_and_contiguous_caches_agree():
   got, cache = prefill(params, jnp.asarray([p]), jnp.arange(len(p))[None], jax.tree.map(lambda a: a[:, :1], cache))
   np.testing.assert_array_equal(np.asarray(got), want)
   tok = int(want.argmax())
-  decode = jax.jit(lambda params, t, pos, c: nnx.merge(graphdef, params).decode(t, pos, c, window=128,
-                                                                                  key_block=32))
+  decode = jax.jit(lambda params, t, pos, c: nnx.merge(graphdef, params).decode(t, pos, c, window=128, key_block=32))
   cache = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros_like(a)], axis=1), cache)
   lg, _ = decode(params, jnp.asarray([tok, 0]), jnp.asarray([len(p), -1]), cache)
   np.testing.assert_array_equal(np.asarray(lg)[:1], dense.decode([tok]))
@@ -176,6 +186,7 @@ def test_blockwise_top_k_equals_whole_row_top_k():
   q_resid = jax.random.normal(jax.random.key(1), (1, 3, cfg.q_lora_rank))
   positions = jnp.asarray([[99, 40, 7]], jnp.int32)
   from models.deepseek_v32 import rope_cos_sin
+
   cos, sin = rope_cos_sin(cfg.rope, cfg.qk_rope_head_dim, positions)
   # The whole-row reference.
   q, w = idx.queries(q_resid, cos, sin), idx.head_weights(x)
@@ -186,8 +197,9 @@ def test_blockwise_top_k_equals_whole_row_top_k():
   vals, want = jax.lax.top_k(scores, cfg.index_topk)
   want = np.where(np.isfinite(vals), want, -1)
   for key_block, score_block in ((16, None), (32, None), (128, None), (16, 16), (16, 32), (32, 64)):
-    got = idx.select(x, q_resid, cos, sin, positions, 0, cache, window=128, key_block=key_block,
-                     score_block=score_block)
+    got = idx.select(
+      x, q_resid, cos, sin, positions, 0, cache, window=128, key_block=key_block, score_block=score_block
+    )
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"blocks {key_block} / {score_block}")
   assert (np.asarray(got)[0, 2, 8:] == -1).all()  # position 7 sees 8 keys: the rest is padding
 
@@ -210,10 +222,24 @@ def test_blockwise_top_k_breaks_ties_across_blocks_as_lax_top_k():
   cache = ContiguousKVCache(jnp.zeros((1, 2, window, 1), jnp.float32), jnp.float32(keys)[None, :, :, None])
   ones = jnp.ones((2, 3, 1), jnp.float32)
   for key_block, score_block in ((8, None), (8, 8), (8, 16), (16, 32), (32, None)):
-    select = jax.jit(lambda pos: Indexer.select(stub, ones, ones[..., None], None, None, pos, 0, cache,
-                                                window=window, key_block=key_block, score_block=score_block))
-    np.testing.assert_array_equal(np.asarray(select(jnp.asarray(positions))), want,
-                                  err_msg=f"blocks {key_block} / {score_block}")
+    select = jax.jit(
+      lambda pos: Indexer.select(
+        stub,
+        ones,
+        ones[..., None],
+        None,
+        None,
+        pos,
+        0,
+        cache,
+        window=window,
+        key_block=key_block,
+        score_block=score_block,
+      )
+    )
+    np.testing.assert_array_equal(
+      np.asarray(select(jnp.asarray(positions))), want, err_msg=f"blocks {key_block} / {score_block}"
+    )
 
 
 def run(engine, ps, max_new=16):
@@ -229,8 +255,12 @@ def engines():
   d = tiny_model_dir()
   hs = HiSparseConfig(**TINY_HISPARSE)
   common = dict(max_running_requests=4, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64)
-  return (Engine(d, deterministic=True, **common), Engine(d, hisparse=hs, deterministic=True, **common),
-          Engine(d, **common), Engine(d, hisparse=hs, **common))
+  return (
+    Engine(d, deterministic=True, **common),
+    Engine(d, hisparse=hs, deterministic=True, **common),
+    Engine(d, **common),
+    Engine(d, hisparse=hs, **common),
+  )
 
 
 def test_greedy_tokens_equal_and_independent_of_batching(engines):
@@ -258,11 +288,18 @@ def test_a_float16_checkpoint_needs_a_compute_dtype(tmp_path):
   weights load unless --dtype names one, and with --dtype bfloat16 HiSparse gives dense's tokens."""
   from hisparse_jax.engine.args import StartupError
   from tests.tiny_model import tiny_config
+
   d = write_random_checkpoint(str(tmp_path / "f16"), tiny_config(dtype="float16"), seed=0)
   with pytest.raises(StartupError, match="the checkpoint's dtype float16 is not a compute dtype .* pass --dtype"):
     Engine(d, max_seq_len=S_MAX)
-  common = dict(dtype="bfloat16", max_running_requests=4, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64,
-                deterministic=True)
+  common = dict(
+    dtype="bfloat16",
+    max_running_requests=4,
+    max_seq_len=S_MAX,
+    page_size=16,
+    chunked_prefill_size=64,
+    deterministic=True,
+  )
   ps = prompts(8)[:3]
   got = run(Engine(d, hisparse=HiSparseConfig(**TINY_HISPARSE), **common), ps)
   assert [r.output_ids for r in got] == [r.output_ids for r in run(Engine(d, **common), ps)]
@@ -272,8 +309,16 @@ def test_a_float16_checkpoint_needs_a_compute_dtype(tmp_path):
 def test_extension_owned_host_pool_gives_the_same_tokens(engines):
   """The fallback host pool (memory owned by the FFI extension) decodes exactly like the JAX pool."""
   _, hs, _, _ = engines
-  ext = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=4,
-               max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64, deterministic=True, host_pool="extension")
+  ext = Engine(
+    tiny_model_dir(),
+    hisparse=HiSparseConfig(**TINY_HISPARSE),
+    max_running_requests=4,
+    max_seq_len=S_MAX,
+    page_size=16,
+    chunked_prefill_size=64,
+    deterministic=True,
+    host_pool="extension",
+  )
   ps = prompts(6)
   got = run(ext, ps)
   want = run(hs, ps)
@@ -289,9 +334,15 @@ def test_extension_owned_host_pool_gives_the_same_tokens(engines):
 def test_edge_lengths_equal_dense(engines, device_buffer_size):
   """Prompts of exactly the page size (16) and the hot-buffer size, +-1: same tokens as dense."""
   dense = engines[0]
-  hs = Engine(tiny_model_dir(), hisparse=HiSparseConfig(top_k=8, device_buffer_size=device_buffer_size,
-                                                        host_to_device_ratio=4),
-              max_running_requests=4, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64, deterministic=True)
+  hs = Engine(
+    tiny_model_dir(),
+    hisparse=HiSparseConfig(top_k=8, device_buffer_size=device_buffer_size, host_to_device_ratio=4),
+    max_running_requests=4,
+    max_seq_len=S_MAX,
+    page_size=16,
+    chunked_prefill_size=64,
+    deterministic=True,
+  )
   rng = np.random.default_rng(device_buffer_size)
   lengths = sorted({15, 16, 17, device_buffer_size - 1, device_buffer_size, device_buffer_size + 1})
   ps = [rng.integers(2, 512, n).tolist() for n in lengths]
@@ -341,13 +392,16 @@ def test_cross_layer_prefetch_gives_the_dense_tokens(engines):
     # decode step (a request decodes at most len(output_ids) - 1 steps), and some rows really copied.
     assert all(len(r.layer_prefetched) == len(r.layer_hits) and r.layer_prefetched[0] == 0 for r in got)
     assert all(r.prefetched == sum(r.layer_prefetched) for r in got) and sum(r.prefetched for r in got) > 0
-    assert all(p <= (depth or TINY_HISPARSE["top_k"]) * (len(r.output_ids) - 1)
-               for r in got for p in r.layer_prefetched), [r.layer_prefetched for r in got]
+    assert all(
+      p <= (depth or TINY_HISPARSE["top_k"]) * (len(r.output_ids) - 1) for r in got for p in r.layer_prefetched
+    ), [r.layer_prefetched for r in got]
     metrics = ServerMetrics(row_bytes=4)  # the server's counters see the same rows
     for r in got:
       metrics.on_finish(r)
-    assert sum(metrics.registry.get_sample_value("hisparse_prefetch_rows_total", {"layer": str(l)})
-               for l in range(len(got[0].layer_prefetched))) == sum(r.prefetched for r in got)
+    assert sum(
+      metrics.registry.get_sample_value("hisparse_prefetch_rows_total", {"layer": str(l)})
+      for l in range(len(got[0].layer_prefetched))
+    ) == sum(r.prefetched for r in got)
   assert all(r.prefetched == 0 and not any(r.layer_prefetched) for r in plain)
 
 
@@ -376,7 +430,7 @@ def replay_hot_buffer(trace, prompt_len: int, D: int, eviction: str):
       hits = [t for t in ring if t in needed]
       missing = [t for t in needed if t not in ring]
       if eviction == "lru":
-        victims = [t for t in ring if t not in hits][:len(missing)]
+        victims = [t for t in ring if t not in hits][: len(missing)]
         order[layer] = [t for t in ring if t not in hits and t not in victims] + missing + hits
       else:
         bit = ref[layer]
@@ -407,9 +461,17 @@ def test_swap_in_counts_equal_a_replay_of_the_top_k_trace(eviction):
   (the kernel's per-slot stats, read between steps), its finished counts, and the server's Prometheus counters
   equal ``replay_hot_buffer``'s replay of the top-k the model recorded."""
   D = TINY_HISPARSE["device_buffer_size"]
-  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction), record_topk=True,
-                  max_running_requests=3, max_seq_len=S_MAX, page_size=16, chunked_prefill_size=64, deterministic=True,
-                  overlap_schedule=False)
+  engine = Engine(
+    tiny_model_dir(),
+    hisparse=HiSparseConfig(**TINY_HISPARSE, eviction=eviction),
+    record_topk=True,
+    max_running_requests=3,
+    max_seq_len=S_MAX,
+    page_size=16,
+    chunked_prefill_size=64,
+    deterministic=True,
+    overlap_schedule=False,
+  )
   rng = np.random.default_rng(4)
   reqs = [Request(str(n), rng.integers(2, 512, n).tolist(), 40, ignore_eos=True) for n in (5, 16, 30)]
   for r in reqs:

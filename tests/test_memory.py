@@ -35,8 +35,9 @@ def test_layout_bytes_follow_the_model():
 
 def test_dense_plan_is_the_budget_in_pages():
   per_page = 16 * (LAYOUT.latent_bytes + LAYOUT.index_bytes)
-  p = kvmem.plan(LAYOUT, budget=10 * per_page + per_page - 1, max_running_requests=4, max_seq_len=1000,
-                 page_size=16, hisparse=None)
+  p = kvmem.plan(
+    LAYOUT, budget=10 * per_page + per_page - 1, max_running_requests=4, max_seq_len=1000, page_size=16, hisparse=None
+  )
   assert p.pools == {"kv": ("device", 10, per_page)} and p.request_slots == 4 and p.max_pages == 63
   with pytest.raises(kvmem.MemoryConfigError, match="smaller than one page of 16 tokens"):
     kvmem.plan(LAYOUT, budget=per_page - 1, max_running_requests=4, max_seq_len=1000, page_size=16, hisparse=None)
@@ -52,11 +53,18 @@ def test_hisparse_plan_splits_the_budget_and_lowers_slots_to_fit():
   assert p.request_slots == (3 * hot + 20 * index_page) // hot < 16  # hot buffers: at most half of what staging leaves
   assert p.pools["staging"] == ("device", 63, 16 * LAYOUT.latent_bytes)
   assert p.pools["index"] == ("device", (budget - staging - p.request_slots * hot) // index_page, index_page)
-  roomy = kvmem.plan(LAYOUT, budget=staging + 8 * hot + 50 * index_page, max_running_requests=8, max_seq_len=1000,
-                     page_size=16, hisparse=hs)
+  roomy = kvmem.plan(
+    LAYOUT,
+    budget=staging + 8 * hot + 50 * index_page,
+    max_running_requests=8,
+    max_seq_len=1000,
+    page_size=16,
+    hisparse=hs,
+  )
   assert roomy.request_slots == 8 and roomy.pools["index"] == ("device", 50, index_page)
-  tight = kvmem.plan(LAYOUT, budget=staging + hot + index_page, max_running_requests=8, max_seq_len=1000,
-                     page_size=16, hisparse=hs)
+  tight = kvmem.plan(
+    LAYOUT, budget=staging + hot + index_page, max_running_requests=8, max_seq_len=1000, page_size=16, hisparse=hs
+  )
   assert tight.request_slots == 1 and tight.pools["index"][1] == 1  # one hot buffer and one page still fit
   # ratio x slots x (D + 1) rows, but never less than one max_seq_len request (63 pages).
   assert p.pools["host"] == ("host", max(4 * p.request_slots * 17 // 16, 63), 16 * LAYOUT.latent_bytes)
@@ -76,13 +84,25 @@ def test_dynamic_residency_plan_and_backend():
   p = kvmem.plan(LAYOUT, budget=budget, max_running_requests=3, max_seq_len=128, page_size=16, hisparse=hs)
   assert p.request_slots == 3 and p.pools["staging"][1] == 8 + 5  # half of 10 staging pages' bytes
   assert p.pools["index"][1] == min((5 * staging_page) // index_page, 3 * 8) and p.device_bytes <= budget
-  off = kvmem.plan(LAYOUT, budget=budget, max_running_requests=3, max_seq_len=128, page_size=16,
-                   hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=8))
+  off = kvmem.plan(
+    LAYOUT,
+    budget=budget,
+    max_running_requests=3,
+    max_seq_len=128,
+    page_size=16,
+    hisparse=HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=8),
+  )
   assert off.pools["staging"][1] == 8  # resident_fraction 0: the plan of before
   greedy = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=8, resident_fraction=0.99)
   with pytest.raises(kvmem.MemoryConfigError, match="resident_fraction 0.99 leaves no index page"):
-    kvmem.plan(LAYOUT, budget=8 * staging_page + 3 * hot + staging_page, max_running_requests=3, max_seq_len=128,
-               page_size=16, hisparse=greedy)
+    kvmem.plan(
+      LAYOUT,
+      budget=8 * staging_page + 3 * hot + staging_page,
+      max_running_requests=3,
+      max_seq_len=128,
+      page_size=16,
+      hisparse=greedy,
+    )
   be = kvmem.HiSparseBackend(p, LAYOUT, np.float32, hs)
   a = be.admit(40)
   be.prefill_finished(a)
@@ -94,7 +114,11 @@ def test_dynamic_residency_plan_and_backend():
   assert be.residency([a, None, b]) == "all" and (tables["resident_pages"][1] == -1).all()
   np.testing.assert_array_equal(tables["resident_pages"][0, :4], a.pages["staging"])
   # 13 staging pages, 6 held by residents: a 128-token prompt (8 pages) fits only by offloading them.
-  assert be.free_pages("staging") == 7 and not be.can_admit(120) and be.can_admit(120, reclaimable=be.reclaimable_pages([a, b]))
+  assert (
+    be.free_pages("staging") == 7
+    and not be.can_admit(120)
+    and be.can_admit(120, reclaimable=be.reclaimable_pages([a, b]))
+  )
   assert be.reclaimable_pages([a, b]) == [{"staging": 6}]
   c = be.admit(100)  # takes the last 7 staging pages
   assert not be.grow_resident(b, 40) and len(b.pages["staging"]) == 2  # a failed growth takes nothing
@@ -105,7 +129,11 @@ def test_dynamic_residency_plan_and_backend():
   assert not a.resident and a.pages["staging"] == [] and be.residency([a, b]) == "mixed"
   assert "resident_pages" in be.decode_tables([a, b]) and be.residency([a]) == "none"
   assert {k: v.shape for k, v in be.decode_tables([a, b], pages=3).items()} == {
-      "index_pages": (2, 3), "host_pages": (2, 3), "resident_pages": (2, 3), "req_ids": (2,)}
+    "index_pages": (2, 3),
+    "host_pages": (2, 3),
+    "resident_pages": (2, 3),
+    "req_ids": (2,),
+  }
   assert "resident_pages" not in be.decode_tables([a])
   be.release(a)
   be.release(b)
@@ -113,8 +141,9 @@ def test_dynamic_residency_plan_and_backend():
 
 
 def roomy_host_pages(hs):
-  return kvmem.plan(LAYOUT, budget=1 << 30, max_running_requests=40, max_seq_len=1000, page_size=16,
-                    hisparse=hs).pools["host"][1]
+  return kvmem.plan(LAYOUT, budget=1 << 30, max_running_requests=40, max_seq_len=1000, page_size=16, hisparse=hs).pools[
+    "host"
+  ][1]
 
 
 def test_dense_backend_pages_follow_tokens_held():
@@ -162,8 +191,10 @@ def test_hisparse_backend_frees_staging_when_prefill_ends_and_refuses_what_never
   assert not be.ensure(kv, 8 * 16 + 1) and len(kv.pages["index"]) == 8  # a failed growth takes nothing
   be.release(kv)
   assert all(x.pages_free == x.pages_total for x in be.usage())
-  assert be.request_bytes(40) == {"device": 48 * LAYOUT.index_bytes + LAYOUT.hot_buffer_bytes(16),
-                                  "host": 48 * LAYOUT.latent_bytes}
+  assert be.request_bytes(40) == {
+    "device": 48 * LAYOUT.index_bytes + LAYOUT.hot_buffer_bytes(16),
+    "host": 48 * LAYOUT.latent_bytes,
+  }
 
 
 def test_dp_groups_have_their_own_slots_and_pages_with_local_ids():

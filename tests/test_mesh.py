@@ -22,8 +22,14 @@ MESHES = ("8,1,8", "2,4,8", "1,8,1")
 
 @pytest.fixture(scope="module")
 def results():
-  r = subprocess.run([sys.executable, "-m", "tests.mesh_check", *MESHES], cwd=ROOT, capture_output=True, text=True,
-                     timeout=1200, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  r = subprocess.run(
+    [sys.executable, "-m", "tests.mesh_check", *MESHES],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=1200,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert r.returncode == 0, r.stderr[-4000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -71,13 +77,16 @@ def test_engine_on_a_mesh_equals_one_device(results, mode):
   assert r["equal_one_device"] and r["equal_one_device_bucketed"], r
 
 
-@pytest.mark.parametrize("kw,message", [
+@pytest.mark.parametrize(
+  "kw,message",
+  [
     ({"tp_size": 2}, "--dp-size 1 x --tp-size 2 = 2 devices does not divide the 1 device here"),
     ({"ep_size": 3}, "--ep-size 3"),
     ({"dp_size": 2}, "--dp-size 2 x --tp-size 1 = 2 devices does not divide the 1 device here"),
     ({"dp_size": 3, "max_running_requests": 8}, "--max-running-requests 8 is not divisible by --dp-size 3"),
     ({"tp_size": 0}, "--tp-size must be an integer >= 1"),
-])
+  ],
+)
 def test_bad_mesh_is_a_startup_error(kw, message):
   with pytest.raises(StartupError, match=message):
     Engine(tiny_model_dir(), max_seq_len=64, **kw)
@@ -87,10 +96,24 @@ def _generate(tmp_path, *flags, devices=1):
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text('{"input_ids": [5, 6, 7, 8, 9]}\n{"input_ids": [11, 12, 13]}\n')
   out = tmp_path / f"out{len(flags)}-{devices}.jsonl"
-  r = subprocess.run([sys.executable, "-m", "hisparse_jax.generate", f"--model-path={tiny_model_dir()}",
-                      f"--prompts={prompts}", f"--output={out}", "--max-new-tokens=6", "--deterministic", *flags],
-                     cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env={**os.environ, "XLA_FLAGS": with_devices(devices)})
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "hisparse_jax.generate",
+      f"--model-path={tiny_model_dir()}",
+      f"--prompts={prompts}",
+      f"--output={out}",
+      "--max-new-tokens=6",
+      "--deterministic",
+      *flags,
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "XLA_FLAGS": with_devices(devices)},
+  )
   return r, out
 
 
@@ -137,6 +160,7 @@ def test_fp8_expert_width_split_must_be_whole_blocks():
   from hisparse_jax.sharding import MeshConfig, MeshError
   from models.config import DSAConfig
   from tests.tiny_model import tiny_config
+
   cfg = DSAConfig.from_hf_config(tiny_config(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8))
   MeshConfig(2, 4, 2).validate(cfg)  # fine when the weights are not FP8-resident
   with pytest.raises(MeshError, match="--weight-dtype fp8 with --ep-size 2 = --dp-size: .* into 8 columns"):
@@ -144,10 +168,15 @@ def test_fp8_expert_width_split_must_be_whole_blocks():
   MeshConfig(2, 4, 8).validate(cfg, fp8_weights=True)  # ep = dp x tp: the width is not split
 
 
-@pytest.mark.parametrize("mesh,all_to_all,all_reduce", [
-    ("8,1,8", True, False), ("2,4,8", True, False),
-    ("4,2,4", True, True),    # experts over dp, each expert's width over tp: a psum of the width
-    ("2,4,4", False, True)])  # experts over tp only: a psum inside each group
+@pytest.mark.parametrize(
+  "mesh,all_to_all,all_reduce",
+  [
+    ("8,1,8", True, False),
+    ("2,4,8", True, False),
+    ("4,2,4", True, True),  # experts over dp, each expert's width over tp: a psum of the width
+    ("2,4,4", False, True),
+  ],
+)  # experts over tp only: a psum inside each group
 def test_expert_parallel_moe_with_dp_groups(results, mesh, all_to_all, all_reduce):
   """Experts over dp: each group's tokens go to their experts and back by all-to-all (no all-reduce over
   the tokens); experts over tp only: a psum inside each group. Either way the dense result within 1e-6."""

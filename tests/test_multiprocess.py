@@ -34,19 +34,34 @@ def _prompts(tmp_path):
 def _generate(tmp_path, name, flags, processes=1, devices=1):
   """Output lines of the batch script run as `processes` processes of `devices` devices each."""
   out = tmp_path / f"{name}.jsonl"
-  args = ["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={_prompts(tmp_path)}",
-          f"--output={out}", "--max-new-tokens=8", *COMMON, *flags]
+  args = [
+    "-m",
+    "hisparse_jax.generate",
+    f"--model-path={tiny_wide_model_dir()}",
+    f"--prompts={_prompts(tmp_path)}",
+    f"--output={out}",
+    "--max-new-tokens=8",
+    *COMMON,
+    *flags,
+  ]
   if processes == 1:
-    r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "XLA_FLAGS": with_devices(devices), "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+      [sys.executable, *args],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      env={**os.environ, "XLA_FLAGS": with_devices(devices), "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
   else:
     results = wait_all(launch(args, processes, devices), timeout=600)
     for i, (rc, _, err) in enumerate(results):
       assert rc == 0, f"process {i}: {err[-3000:]}"
     # Process 0's summary counts its messages by kind; the follower took one engine step per "step" message.
-    summary = re.search(r"\[generate\] 2 processes: (\d+) messages to the followers \(([^)]*)\), median [\d.]+ ms",
-                        results[0][2])
+    summary = re.search(
+      r"\[generate\] 2 processes: (\d+) messages to the followers \(([^)]*)\), median [\d.]+ ms", results[0][2]
+    )
     followed = re.search(r"followed process 0 for (\d+) steps", results[1][2])
     assert summary and followed, (results[0][2][-2000:], results[1][2][-2000:])
     kinds = {k: int(n) for n, k in (part.split() for part in summary[2].split(", "))}
@@ -77,29 +92,79 @@ def test_a_submitted_request_reaches_the_followers_whole():
   import numpy as np
   from hisparse_jax.engine import Request
   from hisparse_jax.engine.engine import _SHARED_FIELDS, _request_fields, _request_from_fields
-  req = Request("r", [3, 4, 5], 7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=frozenset({9, 2}),
-                stop=("ab",), include_stop_str_in_output=True, ignore_eos=True, first_token=6, dp_group=1, client="c",
-                prompt_kv=(np.ones((2, 4, 3), np.float32), np.zeros((2, 4, 1), np.float32)))
+
+  req = Request(
+    "r",
+    [3, 4, 5],
+    7,
+    temperature=0.5,
+    top_k=3,
+    top_p=0.9,
+    seed=11,
+    stop_token_ids=frozenset({9, 2}),
+    stop=("ab",),
+    include_stop_str_in_output=True,
+    ignore_eos=True,
+    first_token=6,
+    dp_group=1,
+    client="c",
+    prompt_kv=(np.ones((2, 4, 3), np.float32), np.zeros((2, 4, 1), np.float32)),
+  )
   arrays = []
   back = _request_from_fields(json.loads(json.dumps(_request_fields(req, arrays))), arrays)
   for name in _SHARED_FIELDS:
     want = getattr(req, name)
     assert (sorted(getattr(back, name)) if name == "stop_token_ids" else getattr(back, name)) == (
-        sorted(want) if name == "stop_token_ids" else want), name
+      sorted(want) if name == "stop_token_ids" else want
+    ), name
   assert all(np.array_equal(a, b) for a, b in zip(back.prompt_kv, req.prompt_kv))
-  local = {"on_token", "prompt_kv", "export_kv", "prefill_seconds", "transfer_seconds", "transfer_bytes",
-           "output_ids", "text", "text_sent", "finish_reason", "error", "matched_stop", "hits", "misses",
-           "layer_hits", "layer_misses", "prefetched", "layer_prefetched", "topk_trace", "num_preemptions",
-           "times_passed", "arrival", "first_token_time", "finish_time", "phase", "kv", "prefill_ids", "prefilled",
-           "fair_tag", "_detok", "_stops", "_submitted"}
+  local = {
+    "on_token",
+    "prompt_kv",
+    "export_kv",
+    "prefill_seconds",
+    "transfer_seconds",
+    "transfer_bytes",
+    "output_ids",
+    "text",
+    "text_sent",
+    "finish_reason",
+    "error",
+    "matched_stop",
+    "hits",
+    "misses",
+    "layer_hits",
+    "layer_misses",
+    "prefetched",
+    "layer_prefetched",
+    "topk_trace",
+    "num_preemptions",
+    "times_passed",
+    "arrival",
+    "first_token_time",
+    "finish_time",
+    "phase",
+    "kv",
+    "prefill_ids",
+    "prefilled",
+    "fair_tag",
+    "_detok",
+    "_stops",
+    "_submitted",
+  }
   assert {f.name for f in dataclasses.fields(Request)} - set(_SHARED_FIELDS) == local
 
 
-@pytest.mark.parametrize("mode,flags", [
-    ("hisparse dp2 tp4 ep8, full-batch steps",
-     [*HISPARSE, "--dp-size=2", "--tp-size=4", "--ep-size=8", "--deterministic"]),
+@pytest.mark.parametrize(
+  "mode,flags",
+  [
+    (
+      "hisparse dp2 tp4 ep8, full-batch steps",
+      [*HISPARSE, "--dp-size=2", "--tp-size=4", "--ep-size=8", "--deterministic"],
+    ),
     ("dense tp8 ep8, bucketed steps", ["--tp-size=8", "--ep-size=8"]),
-])
+  ],
+)
 def test_batch_script_on_two_processes_gives_one_process_tokens(tmp_path, one_device, mode, flags):
   """2 processes x 4 CPU devices: the tokens (and HiSparse hits/misses) of one process on one device."""
   two = _generate(tmp_path, "two", flags, processes=2, devices=4)
@@ -111,9 +176,20 @@ def test_batch_script_on_two_processes_gives_one_process_tokens(tmp_path, one_de
 
 def _start_servers(extra_flags=(), devices=2):
   """A 2-process server (process 0 serves gRPC): (processes, stub, port)."""
-  args = ["run_server.py", f"--model-path={tiny_wide_model_dir()}", "--port=0", "--enable-hisparse",
-          f"--hisparse-config={HS}", "--dp-size=2", "--tp-size=2", "--ep-size=4", "--deterministic", *COMMON,
-          "--distributed-heartbeat-timeout-s=10", *extra_flags]
+  args = [
+    "run_server.py",
+    f"--model-path={tiny_wide_model_dir()}",
+    "--port=0",
+    "--enable-hisparse",
+    f"--hisparse-config={HS}",
+    "--dp-size=2",
+    "--tp-size=2",
+    "--ep-size=4",
+    "--deterministic",
+    *COMMON,
+    "--distributed-heartbeat-timeout-s=10",
+    *extra_flags,
+  ]
   procs = launch(args, 2, devices)
   line = procs[0].stdout.readline()
   while line and "listening on" not in line:
@@ -124,8 +200,11 @@ def _start_servers(extra_flags=(), devices=2):
 
 
 def _tokens(stub, prompt, n=8):
-  msgs = list(stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=prompt),
-                                                         max_new_tokens=n), timeout=120))
+  msgs = list(
+    stub.Generate(
+      hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=prompt), max_new_tokens=n), timeout=120
+    )
+  )
   assert msgs[-1].finished
   return [t for m in msgs for t in m.token_ids]
 
@@ -141,6 +220,7 @@ def test_server_on_two_processes(one_device):
   """Process 0 serves gRPC, process 1 follows: concurrent streams get one process's tokens, an aborted stream
   leaves the others exact, and SIGTERM stops both processes cleanly."""
   import concurrent.futures
+
   want = [r["output_ids"] for r in one_device]
   procs, stub = _start_servers()
   try:
@@ -148,8 +228,12 @@ def test_server_on_two_processes(one_device):
       got = list(pool.map(lambda p: _tokens(stub, p), PROMPTS))
     assert got == want
     # A stream cancelled mid-way (its request aborted on every process), then the others are still exact.
-    call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=PROMPTS[3]),
-                                                      max_new_tokens=200, ignore_eos=True), timeout=120)
+    call = stub.Generate(
+      hisparse_pb2.GenerateRequest(
+        input_ids=hisparse_pb2.TokenIds(ids=PROMPTS[3]), max_new_tokens=200, ignore_eos=True
+      ),
+      timeout=120,
+    )
     next(call)
     call.cancel()
     assert _tokens(stub, PROMPTS[2]) == want[2]
@@ -170,8 +254,20 @@ def test_sigterm_to_process_0_while_a_stream_decodes_stops_both_processes_cleanl
   threads'; before, the stop's collective met that step's on the follower out of order and gloo aborted it,
   status 134, reproduced 2 of 2 runs; the tiny test model's steps are too short to show it)."""
   import threading
-  procs = launch(["run_server.py", "--port=0", "--tp-size=2", "--max-running-requests=2", "--max-seq-len=1024",
-                  "--shutdown-grace-s=1", "--distributed-heartbeat-timeout-s=10"], 2, 1)
+
+  procs = launch(
+    [
+      "run_server.py",
+      "--port=0",
+      "--tp-size=2",
+      "--max-running-requests=2",
+      "--max-seq-len=1024",
+      "--shutdown-grace-s=1",
+      "--distributed-heartbeat-timeout-s=10",
+    ],
+    2,
+    1,
+  )
   try:
     line = procs[0].stdout.readline()
     while line and "listening on" not in line:
@@ -179,8 +275,10 @@ def test_sigterm_to_process_0_while_a_stream_decodes_stops_both_processes_cleanl
     assert "listening on" in line, procs[0].stderr.read()[-3000:] if procs[0].poll() is not None else line
     port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
     stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[5, 6, 7]),
-                                                      max_new_tokens=900, ignore_eos=True), timeout=300)
+    call = stub.Generate(
+      hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[5, 6, 7]), max_new_tokens=900, ignore_eos=True),
+      timeout=300,
+    )
     for _ in range(20):  # decoding at full speed (past compilation)
       next(call)
     cut = {}
@@ -210,10 +308,22 @@ def test_a_two_process_decode_server_imports_prefilled_kv(one_device):
   process 0 pulls it and ships it to process 1 in the step message, and every process writes it into its own
   pools (a device_put from process 0's device to the mesh would be a cross-host transfer, which the CPU backend
   refuses): the tokens are one process's."""
-  prefill = subprocess.Popen([sys.executable, "run_server.py", f"--model-path={tiny_wide_model_dir()}", "--port=0",
-                              "--disaggregation-mode=prefill", "--deterministic", *COMMON], cwd=REPO,
-                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(1)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  prefill = subprocess.Popen(
+    [
+      sys.executable,
+      "run_server.py",
+      f"--model-path={tiny_wide_model_dir()}",
+      "--port=0",
+      "--disaggregation-mode=prefill",
+      "--deterministic",
+      *COMMON,
+    ],
+    cwd=REPO,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_devices(1)},
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   procs = []
   try:
     line = prefill.stdout.readline()
@@ -263,8 +373,12 @@ def test_a_process_that_dies_takes_the_other_down_with_a_message(victim, sig):
   status 1 within seconds, saying it lost the other process; the stream ends with an error, not a hang."""
   procs, stub = _start_servers()
   try:
-    call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=PROMPTS[1]),
-                                                      max_new_tokens=200, ignore_eos=True), timeout=120)
+    call = stub.Generate(
+      hisparse_pb2.GenerateRequest(
+        input_ids=hisparse_pb2.TokenIds(ids=PROMPTS[1]), max_new_tokens=200, ignore_eos=True
+      ),
+      timeout=120,
+    )
     next(call)
     procs[victim].send_signal(sig)
     if sig == signal.SIGTERM:  # the follower stops at once, saying so
@@ -279,7 +393,7 @@ def test_a_process_that_dies_takes_the_other_down_with_a_message(victim, sig):
     assert time.monotonic() - start < 45
     assert survivor.returncode != 0
     # Ours ("lost contact with ...") or, when the coordination service goes first, JAX's own.
-    assert ("lost contact with" in err or "another task died" in err), err[-3000:]
+    assert "lost contact with" in err or "another task died" in err, err[-3000:]
   finally:
     _kill_all(procs)
 
@@ -290,11 +404,24 @@ def test_signals_to_a_two_process_batch_run(tmp_path, who, sig):
   having written what finished: its results and its --dump-topk trace. SIGTERM to process 0: as Ctrl-C, it
   writes what finished and exits 130; the follower stops with it (exit 0)."""
   prompts = tmp_path / "p.jsonl"
-  prompts.write_text("".join(json.dumps({"input_ids": p, "max_new_tokens": 2 if i == 0 else 200}) + "\n"
-                             for i, p in enumerate(PROMPTS)))
+  prompts.write_text(
+    "".join(json.dumps({"input_ids": p, "max_new_tokens": 2 if i == 0 else 200}) + "\n" for i, p in enumerate(PROMPTS))
+  )
   out, trace = tmp_path / "out.jsonl", tmp_path / "trace.npz"
-  procs = launch(["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={prompts}",
-                  f"--output={out}", f"--dump-topk={trace}", *COMMON, "--tp-size=4"], 2, 2)
+  procs = launch(
+    [
+      "-m",
+      "hisparse_jax.generate",
+      f"--model-path={tiny_wide_model_dir()}",
+      f"--prompts={prompts}",
+      f"--output={out}",
+      f"--dump-topk={trace}",
+      *COMMON,
+      "--tp-size=4",
+    ],
+    2,
+    2,
+  )
   try:
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n")) and time.monotonic() < deadline:  # the short one
@@ -307,43 +434,58 @@ def test_signals_to_a_two_process_batch_run(tmp_path, who, sig):
     assert results[1][0] == 1 and "SIGINT: stopping" in results[1][2], results[1][2][-2000:]
     # Process 0: ours, or JAX's own when its coordination service notices first (then SIGABRT, nothing more).
     err = results[0][2]
-    assert results[0][0] != 0 and ("lost contact with a follower process" in err
-                                   or "another task died" in err), err[-2000:]
+    assert results[0][0] != 0 and ("lost contact with a follower process" in err or "another task died" in err), err[
+      -2000:
+    ]
     if "lost contact with a follower process" in err:
-      assert re.search(r"\[generate\] 1 result written to .*out.jsonl \(4 prompt lines read\); top-k trace of 1 "
-                       "finished request written to", err), err[-2000:]
+      assert re.search(
+        r"\[generate\] 1 result written to .*out.jsonl \(4 prompt lines read\); top-k trace of 1 "
+        "finished request written to",
+        err,
+      ), err[-2000:]
   else:
     assert [rc for rc, _, _ in results] == [130, 0], [e[-2000:] for _, _, e in results]
     assert "[generate] interrupted:" in results[0][2] and "followed process 0 for" in results[1][2]
     assert "top-k trace of" in results[0][2]
   import numpy as np
+
   if trace.exists():
     assert "topk_1" in np.load(trace).files and len(json.loads(out.read_text().splitlines()[0])["output_ids"]) == 2
 
 
 def _cli(*flags, processes=1, devices=1, timeout=120, extra=None):
-  args = ["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", "--prompts=/nonexistent.jsonl",
-          *flags]
+  args = [
+    "-m",
+    "hisparse_jax.generate",
+    f"--model-path={tiny_wide_model_dir()}",
+    "--prompts=/nonexistent.jsonl",
+    *flags,
+  ]
   if processes == 1:
     r = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return [(r.returncode, r.stdout, r.stderr)]
   return wait_all(launch(args, processes, devices, extra=extra), timeout=timeout)
 
 
-@pytest.mark.parametrize("flags,message", [
+@pytest.mark.parametrize(
+  "flags,message",
+  [
     (["--num-processes=2"], "--num-processes 2 needs --coordinator-address HOST:PORT"),
     (["--num-processes=2", "--process-id=2", "--coordinator-address=127.0.0.1:1"], "--process-id 2: expected 0..1"),
     (["--num-processes=2", "--coordinator-address=nowhere"], "--coordinator-address 'nowhere': expected HOST:PORT"),
     (["--num-processes=0"], "--num-processes must be in [1, 65536]"),
     (["--num-processes=99999999999"], "--num-processes must be in [1, 65536]"),
-    (["--num-processes=2", "--coordinator-address=127.0.0.1:1", "--distributed-init-timeout-s=99999999999"],
-     "--distributed-init-timeout-s must be in [1, 86400] seconds"),
+    (
+      ["--num-processes=2", "--coordinator-address=127.0.0.1:1", "--distributed-init-timeout-s=99999999999"],
+      "--distributed-init-timeout-s must be in [1, 86400] seconds",
+    ),
     (["--num-processes=2", "--coordinator-address=127.0.0.1:\u0661\u0662"], "expected HOST:PORT"),  # Arabic digits
     (["--num-processes=2", "--coordinator-address=::1:1234"], "an IPv6 address as [ADDRESS]:PORT"),
     (["--num-processes=2", "--coordinator-address=h o s t:1234"], "'h o s t' is not a host name or address"),
     (["--num-processes=2", "--coordinator-address=[]:1234"], "expected HOST:PORT"),
     (["--coordinator-address=nowhere"], "--coordinator-address 'nowhere': expected HOST:PORT"),  # even with 1 process
-])
+  ],
+)
 def test_bad_distributed_flags_exit_with_a_message(flags, message):
   [(rc, _, err)] = _cli(*flags)
   assert rc == 1 and message in err and "Traceback" not in err, err[-2000:]
@@ -352,21 +494,31 @@ def test_bad_distributed_flags_exit_with_a_message(flags, message):
 def test_missing_coordinator_is_a_startup_error():
   """A follower whose process 0 never starts: exit 1 after --distributed-init-timeout-s, naming the flag."""
   start = time.monotonic()
-  [(rc, _, err)] = _cli(f"--coordinator-address=127.0.0.1:{free_port()}", "--num-processes=2", "--process-id=1",
-                        "--distributed-init-timeout-s=2")
+  [(rc, _, err)] = _cli(
+    f"--coordinator-address=127.0.0.1:{free_port()}",
+    "--num-processes=2",
+    "--process-id=1",
+    "--distributed-init-timeout-s=2",
+  )
   assert rc == 1 and "no coordinator answered within --distributed-init-timeout-s 2" in err, err[-2000:]
   assert "Traceback" not in err and time.monotonic() - start < 60
 
 
 def test_missing_follower_and_taken_port_are_startup_errors():
   """Process 0 whose follower never joins exits 1 naming the flags; a coordinator port in use is refused."""
-  [(rc, _, err)] = _cli(f"--coordinator-address=127.0.0.1:{free_port()}", "--num-processes=2", "--process-id=0",
-                        "--distributed-init-timeout-s=3")
+  [(rc, _, err)] = _cli(
+    f"--coordinator-address=127.0.0.1:{free_port()}",
+    "--num-processes=2",
+    "--process-id=0",
+    "--distributed-init-timeout-s=3",
+  )
   assert rc == 1 and "not every process joined" in err and "--distributed-init-timeout-s 3" in err, err[-2000:]
   with socket.create_server(("127.0.0.1", 0)) as taken:
     port = taken.getsockname()[1]
     [(rc, _, err)] = _cli(f"--coordinator-address=127.0.0.1:{port}", "--num-processes=2", "--process-id=0")
-  assert rc == 1 and f"--coordinator-address 127.0.0.1:{port}: process 0 cannot listen on port {port}" in err, err[-2000:]
+  assert rc == 1 and f"--coordinator-address 127.0.0.1:{port}: process 0 cannot listen on port {port}" in err, err[
+    -2000:
+  ]
 
 
 def test_a_startup_error_of_process_0_alone_stops_every_process():
@@ -382,8 +534,13 @@ def test_a_startup_error_of_a_follower_alone_stops_every_process(tmp_path):
   """A follower whose own --model-path does not exist (found after the processes joined) stops every process at
   once with its message, exit 1: process 0 neither waits out a timeout nor aborts."""
   start = time.monotonic()
-  results = _cli(f"--prompts={_prompts(tmp_path)}", "--tp-size=4", processes=2, devices=2,
-                 extra={1: ["--model-path=/nonexistent-model"]})
+  results = _cli(
+    f"--prompts={_prompts(tmp_path)}",
+    "--tp-size=4",
+    processes=2,
+    devices=2,
+    extra={1: ["--model-path=/nonexistent-model"]},
+  )
   assert [rc for rc, _, _ in results] == [1, 1], [e[-2000:] for _, _, e in results]
   assert "process 1: --model-path '/nonexistent-model'" in results[0][2], results[0][2][-2000:]
   assert "--model-path '/nonexistent-model'" in results[1][2], results[1][2][-2000:]
@@ -395,14 +552,18 @@ def test_processes_that_disagree_stop_at_startup(tmp_path):
   """Different engine flags on the two processes, or a mesh not covering every process's devices: every
   process exits 1 with a message naming the flag (before loading the model)."""
   prompts = _prompts(tmp_path)
-  results = _cli(f"--prompts={prompts}", "--tp-size=4", processes=2, devices=2,
-                 extra={0: ["--max-running-requests=8"], 1: ["--max-running-requests=4"]})
+  results = _cli(
+    f"--prompts={prompts}",
+    "--tp-size=4",
+    processes=2,
+    devices=2,
+    extra={0: ["--max-running-requests=8"], 1: ["--max-running-requests=4"]},
+  )
   for rc, _, err in results:
     assert rc == 1 and "--max-running-requests differs between processes" in err, err[-2000:]
   results = _cli(f"--prompts={prompts}", "--dp-size=2", processes=2, devices=2)
   for rc, _, err in results:
-    assert rc == 1 and "the 2 processes have 4: with several processes the mesh covers every device" in err, \
-        err[-2000:]
+    assert rc == 1 and "the 2 processes have 4: with several processes the mesh covers every device" in err, err[-2000:]
   # Another checkpoint (same config.json, other weights) on process 1.
   other = tiny_wide_model_dir(seed=8)
   results = _cli(f"--prompts={prompts}", "--tp-size=4", processes=2, devices=2, extra={1: [f"--model-path={other}"]})
@@ -410,8 +571,14 @@ def test_processes_that_disagree_stop_at_startup(tmp_path):
     assert rc == 1 and "--model-path: process" in err and "has another model" in err, err[-2000:]
   # Different numbers of devices per process.
   port = free_port()
-  procs = launch(["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={prompts}",
-                  "--tp-size=6"], 2, 4, port=port, env_per_process={1: {"XLA_FLAGS": with_devices(2)}})
+  procs = launch(
+    ["-m", "hisparse_jax.generate", f"--model-path={tiny_wide_model_dir()}", f"--prompts={prompts}", "--tp-size=6"],
+    2,
+    4,
+    port=port,
+    env_per_process={1: {"XLA_FLAGS": with_devices(2)}},
+  )
   for rc, _, err in wait_all(procs, timeout=120):
-    assert rc == 1 and "the processes have different numbers of devices (process 0: 4, process 1: 2)" in err, \
-        err[-2000:]
+    assert rc == 1 and "the processes have different numbers of devices (process 0: 4, process 1: 2)" in err, err[
+      -2000:
+    ]

@@ -53,14 +53,25 @@ def drive(eng, reqs):
   return calls[0], ahead[0]
 
 
-@pytest.mark.parametrize("hisparse, deterministic", [(None, True), (HiSparseConfig(**TINY_HISPARSE), True),
-                                                     (None, False)], ids=["dense", "hisparse", "dense-buckets"])
+@pytest.mark.parametrize(
+  "hisparse, deterministic",
+  [(None, True), (HiSparseConfig(**TINY_HISPARSE), True), (None, False)],
+  ids=["dense", "hisparse", "dense-buckets"],
+)
 def test_overlapped_steps_give_the_tokens_of_steps_without_overlap(hisparse, deterministic):
   """Without --deterministic the rows move between steps as requests come and go (the launched-ahead step's
   tokens are gathered into their new rows on the device)."""
+
   def engine(overlap):
-    return Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128,
-                  deterministic=deterministic, overlap_schedule=overlap, **SMALL)
+    return Engine(
+      tiny_model_dir(),
+      hisparse=hisparse,
+      max_running_requests=4,
+      max_seq_len=128,
+      deterministic=deterministic,
+      overlap_schedule=overlap,
+      **SMALL,
+    )
 
   plain, overlapped = engine(False), engine(True)
   ref = workload()
@@ -87,8 +98,15 @@ def test_abort_with_a_step_in_flight_and_preemption_under_overlap():
   """A request aborted while the step after the one being read is already launched with it: its row's token
   is dropped, the others decode on; a pool too small for the burst preempts (the overlapped launch steps back
   to the plain schedule when a page is missing); every request left equals its run alone; every page is freed."""
-  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, max_device_kv_bytes=12 * 16 * 768,
-               deterministic=True, overlap_schedule=True, **SMALL)
+  eng = Engine(
+    tiny_model_dir(),
+    max_running_requests=4,
+    max_seq_len=128,
+    max_device_kv_bytes=12 * 16 * 768,
+    deterministic=True,
+    overlap_schedule=True,
+    **SMALL,
+  )
   reqs = [Request(f"r{i}", prompt(30, i), 40) for i in range(5)]
   aborted = []
 
@@ -111,7 +129,7 @@ def test_abort_with_a_step_in_flight_and_preemption_under_overlap():
     alone = Request("alone", r.prompt_ids, 40)
     eng.submit(alone)
     eng.run()
-    assert alone.output_ids[:len(r.output_ids)] == r.output_ids, r.request_id
+    assert alone.output_ids[: len(r.output_ids)] == r.output_ids, r.request_id
   # The last request ending on a stop token with the next call launched: nothing of that call is kept.
   last = Request("last", reqs[0].prompt_ids, 40, stop_token_ids=[reqs[0].output_ids[3]])
   eng.submit(last)

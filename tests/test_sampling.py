@@ -39,10 +39,15 @@ def awkward(rng, shape, special_rate, *, min_neg_inf_rate, whole_lines):
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 40),
-       st.one_of(st.integers(1, 3000), st.integers(1, 6).flatmap(lambda n: st.sampled_from([n * CHUNK - 1, n * CHUNK,
-                                                                                           n * CHUNK + 1]))),
-       st.sampled_from([0.0, 0.0, 0.0005, 0.01]), st.integers(0, 2**31))
+@given(
+  st.integers(1, 40),
+  st.one_of(
+    st.integers(1, 3000),
+    st.integers(1, 6).flatmap(lambda n: st.sampled_from([n * CHUNK - 1, n * CHUNK, n * CHUNK + 1])),
+  ),
+  st.sampled_from([0.0, 0.0, 0.0005, 0.01]),
+  st.integers(0, 2**31),
+)
 def test_greedy_argmax_is_jnp_argmax_exactly(rows, vocab, special_rate, seed):
   """argmax equals jnp.argmax on exact ties (within and across chunks), +-0, +-inf, NaN and whole -inf rows, for
   vocabularies on both sides of the handler's chunk and lane multiples."""
@@ -98,8 +103,12 @@ def test_argmax_leading_dims_vmap_many_rows_and_bad_input():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 300), st.one_of(st.integers(1, 70), st.sampled_from([128, 256, 257, 300])),
-       st.sampled_from([0.0, 0.0, 0.002, 0.02]), st.integers(0, 2**31))
+@given(
+  st.integers(1, 300),
+  st.one_of(st.integers(1, 70), st.sampled_from([128, 256, 257, 300])),
+  st.sampled_from([0.0, 0.0, 0.002, 0.02]),
+  st.integers(0, 2**31),
+)
 def test_argmax_over_columns_is_jnp_argmax_exactly(rows, columns, special_rate, seed):
   """axis 0 of [N, C] (logits held [vocab, batch]): exact first maximum / first NaN per column, for column counts
   that divide the 16 lanes, are multiples of them, are neither (periods of lcm(C, 16) lanes), and past the
@@ -177,17 +186,35 @@ def test_sampling_filters_keep_exactly_the_tokens_at_their_boundaries():
 
   tiny, subnormal = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).smallest_subnormal)
   cases = [  # (temperature, top_k, top_p, added to the logits, how many of the most likely tokens may be drawn)
-      (1, 0, 0.5, 0, 1), (1, 0, down(0.5), 0, 1), (1, 0, up(0.5), 0, 2), (1, 0, 0.75, 0, 2), (1, 0, up(0.75), 0, 3),
-      (1, 0, 0.875, 0, 3), (1, 0, 0.96875, 0, 4), (1, 0, up(0.96875), 0, 5), (1, 0, 1, 0, 5),
-      (1, V, 1, 0, 5), (1, V, 0.75, 0, 2), (1, V - 1, 1, 0, 4), (1, V + 1, 1, 0, 5),
-      (tiny, 0, 1, 0, 1), (tiny, 0, 1, 5, 1), (tiny, V, 0.75, 5, 1), (tiny, 2, 0.5, 0, 1), (subnormal, 0, 1, 0, 1)]
+    (1, 0, 0.5, 0, 1),
+    (1, 0, down(0.5), 0, 1),
+    (1, 0, up(0.5), 0, 2),
+    (1, 0, 0.75, 0, 2),
+    (1, 0, up(0.75), 0, 3),
+    (1, 0, 0.875, 0, 3),
+    (1, 0, 0.96875, 0, 4),
+    (1, 0, up(0.96875), 0, 5),
+    (1, 0, 1, 0, 5),
+    (1, V, 1, 0, 5),
+    (1, V, 0.75, 0, 2),
+    (1, V - 1, 1, 0, 4),
+    (1, V + 1, 1, 0, 5),
+    (tiny, 0, 1, 0, 1),
+    (tiny, 0, 1, 5, 1),
+    (tiny, V, 0.75, 5, 1),
+    (tiny, 2, 0.5, 0, 1),
+    (subnormal, 0, 1, 0, 1),
+  ]
   t, k, p, shift, _ = (np.repeat(np.array(c), N) for c in zip(*cases))
   logits = logp[None] + shift[:, None].astype(np.float32)
   seed, position = np.arange(len(t), dtype=np.uint32) * 7 + 1, np.arange(len(t), dtype=np.int32) % 509
-  got = np.asarray(jax.jit(sample)(jnp.asarray(logits), jnp.float32(t), jnp.int32(k), jnp.float32(p),
-                                   jnp.asarray(seed), jnp.asarray(position))).reshape(len(cases), N)
+  got = np.asarray(
+    jax.jit(sample)(
+      jnp.asarray(logits), jnp.float32(t), jnp.int32(k), jnp.float32(p), jnp.asarray(seed), jnp.asarray(position)
+    )
+  ).reshape(len(cases), N)
   for case, drawn in zip(cases, got):
-    assert set(drawn.tolist()) == set(RANKED[:case[-1]].tolist()), f"(temperature, top_k, top_p, shift, n) {case}"
+    assert set(drawn.tolist()) == set(RANKED[: case[-1]].tolist()), f"(temperature, top_k, top_p, shift, n) {case}"
 
 
 def test_argmax_over_columns_across_pieces_and_axis_forms():
@@ -206,11 +233,11 @@ def test_argmax_over_columns_across_pieces_and_axis_forms():
   for a in (x, y):
     got = np.asarray(jax.jit(lambda v: ops.argmax(v, axis=-2))(jnp.asarray(a)))
     np.testing.assert_array_equal(got, np.argmax(a, axis=0))
-  assert np.asarray(jax.jit(lambda v: ops.argmax(v, axis=0))(jnp.asarray(x)))[:4].tolist() == [10, 270_000, 0,
-                                                                                                299_999]
+  assert np.asarray(jax.jit(lambda v: ops.argmax(v, axis=0))(jnp.asarray(x)))[:4].tolist() == [10, 270_000, 0, 299_999]
   z = jnp.asarray(np.round(rng.standard_normal((3, 50, 6)) * 2), jnp.float32)
-  np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(lambda v: ops.argmax(v, axis=0)))(z)),
-                                np.argmax(np.asarray(z), axis=1))
+  np.testing.assert_array_equal(
+    np.asarray(jax.jit(jax.vmap(lambda v: ops.argmax(v, axis=0)))(z)), np.argmax(np.asarray(z), axis=1)
+  )
   for bad in (2, -3, True):
     with pytest.raises(ValueError, match="out of range"):
       ops.argmax(jnp.zeros((2, 3), jnp.float32), axis=bad)
@@ -223,8 +250,10 @@ def test_argmax_differentiates_like_jnp_argmax():
   out, tangent = jax.jvp(ops.argmax, (x,), (jnp.ones_like(x),))
   np.testing.assert_array_equal(np.asarray(out), np.argmax(np.asarray(x), axis=-1))
   assert tangent.dtype == jax.dtypes.float0 and tangent.shape == (5,)
-  for axis, pick in ((-1, lambda v, i: jnp.take_along_axis(v, i[:, None], 1)),
-                     (0, lambda v, i: jnp.take_along_axis(v, i[None, :], 0))):
+  for axis, pick in (
+    (-1, lambda v, i: jnp.take_along_axis(v, i[:, None], 1)),
+    (0, lambda v, i: jnp.take_along_axis(v, i[None, :], 0)),
+  ):
     ours = jax.jit(jax.grad(lambda v: pick(v, ops.argmax(v, axis=axis)).sum()))(x)
     ref = jax.grad(lambda v: pick(v, jnp.argmax(v, axis=axis)).sum())(x)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
@@ -251,7 +280,13 @@ print("mismatches", bad)
 def test_argmax_on_a_two_device_mesh():
   """Under a context mesh with a dp axis of 2 (Auto and Explicit axes): 1-D rows, leading dimensions dp does and
   does not divide, columns; every result is jnp.argmax's (rows split over dp only where it divides them)."""
-  r = subprocess.run([sys.executable, "-c", ON_A_MESH], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env={**os.environ, "XLA_FLAGS": with_devices(2)})
+  r = subprocess.run(
+    [sys.executable, "-c", ON_A_MESH],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "XLA_FLAGS": with_devices(2)},
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.strip().splitlines()[-1] == "mismatches 0"

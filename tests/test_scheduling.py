@@ -24,8 +24,9 @@ def prompt(n, seed=0):
 
 @pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE)], ids=["dense", "hisparse"])
 def test_long_prompt_prefills_in_chunks_while_running_requests_keep_decoding(hisparse):
-  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=320, deterministic=True,
-               **SMALL)
+  eng = Engine(
+    tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=320, deterministic=True, **SMALL
+  )
   running = Request("running", prompt(20), 40)
   eng.submit(running)
   eng.step()
@@ -150,8 +151,14 @@ print(shapes, a.kv.group, b.kv.group, b.prefilled)
 def test_a_prefill_row_in_another_dp_groups_padding_goes_in_the_same_call():
   """With 2 DP groups every prefill call has a row per group: a 20-token prompt's call is [2, 32], over the
   32-token budget by itself; an 8-token prompt of the other group fills its padding row in that call."""
-  r = subprocess.run([sys.executable, "-c", DP_PREFILL], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                     env={**os.environ, "XLA_FLAGS": with_devices(2)})
+  r = subprocess.run(
+    [sys.executable, "-c", DP_PREFILL],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "XLA_FLAGS": with_devices(2)},
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.split("\n")[-2] == "[(2, 32)] 0 1 8"
 
@@ -192,29 +199,31 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
   with pytest.raises(InvalidRequest, match="already submitted"):
     eng.submit(r)  # finished: not extended
   assert r.output_ids == ref.output_ids
-  for bad, message in ((Request("a", prompt(5), 2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
-                       (Request("b", [0.0, 5.5], 2), "prompt_ids must be token ids \\(int\\), got 0.0"),
-                       (Request("c", [True, 5], 2), "got True"),
-                       (Request("d", "Hello world", 2), "got str \\(a text prompt is tokenized first"),
-                       (Request("e", prompt(5), 2, temperature="0"), "temperature must be a number"),
-                       (Request("f", prompt(5), 2, top_k=1.5), "top_k and seed must be integers"),
-                       (Request("g", prompt(5), 2, top_k=2**31), "top_k must be in \\[0, 2147483647\\]"),
-                       (Request("h", prompt(5), 2, temperature=1.0, top_p=1e-45), "below float32's smallest normal"),
-                       (Request("i", prompt(5), 2, temperature=1e300), "overflows float32"),
-                       (Request("j", {1: 2}, 2), "prompt_ids must be a list"),
-                       (Request("k", {3, 4}, 2), "prompt_ids must be a list"),
-                       (Request("l", prompt(5), 2, output_ids=[5, 5]), "output_ids, text and finish_reason"),
-                       (Request("m", prompt(5), 2, finish_reason="abort"), "output_ids, text and finish_reason"),
-                       (Request("n", prompt(5), 2, temperature=10**400), "temperature overflows float32"),
-                       (Request("o", prompt(5), 2, ignore_eos="no"), "ignore_eos must be True or False"),
-                       (Request("p", prompt(5), 2, on_token="print"), "on_token must be callable"),
-                       (Request(None, prompt(5), 2), "request_id must be a string, got NoneType"),
-                       (Request("q", prompt(5), 2, dp_group=1), "dp_group must be None or a DP group in \\[0, 1\\), "
-                        "got 1"),
-                       (Request("r", prompt(5), 2, dp_group=True), "dp_group must be None or a DP group")):
+  for bad, message in (
+    (Request("a", prompt(5), 2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
+    (Request("b", [0.0, 5.5], 2), "prompt_ids must be token ids \\(int\\), got 0.0"),
+    (Request("c", [True, 5], 2), "got True"),
+    (Request("d", "Hello world", 2), "got str \\(a text prompt is tokenized first"),
+    (Request("e", prompt(5), 2, temperature="0"), "temperature must be a number"),
+    (Request("f", prompt(5), 2, top_k=1.5), "top_k and seed must be integers"),
+    (Request("g", prompt(5), 2, top_k=2**31), "top_k must be in \\[0, 2147483647\\]"),
+    (Request("h", prompt(5), 2, temperature=1.0, top_p=1e-45), "below float32's smallest normal"),
+    (Request("i", prompt(5), 2, temperature=1e300), "overflows float32"),
+    (Request("j", {1: 2}, 2), "prompt_ids must be a list"),
+    (Request("k", {3, 4}, 2), "prompt_ids must be a list"),
+    (Request("l", prompt(5), 2, output_ids=[5, 5]), "output_ids, text and finish_reason"),
+    (Request("m", prompt(5), 2, finish_reason="abort"), "output_ids, text and finish_reason"),
+    (Request("n", prompt(5), 2, temperature=10**400), "temperature overflows float32"),
+    (Request("o", prompt(5), 2, ignore_eos="no"), "ignore_eos must be True or False"),
+    (Request("p", prompt(5), 2, on_token="print"), "on_token must be callable"),
+    (Request(None, prompt(5), 2), "request_id must be a string, got NoneType"),
+    (Request("q", prompt(5), 2, dp_group=1), "dp_group must be None or a DP group in \\[0, 1\\), got 1"),
+    (Request("r", prompt(5), 2, dp_group=True), "dp_group must be None or a DP group"),
+  ):
     with pytest.raises(InvalidRequest, match=message):
       eng.submit(bad)
   import types
+
   eng.lockstep = types.SimpleNamespace(is_leader=True)  # as on process 0 of several (only validate reads it here)
   with pytest.raises(InvalidRequest, match="export_kv \\(a prefill server's request\\) needs an engine of one"):
     eng.submit(Request("s", prompt(5), 1, export_kv=True))
@@ -253,8 +262,10 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
   def reenter(token, delta):
     eng.step()
 
-  for callback, raised, message in ((interrupt, KeyboardInterrupt, "KeyboardInterrupt"),
-                                    (reenter, None, "RuntimeError: Engine.step() called inside a step")):
+  for callback, raised, message in (
+    (interrupt, KeyboardInterrupt, "KeyboardInterrupt"),
+    (reenter, None, "RuntimeError: Engine.step() called inside a step"),
+  ):
     bad, good = Request("cb", prompt(20), 6, on_token=callback), Request("good", prompt(20), 6)
     eng.submit(bad)
     eng.submit(good)
@@ -272,13 +283,15 @@ def test_an_abort_from_on_token_takes_effect_after_its_step(hisparse):
   row is still being computed: the abort crashed the step with an AttributeError), or aborts its own request:
   the abort is applied once the step is complete, neither comes back from step() (abort() returned it), no
   on_token runs for them after the abort, and the other requests get the tokens they get alone."""
-  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, hisparse=hisparse,
-               **SMALL)
+  eng = Engine(
+    tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, hisparse=hisparse, **SMALL
+  )
   ref = Request("ref", prompt(20), 4)
   eng.submit(ref)
   eng.run()
   after_abort = []
   for target in ("b", "a"):
+
     def cb(token, delta, target=target):
       if len(a.output_ids) == 1:
         assert eng.abort(target) is {"a": a, "b": b}[target]
@@ -335,8 +348,7 @@ def test_a_step_that_did_not_complete_needs_a_reset():
 
 
 def test_requests_that_never_fit_or_exceed_the_context_fail_alone():
-  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=300, max_device_kv_bytes=6 * 16 * 768,
-               **SMALL)
+  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=300, max_device_kv_bytes=6 * 16 * 768, **SMALL)
   assert eng.memory_plan.pools["kv"][1] == 6  # 96 tokens of KV
   with pytest.raises(InvalidRequest, match="exceeds the model context of 300 tokens"):
     eng.submit(Request("long", prompt(290), 20))
@@ -352,8 +364,15 @@ def test_requests_that_never_fit_or_exceed_the_context_fail_alone():
 def test_pool_exhaustion_preempts_and_recovers(hisparse):
   """A burst of long requests on a pool that holds ~2 of them: some are preempted (pages freed, re-queued,
   recomputed), all finish, the free page counts return to the baseline."""
-  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128,
-               max_device_kv_bytes=(300_000 if hisparse else 12 * 16 * 768), deterministic=True, **SMALL)
+  eng = Engine(
+    tiny_model_dir(),
+    hisparse=hisparse,
+    max_running_requests=4,
+    max_seq_len=128,
+    max_device_kv_bytes=(300_000 if hisparse else 12 * 16 * 768),
+    deterministic=True,
+    **SMALL,
+  )
   base = eng.loads()
   reqs = [Request(str(i), prompt(30, i), 60) for i in range(5)]
   for r in reqs:
@@ -370,12 +389,15 @@ def test_pool_exhaustion_preempts_and_recovers(hisparse):
     assert alone.output_ids == r.output_ids, r.request_id
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (dict(chunked_prefill_size=0), "--chunked-prefill-size must be > 0"),
     (dict(page_size=16, chunked_prefill_size=40), "--page-size 16 does not divide --chunked-prefill-size 40"),
     (dict(max_device_kv_bytes=1000), "smaller than one page"),
     (dict(max_seq_len=513), "--max-seq-len 513"),
-])
+  ],
+)
 def test_bad_engine_settings_name_the_flag(overrides, message):
   with pytest.raises(StartupError, match=message):
     Engine(tiny_model_dir(), **overrides)
@@ -388,6 +410,7 @@ def test_prompt_kv_computed_elsewhere_is_imported_and_decoded():
 
   from models.deepseek_v32 import decode_step, prefill_prompts, split_model
   from models.loader import load_hf
+
   cfg, model = load_hf(tiny_model_dir())
   p = prompt(45, 3)
   logits, cache = prefill_prompts(model, jnp.asarray([p]), jnp.asarray([len(p)]), max_len=64)
@@ -410,11 +433,13 @@ def test_prompt_kv_computed_elsewhere_is_imported_and_decoded():
     with pytest.raises(InvalidRequest, match="first generated token"):
       eng.submit(Request("bad", p, 8, prompt_kv=kv))
     for bad_kv, bad_first, message in (
-        ((kv[0].astype("U1"), kv[1]), first, "prompt_kv dtypes <U1, float32; expected float32, float32"),
-        ((kv[0].astype(np.int8), kv[1]), first, "prompt_kv dtypes int8"),
-        ([kv[0], kv[1], kv[1]], first, "prompt_kv must be \\(latent, indexer keys\\): two arrays"),
-        ((None, None), first, "two arrays"),
-        (kv, "5", "first generated token"), (kv, 5.7, "first generated token")):
+      ((kv[0].astype("U1"), kv[1]), first, "prompt_kv dtypes <U1, float32; expected float32, float32"),
+      ((kv[0].astype(np.int8), kv[1]), first, "prompt_kv dtypes int8"),
+      ([kv[0], kv[1], kv[1]], first, "prompt_kv must be \\(latent, indexer keys\\): two arrays"),
+      ((None, None), first, "two arrays"),
+      (kv, "5", "first generated token"),
+      (kv, 5.7, "first generated token"),
+    ):
       with pytest.raises(InvalidRequest, match=message):
         eng.submit(Request("bad", p, 8, prompt_kv=bad_kv, first_token=bad_first))
     assert not eng.has_work() and all_kv_free(eng.loads())
@@ -429,8 +454,9 @@ def test_exported_prompt_kv_decodes_as_a_colocated_prefill(prefill_mode):
   prompts = [prompt(5, 1), prompt(20, 2), prompt(45, 3)]  # hot buffer 16, prefill chunks of 32 (SMALL)
 
   def engine(hisparse):
-    return Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128, deterministic=True,
-                  **SMALL)
+    return Engine(
+      tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128, deterministic=True, **SMALL
+    )
 
   colocated = engine(None)
   want = [Request(f"c{i}", p, 6) for i, p in enumerate(prompts)]
@@ -445,11 +471,13 @@ def test_exported_prompt_kv_decodes_as_a_colocated_prefill(prefill_mode):
   assert all_kv_free(prefill.loads())
   for r, p in zip(exported, prompts):
     latent, index = r.prompt_kv
-    assert latent.shape[1] == max(16, 1 << (len(p) - 1).bit_length()) and not np.asarray(latent[:, len(p):]).any()
+    assert latent.shape[1] == max(16, 1 << (len(p) - 1).bit_length()) and not np.asarray(latent[:, len(p) :]).any()
   for decode_mode in (None, hs):
     decode = engine(decode_mode)
-    got = [Request(f"d{i}", p, 6, prompt_kv=r.prompt_kv, first_token=r.output_ids[0])
-           for i, (p, r) in enumerate(zip(prompts, exported))]
+    got = [
+      Request(f"d{i}", p, 6, prompt_kv=r.prompt_kv, first_token=r.output_ids[0])
+      for i, (p, r) in enumerate(zip(prompts, exported))
+    ]
     for r in got:
       decode.submit(r)
     decode.run()
@@ -457,23 +485,29 @@ def test_exported_prompt_kv_decodes_as_a_colocated_prefill(prefill_mode):
     assert all_kv_free(decode.loads())
 
 
-@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(**TINY_HISPARSE),
-                                      HiSparseConfig(**TINY_HISPARSE, resident_fraction=0.5)],
-                         ids=["dense", "hisparse", "resident"])
+@pytest.mark.parametrize(
+  "hisparse",
+  [None, HiSparseConfig(**TINY_HISPARSE), HiSparseConfig(**TINY_HISPARSE, resident_fraction=0.5)],
+  ids=["dense", "hisparse", "resident"],
+)
 def test_compiled_steps_update_every_pool_in_place(hisparse):
   """The compiled prefill, decode (each residency), import and offload calls hold no copy of any KV pool (an
   in-place update that XLA cannot prove safe becomes a full copy of the buffer, per layer: the classic hidden
   cost)."""
   import jax
   import jax.numpy as jnp
+
   eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=4, max_seq_len=128, **SMALL)
   r = Request("r", prompt(20), 4)
   eng.submit(r)
   eng.step()
   eng.step()
   state = eng.backend.state
-  shapes = {"{}[{}]".format(str(a.dtype).replace("float", "f").replace("int", "s"), ",".join(map(str, a.shape)))
-            for a in jax.tree.leaves(state) if a.ndim >= 3}
+  shapes = {
+    "{}[{}]".format(str(a.dtype).replace("float", "f").replace("int", "s"), ",".join(map(str, a.shape)))
+    for a in jax.tree.leaves(state)
+    if a.ndim >= 3
+  }
   assert shapes
   decode_tables = {k: jnp.asarray(v) for k, v in eng.backend.decode_tables([r.kv]).items()}
   prefill_tables = {k: jnp.asarray(v) for k, v in eng.backend.prefill_tables([r.kv], [True]).items()}
@@ -483,15 +517,41 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
   residencies = ["none"] if not eng.backend.residency_on else ["all", "mixed"]
   assert eng.backend.residency([r.kv]) == residencies[0]
   lowered = {
-      **{f"decode {res}": eng._decode_fn.lower(eng._params, tok[:, 0], pos[:, 0] + 20, state, decode_tables,
-                                               sampling, eng._logits_buffer(1), residency=res,
-                                               **eng._index_blocks(1, 1, 20))
-         for res in residencies},
-      **{f"prefill first_token={first}": eng._prefill_fn.lower(
-          eng._params, tok, pos, state, prefill_tables, sampling, query_block=None, first_token=first,
-          **eng._index_blocks(1, 32, 31)) for first in (True, False)},
-      "import": eng._import_fn.lower(state, decode_tables, jnp.zeros((cfg.num_hidden_layers, 20, cfg.latent_dim)),
-                                     jnp.zeros((cfg.num_hidden_layers, 20, cfg.index_head_dim)), jnp.int32(20)),
+    **{
+      f"decode {res}": eng._decode_fn.lower(
+        eng._params,
+        tok[:, 0],
+        pos[:, 0] + 20,
+        state,
+        decode_tables,
+        sampling,
+        eng._logits_buffer(1),
+        residency=res,
+        **eng._index_blocks(1, 1, 20),
+      )
+      for res in residencies
+    },
+    **{
+      f"prefill first_token={first}": eng._prefill_fn.lower(
+        eng._params,
+        tok,
+        pos,
+        state,
+        prefill_tables,
+        sampling,
+        query_block=None,
+        first_token=first,
+        **eng._index_blocks(1, 32, 31),
+      )
+      for first in (True, False)
+    },
+    "import": eng._import_fn.lower(
+      state,
+      decode_tables,
+      jnp.zeros((cfg.num_hidden_layers, 20, cfg.latent_dim)),
+      jnp.zeros((cfg.num_hidden_layers, 20, cfg.index_head_dim)),
+      jnp.int32(20),
+    ),
   }
   if eng.backend.residency_on:
     offload_tables = {k: jnp.asarray(v) for k, v in eng.backend.offload_tables(r.kv).items()}
@@ -506,8 +566,14 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
 def test_requests_that_fit_pass_one_that_does_not_a_bounded_number_of_times(skips):
   """A large request that does not fit yet is passed by later small ones at most max_admission_skips times;
   then nothing behind it is admitted until it is (no head-of-line blocking, no starvation). 0: FIFO."""
-  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, max_device_kv_bytes=8 * 16 * 768,
-               max_admission_skips=skips, **SMALL)
+  eng = Engine(
+    tiny_model_dir(),
+    max_running_requests=4,
+    max_seq_len=128,
+    max_device_kv_bytes=8 * 16 * 768,
+    max_admission_skips=skips,
+    **SMALL,
+  )
   first = Request("A", prompt(60), 20)
   eng.submit(first)
   eng.step()  # A holds 4 of the 8 pages (+1 reserved for its growth)
@@ -530,6 +596,7 @@ def test_admission_counts_passes_per_request_and_stops_scanning_at_the_limit():
   import types
 
   from hisparse_jax.engine.request import Phase
+
   calls = []
 
   def pick_group(n, reserve, prefill, reclaimable, only=None):
@@ -542,18 +609,53 @@ def test_admission_counts_passes_per_request_and_stops_scanning_at_the_limit():
     be.free_slots -= 1
     return types.SimpleNamespace(slot=len(calls), group=0, resident=False)
 
-  be = types.SimpleNamespace(free_slots=8, groups=1, residency_on=False, pick_group=pick_group, admit=admit,
-                             will_grow=lambda kv, n: 0, reclaimable_pages=lambda kvs: [{"staging": 2 * len(list(kvs))}])
-  running = [types.SimpleNamespace(kv=types.SimpleNamespace(resident=i < 3, group=0), phase=Phase.DECODING,
-                                   prompt_ids=[0], max_new_tokens=1) for i in range(4)]
-  big = [types.SimpleNamespace(request_id=f"B{k}", prompt_kv=None, prefill_ids=[0] * 100, times_passed=t,
-                               dp_group=None) for k, t in enumerate((0, 2))]
-  small = [types.SimpleNamespace(request_id=f"S{k}", prompt_kv=None, prefill_ids=[0] * 10, times_passed=0,
-                                 dp_group=None, temperature=0., top_k=0, top_p=1., seed=0, fair_tag=k)
-           for k in range(5)]
+  be = types.SimpleNamespace(
+    free_slots=8,
+    groups=1,
+    residency_on=False,
+    pick_group=pick_group,
+    admit=admit,
+    will_grow=lambda kv, n: 0,
+    reclaimable_pages=lambda kvs: [{"staging": 2 * len(list(kvs))}],
+  )
+  running = [
+    types.SimpleNamespace(
+      kv=types.SimpleNamespace(resident=i < 3, group=0), phase=Phase.DECODING, prompt_ids=[0], max_new_tokens=1
+    )
+    for i in range(4)
+  ]
+  big = [
+    types.SimpleNamespace(request_id=f"B{k}", prompt_kv=None, prefill_ids=[0] * 100, times_passed=t, dp_group=None)
+    for k, t in enumerate((0, 2))
+  ]
+  small = [
+    types.SimpleNamespace(
+      request_id=f"S{k}",
+      prompt_kv=None,
+      prefill_ids=[0] * 10,
+      times_passed=0,
+      dp_group=None,
+      temperature=0.0,
+      top_k=0,
+      top_p=1.0,
+      seed=0,
+      fair_tag=k,
+    )
+    for k in range(5)
+  ]
   waiting = collections.deque([big[0], small[0], big[1]] + small[1:])
-  eng = types.SimpleNamespace(backend=be, running=running, waiting=waiting, groups=1, max_admission_skips=3,
-                              _temperature={}, _top_k={}, _top_p={}, _seed={}, _virtual_time=0)
+  eng = types.SimpleNamespace(
+    backend=be,
+    running=running,
+    waiting=waiting,
+    groups=1,
+    max_admission_skips=3,
+    _temperature={},
+    _top_k={},
+    _top_p={},
+    _seed={},
+    _virtual_time=0,
+  )
   eng._decoding = lambda: running
   Engine._admit(eng)
   # S0 passes B0; S1 passes B0 and B1, which then has been passed 3 times: S2.. wait and are not looked at.
@@ -570,6 +672,7 @@ def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact(overlap)
   equal a run without it. Overlapped, the call launched before the corruption delivers its token first and the
   next step's call reports the error."""
   import dataclasses
+
   hs = HiSparseConfig(**TINY_HISPARSE)
   prompts = {name: prompt(30, seed) for seed, name in enumerate(("a", "victim", "b"))}  # > D: the slow path
   want = {}
@@ -578,8 +681,15 @@ def test_a_request_a_kernel_refuses_fails_alone_and_the_rest_stay_exact(overlap)
     eng.submit(r := Request(name, prompts[name], 6))
     eng.run()
     want[name] = r.output_ids
-  eng = Engine(tiny_model_dir(), hisparse=hs, max_running_requests=4, max_seq_len=128, deterministic=True,
-               overlap_schedule=overlap, **SMALL)
+  eng = Engine(
+    tiny_model_dir(),
+    hisparse=hs,
+    max_running_requests=4,
+    max_seq_len=128,
+    deterministic=True,
+    overlap_schedule=overlap,
+    **SMALL,
+  )
   reqs = {name: Request(name, p, 6) for name, p in prompts.items()}
   for r in reqs.values():
     eng.submit(r)
@@ -640,6 +750,7 @@ def test_dynamic_residency_is_lossless_and_offloads_under_memory_pressure():
   # What the server shows: GetLoads and the metrics carry the offloads.
   from hisparse_jax.serving.metrics import ServerMetrics
   from hisparse_jax.serving.server import loads_message
+
   assert loads_message(eng.loads()).offloads == eng.num_offloads
   metrics = ServerMetrics(row_bytes=4)
   metrics.update(eng.loads())
@@ -686,7 +797,6 @@ def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
   assert again.finish_reason == "length" and len(again.output_ids) == 5 and all_kv_free(eng.loads())
 
 
-
 @pytest.fixture(scope="module")
 def fuzz_references():
   return engine_fuzz.References()
@@ -719,8 +829,14 @@ def test_random_workloads_on_meshes():
   arrays.)"""
   env = {**os.environ, "XLA_FLAGS": with_devices(2)}
   configs = ("dp2_dense", "dp2_resident")
-  out = subprocess.run([sys.executable, "-m", "tests.engine_fuzz", "--configs", ",".join(configs), "--seeds", "0-1"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  out = subprocess.run(
+    [sys.executable, "-m", "tests.engine_fuzz", "--configs", ",".join(configs), "--seeds", "0-1"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
   for name in configs:
     assert f"{name}: 2 workloads passed" in out.stdout, out.stdout
@@ -795,6 +911,7 @@ def test_chunked_prefill_writes_the_kv_and_tokens_of_one_whole_prompt_call(hispa
 
   from models.deepseek_v32 import decode_step, prefill_prompts, split_model
   from models.loader import load_hf
+
   lengths, new = [1, 7, 40, 100, 230], 5
   prompts = [prompt(n, 50 + n) for n in lengths]
   cfg, model = load_hf(tiny_model_dir())
@@ -811,14 +928,21 @@ def test_chunked_prefill_writes_the_kv_and_tokens_of_one_whole_prompt_call(hispa
       w.append(int(np.argmax(lg[i])))
 
   # (--max-seq-len 512: HiSparse's staging pages hold the long prompt and the short ones at once)
-  eng = Engine(tiny_model_dir(), hisparse=hisparse, max_running_requests=len(prompts), max_seq_len=512,
-               page_size=32, chunked_prefill_size=64)
+  eng = Engine(
+    tiny_model_dir(),
+    hisparse=hisparse,
+    max_running_requests=len(prompts),
+    max_seq_len=512,
+    page_size=32,
+    chunked_prefill_size=64,
+  )
   chunks = []  # (request, first position, tokens) of every prefill row
   call = eng._prefill_call
 
   def recording(rows, finished):
     chunks.extend((req.request_id, req.prefilled, n) for req, n in rows)
     call(rows, finished)
+
   eng._prefill_call = recording
   reqs = [Request(f"p{n}", p, new, ignore_eos=True, export_kv=True) for n, p in zip(lengths, prompts)]
   # The longest prompt starts alone; two short ones arriving next share its second chunk's call, which

@@ -22,16 +22,22 @@ from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 
 
 METRICS = []  # the module server's ServerMetrics
-PORTS = []    # and its port
+PORTS = []  # and its port
 
 
 @pytest.fixture(scope="module")
 def server():
   # Deterministic: a request's tokens do not depend on what else runs, so concurrent == solo exactly. With the
   # cross-layer prefetch (whose rows the final message counts).
-  engine = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE, prefetch="next_layer"),
-                  max_running_requests=4,
-                  max_seq_len=256, page_size=16, chunked_prefill_size=64, deterministic=True)
+  engine = Engine(
+    tiny_model_dir(),
+    hisparse=HiSparseConfig(**TINY_HISPARSE, prefetch="next_layer"),
+    max_running_requests=4,
+    max_seq_len=256,
+    page_size=16,
+    chunked_prefill_size=64,
+    deterministic=True,
+  )
   METRICS.append(ServerMetrics(row_bytes=engine.config.latent_dim * engine.dtype.itemsize))
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, METRICS[-1])
   PORTS.append(port)
@@ -61,14 +67,21 @@ def test_concurrent_streams_equal_solo_and_bad_requests_fail_alone(server):
   rng = np.random.default_rng(5)
   prompts = [rng.integers(2, 512, n).tolist() for n in (3, 20, 33, 50, 9, 70, 18, 41)]
   solo = [collect(stub, p, 10)[0] for p in prompts[:2]]
-  bad = [dict(input_ids=[], max_new_tokens=5), dict(input_ids=[4, 5], max_new_tokens=0),
-         dict(input_ids=[4, 5], max_new_tokens=300), dict(input_ids=[4, 99999], max_new_tokens=3),
-         dict(text="x", max_new_tokens=3)]
+  bad = [
+    dict(input_ids=[], max_new_tokens=5),
+    dict(input_ids=[4, 5], max_new_tokens=0),
+    dict(input_ids=[4, 5], max_new_tokens=300),
+    dict(input_ids=[4, 99999], max_new_tokens=3),
+    dict(text="x", max_new_tokens=3),
+  ]
   with concurrent.futures.ThreadPoolExecutor(16) as pool:
     good = [pool.submit(collect, stub, p, 10) for p in prompts]
-    errs = [pool.submit(collect, stub, b.get("input_ids") or None, b["max_new_tokens"])
-            if "text" not in b else pool.submit(lambda: list(generate(stub, text="x", max_new_tokens=3)))
-            for b in bad]
+    errs = [
+      pool.submit(collect, stub, b.get("input_ids") or None, b["max_new_tokens"])
+      if "text" not in b
+      else pool.submit(lambda: list(generate(stub, text="x", max_new_tokens=3)))
+      for b in bad
+    ]
     results = [f.result() for f in good]
     codes = []
     for f in errs:
@@ -94,18 +107,29 @@ def test_client_summary_line_shows_swap_ins_only_where_rows_were_swapped_in(serv
   line = summary_line(final)
   assert line.startswith("[client] finish=LENGTH prompt_tokens=58 completion_tokens=4 swap_in_hits=")
   assert f"swap_in_misses={final.swap_in_misses}" in line and final.swap_in_misses > 0
-  dense = hisparse_pb2.GenerateResponse(finished=True, finish_reason=hisparse_pb2.STOP_STRING, prompt_tokens=3,
-                                        completion_tokens=2, matched_stop="\n")
+  dense = hisparse_pb2.GenerateResponse(
+    finished=True, finish_reason=hisparse_pb2.STOP_STRING, prompt_tokens=3, completion_tokens=2, matched_stop="\n"
+  )
   assert summary_line(dense) == "[client] finish=STOP_STRING prompt_tokens=3 completion_tokens=2 matched_stop='\\n'"
   dense.num_preemptions = 2
   assert summary_line(dense).endswith(" matched_stop='\\n' num_preemptions=2")
-  disaggregated = hisparse_pb2.GenerateResponse(finished=True, finish_reason=hisparse_pb2.LENGTH, prompt_tokens=3,
-                                                completion_tokens=2, prefill_seconds=0.25, transfer_seconds=0.0125,
-                                                transfer_bytes=4096, decode_seconds=1.5)
-  assert summary_line(disaggregated) == ("[client] finish=LENGTH prompt_tokens=3 completion_tokens=2 prefill_s=0.250 "
-                                         "transfer_s=0.013 transfer_bytes=4096 decode_s=1.500")
-  stop_token = hisparse_pb2.GenerateResponse(finished=True, finish_reason=hisparse_pb2.STOP_TOKEN, prompt_tokens=3,
-                                             completion_tokens=2, matched_stop="90368")
+  disaggregated = hisparse_pb2.GenerateResponse(
+    finished=True,
+    finish_reason=hisparse_pb2.LENGTH,
+    prompt_tokens=3,
+    completion_tokens=2,
+    prefill_seconds=0.25,
+    transfer_seconds=0.0125,
+    transfer_bytes=4096,
+    decode_seconds=1.5,
+  )
+  assert summary_line(disaggregated) == (
+    "[client] finish=LENGTH prompt_tokens=3 completion_tokens=2 prefill_s=0.250 "
+    "transfer_s=0.013 transfer_bytes=4096 decode_s=1.500"
+  )
+  stop_token = hisparse_pb2.GenerateResponse(
+    finished=True, finish_reason=hisparse_pb2.STOP_TOKEN, prompt_tokens=3, completion_tokens=2, matched_stop="90368"
+  )
   assert summary_line(stop_token).endswith(" matched_stop=90368")  # an id, not a quoted string
 
 
@@ -118,13 +142,20 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   import sys
 
   from tests.multiprocess import REPO
+
   engine, stub, _ = server
   base = [sys.executable, "-m", "hisparse_jax.serving.client", f"--target=127.0.0.1:{PORTS[-1]}"]
-  client = lambda *flags: subprocess.run([*base, *flags], cwd=REPO, capture_output=True, text=True,  # noqa: E731
-                                         timeout=120)
+  client = lambda *flags: subprocess.run(
+    [*base, *flags],
+    cwd=REPO,
+    capture_output=True,
+    text=True,  # noqa: E731
+    timeout=120,
+  )
   expected, _ = collect(stub, list(range(2, 30)), 5)
-  r = client("--input-ids=" + ",".join(map(str, range(2, 30))), "--max-new-tokens=5", "--print-ids",
-             "--request-id=cli-ok")
+  r = client(
+    "--input-ids=" + ",".join(map(str, range(2, 30))), "--max-new-tokens=5", "--print-ids", "--request-id=cli-ok"
+  )
   assert r.returncode == 0 and f"output_ids={expected}" in r.stdout, r.stdout + r.stderr
   assert "[client] request id cli-ok" in r.stderr, r.stderr
   r = client("--input-ids=2,3", "--max-new-tokens=2")  # the id the server picked, for --abort from elsewhere
@@ -146,6 +177,7 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   # (refused here: this model has no tokenizer); a device, bytes that are not UTF-8 or a second prompt flag fail
   # at once.
   import tempfile
+
   no_tokenizer = "error: INVALID_ARGUMENT: text prompt given but the model has no tokenizer"
   with tempfile.TemporaryDirectory() as tmp:
     text, latin1 = os.path.join(tmp, "text.txt"), os.path.join(tmp, "latin1.txt")
@@ -170,8 +202,14 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
   assert proc.returncode == 141 and "Traceback" not in err, (proc.returncode, err)
   # Ctrl-C mid-stream: one line and status 130 (it was a traceback); the server frees the request.
   import signal
-  proc = subprocess.Popen([*base, "--input-ids=2,3,4", "--max-new-tokens=250", "--ignore-eos"], cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  proc = subprocess.Popen(
+    [*base, "--input-ids=2,3,4", "--max-new-tokens=250", "--ignore-eos"],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     assert proc.stderr.readline().startswith("[client] request id ")  # streaming
     proc.send_signal(signal.SIGINT)
@@ -183,13 +221,15 @@ def test_the_command_line_client_prints_ids_loads_and_aborts(server):
 
 def test_cancelled_stream_releases_its_lane(server):
   engine, stub, _ = server
-  call = stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=list(range(2, 60))),
-                                                    max_new_tokens=150))
+  call = stub.Generate(
+    hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=list(range(2, 60))), max_new_tokens=150)
+  )
   next(call)
   call.cancel()
   tokens, final = collect(stub, [7, 8, 9], 5)
   assert final.finished and len(tokens) == 5
   import time
+
   deadline = time.time() + 10
   while not all_kv_free(engine.loads_snapshot) and time.time() < deadline:
     time.sleep(0.05)
@@ -225,8 +265,11 @@ def test_duplicate_client_request_ids_are_independent(server):
 
 def test_malformed_request_bytes_are_invalid_argument(server):
   _, _, channel = server
-  raw = channel.unary_stream("/hisparse.HiSparseInference/Generate", request_serializer=lambda b: b,
-                             response_deserializer=hisparse_pb2.GenerateResponse.FromString)
+  raw = channel.unary_stream(
+    "/hisparse.HiSparseInference/Generate",
+    request_serializer=lambda b: b,
+    response_deserializer=hisparse_pb2.GenerateResponse.FromString,
+  )
   with pytest.raises(grpc.RpcError) as e:
     list(raw(b"\x22\xff\xff\xff\xff", timeout=10))  # a length-delimited field running past the end
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed GenerateRequest" in e.value.details()
@@ -239,8 +282,11 @@ def test_malformed_request_bytes_are_invalid_argument(server):
   assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10).running == 0
   # The health service too (it needs no credentials, so anyone can send it bytes).
   for method, call in (("Check", channel.unary_unary), ("Watch", channel.unary_stream)):
-    raw_health = call(f"/grpc.health.v1.Health/{method}", request_serializer=lambda b: b,
-                      response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    raw_health = call(
+      f"/grpc.health.v1.Health/{method}",
+      request_serializer=lambda b: b,
+      response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
     with pytest.raises(grpc.RpcError) as e:
       out = raw_health(b"\x0a\xff\xff\xff\xff", timeout=10)
       list(out) if method == "Watch" else out
@@ -256,6 +302,7 @@ def test_health_requests_are_bounded(server, monkeypatch):
   MAX_HEALTH_WATCHES open ones, or beyond MAX_HEALTH_WATCHES_PER_CLIENT of one client's, RESOURCE_EXHAUSTED until
   one closes (800 streams took 3.7 GB)."""
   from hisparse_jax.serving import server as server_module
+
   _, _, channel = server
   health = health_pb2_grpc.HealthStub(channel)
   long_name = health_pb2.HealthCheckRequest(service="x" * (server_module.MAX_HEALTH_SERVICE_BYTES + 1))
@@ -308,6 +355,7 @@ def test_a_request_a_kernel_refuses_fails_alone_as_internal(server):
   ends with INTERNAL and the kernel's message; a concurrent stream's tokens are exact; the server keeps
   serving and frees everything."""
   import dataclasses
+
   engine, stub, _ = server
   rng = np.random.default_rng(11)
   victim_prompt, other_prompt = rng.integers(2, 512, 40).tolist(), rng.integers(2, 512, 25).tolist()
@@ -367,8 +415,12 @@ def test_a_failed_step_fails_the_streams_in_flight_and_the_server_keeps_serving(
   finally:
     engine.step = step
   metrics = METRICS[-1]
-  clean = lambda: (not engine.has_work() and all_kv_free(engine.loads_snapshot)  # noqa: E731
-                   and not metrics._last_token and not metrics._arrival)
+  clean = lambda: (
+    not engine.has_work()
+    and all_kv_free(engine.loads_snapshot)  # noqa: E731
+    and not metrics._last_token
+    and not metrics._arrival
+  )
   deadline = time.monotonic() + 60  # the loop errors the streams, then resets the engine and its metrics
   while not clean() and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -420,8 +472,10 @@ def test_a_graceful_stop_ends_health_watches_and_counts_cut_streams_as_unavailab
       except grpc.RpcError as e:
         ends.append(e.code())
     assert stopping.wait(30)
-    count = lambda outcome: metrics.registry.get_sample_value("hisparse_requests_total",  # noqa: E731
-                                                              {"outcome": outcome})
+    count = lambda outcome: metrics.registry.get_sample_value(
+      "hisparse_requests_total",  # noqa: E731
+      {"outcome": outcome},
+    )
     assert ends == [grpc.StatusCode.UNAVAILABLE] * 3
     # (a handler can end uncounted when the stop ends the event loop first, so "at least one")
     assert count("cancelled") == 0 and 1 <= count("unavailable") <= 3
@@ -440,13 +494,15 @@ def test_the_metrics_endpoint_bounds_its_connections_and_renders(monkeypatch):
   import urllib.request
 
   from hisparse_jax.serving import metrics as metrics_module
+
   monkeypatch.setattr(metrics_module, "METRICS_CONNECTION_S", 1.0)
   m = ServerMetrics(row_bytes=4, num_layers=1)
   port = m.serve(0)
   url = f"http://127.0.0.1:{port}/metrics"
   threads = threading.active_count()
-  idle = [socket.create_connection(("127.0.0.1", port), timeout=10)
-          for _ in range(3 * metrics_module.METRICS_CONNECTIONS)]
+  idle = [
+    socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3 * metrics_module.METRICS_CONNECTIONS)
+  ]
   for s in idle:
     s.sendall(b"GET /metr")  # a request that never completes
   time.sleep(0.5)
@@ -472,6 +528,7 @@ def test_the_metrics_endpoint_bounds_its_connections_and_renders(monkeypatch):
     assert resp.read() == b"" and length > 100
   with urllib.request.urlopen(urllib.request.Request(url, headers=gzip), timeout=10) as resp:
     import gzip as gz
+
     body = resp.read()
     assert len(body) == length and b"hisparse_generated_tokens_total 1.0" in gz.decompress(body)
   # A client that sends a byte now and then (each resetting a read timeout) is cut at the connection's deadline.
@@ -487,6 +544,7 @@ def test_the_metrics_endpoint_bounds_its_connections_and_renders(monkeypatch):
   trickle.close()
   # A counter read from elsewhere (a prefill server's taken-back offers) is found by the name filter.
   from types import SimpleNamespace
+
   m.watch_offers(SimpleNamespace(offered_bytes=0, max_offered_bytes=1, offers_taken_back=3))
   with urllib.request.urlopen(url + "?name[]=hisparse_pd_offers_taken_back_total", timeout=10) as resp:
     assert b"hisparse_pd_offers_taken_back_total 3.0" in resp.read()

@@ -59,8 +59,16 @@ def model_with_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_with_tokenizer):
   tok = CountingTokenizer(load_tokenizer(model_with_tokenizer))
-  engine = Engine(model_with_tokenizer, hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2,
-                  max_seq_len=256, max_queued_requests=700, max_prompt_bytes=PROMPT_BYTES, tokenizer=tok, **SMALL)
+  engine = Engine(
+    model_with_tokenizer,
+    hisparse=HiSparseConfig(**TINY_HISPARSE),
+    max_running_requests=2,
+    max_seq_len=256,
+    max_queued_requests=700,
+    max_prompt_bytes=PROMPT_BYTES,
+    tokenizer=tok,
+    **SMALL,
+  )
   # (One client floods the server-wide limits here: no per-client bound.)
   srv, loop, port = serve(engine, tok, "127.0.0.1", 0, limits=ServerLimits(max_streams_per_client=10_000))
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -98,8 +106,14 @@ def test_text_over_the_byte_limit_is_refused_before_tokenizing(server):
   # The command-line client's --text-file sends a file's text exactly: its final newline too (whose token, 539, is
   # outside the tiny vocabulary: refused after tokenizing), then without it.
   text_file = os.path.join(os.path.dirname(engine.args.model_path), "prompt.txt")
-  client = [sys.executable, "-m", "hisparse_jax.serving.client", f"--target=127.0.0.1:{port}",
-            f"--text-file={text_file}", "--max-new-tokens=2"]
+  client = [
+    sys.executable,
+    "-m",
+    "hisparse_jax.serving.client",
+    f"--target=127.0.0.1:{port}",
+    f"--text-file={text_file}",
+    "--max-new-tokens=2",
+  ]
   for text, ok in (("e e e e " * 10 + "\n", False), ("e e e e " * 10, True)):
     with open(text_file, "w") as f:
       f.write(text)
@@ -124,6 +138,7 @@ def test_a_message_past_any_legitimate_request_is_refused_as_it_arrives(server):
   fields), not gRPC's 4 MB, so a client cannot make it hold megabytes per call; the largest legitimate
   requests still get the server's own answers."""
   from hisparse_jax.serving.server import REQUEST_FIELDS_BYTES
+
   engine, stub, _, _, _ = server
   limit = max(PROMPT_BYTES, 5 * engine.max_seq_len) + REQUEST_FIELDS_BYTES
   code, details = code_of(gen(stub, text="a" * (limit + 1)))
@@ -131,17 +146,35 @@ def test_a_message_past_any_legitimate_request_is_refused_as_it_arrives(server):
   code, details = code_of(gen(stub, input_ids=[2**31 - 1] * (limit // 5 + 1)))
   assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
   # Within it: the server's own limits, with their messages.
-  code, details = code_of(gen(stub, text="a" * (PROMPT_BYTES + 1), stop=["x" * 256] * 16,
-                              stop_token_ids=list(range(2**31 - 256, 2**31)), request_id="r" * 256))
+  code, details = code_of(
+    gen(
+      stub,
+      text="a" * (PROMPT_BYTES + 1),
+      stop=["x" * 256] * 16,
+      stop_token_ids=list(range(2**31 - 256, 2**31)),
+      request_id="r" * 256,
+    )
+  )
   assert code == grpc.StatusCode.INVALID_ARGUMENT and "max-prompt-bytes" in details
   code, details = code_of(gen(stub, input_ids=[2**31 - 1] * (engine.max_seq_len + 1)))
   assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details
 
 
-@pytest.mark.parametrize("field,value", [("top_p", float("nan")), ("top_p", float("-inf")), ("top_p", -1.0),
-                                         ("top_p", 0.0), ("top_p", float("inf")), ("top_p", 5.0),
-                                         ("temperature", float("nan")), ("temperature", float("inf")),
-                                         ("temperature", -0.5), ("top_k", -1)])
+@pytest.mark.parametrize(
+  "field,value",
+  [
+    ("top_p", float("nan")),
+    ("top_p", float("-inf")),
+    ("top_p", -1.0),
+    ("top_p", 0.0),
+    ("top_p", float("inf")),
+    ("top_p", 5.0),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", -0.5),
+    ("top_k", -1),
+  ],
+)
 def test_sampling_values_are_checked_as_sent(server, field, value):
   _, stub, _, _, _ = server
   code, details = code_of(gen(stub, **{field: value}))
@@ -169,8 +202,12 @@ def test_request_id_is_bounded_printable_and_echoed_once(server):
 
 def test_stop_lists_are_capped(server):
   _, stub, _, _, _ = server
-  cases = [dict(stop=["x"] * 17), dict(stop=["x" * 257]), dict(stop=["\u00e9" * 129]),
-           dict(stop_token_ids=list(range(257)))]
+  cases = [
+    dict(stop=["x"] * 17),
+    dict(stop=["x" * 257]),
+    dict(stop=["\u00e9" * 129]),
+    dict(stop_token_ids=list(range(257))),
+  ]
   for kw in cases:
     code, details = code_of(gen(stub, text="x", **kw))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most" in details, kw
@@ -181,9 +218,15 @@ def test_open_streams_beyond_the_queue_fail_at_once_and_the_control_plane_answer
   engine, stub, channel, _, port = server
   base = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10)
   # 600 long streams from one client (a streaming call starts when made; nothing reads them).
-  flood = [stub.Generate(hisparse_pb2.GenerateRequest(
-      request_id=f"flood{i}", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5, 6]), max_new_tokens=200,
-      ignore_eos=True), timeout=120) for i in range(600)]
+  flood = [
+    stub.Generate(
+      hisparse_pb2.GenerateRequest(
+        request_id=f"flood{i}", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5, 6]), max_new_tokens=200, ignore_eos=True
+      ),
+      timeout=120,
+    )
+    for i in range(600)
+  ]
   try:
     deadline = time.monotonic() + 60
     while stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10).queued < 590:
@@ -197,10 +240,17 @@ def test_open_streams_beyond_the_queue_fail_at_once_and_the_control_plane_answer
     assert stub.Abort(hisparse_pb2.AbortRequest(request_id="flood0"), timeout=10).aborted == 1
     # Beyond max_running + max_queued (2 + 700) open streams: RESOURCE_EXHAUSTED at once, not a wait in
     # a queue. Accepted ones wait in the engine's queue behind the flood until their 3 s deadline.
-    extra = [stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4]),
-                                                        max_new_tokens=2), timeout=3) for _ in range(110)]
+    extra = [
+      stub.Generate(
+        hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4]), max_new_tokens=2), timeout=3
+      )
+      for _ in range(110)
+    ]
     codes = [code_of(lambda c=c: next(c))[0] for c in extra]
-    exhausted, accepted = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED), codes.count(grpc.StatusCode.DEADLINE_EXCEEDED)
+    exhausted, accepted = (
+      codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED),
+      codes.count(grpc.StatusCode.DEADLINE_EXCEEDED),
+    )
     assert exhausted + accepted == 110 and accepted <= 702 - 599 and exhausted >= 110 - (702 - 599), codes
   finally:
     for c in flood:
@@ -248,15 +298,19 @@ def test_one_client_cannot_hold_more_than_its_share_of_streams():
   srv, loop, port = serve(engine, None, "[::]", 0, metrics, limits=ServerLimits(max_streams_per_client=2))
   a_channel, b_channel = grpc.insecure_channel(f"127.0.0.1:{port}"), grpc.insecure_channel(f"[::1]:{port}")
   a, b = hisparse_pb2_grpc.HiSparseInferenceStub(a_channel), hisparse_pb2_grpc.HiSparseInferenceStub(b_channel)
-  long = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=200,
-                                      ignore_eos=True)
+  long = hisparse_pb2.GenerateRequest(
+    input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=200, ignore_eos=True
+  )
   held = [a.Generate(long, timeout=120) for _ in range(2)]
   try:
     for call in held:
       next(call)  # both streams are open and decoding
     code, details = code_of(gen(a))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
-    assert re.search(r"client ipv[46]:\S*127\.0\.0\.1\]? has 2 streams open", details) and "--max-streams-per-client" in details
+    assert (
+      re.search(r"client ipv[46]:\S*127\.0\.0\.1\]? has 2 streams open", details)
+      and "--max-streams-per-client" in details
+    )
     assert gen(b)()[-1].finished  # another client is served
   finally:
     for call in held:
@@ -273,8 +327,9 @@ def test_one_client_cannot_hold_more_than_its_share_of_streams():
     # handler ends, just after the client has its status.
     want = {"length": 2, "cancelled": 2, "resource_exhausted": 1, "invalid_argument": 1, "stop": 0}
     deadline = time.monotonic() + 10
-    while (outcomes := {o: metrics.registry.get_sample_value("hisparse_requests_total", {"outcome": o})
-                        for o in want}) != want:
+    while (
+      outcomes := {o: metrics.registry.get_sample_value("hisparse_requests_total", {"outcome": o}) for o in want}
+    ) != want:
       assert time.monotonic() < deadline, outcomes
       time.sleep(0.02)
   finally:
@@ -301,8 +356,9 @@ def test_tls_and_api_key(tmp_path):
       for key_sent in (None, "wrong", "s3cret-key-and-more"):
         code, _ = code_of(gen(stub, api_key=key_sent))
         assert code == grpc.StatusCode.UNAUTHENTICATED, key_sent
-        code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,
-                                                metadata=auth_metadata(key_sent)))
+        code, _ = code_of(
+          lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=auth_metadata(key_sent))
+        )
         assert code == grpc.StatusCode.UNAUTHENTICATED
       for twice in (auth_metadata("wrong") + auth_metadata("s3cret-key"), auth_metadata("s3cret-key") * 2):
         code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=twice))
@@ -310,19 +366,34 @@ def test_tls_and_api_key(tmp_path):
       assert gen(stub, api_key="s3cret-key")()[-1].finished
       # The 3 Generate calls refused for their key are counted (GetLoads is not a stream), the good one too.
       assert (outcome("unauthenticated"), outcome("length"), outcome("internal")) == (3, 1, 0)
-      assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,  # (the scheme's case is free)
-                           metadata=(("authorization", "bearer s3cret-key"),)).running == 0
-      code, _ = code_of(lambda: stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10,
-                                              metadata=(("authorization", "bearer S3CRET-KEY"),)))
+      assert (
+        stub.GetLoads(
+          hisparse_pb2.GetLoadsRequest(),
+          timeout=10,  # (the scheme's case is free)
+          metadata=(("authorization", "bearer s3cret-key"),),
+        ).running
+        == 0
+      )
+      code, _ = code_of(
+        lambda: stub.GetLoads(
+          hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=(("authorization", "bearer S3CRET-KEY"),)
+        )
+      )
       assert code == grpc.StatusCode.UNAUTHENTICATED  # (the key's is not)
-      assert stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=auth_metadata("s3cret-key")).running == 0
+      assert (
+        stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=10, metadata=auth_metadata("s3cret-key")).running == 0
+      )
     # A plain-text client cannot talk to the TLS port.
     with grpc.insecure_channel(target) as plain:
       code, _ = code_of(gen(hisparse_pb2_grpc.HiSparseInferenceStub(plain), api_key="s3cret-key"))
       assert code == grpc.StatusCode.UNAVAILABLE
     # The client says what to do about it.
-    r = subprocess.run([sys.executable, "-m", "hisparse_jax.serving.client", f"--target={target}", "--loads",
-                        "--timeout-s=20"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+      [sys.executable, "-m", "hisparse_jax.serving.client", f"--target={target}", "--loads", "--timeout-s=20"],
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
     assert r.returncode == 1 and r.stderr.strip().startswith("error: UNAVAILABLE: "), r.stderr
     assert r.stderr.strip().endswith("(a server with TLS closes a plain-text connection: pass --tls-ca-file)")
   finally:
@@ -348,8 +419,11 @@ def test_pem_files_may_be_pipes(tmp_path):
       os.close(read)
   assert got == {"cert": cert, "key": key, "ca": cert}
   credentials.check_pem("/dev/fd/63", "/dev/fd/62", "/dev/fd/61", got["cert"], got["key"], got["ca"])
-  with pytest.raises(ValueError, match=r"--tls-cert-file 'c' / --tls-key-file 'k': not a PEM certificate chain "
-                                       r"and its unencrypted private key \(KEY_VALUES_MISMATCH\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"--tls-cert-file 'c' / --tls-key-file 'k': not a PEM certificate chain "
+    r"and its unencrypted private key \(KEY_VALUES_MISMATCH\)",
+  ):
     credentials.check_pem("c", "k", None, cert, other_key, None)
   with pytest.raises(ValueError, match="--tls-client-ca-file 'a': not a PEM CA certificate file"):
     credentials.check_pem(None, None, "a", None, None, b"not a certificate\n")
@@ -360,8 +434,12 @@ def test_api_key_flags(tmp_path, monkeypatch):
   f.write_text("abc123\nignored\n")
   assert credentials.api_key(None, str(f)) == "abc123"
   assert credentials.api_key("k", None) == "k" and credentials.api_key(None, None) is None
-  for key, path, msg in (("k", str(f), "not both"), ("has space", None, "printable"), ("", None, "non-empty"),
-                         (None, str(tmp_path / "missing"), "api-key-file")):
+  for key, path, msg in (
+    ("k", str(f), "not both"),
+    ("has space", None, "printable"),
+    ("", None, "non-empty"),
+    (None, str(tmp_path / "missing"), "api-key-file"),
+  ):
     with pytest.raises(ValueError, match=msg):
       credentials.api_key(key, path)
   (tmp_path / "empty").write_text("")
@@ -401,15 +479,22 @@ def test_streams_cancelled_while_the_server_writes_leave_no_tracebacks(server, c
   traceback by grpc); the server drops that record (its request is aborted as a cancel), so clients cannot grow
   the log by a traceback per stream; the pages come back."""
   import logging
+
   engine, _, _, _, port = server
   slow = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]  # the client's window stays small
   caplog.set_level(logging.INFO)
   for _ in range(3):
     with grpc.insecure_channel(f"127.0.0.1:{port}", options=slow) as channel:
       stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
-      calls = [stub.Generate(hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[5, 6, 7]),
-                                                          max_new_tokens=200, ignore_eos=True), timeout=60)
-               for _ in range(3)]
+      calls = [
+        stub.Generate(
+          hisparse_pb2.GenerateRequest(
+            input_ids=hisparse_pb2.TokenIds(ids=[5, 6, 7]), max_new_tokens=200, ignore_eos=True
+          ),
+          timeout=60,
+        )
+        for _ in range(3)
+      ]
       for call in calls:
         next(call)
       time.sleep(0.5)  # the server's writes block on flow control
@@ -432,8 +517,9 @@ def test_one_clients_backlog_does_not_delay_another_clients_first_token(fair):
   a = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   b = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"[::1]:{port}"))
   b.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=60)  # (b's connection is up before a's streams start)
-  long = hisparse_pb2.GenerateRequest(input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=240,
-                                      ignore_eos=True)
+  long = hisparse_pb2.GenerateRequest(
+    input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=240, ignore_eos=True
+  )
   held = [a.Generate(long, timeout=120) for _ in range(12)]
   try:
     next(held[0])  # decoding
@@ -461,8 +547,12 @@ def test_an_abort_reaches_only_its_own_clients_requests():
   srv, loop, port = serve(engine, None, "[::]", 0)
   a = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   b = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"[::1]:{port}"))
-  call = a.Generate(hisparse_pb2.GenerateRequest(request_id="mine", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]),
-                                                 max_new_tokens=200, ignore_eos=True), timeout=120)
+  call = a.Generate(
+    hisparse_pb2.GenerateRequest(
+      request_id="mine", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=200, ignore_eos=True
+    ),
+    timeout=120,
+  )
   try:
     next(call)
     assert b.Abort(hisparse_pb2.AbortRequest(request_id="mine"), timeout=10).aborted == 0
@@ -485,8 +575,14 @@ def test_a_connection_flood_costs_the_flooder_and_the_control_plane_keeps_answer
   connections, are benchmarks/connection_flood.py's.)"""
   key, cert = _self_signed(tmp_path)
   engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
-  srv, loop, port = serve(engine, None, "127.0.0.1", 0, tls=TLSConfig(cert, key),
-                          limits=ServerLimits(max_connections=200, handshake_timeout_s=1.0))
+  srv, loop, port = serve(
+    engine,
+    None,
+    "127.0.0.1",
+    0,
+    tls=TLSConfig(cert, key),
+    limits=ServerLimits(max_connections=200, handshake_timeout_s=1.0),
+  )
   channel = grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(cert))
   health = health_pb2_grpc.HealthStub(channel)
   stub = hisparse_pb2_grpc.HiSparseInferenceStub(channel)
@@ -528,8 +624,9 @@ def test_client_keys_name_their_callers_and_the_operator_aborts_any(tmp_path):
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, api_key=keys, limits=ServerLimits(max_streams_per_client=1))
   stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   as_ = lambda key: (("authorization", f"Bearer {key}"),)  # noqa: E731
-  long = hisparse_pb2.GenerateRequest(request_id="job", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]),
-                                      max_new_tokens=200, ignore_eos=True)
+  long = hisparse_pb2.GenerateRequest(
+    request_id="job", input_ids=hisparse_pb2.TokenIds(ids=[3, 4, 5]), max_new_tokens=200, ignore_eos=True
+  )
   calls = [stub.Generate(long, metadata=as_(k), timeout=120) for k in ("alice-key", "bob-key")]
   try:
     for call in calls:
@@ -538,6 +635,7 @@ def test_client_keys_name_their_callers_and_the_operator_aborts_any(tmp_path):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "client key:alice has 1 streams open" in details
     code, _ = code_of(lambda: next(stub.Generate(long, metadata=as_("mallory-key"), timeout=30)))
     assert code == grpc.StatusCode.UNAUTHENTICATED
+
     def abort(key):
       return stub.Abort(hisparse_pb2.AbortRequest(request_id="job"), metadata=as_(key), timeout=10)
 
@@ -552,10 +650,13 @@ def test_client_keys_name_their_callers_and_the_operator_aborts_any(tmp_path):
       call.cancel()
     srv.stop(0).wait()
     loop.stop()
-  for text, message in (("alice k1\nalice k2\n", "line 2: name 'alice' appears twice"),
-                        ("alice k1\nbob k1\n", "line 2: its key appears twice"),
-                        ("# only a comment\n", "no NAME KEY line"), ("alice k\u00e9y\n", "not ASCII"),
-                        ("alice\n", "line 1: expected NAME KEY")):
+  for text, message in (
+    ("alice k1\nalice k2\n", "line 2: name 'alice' appears twice"),
+    ("alice k1\nbob k1\n", "line 2: its key appears twice"),
+    ("# only a comment\n", "no NAME KEY line"),
+    ("alice k\u00e9y\n", "not ASCII"),
+    ("alice\n", "line 1: expected NAME KEY"),
+  ):
     path = tmp_path / "keys"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
@@ -574,6 +675,7 @@ def test_a_stream_whose_rpc_ended_under_its_handler_counts_as_cancelled_or_deadl
   import types
 
   from hisparse_jax.serving.server import InferenceServicer
+
   engine = types.SimpleNamespace(max_queued_requests=None, num_slots=1, max_prompt_bytes=100)
   metrics = ServerMetrics(row_bytes=1)
   servicer = InferenceServicer(types.SimpleNamespace(engine=engine, metrics=metrics), None)
@@ -601,7 +703,7 @@ def test_a_stream_whose_rpc_ended_under_its_handler_counts_as_cancelled_or_deadl
 
     async def failing(request, ctx):
       ctx.ended = ended  # (abort sets status_sent before it sends; the send fails on an ended RPC)
-      raise RuntimeError("Failed \"execute_batch\": (<grpc._cython.cygrpc.SendStatusFromServerOperation ...>,)")
+      raise RuntimeError('Failed "execute_batch": (<grpc._cython.cygrpc.SendStatusFromServerOperation ...>,)')
       yield
 
     servicer._generate = failing
@@ -610,6 +712,7 @@ def test_a_stream_whose_rpc_ended_under_its_handler_counts_as_cancelled_or_deadl
       with pytest.raises(RuntimeError):
         async for _ in servicer.Generate(None, context):
           pass
+
     asyncio.run(drain())
 
   run(ended=True)

@@ -60,11 +60,25 @@ def run(engine, reqs):
 
 
 def test_engine_sampling_seeds_and_stops(tokenized_model):
-  eng = Engine(tokenized_model, hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=3, max_seq_len=128,
-               tokenizer=load_tokenizer(tokenized_model), deterministic=True, **SMALL)
+  eng = Engine(
+    tokenized_model,
+    hisparse=HiSparseConfig(**TINY_HISPARSE),
+    max_running_requests=3,
+    max_seq_len=128,
+    tokenizer=load_tokenizer(tokenized_model),
+    deterministic=True,
+    **SMALL,
+  )
   prompt = list(range(2, 30))
-  a, b, c, g = run(eng, [Request("a", prompt, 12, temperature=1.0, seed=7), Request("b", prompt, 12, temperature=1.0, seed=7),
-                         Request("c", prompt, 12, temperature=1.0, seed=8), Request("g", prompt, 12)])
+  a, b, c, g = run(
+    eng,
+    [
+      Request("a", prompt, 12, temperature=1.0, seed=7),
+      Request("b", prompt, 12, temperature=1.0, seed=7),
+      Request("c", prompt, 12, temperature=1.0, seed=8),
+      Request("g", prompt, 12),
+    ],
+  )
   assert a.output_ids == b.output_ids != c.output_ids
   # The same seeded request alone (different neighbours) gives the same tokens.
   assert run(eng, [Request("a2", prompt, 12, temperature=1.0, seed=7)])[0].output_ids == a.output_ids
@@ -78,8 +92,14 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   assert ss.finish_reason == "stop_string" and ss.matched_stop == text[-1] and len(ss.output_ids) <= 2
   # One str is one stop string (vLLM, OpenAI), not its characters; one int is one stop token.
   whole = text[-1] + "\u2603" * 3
-  one = run(eng, [Request("t1", prompt, 12, stop=whole), Request("t2", prompt, 12, stop_token_ids=g.output_ids[2]),
-                  Request("t3", prompt, 12, stop_token_ids=np.int64(g.output_ids[2]))])
+  one = run(
+    eng,
+    [
+      Request("t1", prompt, 12, stop=whole),
+      Request("t2", prompt, 12, stop_token_ids=g.output_ids[2]),
+      Request("t3", prompt, 12, stop_token_ids=np.int64(g.output_ids[2])),
+    ],
+  )
   assert one[0].stop == (whole,) and one[0].output_ids == g.output_ids and one[0].finish_reason == "length"
   assert one[1].finish_reason == one[2].finish_reason == "stop_token"
   assert one[1].output_ids == one[2].output_ids == st.output_ids
@@ -92,22 +112,41 @@ def test_engine_sampling_seeds_and_stops(tokenized_model):
   both = run(eng, [Request("v", prompt, 12, stop=(text[-1],), stop_token_ids=(cut,))])[0]
   assert both.output_ids == ss.output_ids and both.text == ss.text
   assert both.finish_reason == "stop_string" and both.matched_stop == text[-1]
+
   # A request that ends inside a character: the flushed U+FFFD is streamed too, and a stop it completes is one.
   def held(i):  # a token that starts a multi-byte character: nothing to show until the end of the text
     detok = eng._detokenizers()
     return detok.push(i) == "" and detok.flush() == "\ufffd"
+
   lead = next(i for i in range(eng.config.vocab_size) if held(i))
   exported = run(eng, [Request("e", prompt, 1, export_kv=True)])[0]
   for stop, reason in (((), "length"), (("\ufffd",), "stop_string")):
     deltas = []
-    r = run(eng, [Request("f", prompt, 1, prompt_kv=exported.prompt_kv, first_token=lead, stop=stop,
-                          on_token=lambda _, d: deltas.append(d))])[0]
+    r = run(
+      eng,
+      [
+        Request(
+          "f",
+          prompt,
+          1,
+          prompt_kv=exported.prompt_kv,
+          first_token=lead,
+          stop=stop,
+          on_token=lambda _, d: deltas.append(d),
+        )
+      ],
+    )[0]
     assert r.output_ids == [lead] and r.finish_reason == reason
     assert "".join(deltas) == r.text == ("\ufffd" if reason == "length" else "")
-  for bad, msg in [(dict(stop=("",)), "non-empty"), (dict(temperature=-1.0), "temperature"),
-                   (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(10**6,)), "stop token"),
-                   (dict(stop=None), "stop must be a list, got NoneType"),
-                   (dict(stop_token_ids=2.5), "stop_token_ids must be a list, got float")]:
+  for bad, msg in [
+    (dict(stop=("",)), "non-empty"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(stop_token_ids=(10**6,)), "stop token"),
+    (dict(stop=None), "stop must be a list, got NoneType"),
+    (dict(stop_token_ids=2.5), "stop_token_ids must be a list, got float"),
+  ]:
     with pytest.raises(RequestError, match=msg):
       eng.submit(Request("x", prompt, 4, **bad))
 
@@ -119,8 +158,15 @@ def test_admission_by_free_pages_and_queue_bound():
   probe = Engine(d, max_running_requests=4, max_seq_len=256, deterministic=True, **SMALL)
   per_page = probe.memory_plan.pools["kv"][2]
   assert per_page == 16 * 3 * (48 * 4 + 16 * 4)  # page x layers x (latent row + indexer key) bytes
-  eng = Engine(d, max_running_requests=4, max_seq_len=256, max_device_kv_bytes=8 * per_page + 5,
-               max_queued_requests=3, deterministic=True, **SMALL)
+  eng = Engine(
+    d,
+    max_running_requests=4,
+    max_seq_len=256,
+    max_device_kv_bytes=8 * per_page + 5,
+    max_queued_requests=3,
+    deterministic=True,
+    **SMALL,
+  )
   assert eng.memory_plan.pools["kv"][1] == 8
   # 45-token prompts: 3 pages each at admission (prompt + first token), 4 by the end (55 tokens).
   reqs = [Request(str(i), list(range(2, 47)), 10) for i in range(3)]
@@ -151,15 +197,22 @@ def test_admission_by_free_pages_and_queue_bound():
   eng.run()
   assert all(r.finish_reason == "length" for r in burst) and all_kv_free(eng.loads())
   # Same tokens as without a budget.
-  assert [r.output_ids for r in run(probe, [Request(str(i), list(range(2, 47)), 10) for i in range(3)])] == \
-      [r.output_ids for r in reqs]
+  assert [r.output_ids for r in run(probe, [Request(str(i), list(range(2, 47)), 10) for i in range(3)])] == [
+    r.output_ids for r in reqs
+  ]
 
 
 @pytest.fixture(scope="module")
 def server(tokenized_model):
   big_pool = dict(TINY_HISPARSE, host_to_device_ratio=16)  # room for one 240-token request
-  engine = Engine(tokenized_model, hisparse=HiSparseConfig(**big_pool), max_running_requests=2,
-                  max_seq_len=256, tokenizer=load_tokenizer(tokenized_model), **SMALL)
+  engine = Engine(
+    tokenized_model,
+    hisparse=HiSparseConfig(**big_pool),
+    max_running_requests=2,
+    max_seq_len=256,
+    tokenizer=load_tokenizer(tokenized_model),
+    **SMALL,
+  )
   srv, loop, port = serve(engine, load_tokenizer(tokenized_model), "127.0.0.1", 0)
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   yield engine, hisparse_pb2_grpc.HiSparseInferenceStub(channel)
@@ -173,6 +226,7 @@ def test_an_abort_while_the_prompt_is_tokenized_is_kept(server, monkeypatch):
   gate) counts the request and ends it as ABORT before it reaches the engine (it was lost: the request then ran
   to its end)."""
   from hisparse_jax.serving.server import InferenceServicer
+
   engine, stub = server
   gate, tokenizing = threading.Event(), threading.Event()
   prompt_ids = InferenceServicer._prompt_ids
@@ -188,8 +242,17 @@ def test_an_abort_while_the_prompt_is_tokenized_is_kept(server, monkeypatch):
     gate.clear()
     tokenizing.clear()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      stream = pool.submit(lambda: list(generate(stub, text="e e e e " * 10, max_new_tokens=max_new,  # (ids < 512)
-                                                 request_id="early", timeout=60)))
+      stream = pool.submit(
+        lambda: list(
+          generate(
+            stub,
+            text="e e e e " * 10,
+            max_new_tokens=max_new,  # (ids < 512)
+            request_id="early",
+            timeout=60,
+          )
+        )
+      )
       assert tokenizing.wait(30)
       assert stub.Abort(hisparse_pb2.AbortRequest(request_id="early"), timeout=10).aborted == 1
       gate.set()
@@ -208,8 +271,9 @@ def test_abort_rpc_getloads_and_stop_over_grpc(server):
   assert base.running == 0 and base.free_lanes == 2 and base.host_rows_total > 0
   assert base.free_host_rows == base.host_rows_total
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    long = pool.submit(lambda: list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=200,
-                                             request_id="victim", timeout=60)))
+    long = pool.submit(
+      lambda: list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=200, request_id="victim", timeout=60))
+    )
     deadline = time.time() + 30
     while stub.GetLoads(hisparse_pb2.GetLoadsRequest()).running == 0 and time.time() < deadline:
       time.sleep(0.02)
@@ -218,8 +282,9 @@ def test_abort_rpc_getloads_and_stop_over_grpc(server):
   final = msgs[-1]
   assert final.finished and final.finish_reason == hisparse_pb2.ABORT and final.completion_tokens < 200
   assert stub.Abort(hisparse_pb2.AbortRequest(request_id="nobody")).aborted == 0
-  msgs = list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=20, temperature=0.8, seed=3,
-                       stop_token_ids=[]))
+  msgs = list(
+    generate(stub, input_ids=list(range(2, 40)), max_new_tokens=20, temperature=0.8, seed=3, stop_token_ids=[])
+  )
   again = list(generate(stub, input_ids=list(range(2, 40)), max_new_tokens=20, temperature=0.8, seed=3))
   assert [t for m in msgs for t in m.token_ids] == [t for m in again for t in m.token_ids]
   with pytest.raises(grpc.RpcError) as e:
@@ -230,8 +295,14 @@ def test_abort_rpc_getloads_and_stop_over_grpc(server):
 
 
 def test_abort_right_after_admission_restores_baseline():
-  eng = Engine(tiny_model_dir(), hisparse=HiSparseConfig(**TINY_HISPARSE), max_running_requests=2, max_seq_len=128,
-               deterministic=True, **SMALL)
+  eng = Engine(
+    tiny_model_dir(),
+    hisparse=HiSparseConfig(**TINY_HISPARSE),
+    max_running_requests=2,
+    max_seq_len=128,
+    deterministic=True,
+    **SMALL,
+  )
   base = eng.loads()
   keep, victim = Request("keep", list(range(2, 30)), 8), Request("victim", list(range(3, 40)), 8)
   eng.submit(keep)

@@ -41,7 +41,7 @@ def to_host(x):
 
 def device_args(case):
   """jnp arrays of a case, its host pool in pinned_host memory."""
-  return [case[0], *map(jnp.asarray, case[1:POOL]), to_host(case[POOL]), *map(jnp.asarray, case[POOL + 1:])]
+  return [case[0], *map(jnp.asarray, case[1:POOL]), to_host(case[POOL]), *map(jnp.asarray, case[POOL + 1 :])]
 
 
 def run_kernel(*case, page_size=PAGE, eviction="lru"):
@@ -105,8 +105,9 @@ def swap_in_cases(draw):
   perm = draw(st.permutations(range(H // page)))
   host_pages = np.array(perm[: B * P], np.int32).reshape(B, P)
   slot_tokens = np.tile(np.arange(D, dtype=np.int32), (L, R, 1))
-  lru = np.stack([np.stack([np.array(draw(st.permutations(range(D)))) for _ in range(R)])
-                  for _ in range(L)]).astype(np.int32)
+  lru = np.stack([np.stack([np.array(draw(st.permutations(range(D)))) for _ in range(R)]) for _ in range(L)]).astype(
+    np.int32
+  )
   top_k = np.full((B, K), -1, np.int32)
   for b in range(B):
     n, r = int(seq_lens[b]), int(req_ids[b])
@@ -224,7 +225,9 @@ def _with_idle_row(case):
   return case
 
 
-@pytest.mark.parametrize("mutate, code, rows", [
+@pytest.mark.parametrize(
+  "mutate, code, rows",
+  [
     (lambda c: c[1].__setitem__((0, 0), 16), reference.POSITION_OUT_OF_RANGE, [0]),
     (lambda c: c[1].__setitem__((0, 0), -2), reference.POSITION_OUT_OF_RANGE, [0]),
     (lambda c: c[4].__setitem__((0, 2), 999), reference.HOST_ROW_OUT_OF_RANGE, [0]),
@@ -238,7 +241,8 @@ def _with_idle_row(case):
     (lambda c: c[3].__setitem__(0, -1), reference.BAD_REQUEST_ID, [0]),  # idle row with seq_len > 0
     # The same request twice: the later row fails, the first is done.
     (lambda c: _with_idle_row(c)[3].__setitem__(1, 4) or c[2].__setitem__(1, 16), reference.BAD_REQUEST_ID, [1]),
-])
+  ],
+)
 def test_bad_input_is_a_row_status_and_changes_nothing(mutate, code, rows):
   case = worked_example()
   mutate(case)
@@ -261,11 +265,17 @@ def test_bad_input_is_a_row_status_and_changes_nothing(mutate, code, rows):
 
 def test_status_codes_and_messages():
   """The reference's codes are the kernel's (xla_ffi/swap_in_core.h), each with its own message."""
-  want = {reference.BAD_SEQ_LEN: "seq_len", reference.POSITION_OUT_OF_RANGE: "top-k position",
-          reference.HOST_ROW_OUT_OF_RANGE: "host-pool row", reference.LRU_NOT_PERMUTATION: "not a permutation",
-          reference.LAYER_OUT_OF_RANGE: "layer index", reference.BAD_REQUEST_ID: "request id",
-          reference.BAD_SCORE: "NaN", reference.BACKUP_ROW_OUT_OF_RANGE: "backup destination",
-          reference.PREFETCH_STALE: "prefetch dropped"}
+  want = {
+    reference.BAD_SEQ_LEN: "seq_len",
+    reference.POSITION_OUT_OF_RANGE: "top-k position",
+    reference.HOST_ROW_OUT_OF_RANGE: "host-pool row",
+    reference.LRU_NOT_PERMUTATION: "not a permutation",
+    reference.LAYER_OUT_OF_RANGE: "layer index",
+    reference.BAD_REQUEST_ID: "request id",
+    reference.BAD_SCORE: "NaN",
+    reference.BACKUP_ROW_OUT_OF_RANGE: "backup destination",
+    reference.PREFETCH_STALE: "prefetch dropped",
+  }
   assert sorted(want) == list(range(1, ops._ffi_cpu.num_statuses))
   for code, text in want.items():
     assert text in ops.status_message(code)
@@ -297,8 +307,9 @@ def test_a_bad_row_fails_alone():
       assert (g[1] == -1).all()
     else:  # request slots 0 and 2 as when all were good; slot 1 as it came in
       np.testing.assert_array_equal(g[:, [0, 2]], w[:, [0, 2]], err_msg=name)
-      np.testing.assert_array_equal(g[:, 1], bad[POOL + 1 + ("hot", "slot_tokens", "lru", "stats").index(name)][:, 1],
-                                    err_msg=name)
+      np.testing.assert_array_equal(
+        g[:, 1], bad[POOL + 1 + ("hot", "slot_tokens", "lru", "stats").index(name)][:, 1], err_msg=name
+      )
 
 
 def test_newest_of_the_wrong_shape_is_an_ffi_error():
@@ -339,8 +350,11 @@ def test_top_k_larger_than_buffer_is_an_error():
   with pytest.raises(FFI_ERRORS, match=r"swap_in: hot \[L, R, D\+1, W\] has D\+1 = 1: it needs D >= 1 slots"):
     run_kernel(*case)
   with pytest.raises(FFI_ERRORS, match=r"prefetch: hot \[L, R, D\+1, W\] has D\+1 = 1"):
-    jax.block_until_ready(ops.prefetch_start(0, *map(jnp.asarray, case[1:NEWEST]), to_host(case[POOL]),
-                                             *map(jnp.asarray, case[HOT:STATS]), page_size=PAGE))
+    jax.block_until_ready(
+      ops.prefetch_start(
+        0, *map(jnp.asarray, case[1:NEWEST]), to_host(case[POOL]), *map(jnp.asarray, case[HOT:STATS]), page_size=PAGE
+      )
+    )
 
 
 def test_backup_writes_rows_in_place():
@@ -357,11 +371,14 @@ def test_backup_writes_rows_in_place():
   np.testing.assert_array_equal(np.asarray(out), want)
 
 
-@pytest.mark.parametrize("layer, dst, status", [
+@pytest.mark.parametrize(
+  "layer, dst, status",
+  [
     (2, [0, 0, 0], [reference.LAYER_OUT_OF_RANGE] * 3),  # layers [2, 4) of 3: nothing written
     (0, [0, 10, 5], [0, reference.BACKUP_ROW_OUT_OF_RANGE, 0]),  # that column alone is skipped
     (0, [-2, -1, 3], [reference.BACKUP_ROW_OUT_OF_RANGE, 0, 0]),
-])
+  ],
+)
 def test_backup_bad_input_is_a_column_status(layer, dst, status):
   before = np.arange(3 * 10 * 4, dtype=np.float32).reshape(3, 10, 4)
   rows = np.ones((2, 3, 4), np.float32) * 7
@@ -386,12 +403,17 @@ def test_in_place_inside_a_jitted_step_has_no_pool_or_hot_buffer_copy():
     for layer in (0, 0):
       pool, _ = ops.backup(layer, new_row, dst, pool)
       rows, pool, hot, slot_tokens, lru, stats, _ = ops.swap_in(
-          layer, *map(jnp.asarray, case[1:NEWEST]), new_row[0], pool, hot, slot_tokens, lru, stats, page_size=PAGE)
+        layer, *map(jnp.asarray, case[1:NEWEST]), new_row[0], pool, hot, slot_tokens, lru, stats, page_size=PAGE
+      )
       new_row = new_row + hot[layer].reshape(-1, W)[rows[0, 0]]  # the next layer depends on this one's rows
     return rows, pool, hot
 
-  args = (to_host(case[POOL]), *map(jnp.asarray, case[POOL + 1:]),
-          jnp.ones((1, 1, W), jnp.float32), jnp.array([newest_row], jnp.int32))
+  args = (
+    to_host(case[POOL]),
+    *map(jnp.asarray, case[POOL + 1 :]),
+    jnp.ones((1, 1, W), jnp.float32),
+    jnp.array([newest_row], jnp.int32),
+  )
   hlo = step.lower(*args).compile().as_text()
   for shape in (f"f32[{L},{H},{W}]", "f32[{},{},{},{}]".format(*case[HOT].shape)):
     copies = [l for l in hlo.splitlines() if " copy(" in l and shape in l]
@@ -404,6 +426,7 @@ def test_in_place_inside_a_jitted_step_has_no_pool_or_hot_buffer_copy():
 def test_loaded_handler_is_the_requested_build():
   """Under `make test-asan` the instrumented module must really be the one registered."""
   import os
+
   path = os.environ.get("HISPARSE_FFI_CPU_LIB")
   if path:
     assert os.path.samefile(ops._ffi_cpu.__file__, path)
@@ -417,7 +440,7 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
   pool = ops.ExtensionHostPool(*case[POOL].shape, np.float32)
   pool.write(case[POOL])
   fn = jax.jit(functools.partial(ops.swap_in, page_size=PAGE, external=pool.ref), donate_argnums=STATE)
-  out = fn(0, *map(jnp.asarray, case[1:POOL]), pool.token(), *map(jnp.asarray, case[POOL + 1:]))
+  out = fn(0, *map(jnp.asarray, case[1:POOL]), pool.token(), *map(jnp.asarray, case[POOL + 1 :]))
   want = run_reference(*case)
   for i in (0, 2, 3, 4, 5):
     np.testing.assert_array_equal(np.asarray(out[i]), want[i])
@@ -435,21 +458,46 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
   # or the same bytes as another dtype / width (the ref's trace-time check); nothing is written.
   before = pool.read()
   for ref, rows, error, match in (
-      (ops.ExternalPoolRef(pool.address, 1, 16, np.float32, 3, pool.ref.serial), new_rows, FFI_ERRORS,
-       r"the pool has 1 x 32 rows, 384 bytes"),
-      (ops.ExternalPoolRef(pool.address, 2, 16, np.float32, 3, pool.ref.serial), new_rows, FFI_ERRORS,
-       r"not a live extension pool of 2 x 16 rows"),  # the same bytes split into other layers and rows
-      (ops.ExternalPoolRef(pool.address, 1, 32, np.float32, 3, pool.ref.serial + 1), new_rows, FFI_ERRORS,
-       r"freed, or never allocated"),
-      (ops.ExternalPoolRef(pool.address, 1, 32, np.float16, 3, pool.ref.serial), new_rows.astype(jnp.float16), FFI_ERRORS, "32 rows of 3 x 2"),
-      (pool.ref, new_rows.astype(jnp.int32), ValueError, "holds rows of 3 x float32, but the rows written"),
-      (pool.ref, jnp.full((1, 1, 6), 7.0, jnp.float16), ValueError, "are 6 x float16")):
+    (
+      ops.ExternalPoolRef(pool.address, 1, 16, np.float32, 3, pool.ref.serial),
+      new_rows,
+      FFI_ERRORS,
+      r"the pool has 1 x 32 rows, 384 bytes",
+    ),
+    (
+      ops.ExternalPoolRef(pool.address, 2, 16, np.float32, 3, pool.ref.serial),
+      new_rows,
+      FFI_ERRORS,
+      r"not a live extension pool of 2 x 16 rows",
+    ),  # the same bytes split into other layers and rows
+    (
+      ops.ExternalPoolRef(pool.address, 1, 32, np.float32, 3, pool.ref.serial + 1),
+      new_rows,
+      FFI_ERRORS,
+      r"freed, or never allocated",
+    ),
+    (
+      ops.ExternalPoolRef(pool.address, 1, 32, np.float16, 3, pool.ref.serial),
+      new_rows.astype(jnp.float16),
+      FFI_ERRORS,
+      "32 rows of 3 x 2",
+    ),
+    (pool.ref, new_rows.astype(jnp.int32), ValueError, "holds rows of 3 x float32, but the rows written"),
+    (pool.ref, jnp.full((1, 1, 6), 7.0, jnp.float16), ValueError, "are 6 x float16"),
+  ):
     with pytest.raises(error, match=match):
       jax.block_until_ready(ops.backup(0, rows, jnp.array([1], jnp.int32), pool.token(), external=ref))
   with pytest.raises(ValueError, match="swap_in: the extension host pool holds rows of 3 x float32"):
-    ops.swap_in(0, *map(jnp.asarray, case[1:NEWEST]), jnp.zeros((1, 3), jnp.int32), pool.token(),
-                jnp.zeros(case[HOT].shape, jnp.int32), *map(jnp.asarray, case[HOT + 1:]), page_size=PAGE,
-                external=pool.ref)
+    ops.swap_in(
+      0,
+      *map(jnp.asarray, case[1:NEWEST]),
+      jnp.zeros((1, 3), jnp.int32),
+      pool.token(),
+      jnp.zeros(case[HOT].shape, jnp.int32),
+      *map(jnp.asarray, case[HOT + 1 :]),
+      page_size=PAGE,
+      external=pool.ref,
+    )
   np.testing.assert_array_equal(pool.read(), before)
   with pytest.raises(ValueError, match="expected dtype float32, got float64 \\(convert it first\\)"):
     pool.write(np.full(pool.shape, 1e300))  # (it was cast: inf)
@@ -460,8 +508,7 @@ def test_extension_pool_matches_reference_and_rejects_unknown_pools():
     with pytest.raises(ValueError, match="this ExtensionHostPool is closed"):
       use()
   with pytest.raises(FFI_ERRORS, match="not a live extension pool"):
-    jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), jnp.zeros((1,), jnp.int32),
-                                     external=ref))
+    jax.block_until_ready(ops.backup(0, new_rows, jnp.array([0], jnp.int32), jnp.zeros((1,), jnp.int32), external=ref))
   # A new pool at the freed pool's address (the allocator reuses it soon) is not reached by the old ref.
   pools = [ops.ExtensionHostPool(*case[POOL].shape, np.float32) for _ in range(32)]
   again = [p for p in pools if p.address == ref.address]
@@ -480,14 +527,24 @@ def test_sub_byte_dtypes_are_rejected(dtype):
     jax.block_until_ready(ops.backup(0, jnp.ones((1, 1, 256), dtype), jnp.array([63], jnp.int32), pool))
   case = worked_example()
   with pytest.raises(FFI_ERRORS, match="below one byte"):
-    jax.block_until_ready(ops.swap_in(0, *map(jnp.asarray, case[1:NEWEST]), jnp.zeros((1, 4), dtype),
-                                      to_host(jnp.zeros((1, 32, 4), dtype)), jnp.zeros((1, 5, 5, 4), dtype),
-                                      *map(jnp.asarray, case[HOT + 1:]), page_size=PAGE))
+    jax.block_until_ready(
+      ops.swap_in(
+        0,
+        *map(jnp.asarray, case[1:NEWEST]),
+        jnp.zeros((1, 4), dtype),
+        to_host(jnp.zeros((1, 32, 4), dtype)),
+        jnp.zeros((1, 5, 5, 4), dtype),
+        *map(jnp.asarray, case[HOT + 1 :]),
+        page_size=PAGE,
+      )
+    )
   with pytest.raises(TypeError, match="below one byte"):
     ops.ExtensionHostPool(1, 4, 4, dtype)
 
 
-@pytest.mark.parametrize("shape,dtype,error,match", [
+@pytest.mark.parametrize(
+  "shape,dtype,error,match",
+  [
     ((2, -4, -4), np.float32, ValueError, "rows must be an integer >= 1, got -4"),
     ((2, 0, 4), np.float32, ValueError, "rows must be an integer >= 1, got 0"),
     ((0, 4, 4), np.float32, ValueError, "layers must be an integer >= 1, got 0"),
@@ -496,7 +553,8 @@ def test_sub_byte_dtypes_are_rejected(dtype):
     ((1, 4, 4), np.bool_, TypeError, "must be a float or integer type, got bool"),
     ((1, 4, 4), np.complex64, TypeError, "must be a float or integer type"),
     ((1, 4, 4), object, TypeError, "must be a float or integer type"),
-])
+  ],
+)
 def test_extension_pool_refuses_bad_geometry_and_dtypes(shape, dtype, error, match):
   with pytest.raises(error, match=match):
     ops.ExtensionHostPool(*shape, dtype)
@@ -546,7 +604,8 @@ def test_kernel_and_reference_agree_on_corrupt_state(case_page, data):
   b = data.draw(st.integers(0, B - 1))
   if what == "page":
     case[4][b, data.draw(st.integers(0, P - 1))] = data.draw(
-        st.sampled_from([-1, case[POOL].shape[1] // page, 2**31 - 1]))
+      st.sampled_from([-1, case[POOL].shape[1] // page, 2**31 - 1])
+    )
   elif what == "lru":
     i = data.draw(st.integers(0, D - 1))
     r = data.draw(st.integers(0, R - 1))
@@ -598,8 +657,11 @@ def with_policy(case, eviction, data):
     case[LRU] = case[LRU] | (bits * REF)
   elif eviction == "score":
     B, D = len(case[3]), case[SLOTS].shape[2]
-    scores = data.draw(hnp.arrays(np.float32, (B, D), elements=st.sampled_from(
-        [-np.inf, -1.0, -0.0, 0.0, 1e-40, 0.5, 0.5, 2.0, 3.0, np.inf])))
+    scores = data.draw(
+      hnp.arrays(
+        np.float32, (B, D), elements=st.sampled_from([-np.inf, -1.0, -0.0, 0.0, 1e-40, 0.5, 0.5, 2.0, 3.0, np.inf])
+      )
+    )
     case.append(scores)
   return case
 
@@ -645,8 +707,13 @@ def test_policy_state_carried_over_decode_steps(eviction, seed, D, data):
   host_rows = host_rows_of(host_pages[0], page)
   hot = np.zeros((1, 1, D + 1, W), np.float32)
   hot[0, 0, :D] = pool[0, host_rows[:D]]
-  state = [pool, hot, np.arange(D, dtype=np.int32)[None, None], np.arange(D, dtype=np.int32)[None, None],
-           np.zeros((1, 1, 2), np.int32)]
+  state = [
+    pool,
+    hot,
+    np.arange(D, dtype=np.int32)[None, None],
+    np.arange(D, dtype=np.int32)[None, None],
+    np.zeros((1, 1, 2), np.int32),
+  ]
   for seq_len in range(D + 1, D + 9):
     # A drifting working set: positions near a moving centre, plus the newest token.
     centre = rng.integers(0, seq_len)
@@ -682,14 +749,17 @@ def test_clock_worked_example():
     np.testing.assert_array_equal(stats[0, 4], [2, 1])
 
 
-@pytest.mark.parametrize("tokens, scores, victim, new_lru", [
+@pytest.mark.parametrize(
+  "tokens, scores, victim, new_lru",
+  [
     ([10, 3, 7, 12], [5.0, 9.0, 1.0, 1.0], 2, [0, 3, 2, 1]),  # lowest score; the tie goes to the older slot
     ([10, 3, 7, -1], [5.0, 9.0, 1.0, 100.0], 3, [0, 2, 3, 1]),  # an empty slot counts as -inf
     ([10, 3, 7, 12], [-np.inf, np.nan, 1.0, 1.0], 0, [2, 3, 0, 1]),  # a hit slot's NaN is never read
     ([10, 3, 7, 12], [1e-39, 5.0, 0.0, 5.0], 2, [0, 3, 2, 1]),  # a subnormal is above 0 (no flush to zero)
     ([10, 3, 7, 12], [0.0, 5.0, -0.0, 5.0], 2, [0, 3, 2, 1]),  # -0 before +0 (IEEE total order)
     ([10, 3, 7, -1], [5.0, 9.0, -np.inf, 1.0], 3, [0, 2, 3, 1]),  # an empty slot before even -inf
-])
+  ],
+)
 def test_score_worked_examples(tokens, scores, victim, new_lru):
   case = worked_example()
   case[SLOTS][0, 4] = tokens
@@ -701,12 +771,15 @@ def test_score_worked_examples(tokens, scores, victim, new_lru):
     np.testing.assert_array_equal(lru[0, 4], new_lru)
 
 
-@pytest.mark.parametrize("eviction, mutate, code", [
+@pytest.mark.parametrize(
+  "eviction, mutate, code",
+  [
     ("score", lambda c: c[-1].__setitem__((0, 2), np.nan), reference.BAD_SCORE),
     ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 | REF), reference.LRU_NOT_PERMUTATION),
     ("clock", lambda c: c[LRU].__setitem__((0, 4, 0), 1 << 29), reference.LRU_NOT_PERMUTATION),
     ("lru", lambda c: c[LRU].__setitem__((0, 4, 0), 0 | REF), reference.LRU_NOT_PERMUTATION),  # bits only in CLOCK
-])
+  ],
+)
 def test_policy_bad_input_changes_nothing(eviction, mutate, code):
   case = worked_example()
   if eviction == "score":
@@ -760,18 +833,24 @@ def test_copy_blocks_is_checked_and_changes_no_result(monkeypatch):
 @functools.lru_cache(maxsize=None)
 def prefetch_jit(page_size, eviction="lru"):
   def run(layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru):
-    pool, ticket = ops.prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru,
-                                      page_size=page_size, eviction=eviction)
+    pool, ticket = ops.prefetch_start(
+      layer, top_k, seq_lens, req_ids, host_pages, pool, hot, slot_tokens, lru, page_size=page_size, eviction=eviction
+    )
     hot, slot_tokens, lru, n = ops.prefetch_wait(ticket, hot, slot_tokens, lru, layer, batch=top_k.shape[0])
     return pool, hot, slot_tokens, lru, n
+
   return jax.jit(run, donate_argnums=(5, 6, 7, 8))
 
 
 def run_prefetch(case, page_size, eviction="lru"):
   """(hot, slot_tokens, lru, prefetched) of the kernel's prefetch of case's top_k (a swap-in case)."""
   layer, top_k, seq_lens, req_ids, host_pages, _, pool, hot, slot_tokens, lru, _ = case
-  out = prefetch_jit(page_size, eviction)(layer, *map(jnp.asarray, (top_k, seq_lens, req_ids, host_pages)),
-                                          to_host(pool), *map(jnp.asarray, (hot, slot_tokens, lru)))
+  out = prefetch_jit(page_size, eviction)(
+    layer,
+    *map(jnp.asarray, (top_k, seq_lens, req_ids, host_pages)),
+    to_host(pool),
+    *map(jnp.asarray, (hot, slot_tokens, lru)),
+  )
   np.testing.assert_array_equal(np.asarray(out[0]), pool)  # the pool is only read
   return [np.asarray(x) for x in out[1:]]
 
@@ -845,12 +924,12 @@ def test_prefetch_bad_row_is_left_alone_and_score_is_refused():
   np.testing.assert_array_equal(slot_tokens, case[SLOTS])
   for eviction in ("score", "fifo"):
     with pytest.raises(ValueError, match="eviction"):
-      ops.prefetch_start(0, *case[1:NEWEST], case[POOL], case[HOT], case[SLOTS], case[LRU], page_size=PAGE,
-                         eviction=eviction)
+      ops.prefetch_start(
+        0, *case[1:NEWEST], case[POOL], case[HOT], case[SLOTS], case[LRU], page_size=PAGE, eviction=eviction
+      )
   with pytest.raises(FFI_ERRORS, match="top_k"):  # K > D: a shape error of the whole call
     big = np.zeros((1, 5), np.int32)
-    ops.prefetch_start(0, big, *case[2:NEWEST], to_host(case[POOL]), *map(jnp.asarray, case[HOT:STATS]),
-                       page_size=PAGE)
+    ops.prefetch_start(0, big, *case[2:NEWEST], to_host(case[POOL]), *map(jnp.asarray, case[HOT:STATS]), page_size=PAGE)
 
 
 def test_prefetch_commits_into_whatever_arrays_the_wait_gets():
@@ -899,10 +978,14 @@ def test_prefetch_commits_into_whatever_arrays_the_wait_gets():
       ops.prefetch_wait(bad, hot, slots, order, 0, batch=1)
 
 
-@pytest.mark.parametrize("eviction, change", [
+@pytest.mark.parametrize(
+  "eviction, change",
+  [
     ("lru", lambda order: order.at[0, 4].set(jnp.int32([1, 0, 2, 3]))),  # the order permuted
-    ("clock", lambda order: order.at[0, 4, 3].set(3 | REF))],  # one slot's reference bit set, nothing else
-    ids=["lru-order", "clock-bit"])
+    ("clock", lambda order: order.at[0, 4, 3].set(3 | REF)),
+  ],  # one slot's reference bit set, nothing else
+  ids=["lru-order", "clock-bit"],
+)
 def test_prefetch_is_stale_when_only_the_lru_array_changed(eviction, change):
   """The worked example's prefetch with its slot table untouched but its LRU array changed between start and
   wait is dropped (PREFETCH_STALE; the row left as the wait got it); with nothing changed it commits."""
@@ -936,7 +1019,8 @@ def test_prefetch_in_a_jitted_step_copies_no_pool_or_hot_buffer():
       if layer:
         hot, slot_tokens, lru, n = ops.prefetch_wait(ticket, hot, slot_tokens, lru, x, batch=1)
       rows, pool, hot, slot_tokens, lru, stats, _ = ops.swap_in(
-          layer, *head, hot[layer, 4, 3][None], pool, hot, slot_tokens, lru, stats, page_size=PAGE)
+        layer, *head, hot[layer, 4, 3][None], pool, hot, slot_tokens, lru, stats, page_size=PAGE
+      )
       out = hot[layer].reshape(-1, W)[jnp.maximum(rows[0], 0)]
       if layer + 1 < L:
         pool, ticket = ops.prefetch_start(layer + 1, head[0], *head[1:], pool, hot, slot_tokens, lru, page_size=PAGE)
@@ -964,8 +1048,19 @@ def test_a_decode_view_with_a_prefetch_in_flight_is_refused():
   """HiSparseState.create checks prefetch_depth; absorbing a decode view whose last prefetch was never waited for
   (a layer gathered, the next not) is a trace-time error, not rows landing in a buffer XLA may free."""
   from hisparse_jax.memory.views import HiSparseState
-  kw = dict(num_layers=2, page_size=4, latent_dim=3, index_dim=2, dtype=jnp.float32, index_pages=4,
-            staging_pages=2, request_slots=2, device_buffer_size=4, host_pages=4)
+
+  kw = dict(
+    num_layers=2,
+    page_size=4,
+    latent_dim=3,
+    index_dim=2,
+    dtype=jnp.float32,
+    index_pages=4,
+    staging_pages=2,
+    request_slots=2,
+    device_buffer_size=4,
+    host_pages=4,
+  )
   for bad in (-1, True, 1.5):
     with pytest.raises(ValueError, match="prefetch_depth"):
       HiSparseState.create(**kw, prefetch_depth=bad)
@@ -977,8 +1072,11 @@ def test_a_decode_view_with_a_prefetch_in_flight_is_refused():
   assert HiSparseState.create(**kw).score_ema is None  # only "score_ema" keeps the averages
   assert np.isnan(np.asarray(HiSparseState.create(**kw, eviction="score_ema").score_ema)).all()
   state = HiSparseState.create(**kw, prefetch_depth=2)
-  tables = {"index_pages": jnp.zeros((1, 2), jnp.int32), "host_pages": jnp.zeros((1, 2), jnp.int32),
-            "req_ids": jnp.zeros((1,), jnp.int32)}
+  tables = {
+    "index_pages": jnp.zeros((1, 2), jnp.int32),
+    "host_pages": jnp.zeros((1, 2), jnp.int32),
+    "req_ids": jnp.zeros((1,), jnp.int32),
+  }
   view = state.view(tables)
   assert view.prefetch_depth == 2 and view.prefetch_ticket is None
   state.absorb(view)
@@ -994,13 +1092,20 @@ def test_layer_and_prefetch_thread_settings_are_checked():
     with pytest.raises(ValueError, match="layer"):
       ops._layer(layer)
   # With 0 threads a start never waited for stays queued: closing an extension pool runs it (it reads the pool).
-  script = ("import numpy as np; from hisparse_jax.kernels import ops, reference as r; c = r.worked_example(); "
-            "p = ops.ExtensionHostPool(*c[6].shape, np.float32); p.write(c[6]); "
-            "ops.prefetch_start(*c[:5], p.token(), *c[7:10], page_size=r.WORKED_EXAMPLE_PAGE_SIZE, external=p.ref); "
-            "p.close(); print(ops.prefetch_threads())")
+  script = (
+    "import numpy as np; from hisparse_jax.kernels import ops, reference as r; c = r.worked_example(); "
+    "p = ops.ExtensionHostPool(*c[6].shape, np.float32); p.write(c[6]); "
+    "ops.prefetch_start(*c[:5], p.token(), *c[7:10], page_size=r.WORKED_EXAMPLE_PAGE_SIZE, external=p.ref); "
+    "p.close(); print(ops.prefetch_threads())"
+  )
   for value, ok in (("abc", False), ("100000", False), ("\u00b2", False), ("1\u0663", False), ("0", True)):
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "HISPARSE_PREFETCH_THREADS": value})
+    r = subprocess.run(
+      [sys.executable, "-c", script],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      env={**os.environ, "HISPARSE_PREFETCH_THREADS": value},
+    )
     assert (r.returncode == 0) == ok, r.stderr[-500:]
     assert ok and r.stdout.strip() == "0" or "HISPARSE_PREFETCH_THREADS must be an integer" in r.stderr
 
@@ -1009,8 +1114,12 @@ def test_closing_an_extension_pool_waits_for_the_swap_in_reading_it():
   """ExtensionHostPool.close() racing a swap-in that reads the pool: the swap-in either finishes first (close
   waits for it) or is refused (not a live pool), and the freed pool is never read (before the handlers pinned
   their pool, this crashed in about one close in four: heap-use-after-free in the miss copy under ASan)."""
-  r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "close_race.py")],
-                     capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+    [sys.executable, os.path.join(os.path.dirname(__file__), "close_race.py")],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   outcomes = r.stdout.split()
   assert len(outcomes) == 8 and set(outcomes) <= {"done", "refused"}, r.stdout
@@ -1031,9 +1140,19 @@ def test_plan_memory_follows_the_sequence_not_the_page_table_span():
   pool = np.arange(L * 8 * W, dtype=np.float32).reshape(L, 8, W)
   hot = np.zeros((L, R, D + 1, W), np.float32)
   tables = np.tile(np.arange(D, dtype=np.int32), (L, R, 1))
-  case = [0, np.array([[0, -1]], np.int32), np.array([1], np.int32), np.array([1], np.int32),
-          np.array([[0]], np.int32), np.full((1, W), 5, np.float32), pool, hot, tables, tables.copy(),
-          np.zeros((L, R, 2), np.int32)]
+  case = [
+    0,
+    np.array([[0, -1]], np.int32),
+    np.array([1], np.int32),
+    np.array([1], np.int32),
+    np.array([[0]], np.int32),
+    np.full((1, W), 5, np.float32),
+    pool,
+    hot,
+    tables,
+    tables.copy(),
+    np.zeros((L, R, 2), np.int32),
+  ]
   before = _rss_bytes()
   rows, _, hot_out, _, _, stats, status = run_kernel(*case, page_size=page)
   assert _rss_bytes() - before < 256 << 20
@@ -1048,9 +1167,19 @@ def test_plan_memory_follows_the_sequence_not_the_page_table_span():
   top_k = np.concatenate([resident[:3], rng.choice(seq_len, K - 3, replace=False)]).astype(np.int32)[None]
   slot_tokens = np.full((1, 1, D), -1, np.int32)
   slot_tokens[0, 0] = resident
-  case = [0, top_k, np.array([seq_len], np.int32), np.array([0], np.int32), np.zeros((1, P), np.int32),
-          rng.standard_normal((1, W)).astype(np.float32), pool, np.zeros((1, 1, D + 1, W), np.float32),
-          slot_tokens, rng.permutation(D).astype(np.int32)[None, None], np.zeros((1, 1, 2), np.int32)]
+  case = [
+    0,
+    top_k,
+    np.array([seq_len], np.int32),
+    np.array([0], np.int32),
+    np.zeros((1, P), np.int32),
+    rng.standard_normal((1, W)).astype(np.float32),
+    pool,
+    np.zeros((1, 1, D + 1, W), np.float32),
+    slot_tokens,
+    rng.permutation(D).astype(np.int32)[None, None],
+    np.zeros((1, 1, 2), np.int32),
+  ]
   got = run_kernel(*case, page_size=page)
   want = run_reference(*case, page_size=page)
   for name, g, w in zip(NAMES, got, want):
@@ -1074,14 +1203,26 @@ def test_hash_map_plans_in_a_row_match_the_reference():
   slot_tokens = np.stack([rng.choice(working, D, replace=False) for _ in range(B)]).astype(np.int32)[None]
   hot = np.zeros((1, B, D + 1, W), np.float32)
   hot[0, :, :D] = pool[0, slot_tokens[0] % page]
-  state = [pool, hot, slot_tokens, np.stack([rng.permutation(D) for _ in range(B)]).astype(np.int32)[None],
-           np.zeros((1, B, 2), np.int32)]
+  state = [
+    pool,
+    hot,
+    slot_tokens,
+    np.stack([rng.permutation(D) for _ in range(B)]).astype(np.int32)[None],
+    np.zeros((1, B, 2), np.int32),
+  ]
   for step in range(6):
     top_k = rng.choice(working, (B, K)).astype(np.int32)
     top_k[:, 0] = last
     top_k[:, -4:] = np.where(rng.random((B, 4)) < 0.5, -1, top_k[:, -4:])
-    case = [0, top_k, np.full(B, (1 << 22) + 100 + step, np.int32), np.arange(B, dtype=np.int32), host_pages,
-            rng.standard_normal((B, W)).astype(np.float32), *state]
+    case = [
+      0,
+      top_k,
+      np.full(B, (1 << 22) + 100 + step, np.int32),
+      np.arange(B, dtype=np.int32),
+      host_pages,
+      rng.standard_normal((B, W)).astype(np.float32),
+      *state,
+    ]
     got = run_kernel(*case, page_size=page)
     want = run_reference(*case, page_size=page)
     for name, g, w in zip(NAMES, got, want):
@@ -1120,9 +1261,15 @@ def test_operands_on_a_mesh_with_explicit_axes():
   the kernels take replicated, is refused naming the remedy (it was shard_map's in_specs error). An operand in
   unpinned_host memory is refused too (XLA models it as device memory; donated, it aborted the process)."""
   from tests.xla_env import with_devices
-  r = subprocess.run([sys.executable, "-c", ON_AN_EXPLICIT_MESH], capture_output=True, text=True, timeout=300,
-                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     env={**os.environ, "XLA_FLAGS": with_devices(2)})
+
+  r = subprocess.run(
+    [sys.executable, "-c", ON_AN_EXPLICIT_MESH],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    env={**os.environ, "XLA_FLAGS": with_devices(2)},
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.split() == ["eager", "True", "jit", "True", "refused", "True"], r.stdout
   case = device_args(worked_example())

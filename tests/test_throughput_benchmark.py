@@ -107,8 +107,10 @@ def test_benchmark_scripts_refuse_bad_input(tmp_path):
   fails([mr, "--trace", str(tmp_path / "far.npz")], "topk_1 has a position outside [-1, prompt_tokens + step]")
   np.savez(tmp_path / "two.npz", topk_1=np.array([[[0, 5]]], np.int32), prompt_tokens_1=np.array([5, 6]))
   fails([mr, "--trace", str(tmp_path / "two.npz")], "prompt_tokens_1 must be an integer in [1, 4194304")
-  fails([mr, "--trace-model", "synthetic", "--context", "10", "--top-k", "64", "--buffers", "64"],
-        "--trace-model synthetic needs --context >= top_k")
+  fails(
+    [mr, "--trace-model", "synthetic", "--context", "10", "--top-k", "64", "--buffers", "64"],
+    "--trace-model synthetic needs --context >= top_k",
+  )
   fails([mr, "--context", str(10**11)], "--context + --steps and --buffers must be <= 4194304")
   fails([mr, "--quick", "--out", "/proc/nope/x"], "argument --out: '/proc/nope/x': cannot write in /proc/nope")
   fails([mr, "--buffers", "8,abc"], "expected comma-separated integers")

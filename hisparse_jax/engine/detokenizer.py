@@ -33,6 +33,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer | None:
   regular file of at most MAX_TOKENIZER_BYTES (a FIFO would block, a link to /dev/zero never end), or when the
   tokenizers library cannot read it (its error's first line)."""
   from models.from_torch import check_regular_file
+
   path = os.path.join(model_dir, "tokenizer.json")
   if not os.path.lexists(path):
     return None
@@ -54,7 +55,7 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
   size = tokenizer.get_vocab_size(with_added_tokens=True)
   texts = tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
   longest = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1)
-  normalizer = (json.loads(tokenizer.to_str()).get("normalizer") or {})
+  normalizer = json.loads(tokenizer.to_str()).get("normalizer") or {}
   folds = normalizer.get("type") != "Sequence" or bool(normalizer.get("normalizers"))
   return max(longest, 1) * (4 if normalizer and folds else 1)
 
@@ -133,7 +134,7 @@ class IncrementalDetokenizer:
     self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if self._table is not None else None
     self._ids: list[int] = []
     self._prefix = 0  # fallback: window start
-    self._read = 0    # fallback: ids already turned into text
+    self._read = 0  # fallback: ids already turned into text
 
   def push(self, token_id: int) -> str:
     if self._utf8 is not None:
@@ -150,14 +151,14 @@ class IncrementalDetokenizer:
   def _window(self, final: bool) -> str:
     decode = self._factory.tokenizer.decode
     skip = self._factory.skip_special_tokens
-    seen = decode(self._ids[self._prefix:self._read], skip_special_tokens=skip)
-    text = decode(self._ids[self._prefix:], skip_special_tokens=skip)
+    seen = decode(self._ids[self._prefix : self._read], skip_special_tokens=skip)
+    text = decode(self._ids[self._prefix :], skip_special_tokens=skip)
     if len(text) <= len(seen) or (text.endswith(REPLACEMENT_CHAR) and not final):
       return ""
     self._read = len(self._ids)
     self._prefix = max(0, self._read - self._CONTEXT)
     # Re-anchor on the new window so the next delta is measured against the same context.
-    delta = text[len(seen):]
+    delta = text[len(seen) :]
     return delta
 
 
@@ -209,5 +210,5 @@ class StopStringMatcher:
 
   def _release(self, end: int) -> str:
     end = max(end, self.sent)
-    out, self.sent = self.text[self.sent:end], end
+    out, self.sent = self.text[self.sent : end], end
     return out

@@ -64,8 +64,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hisparse_jax import distributed
 from hisparse_jax.config import ConfigError, HiSparseConfig
-from hisparse_jax.engine.args import (DTYPES, EngineArgs, StartupError,
-                                     check_host_memory)
+from hisparse_jax.engine.args import DTYPES, EngineArgs, StartupError, check_host_memory
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
 from hisparse_jax.engine.sampling import sample
@@ -137,7 +136,9 @@ def index_blocks(batch: int, queries: int, newest: int, *, heads: int, top_k: in
   window (a power of two > newest, >= MIN_INDEX_WINDOW), key_block and score_block (powers of two within
   the window bounding the intermediates by INDEX_HEAD_ELEMENTS and SCORE_ELEMENTS; whole pages)."""
   window = max(MIN_INDEX_WINDOW, page_size, _pow2_at_least(newest + 1))
-  key_block = min(window, MAX_KEY_BLOCK, max(page_size, _pow2_at_most(INDEX_HEAD_ELEMENTS // (batch * queries * heads))))
+  key_block = min(
+    window, MAX_KEY_BLOCK, max(page_size, _pow2_at_most(INDEX_HEAD_ELEMENTS // (batch * queries * heads)))
+  )
   score_block = max(key_block, _pow2_at_least(top_k), _pow2_at_most(SCORE_ELEMENTS // (batch * queries)))
   return dict(window=window, key_block=key_block, score_block=None if score_block >= window else score_block)
 
@@ -147,6 +148,7 @@ class _Launched:
   """A decode call dispatched and not read yet: its rows (Request or None per row), the positions it feeds
   (int32[B], -1 idle) and its outputs (device arrays: (tokens int32[B], status int32[B]), the logits buffer or
   None, the top-k trace if recorded)."""
+
   order: list
   positions: np.ndarray
   out: tuple
@@ -177,8 +179,16 @@ class Engine:
     StartupError: a setting that cannot work (the message names the flag), an unreadable model.
   """
 
-  def __init__(self, args: EngineArgs | str | None = None, *, hisparse: HiSparseConfig | None = None,
-               tokenizer=None, record_topk: bool = False, offer_kv_bytes: int | None = None, **overrides):
+  def __init__(
+    self,
+    args: EngineArgs | str | None = None,
+    *,
+    hisparse: HiSparseConfig | None = None,
+    tokenizer=None,
+    record_topk: bool = False,
+    offer_kv_bytes: int | None = None,
+    **overrides,
+  ):
     if offer_kv_bytes is not None and (not _is_int(offer_kv_bytes) or offer_kv_bytes < 0):
       raise StartupError(f"offer_kv_bytes (--max-offered-kv-bytes) must be an integer >= 0, got {offer_kv_bytes!r}")
     if not isinstance(args, EngineArgs):
@@ -187,8 +197,9 @@ class Engine:
       args = dataclasses.replace(args, **overrides)
     if hisparse is not None:
       if not isinstance(hisparse, HiSparseConfig):
-        raise StartupError(f"hisparse= must be a HiSparseConfig (e.g. HiSparseConfig(top_k=2048)), got "
-                           f"{type(hisparse).__name__}")
+        raise StartupError(
+          f"hisparse= must be a HiSparseConfig (e.g. HiSparseConfig(top_k=2048)), got {type(hisparse).__name__}"
+        )
       args = dataclasses.replace(args, enable_hisparse=True)
     args.validate()
     self.args = args
@@ -197,8 +208,9 @@ class Engine:
     model_cfg = args.model_config(model_dir)
     self.hisparse = hisparse if hisparse is not None else args.resolve_hisparse(model_dir, model_cfg)
     if self.hisparse is not None and self.hisparse.top_k != model_cfg.index_topk:
-      raise StartupError(f"hisparse top_k ({self.hisparse.top_k}) differs from the model's index_topk "
-                         f"({model_cfg.index_topk})")
+      raise StartupError(
+        f"hisparse top_k ({self.hisparse.top_k}) differs from the model's index_topk ({model_cfg.index_topk})"
+      )
     if self.hisparse is not None:
       try:
         self.hisparse.check_model(model_cfg)
@@ -207,9 +219,11 @@ class Engine:
     self.max_seq_len = args.resolve_max_seq_len(model_cfg)
     # The page tables (int32, a row of ceil(max_seq_len / page_size) per request slot and KV pool, at most three
     # pools) are the one host structure sized by max_seq_len: checked before anything is read or allocated.
-    check_host_memory(3 * args.max_running_requests * -(-self.max_seq_len // args.page_size) * 4,
-                      f"--max-seq-len {self.max_seq_len}: the KV page table memory",
-                      "lower --max-seq-len (default: the model's max_position_embeddings) or --max-running-requests")
+    check_host_memory(
+      3 * args.max_running_requests * -(-self.max_seq_len // args.page_size) * 4,
+      f"--max-seq-len {self.max_seq_len}: the KV page table memory",
+      "lower --max-seq-len (default: the model's max_position_embeddings) or --max-running-requests",
+    )
     # Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (see EngineArgs). A limit above
     # the most bytes a --max-seq-len context can hold would only let a client make the server tokenize a text
     # that cannot fit (a 200 MB line: 165 s and 15 GB), so it is refused here.
@@ -218,8 +232,13 @@ class Engine:
     self._detokenizers = DetokenizerFactory(tokenizer) if tokenizer is not None else None
     known = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else model_cfg.vocab_size
     if known < model_cfg.vocab_size:  # (a padded vocabulary has a few such ids; most of it missing is the wrong file)
-      log.warning("tokenizer.json knows %d token ids, the model's vocabulary has %d: ids %d to %d decode to no text",
-                  known, model_cfg.vocab_size, known, model_cfg.vocab_size - 1)
+      log.warning(
+        "tokenizer.json knows %d token ids, the model's vocabulary has %d: ids %d to %d decode to no text",
+        known,
+        model_cfg.vocab_size,
+        known,
+        model_cfg.vocab_size - 1,
+      )
     self.record_topk = record_topk
     # The mesh (hisparse_jax/sharding.py): one device, no mesh; several, parameters split by the rule table as
     # they load (no device holds the whole model), KV split over the DP groups.
@@ -233,42 +252,63 @@ class Engine:
     except MeshError as e:
       raise StartupError(str(e)) from None
     if self.mesh_config.num_devices < len(jax.devices()):
-      log.warning("the mesh (--dp-size %d x --tp-size %d) uses %d of the %d devices; the others stay idle",
-                  self.mesh_config.dp_size, self.mesh_config.tp_size, self.mesh_config.num_devices,
-                  len(jax.devices()))
+      log.warning(
+        "the mesh (--dp-size %d x --tp-size %d) uses %d of the %d devices; the others stay idle",
+        self.mesh_config.dp_size,
+        self.mesh_config.tp_size,
+        self.mesh_config.num_devices,
+        len(jax.devices()),
+      )
     # Several processes (hisparse_jax/distributed.py): every process runs this engine on the schedule of
     # process 0; the mesh must cover every process's devices, and every process must have the same settings.
     self.lockstep = distributed.Lockstep() if jax.process_count() > 1 else None
     if self.lockstep is not None:
       if self.mesh_config.num_devices != len(jax.devices()):
-        raise StartupError(f"--dp-size {self.mesh_config.dp_size} x --tp-size {self.mesh_config.tp_size} = "
-                           f"{self.mesh_config.num_devices} devices, but the {jax.process_count()} processes have "
-                           f"{len(jax.devices())}: with several processes the mesh covers every device")
+        raise StartupError(
+          f"--dp-size {self.mesh_config.dp_size} x --tp-size {self.mesh_config.tp_size} = "
+          f"{self.mesh_config.num_devices} devices, but the {jax.process_count()} processes have "
+          f"{len(jax.devices())}: with several processes the mesh covers every device"
+        )
       settings = {k: v for k, v in dataclasses.asdict(args).items() if k != "model_path"}
       settings.update(record_topk=record_topk, model_fingerprint=self.model_fingerprint, **distributed.flags())
       distributed.check_same(settings)
-    self._pending_ops: list = []      # leader: submits and aborts since the last step message
+    self._pending_ops: list = []  # leader: submits and aborts since the last step message
     self._pending_arrays: list = []
     self.mesh = self.mesh_config.make_mesh() if self.mesh_config.num_devices > 1 else None
     if args.dtype is None and model_cfg.dtype not in DTYPES:  # before any weight is read
-      raise StartupError(f"--model-path {model_dir!r}: the checkpoint's dtype {model_cfg.dtype} is not a compute dtype "
-                         f"(one of {', '.join(DTYPES)}); pass --dtype bfloat16 or --dtype float32")
+      raise StartupError(
+        f"--model-path {model_dir!r}: the checkpoint's dtype {model_cfg.dtype} is not a compute dtype "
+        f"(one of {', '.join(DTYPES)}); pass --dtype bfloat16 or --dtype float32"
+      )
     # Before any weight is read (the FP8 numerics and cache are applied at load; the config tells already).
-    if (fp8_error := model_cfg.replace(fp8_numerics=bool(args.fp8_numerics),
-                                       kv_cache_dtype=args.kv_cache_dtype).fp8_indexer_error()) is not None:
+    if (
+      fp8_error := model_cfg.replace(
+        fp8_numerics=bool(args.fp8_numerics), kv_cache_dtype=args.kv_cache_dtype
+      ).fp8_indexer_error()
+    ) is not None:
       raise StartupError(f"{fp8_error} ({model_dir})")
     if args.weight_dtype == "fp8" and model_cfg.fp8_block_size is None:
-      raise StartupError(f"--weight-dtype fp8: {model_dir} is " + (
+      raise StartupError(
+        f"--weight-dtype fp8: {model_dir} is "
+        + (
           "an orbax checkpoint, whose weights were dequantized when it was converted; FP8-resident weights load "
-          "from the HF FP8 checkpoint" if is_orbax_dir(model_dir) else
-          "not an FP8 block-quantized checkpoint (its config.json has no quantization_config; "
-          "`python -m models.quantize_fp8` makes one from it)"))
+          "from the HF FP8 checkpoint"
+          if is_orbax_dir(model_dir)
+          else "not an FP8 block-quantized checkpoint (its config.json has no quantization_config; "
+          "`python -m models.quantize_fp8` makes one from it)"
+        )
+      )
     try:
-      self.config, model = load_model(model_dir, dtype=args.dtype, fp8_numerics=bool(args.fp8_numerics),
-                                      kv_cache_dtype=args.kv_cache_dtype,
-                                      sharding=None if self.mesh is None else placer(self.mesh_config, self.mesh),
-                                      fp8_weights=args.weight_dtype == "fp8", top_k=ops.top_k,
-                                      expert_parallel=None if self.mesh is None else self.mesh_config.expert_parallel())
+      self.config, model = load_model(
+        model_dir,
+        dtype=args.dtype,
+        fp8_numerics=bool(args.fp8_numerics),
+        kv_cache_dtype=args.kv_cache_dtype,
+        sharding=None if self.mesh is None else placer(self.mesh_config, self.mesh),
+        fp8_weights=args.weight_dtype == "fp8",
+        top_k=ops.top_k,
+        expert_parallel=None if self.mesh is None else self.mesh_config.expert_parallel(),
+      )
     except MemoryError as e:
       raise StartupError(f"out of memory loading the model: {e}") from None
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is a start-up error
@@ -292,17 +332,23 @@ class Engine:
     if offer_kv_bytes is not None:
       self.offer_kv_budget = offer_kv_bytes or self.device_kv_budget // 2
       if self.offer_kv_budget >= self.device_kv_budget:
-        raise StartupError(f"--max-offered-kv-bytes {offer_kv_bytes}: a prefill server's offers take their bytes "
-                           f"from the device KV budget ({self.device_kv_budget} bytes), which must keep some for its "
-                           "KV pools: lower it, or raise --max-device-kv-bytes / --mem-fraction-static")
+        raise StartupError(
+          f"--max-offered-kv-bytes {offer_kv_bytes}: a prefill server's offers take their bytes "
+          f"from the device KV budget ({self.device_kv_budget} bytes), which must keep some for its "
+          "KV pools: lower it, or raise --max-device-kv-bytes / --mem-fraction-static"
+        )
       self.device_kv_budget -= self.offer_kv_budget
     try:
       # One DP group's pools (each group's devices hold its own KV; one group without DP attention).
       self.groups = self.mesh_config.dp_size
-      self.memory_plan = kvmem.plan(self.layout, budget=self.device_kv_budget,
-                                    max_running_requests=args.max_running_requests // self.groups,
-                                    max_seq_len=self.max_seq_len,
-                                    page_size=args.page_size, hisparse=self.hisparse)
+      self.memory_plan = kvmem.plan(
+        self.layout,
+        budget=self.device_kv_budget,
+        max_running_requests=args.max_running_requests // self.groups,
+        max_seq_len=self.max_seq_len,
+        page_size=args.page_size,
+        hisparse=self.hisparse,
+      )
     except kvmem.MemoryConfigError as e:
       raise StartupError(str(e)) from None
     # Each of this process's devices holds one group's pools (its group's block, replicated over tp).
@@ -313,14 +359,19 @@ class Engine:
       host_pool_bytes = pages * per_page * local_devices
       check_host_memory(host_pool_bytes)
     if jax.local_devices()[0].platform == "cpu":  # CPU devices' KV is host memory too: all of it must fit
-      check_host_memory(host_pool_bytes + self.memory_plan.device_bytes * local_devices,
-                        "the KV pools (on CPU devices, device KV is host memory)",
-                        "lower --max-device-kv-bytes, --max-seq-len or --max-running-requests")
+      check_host_memory(
+        host_pool_bytes + self.memory_plan.device_bytes * local_devices,
+        "the KV pools (on CPU devices, device KV is host memory)",
+        "lower --max-device-kv-bytes, --max-seq-len or --max-running-requests",
+      )
     if self.hisparse is not None:
       if self.memory_plan.request_slots * self.groups < args.max_running_requests:
-        log.warning("HiSparse: the device KV budget holds %d hot buffers per DP group; --max-running-requests %d "
-                    "lowered to %d", self.memory_plan.request_slots, args.max_running_requests,
-                    self.memory_plan.request_slots * self.groups)
+        log.warning(
+          "HiSparse: the device KV budget holds %d hot buffers per DP group; --max-running-requests %d lowered to %d",
+          self.memory_plan.request_slots,
+          args.max_running_requests,
+          self.memory_plan.request_slots * self.groups,
+        )
     self.page_size = args.page_size
     self.chunked_prefill_size = args.chunked_prefill_size
     self.deterministic = args.deterministic
@@ -366,13 +417,18 @@ class Engine:
       view = state.view(tables, residency)
       params = jax.tree_util.tree_unflatten(param_def, params)
       vocab_major = self._vocab_major(tokens.shape[0])
-      out = nnx.merge(graphdef, params).decode(tokens, positions, view, return_topk=record_topk,
-                                               vocab_major=vocab_major, **blocks)
+      out = nnx.merge(graphdef, params).decode(
+        tokens, positions, view, return_topk=record_topk, vocab_major=vocab_major, **blocks
+      )
       status = replicated(kernel_status(out[1], tokens.shape[0]))
       # The logits written into the donated buffer (the update covers it all, so XLA computes them there).
       logits = None if logits_buffer is None else jax.lax.dynamic_update_slice(logits_buffer, out[0], (0, 0))
-      return ((replicated(sample(out[0], *sampling, positions + 1, vocab_major=vocab_major)), status),
-              state.absorb(out[1]), logits, *(replicated(x) for x in out[2:]))
+      return (
+        (replicated(sample(out[0], *sampling, positions + 1, vocab_major=vocab_major)), status),
+        state.absorb(out[1]),
+        logits,
+        *(replicated(x) for x in out[2:]),
+      )
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def import_kv(state, tables, latent, index, length):
@@ -393,8 +449,9 @@ class Engine:
       return replicated(jnp.where(from_launched >= 0, launched_tokens[jnp.maximum(from_launched, 0)], host_tokens))
 
     self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn, self._merge_fn = (
-        self._compiling_alone(self._on_mesh(f), skip) for f, skip in (
-            (prefill, 1), (decode, 1), (import_kv, 0), (export_kv, 0), (offload, 0), (merge_tokens, 0)))
+      self._compiling_alone(self._on_mesh(f), skip)
+      for f, skip in ((prefill, 1), (decode, 1), (import_kv, 0), (export_kv, 0), (offload, 0), (merge_tokens, 0))
+    )
 
   def _vocab_major(self, B: int) -> bool:
     """Whether the decode step at batch bucket B takes its logits [vocab, B] (VOCAB_MAJOR_MAX_BATCH)."""
@@ -446,8 +503,11 @@ class Engine:
 
     def call(*args, **kwargs):
       leaves, treedef = jax.tree_util.tree_flatten(args[skip:])
-      key = (treedef, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
-             tuple(sorted(kwargs.items())))
+      key = (
+        treedef,
+        tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
+        tuple(sorted(kwargs.items())),
+      )
       if key not in seen:
         jax.block_until_ready(self.backend.state)
         seen.add(key)
@@ -487,10 +547,13 @@ class Engine:
     self._logits_buffers = {}
     self._next: _Launched | None = None  # overlap_schedule: the decode step launched ahead of its step()
     self.backend = None  # the old pools go before the new ones are allocated
-    self.backend = (kvmem.DenseBackend(self.memory_plan, self.layout, self.kv_dtype, self.mesh, self.groups)
-                    if self.hisparse is None else
-                    kvmem.HiSparseBackend(self.memory_plan, self.layout, self.kv_dtype, self.hisparse,
-                                          self.host_pool, self.mesh, self.groups))
+    self.backend = (
+      kvmem.DenseBackend(self.memory_plan, self.layout, self.kv_dtype, self.mesh, self.groups)
+      if self.hisparse is None
+      else kvmem.HiSparseBackend(
+        self.memory_plan, self.layout, self.kv_dtype, self.hisparse, self.host_pool, self.mesh, self.groups
+      )
+    )
     R = self.backend.request_slots
     self.num_slots = R
     self.waiting: collections.deque[Request] = collections.deque()  # in fair_tag order (submit)
@@ -521,12 +584,13 @@ class Engine:
     if not isinstance(req, Request):
       raise InvalidRequest(f"expected a Request, got {type(req).__name__}")
     if req._submitted:
-      raise InvalidRequest(f"request {req.request_id!r} was already submitted (a Request runs once: submit a new "
-                           "one)")
+      raise InvalidRequest(f"request {req.request_id!r} was already submitted (a Request runs once: submit a new one)")
     ids = req.prompt_ids
     if not (isinstance(ids, (list, tuple)) or getattr(ids, "ndim", None) == 1):
-      raise InvalidRequest(f"prompt_ids must be a list of token ids (int), got {type(ids).__name__} (a text "
-                           "prompt is tokenized first: detokenizer.encode_prompt)")
+      raise InvalidRequest(
+        f"prompt_ids must be a list of token ids (int), got {type(ids).__name__} (a text "
+        "prompt is tokenized first: detokenizer.encode_prompt)"
+      )
     bad = next((t for t in ids if not _is_int(t)), None)
     if bad is not None:
       raise InvalidRequest(f"prompt_ids must be token ids (int), got {bad!r}")
@@ -562,8 +626,10 @@ class Engine:
     if bad:
       raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {V})")
     if n + req.max_new_tokens > self.max_seq_len:
-      raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the model "
-                           f"context of {self.max_seq_len} tokens (--max-seq-len)")
+      raise InvalidRequest(
+        f"prompt ({n} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the model "
+        f"context of {self.max_seq_len} tokens (--max-seq-len)"
+      )
     why = self.backend.never_fits(n, n + req.max_new_tokens)
     if why is not None:
       raise ResourceExhausted(why)
@@ -572,8 +638,10 @@ class Engine:
     if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
       raise InvalidRequest(f"top_p must be in (0, 1], got {req.top_p}")
     if req.top_p < FLOAT32_TINY:
-      raise InvalidRequest(f"top_p {req.top_p} is below float32's smallest normal ({FLOAT32_TINY:.3g}), which "
-                           "the sampler would flush to 0 (no filter); use a larger value")
+      raise InvalidRequest(
+        f"top_p {req.top_p} is below float32's smallest normal ({FLOAT32_TINY:.3g}), which "
+        "the sampler would flush to 0 (no filter); use a larger value"
+      )
     if req.temperature > FLOAT32_MAX:
       raise InvalidRequest(f"temperature {req.temperature} overflows float32")
     if not 0 <= req.top_k <= INT32_MAX:
@@ -588,8 +656,9 @@ class Engine:
       raise InvalidRequest("stop strings must be non-empty")
     long = [x for x in req.stop if len(x.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES]
     if long:
-      raise InvalidRequest(f"a stop string of {len(long[0].encode('utf-8', 'surrogatepass'))} bytes; at most "
-                           f"{MAX_STOP_STRING_BYTES}")
+      raise InvalidRequest(
+        f"a stop string of {len(long[0].encode('utf-8', 'surrogatepass'))} bytes; at most {MAX_STOP_STRING_BYTES}"
+      )
     if any(0xD800 <= ord(c) <= 0xDFFF for x in req.stop for c in x):  # (decoded text never holds one)
       raise InvalidRequest("a stop string is not valid Unicode (a lone surrogate)")
     if req.stop and self.tokenizer is None:
@@ -605,22 +674,27 @@ class Engine:
     if req.prompt_kv is not None:
       cfg = self.config
       kv = req.prompt_kv
-      if not (isinstance(kv, (tuple, list)) and len(kv) == 2
-              and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in kv)):
+      if not (
+        isinstance(kv, (tuple, list)) and len(kv) == 2 and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in kv)
+      ):
         raise InvalidRequest(f"prompt_kv must be (latent, indexer keys): two arrays, got {type(kv).__name__}")
       latent, index = kv
       P = latent.shape[1] if len(latent.shape) == 3 else -1  # the prompt's tokens, or a padded bucket of them
       W, Di = self.layout.latent_dim, self.layout.index_dim  # the stored rows (--kv-cache-dtype)
       want = ((cfg.num_hidden_layers, P, W), (cfg.num_hidden_layers, P, Di))
       if (tuple(latent.shape), tuple(index.shape)) != want or P < n:
-        raise InvalidRequest(f"prompt_kv shapes {tuple(latent.shape)}, {tuple(index.shape)}; expected "
-                             f"({cfg.num_hidden_layers}, P, {W}), ({cfg.num_hidden_layers}, P, "
-                             f"{Di}) with P >= the {n} prompt tokens (layers, positions, latent / "
-                             "indexer width)")
+        raise InvalidRequest(
+          f"prompt_kv shapes {tuple(latent.shape)}, {tuple(index.shape)}; expected "
+          f"({cfg.num_hidden_layers}, P, {W}), ({cfg.num_hidden_layers}, P, "
+          f"{Di}) with P >= the {n} prompt tokens (layers, positions, latent / "
+          "indexer width)"
+        )
       want = (np.dtype(self.kv_dtype), np.dtype(self.layout.index_dtype))
       if (np.dtype(latent.dtype), np.dtype(index.dtype)) != want:
-        raise InvalidRequest(f"prompt_kv dtypes {latent.dtype}, {index.dtype}; expected {want[0]}, {want[1]} "
-                             "(the stored rows of this engine's --dtype and --kv-cache-dtype)")
+        raise InvalidRequest(
+          f"prompt_kv dtypes {latent.dtype}, {index.dtype}; expected {want[0]}, {want[1]} "
+          "(the stored rows of this engine's --dtype and --kv-cache-dtype)"
+        )
       if not _is_int(req.first_token) or not 0 <= req.first_token < V:
         raise InvalidRequest("a request with prompt_kv needs its first generated token (first_token) in the vocabulary")
 
@@ -634,10 +708,11 @@ class Engine:
     other = self._live.get(req.request_id)
     if other is not None and other.phase is not Phase.FINISHED:  # (abort(id) and the caller's callbacks need one)
       raise InvalidRequest(f"request_id {req.request_id!r} is already in use by a request that has not finished")
-    if (self.max_queued_requests is not None
-        and len(self.waiting) >= self.max_queued_requests + self.backend.free_slots):
-      raise ResourceExhausted(f"queue full ({self.max_queued_requests} requests waiting beyond the "
-                              f"{self.backend.free_slots} free request slots)")
+    if self.max_queued_requests is not None and len(self.waiting) >= self.max_queued_requests + self.backend.free_slots:
+      raise ResourceExhausted(
+        f"queue full ({self.max_queued_requests} requests waiting beyond the "
+        f"{self.backend.free_slots} free request slots)"
+      )
     if req.seed is None:
       req.seed = int.from_bytes(os.urandom(4), "little")
     req._submitted = True
@@ -685,12 +760,19 @@ class Engine:
       client, most = held.most_common(1)[0]
       if most < 2:
         return None
-      victim = next((r for r in reversed(self.running) if r.client == client
-                     and (req.dp_group is None or r.kv.group == req.dp_group)), None)
+      victim = next(
+        (
+          r
+          for r in reversed(self.running)
+          if r.client == client and (req.dp_group is None or r.kv.group == req.dp_group)
+        ),
+        None,
+      )
       if victim is None:
         return None
-      log.info("preempting request %s of client %s for a waiting request of client %s", victim.request_id,
-               client, req.client)
+      log.info(
+        "preempting request %s of client %s for a waiting request of client %s", victim.request_id, client, req.client
+      )
       self._preempt(victim)  # (queued at the front, where req goes instead: the victim right behind it)
       self.num_fairness_preemptions += 1
       self.waiting.popleft()
@@ -757,14 +839,18 @@ class Engine:
     device = [p for p in pools if p.memory == "device"]
     host = [p for p in pools if p.memory == "host"]
     return dict(
-        running=len(self.running), queued=len(self.waiting), free_lanes=self.backend.free_slots,
-        device_kv_bytes_used=sum(p.bytes_used for p in device),
-        device_kv_bytes_budget=sum(p.bytes_total for p in device),
-        free_host_rows=sum(p.pages_free * p.page_size for p in host),
-        host_rows_total=sum(p.pages_total * p.page_size for p in host),
-        pools=[dataclasses.asdict(p) for p in pools],
-        preemptions=self.num_preemptions, offloads=self.num_offloads,
-        resident=sum(1 for r in self.running if r.kv is not None and r.kv.resident))
+      running=len(self.running),
+      queued=len(self.waiting),
+      free_lanes=self.backend.free_slots,
+      device_kv_bytes_used=sum(p.bytes_used for p in device),
+      device_kv_bytes_budget=sum(p.bytes_total for p in device),
+      free_host_rows=sum(p.pages_free * p.page_size for p in host),
+      host_rows_total=sum(p.pages_total * p.page_size for p in host),
+      pools=[dataclasses.asdict(p) for p in pools],
+      preemptions=self.num_preemptions,
+      offloads=self.num_offloads,
+      resident=sum(1 for r in self.running if r.kv is not None and r.kv.resident),
+    )
 
   def _publish(self) -> None:
     self.loads_snapshot = self.loads()
@@ -776,12 +862,16 @@ class Engine:
     that fails there ends the process (``distributed.Lockstep.lost``: the processes cannot recover
     together)."""
     if self._stepping:
-      raise RuntimeError("Engine.step() called inside a step (from an on_token callback?): submit or abort "
-                         "there, and step from the loop that drives the engine")
+      raise RuntimeError(
+        "Engine.step() called inside a step (from an on_token callback?): submit or abort "
+        "there, and step from the loop that drives the engine"
+      )
     if self._step_failed is not None:
-      raise RuntimeError(f"a previous step did not complete ({self._step_failed}): the engine's requests and KV "
-                         "pools may disagree; call Engine.reset() (it ends every request in flight) before stepping "
-                         "again")
+      raise RuntimeError(
+        f"a previous step did not complete ({self._step_failed}): the engine's requests and KV "
+        "pools may disagree; call Engine.reset() (it ends every request in flight) before stepping "
+        "again"
+      )
     self._stepping, self._interrupt = True, None
     try:
       if self.lockstep is None:
@@ -868,8 +958,10 @@ class Engine:
       raise RuntimeError("follow() is for processes other than process 0 of a multi-process engine")
 
     def stop(signum, _frame):  # (runs between two messages: at most IDLE_HEARTBEAT_S while process 0 idles)
-      distributed.fatal(f"{signal.Signals(signum).name}: stopping; the other processes stop with this one (stop a "
-                        "deployment with SIGTERM or Ctrl-C to process 0)")
+      distributed.fatal(
+        f"{signal.Signals(signum).name}: stopping; the other processes stop with this one (stop a "
+        "deployment with SIGTERM or Ctrl-C to process 0)"
+      )
 
     try:
       for sig in (signal.SIGTERM, signal.SIGINT):
@@ -896,8 +988,9 @@ class Engine:
         if msg["kind"] == "step":  # (the leader sends an abort before applying it: only a step is compared)
           if self._step_check() != msg["check"]:
             raise distributed.DistributedError(
-                f"out of step with process 0: (decode steps, prefill calls, running, waiting, preemptions) "
-                f"{self._step_check()} here, {msg['check']} there")
+              f"out of step with process 0: (decode steps, prefill calls, running, waiting, preemptions) "
+              f"{self._step_check()} here, {msg['check']} there"
+            )
           self._step()
           steps += 1
       except Exception as e:  # noqa: BLE001
@@ -966,7 +1059,11 @@ class Engine:
         req.phase, req.prefilled = Phase.PREFILLING, 0
         s = req.kv.slot
         self._temperature[s], self._top_k[s], self._top_p[s], self._seed[s] = (
-            req.temperature, req.top_k, req.top_p, req.seed)
+          req.temperature,
+          req.top_k,
+          req.top_p,
+          req.seed,
+        )
         self.running.append(req)
     finally:
       for r, seen in blocked:
@@ -996,8 +1093,12 @@ class Engine:
 
   def _sampling(self, slots) -> tuple:
     idx = np.asarray(slots, np.int64)
-    return (self._put(self._temperature[idx]), self._put(self._top_k[idx]), self._put(self._top_p[idx]),
-            self._put(self._seed[idx]))
+    return (
+      self._put(self._temperature[idx]),
+      self._put(self._top_k[idx]),
+      self._put(self._top_p[idx]),
+      self._put(self._seed[idx]),
+    )
 
   # --------------------------------------------------------------- prefill
   def _prefill(self, finished: list[Request]) -> None:
@@ -1063,14 +1164,22 @@ class Engine:
     kvs, finishing, slots = [None] * B, [False] * B, [0] * B
     for b, (req, n) in zip(order, rows):
       start = req.prefilled
-      tokens[b, :n] = req.prefill_ids[start:start + n]
+      tokens[b, :n] = req.prefill_ids[start : start + n]
       positions[b, :n] = np.arange(start, start + n)
       kvs[b], finishing[b], slots[b] = req.kv, start + n == len(req.prefill_ids), req.kv.slot
     tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, finishing).items()}
     blocks = self._index_blocks(B, C, int(positions.max()))
     out, self.backend.state = self._prefill_fn(
-        self._params, self._put(tokens), self._put(positions), self.backend.state, tables,
-        self._sampling(slots), query_block=self._query_block(B, C), first_token=any(finishing), **blocks)
+      self._params,
+      self._put(tokens),
+      self._put(positions),
+      self.backend.state,
+      tables,
+      self._sampling(slots),
+      query_block=self._query_block(B, C),
+      first_token=any(finishing),
+      **blocks,
+    )
     self.prefill_calls += 1
     out, status = jax.device_get(out)
     for b, (req, n) in zip(order, rows):
@@ -1114,9 +1223,13 @@ class Engine:
     kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group writes, the others idle
     tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
     latent, index = req.prompt_kv
-    self.backend.state, status = self._import_fn(self.backend.state, tables, self._put(latent, self.kv_dtype),
-                                                 self._put(index, self.layout.index_dtype),
-                                                 self._put(np.int32(len(req.prompt_ids))))
+    self.backend.state, status = self._import_fn(
+      self.backend.state,
+      tables,
+      self._put(latent, self.kv_dtype),
+      self._put(index, self.layout.index_dtype),
+      self._put(np.int32(len(req.prompt_ids))),
+    )
     req.prompt_kv = None  # the arrays are in the pools now
     status = np.asarray(status)  # once per imported prompt (not per step)
     if status.any():
@@ -1194,13 +1307,22 @@ class Engine:
     blocks = self._index_blocks(B, 1, int(positions.max()))
     # Every position the step reads or writes is inside its indexer window: the tables cover that window's
     # pages, not max_seq_len's (host work and transfer follow the batch's lengths; one shape per window).
-    tables = {k: self._put(v)
-              for k, v in self.backend.decode_tables(kvs, pages=-(-blocks["window"] // self.page_size)).items()}
+    tables = {
+      k: self._put(v) for k, v in self.backend.decode_tables(kvs, pages=-(-blocks["window"] // self.page_size)).items()
+    }
     residency = self.backend.residency(kvs)
     self.residency_steps[residency] += 1
     out, self.backend.state, logits, *topk = self._decode_fn(
-        self._params, tokens, self._put(positions), self.backend.state, tables, self._sampling(slots),
-        logits_buffer, residency=residency, **blocks)
+      self._params,
+      tokens,
+      self._put(positions),
+      self.backend.state,
+      tables,
+      self._sampling(slots),
+      logits_buffer,
+      residency=residency,
+      **blocks,
+    )
     self.decode_steps += 1
     self.last_decode_batch = B
     return _Launched(order, positions, out, logits, topk)
@@ -1220,8 +1342,7 @@ class Engine:
     if self.record_topk:
       return None
     src = {id(req): b for b, req in enumerate(launched.order) if self._alive(req)}
-    rows = [req for req in self._decoding()
-            if not (id(req) in src and len(req.output_ids) + 1 >= req.max_new_tokens)]
+    rows = [req for req in self._decoding() if not (id(req) in src and len(req.output_ids) + 1 >= req.max_new_tokens)]
     if not rows:
       return None
     for req in rows:
@@ -1286,8 +1407,9 @@ class Engine:
     self._release(req)
     finished.append(req)
 
-  def _batch_rows(self, reqs, per_group: int | None = None, cap: bool = False,
-                  by_slot: bool = False) -> tuple[list[int], int]:
+  def _batch_rows(
+    self, reqs, per_group: int | None = None, cap: bool = False, by_slot: bool = False
+  ) -> tuple[list[int], int]:
     """(row of each request, batch size B) of a batch. Rows are group-major: B / groups rows per DP group,
     each request in its own group's rows, in order. per_group None: the power of two covering the largest
     group (with cap, at most the request slots of a group). by_slot (deterministic decode): every slot has
@@ -1360,8 +1482,10 @@ class Engine:
     stats = self.backend.swap_stats(req.kv)
     if stats is not None:
       if req.layer_hits:  # a preempted request adds its earlier admissions' counts
-        stats = tuple(tuple(a + b for a, b in zip(old, new))
-                      for old, new in zip((req.layer_hits, req.layer_misses, req.layer_prefetched), stats))
+        stats = tuple(
+          tuple(a + b for a, b in zip(old, new))
+          for old, new in zip((req.layer_hits, req.layer_misses, req.layer_prefetched), stats)
+        )
       req.layer_hits, req.layer_misses, req.layer_prefetched = stats
       req.hits, req.misses, req.prefetched = (sum(s) for s in stats)
 
@@ -1385,9 +1509,22 @@ class Engine:
 
 
 # Request fields a follower process needs to schedule it as the leader does (hisparse_jax/distributed.py).
-_SHARED_FIELDS = ("request_id", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                  "stop_token_ids", "stop", "include_stop_str_in_output", "ignore_eos", "first_token", "dp_group",
-                  "client")
+_SHARED_FIELDS = (
+  "request_id",
+  "prompt_ids",
+  "max_new_tokens",
+  "temperature",
+  "top_k",
+  "top_p",
+  "seed",
+  "stop_token_ids",
+  "stop",
+  "include_stop_str_in_output",
+  "ignore_eos",
+  "first_token",
+  "dp_group",
+  "client",
+)
 
 
 def _request_fields(req: Request, arrays: list) -> dict:

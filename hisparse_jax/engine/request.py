@@ -50,9 +50,9 @@ class InternalError(RequestError):
 
 
 class Phase(enum.Enum):
-  WAITING = "waiting"        # queued (or preempted and re-queued)
+  WAITING = "waiting"  # queued (or preempted and re-queued)
   PREFILLING = "prefilling"  # admitted: a request slot and prompt pages; prompt chunks being computed
-  DECODING = "decoding"      # prompt done; one token per decode step
+  DECODING = "decoding"  # prompt done; one token per decode step
   FINISHED = "finished"
 
 
@@ -142,19 +142,19 @@ class Request:
   layer_prefetched: tuple[int, ...] = ()
   topk_trace: list[np.ndarray] = dataclasses.field(default_factory=list)
   num_preemptions: int = 0
-  times_passed: int = 0       # admissions of later requests while this one waited and did not fit
+  times_passed: int = 0  # admissions of later requests while this one waited and did not fit
   arrival: float = 0.0
   first_token_time: float | None = None
   finish_time: float | None = None
   # Engine-owned state.
   phase: Phase = Phase.WAITING
-  kv: object = None           # memory.backend.RequestKV while admitted
+  kv: object = None  # memory.backend.RequestKV while admitted
   prefill_ids: list[int] = dataclasses.field(default_factory=list)  # prompt (+ output after a preemption)
-  prefilled: int = 0          # tokens of prefill_ids already in the KV
-  fair_tag: int = 0           # its turn among the waiting requests (Engine.submit: start-time fair queueing)
+  prefilled: int = 0  # tokens of prefill_ids already in the KV
+  fair_tag: int = 0  # its turn among the waiting requests (Engine.submit: start-time fair queueing)
   _detok: object = None
   _stops: object = None
-  _submitted: bool = False    # set by Engine.submit: a Request runs once
+  _submitted: bool = False  # set by Engine.submit: a Request runs once
 
   def __post_init__(self):
     if isinstance(self.stop, str):

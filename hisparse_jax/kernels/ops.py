@@ -33,6 +33,7 @@ def _load_cpu_module():
   path = os.environ.get("HISPARSE_FFI_CPU_LIB")
   if not path:
     from hisparse_jax import _ffi_cpu
+
     return _ffi_cpu
   spec = importlib.util.spec_from_file_location("_ffi_cpu", path)
   if spec is None:
@@ -98,10 +99,15 @@ def per_device(fn, batch_axis: str | None = None):
 
   def call(*args):
     for a in args:  # (XLA models unpinned_host as device memory: a donated such pool aborts the process)
-      if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and \
-          getattr(a.sharding, "memory_kind", None) not in (None, "device", "pinned_host"):
-        raise ValueError(f"an operand of shape {list(a.shape)} is in {a.sharding.memory_kind} memory: the kernels "
-                         "take device arrays and a pinned_host host pool")
+      if (
+        isinstance(a, jax.Array)
+        and not isinstance(a, jax.core.Tracer)
+        and getattr(a.sharding, "memory_kind", None) not in (None, "device", "pinned_host")
+      ):
+        raise ValueError(
+          f"an operand of shape {list(a.shape)} is in {a.sharding.memory_kind} memory: the kernels "
+          "take device arrays and a pinned_host host pool"
+        )
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or inside_shard_map():
       return fn(*args)
@@ -113,12 +119,15 @@ def per_device(fn, batch_axis: str | None = None):
         want = tuple(spec)[:1] + (None,) * (max(len(have), 1) - 1)
         if any(x is not None for x in have) and have != want:
           layout = f"split on {batch_axis} along their batch dimension" if split else "replicated"
-          raise ValueError(f"a kernel operand {jax.typeof(a).str_short()} is sharded {have} on the mesh's Explicit "
-                           f"axes; the kernels take their operands {layout} (jax.sharding.reshard them first)")
+          raise ValueError(
+            f"a kernel operand {jax.typeof(a).str_short()} is sharded {have} on the mesh's Explicit "
+            f"axes; the kernels take their operands {layout} (jax.sharding.reshard them first)"
+          )
     mapped = jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)
     if not any(isinstance(a, jax.core.Tracer) for a in args):  # eager: under jit (an eager shard_map refuses
-      mapped = jax.jit(mapped)                                  # arrays on a mesh's Explicit axes)
+      mapped = jax.jit(mapped)  # arrays on a mesh's Explicit axes)
     return mapped(*args)
+
   return call
 
 
@@ -191,15 +200,20 @@ class ExternalPoolRef:
     Raises: ValueError naming both when it has not (the handler would view the pool's bytes as other rows).
     """
     if jnp.dtype(like.dtype) != self.dtype or like.shape[-1] != self.width:
-      raise ValueError(f"{op}: the extension host pool holds rows of {self.width} x {self.dtype}, but the "
-                       f"{'hot buffer' if op != 'backup' else 'rows written'} are {like.shape[-1]} x "
-                       f"{jnp.dtype(like.dtype)}")
+      raise ValueError(
+        f"{op}: the extension host pool holds rows of {self.width} x {self.dtype}, but the "
+        f"{'hot buffer' if op != 'backup' else 'rows written'} are {like.shape[-1]} x "
+        f"{jnp.dtype(like.dtype)}"
+      )
     return self.attrs()
 
   def attrs(self) -> dict:
-    return dict(pool_address=np.uint64(self.address), pool_serial=np.uint64(self.serial),
-                pool_layers=np.int64(self.layers),
-                pool_rows=np.int64(self.rows))
+    return dict(
+      pool_address=np.uint64(self.address),
+      pool_serial=np.uint64(self.serial),
+      pool_layers=np.int64(self.layers),
+      pool_rows=np.int64(self.rows),
+    )
 
 
 class ExtensionHostPool:
@@ -238,8 +252,9 @@ class ExtensionHostPool:
         raise ValueError(f"host pool {name} must be an integer >= {low}, got {v!r}")
     self.shape = (int(layers), int(rows), int(width))
     self.nbytes = self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize  # Python ints: no wrap
-    self.address, serial = self._module.alloc_host_pool(self.shape[0], self.shape[1],
-                                                        self.shape[2] * self.dtype.itemsize)
+    self.address, serial = self._module.alloc_host_pool(
+      self.shape[0], self.shape[1], self.shape[2] * self.dtype.itemsize
+    )
     self.ref = ExternalPoolRef(self.address, self.shape[0], self.shape[1], self.dtype, self.shape[2], serial)
 
   def token(self) -> jax.Array:
@@ -285,12 +300,16 @@ class ExtensionHostPool:
 def _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction):
   """The swap-in's and the prefetch's shared arguments checked: the index arrays as int32 (ValueError /
   TypeError as ``_int32``), page_size a positive integer and eviction a policy (ValueError)."""
-  arrays = tuple(_int32(n, x) for n, x in (("top_k", top_k), ("seq_lens", seq_lens), ("req_ids", req_ids),
-                                           ("host_pages", host_pages)))
+  arrays = tuple(
+    _int32(n, x)
+    for n, x in (("top_k", top_k), ("seq_lens", seq_lens), ("req_ids", req_ids), ("host_pages", host_pages))
+  )
   for name, a, rank in zip(("top_k", "seq_lens", "req_ids", "host_pages"), arrays, (2, 1, 1, 2)):
     if a.ndim != rank:
-      raise ValueError(f"{name} must have {rank} dimension{'s' if rank > 1 else ''} ([B, K], [B], [B], [B, P] for "
-                       f"top_k, seq_lens, req_ids, host_pages), got shape {list(a.shape)}")
+      raise ValueError(
+        f"{name} must have {rank} dimension{'s' if rank > 1 else ''} ([B, K], [B], [B], [B, P] for "
+        f"top_k, seq_lens, req_ids, host_pages), got shape {list(a.shape)}"
+      )
   if not _is_int(page_size) or page_size < 1:
     raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
   if eviction not in EVICTIONS:
@@ -298,9 +317,26 @@ def _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction):
   return arrays
 
 
-def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
-            slot_scores=None, *, page_size: int, eviction: str = "lru", external: ExternalPoolRef | None = None,
-            target: str | None = None, copy_blocks: int = 0):
+def swap_in(
+  layer,
+  top_k,
+  seq_lens,
+  req_ids,
+  host_pages,
+  newest,
+  host_pool,
+  hot,
+  slot_tokens,
+  lru,
+  stats,
+  slot_scores=None,
+  *,
+  page_size: int,
+  eviction: str = "lru",
+  external: ExternalPoolRef | None = None,
+  target: str | None = None,
+  copy_blocks: int = 0,
+):
   """Make the latent rows of each batch row's top-k positions resident in its request's hot buffer.
 
   Args:
@@ -378,28 +414,46 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   elif jnp.result_type(slot_scores) != jnp.float32:
     raise TypeError(f"slot_scores must be float32, got {jnp.result_type(slot_scores)}")
   call = jax.ffi.ffi_call(
-      target or (SWAP_IN_EXT_TARGET if external else SWAP_IN_TARGET),
-      (
-          jax.ShapeDtypeStruct((B, K), jnp.int32),
-          _like(host_pool),
-          _like(hot),
-          _like(slot_tokens),
-          _like(lru),
-          _like(stats),
-          jax.ShapeDtypeStruct((B,), jnp.int32),
-          jax.ShapeDtypeStruct((B, K + 1), jnp.int32),  # miss_list: the CUDA handler's scratch, dropped
-      ),
-      input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
+    target or (SWAP_IN_EXT_TARGET if external else SWAP_IN_TARGET),
+    (
+      jax.ShapeDtypeStruct((B, K), jnp.int32),
+      _like(host_pool),
+      _like(hot),
+      _like(slot_tokens),
+      _like(lru),
+      _like(stats),
+      jax.ShapeDtypeStruct((B,), jnp.int32),
+      jax.ShapeDtypeStruct((B, K + 1), jnp.int32),  # miss_list: the CUDA handler's scratch, dropped
+    ),
+    input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5},
   )
   attrs = external.attrs_for(hot, "swap_in") if external else {}
-  return per_device(lambda *a: call(*a, page_size=np.int64(page_size), eviction=np.int64(EVICTIONS.index(eviction)),
-                                    copy_blocks=np.int64(copy_blocks), **attrs)[:7])(
-      _layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
-      slot_scores)
+  return per_device(
+    lambda *a: call(
+      *a,
+      page_size=np.int64(page_size),
+      eviction=np.int64(EVICTIONS.index(eviction)),
+      copy_blocks=np.int64(copy_blocks),
+      **attrs,
+    )[:7]
+  )(_layer(layer), top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats, slot_scores)
 
 
-def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, *,
-                   page_size: int, eviction: str = "lru", external: ExternalPoolRef | None = None):
+def prefetch_start(
+  layer,
+  top_k,
+  seq_lens,
+  req_ids,
+  host_pages,
+  host_pool,
+  hot,
+  slot_tokens,
+  lru,
+  *,
+  page_size: int,
+  eviction: str = "lru",
+  external: ExternalPoolRef | None = None,
+):
   """Cross-layer prefetch, first half: start making layer ``layer``'s PREDICTED top-k resident.
 
   A swap-in of the predicted positions top_k (typically the previous layer's top-k: adjacent layers pick
@@ -429,15 +483,21 @@ def prefetch_start(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, 
   check_prefetch_threads_env()  # before the extension's copy threads read it
   top_k, seq_lens, req_ids, host_pages = _plan_args(top_k, seq_lens, req_ids, host_pages, page_size, eviction)
   if eviction == "score":
-    raise ValueError('prefetch: eviction "score" ranks slots by the layer\'s own indexer scores, which a '
-                     'prefetch (before the layer runs) does not have; use "lru" or "clock"')
+    raise ValueError(
+      'prefetch: eviction "score" ranks slots by the layer\'s own indexer scores, which a '
+      'prefetch (before the layer runs) does not have; use "lru" or "clock"'
+    )
   call = jax.ffi.ffi_call(
-      PREFETCH_START_EXT_TARGET if external else PREFETCH_START_TARGET,
-      (_like(host_pool), jax.ShapeDtypeStruct((1, 2), jnp.int32)), input_output_aliases={5: 0})
+    PREFETCH_START_EXT_TARGET if external else PREFETCH_START_TARGET,
+    (_like(host_pool), jax.ShapeDtypeStruct((1, 2), jnp.int32)),
+    input_output_aliases={5: 0},
+  )
   attrs = external.attrs_for(hot, "prefetch_start") if external else {}
-  return tuple(per_device(lambda *a: call(*a, page_size=np.int64(page_size),
-                                          eviction=np.int64(EVICTIONS.index(eviction)), **attrs))(
-      _layer(layer), top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru))
+  return tuple(
+    per_device(
+      lambda *a: call(*a, page_size=np.int64(page_size), eviction=np.int64(EVICTIONS.index(eviction)), **attrs)
+    )(_layer(layer), top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru)
+  )
 
 
 def prefetch_threads() -> int:
@@ -470,11 +530,15 @@ def prefetch_wait(ticket, hot, slot_tokens, lru, after, *, batch: int):
   if not _is_int(batch) or batch < 0:
     raise ValueError(f"prefetch_wait: batch must be an integer >= 0 (the start's batch rows), got {batch!r}")
   if jnp.ndim(ticket) != 2 or jnp.shape(ticket)[1] != 2 or jnp.result_type(ticket) != jnp.int32:
-    raise ValueError(f"prefetch_wait: ticket must be prefetch_start's int32[1, 2] (a row per device), got "
-                     f"{jnp.result_type(ticket)}{list(jnp.shape(ticket))}")
-  call = jax.ffi.ffi_call(PREFETCH_WAIT_TARGET, (_like(hot), _like(slot_tokens), _like(lru),
-                                                 jax.ShapeDtypeStruct((batch,), jnp.int32)),
-                          input_output_aliases={1: 0, 2: 1, 3: 2})
+    raise ValueError(
+      f"prefetch_wait: ticket must be prefetch_start's int32[1, 2] (a row per device), got "
+      f"{jnp.result_type(ticket)}{list(jnp.shape(ticket))}"
+    )
+  call = jax.ffi.ffi_call(
+    PREFETCH_WAIT_TARGET,
+    (_like(hot), _like(slot_tokens), _like(lru), jax.ShapeDtypeStruct((batch,), jnp.int32)),
+    input_output_aliases={1: 0, 2: 1, 3: 2},
+  )
   return tuple(per_device(call)(ticket, hot, slot_tokens, lru, after))
 
 
@@ -499,9 +563,11 @@ def backup(layer, rows, dst, host_pool, *, external: ExternalPoolRef | None = No
     ValueError for an ``external`` pool of another dtype or row width; TypeError for a non-integer layer.
   """
   dst = _int32("dst", dst)
-  call = jax.ffi.ffi_call(BACKUP_EXT_TARGET if external else BACKUP_TARGET,
-                          (_like(host_pool), jax.ShapeDtypeStruct(dst.shape, jnp.int32)),
-                          input_output_aliases={3: 0})
+  call = jax.ffi.ffi_call(
+    BACKUP_EXT_TARGET if external else BACKUP_TARGET,
+    (_like(host_pool), jax.ShapeDtypeStruct(dst.shape, jnp.int32)),
+    input_output_aliases={3: 0},
+  )
   attrs = external.attrs_for(rows, "backup") if external else {}
   return tuple(per_device(lambda *a: call(*a, **attrs))(_layer(layer), rows, dst, host_pool))
 
@@ -549,10 +615,13 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"top_k: k = {k} outside [1, {n}]")
 
   def local(x):  # shapes of this device's rows
-    call = jax.ffi.ffi_call(TOP_K_TARGET, (jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.float32),
-                                           jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.int32)))
-    return jax.lax.platform_dependent(x, cpu=lambda x: tuple(call(x, k=np.int64(k))),
-                                      default=lambda x: tuple(jax.lax.top_k(x, k)))
+    call = jax.ffi.ffi_call(
+      TOP_K_TARGET,
+      (jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.float32), jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.int32)),
+    )
+    return jax.lax.platform_dependent(
+      x, cpu=lambda x: tuple(call(x, k=np.int64(k))), default=lambda x: tuple(jax.lax.top_k(x, k))
+    )
 
   # Rows are independent: under data-parallel attention each group takes the top-k of its own rows.
   return per_device(local, batch_axis="dp")(x)
@@ -599,15 +668,16 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
 def _argmax(x: jax.Array, axis: int) -> jax.Array:
   """``argmax`` on checked arguments (axis 0 of a 2-D x, or its last axis)."""
   if axis == 0 and x.ndim == 2:
-    call = jax.ffi.ffi_call(ARGMAX_COLUMNS_TARGET, jax.ShapeDtypeStruct(x.shape[1:], jnp.int32),
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(
+      ARGMAX_COLUMNS_TARGET, jax.ShapeDtypeStruct(x.shape[1:], jnp.int32), vmap_method="sequential"
+    )
     local = lambda x: jax.lax.platform_dependent(  # noqa: E731
-        x, cpu=call, default=lambda x: jnp.argmax(x, axis=0).astype(jnp.int32))
+      x, cpu=call, default=lambda x: jnp.argmax(x, axis=0).astype(jnp.int32)
+    )
     return per_device(local)(x)  # on a mesh: the whole array on every device (columns are not split)
 
   def local(x):  # this device's rows
-    call = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
-                            vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32), vmap_method="broadcast_all")
     return jax.lax.platform_dependent(x, cpu=call, default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
   # Rows are independent: under data-parallel attention each group takes the argmax of its own rows (when the

@@ -75,8 +75,9 @@ class SwapInError(ValueError):
     self.status = status
 
 
-def swap_in_request(top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, lru, row_base, D, *,
-                    eviction="lru", slot_scores=None):
+def swap_in_request(
+  top_k, seq_len, host_rows, host_pool_l, hot_l, slot_tokens, lru, row_base, D, *, eviction="lru", slot_scores=None
+):
   """Swap-in of one request at one layer, in place on the given NumPy views.
 
   Args:
@@ -180,8 +181,23 @@ def host_rows_of(host_pages, page_size: int) -> np.ndarray:
   return np.where(pages[:, None] < 0, -1, rows).reshape(-1)
 
 
-def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot, slot_tokens, lru, stats,
-            slot_scores=None, *, page_size, eviction="lru"):
+def swap_in(
+  layer,
+  top_k,
+  seq_lens,
+  req_ids,
+  host_pages,
+  newest,
+  host_pool,
+  hot,
+  slot_tokens,
+  lru,
+  stats,
+  slot_scores=None,
+  *,
+  page_size,
+  eviction="lru",
+):
   """Batched reference with the shapes and results of ``hisparse_jax.kernels.ops.swap_in``.
 
   Works on copies; returns (rows, host_pool, hot, slot_tokens, lru, stats, status) as NumPy arrays, status
@@ -218,9 +234,18 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
       continue
     try:
       rows[b], hits, misses = swap_in_request(
-          np.asarray(top_k[b]), int(seq_lens[b]), host_rows_of(host_pages[b], page_size), host_pool[layer],
-          hot_l, slot_tokens[layer, r], lru[layer, r], r * D1, D, eviction=eviction,
-          slot_scores=None if slot_scores is None else np.asarray(slot_scores)[b])
+        np.asarray(top_k[b]),
+        int(seq_lens[b]),
+        host_rows_of(host_pages[b], page_size),
+        host_pool[layer],
+        hot_l,
+        slot_tokens[layer, r],
+        lru[layer, r],
+        r * D1,
+        D,
+        eviction=eviction,
+        slot_scores=None if slot_scores is None else np.asarray(slot_scores)[b],
+      )
     except SwapInError as e:  # swap_in_request checks everything before it changes anything
       status[b] = e.status
       continue
@@ -234,8 +259,9 @@ def swap_in(layer, top_k, seq_lens, req_ids, host_pages, newest, host_pool, hot,
   return rows, host_pool, hot, slot_tokens, lru, stats, status
 
 
-def prefetch(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, *, page_size,
-             eviction="lru"):
+def prefetch(
+  layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_tokens, lru, *, page_size, eviction="lru"
+):
   """Reference of ``ops.prefetch_start`` + ``ops.prefetch_wait`` with nothing changed in between: the
   swap-in of the predicted positions top_k with no newest row and no stats (eviction "lru" or "clock").
   Works on copies; returns (hot, slot_tokens, lru, prefetched), prefetched int32[B] the rows each row
@@ -244,8 +270,20 @@ def prefetch(layer, top_k, seq_lens, req_ids, host_pages, host_pool, hot, slot_t
     raise SwapInError(f"prefetch takes eviction lru or clock, not {eviction!r}")
   L, R = np.shape(slot_tokens)[:2]
   _, _, hot, slot_tokens, lru, _, status = swap_in(
-      layer, top_k, seq_lens, req_ids, host_pages, None, host_pool, hot, slot_tokens, lru,
-      np.zeros((L, R, 2), np.int32), page_size=page_size, eviction=eviction)
+    layer,
+    top_k,
+    seq_lens,
+    req_ids,
+    host_pages,
+    None,
+    host_pool,
+    hot,
+    slot_tokens,
+    lru,
+    np.zeros((L, R, 2), np.int32),
+    page_size=page_size,
+    eviction=eviction,
+  )
   return hot, slot_tokens, lru, -status
 
 
@@ -264,7 +302,7 @@ def backup(layer, rows, dst, host_pool):
     if not -1 <= h < H:
       status[n] = BACKUP_ROW_OUT_OF_RANGE
     elif h >= 0:
-      pool[layer:layer + rows.shape[0], h] = rows[:, n]
+      pool[layer : layer + rows.shape[0], h] = rows[:, n]
   return pool, status
 
 

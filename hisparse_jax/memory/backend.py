@@ -138,8 +138,15 @@ class MemoryPlan:
   device_bytes: int
 
 
-def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_len: int, page_size: int,
-         hisparse: HiSparseConfig | None) -> MemoryPlan:
+def plan(
+  layout: KVLayout,
+  *,
+  budget: int,
+  max_running_requests: int,
+  max_seq_len: int,
+  page_size: int,
+  hisparse: HiSparseConfig | None,
+) -> MemoryPlan:
   """Sizes the pools of a mode within ``budget`` bytes of device memory.
 
   Dense: every token holds one "kv" page slot (latent + indexer key): pages = budget // (page x
@@ -164,8 +171,9 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
     pages = min(budget // per_page, max_running_requests * P)
     if pages < 1:
       raise MemoryConfigError(
-          f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) is smaller than "
-          f"one page of {page_size} tokens ({per_page} bytes): raise the budget or lower --page-size")
+        f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) is smaller than "
+        f"one page of {page_size} tokens ({per_page} bytes): raise the budget or lower --page-size"
+      )
     return MemoryPlan(page_size, max_running_requests, P, {"kv": ("device", pages, per_page)}, pages * per_page)
   index_page = page_size * layout.index_bytes
   staging_page = page_size * layout.latent_bytes
@@ -177,23 +185,29 @@ def plan(layout: KVLayout, *, budget: int, max_running_requests: int, max_seq_le
   slots = min(max_running_requests, max(avail // 2 // hot, 1 if avail >= hot + index_page else 0))
   if slots < 1:
     raise MemoryConfigError(
-        f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) cannot hold "
-        f"HiSparse's staging pages for one --max-seq-len {max_seq_len} prompt ({staging} bytes) plus one hot buffer "
-        f"(device_buffer_size {hisparse.device_buffer_size}: {hot} bytes) and one index page ({index_page} bytes): "
-        "raise the budget, or lower --max-seq-len (the staging pages grow with it)")
+      f"the device KV budget of {budget} bytes (--max-device-kv-bytes / --mem-fraction-static) cannot hold "
+      f"HiSparse's staging pages for one --max-seq-len {max_seq_len} prompt ({staging} bytes) plus one hot buffer "
+      f"(device_buffer_size {hisparse.device_buffer_size}: {hot} bytes) and one index page ({index_page} bytes): "
+      "raise the budget, or lower --max-seq-len (the staging pages grow with it)"
+    )
   rest = budget - staging - slots * hot
   # Dynamic residency: resident_fraction of the rest holds resident requests' latent rows (more staging pages).
   resident_pages = min(int(rest * hisparse.resident_fraction) // staging_page, slots * P)
   index_pages = min((rest - resident_pages * staging_page) // index_page, slots * P)
   if index_pages < 1:
     raise MemoryConfigError(
-        f"--hisparse-config resident_fraction {hisparse.resident_fraction} leaves no index page in the device KV "
-        f"budget of {budget} bytes (index pages of {index_page} bytes hold every token's indexer keys): lower it")
+      f"--hisparse-config resident_fraction {hisparse.resident_fraction} leaves no index page in the device KV "
+      f"budget of {budget} bytes (index pages of {index_page} bytes hold every token's indexer keys): lower it"
+    )
   host_pages = max(hisparse.host_pool_rows(slots) // page_size, P)  # at least one max_seq_len request
-  pools = {"index": ("device", index_pages, index_page), "staging": ("device", P + resident_pages, staging_page),
-           "host": ("host", host_pages, staging_page)}
-  return MemoryPlan(page_size, slots, P, pools,
-                    staging + resident_pages * staging_page + slots * hot + index_pages * index_page)
+  pools = {
+    "index": ("device", index_pages, index_page),
+    "staging": ("device", P + resident_pages, staging_page),
+    "host": ("host", host_pages, staging_page),
+  }
+  return MemoryPlan(
+    page_size, slots, P, pools, staging + resident_pages * staging_page + slots * hot + index_pages * index_page
+  )
 
 
 def request_bytes(layout: KVLayout, hisparse: HiSparseConfig | None, page_size: int, tokens: int) -> dict:
@@ -249,8 +263,9 @@ class KVBackend(abc.ABC):
     self.groups = groups
     self.page_size = plan.page_size
     self.max_pages = plan.max_pages
-    self._group_lists = [{name: FreeList(pages, f"{name} pages") for name, (_, pages, _) in plan.pools.items()}
-                         for _ in range(groups)]
+    self._group_lists = [
+      {name: FreeList(pages, f"{name} pages") for name, (_, pages, _) in plan.pools.items()} for _ in range(groups)
+    ]
     self._group_slots = [FreeList(plan.request_slots, "request slots") for _ in range(groups)]
     R, P = plan.request_slots, plan.max_pages
     self._tables = {name: np.full((groups * R, P), -1, np.int32) for name in plan.pools}
@@ -282,12 +297,15 @@ class KVBackend(abc.ABC):
       tokens = total_len if name in self.token_pools else prompt_len
       need, (memory, have, _) = self._pages(tokens), self.plan.pools[name]
       if need > have:
-        return (f"request needs {need} pages of the {name} pool ({memory} memory; {tokens} tokens, "
-                f"{self.page_size} a page); the pool holds {have}")
+        return (
+          f"request needs {need} pages of the {name} pool ({memory} memory; {tokens} tokens, "
+          f"{self.page_size} a page); the pool holds {have}"
+        )
     return None
 
-  def can_admit(self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True, group: int = 0,
-                reclaimable=None) -> bool:
+  def can_admit(
+    self, prompt_len: int, reserve_pages: int = 0, prefill: bool = True, group: int = 0, reclaimable=None
+  ) -> bool:
     """A slot and pages of `group` for the prompt plus its first decoded token are free now, leaving
     reserve_pages free in each per-token pool (growth room for the running requests); prefill=False: the
     prompt's KV arrives computed (an import) and needs no prompt-only pages. reclaimable: None, or one
@@ -300,8 +318,9 @@ class KVBackend(abc.ABC):
       if self._pages(prompt_len + 1) + reserve_pages > lists[name].num_free:
         return False
     extra = reclaimable[group] if reclaimable is not None else {}
-    return not prefill or all(self._pages(prompt_len) <= lists[name].num_free + extra.get(name, 0)
-                              for name in self.prompt_pools)
+    return not prefill or all(
+      self._pages(prompt_len) <= lists[name].num_free + extra.get(name, 0) for name in self.prompt_pools
+    )
 
   def reclaimable_pages(self, resident) -> list[dict[str, int]]:
     """Per group, {prompt pool name: pages} held by the resident requests `resident` (RequestKVs): what
@@ -316,14 +335,18 @@ class KVBackend(abc.ABC):
     """Free pages of pool `name` in `group`."""
     return self._group_lists[group][name].num_free
 
-  def pick_group(self, prompt_len: int, reserve_pages=0, prefill: bool = True, reclaimable=None,
-                 only: int | None = None) -> int | None:
+  def pick_group(
+    self, prompt_len: int, reserve_pages=0, prefill: bool = True, reclaimable=None, only: int | None = None
+  ) -> int | None:
     """The group a new request goes to: of those that can admit it now, the one with the most free request
     slots (then the lowest index); None if none can. reserve_pages: an int, or one per group; reclaimable:
     as ``can_admit``; only: that group or none (a request pinned to it)."""
     reserve = reserve_pages if isinstance(reserve_pages, (list, tuple)) else [reserve_pages] * self.groups
-    fits = [g for g in (range(self.groups) if only is None else (only,))
-            if self.can_admit(prompt_len, reserve[g], prefill, g, reclaimable)]
+    fits = [
+      g
+      for g in (range(self.groups) if only is None else (only,))
+      if self.can_admit(prompt_len, reserve[g], prefill, g, reclaimable)
+    ]
     return max(fits, key=lambda g: (self._group_slots[g].num_free, -g)) if fits else None
 
   # --------------------------------------------------------------- lifetime
@@ -365,7 +388,7 @@ class KVBackend(abc.ABC):
         new = lists[name].alloc(n)
         start = len(kv.pages[name])
         kv.pages[name].extend(new)
-        self._tables[name][kv.slot, start:start + n] = new
+        self._tables[name][kv.slot, start : start + n] = new
     kv.capacity = max(kv.capacity, tokens)
 
   def prefill_finished(self, kv: RequestKV) -> None:
@@ -429,9 +452,17 @@ class KVBackend(abc.ABC):
   def usage(self) -> list[PoolUsage]:
     """Each pool's pages (total, free; all groups) and bytes: a consistent snapshot (call on the engine's
     thread)."""
-    return [PoolUsage(name, memory, self.page_size, self.groups * pages,
-                      sum(lists[name].num_free for lists in self._group_lists), per_page)
-            for name, (memory, pages, per_page) in self.plan.pools.items()]
+    return [
+      PoolUsage(
+        name,
+        memory,
+        self.page_size,
+        self.groups * pages,
+        sum(lists[name].num_free for lists in self._group_lists),
+        per_page,
+      )
+      for name, (memory, pages, per_page) in self.plan.pools.items()
+    ]
 
   def request_bytes(self, tokens: int) -> dict:
     """Bytes per memory kind a request of `tokens` tokens holds at most (module function ``request_bytes``)."""
@@ -445,8 +476,10 @@ class KVBackend(abc.ABC):
 
 def _check_row_dtype(layout: KVLayout, dtype) -> None:
   if np.dtype(dtype) != np.dtype(layout.dtype):
-    raise ValueError(f"KV row dtype {np.dtype(dtype)} is not the layout's {layout.dtype} (KVLayout.of and the row "
-                     "dtype must come from one kv_row)")
+    raise ValueError(
+      f"KV row dtype {np.dtype(dtype)} is not the layout's {layout.dtype} (KVLayout.of and the row "
+      "dtype must come from one kv_row)"
+    )
 
 
 class DenseBackend(KVBackend):
@@ -459,10 +492,16 @@ class DenseBackend(KVBackend):
   def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, mesh=None, groups: int = 1):
     _check_row_dtype(layout, dtype)
     super().__init__(plan, layout, groups)
-    self.state = DenseState.create(num_layers=layout.num_layers, num_pages=groups * plan.pools["kv"][1],
-                                   page_size=plan.page_size, latent_dim=layout.latent_dim,
-                                   index_dim=layout.index_dim, dtype=dtype, index_dtype=layout.index_dtype,
-                                   mesh=mesh)
+    self.state = DenseState.create(
+      num_layers=layout.num_layers,
+      num_pages=groups * plan.pools["kv"][1],
+      page_size=plan.page_size,
+      latent_dim=layout.latent_dim,
+      index_dim=layout.index_dim,
+      dtype=dtype,
+      index_dtype=layout.index_dtype,
+      mesh=mesh,
+    )
 
   def prefill_tables(self, kvs, finishing) -> dict:
     del finishing
@@ -487,8 +526,16 @@ class HiSparseBackend(KVBackend):
   token_pools = ("index", "host")
   prompt_pools = ("staging",)
 
-  def __init__(self, plan: MemoryPlan, layout: KVLayout, dtype, hisparse: HiSparseConfig, host_pool: str = "jax",
-               mesh=None, groups: int = 1):
+  def __init__(
+    self,
+    plan: MemoryPlan,
+    layout: KVLayout,
+    dtype,
+    hisparse: HiSparseConfig,
+    host_pool: str = "jax",
+    mesh=None,
+    groups: int = 1,
+  ):
     _check_row_dtype(layout, dtype)
     super().__init__(plan, layout, groups)
     if host_pool not in HOST_POOL_KINDS:
@@ -499,32 +546,57 @@ class HiSparseBackend(KVBackend):
     # One request slot's stats, whole on every device (every process can read it; the stats are split over
     # the DP groups).
     out = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-    self._slot_stats = jax.jit(lambda stats, prefetched, slot: jnp.concatenate(
-        [jnp.take(stats, slot, axis=1), jnp.take(prefetched, slot, axis=1)[:, None]], axis=1), out_shardings=out)
+    self._slot_stats = jax.jit(
+      lambda stats, prefetched, slot: jnp.concatenate(
+        [jnp.take(stats, slot, axis=1), jnp.take(prefetched, slot, axis=1)[:, None]], axis=1
+      ),
+      out_shardings=out,
+    )
     host_rows = plan.pools["host"][1] * plan.page_size
-    self.external_pool = (ExtensionHostPool(layout.num_layers, host_rows, layout.latent_dim, dtype)
-                          if host_pool == "extension" else None)
+    self.external_pool = (
+      ExtensionHostPool(layout.num_layers, host_rows, layout.latent_dim, dtype) if host_pool == "extension" else None
+    )
     self.state = HiSparseState.create(
-        num_layers=layout.num_layers, page_size=plan.page_size, latent_dim=layout.latent_dim,
-        index_dim=layout.index_dim, dtype=dtype, index_dtype=layout.index_dtype, index_pages=plan.pools["index"][1],
-        staging_pages=plan.pools["staging"][1], request_slots=plan.request_slots,
-        device_buffer_size=hisparse.device_buffer_size, host_pages=plan.pools["host"][1],
-        external_pool=self.external_pool, mesh=mesh, groups=groups, eviction=hisparse.eviction,
-        prefetch_depth=hisparse.prefetch_positions)
+      num_layers=layout.num_layers,
+      page_size=plan.page_size,
+      latent_dim=layout.latent_dim,
+      index_dim=layout.index_dim,
+      dtype=dtype,
+      index_dtype=layout.index_dtype,
+      index_pages=plan.pools["index"][1],
+      staging_pages=plan.pools["staging"][1],
+      request_slots=plan.request_slots,
+      device_buffer_size=hisparse.device_buffer_size,
+      host_pages=plan.pools["host"][1],
+      external_pool=self.external_pool,
+      mesh=mesh,
+      groups=groups,
+      eviction=hisparse.eviction,
+      prefetch_depth=hisparse.prefetch_positions,
+    )
 
   def prefill_tables(self, kvs, finishing) -> dict:
     scratch = self.slots_per_group  # the state's scratch hot-buffer slot (in every group)
-    hot_slot = np.array([self.local_slot(kv) if (kv is not None and done) else scratch
-                         for kv, done in zip(kvs, finishing)], np.int32)
-    return {"index_pages": self._rows("index", kvs), "staging_pages": self._rows("staging", kvs),
-            "host_pages": self._rows("host", kvs), "hot_slot": hot_slot}
+    hot_slot = np.array(
+      [self.local_slot(kv) if (kv is not None and done) else scratch for kv, done in zip(kvs, finishing)], np.int32
+    )
+    return {
+      "index_pages": self._rows("index", kvs),
+      "staging_pages": self._rows("staging", kvs),
+      "host_pages": self._rows("host", kvs),
+      "hot_slot": hot_slot,
+    }
 
   def decode_tables(self, kvs, pages: int | None = None) -> dict:
-    tables = {"index_pages": self._rows("index", kvs, pages), "host_pages": self._rows("host", kvs, pages),
-              "req_ids": np.array([-1 if kv is None else self.local_slot(kv) for kv in kvs], np.int32)}
+    tables = {
+      "index_pages": self._rows("index", kvs, pages),
+      "host_pages": self._rows("host", kvs, pages),
+      "req_ids": np.array([-1 if kv is None else self.local_slot(kv) for kv in kvs], np.int32),
+    }
     if self.residency(kvs) != "none":
-      tables["resident_pages"] = self._rows("staging", [kv if kv is not None and kv.resident else None for kv in kvs],
-                                            pages)
+      tables["resident_pages"] = self._rows(
+        "staging", [kv if kv is not None and kv.resident else None for kv in kvs], pages
+      )
     return tables
 
   def residency(self, kvs) -> str:
@@ -565,13 +637,29 @@ class HiSparseBackend(KVBackend):
     return tuple(tuple(per_layer[:, i].tolist()) for i in range(3))
 
 
-def create_backend(layout: KVLayout, dtype, *, budget: int, max_running_requests: int, max_seq_len: int,
-                   page_size: int, hisparse: HiSparseConfig | None, host_pool: str = "jax", mesh=None,
-                   groups: int = 1) -> KVBackend:
+def create_backend(
+  layout: KVLayout,
+  dtype,
+  *,
+  budget: int,
+  max_running_requests: int,
+  max_seq_len: int,
+  page_size: int,
+  hisparse: HiSparseConfig | None,
+  host_pool: str = "jax",
+  mesh=None,
+  groups: int = 1,
+) -> KVBackend:
   """The backend of a mode, its pools sized by ``plan`` (MemoryConfigError names the flag at fault); its
   arrays on the first device, or on ``mesh`` (``groups`` DP groups, each replicated over its tp devices)."""
-  p = plan(layout, budget=budget, max_running_requests=max_running_requests, max_seq_len=max_seq_len,
-           page_size=page_size, hisparse=hisparse)
+  p = plan(
+    layout,
+    budget=budget,
+    max_running_requests=max_running_requests,
+    max_seq_len=max_seq_len,
+    page_size=page_size,
+    hisparse=hisparse,
+  )
   if hisparse is None:
     return DenseBackend(p, layout, dtype, mesh, groups)
   return HiSparseBackend(p, layout, dtype, hisparse, host_pool, mesh, groups)

@@ -51,6 +51,7 @@ def _pytree(data, meta=()):
   def register(cls):
     cls.data_fields = tuple(data)
     return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
   return register
 
 
@@ -91,7 +92,7 @@ def gather_rows(pool, layer, pages, top_k, page_size):
 DP_AXIS = "dp"
 _P = jax.sharding.PartitionSpec
 POOL_SPEC = _P(None, DP_AXIS)  # every state array: [L, groups x per-group size, ...]
-BATCH_SPEC = _P(DP_AXIS)       # batch arrays (tables, positions, rows): [groups x rows per group, ...]
+BATCH_SPEC = _P(DP_AXIS)  # batch arrays (tables, positions, rows): [groups x rows per group, ...]
 
 
 def _placement(mesh, memory_kind=None):
@@ -122,9 +123,14 @@ def _specs(tree):
   BATCH_SPEC for its ``batch_fields``; other arrays BATCH_SPEC (scalars replicated)."""
   if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
     batch = getattr(tree, "batch_fields", ())
-    return dataclasses.replace(tree, **{
+    return dataclasses.replace(
+      tree,
+      **{
         f.name: (None if getattr(tree, f.name) is None else BATCH_SPEC if f.name in batch else POOL_SPEC)
-        for f in dataclasses.fields(tree) if f.name in type(tree).data_fields})
+        for f in dataclasses.fields(tree)
+        if f.name in type(tree).data_fields
+      },
+    )
   if isinstance(tree, (tuple, list)):
     return type(tree)(_specs(t) for t in tree)
   if isinstance(tree, dict):
@@ -155,11 +161,15 @@ def per_group(*, replicated=()):
         finally:
           _IN_GROUP.reset(token)
 
-      in_specs = (_specs(self), *(_P() if i in replicated else _specs(a)
-                                  for i, (a, keep) in enumerate(zip(args, is_array)) if keep))
+      in_specs = (
+        _specs(self),
+        *(_P() if i in replicated else _specs(a) for i, (a, keep) in enumerate(zip(args, is_array)) if keep),
+      )
       out_specs = _specs(jax.eval_shape(local, self, *arrays))
       return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, check_vma=False)(self, *arrays)
+
     return wrapped
+
   return deco
 
 
@@ -187,8 +197,10 @@ class DenseView:
   @per_group()
   def append(self, layer, positions, latent, index_key):
     return dataclasses.replace(
-        self, latent=write_rows(self.latent, layer, self.pages, positions, latent, self.page_size),
-        index=write_rows(self.index, layer, self.pages, positions, index_key, self.page_size))
+      self,
+      latent=write_rows(self.latent, layer, self.pages, positions, latent, self.page_size),
+      index=write_rows(self.index, layer, self.pages, positions, index_key, self.page_size),
+    )
 
   @per_group()
   def index_keys(self, layer, start, size):
@@ -211,13 +223,18 @@ class DenseState:
   page_size: int
 
   @classmethod
-  def create(cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype, index_dtype=jnp.float32,
-             mesh=None) -> "DenseState":
+  def create(
+    cls, *, num_layers, num_pages, page_size, latent_dim, index_dim, dtype, index_dtype=jnp.float32, mesh=None
+  ) -> "DenseState":
     """Zeroed pools on the first device, or on ``mesh`` (``_placement``: num_pages split over the DP groups).
     latent_dim / dtype and index_dim / index_dtype: the stored rows' (``DSAConfig.kv_row`` / ``kv_index_row``)."""
-    z = jax.jit(lambda: (jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype),
-                         jnp.zeros((num_layers, num_pages, page_size, index_dim), index_dtype)),
-                out_shardings=_placement(mesh))
+    z = jax.jit(
+      lambda: (
+        jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype),
+        jnp.zeros((num_layers, num_pages, page_size, index_dim), index_dtype),
+      ),
+      out_shardings=_placement(mesh),
+    )
     latent, index = z()
     return cls(latent, index, page_size)
 
@@ -314,12 +331,16 @@ class HiSparsePrefillView:
   def append(self, layer, positions, latent, index_key):
     B, Q, W = latent.shape
     dst = host_rows(self.host_pages, positions, self.page_size).reshape(B * Q)
-    host_pool, status = ops.backup(layer, latent.reshape(1, B * Q, W).astype(self.staging.dtype), dst,
-                                   self.host_pool, external=self.external)
+    host_pool, status = ops.backup(
+      layer, latent.reshape(1, B * Q, W).astype(self.staging.dtype), dst, self.host_pool, external=self.external
+    )
     return dataclasses.replace(
-        self, host_pool=host_pool, status=_first_failure(self.status, status.reshape(B, Q).max(axis=1)),
-        staging=write_rows(self.staging, layer, self.staging_pages, positions, latent, self.page_size),
-        index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
+      self,
+      host_pool=host_pool,
+      status=_first_failure(self.status, status.reshape(B, Q).max(axis=1)),
+      staging=write_rows(self.staging, layer, self.staging_pages, positions, latent, self.page_size),
+      index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size),
+    )
 
   @per_group()
   def index_keys(self, layer, start, size):
@@ -351,9 +372,26 @@ def restart_score_ema(ema, tokens_before, tokens_after, seq_lens):
   return jnp.where((tokens_before == tokens_after) & (tokens_after < seq_lens[:, None]), ema, jnp.nan)
 
 
-@_pytree(data=("index", "index_pages", "hot", "slot_tokens", "lru", "stats", "req_ids", "newest", "status",
-               "staging", "resident_pages", "prefetch_ticket", "prefetched", "score_ema") + _HOST,
-         meta=("page_size", "external", "eviction", "residency", "prefetch_depth"))
+@_pytree(
+  data=(
+    "index",
+    "index_pages",
+    "hot",
+    "slot_tokens",
+    "lru",
+    "stats",
+    "req_ids",
+    "newest",
+    "status",
+    "staging",
+    "resident_pages",
+    "prefetch_ticket",
+    "prefetched",
+    "score_ema",
+  )
+  + _HOST,
+  meta=("page_size", "external", "eviction", "residency", "prefetch_depth"),
+)
 @dataclasses.dataclass
 class HiSparseDecodeView:
   """A HiSparse decode batch (one token per row): the newest latent row goes to the host pool (backup
@@ -414,8 +452,13 @@ class HiSparseDecodeView:
     if self.residency != "none":  # resident rows keep their whole latent KV on device (-1 rows are dropped)
       staging = write_rows(staging, layer, self.resident_pages, positions, latent, self.page_size)
     return dataclasses.replace(
-        self, newest=newest, host_pool=host_pool, status=_first_failure(self.status, status), staging=staging,
-        index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size))
+      self,
+      newest=newest,
+      host_pool=host_pool,
+      status=_first_failure(self.status, status),
+      staging=staging,
+      index=write_rows(self.index, layer, self.index_pages, positions, index_key, self.page_size),
+    )
 
   @per_group()
   def index_keys(self, layer, start, size):
@@ -439,8 +482,7 @@ class HiSparseDecodeView:
     slot_scores = slots = None
     if self.eviction in SCORED_EVICTIONS:
       if index_q is None or index_w is None:
-        raise ValueError(f'eviction "{self.eviction}" needs the indexer queries of layer {layer} (it has no '
-                         "indexer)")
+        raise ValueError(f'eviction "{self.eviction}" needs the indexer queries of layer {layer} (it has no indexer)')
       slots = self.slot_tokens[layer][jnp.maximum(req_ids, 0)]  # [B, D] positions, -1 empty
       keys = decode_keys(gather_rows(self.index, layer, self.index_pages, slots, self.page_size))  # float32[B, D, Di]
       slot_scores = index_scores(index_q, index_w, keys)[:, 0]  # [B, D]
@@ -448,14 +490,29 @@ class HiSparseDecodeView:
         slot_scores = slot_score_ema(self.score_ema[layer][jnp.maximum(req_ids, 0)], slot_scores)
     hot, slot_tokens, lru, prefetched = self.hot, self.slot_tokens, self.lru, self.prefetched
     if self.prefetch_ticket is not None:  # this layer's prefetch lands before its swap-in
-      hot, slot_tokens, lru, placed = ops.prefetch_wait(self.prefetch_ticket, hot, slot_tokens, lru, self.newest,
-                                                        batch=req_ids.shape[0])
+      hot, slot_tokens, lru, placed = ops.prefetch_wait(
+        self.prefetch_ticket, hot, slot_tokens, lru, self.newest, batch=req_ids.shape[0]
+      )
       prefetched = self.prefetched.at[layer, jnp.where(req_ids >= 0, req_ids, hot.shape[1])].add(
-          jnp.maximum(placed, 0), mode="drop")  # a stale or failed row (-code) placed nothing
+        jnp.maximum(placed, 0), mode="drop"
+      )  # a stale or failed row (-code) placed nothing
     rows, host_pool, hot, slot_tokens, lru, stats, status = ops.swap_in(
-        layer, top_k[:, 0], seq_lens, req_ids, self.host_pages, self.newest, self.host_pool, hot,
-        slot_tokens, lru, self.stats, slot_scores, page_size=self.page_size,
-        eviction="score" if self.eviction == "score_ema" else self.eviction, external=self.external)
+      layer,
+      top_k[:, 0],
+      seq_lens,
+      req_ids,
+      self.host_pages,
+      self.newest,
+      self.host_pool,
+      hot,
+      slot_tokens,
+      lru,
+      self.stats,
+      slot_scores,
+      page_size=self.page_size,
+      eviction="score" if self.eviction == "score_ema" else self.eviction,
+      external=self.external,
+    )
     R, D1, W = hot.shape[1], hot.shape[2], hot.shape[3]
     score_ema = self.score_ema
     if score_ema is not None:  # idle and resident rows (req_ids -1) write nothing
@@ -470,12 +527,33 @@ class HiSparseDecodeView:
       # The prefetch starts before this layer's attention uses its rows (the barrier), so the background work
       # overlaps that work.
       host_pool, ticket = ops.prefetch_start(
-          layer + 1, top_k[:, 0, :self.prefetch_depth], seq_lens, req_ids, self.host_pages, host_pool, hot,
-          slot_tokens, lru, page_size=self.page_size, eviction=self.eviction, external=self.external)
+        layer + 1,
+        top_k[:, 0, : self.prefetch_depth],
+        seq_lens,
+        req_ids,
+        self.host_pages,
+        host_pool,
+        hot,
+        slot_tokens,
+        lru,
+        page_size=self.page_size,
+        eviction=self.eviction,
+        external=self.external,
+      )
       out, ticket = jax.lax.optimization_barrier((out, ticket))
-    view = dataclasses.replace(self, hot=hot, host_pool=host_pool, slot_tokens=slot_tokens, lru=lru, stats=stats,
-                               newest=None, status=_first_failure(self.status, status), prefetch_ticket=ticket,
-                               prefetched=prefetched, score_ema=score_ema)
+    view = dataclasses.replace(
+      self,
+      hot=hot,
+      host_pool=host_pool,
+      slot_tokens=slot_tokens,
+      lru=lru,
+      stats=stats,
+      newest=None,
+      status=_first_failure(self.status, status),
+      prefetch_ticket=ticket,
+      prefetched=prefetched,
+      score_ema=score_ema,
+    )
     return out[:, None], view
 
 
@@ -485,8 +563,10 @@ def host_rows(host_pages, positions, page_size):
   return jnp.where(pid >= 0, pid * page_size + jnp.maximum(positions, 0) % page_size, -1)
 
 
-@_pytree(data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "prefetched", "host_pool", "score_ema"),
-         meta=("page_size", "external", "eviction", "prefetch_depth"))
+@_pytree(
+  data=("index", "staging", "hot", "slot_tokens", "lru", "stats", "prefetched", "host_pool", "score_ema"),
+  meta=("page_size", "external", "eviction", "prefetch_depth"),
+)
 @dataclasses.dataclass
 class HiSparseState:
   """HiSparse KV memory (see the module docstring). hot: T[L, R+1, D+1, W]; slot_tokens, lru: int32[L, R+1, D];
@@ -514,10 +594,26 @@ class HiSparseState:
   score_ema: jax.Array | None = None
 
   @classmethod
-  def create(cls, *, num_layers, page_size, latent_dim, index_dim, dtype, index_pages, staging_pages,
-             request_slots, device_buffer_size, host_pages,
-             external_pool: ops.ExtensionHostPool | None = None, mesh=None, groups: int = 1,
-             eviction: str = "lru", prefetch_depth: int = 0, index_dtype=jnp.float32) -> "HiSparseState":
+  def create(
+    cls,
+    *,
+    num_layers,
+    page_size,
+    latent_dim,
+    index_dim,
+    dtype,
+    index_pages,
+    staging_pages,
+    request_slots,
+    device_buffer_size,
+    host_pages,
+    external_pool: ops.ExtensionHostPool | None = None,
+    mesh=None,
+    groups: int = 1,
+    eviction: str = "lru",
+    prefetch_depth: int = 0,
+    index_dtype=jnp.float32,
+  ) -> "HiSparseState":
     """Zeroed pools (latent_dim / dtype and index_dim / index_dtype: the stored rows', ``DSAConfig.kv_row`` /
     ``kv_index_row``). The host pool is allocated straight in ``pinned_host`` memory, or is ``external_pool``
     (shape [L, host_pages * page_size, latent_dim]; the caller keeps it alive). On the first device, or
@@ -530,39 +626,56 @@ class HiSparseState:
       raise ValueError("an extension-owned host pool serves one device; a mesh needs the pinned_host pool")
     if eviction not in EVICTIONS:
       raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0 or (
-        prefetch_depth and eviction in SCORED_EVICTIONS):
-      raise ValueError(f"prefetch_depth must be an integer >= 0 (> 0 with eviction lru or clock), got "
-                       f"{prefetch_depth!r} with eviction {eviction!r}")
+    if (
+      isinstance(prefetch_depth, bool)
+      or not isinstance(prefetch_depth, int)
+      or prefetch_depth < 0
+      or (prefetch_depth and eviction in SCORED_EVICTIONS)
+    ):
+      raise ValueError(
+        f"prefetch_depth must be an integer >= 0 (> 0 with eviction lru or clock), got "
+        f"{prefetch_depth!r} with eviction {eviction!r}"
+      )
     L, R, D = num_layers, groups * (request_slots + 1), device_buffer_size  # + each group's scratch slot
     H = groups * host_pages * page_size
     index_pages, staging_pages = groups * index_pages, groups * staging_pages
     if external_pool is not None:
       if external_pool.shape != (L, H, latent_dim) or external_pool.dtype != jnp.dtype(dtype):
-        raise ValueError(f"external pool {external_pool.shape} {external_pool.dtype} does not match "
-                         f"{(L, H, latent_dim)} {jnp.dtype(dtype)}")
+        raise ValueError(
+          f"external pool {external_pool.shape} {external_pool.dtype} does not match "
+          f"{(L, H, latent_dim)} {jnp.dtype(dtype)}"
+        )
       host_pool = jax.device_put(external_pool.token(), jax.devices()[0])
     else:
       # With the placement inside the function the pool's type carries <host> (a pool typed
       # without it aborts when donated).
       kw = {} if mesh is None else {"out_shardings": _placement(mesh, "pinned_host")}
-      host_pool = jax.jit(lambda: jax.device_put(jnp.zeros((L, H, latent_dim), dtype), jax.memory.Space.Host),
-                          **kw)()
+      host_pool = jax.jit(lambda: jax.device_put(jnp.zeros((L, H, latent_dim), dtype), jax.memory.Space.Host), **kw)()
 
     def device():
       slots = jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32), (L, R, D))
-      arrays = dict(index=jnp.zeros((L, index_pages, page_size, index_dim), index_dtype),
-                    staging=jnp.zeros((L, staging_pages, page_size, latent_dim), dtype),
-                    hot=jnp.zeros((L, R, D + 1, latent_dim), dtype), slot_tokens=slots, lru=slots + 0,
-                    stats=jnp.zeros((L, R, 2), jnp.int32), prefetched=jnp.zeros((L, R), jnp.int32))
+      arrays = dict(
+        index=jnp.zeros((L, index_pages, page_size, index_dim), index_dtype),
+        staging=jnp.zeros((L, staging_pages, page_size, latent_dim), dtype),
+        hot=jnp.zeros((L, R, D + 1, latent_dim), dtype),
+        slot_tokens=slots,
+        lru=slots + 0,
+        stats=jnp.zeros((L, R, 2), jnp.int32),
+        prefetched=jnp.zeros((L, R), jnp.int32),
+      )
       if eviction == "score_ema":
         arrays["score_ema"] = jnp.full((L, R, D), jnp.nan, jnp.float32)
       return arrays
 
     arrays = jax.jit(device, out_shardings=_placement(mesh))()
-    return cls(**arrays, host_pool=host_pool, page_size=page_size,
-               external=None if external_pool is None else external_pool.ref, eviction=eviction,
-               prefetch_depth=prefetch_depth)
+    return cls(
+      **arrays,
+      host_pool=host_pool,
+      page_size=page_size,
+      external=None if external_pool is None else external_pool.ref,
+      eviction=eviction,
+      prefetch_depth=prefetch_depth,
+    )
 
   @property
   def device_buffer_size(self) -> int:
@@ -574,16 +687,43 @@ class HiSparseState:
     unless residency (``RESIDENCY``, static) is "none"."""
     status = jnp.zeros(tables["host_pages"].shape[:1], jnp.int32)
     if "staging_pages" in tables:
-      return HiSparsePrefillView(self.index, tables["index_pages"], self.staging, tables["staging_pages"], status,
-                                 self.host_pool, tables["host_pages"], self.page_size, self.external)
+      return HiSparsePrefillView(
+        self.index,
+        tables["index_pages"],
+        self.staging,
+        tables["staging_pages"],
+        status,
+        self.host_pool,
+        tables["host_pages"],
+        self.page_size,
+        self.external,
+      )
     if residency not in RESIDENCY:
       raise ValueError(f"residency must be one of {RESIDENCY}, got {residency!r}")
     resident = residency != "none"
-    return HiSparseDecodeView(self.index, tables["index_pages"], self.hot, self.slot_tokens, self.lru, self.stats,
-                              tables["req_ids"], None, status, self.staging if resident else None,
-                              tables["resident_pages"] if resident else None, None, self.host_pool,
-                              tables["host_pages"], self.page_size, self.external, self.eviction, residency,
-                              self.prefetch_depth, self.prefetched, self.score_ema)
+    return HiSparseDecodeView(
+      self.index,
+      tables["index_pages"],
+      self.hot,
+      self.slot_tokens,
+      self.lru,
+      self.stats,
+      tables["req_ids"],
+      None,
+      status,
+      self.staging if resident else None,
+      tables["resident_pages"] if resident else None,
+      None,
+      self.host_pool,
+      tables["host_pages"],
+      self.page_size,
+      self.external,
+      self.eviction,
+      residency,
+      self.prefetch_depth,
+      self.prefetched,
+      self.score_ema,
+    )
 
   def absorb(self, view) -> "HiSparseState":
     """The state with the view's updated arrays. ValueError (at trace time) for a decode view whose last
@@ -614,18 +754,25 @@ class HiSparseState:
     slots = jnp.broadcast_to(jnp.arange(D1 - 1, dtype=jnp.int32), (L, D1 - 1))
     score_ema = None if self.score_ema is None else self.score_ema.at[:, slot].set(jnp.nan)
     return dataclasses.replace(
-        self, index=index_pool, host_pool=host_pool, hot=self.hot.at[:, slot].set(rows),
-        slot_tokens=self.slot_tokens.at[:, slot].set(slots), lru=self.lru.at[:, slot].set(slots),
-        stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)),
-        prefetched=self.prefetched.at[:, slot].set(0), score_ema=score_ema), status.max(keepdims=True)
+      self,
+      index=index_pool,
+      host_pool=host_pool,
+      hot=self.hot.at[:, slot].set(rows),
+      slot_tokens=self.slot_tokens.at[:, slot].set(slots),
+      lru=self.lru.at[:, slot].set(slots),
+      stats=self.stats.at[:, slot].set(jnp.zeros((L, 2), jnp.int32)),
+      prefetched=self.prefetched.at[:, slot].set(0),
+      score_ema=score_ema,
+    ), status.max(keepdims=True)
 
   @per_group(replicated=(1,))
   def export_prompt(self, tables, length, size: int):
     """One request's prompt KV while it prefills (before its staging pages are freed): (latent T[B, L, size,
     W] from the staging pages, index I[B, L, size, Di] from the index pages), zeros from ``length`` on
     (tables: a prefill batch's)."""
-    return _export(self.staging, self.index, tables["staging_pages"], tables["index_pages"], length, size,
-                   self.page_size)
+    return _export(
+      self.staging, self.index, tables["staging_pages"], tables["index_pages"], length, size, self.page_size
+    )
 
   @per_group()
   def finish_prefill(self, tables) -> "HiSparseState":
@@ -659,6 +806,11 @@ class HiSparseState:
       prefetched = prefetched.at[:, target].set(jnp.zeros((L, B), jnp.int32), mode=inb)
     score_ema = None if self.score_ema is None else self.score_ema.at[:, target].set(jnp.nan, mode=inb)
     return dataclasses.replace(
-        self, hot=self.hot.at[:, target].set(rows, mode=inb),
-        slot_tokens=self.slot_tokens.at[:, target].set(slots, mode=inb),
-        lru=self.lru.at[:, target].set(slots, mode=inb), stats=stats, prefetched=prefetched, score_ema=score_ema)
+      self,
+      hot=self.hot.at[:, target].set(rows, mode=inb),
+      slot_tokens=self.slot_tokens.at[:, target].set(slots, mode=inb),
+      lru=self.lru.at[:, target].set(slots, mode=inb),
+      stats=stats,
+      prefetched=prefetched,
+      score_ema=score_ema,
+    )

@@ -25,8 +25,9 @@ def join_host_port(host: str, port: int) -> str:
 def check_timeout(flag: str, seconds: float, allow_inf: bool = False) -> None:
   """ValueError naming ``flag`` unless 0 < seconds <= MAX_TIMEOUT_S (or inf, with ``allow_inf``)."""
   if not (0 < seconds <= MAX_TIMEOUT_S or (allow_inf and seconds == math.inf)):  # NaN fails too
-    raise ValueError(f"{flag} must be in (0, {MAX_TIMEOUT_S:g}] seconds{' or inf (none)' if allow_inf else ''}, "
-                     f"got {seconds}")
+    raise ValueError(
+      f"{flag} must be in (0, {MAX_TIMEOUT_S:g}] seconds{' or inf (none)' if allow_inf else ''}, got {seconds}"
+    )
 
 
 def check_bindable(flag: str, host: str, port: int) -> None:

@@ -30,16 +30,24 @@ from hisparse_jax.serving.addresses import MAX_TIMEOUT_S, check_timeout
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "127.0.0.1:50051", "Server address.")
 flags.DEFINE_string("text", None, "Prompt text.")
-flags.DEFINE_string("text-file", None, "Read the prompt text from this file ('-': standard input), exactly as it is "
-                    "(UTF-8, at most 64 MiB): for prompts longer than a command line holds (~128 KB).")
+flags.DEFINE_string(
+  "text-file",
+  None,
+  "Read the prompt text from this file ('-': standard input), exactly as it is "
+  "(UTF-8, at most 64 MiB): for prompts longer than a command line holds (~128 KB).",
+)
 flags.DEFINE_list("input-ids", None, "Prompt token ids, comma separated.")
 flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_float("top-p", 1.0, "Nucleus sampling mass (1: off).")
 flags.DEFINE_integer("top-k", 0, "Sample among the k most likely tokens (0: off).")
 flags.DEFINE_integer("seed", None, "Sampling seed in [0, 2**32) (default: random).")
-flags.DEFINE_multi_string("stop", [], "Stop once the output contains this string (sent as given: no escapes are "
-                          "read, so pass a newline as bash's $'\\n', not \"\\n\").")
+flags.DEFINE_multi_string(
+  "stop",
+  [],
+  "Stop once the output contains this string (sent as given: no escapes are "
+  "read, so pass a newline as bash's $'\\n', not \"\\n\").",
+)
 flags.DEFINE_list("stop-token-ids", [], "Stop after any of these token ids.")
 flags.DEFINE_boolean("include-stop-str-in-output", False, "Keep the matched stop string at the end of the text.")
 flags.DEFINE_boolean("ignore-eos", False, "Keep generating past the model's EOS tokens.")
@@ -51,15 +59,21 @@ flags.DEFINE_string("tls-key-file", None, "Private key (PEM) of --tls-cert-file.
 flags.DEFINE_string("api-key", None, "Bearer token the server requires (sent as 'authorization' metadata).")
 flags.DEFINE_string("api-key-file", None, "File holding the bearer token (first line).")
 flags.DEFINE_string("request-id", None, "The request's id (default: the server picks one; --abort takes it).")
-flags.DEFINE_boolean("print-ids", False, "After the text, print the output token ids (printed anyway when the "
-                     "server sends no text: a model without a tokenizer).")
-flags.DEFINE_boolean("loads", False, "Print the server's loads (GetLoads) as JSON (the .proto field names) and "
-                     "exit; no request.")
+flags.DEFINE_boolean(
+  "print-ids",
+  False,
+  "After the text, print the output token ids (printed anyway when the "
+  "server sends no text: a model without a tokenizer).",
+)
+flags.DEFINE_boolean(
+  "loads", False, "Print the server's loads (GetLoads) as JSON (the .proto field names) and exit; no request."
+)
 flags.DEFINE_string("abort", None, "Abort the server's requests with this id, print how many, and exit.")
 
 
-def open_channel(target: str, *, tls_ca: bytes | None = None, tls_cert: bytes | None = None,
-                 tls_key: bytes | None = None) -> grpc.Channel:
+def open_channel(
+  target: str, *, tls_ca: bytes | None = None, tls_cert: bytes | None = None, tls_key: bytes | None = None
+) -> grpc.Channel:
   """A plain-text channel, or a TLS one when tls_ca (PEM bytes) is given (tls_cert/tls_key: mutual TLS)."""
   if tls_ca is None:
     return grpc.insecure_channel(target)
@@ -124,15 +138,24 @@ def summary_line(msg) -> str:
   on device, swaps nothing), prefetched rows, the matched stop and the preemptions when there are any, and a
   disaggregated request's timings (its prompt KV came from a prefill server: seconds to the first token there,
   of the KV transfer and of the decode here, and the bytes transferred)."""
-  return (f"[client] finish={hisparse_pb2.FinishReason.Name(msg.finish_reason)} prompt_tokens={msg.prompt_tokens} "
-          f"completion_tokens={msg.completion_tokens}"
-          + (f" swap_in_hits={msg.swap_in_hits} swap_in_misses={msg.swap_in_misses}"
-             if msg.swap_in_hits or msg.swap_in_misses else "")
-          + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
-          + (f" matched_stop={_matched_stop(msg)}" if msg.matched_stop else "")
-          + (f" num_preemptions={msg.num_preemptions}" if msg.num_preemptions else "")
-          + (f" prefill_s={msg.prefill_seconds:.3f} transfer_s={msg.transfer_seconds:.3f} "
-             f"transfer_bytes={msg.transfer_bytes} decode_s={msg.decode_seconds:.3f}" if msg.transfer_bytes else ""))
+  return (
+    f"[client] finish={hisparse_pb2.FinishReason.Name(msg.finish_reason)} prompt_tokens={msg.prompt_tokens} "
+    f"completion_tokens={msg.completion_tokens}"
+    + (
+      f" swap_in_hits={msg.swap_in_hits} swap_in_misses={msg.swap_in_misses}"
+      if msg.swap_in_hits or msg.swap_in_misses
+      else ""
+    )
+    + (f" swap_in_prefetched={msg.swap_in_prefetched}" if msg.swap_in_prefetched else "")
+    + (f" matched_stop={_matched_stop(msg)}" if msg.matched_stop else "")
+    + (f" num_preemptions={msg.num_preemptions}" if msg.num_preemptions else "")
+    + (
+      f" prefill_s={msg.prefill_seconds:.3f} transfer_s={msg.transfer_seconds:.3f} "
+      f"transfer_bytes={msg.transfer_bytes} decode_s={msg.decode_seconds:.3f}"
+      if msg.transfer_bytes
+      else ""
+    )
+  )
 
 
 def _matched_stop(msg) -> str:
@@ -202,8 +225,9 @@ def _check_flags() -> tuple[list[int] | None, list[int]]:
     _ints("seed", [FLAGS.seed], 0, SEED_MAX)
   check_timeout("--timeout-s", FLAGS["timeout-s"].value, allow_inf=True)
   if not 0 <= FLAGS["wait-for-ready-s"].value <= MAX_TIMEOUT_S:
-    raise ValueError(f"--wait-for-ready-s must be in [0, {MAX_TIMEOUT_S:g}] seconds, got "
-                     f"{FLAGS['wait-for-ready-s'].value}")
+    raise ValueError(
+      f"--wait-for-ready-s must be in [0, {MAX_TIMEOUT_S:g}] seconds, got {FLAGS['wait-for-ready-s'].value}"
+    )
   return ids, stop_token_ids
 
 
@@ -231,8 +255,15 @@ def main(argv):
     api_key = credentials.api_key(FLAGS["api-key"].value, FLAGS["api-key-file"].value)
     if (tls["cert"] is None) != (tls["key"] is None) or (tls["cert"] is not None and tls["ca"] is None):
       raise ValueError("mutual TLS needs --tls-cert-file and --tls-key-file together, with --tls-ca-file")
-    credentials.check_pem(FLAGS["tls-cert-file"].value, FLAGS["tls-key-file"].value, FLAGS["tls-ca-file"].value,
-                          tls["cert"], tls["key"], tls["ca"], ca_flag="tls-ca-file")
+    credentials.check_pem(
+      FLAGS["tls-cert-file"].value,
+      FLAGS["tls-key-file"].value,
+      FLAGS["tls-ca-file"].value,
+      tls["cert"],
+      tls["key"],
+      tls["ca"],
+      ca_flag="tls-ca-file",
+    )
   except ValueError as e:
     sys.exit(f"error: {e}")
   timeout = None if FLAGS["timeout-s"].value == float("inf") else FLAGS["timeout-s"].value
@@ -249,24 +280,37 @@ def main(argv):
           loads = stub.GetLoads(hisparse_pb2.GetLoadsRequest(), timeout=timeout, metadata=auth_metadata(api_key))
           print(json.dumps(message_fields(loads), indent=2))
         else:
-          r = stub.Abort(hisparse_pb2.AbortRequest(request_id=FLAGS.abort), timeout=timeout,
-                         metadata=auth_metadata(api_key))
+          r = stub.Abort(
+            hisparse_pb2.AbortRequest(request_id=FLAGS.abort), timeout=timeout, metadata=auth_metadata(api_key)
+          )
           print(f"[client] aborted {r.aborted} request{'' if r.aborted == 1 else 's'} with id {FLAGS.abort!r}")
       except grpc.RpcError as e:
         sys.exit(f"error: {_rpc_error(e, tls['ca'] is not None)}")
       return
     streamed, output_ids = False, []
     try:
-      sampling = dict(temperature=FLAGS.temperature, top_p=FLAGS["top-p"].value, top_k=FLAGS["top-k"].value,
-                      stop=FLAGS.stop, stop_token_ids=stop_token_ids,
-                      include_stop_str_in_output=FLAGS["include-stop-str-in-output"].value,
-                      ignore_eos=FLAGS["ignore-eos"].value)
+      sampling = dict(
+        temperature=FLAGS.temperature,
+        top_p=FLAGS["top-p"].value,
+        top_k=FLAGS["top-k"].value,
+        stop=FLAGS.stop,
+        stop_token_ids=stop_token_ids,
+        include_stop_str_in_output=FLAGS["include-stop-str-in-output"].value,
+        ignore_eos=FLAGS["ignore-eos"].value,
+      )
       if FLAGS.seed is not None:
         sampling["seed"] = FLAGS.seed
       if FLAGS["request-id"].value is not None:
         sampling["request_id"] = FLAGS["request-id"].value
-      for msg in generate(stub, text=text, input_ids=ids, max_new_tokens=FLAGS["max-new-tokens"].value,
-                          timeout=timeout, api_key=api_key, **sampling):
+      for msg in generate(
+        stub,
+        text=text,
+        input_ids=ids,
+        max_new_tokens=FLAGS["max-new-tokens"].value,
+        timeout=timeout,
+        api_key=api_key,
+        **sampling,
+      ):
         if msg.request_id:  # (on the first message) where --abort ID from another terminal can find it
           print(f"[client] request id {msg.request_id}", file=sys.stderr, flush=True)
         sys.stdout.write(msg.text)

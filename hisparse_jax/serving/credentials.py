@@ -48,6 +48,7 @@ def _read_pipe(fd: int, flag: str, path: str) -> bytes:
   """At most MAX_CREDENTIAL_FILE_BYTES + 1 bytes of the pipe ``fd`` (non-blocking) until its end, which must come
   within PIPE_TIMEOUT_S (a pipe still open, or a FIFO whose writer never comes, would hang start-up)."""
   import select
+
   chunks, size, deadline = [], 0, time.monotonic() + PIPE_TIMEOUT_S
   while size <= MAX_CREDENTIAL_FILE_BYTES:
     left = deadline - time.monotonic()
@@ -129,22 +130,34 @@ def client_keys(path: str | None) -> dict[str, str]:
   return keys
 
 
-def check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None, cert: bytes | None,
-              key: bytes | None, ca: bytes | None, *, cert_flag: str = "tls-cert-file",
-              key_flag: str = "tls-key-file", ca_flag: str = "tls-client-ca-file") -> None:
+def check_pem(
+  cert_file: str | None,
+  key_file: str | None,
+  ca_file: str | None,
+  cert: bytes | None,
+  key: bytes | None,
+  ca: bytes | None,
+  *,
+  cert_flag: str = "tls-cert-file",
+  key_flag: str = "tls-key-file",
+  ca_flag: str = "tls-client-ca-file",
+) -> None:
   """Parses the PEM bytes read from the files (``read_file``; the paths name them in messages) now, with
   Python's ``ssl``, so that a wrong file is an error naming its flag at start-up, not a failed bind or handshake
   later: the certificate chain with its private key (unencrypted, as gRPC needs), and the CA certificates.
   The bytes are parsed from in-memory files, not the paths again: a pipe (``<(...)``) is empty by then, and a
   FIFO would wait for a writer."""
   import ssl
+
   if cert is not None and key is not None:
     try:
       with _memory_file(cert) as cert_path, _memory_file(key) as key_path:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path, password=lambda: b"")
     except (ssl.SSLError, OSError) as e:
-      raise ValueError(f"--{cert_flag} {cert_file!r} / --{key_flag} {key_file!r}: not a PEM certificate chain and "
-                       f"its unencrypted private key{_why(e)}") from None
+      raise ValueError(
+        f"--{cert_flag} {cert_file!r} / --{key_flag} {key_file!r}: not a PEM certificate chain and "
+        f"its unencrypted private key{_why(e)}"
+      ) from None
   if ca is not None:
     try:
       with _memory_file(ca) as ca_path:
@@ -168,5 +181,6 @@ def _memory_file(data: bytes):
 def _why(e: OSError) -> str:
   """OpenSSL's reason (e.g. " (KEY_VALUES_MISMATCH)"), or the OS error's; "" when it gives none."""
   import ssl
+
   why = e.reason if isinstance(e, ssl.SSLError) else e.strerror
   return f" ({why})" if why else ""

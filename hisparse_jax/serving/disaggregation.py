@@ -141,6 +141,7 @@ class DisaggregationConfig:
       if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--prefill-servers {s!r}: expected host:port")
     from hisparse_jax.serving.addresses import check_bindable, check_timeout
+
     check_timeout("--transfer-timeout-s", self.transfer_timeout_s)
     check_timeout("--prefill-timeout-s", self.prefill_timeout_s)
     if not 0 <= self.transfer_port <= 65535:
@@ -156,8 +157,9 @@ class DisaggregationConfig:
     if self.mode != "prefill" and self.max_offered_kv_bytes:
       raise ValueError(f"--max-offered-kv-bytes is for --disaggregation-mode prefill (got {self.mode})")
     if self.mode == "null" and self.transfer_port:
-      raise ValueError("--transfer-port is for --disaggregation-mode prefill or decode (a colocated server has no "
-                       "KV transfer server)")
+      raise ValueError(
+        "--transfer-port is for --disaggregation-mode prefill or decode (a colocated server has no KV transfer server)"
+      )
     if self.mode != "null":  # the KV transfer server binds it (an address of another machine cannot be bound)
       check_bindable("--transfer-host", self.transfer_host, 0)
       for port in self.transfer_ports():
@@ -183,6 +185,7 @@ class TransferEndpoint:
 
     import jax
     from jax.experimental import transfer
+
     self._port_lock = None
     if port:
       self._port_lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -192,8 +195,9 @@ class TransferEndpoint:
         self._port_lock.close()
         raise ValueError(f"--transfer-port {port}: another server on this host uses it") from None
     try:
-      self.server = transfer.start_transfer_server(jax.local_devices()[0].client, join_host_port(host, port),
-                                                   [join_host_port(host, 0)])
+      self.server = transfer.start_transfer_server(
+        jax.local_devices()[0].client, join_host_port(host, port), [join_host_port(host, 0)]
+      )
     except jax.errors.JaxRuntimeError as e:
       raise ValueError(f"--transfer-host/--transfer-port {host}:{port}: {str(e).splitlines()[0]}") from None
     self.address = self.server.address()
@@ -237,6 +241,7 @@ class TransferEndpoint:
     connection, out = self.start_pull(address, uuid, specs)
     timer, expired = None, threading.Event()
     if timeout_s is not None:
+
       def expire():
         expired.set()
         self.cut(connection)
@@ -270,29 +275,42 @@ def _specs(layers: int, positions: int, latent_dim: int, index_dim: int, dtype, 
   """The offered arrays' specs: latent rows, indexer keys and the proof of the pull (uint32[2])."""
   import jax
   import jax.numpy as jnp
+
   device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
-  return (jax.ShapeDtypeStruct((layers, positions, latent_dim), jnp.dtype(dtype), sharding=device),
-          jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device),
-          jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=device))
+  return (
+    jax.ShapeDtypeStruct((layers, positions, latent_dim), jnp.dtype(dtype), sharding=device),
+    jax.ShapeDtypeStruct((layers, positions, index_dim), jnp.dtype(index_dtype), sharding=device),
+    jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=device),
+  )
 
 
 def _proof_value(proof) -> int:
   """The uint64 a KVReceived carries for a proof array (uint32[2])."""
   import numpy as np
+
   return int.from_bytes(np.asarray(proof, np.uint32).tobytes(), "little")
 
 
 def _kv_layout(engine) -> tuple[int, int, int, str, str]:
   """A server's KV as InfoResponse and PrefillOffer describe it: (layers, stored latent row width, stored indexer
   key width, row dtype name, numerics: "fp8" or "")."""
-  return (engine.config.num_hidden_layers, engine.layout.latent_dim, engine.layout.index_dim, engine.kv_dtype.name,
-          "fp8" if engine.config.fp8_active else "")
+  return (
+    engine.config.num_hidden_layers,
+    engine.layout.latent_dim,
+    engine.layout.index_dim,
+    engine.kv_dtype.name,
+    "fp8" if engine.config.fp8_active else "",
+  )
 
 
 def _sampling(message) -> dict:
   top_p = message.top_p if message.HasField("top_p") else 1.0
-  return dict(temperature=message.temperature, top_k=message.top_k, top_p=top_p,
-              seed=message.seed if message.HasField("seed") else None)
+  return dict(
+    temperature=message.temperature,
+    top_k=message.top_k,
+    top_p=top_p,
+    seed=message.seed if message.HasField("seed") else None,
+  )
 
 
 # --------------------------------------------------------------------------------------------- prefill
@@ -306,8 +324,9 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
   group with the fewest offered bytes among those its offer fits, counting the prefills in flight at their
   offer's size, and refused with RESOURCE_EXHAUSTED before it is prefilled when none has room."""
 
-  def __init__(self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls, streams=None,
-               max_offered_bytes: int = 0):
+  def __init__(
+    self, loop, transfer: TransferEndpoint, timeout_s: float, events_cls, streams=None, max_offered_bytes: int = 0
+  ):
     """streams: the server's InferenceServicer, whose open-stream count and limit (``ServerLimits.max_streams``)
     Prefill streams share: each holds a queued or running prefill, then a KV offer, until it ends.
     max_offered_bytes: the most prompt KV bytes offered (or being prefilled for an offer) at once per DP group
@@ -328,12 +347,17 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     share = self.engine.offer_kv_budget
     self.group_offer_bytes = max_offered_bytes or share or self.engine.device_kv_budget
     if share is None:
-      log.warning("prefill server: the engine sets no device KV budget aside for its offers (Engine(..., "
-                  "offer_kv_bytes=...)); up to %d bytes of them per DP group live in device memory outside the "
-                  "budget", self.group_offer_bytes)
+      log.warning(
+        "prefill server: the engine sets no device KV budget aside for its offers (Engine(..., "
+        "offer_kv_bytes=...)); up to %d bytes of them per DP group live in device memory outside the "
+        "budget",
+        self.group_offer_bytes,
+      )
     elif self.group_offer_bytes > share:
-      raise ValueError(f"--max-offered-kv-bytes {self.group_offer_bytes}: more than the {share} bytes of the device "
-                       "KV budget the engine set aside for offers (Engine(..., offer_kv_bytes=...))")
+      raise ValueError(
+        f"--max-offered-kv-bytes {self.group_offer_bytes}: more than the {share} bytes of the device "
+        "KV budget the engine set aside for offers (Engine(..., offer_kv_bytes=...))"
+      )
     self.max_offered_bytes = self.group_offer_bytes * self.engine.groups
     # Held now per DP group: offers not acknowledged or taken back yet, and prefills in flight.
     self._group_offered = [0] * self.engine.groups
@@ -355,15 +379,19 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     lowest index) of those it fits in ``group_offer_bytes``; or (None, the refusal's message)."""
     with self._offered_lock:
       if nbytes > self.group_offer_bytes:
-        return None, (f"this prompt's KV offer ({nbytes} bytes) is larger than the prefill server's "
-                      f"--max-offered-kv-bytes {self.group_offer_bytes}")
+        return None, (
+          f"this prompt's KV offer ({nbytes} bytes) is larger than the prefill server's "
+          f"--max-offered-kv-bytes {self.group_offer_bytes}"
+        )
       held = self._group_offered
       group = min(range(len(held)), key=lambda g: (held[g], g))
       if held[group] + nbytes > self.group_offer_bytes:
         where = "" if len(held) == 1 else f" per DP group (its {len(held)} groups hold {held})"
-        return None, (f"the prefill server holds {sum(held)} bytes of prompt KV for decode servers (offers not "
-                      f"pulled yet, prefills in flight); this prompt's {nbytes} would pass its --max-offered-kv-bytes "
-                      f"{self.group_offer_bytes}{where}: retry later or on another prefill server")
+        return None, (
+          f"the prefill server holds {sum(held)} bytes of prompt KV for decode servers (offers not "
+          f"pulled yet, prefills in flight); this prompt's {nbytes} would pass its --max-offered-kv-bytes "
+          f"{self.group_offer_bytes}{where}: retry later or on another prefill server"
+        )
       held[group] += nbytes
       return group, None
 
@@ -379,9 +407,16 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     e = self.engine
     L, W, Di, dtype, numerics = _kv_layout(e)
     return hisparse_pb2.InfoResponse(
-        model_fingerprint=e.model_fingerprint, num_layers=L, latent_dim=W, index_dim=Di, latent_dtype=dtype,
-        numerics=numerics, transfer_address=self.transfer.address, max_seq_len=e.max_seq_len,
-        page_size=e.page_size)
+      model_fingerprint=e.model_fingerprint,
+      num_layers=L,
+      latent_dim=W,
+      index_dim=Di,
+      latent_dtype=dtype,
+      numerics=numerics,
+      transfer_address=self.transfer.address,
+      max_seq_len=e.max_seq_len,
+      page_size=e.page_size,
+    )
 
   async def Info(self, request, context):
     return self.info()
@@ -408,16 +443,24 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     try:
       return await asyncio.wait_for(context.read(), FIRST_MESSAGE_TIMEOUT_S)
     except asyncio.TimeoutError:
-      await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"no PrefillRequest within {FIRST_MESSAGE_TIMEOUT_S:g} s of opening the Prefill stream")
+      await context.abort(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"no PrefillRequest within {FIRST_MESSAGE_TIMEOUT_S:g} s of opening the Prefill stream",
+      )
 
   async def _prefill(self, context, first):
     if not isinstance(first, hisparse_pb2.PrefillMessage) or first.WhichOneof("message") != "request":
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Prefill stream starts with a PrefillRequest")
     message = first.request
     try:
-      req = Request(request_id=uuidlib.uuid4().hex, prompt_ids=list(message.input_ids.ids), max_new_tokens=1,
-                    ignore_eos=True, export_kv=True, **_sampling(message))
+      req = Request(
+        request_id=uuidlib.uuid4().hex,
+        prompt_ids=list(message.input_ids.ids),
+        max_new_tokens=1,
+        ignore_eos=True,
+        export_kv=True,
+        **_sampling(message),
+      )
       self.engine.validate(req)
     except RequestError as e:
       await context.abort(grpc.StatusCode[e.code], str(e))
@@ -462,33 +505,49 @@ class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
     # Unguessable: a uuid is all a pull needs, and only a pull reveals the proof.
     import jax
     import numpy as np
+
     uuid = int.from_bytes(os.urandom(8), "little") >> 1
     proof = jax.device_put(np.frombuffer(os.urandom(8), np.uint32), latent.sharding)
     self.transfer.offer(uuid, (latent, index, proof))
     acknowledged, broken = False, None
     try:
-      await context.write(hisparse_pb2.PrefillOffer(
-          first_token=fin.output_ids[0], transfer_uuid=uuid, transfer_address=self.transfer.address,
-          kv_positions=latent.shape[1], latent_dtype=latent.dtype.name,
+      await context.write(
+        hisparse_pb2.PrefillOffer(
+          first_token=fin.output_ids[0],
+          transfer_uuid=uuid,
+          transfer_address=self.transfer.address,
+          kv_positions=latent.shape[1],
+          latent_dtype=latent.dtype.name,
           prefill_seconds=(fin.first_token_time or time.monotonic()) - arrival,
-          kv_bytes=latent.nbytes + index.nbytes, num_layers=latent.shape[0], latent_dim=latent.shape[2],
-          index_dim=index.shape[2], numerics=_kv_layout(self.engine)[4],
-          model_fingerprint=self.engine.model_fingerprint))
+          kv_bytes=latent.nbytes + index.nbytes,
+          num_layers=latent.shape[0],
+          latent_dim=latent.shape[2],
+          index_dim=index.shape[2],
+          numerics=_kv_layout(self.engine)[4],
+          model_fingerprint=self.engine.model_fingerprint,
+        )
+      )
       reply = await asyncio.wait_for(context.read(), self.timeout_s)
       kind = reply.WhichOneof("message") if isinstance(reply, hisparse_pb2.PrefillMessage) else None
       claimed = kind == "received" and reply.received.pulled
       acknowledged = claimed and reply.received.pull_proof == _proof_value(proof)
       if claimed and not acknowledged:
         log.warning("prefill offer %d: acknowledged without the proof of its pull: taken back", uuid)
-        broken = (grpc.StatusCode.INVALID_ARGUMENT, "the acknowledgement's pull_proof is not the offer's (only its "
-                  "pull reveals it): the KV was taken back")
+        broken = (
+          grpc.StatusCode.INVALID_ARGUMENT,
+          "the acknowledgement's pull_proof is not the offer's (only its pull reveals it): the KV was taken back",
+        )
       elif kind == "request":
-        broken = (grpc.StatusCode.INVALID_ARGUMENT, "a Prefill stream carries one PrefillRequest; its offer was "
-                  "taken back")
+        broken = (
+          grpc.StatusCode.INVALID_ARGUMENT,
+          "a Prefill stream carries one PrefillRequest; its offer was taken back",
+        )
     except asyncio.TimeoutError:
       log.warning("prefill offer %d not acknowledged within %.0f s: taken back", uuid, self.timeout_s)
-      broken = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the offer was not acknowledged within --transfer-timeout-s "
-                f"{self.timeout_s:g}: the KV was taken back")
+      broken = (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"the offer was not acknowledged within --transfer-timeout-s {self.timeout_s:g}: the KV was taken back",
+      )
     finally:
       if not acknowledged:
         specs = _specs(*latent.shape, index.shape[2], latent.dtype, index.dtype)
@@ -514,7 +573,7 @@ class TakeBacks:
     self._pending: list = []  # (deadline, uuid, connection, arrays, on_done)
     self._lock = threading.Lock()
     self._thread: threading.Thread | None = None
-    self.taken_back = 0      # offers freed
+    self.taken_back = 0  # offers freed
     self.already_pulled = 0  # cut at their deadline
 
   def add(self, uuid: int, specs, nbytes: int, on_done=None) -> bool:
@@ -546,6 +605,7 @@ class TakeBacks:
           return
         pending = list(self._pending)
       import jax
+
       now, ended = time.monotonic(), []
       for item in pending:
         deadline, uuid, connection, arrays, on_done = item
@@ -560,8 +620,11 @@ class TakeBacks:
         elif now >= deadline:
           self.transfer.cut(connection)
           self.already_pulled += 1
-          log.warning("prefill offer %d: taking it back found no data by its deadline (it had been pulled by a "
-                      "caller that did not acknowledge it); cut", uuid)
+          log.warning(
+            "prefill offer %d: taking it back found no data by its deadline (it had been pulled by a "
+            "caller that did not acknowledge it); cut",
+            uuid,
+          )
           ended.append(item)
       ended_ids = {id(item) for item in ended}
       with self._lock:
@@ -586,6 +649,7 @@ class PrefillFailed(Exception):
 
 def _metadata(api_key: str | None) -> tuple:
   from hisparse_jax.serving import credentials
+
   return (("authorization", credentials.bearer(api_key)),) if api_key else ()
 
 
@@ -627,14 +691,18 @@ def _tls_mismatch(address: str, ca: bytes | None) -> str | None:
       with context.wrap_socket(raw, server_hostname=host if ca is not None else None):
         pass  # the server answered the handshake: it speaks TLS
   except ssl.SSLCertVerificationError as e:
-    return (f"; its TLS certificate does not pass --prefill-tls-ca-file ({e.verify_message}: it must be signed "
-            f"by that CA and name the host {host})")
+    return (
+      f"; its TLS certificate does not pass --prefill-tls-ca-file ({e.verify_message}: it must be signed "
+      f"by that CA and name the host {host})"
+    )
   except (OSError, ValueError):
     return None  # not TLS, or nothing there: gRPC's own error says which
   if ca is None:
     return "; it serves TLS and this server connects in plain text: pass --prefill-tls-ca-file"
-  return ("; its TLS certificate passes --prefill-tls-ca-file, yet gRPC could not connect: does it require a "
-          "client certificate (--prefill-tls-cert-file / --prefill-tls-key-file)?")
+  return (
+    "; its TLS certificate passes --prefill-tls-ca-file, yet gRPC could not connect: does it require a "
+    "client certificate (--prefill-tls-cert-file / --prefill-tls-key-file)?"
+  )
 
 
 def check_prefill_servers(engine, config: DisaggregationConfig) -> list:
@@ -650,7 +718,8 @@ def check_prefill_servers(engine, config: DisaggregationConfig) -> list:
     with _channel(address, credentials) as channel:
       try:
         info = hisparse_pb2_grpc.PrefillServiceStub(channel).Info(
-            hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=_metadata(api_key), wait_for_ready=True)
+          hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=_metadata(api_key), wait_for_ready=True
+        )
       except grpc.RpcError as e:
         status, fix = f"({e.code().name}: {e.details()})", "; start it with --disaggregation-mode prefill"
         if e.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -665,19 +734,26 @@ def check_prefill_servers(engine, config: DisaggregationConfig) -> list:
         raise ValueError(f"--prefill-servers {address}: {why}") from None
     theirs = (info.num_layers, info.latent_dim, info.index_dim, info.latent_dtype, info.numerics)
     if info.model_fingerprint != engine.model_fingerprint:
-      raise ValueError(f"--prefill-servers {address}: serves another model (checkpoint fingerprint "
-                       f"{info.model_fingerprint[:12]}..., here {engine.model_fingerprint[:12]}...: its config.json "
-                       "and weight files differ); both need the same --model-path checkpoint")
+      raise ValueError(
+        f"--prefill-servers {address}: serves another model (checkpoint fingerprint "
+        f"{info.model_fingerprint[:12]}..., here {engine.model_fingerprint[:12]}...: its config.json "
+        "and weight files differ); both need the same --model-path checkpoint"
+      )
     if theirs != layout:
-      raise ValueError(f"--prefill-servers {address}: serves another KV layout (layers, latent row and indexer key "
-                       f"widths in elements of the row dtype, row dtype, numerics: {theirs}; here {layout}); both "
-                       "need the same --dtype, --kv-cache-dtype and --fp8-numerics")
+      raise ValueError(
+        f"--prefill-servers {address}: serves another KV layout (layers, latent row and indexer key "
+        f"widths in elements of the row dtype, row dtype, numerics: {theirs}; here {layout}); both "
+        "need the same --dtype, --kv-cache-dtype and --fp8-numerics"
+      )
     if info.max_seq_len < engine.max_seq_len:
-      raise ValueError(f"--prefill-servers {address}: its --max-seq-len {info.max_seq_len} is below this server's "
-                       f"{engine.max_seq_len}")
+      raise ValueError(
+        f"--prefill-servers {address}: its --max-seq-len {info.max_seq_len} is below this server's {engine.max_seq_len}"
+      )
     if not 0 < info.page_size <= max_offer_positions(engine):
-      raise ValueError(f"--prefill-servers {address}: its --page-size {info.page_size} is not in [1, "
-                       f"{max_offer_positions(engine)}] (its offers would be larger than this server's prompts)")
+      raise ValueError(
+        f"--prefill-servers {address}: its --page-size {info.page_size} is not in [1, "
+        f"{max_offer_positions(engine)}] (its offers would be larger than this server's prompts)"
+      )
     infos.append(info)
   return infos
 
@@ -695,17 +771,23 @@ def offer_fault(engine, info, offer, prompt_tokens: int) -> str | None:
   within this engine's context (an offer of 2^20 positions for 40 tokens was pulled and decoded); the bytes are
   those positions' rows; the first token is in the vocabulary."""
   if offer.transfer_address != info.transfer_address:
-    return (f"offer names transfer address {offer.transfer_address!r}; that prefill server announced "
-            f"{info.transfer_address!r}")
+    return (
+      f"offer names transfer address {offer.transfer_address!r}; that prefill server announced "
+      f"{info.transfer_address!r}"
+    )
   want = max(info.page_size, 1 << max(prompt_tokens - 1, 0).bit_length())
   limit = max_offer_positions(engine)
   if offer.kv_positions != want or want > limit:
-    return (f"offer of {offer.kv_positions} positions for a prompt of {prompt_tokens} tokens; expected {want} "
-            f"(its --page-size {info.page_size}, at most {limit} here)")
+    return (
+      f"offer of {offer.kv_positions} positions for a prompt of {prompt_tokens} tokens; expected {want} "
+      f"(its --page-size {info.page_size}, at most {limit} here)"
+    )
   layout = engine.layout
   if offer.kv_bytes != want * (layout.latent_bytes + layout.index_bytes):
-    return (f"offer of {offer.kv_bytes} bytes; {want} positions of this KV layout hold "
-            f"{want * (layout.latent_bytes + layout.index_bytes)}")
+    return (
+      f"offer of {offer.kv_bytes} bytes; {want} positions of this KV layout hold "
+      f"{want * (layout.latent_bytes + layout.index_bytes)}"
+    )
   if not 0 <= offer.first_token < engine.config.vocab_size:
     return f"offer's first token {offer.first_token} is outside the vocabulary of {engine.config.vocab_size}"
   return None
@@ -715,9 +797,17 @@ class PrefillClient:
   """A decode server's side: picks a prefill server round-robin, runs ``Prefill`` there, pulls the KV, and
   retries once on another prefill server when one fails (module docstring)."""
 
-  def __init__(self, engine, servers: tuple[str, ...], transfer, timeout_s: float,
-               api_key: str | None = None, prefill_timeout_s: float = PREFILL_TIMEOUT_S, infos=None,
-               credentials: grpc.ChannelCredentials | None = None):
+  def __init__(
+    self,
+    engine,
+    servers: tuple[str, ...],
+    transfer,
+    timeout_s: float,
+    api_key: str | None = None,
+    prefill_timeout_s: float = PREFILL_TIMEOUT_S,
+    infos=None,
+    credentials: grpc.ChannelCredentials | None = None,
+  ):
     """transfer: what pulls (a ``TransferEndpoint``, or a ``pull_worker.PullWorker``: both have ``pull``);
     timeout_s: ``--transfer-timeout-s`` (the longest a pull may take); prefill_timeout_s:
     ``--prefill-timeout-s`` (the longest one attempt may wait for a prefill server's offer); infos: each
@@ -741,10 +831,15 @@ class PrefillClient:
     if self._stubs is None:
       # A prefill server that comes back is reconnected to within ~1 s (gRPC's default backoff grows to 120 s:
       # requests kept failing for 8 s after a 75 s outage had ended).
-      options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                 ("grpc.max_reconnect_backoff_ms", 1000)]
-      self._stubs = [hisparse_pb2_grpc.PrefillServiceStub(_channel(s, self.credentials, aio=True, options=options))
-                     for s in self.servers]
+      options = [
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+      ]
+      self._stubs = [
+        hisparse_pb2_grpc.PrefillServiceStub(_channel(s, self.credentials, aio=True, options=options))
+        for s in self.servers
+      ]
     return self._stubs[i]
 
   async def prefill(self, req: Request, deadline_s: float | None = None) -> None:
@@ -802,9 +897,17 @@ class PrefillClient:
     call = self._stub(i).Prefill(metadata=self.metadata)
 
     async def request_and_offer():
-      await call.write(hisparse_pb2.PrefillMessage(request=hisparse_pb2.PrefillRequest(
-          input_ids=hisparse_pb2.TokenIds(ids=req.prompt_ids), temperature=req.temperature, top_p=req.top_p,
-          top_k=req.top_k, **({} if req.seed is None else {"seed": req.seed}))))
+      await call.write(
+        hisparse_pb2.PrefillMessage(
+          request=hisparse_pb2.PrefillRequest(
+            input_ids=hisparse_pb2.TokenIds(ids=req.prompt_ids),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            **({} if req.seed is None else {"seed": req.seed}),
+          )
+        )
+      )
       return await call.read()
 
     by_deadline = deadline_s is not None and deadline_s < self.prefill_timeout_s
@@ -821,25 +924,34 @@ class PrefillClient:
     except grpc.aio.AioRpcError as e:
       text = prefill_error_text(e.code(), e.details())
       if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # (this server's checks took it: see prefill's Raises)
-        text += (" (this server takes the request: does that prefill server run with a smaller --max-seq-len "
-                 "since this server started?)")
-      raise PrefillFailed(text, exhausted=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          invalid=e.code() == grpc.StatusCode.INVALID_ARGUMENT) from None
+        text += (
+          " (this server takes the request: does that prefill server run with a smaller --max-seq-len "
+          "since this server started?)"
+        )
+      raise PrefillFailed(
+        text,
+        exhausted=e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED,
+        invalid=e.code() == grpc.StatusCode.INVALID_ARGUMENT,
+      ) from None
     if offer is grpc.aio.EOF:
       raise PrefillFailed("the stream ended without an offer")
     L, W, Di, dtype, _ = self.layout
     theirs = (offer.num_layers, offer.latent_dim, offer.index_dim, offer.latent_dtype, offer.numerics)
     if theirs != self.layout or offer.kv_positions < len(req.prompt_ids):
       call.cancel()  # nothing pulled: the prefill server takes its offer back
-      raise PrefillFailed(f"offer of {offer.kv_positions} positions of layout {theirs} (layers, latent row and "
-                          f"indexer key widths, row dtype, numerics); expected >= {len(req.prompt_ids)} of "
-                          f"{self.layout}: did it restart with another --dtype, --kv-cache-dtype "
-                          "or --fp8-numerics?")
+      raise PrefillFailed(
+        f"offer of {offer.kv_positions} positions of layout {theirs} (layers, latent row and "
+        f"indexer key widths, row dtype, numerics); expected >= {len(req.prompt_ids)} of "
+        f"{self.layout}: did it restart with another --dtype, --kv-cache-dtype "
+        "or --fp8-numerics?"
+      )
     if offer.model_fingerprint != self.engine.model_fingerprint:
       call.cancel()
-      raise PrefillFailed(f"offer from another model (fingerprint {offer.model_fingerprint[:12] or 'none'}..., "
-                          f"here {self.engine.model_fingerprint[:12]}...): did it restart with another "
-                          "--model-path?")
+      raise PrefillFailed(
+        f"offer from another model (fingerprint {offer.model_fingerprint[:12] or 'none'}..., "
+        f"here {self.engine.model_fingerprint[:12]}...): did it restart with another "
+        "--model-path?"
+      )
     if (fault := await self._offer_fault(i, req, offer)) is not None:
       call.cancel()  # nothing pulled: the prefill server takes its offer back
       raise PrefillFailed(fault)
@@ -863,8 +975,9 @@ class PrefillClient:
     for fresh in (self._infos[i] is None, True):
       if fresh:
         try:
-          self._infos[i] = await self._stub(i).Info(hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S,
-                                                    metadata=self.metadata)
+          self._infos[i] = await self._stub(i).Info(
+            hisparse_pb2.InfoRequest(), timeout=CONNECT_TIMEOUT_S, metadata=self.metadata
+          )
         except grpc.aio.AioRpcError as e:
           return f"its Info call failed ({prefill_error_text(e.code(), e.details())})"
       fault = offer_fault(self.engine, self._infos[i], offer, len(req.prompt_ids))
@@ -885,17 +998,24 @@ class PrefillClient:
   async def _pull_and_acknowledge(self, call, offer, specs):
     loop = asyncio.get_running_loop()
     try:
-      arrays = await loop.run_in_executor(self._pulls, self._pull_by, time.monotonic() + self.timeout_s,
-                                          offer.transfer_address, offer.transfer_uuid, specs)
+      arrays = await loop.run_in_executor(
+        self._pulls,
+        self._pull_by,
+        time.monotonic() + self.timeout_s,
+        offer.transfer_address,
+        offer.transfer_uuid,
+        specs,
+      )
     except Exception as e:  # noqa: BLE001 - the prefill server died or refused: it keeps nothing of ours
       call.cancel()
-      raise PrefillFailed(f"KV transfer from {offer.transfer_address}: "
-                          f"{(str(e) or type(e).__name__).splitlines()[0]}") from None
+      raise PrefillFailed(
+        f"KV transfer from {offer.transfer_address}: {(str(e) or type(e).__name__).splitlines()[0]}"
+      ) from None
     try:  # the proof tells the prefill server this was a real pull (else it takes the offer back)
-      await call.write(hisparse_pb2.PrefillMessage(received=hisparse_pb2.KVReceived(
-          pulled=True, pull_proof=_proof_value(arrays[2]))))
+      await call.write(
+        hisparse_pb2.PrefillMessage(received=hisparse_pb2.KVReceived(pulled=True, pull_proof=_proof_value(arrays[2])))
+      )
       await call.done_writing()
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):  # (the latter: "RPC already finished")
       pass  # the KV is here; the prefill server's stream is gone (nothing is left offered)
     return arrays
-

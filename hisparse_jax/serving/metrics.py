@@ -51,18 +51,30 @@ from prometheus_client.core import CounterMetricFamily
 # The metrics endpoint serves scrapers, not the public: bounded so that no client can take the server's threads
 # and file descriptors (a break-it run held 1,000 half-open connections, one thread and descriptor each, until
 # gRPC could accept nothing) or its CPU (16 clients scraping in a loop slowed decoding 2-4x).
-METRICS_CONNECTIONS = 16       # connections served at once; more are closed on arrival
-METRICS_CONNECTION_S = 10.0    # a connection is closed this long after it opened, whatever it has sent
-METRICS_CACHE_S = 0.5          # a page is rendered at most this often (per query, format and encoding)
+METRICS_CONNECTIONS = 16  # connections served at once; more are closed on arrival
+METRICS_CONNECTION_S = 10.0  # a connection is closed this long after it opened, whatever it has sent
+METRICS_CACHE_S = 0.5  # a page is rendered at most this often (per query, format and encoding)
 METRICS_MIN_INTERVAL_S = 0.05  # requests are answered one at a time, at most one per this interval (waiting
-                               # ones sleep): 20 a second, far above what Prometheus asks (one per 15 s)
+# ones sleep): 20 a second, far above what Prometheus asks (one per 15 s)
 METRICS_PATHS = ("/", "/metrics")
 
 # hisparse_requests_total's outcomes, each created at 0: the finish reasons, "cancelled", and every status a
 # Generate stream can fail with (server.py's aborts; "unknown": an exception the handler did not expect).
-REQUEST_OUTCOMES = ("stop", "length", "abort", "stop_token", "stop_string", "cancelled", "invalid_argument",
-                    "resource_exhausted", "unavailable", "internal", "deadline_exceeded", "unauthenticated",
-                    "unknown")
+REQUEST_OUTCOMES = (
+  "stop",
+  "length",
+  "abort",
+  "stop_token",
+  "stop_string",
+  "cancelled",
+  "invalid_argument",
+  "resource_exhausted",
+  "unavailable",
+  "internal",
+  "deadline_exceeded",
+  "unauthenticated",
+  "unknown",
+)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -80,33 +92,47 @@ class ServerMetrics:
     self.running = Gauge("hisparse_running_requests", "Admitted requests (prefilling or decoding)", registry=r)
     self.queued = Gauge("hisparse_queued_requests", "Requests waiting for admission", registry=r)
     self.tokens = Counter("hisparse_generated_tokens", "Tokens generated", registry=r)
-    self.ttft = Histogram("hisparse_time_to_first_token_seconds", "Arrival to first token",
-                          buckets=_LATENCY_BUCKETS, registry=r)
-    self.itl = Histogram("hisparse_inter_token_latency_seconds", "Time between a request's tokens",
-                         buckets=_LATENCY_BUCKETS, registry=r)
+    self.ttft = Histogram(
+      "hisparse_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+    )
+    self.itl = Histogram(
+      "hisparse_inter_token_latency_seconds", "Time between a request's tokens", buckets=_LATENCY_BUCKETS, registry=r
+    )
     self.hits = Counter("hisparse_swap_in_hits", "Swap-in hits (distinct positions)", ["layer"], registry=r)
-    self.misses = Counter("hisparse_swap_in_misses", "Swap-in misses (rows copied host->device)", ["layer"],
-                          registry=r)
-    self.miss_bytes = Counter("hisparse_swap_in_bytes", "Bytes copied host->device by the swap-in", ["layer"],
-                              registry=r)
-    self.prefetched = Counter("hisparse_prefetch_rows", "Rows the cross-layer prefetch copied ahead of the "
-                              "layer's swap-in", ["layer"], registry=r)
+    self.misses = Counter("hisparse_swap_in_misses", "Swap-in misses (rows copied host->device)", ["layer"], registry=r)
+    self.miss_bytes = Counter(
+      "hisparse_swap_in_bytes", "Bytes copied host->device by the swap-in", ["layer"], registry=r
+    )
+    self.prefetched = Counter(
+      "hisparse_prefetch_rows",
+      "Rows the cross-layer prefetch copied ahead of the layer's swap-in",
+      ["layer"],
+      registry=r,
+    )
     self.host_rows = Gauge("hisparse_host_pool_rows", "HiSparse host-pool rows", ["state"], registry=r)
-    self.device_kv = Gauge("hisparse_device_kv_bytes", "Device KV memory: allocated / all pools (every DP group's)", ["state"],
-                           registry=r)
+    self.device_kv = Gauge(
+      "hisparse_device_kv_bytes", "Device KV memory: allocated / all pools (every DP group's)", ["state"], registry=r
+    )
     self.pool_pages = Gauge("hisparse_kv_pool_pages", "KV pool pages", ["pool", "memory", "state"], registry=r)
     self.pool_bytes = Gauge("hisparse_kv_pool_bytes", "KV pool bytes", ["pool", "memory", "state"], registry=r)
     self.preemptions = Counter("hisparse_preemptions", "Requests preempted (KV freed, recomputed)", registry=r)
-    self.resident = Gauge("hisparse_resident_requests", "Dynamic residency: requests whose whole latent KV is "
-                          "on device", registry=r)
-    self.offloads = Counter("hisparse_offloads", "Dynamic residency: resident requests moved to their hot buffers",
-                            registry=r)
+    self.resident = Gauge(
+      "hisparse_resident_requests", "Dynamic residency: requests whose whole latent KV is on device", registry=r
+    )
+    self.offloads = Counter(
+      "hisparse_offloads", "Dynamic residency: resident requests moved to their hot buffers", registry=r
+    )
     self._totals: dict[str, int] = {}  # the engine's totals these counters were last advanced to
-    self.requests = Counter("hisparse_requests", "Generate streams ended, by outcome: the finish reason (stop, "
-                            "length, abort, stop_token, stop_string) or the gRPC status the stream failed with "
-                            "(resource_exhausted, invalid_argument, unavailable, internal, deadline_exceeded, "
-                            "unauthenticated, unknown; unavailable also for a stream cut by the server's stop; "
-                            "cancelled: the client went away or its deadline passed first)", ["outcome"], registry=r)
+    self.requests = Counter(
+      "hisparse_requests",
+      "Generate streams ended, by outcome: the finish reason (stop, "
+      "length, abort, stop_token, stop_string) or the gRPC status the stream failed with "
+      "(resource_exhausted, invalid_argument, unavailable, internal, deadline_exceeded, "
+      "unauthenticated, unknown; unavailable also for a stream cut by the server's stop; "
+      "cancelled: the client went away or its deadline passed first)",
+      ["outcome"],
+      registry=r,
+    )
     for outcome in REQUEST_OUTCOMES:
       self.requests.labels(outcome=outcome)
     self.pd = disaggregation_mode == "decode"
@@ -119,24 +145,40 @@ class ServerMetrics:
         counter.labels(layer=str(layer))
 
   def _pd_metrics(self, r) -> None:
-    self.prefill_seconds = Histogram("hisparse_pd_prefill_seconds", "Prefill server: arrival to first token",
-                                     buckets=_LATENCY_BUCKETS, registry=r)
-    self.transfer_seconds = Histogram("hisparse_pd_kv_transfer_seconds", "Pulling a prompt's KV from a prefill "
-                                      "server", buckets=_LATENCY_BUCKETS, registry=r)
-    self.transfer_bytes = Counter("hisparse_pd_kv_transfer_bytes", "Prompt KV bytes pulled from prefill servers",
-                                  registry=r)
-    self.transfer_rate = Gauge("hisparse_pd_kv_transfer_gigabytes_per_second", "The last prompt KV pull's rate "
-                               "(GB/s)", registry=r)
+    self.prefill_seconds = Histogram(
+      "hisparse_pd_prefill_seconds", "Prefill server: arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+    )
+    self.transfer_seconds = Histogram(
+      "hisparse_pd_kv_transfer_seconds",
+      "Pulling a prompt's KV from a prefill server",
+      buckets=_LATENCY_BUCKETS,
+      registry=r,
+    )
+    self.transfer_bytes = Counter(
+      "hisparse_pd_kv_transfer_bytes", "Prompt KV bytes pulled from prefill servers", registry=r
+    )
+    self.transfer_rate = Gauge(
+      "hisparse_pd_kv_transfer_gigabytes_per_second", "The last prompt KV pull's rate (GB/s)", registry=r
+    )
 
   def watch_offers(self, prefill) -> None:
     """A prefill server's offers (``disaggregation.PrefillServicer``), read at each scrape."""
-    held = Gauge("hisparse_pd_offered_kv_bytes", "Prefill server: prompt KV bytes held for decode servers (offers "
-                 "not pulled yet, prefills in flight), and their limit (--max-offered-kv-bytes x DP groups)",
-                 ["state"], registry=self.registry)
+    held = Gauge(
+      "hisparse_pd_offered_kv_bytes",
+      "Prefill server: prompt KV bytes held for decode servers (offers "
+      "not pulled yet, prefills in flight), and their limit (--max-offered-kv-bytes x DP groups)",
+      ["state"],
+      registry=self.registry,
+    )
     held.labels(state="held").set_function(lambda: prefill.offered_bytes)
     held.labels(state="limit").set_function(lambda: prefill.max_offered_bytes)
-    self.registry.register(_CountOf("hisparse_pd_offers_taken_back", "Prefill server: offers not acknowledged, "
-                                    "taken back, since start", lambda: prefill.offers_taken_back))
+    self.registry.register(
+      _CountOf(
+        "hisparse_pd_offers_taken_back",
+        "Prefill server: offers not acknowledged, taken back, since start",
+        lambda: prefill.offers_taken_back,
+      )
+    )
 
   def serve(self, port: int, host: str = "127.0.0.1") -> int:
     """Serves the metrics at /metrics (and /) of host:port (port 0: a free one) on a daemon thread; returns the

@@ -114,9 +114,12 @@ class PullWorker:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"  # host memory only: no device memory, no second GPU client
-    proc = subprocess.Popen([sys.executable, "-m", "hisparse_jax.serving.pull_worker", str(theirs.fileno()),
-                             self.host, str(self.port)], pass_fds=(theirs.fileno(),), env=env,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+      [sys.executable, "-m", "hisparse_jax.serving.pull_worker", str(theirs.fileno()), self.host, str(self.port)],
+      pass_fds=(theirs.fileno(),),
+      env=env,
+      stdin=subprocess.DEVNULL,
+    )
     theirs.close()
     ours.settimeout(START_TIMEOUT_S)
     try:
@@ -127,8 +130,9 @@ class PullWorker:
       proc.kill()
       ours.close()
       why = ready[0].get("error") if ready else f"it exited with status {proc.wait()}"
-      raise ValueError(f"--transfer-host/--transfer-port {self.host}:{self.port}: the KV pull worker did not "
-                       f"start ({why})")
+      raise ValueError(
+        f"--transfer-host/--transfer-port {self.host}:{self.port}: the KV pull worker did not start ({why})"
+      )
     ours.settimeout(None)
     with self._lock:
       self._proc, self._sock = proc, ours
@@ -161,8 +165,11 @@ class PullWorker:
     if failed or not self._closed:
       log.warning("KV pull worker exited with status %s; %d pull(s) failed", status, len(failed))
     for f in failed:
-      f.set_exception(PullWorkerDied(f"the KV pull worker process died (exit status {status}) during the pull: "
-                                     "the peer's transfer data crashed it"))
+      f.set_exception(
+        PullWorkerDied(
+          f"the KV pull worker process died (exit status {status}) during the pull: the peer's transfer data crashed it"
+        )
+      )
     try:  # replaced now, not on the next pull (a start takes seconds)
       self._ensure()
     except ValueError as e:
@@ -178,8 +185,13 @@ class PullWorker:
     """
     import jax
     import numpy as np
-    request = {"address": address, "uuid": uuid, "timeout_s": timeout_s,
-               "specs": [[list(s.shape), np.dtype(s.dtype).name] for s in specs]}
+
+    request = {
+      "address": address,
+      "uuid": uuid,
+      "timeout_s": timeout_s,
+      "specs": [[list(s.shape), np.dtype(s.dtype).name] for s in specs],
+    }
     future: concurrent.futures.Future = concurrent.futures.Future()
     self._ensure()
     with self._lock:
@@ -212,9 +224,13 @@ class PullWorker:
     finally:
       for fd in fds:
         os.close(fd)
-    return [jax.device_put(np.frombuffer(buffer, np.dtype(spec.dtype), n // np.dtype(spec.dtype).itemsize,
-                                         offset).reshape(spec.shape), spec.sharding)
-            for spec, offset, n in zip(specs, offsets, message["nbytes"])]
+    return [
+      jax.device_put(
+        np.frombuffer(buffer, np.dtype(spec.dtype), n // np.dtype(spec.dtype).itemsize, offset).reshape(spec.shape),
+        spec.sharding,
+      )
+      for spec, offset, n in zip(specs, offsets, message["nbytes"])
+    ]
 
   def close(self) -> None:
     """Ends the worker (pulls in flight fail)."""
@@ -234,6 +250,7 @@ def _serve(fd: int, host: str, port: int) -> None:
   import numpy as np
 
   from hisparse_jax.serving.disaggregation import TransferEndpoint
+
   sock = socket.socket(fileno=fd)
   try:
     endpoint = TransferEndpoint(host, port)
@@ -247,10 +264,10 @@ def _serve(fd: int, host: str, port: int) -> None:
   def pull(request: dict) -> None:
     reply, fds = {"id": request["id"]}, ()
     try:
-      specs = [jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype), sharding=device)
-               for shape, dtype in request["specs"]]
-      arrays = [np.asarray(x) for x in endpoint.pull(request["address"], request["uuid"], specs,
-                                                     request["timeout_s"])]
+      specs = [
+        jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype), sharding=device) for shape, dtype in request["specs"]
+      ]
+      arrays = [np.asarray(x) for x in endpoint.pull(request["address"], request["uuid"], specs, request["timeout_s"])]
       nbytes = [a.nbytes for a in arrays]
       offsets, size = _offsets(nbytes)
       memfd = os.memfd_create("kv-pull", os.MFD_CLOEXEC)
@@ -279,7 +296,9 @@ def _serve(fd: int, host: str, port: int) -> None:
 
 if __name__ == "__main__":
   if len(sys.argv) != 4 or not sys.argv[1].isdigit() or not sys.argv[3].isdigit():
-    sys.exit("hisparse_jax.serving.pull_worker is a decode server's own worker process (PullWorker starts it with "
-             "a socket descriptor, a host and a port), not a command")
+    sys.exit(
+      "hisparse_jax.serving.pull_worker is a decode server's own worker process (PullWorker starts it with "
+      "a socket descriptor, a host and a port), not a command"
+    )
   logging.basicConfig(level=logging.WARNING)
   _serve(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

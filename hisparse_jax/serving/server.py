@@ -57,25 +57,33 @@ class _QuietClientGone(logging.Filter):
   by a traceback per stream it drops."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.exc_info and record.exc_info[0] is not None
-                and record.exc_info[0].__name__ == "ExecuteBatchError"
-                and str(record.msg).startswith("ExecuteBatchError raised in core by servicer method"))
+    return not (
+      record.exc_info
+      and record.exc_info[0] is not None
+      and record.exc_info[0].__name__ == "ExecuteBatchError"
+      and str(record.msg).startswith("ExecuteBatchError raised in core by servicer method")
+    )
 
 
 logging.getLogger("grpc._cython.cygrpc").addFilter(_QuietClientGone())
 
 SERVICE_NAME = "hisparse.HiSparseInference"
 PREFILL_SERVICE_NAME = "hisparse.PrefillService"
-_FINISH = {"stop": hisparse_pb2.STOP, "length": hisparse_pb2.LENGTH, "abort": hisparse_pb2.ABORT,
-           "stop_token": hisparse_pb2.STOP_TOKEN, "stop_string": hisparse_pb2.STOP_STRING}
+_FINISH = {
+  "stop": hisparse_pb2.STOP,
+  "length": hisparse_pb2.LENGTH,
+  "abort": hisparse_pb2.ABORT,
+  "stop_token": hisparse_pb2.STOP_TOKEN,
+  "stop_string": hisparse_pb2.STOP_STRING,
+}
 
 
 @dataclasses.dataclass
 class _Event:
-  token: int | None = None             # a new token
-  text: str = ""                       # the text it completes
-  done: Request | None = None          # the request finished
-  error: RequestError | None = None    # the engine failed this request (error.code: its gRPC status)
+  token: int | None = None  # a new token
+  text: str = ""  # the text it completes
+  done: Request | None = None  # the request finished
+  error: RequestError | None = None  # the engine failed this request (error.code: its gRPC status)
 
 
 class EngineLoop(threading.Thread):
@@ -166,7 +174,6 @@ class EngineLoop(threading.Thread):
       self.metrics.update(self.engine.loads_snapshot)
 
 
-
 # Request fields a client controls the size of, checked before any work.
 MAX_REQUEST_ID_BYTES = 256
 # Text prompts are tokenized on TOKENIZER_THREADS threads (never the decode loop's; the tokenizer releases
@@ -228,6 +235,7 @@ class ServerLimits:
   handshake_timeout_s: seconds a connection may take to finish its TLS handshake before it is closed (gRPC's
     default is 120 s). A plain-text connection has no handshake: ``max_connections`` alone bounds those.
   """
+
   max_streams: int | None = None
   max_prompt_bytes: int | None = None
   max_streams_per_client: int | None = None
@@ -241,11 +249,15 @@ class ServerLimits:
       if value is not None and value < 1:
         raise ValueError(f"ServerLimits.{name} must be >= 1 or None, got {value}")
     if not MIN_HANDSHAKE_TIMEOUT_S <= self.handshake_timeout_s <= 3600:  # (NaN fails too)
-      raise ValueError(f"ServerLimits.handshake_timeout_s must be in [{MIN_HANDSHAKE_TIMEOUT_S}, 3600] seconds, got "
-                       f"{self.handshake_timeout_s}")
+      raise ValueError(
+        f"ServerLimits.handshake_timeout_s must be in [{MIN_HANDSHAKE_TIMEOUT_S}, 3600] seconds, got "
+        f"{self.handshake_timeout_s}"
+      )
     if self.max_connections is not None and self.max_connections > (most := max_connections()):
-      raise ValueError(f"ServerLimits.max_connections {self.max_connections}: more than the {most} this process's "
-                       f"descriptor limit leaves (RLIMIT_NOFILE less {RESERVED_DESCRIPTORS} for the rest)")
+      raise ValueError(
+        f"ServerLimits.max_connections {self.max_connections}: more than the {most} this process's "
+        f"descriptor limit leaves (RLIMIT_NOFILE less {RESERVED_DESCRIPTORS} for the rest)"
+      )
 
   def connections(self) -> int:
     """``max_connections``, or its default for this process's descriptor limit."""
@@ -265,6 +277,7 @@ def max_connections() -> int:
   """The most connections this process's descriptors allow: ``RLIMIT_NOFILE``'s soft limit less
   RESERVED_DESCRIPTORS (at least 16; 2^31 - 1, gRPC's largest, when unlimited)."""
   import resource
+
   soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
   if soft == resource.RLIM_INFINITY:
     return 2**31 - 1
@@ -279,6 +292,7 @@ def default_max_connections() -> int:
 def raise_descriptor_limit() -> int:
   """Raises this process's soft ``RLIMIT_NOFILE`` to its hard limit (which needs no privilege); the new soft."""
   import resource
+
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
   if soft != hard:
     try:
@@ -302,6 +316,7 @@ class ApiKeys:
     limits, fair sharing and the scope of its Aborts.
   operator: ``--operator-key-file``: its Abort reaches every client's requests of that id.
   """
+
   shared: str | None = None
   clients: dict[str, str] = dataclasses.field(default_factory=dict)
   operator: str | None = None
@@ -351,7 +366,7 @@ def client_of(context, identities: dict[bytes, str] | None = None) -> str:
   if peer.startswith("ipv6:"):
     host = peer.rpartition(":")[0]
     try:
-      address = ipaddress.IPv6Address(host[len("ipv6:"):].strip("[]").partition("%")[0])  # (no zone id)
+      address = ipaddress.IPv6Address(host[len("ipv6:") :].strip("[]").partition("%")[0])  # (no zone id)
     except ValueError:
       return host
     if address.ipv4_mapped is not None:
@@ -389,6 +404,7 @@ class _AsyncEvents:
 @dataclasses.dataclass
 class _Malformed:
   """A request whose bytes did not parse (gRPC would otherwise answer INTERNAL)."""
+
   error: str
 
 
@@ -398,14 +414,16 @@ def _tolerant(message_cls):
       return message_cls.FromString(data)
     except Exception as e:  # noqa: BLE001 - google.protobuf.message.DecodeError and friends
       return _Malformed(f"malformed {message_cls.DESCRIPTOR.name}: {e}")
+
   return parse
 
 
 def check_request_id(request_id: str) -> None:
   """InvalidRequest unless request_id is at most MAX_REQUEST_ID_BYTES of printable ASCII."""
   if len(request_id) > MAX_REQUEST_ID_BYTES:
-    raise InvalidRequest(f"request_id of {len(request_id)} characters; at most "
-                    f"{MAX_REQUEST_ID_BYTES} (printable ASCII)")
+    raise InvalidRequest(
+      f"request_id of {len(request_id)} characters; at most {MAX_REQUEST_ID_BYTES} (printable ASCII)"
+    )
   if not (request_id.isascii() and request_id.isprintable()):
     raise InvalidRequest("request_id must be printable ASCII")
 
@@ -416,15 +434,25 @@ def _sampling(request) -> dict:
   for name, value in (("temperature", request.temperature), ("top_p", top_p)):
     if not math.isfinite(value):
       raise InvalidRequest(f"{name} must be finite, got {value}")
-  return dict(temperature=request.temperature, top_k=request.top_k, top_p=top_p,
-              seed=request.seed if request.HasField("seed") else None)
+  return dict(
+    temperature=request.temperature,
+    top_k=request.top_k,
+    top_p=top_p,
+    seed=request.seed if request.HasField("seed") else None,
+  )
 
 
 class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
   """The HiSparseInference RPCs (coroutines on the server's asyncio thread: its state needs no lock)."""
 
-  def __init__(self, loop: EngineLoop, tokenizer, limits: ServerLimits | None = None, prefill_client=None,
-               keys: ApiKeys | None = None):
+  def __init__(
+    self,
+    loop: EngineLoop,
+    tokenizer,
+    limits: ServerLimits | None = None,
+    prefill_client=None,
+    keys: ApiKeys | None = None,
+  ):
     """keys: the API keys whose callers they name (``ApiKeys.identities``; checking them is the interceptor's)."""
     self.identities = keys.identities() if keys else {}
     self.loop = loop
@@ -433,8 +461,13 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     self.prefill_client = prefill_client  # a decode server's link to its prefill servers (disaggregation.py)
     limits = limits or ServerLimits()
     queued = self.engine.max_queued_requests
-    self.max_streams = (limits.max_streams if limits.max_streams is not None else
-                        None if queued is None else self.engine.num_slots + queued)
+    self.max_streams = (
+      limits.max_streams
+      if limits.max_streams is not None
+      else None
+      if queued is None
+      else self.engine.num_slots + queued
+    )
     self.max_prompt_bytes = limits.max_prompt_bytes or self.engine.max_prompt_bytes
     self.max_streams_per_client = limits.max_streams_per_client
     if self.max_streams_per_client is None and limits.fair_sharing and self.max_streams is not None:
@@ -442,8 +475,9 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     self.fair_sharing = limits.fair_sharing
     self.open_streams = 0
     self._client_streams: collections.Counter[str] = collections.Counter()  # client_of -> open Generate streams
-    self._tokenize_pool = futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize",
-                                                     initializer=_tokenizer_thread_init)
+    self._tokenize_pool = futures.ThreadPoolExecutor(
+      TOKENIZER_THREADS, thread_name_prefix="tokenize", initializer=_tokenizer_thread_init
+    )
     # (client_of, the client's request_id) -> engine request ids: an Abort reaches its own client's requests only.
     self._by_client_id: dict[tuple[str, str], set[str]] = {}
     self._not_submitted: dict[str, bool] = {}  # engine id -> aborted, until Generate submits it to the engine
@@ -465,13 +499,15 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       bos = self.engine.config.bos_token_id
       if len(text) <= GIL_FREE_ENCODE_CHARS:  # microseconds: no queueing behind large prompts
         return encode_prompt(self.tokenizer, text, bos)
-      return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, _tokenize_off_loop,
-                                                              self.tokenizer, text, bos)
+      return await asyncio.get_running_loop().run_in_executor(
+        self._tokenize_pool, _tokenize_off_loop, self.tokenizer, text, bos
+      )
     if which == "input_ids":
       ids = request.input_ids.ids
       if len(ids) > self.engine.max_seq_len:
-        raise InvalidRequest(f"prompt of {len(ids)} tokens exceeds the model context of "
-                             f"{self.engine.max_seq_len} tokens (--max-seq-len)")
+        raise InvalidRequest(
+          f"prompt of {len(ids)} tokens exceeds the model context of {self.engine.max_seq_len} tokens (--max-seq-len)"
+        )
       return list(ids)
     raise InvalidRequest("empty prompt: set text or input_ids")
 
@@ -481,10 +517,15 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
     else None."""
     if self.max_streams is not None and self.open_streams >= self.max_streams:
       return f"server busy: {self.open_streams} streams open (limit {self.max_streams})"
-    if (client is not None and self.max_streams_per_client is not None
-        and self._client_streams.get(client, 0) >= self.max_streams_per_client):
-      return (f"client {client} has {self._client_streams[client]} streams open (limit "
-              f"{self.max_streams_per_client} per client, --max-streams-per-client)")
+    if (
+      client is not None
+      and self.max_streams_per_client is not None
+      and self._client_streams.get(client, 0) >= self.max_streams_per_client
+    ):
+      return (
+        f"client {client} has {self._client_streams[client]} streams open (limit "
+        f"{self.max_streams_per_client} per client, --max-streams-per-client)"
+      )
     return None
 
   async def Generate(self, request, context):
@@ -546,10 +587,17 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
         self._by_client_id.setdefault((client, rid), set()).add(engine_id)
         self._not_submitted[engine_id] = False
         ids = await self._prompt_ids(request)
-        req = Request(request_id=engine_id, prompt_ids=ids, max_new_tokens=request.max_new_tokens,
-                      stop_token_ids=frozenset(request.stop_token_ids), stop=tuple(request.stop),
-                      include_stop_str_in_output=request.include_stop_str_in_output,
-                      ignore_eos=request.ignore_eos, client=client if self.fair_sharing else None, **sampling)
+        req = Request(
+          request_id=engine_id,
+          prompt_ids=ids,
+          max_new_tokens=request.max_new_tokens,
+          stop_token_ids=frozenset(request.stop_token_ids),
+          stop=tuple(request.stop),
+          include_stop_str_in_output=request.include_stop_str_in_output,
+          ignore_eos=request.ignore_eos,
+          client=client if self.fair_sharing else None,
+          **sampling,
+        )
         if not self._not_submitted[engine_id]:  # (aborted meanwhile: it ends as ABORT, whatever it holds)
           self.engine.validate(req)
       except RequestError as e:
@@ -574,8 +622,9 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
             self._prefilling.pop(engine_id, None)
         if self._not_submitted.pop(engine_id):  # aborted before it reached the engine
           done = True
-          yield hisparse_pb2.GenerateResponse(request_id=rid, finished=True, finish_reason=_FINISH["abort"],
-                                              prompt_tokens=len(ids))
+          yield hisparse_pb2.GenerateResponse(
+            request_id=rid, finished=True, finish_reason=_FINISH["abort"], prompt_tokens=len(ids)
+          )
           return
         self.loop.submit(req, events)
         first, sent = True, 0  # sent: characters of the output text streamed so far
@@ -593,14 +642,22 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
           if fin is None:  # already gone from the engine (finished as the abort arrived)
             return
           yield hisparse_pb2.GenerateResponse(
-              request_id=rid if first else "", finished=True, finish_reason=_FINISH[fin.finish_reason],
-              text=fin.text[sent:], prompt_tokens=len(fin.prompt_ids),
-              completion_tokens=len(fin.output_ids), swap_in_hits=fin.hits, swap_in_misses=fin.misses,
-              swap_in_prefetched=fin.prefetched,
-              matched_stop=fin.matched_stop, num_preemptions=fin.num_preemptions,
-              prefill_seconds=fin.prefill_seconds, transfer_seconds=fin.transfer_seconds,
-              transfer_bytes=fin.transfer_bytes,
-              decode_seconds=(fin.finish_time or 0.0) - (fin.first_token_time or fin.finish_time or 0.0))
+            request_id=rid if first else "",
+            finished=True,
+            finish_reason=_FINISH[fin.finish_reason],
+            text=fin.text[sent:],
+            prompt_tokens=len(fin.prompt_ids),
+            completion_tokens=len(fin.output_ids),
+            swap_in_hits=fin.hits,
+            swap_in_misses=fin.misses,
+            swap_in_prefetched=fin.prefetched,
+            matched_stop=fin.matched_stop,
+            num_preemptions=fin.num_preemptions,
+            prefill_seconds=fin.prefill_seconds,
+            transfer_seconds=fin.transfer_seconds,
+            transfer_bytes=fin.transfer_bytes,
+            decode_seconds=(fin.finish_time or 0.0) - (fin.first_token_time or fin.finish_time or 0.0),
+          )
           return
       finally:
         if not done:  # cancelled, deadline, or the client went away: free its slot at the next step
@@ -626,8 +683,7 @@ class InferenceServicer(hisparse_pb2_grpc.HiSparseInferenceServicer):
       await context.abort(grpc.StatusCode[e.code], str(e))
     caller = client_of(context, self.identities)
     if caller == OPERATOR:  # every client's requests of that id
-      ids = [e for (_, rid), engine_ids in self._by_client_id.items() if rid == request.request_id
-             for e in engine_ids]
+      ids = [e for (_, rid), engine_ids in self._by_client_id.items() if rid == request.request_id for e in engine_ids]
     else:
       ids = list(self._by_client_id.get((caller, request.request_id), ()))
     for engine_id in ids:
@@ -656,15 +712,21 @@ def _handlers(servicer: InferenceServicer) -> dict:
   the method (which answers INVALID_ARGUMENT) instead of failing inside gRPC as INTERNAL."""
   pb = hisparse_pb2
   return {
-      "Generate": grpc.unary_stream_rpc_method_handler(
-          servicer.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
-          response_serializer=pb.GenerateResponse.SerializeToString),
-      "Abort": grpc.unary_unary_rpc_method_handler(
-          servicer.Abort, request_deserializer=_tolerant(pb.AbortRequest),
-          response_serializer=pb.AbortResponse.SerializeToString),
-      "GetLoads": grpc.unary_unary_rpc_method_handler(
-          servicer.GetLoads, request_deserializer=_tolerant(pb.GetLoadsRequest),
-          response_serializer=pb.Loads.SerializeToString),
+    "Generate": grpc.unary_stream_rpc_method_handler(
+      servicer.Generate,
+      request_deserializer=_tolerant(pb.GenerateRequest),
+      response_serializer=pb.GenerateResponse.SerializeToString,
+    ),
+    "Abort": grpc.unary_unary_rpc_method_handler(
+      servicer.Abort,
+      request_deserializer=_tolerant(pb.AbortRequest),
+      response_serializer=pb.AbortResponse.SerializeToString,
+    ),
+    "GetLoads": grpc.unary_unary_rpc_method_handler(
+      servicer.GetLoads,
+      request_deserializer=_tolerant(pb.GetLoadsRequest),
+      response_serializer=pb.Loads.SerializeToString,
+    ),
   }
 
 
@@ -723,8 +785,7 @@ def _add_health(servicer, server) -> asyncio.Event:
     if isinstance(request, _Malformed):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
     if len(request.service.encode("utf-8")) > MAX_HEALTH_SERVICE_BYTES:
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"service name over {MAX_HEALTH_SERVICE_BYTES} bytes")
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"service name over {MAX_HEALTH_SERVICE_BYTES} bytes")
 
   async def check(request, context):
     await refuse_malformed(request, context)
@@ -734,12 +795,15 @@ def _add_health(servicer, server) -> asyncio.Event:
     await refuse_malformed(request, context)
     client = client_of(context)
     if watches.total() >= MAX_HEALTH_WATCHES:
-      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{MAX_HEALTH_WATCHES} health Watch streams open; use Check, or close one")
+      await context.abort(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HEALTH_WATCHES} health Watch streams open; use Check, or close one"
+      )
     if watches[client] >= MAX_HEALTH_WATCHES_PER_CLIENT:
-      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"client {client} has {MAX_HEALTH_WATCHES_PER_CLIENT} health Watch streams open (the "
-                          "limit per client); use Check, or close one")
+      await context.abort(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"client {client} has {MAX_HEALTH_WATCHES_PER_CLIENT} health Watch streams open (the "
+        "limit per client); use Check, or close one",
+      )
     watches[client] += 1
     streaming = asyncio.ensure_future(servicer.Watch(request, context))
     ended = asyncio.ensure_future(closing.wait())
@@ -755,10 +819,16 @@ def _add_health(servicer, server) -> asyncio.Event:
         del watches[client]
 
   handlers = {
-      "Check": grpc.unary_unary_rpc_method_handler(check, request_deserializer=_tolerant(pb.HealthCheckRequest),
-                                                   response_serializer=pb.HealthCheckResponse.SerializeToString),
-      "Watch": grpc.unary_stream_rpc_method_handler(watch, request_deserializer=_tolerant(pb.HealthCheckRequest),
-                                                    response_serializer=pb.HealthCheckResponse.SerializeToString),
+    "Check": grpc.unary_unary_rpc_method_handler(
+      check,
+      request_deserializer=_tolerant(pb.HealthCheckRequest),
+      response_serializer=pb.HealthCheckResponse.SerializeToString,
+    ),
+    "Watch": grpc.unary_stream_rpc_method_handler(
+      watch,
+      request_deserializer=_tolerant(pb.HealthCheckRequest),
+      response_serializer=pb.HealthCheckResponse.SerializeToString,
+    ),
   }
   server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grpc.health.v1.Health", handlers),))
   return closing
@@ -774,8 +844,9 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     self._metrics = metrics
 
     async def deny(request, context):
-      await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata "
-                          "'authorization: Bearer KEY')")
+      await context.abort(
+        grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata 'authorization: Bearer KEY')"
+      )
 
     self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -798,13 +869,17 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 class TLSConfig:
   """PEM bytes: the server's certificate chain and private key; client_ca set: clients must present a
   certificate it signed (mutual TLS)."""
+
   cert_chain: bytes
   private_key: bytes
   client_ca: bytes | None = None
 
   def credentials(self) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
-                                       require_client_auth=self.client_ca is not None)
+    return grpc.ssl_server_credentials(
+      [(self.private_key, self.cert_chain)],
+      root_certificates=self.client_ca,
+      require_client_auth=self.client_ca is not None,
+    )
 
 
 class RunningServer:
@@ -825,8 +900,7 @@ class RunningServer:
   def stop(self, grace: float | None):
     async def shutdown():
       if grace is not None:  # (a stream its client cancels during the grace stays "cancelled")
-        asyncio.get_running_loop().call_later(max(0.0, grace - CUT_MARGIN_S), setattr, self.servicer, "cutting",
-                                              True)
+        asyncio.get_running_loop().call_later(max(0.0, grace - CUT_MARGIN_S), setattr, self.servicer, "cutting", True)
       await self.health.enter_graceful_shutdown()
       if self._end_watches is not None:
         await asyncio.sleep(WATCH_END_DELAY_S)  # (the servicer's Watch tasks write NOT_SERVING first)
@@ -856,9 +930,18 @@ class RunningServer:
     self._thread.join(10)
 
 
-def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetrics | None = None, *,
-          limits: ServerLimits | None = None, tls: TLSConfig | None = None, api_key: str | ApiKeys | None = None,
-          disaggregation=None):
+def serve(
+  engine: Engine,
+  tokenizer,
+  host: str,
+  port: int,
+  metrics: ServerMetrics | None = None,
+  *,
+  limits: ServerLimits | None = None,
+  tls: TLSConfig | None = None,
+  api_key: str | ApiKeys | None = None,
+  disaggregation=None,
+):
   """Starts the server; returns (RunningServer, EngineLoop, bound port).
 
   limits: per-request and open-stream bounds (``ServerLimits``; defaults from the engine). tls: serve TLS
@@ -869,6 +952,7 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
   Raises OSError if host:port cannot be bound.
   """
   from hisparse_jax.serving import disaggregation as pd
+
   mode = disaggregation.mode if disaggregation is not None else "null"
   transfer, prefill_client = None, None
   if mode == "decode":
@@ -876,12 +960,20 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     infos = pd.check_prefill_servers(engine, disaggregation)
     if disaggregation.isolate_pulls:
       from hisparse_jax.serving.pull_worker import PullWorker
+
       transfer = PullWorker(disaggregation.transfer_host, disaggregation.transfer_port)
     else:
       transfer = pd.TransferEndpoint(disaggregation.transfer_host, disaggregation.transfer_port)
-    prefill_client = pd.PrefillClient(engine, disaggregation.prefill_servers, transfer,
-                                      disaggregation.transfer_timeout_s, disaggregation.api_key,
-                                      disaggregation.prefill_timeout_s, infos, credentials)
+    prefill_client = pd.PrefillClient(
+      engine,
+      disaggregation.prefill_servers,
+      transfer,
+      disaggregation.transfer_timeout_s,
+      disaggregation.api_key,
+      disaggregation.prefill_timeout_s,
+      infos,
+      credentials,
+    )
   elif mode == "prefill":
     transfer = pd.TransferEndpoint(disaggregation.transfer_host, disaggregation.transfer_port)
   loop = EngineLoop(engine, metrics)
@@ -900,29 +992,45 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     # whole request message before any handler (or the API-key check) runs: the receive limit and the bound on
     # calls in flight (``receive_bounds``) bound the memory clients can make the server hold.
     max_message, max_calls = receive_bounds(servicer)
-    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_calls, options=[
-        ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message),
+    server = grpc.aio.server(
+      interceptors=interceptors,
+      maximum_concurrent_rpcs=max_calls,
+      options=[
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", max_message),
         ("grpc.max_allowed_incoming_connections", connection_limits.connections()),
-        ("grpc.server_handshake_timeout_ms", int(connection_limits.handshake_timeout_s * 1000))])
+        ("grpc.server_handshake_timeout_ms", int(connection_limits.handshake_timeout_s * 1000)),
+      ],
+    )
     prefill = None
     handlers = _handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     if mode == "prefill":
-      prefill = pd.PrefillServicer(loop, transfer, disaggregation.transfer_timeout_s, _AsyncEvents,
-                                   streams=servicer, max_offered_bytes=disaggregation.max_offered_kv_bytes)
+      prefill = pd.PrefillServicer(
+        loop,
+        transfer,
+        disaggregation.transfer_timeout_s,
+        _AsyncEvents,
+        streams=servicer,
+        max_offered_bytes=disaggregation.max_offered_kv_bytes,
+      )
       if metrics is not None:
         metrics.watch_offers(prefill)
       pb = hisparse_pb2
       prefill_handlers = {
-          "Prefill": grpc.stream_stream_rpc_method_handler(
-              prefill.Prefill, request_deserializer=_tolerant(pb.PrefillMessage),
-              response_serializer=pb.PrefillOffer.SerializeToString),
-          "Info": grpc.unary_unary_rpc_method_handler(
-              prefill.Info, request_deserializer=_tolerant(pb.InfoRequest),
-              response_serializer=pb.InfoResponse.SerializeToString)}
-      server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PREFILL_SERVICE_NAME,
-                                                                            prefill_handlers),))
+        "Prefill": grpc.stream_stream_rpc_method_handler(
+          prefill.Prefill,
+          request_deserializer=_tolerant(pb.PrefillMessage),
+          response_serializer=pb.PrefillOffer.SerializeToString,
+        ),
+        "Info": grpc.unary_unary_rpc_method_handler(
+          prefill.Info,
+          request_deserializer=_tolerant(pb.InfoRequest),
+          response_serializer=pb.InfoResponse.SerializeToString,
+        ),
+      }
+      server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PREFILL_SERVICE_NAME, prefill_handlers),))
     health_servicer = health.aio.HealthServicer()
     end_watches = _add_health(health_servicer, server)
     address = join_host_port(host, port)
@@ -935,8 +1043,14 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
     if bound == 0:
       servicer.close()
       # (gRPC reports credentials it cannot use, a DSA key say, as a failed bind: TSI_INVALID_ARGUMENT in its log)
-      hint = (" (or gRPC refused the --tls-cert-file / --tls-key-file pair that Python's ssl accepted: it takes RSA "
-              "and ECDSA keys)") if tls else ""
+      hint = (
+        (
+          " (or gRPC refused the --tls-cert-file / --tls-key-file pair that Python's ssl accepted: it takes RSA "
+          "and ECDSA keys)"
+        )
+        if tls
+        else ""
+      )
       raise OSError(f"cannot bind {address}: {reason}{hint}")
     await server.start()
     for name in ("", SERVICE_NAME) + ((PREFILL_SERVICE_NAME,) if mode == "prefill" else ()):
@@ -945,7 +1059,8 @@ def serve(engine: Engine, tokenizer, host: str, port: int, metrics: ServerMetric
 
   try:
     server, servicer, health_servicer, bound, prefill, end_watches = asyncio.run_coroutine_threadsafe(
-        start(), aio_loop).result()
+      start(), aio_loop
+    ).result()
   except BaseException:
     loop.stop()
     aio_loop.call_soon_threadsafe(aio_loop.stop)

@@ -85,7 +85,7 @@ def measure(batch: int, context: int, dtype: str, steps: int, hidden: int | None
   import numpy as np
   from flax import nnx
 
-  from hisparse_jax.engine.engine import index_blocks
+  from hisparse_jax.engine.model_runner import index_blocks
   from models import kv_format
   from models.deepseek_v32 import DeepseekV32ForCausalLM
   from hisparse_jax.memory.views import DenseState

@@ -103,7 +103,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
     engine.step()
     if any(r.phase is Phase.FINISHED for r in reqs):
       raise RuntimeError(f"a request finished before all {B} were decoding")
-  decode, times, last = engine._decode_fn, [], {}
+  decode, times, last = engine.runner.decode_fn, [], {}
 
   def timed(*args, **kwargs):
     t = time.perf_counter()
@@ -113,7 +113,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
     last["call"] = (args, kwargs)
     return out
 
-  engine._decode_fn = timed
+  engine.runner.decode_fn = timed
   decode_steps0 = engine.decode_steps
   step_times = []
 
@@ -126,7 +126,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
 
   def overlapped_block():
     # The engine's own call (not the timing wrapper, which waits for each call's tokens at its launch).
-    engine._decode_fn, engine.overlap_schedule = decode, True
+    engine.runner.decode_fn, engine.overlap_schedule = decode, True
     t = time.perf_counter()
     for _ in range(OVERLAP_BLOCK):
       engine.step()
@@ -135,7 +135,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
     overlapped_times.append((time.perf_counter() - t) / (OVERLAP_BLOCK + 1))
     engine.overlap_schedule = False
     engine.step()  # reads that call, launches nothing (untimed)
-    engine._decode_fn = timed
+    engine.runner.decode_fn = timed
 
   for _ in range(SKIP):  # the batch bucket's compilation, warm caches: not timed
     engine_step()
@@ -143,7 +143,7 @@ def measure(model_dir: str, B: int, mode: str, prompt_len: int, steps: int) -> d
   cost = decode.lower(*args, **kwargs).compile().cost_analysis() or {}
   flops, step_bytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   # The weights a step streams: all but the input embedding table, of which it gathers B rows.
-  weight_bytes = sum(x.nbytes for name, x in zip(engine._param_names, args[0]) if "embed_tokens" not in name)
+  weight_bytes = sum(x.nbytes for name, x in zip(engine.runner.param_names, args[0]) if "embed_tokens" not in name)
   batch = int(args[1].shape[0])  # the step's batch bucket
   del args, kwargs
 

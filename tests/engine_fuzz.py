@@ -426,7 +426,7 @@ def check_exports(engine: Engine, references: References) -> None:
     engine.run()
     assert ex.output_ids == [want.first_token], (group, ex.output_ids, want.first_token)
     for got, ref in zip(ex.prompt_kv, want.prompt_kv):
-      assert got.devices() == {engine.group_device(group)}, (group, got.devices())
+      assert got.devices() == {engine.runner.group_device(group)}, (group, got.devices())
       np.testing.assert_array_equal(np.asarray(got), np.asarray(ref), err_msg=f"group {group}")
   assert all_kv_free(engine.loads()), engine.loads()
 

@@ -39,6 +39,7 @@ class KVHarness:
     key_block=32,
     score_block=None,
     mesh_config=None,
+    window=None,
   ):
     self.cfg = cfg
     # A MeshConfig of more than one device: parameters split by the rule table, KV replicated, calls traced
@@ -72,6 +73,9 @@ class KVHarness:
         rng.shuffle(free_list._free)
     self.chunk = chunk
     self.key_block, self.score_block = key_block, score_block
+    # Indexer keys every call scores (a multiple of key_block covering every position: one compiled prefill and
+    # one decode program); None: the smallest power-of-two number of key blocks covering the call's positions.
+    self.window = window
     self.kvs, self.seq_lens = [], []
     graphdef, self.params = nnx.split(model)
     if self.mesh is not None:
@@ -150,9 +154,11 @@ class KVHarness:
     return (logits[rows], np.asarray(topk)[:, rows]) if return_topk else logits[rows]
 
   def _blocks(self, tokens: int) -> tuple:
-    """(window, key_block, score_block): the smallest power-of-two window of key blocks covering tokens."""
-    window = self.key_block
+    """(window, key_block, score_block) of a call whose positions are below ``tokens``."""
+    window = self.window or self.key_block
     while window < tokens:
+      if self.window:
+        raise ValueError(f"window {self.window} does not cover position {tokens - 1}")
       window *= 2
     score = self.score_block if self.score_block and self.score_block < window else None
     return window, self.key_block, score

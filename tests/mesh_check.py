@@ -47,8 +47,9 @@ def run(model_dir, mesh, hisparse, kv_cache_dtype="auto"):
   cfg, model = load_hf(model_dir, kv_cache_dtype=kv_cache_dtype, expert_parallel=mesh.expert_parallel())
   rng = np.random.default_rng(0)
   prompts = [rng.integers(2, 500, n).tolist() for n in PROMPT_LENS]
-  # Prompts prefilled in chunks of 16 (one compiled prefill shape per indexer window).
-  h = KVHarness(cfg, model, hisparse=hisparse, mesh_config=mesh, slots=len(prompts) + 1, chunk=16)
+  # Prompts prefilled in chunks of 16; every call scores a window of 64 indexer keys in two key blocks (one
+  # compiled prefill and one decode program).
+  h = KVHarness(cfg, model, hisparse=hisparse, mesh_config=mesh, slots=len(prompts) + 1, chunk=16, window=64)
   logits = [h.prefill(prompts)]
   buffers = _buffers(h.backend.state)
   for _ in range(STEPS - 1):
@@ -176,7 +177,7 @@ def fp8_check(meshes):
       sharding=None if mesh is None else placer(mesh_cfg, mesh),
       expert_parallel=mesh_cfg.expert_parallel(),
     )
-    h = KVHarness(cfg, model, mesh_config=mesh_cfg)
+    h = KVHarness(cfg, model, mesh_config=mesh_cfg, chunk=16, window=32)  # (one prefill and one decode program)
     logits = [h.prefill([[5, 6, 7, 8] * 6, [9, 10, 11]])]
     for _ in range(5):
       logits.append(h.decode(logits[-1].argmax(-1)))

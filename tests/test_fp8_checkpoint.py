@@ -379,7 +379,7 @@ def test_engine_fp8_resident_weights(tmp_path):
       e.submit(r)
     while e.has_work():
       e.step()
-    return [r.output_ids for r in reqs], sum(x.nbytes for x in jax.tree.leaves(e._params))
+    return [r.output_ids for r in reqs], sum(x.nbytes for x in jax.tree.leaves(e.runner.params))
 
   tokens_at_load, bytes_at_load = run()
   tokens_resident, bytes_resident = run(weight_dtype="fp8")

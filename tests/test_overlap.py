@@ -28,7 +28,7 @@ def workload(stop_token=None):
 def drive(eng, reqs):
   """Runs the workload: reqs[:3] first, the rest after 3 steps. Returns the decode calls launched and those
   launched ahead (``_launch_next``: before the previous call's tokens were read)."""
-  call, launch_next, calls, ahead = eng._decode_fn, eng._launch_next, [0], [0]
+  call, launch_next, calls, ahead = eng.runner.decode_fn, eng._launch_next, [0], [0]
 
   def count_call(*args, **kwargs):
     calls[0] += 1
@@ -39,7 +39,7 @@ def drive(eng, reqs):
     ahead[0] += nxt is not None
     return nxt
 
-  eng._decode_fn, eng._launch_next = count_call, count_ahead
+  eng.runner.decode_fn, eng._launch_next = count_call, count_ahead
   for r in reqs[:3]:
     eng.submit(r)
   steps = 0
@@ -49,7 +49,7 @@ def drive(eng, reqs):
     if steps == 3:
       for r in reqs[3:]:
         eng.submit(r)
-  eng._decode_fn, eng._launch_next = call, launch_next
+  eng.runner.decode_fn, eng._launch_next = call, launch_next
   return calls[0], ahead[0]
 
 
@@ -153,15 +153,15 @@ def test_a_step_that_fails_with_a_step_in_flight_is_reset_cleanly():
   eng.step()
   # The logits buffer passes from call to call (donated; on CPU the [vocab, B] logits are written over it).
   assert launched.logits.is_deleted() and eng._next.logits is not None and not eng._next.logits.is_deleted()
-  call = eng._decode_fn
+  call = eng.runner.decode_fn
 
   def failing(*args, **kwargs):
     raise RuntimeError("injected launch failure")
 
-  eng._decode_fn = failing
+  eng.runner.decode_fn = failing
   with pytest.raises(RuntimeError, match="injected"):
     eng.step()  # takes the call launched last step, and fails launching the next before reading it
-  eng._decode_fn = call
+  eng.runner.decode_fn = call
   dropped = eng.reset()
   assert dropped == [r] and r.finish_reason == "error" and eng._next is None
   again = Request("again", solo.prompt_ids, 8)

@@ -71,13 +71,13 @@ def test_a_prefill_call_computes_at_most_the_chunk_budget_of_padded_slots():
   """A prefill call computes a [B, C] bucket (B rows a power of two, C the power of two covering the longest
   row): a prompt whose row would grow it past --chunked-prefill-size waits for the next step, in order."""
   eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, **SMALL)  # 32 tokens per step
-  shapes, call = [], eng._prefill_fn
+  shapes, call = [], eng.runner.prefill_fn
 
   def record(params, tokens, *args, **kwargs):
     shapes.append(tuple(tokens.shape))
     return call(params, tokens, *args, **kwargs)
 
-  eng._prefill_fn = record
+  eng.runner.prefill_fn = record
   # 3 prompts of 10 tokens fit the 32-token budget, but as 4 rows x 16 columns = 64 slots: two go first.
   reqs = [Request(str(i), prompt(10, i), 2) for i in range(3)]
   for r in reqs:
@@ -104,13 +104,13 @@ def test_a_short_prompt_is_not_held_behind_a_long_prefill():
   """A short prompt that arrives while a long one prefills gets its first token at the next step: it goes first
   and the long prompt computes a shorter chunk beside it in the same bucket, still within the chunk budget."""
   eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=320, overlap_schedule=False, **SMALL)
-  shapes, call = [], eng._prefill_fn
+  shapes, call = [], eng.runner.prefill_fn
 
   def record(params, tokens, *args, **kwargs):
     shapes.append(tuple(tokens.shape))
     return call(params, tokens, *args, **kwargs)
 
-  eng._prefill_fn = record
+  eng.runner.prefill_fn = record
   long, short = Request("long", prompt(200, 1), 3), Request("short", prompt(4, 2), 3)
   eng.submit(long)
   eng.step()
@@ -134,11 +134,11 @@ from hisparse_jax.engine import Engine, Request
 from tests.tiny_model import tiny_model_dir
 eng = Engine(tiny_model_dir(), dp_size=2, max_running_requests=4, max_seq_len=128, page_size=16,
              chunked_prefill_size=32)
-shapes, call = [], eng._prefill_fn
+shapes, call = [], eng.runner.prefill_fn
 def record(params, tokens, *args, **kwargs):
   shapes.append(tuple(tokens.shape))
   return call(params, tokens, *args, **kwargs)
-eng._prefill_fn = record
+eng.runner.prefill_fn = record
 a = Request("a", np.arange(2, 22).tolist(), 8)
 b = Request("b", np.arange(30, 38).tolist(), 8)
 eng.submit(a)
@@ -518,22 +518,22 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
   assert eng.backend.residency([r.kv]) == residencies[0]
   lowered = {
     **{
-      f"decode {res}": eng._decode_fn.lower(
-        eng._params,
+      f"decode {res}": eng.runner.decode_fn.lower(
+        eng.runner.params,
         tok[:, 0],
         pos[:, 0] + 20,
         state,
         decode_tables,
         sampling,
-        eng._logits_buffer(1),
+        eng.runner.logits_buffer(1),
         residency=res,
-        **eng._index_blocks(1, 1, 20),
+        **eng.runner.index_blocks(1, 1, 20),
       )
       for res in residencies
     },
     **{
-      f"prefill first_token={first}": eng._prefill_fn.lower(
-        eng._params,
+      f"prefill first_token={first}": eng.runner.prefill_fn.lower(
+        eng.runner.params,
         tok,
         pos,
         state,
@@ -541,11 +541,11 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
         sampling,
         query_block=None,
         first_token=first,
-        **eng._index_blocks(1, 32, 31),
+        **eng.runner.index_blocks(1, 32, 31),
       )
       for first in (True, False)
     },
-    "import": eng._import_fn.lower(
+    "import": eng.runner.import_fn.lower(
       state,
       decode_tables,
       jnp.zeros((cfg.num_hidden_layers, 20, cfg.latent_dim)),
@@ -555,7 +555,7 @@ def test_compiled_steps_update_every_pool_in_place(hisparse):
   }
   if eng.backend.residency_on:
     offload_tables = {k: jnp.asarray(v) for k, v in eng.backend.offload_tables(r.kv).items()}
-    lowered["offload"] = eng._offload_fn.lower(state, offload_tables)
+    lowered["offload"] = eng.runner.offload_fn.lower(state, offload_tables)
   for name, low in lowered.items():
     hlo = low.compile().as_text()
     copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)]
@@ -766,19 +766,19 @@ def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
     eng.submit(Request(f"r{i}", prompt(20, i), n, ignore_eos=True))
   donated, buckets = [], []
   while eng.waiting or eng.running:
-    before = dict(eng._logits_buffers)
+    before = dict(eng.runner.logits_buffers)
     steps = eng.decode_steps
     eng.step()
     if eng.decode_steps == steps:
       continue
     B = eng.last_decode_batch
     buckets.append(B)
-    assert list(eng._logits_buffers) == [B] and eng._logits_buffers[B].shape == (eng.config.vocab_size, B)
+    assert list(eng.runner.logits_buffers) == [B] and eng.runner.logits_buffers[B].shape == (eng.config.vocab_size, B)
     if B in before:
-      donated.append(before[B].is_deleted() and eng._logits_buffers[B] is not before[B])
+      donated.append(before[B].is_deleted() and eng.runner.logits_buffers[B] is not before[B])
   assert buckets[0] == 1 and 2 in buckets and buckets[-1] == 1  # buckets 1 -> 2 -> 1: new buffers each change
   assert len(donated) >= 6 and all(donated)
-  assert eng.reset() == [] and eng._logits_buffers == {}
+  assert eng.reset() == [] and eng.runner.logits_buffers == {}
   # A reset with requests in flight finishes them (waiting, then running) as errors and frees everything;
   # the engine then serves new requests.
   reqs = [Request(f"s{i}", prompt(20, i), 8, ignore_eos=True) for i in range(6)]
@@ -787,10 +787,10 @@ def test_decode_logits_buffer_is_donated_per_bucket_and_dropped_on_reset():
   for _ in range(3):
     eng.step()
   running = list(eng.running)
-  assert len(running) == 4 and len(eng.waiting) == 2 and eng._logits_buffers
+  assert len(running) == 4 and len(eng.waiting) == 2 and eng.runner.logits_buffers
   assert eng.reset() == list(reqs[4:]) + running
   assert all(r.done and r.finish_reason == "error" and "reset" in r.error and r.kv is None for r in reqs)
-  assert not eng.has_work() and eng._logits_buffers == {} and all_kv_free(eng.loads())
+  assert not eng.has_work() and eng.runner.logits_buffers == {} and all_kv_free(eng.loads())
   again = Request("again", prompt(20, 0), 5, ignore_eos=True)
   eng.submit(again)
   eng.run()

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import math
 import numbers
@@ -60,17 +59,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from hisparse_jax import distributed
 from hisparse_jax.config import ConfigError, HiSparseConfig
 from hisparse_jax.engine.args import DTYPES, EngineArgs, StartupError, check_host_memory
 from hisparse_jax.engine.detokenizer import DetokenizerFactory, StopStringMatcher
+from hisparse_jax.engine.model_runner import ModelRunner, pow2_at_least, pow2_at_most
 from hisparse_jax.engine.request import InvalidRequest, Phase, Request, ResourceExhausted
-from hisparse_jax.engine.sampling import sample
 from hisparse_jax.kernels import ops
 from hisparse_jax.memory import backend as kvmem
-from hisparse_jax.memory.views import kernel_status
 from hisparse_jax.sharding import MeshError, bytes_per_device, placer
 from models.convert import is_orbax_dir, load_model, model_fingerprint
 
@@ -89,21 +86,6 @@ def _is_int(x) -> bool:
 
 
 MIN_PREFILL_BUCKET = 16
-# Decode batches up to this many rows take their logits vocabulary-major ([vocab, batch]) on one CPU device:
-# XLA:CPU's output projection runs 15-20% faster with that output layout at 2-64 rows, equal at 1, 2-5% slower
-# at 128-256 (benchmarks/step_floor.py's GEMM columns), and greedy rows take the argmax over columns.
-VOCAB_MAJOR_MAX_BATCH = 64
-# Indexer windows (keys scored) are powers of two covering the newest position, at least this: one compiled
-# step per window bucket, at most 2x the keys a step needs.
-MIN_INDEX_WINDOW = 256
-# Indexer keys read and scored at a time (tokens): bounds the [B, Q, heads, key block] intermediate.
-MAX_KEY_BLOCK = 2048
-INDEX_HEAD_ELEMENTS = 1 << 24
-# Scores kept before a top-k ([B, Q, score block] float32, 64 MiB): one top-k over the whole window when it
-# fits, else a running top-k merged once per score block. This bounds a prefill chunk's transient memory
-# whatever the context (measured: ~38 KB per window token below the bound, from the score buffers XLA
-# keeps); a merge costs a top-k over K + block elements, so larger blocks mean fewer, cheaper-per-key merges.
-SCORE_ELEMENTS = 1 << 24
 # Request limits checked before any work (each bounds per-step work a client could otherwise inflate).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
@@ -117,30 +99,6 @@ def check_stop_counts(stop_strings: int, stop_token_ids: int) -> None:
     raise InvalidRequest(f"{stop_strings} stop strings; at most {MAX_STOP_STRINGS}")
   if stop_token_ids > MAX_STOP_TOKEN_IDS:
     raise InvalidRequest(f"{stop_token_ids} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
-
-
-# Bound on the rows a prefill attention block gathers (bytes of [B, query block, K, W]).
-PREFILL_GATHER_BYTES = 1 << 26
-
-
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
-def _pow2_at_most(n: int) -> int:
-  return 1 << (max(n, 1).bit_length() - 1)
-
-
-def index_blocks(batch: int, queries: int, newest: int, *, heads: int, top_k: int, page_size: int) -> dict:
-  """Static indexer sizes of a call of `batch` rows x `queries` tokens whose newest position is `newest`:
-  window (a power of two > newest, >= MIN_INDEX_WINDOW), key_block and score_block (powers of two within
-  the window bounding the intermediates by INDEX_HEAD_ELEMENTS and SCORE_ELEMENTS; whole pages)."""
-  window = max(MIN_INDEX_WINDOW, page_size, _pow2_at_least(newest + 1))
-  key_block = min(
-    window, MAX_KEY_BLOCK, max(page_size, _pow2_at_most(INDEX_HEAD_ELEMENTS // (batch * queries * heads)))
-  )
-  score_block = max(key_block, _pow2_at_least(top_k), _pow2_at_most(SCORE_ELEMENTS // (batch * queries)))
-  return dict(window=window, key_block=key_block, score_block=None if score_block >= window else score_block)
 
 
 @dataclasses.dataclass
@@ -316,17 +274,19 @@ class Engine:
     cfg = self.config
     self.dtype = jnp.dtype(args.dtype or cfg.dtype)
     self.eos_ids = frozenset(cfg.eos_token_ids)
-    graphdef, params = nnx.split(model)
-    weight_bytes = bytes_per_device(self.mesh_config, params)  # what one device holds
-    # The jitted calls take the weights as a flat list (C++ flattens it) and rebuild the nnx.State inside the
-    # trace: flattening the State on every call runs a Python callback per variable (~0.08 ms per call for
-    # the default model's 86, about 1% of a batch-1 decode step on this CPU).
-    leaves, param_def = jax.tree_util.tree_flatten_with_path(params)
-    self._params = [x for _, x in leaves]
-    self._param_names = [jax.tree_util.keystr(path) for path, _ in leaves]  # each of _params' nnx path
-    del params, leaves
+    weight_bytes = bytes_per_device(self.mesh_config, nnx.state(model))  # what one device holds
     self.layout = kvmem.KVLayout.of(cfg, self.dtype)
     self.kv_dtype = cfg.kv_row(self.dtype)[1]  # a stored latent row's dtype (uint8 with --kv-cache-dtype fp8_e4m3)
+    self.runner = ModelRunner(
+      model,
+      mesh=self.mesh,
+      page_size=args.page_size,
+      record_topk=record_topk,
+      multiprocess=self.lockstep is not None,
+      kv_dtype=self.kv_dtype,
+      index_dtype=self.layout.index_dtype,
+    )
+    del model
     self.device_kv_budget = args.device_kv_budget(weight_bytes)  # (the pools' share: offer_kv_budget is not)
     self.offer_kv_budget = None
     if offer_kv_bytes is not None:
@@ -390,150 +350,6 @@ class Engine:
     self.prefill_calls = 0
     self.last_decode_batch = 0  # rows of the last decode step (its batch bucket)
 
-    blocks = ("window", "key_block", "score_block")
-    mesh = self.mesh
-
-    def replicated(x):
-      # What comes back to the host (tokens, top-k traces) is whole on every device, so that every process
-      # can read it (a process reads only its own devices' data).
-      return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
-
-    @functools.partial(jax.jit, donate_argnums=(3,), static_argnames=blocks + ("query_block", "first_token"))
-    def prefill(params, tokens, positions, state, tables, sampling, *, first_token, **blocks):
-      # first_token False (no row's prompt ends in this chunk): no lm_head, no sampling (XLA drops them).
-      view = state.view(tables)
-      params = jax.tree_util.tree_unflatten(param_def, params)
-      logits, view = nnx.merge(graphdef, params).prefill(tokens, positions, view, **blocks)
-      status = replicated(kernel_status(view, tokens.shape[0]))
-      state = state.absorb(view).finish_prefill(tables)
-      if not first_token:
-        return (replicated(jnp.zeros(tokens.shape[:1], jnp.int32)), status), state
-      return (replicated(sample(logits, *sampling, jnp.max(positions, axis=1) + 1)), status), state
-
-    @functools.partial(jax.jit, donate_argnums=(3, 6), static_argnames=blocks + ("residency",))
-    def decode(params, tokens, positions, state, tables, sampling, logits_buffer, *, residency, **blocks):
-      # logits_buffer: None, or the previous step's logits at this bucket (``_logits_buffer``), donated so that
-      # this step's logits are written over it (returned in its place) rather than into a fresh temporary.
-      view = state.view(tables, residency)
-      params = jax.tree_util.tree_unflatten(param_def, params)
-      vocab_major = self._vocab_major(tokens.shape[0])
-      out = nnx.merge(graphdef, params).decode(
-        tokens, positions, view, return_topk=record_topk, vocab_major=vocab_major, **blocks
-      )
-      status = replicated(kernel_status(out[1], tokens.shape[0]))
-      # The logits written into the donated buffer (the update covers it all, so XLA computes them there).
-      logits = None if logits_buffer is None else jax.lax.dynamic_update_slice(logits_buffer, out[0], (0, 0))
-      return (
-        (replicated(sample(out[0], *sampling, positions + 1, vocab_major=vocab_major)), status),
-        state.absorb(out[1]),
-        logits,
-        *(replicated(x) for x in out[2:]),
-      )
-
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def import_kv(state, tables, latent, index, length):
-      state, status = state.import_prompt(tables, latent, index, length)
-      return state, replicated(status)
-
-    @functools.partial(jax.jit, static_argnames=("size",))
-    def export_kv(state, tables, length, *, size):
-      return state.export_prompt(tables, length, size)
-
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def offload(state, tables):
-      return state.offload(tables)
-
-    @jax.jit
-    def merge_tokens(launched_tokens, from_launched, host_tokens):
-      # overlap_schedule: a step's tokens from the step before it (still on the device) and from the host.
-      return replicated(jnp.where(from_launched >= 0, launched_tokens[jnp.maximum(from_launched, 0)], host_tokens))
-
-    self._prefill_fn, self._decode_fn, self._import_fn, self._export_fn, self._offload_fn, self._merge_fn = (
-      self._compiling_alone(self._on_mesh(f), skip)
-      for f, skip in ((prefill, 1), (decode, 1), (import_kv, 0), (export_kv, 0), (offload, 0), (merge_tokens, 0))
-    )
-
-  def _vocab_major(self, B: int) -> bool:
-    """Whether the decode step at batch bucket B takes its logits [vocab, B] (VOCAB_MAJOR_MAX_BATCH)."""
-    return self.mesh is None and jax.default_backend() == "cpu" and B <= VOCAB_MAJOR_MAX_BATCH
-
-  def _logits_buffer(self, B: int) -> jax.Array | None:
-    """The float32[vocab, B] buffer the decode step at batch bucket B writes its logits into (donated: the
-    step returns it, updated in place, and it is kept for the next step), or None where the step's logits are
-    not vocabulary-major (``_vocab_major``: a mesh, a platform other than CPU, B > VOCAB_MAJOR_MAX_BATCH).
-
-    On CPU, XLA allocates each call's temporaries afresh: at batch 32 the logits (16 MiB) were new zero pages
-    every step, ~4000 page faults that took the output projection from 14 to 17.6 ms. (At 128-256 rows the
-    GEMM's own scratch of the logits' size faults the same way whatever this does, so larger buckets keep no
-    buffer.) Only the current bucket's buffer is kept; a step that fails after taking it leaves it deleted,
-    and a new one is made."""
-    if not self._vocab_major(B):
-      return None
-    buf = self._logits_buffers.get(B)
-    if buf is None or buf.is_deleted():  # a new bucket, or a failed step consumed it
-      # Committed to the device, as the buffers the steps return are: jit compiles a program per combination
-      # of committed and uncommitted operands (an uncommitted first buffer compiled every bucket twice).
-      buf = jnp.zeros((self.config.vocab_size, B), jnp.float32, device=jax.local_devices()[0])
-    return buf
-
-  def _on_mesh(self, fn):
-    """fn traced and run with the engine's mesh as the context mesh (the FFI calls run per device under it:
-    kernels/ops.py ``per_device``); fn itself on one device."""
-    if self.mesh is None:
-      return fn
-
-    def call(*args, **kwargs):
-      with jax.set_mesh(self.mesh):
-        return fn(*args, **kwargs)
-
-    def lower(*args, **kwargs):
-      with jax.set_mesh(self.mesh):
-        return fn.lower(*args, **kwargs)
-
-    call.lower = lower
-    return call
-
-  def _compiling_alone(self, fn, skip: int):
-    """fn, first waiting for this engine's calls in flight when it is about to compile: called with operands
-    (past the first ``skip``, the weights) or static arguments it has not run with. With ``overlap_schedule`` a
-    call is launched while the previous one computes; XLA:CPU compiling alongside a running call crashed a
-    test process once (a segfault inside ``backend_compile_and_load``), so a compile waits for the KV state, the
-    output of every earlier call. Costs one wait per new shape (batch bucket, prefill bucket, residency)."""
-    seen = set()
-
-    def call(*args, **kwargs):
-      leaves, treedef = jax.tree_util.tree_flatten(args[skip:])
-      key = (
-        treedef,
-        tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
-        tuple(sorted(kwargs.items())),
-      )
-      if key not in seen:
-        jax.block_until_ready(self.backend.state)
-        seen.add(key)
-      return fn(*args, **kwargs)
-
-    call.lower = fn.lower  # (tests and benchmarks/step_floor.py read the compiled programs)
-    return call
-
-  def _put(self, x, dtype=None, commit: bool = False) -> jax.Array | np.ndarray:
-    """A host array as a jitted call's operand: as a NumPy array (one device: the call puts it there; with
-    ``commit``, put on the device here, where the same operand is at other times a committed device array), or
-    whole on every device of the mesh (every process passes the same values: the schedule is the same
-    everywhere)."""
-    if isinstance(x, jax.Array) and self.lockstep is None:  # on a device (a pulled prompt KV): not via the host
-      x = x if dtype is None else x.astype(dtype)
-      return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
-    # With several processes a pulled KV is on process 0's device only, and the others hold its host copy (the
-    # step message's): every process puts its host copy, as for any operand (a device_put from one process's
-    # device to the others' is a cross-host transfer, which the CPU backend refuses).
-    x = np.asarray(x, None if dtype is None else np.dtype(dtype))
-    if self.mesh is None:
-      # The host array itself: the jitted call's C++ dispatch puts it on the device, ~10x cheaper per array
-      # than jnp.asarray's Python path (a decode step passes 7-10 such tables and sampling arrays).
-      return jax.device_put(x, jax.local_devices()[0]) if commit else x
-    return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec()))
-
   # ----------------------------------------------------------------- state
   def reset(self) -> list[Request]:
     """Drops every request and starts from empty KV pools (after a failed step). Returns the requests it
@@ -544,10 +360,10 @@ class Engine:
     for req in dropped:
       req.kv, req.phase, req.finish_time = None, Phase.FINISHED, now
       req.finish_reason, req.error = "error", "dropped by Engine.reset() (after a failed step)"
-    self._logits_buffers = {}
+    self.runner.logits_buffers = {}
     self._next: _Launched | None = None  # overlap_schedule: the decode step launched ahead of its step()
-    self.backend = None  # the old pools go before the new ones are allocated
-    self.backend = (
+    self.backend = self.runner.backend = None  # the old pools go before the new ones are allocated
+    self.backend = self.runner.backend = (
       kvmem.DenseBackend(self.memory_plan, self.layout, self.kv_dtype, self.mesh, self.groups)
       if self.hisparse is None
       else kvmem.HiSparseBackend(
@@ -925,8 +741,7 @@ class Engine:
     follower: "Received data size doesn't match expected size"). On a GPU the message's collective runs in
     stream order after the step anyway, so the wait costs nothing there. Raises the error of a call that
     failed."""
-    if self.backend is not None:
-      jax.block_until_ready(self.backend.state)  # the output of every earlier call
+    self.runner.settle()
 
   def _step_check(self) -> list[int]:
     return [self.decode_steps, self.prefill_calls, len(self.running), len(self.waiting), self.num_preemptions]
@@ -1085,8 +900,7 @@ class Engine:
 
   def _offload(self, req: Request) -> None:
     """Moves a resident request to its hot buffer (``HiSparseState.offload``) and frees its staging pages."""
-    tables = {k: self._put(v) for k, v in self.backend.offload_tables(req.kv).items()}
-    self.backend.state = self._offload_fn(self.backend.state, tables)
+    self.runner.offload(self.runner.put_tables(self.backend.offload_tables(req.kv)))
     self.backend.offloaded(req.kv)
     self.num_offloads += 1
     log.info("offloading request %s (%d tokens) to its hot buffer", req.request_id, req.seq_len)
@@ -1094,10 +908,10 @@ class Engine:
   def _sampling(self, slots) -> tuple:
     idx = np.asarray(slots, np.int64)
     return (
-      self._put(self._temperature[idx]),
-      self._put(self._top_k[idx]),
-      self._put(self._top_p[idx]),
-      self._put(self._seed[idx]),
+      self.runner.put(self._temperature[idx]),
+      self.runner.put(self._top_k[idx]),
+      self.runner.put(self._top_p[idx]),
+      self.runner.put(self._seed[idx]),
     )
 
   # --------------------------------------------------------------- prefill
@@ -1132,7 +946,7 @@ class Engine:
         rows_after = max(fullest, per_group[req.kv.group] + 1)
         if len(req.prefill_ids) - req.prefilled > self.chunked_prefill_size:
           while n > longest and self._prefill_bucket(rows_after, n) > cap:
-            n = _pow2_at_most(n - 1)
+            n = pow2_at_most(n - 1)
         if self._prefill_bucket(rows_after, max(longest, n)) > cap:
           break
       rows.append((req, n))
@@ -1147,12 +961,12 @@ class Engine:
 
   def _prefill_width(self, longest: int) -> int:
     """C, the token columns of a (non-deterministic) prefill call whose longest row computes `longest` tokens."""
-    return min(max(MIN_PREFILL_BUCKET, _pow2_at_least(longest)), self.chunked_prefill_size)
+    return min(max(MIN_PREFILL_BUCKET, pow2_at_least(longest)), self.chunked_prefill_size)
 
   def _prefill_bucket(self, fullest: int, longest: int) -> int:
     """Token slots B x C of a prefill call whose fullest DP group has `fullest` rows (B as ``_batch_rows``
     makes it) and whose longest row computes `longest` tokens."""
-    return self.groups * _pow2_at_least(fullest) * self._prefill_width(longest)
+    return self.groups * pow2_at_least(fullest) * self._prefill_width(longest)
 
   def _prefill_call(self, rows, finished) -> None:
     """One jitted prefill call over rows [(request, tokens of its prompt to compute now)]."""
@@ -1167,18 +981,14 @@ class Engine:
       tokens[b, :n] = req.prefill_ids[start : start + n]
       positions[b, :n] = np.arange(start, start + n)
       kvs[b], finishing[b], slots[b] = req.kv, start + n == len(req.prefill_ids), req.kv.slot
-    tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, finishing).items()}
-    blocks = self._index_blocks(B, C, int(positions.max()))
-    out, self.backend.state = self._prefill_fn(
-      self._params,
-      self._put(tokens),
-      self._put(positions),
-      self.backend.state,
-      tables,
+    out = self.runner.prefill(
+      tokens,
+      positions,
+      self.runner.put_tables(self.backend.prefill_tables(kvs, finishing)),
       self._sampling(slots),
-      query_block=self._query_block(B, C),
       first_token=any(finishing),
-      **blocks,
+      query_block=self.runner.query_block(B, C),
+      blocks=self.runner.index_blocks(B, C, int(positions.max())),
     )
     self.prefill_calls += 1
     out, status = jax.device_get(out)
@@ -1197,62 +1007,32 @@ class Engine:
   def export_positions(self, prompt_tokens: int) -> int:
     """Positions P of an exported prompt KV (``_export_kv``): the power of two, at least the page size, covering
     the prompt (one compiled read per P)."""
-    return max(self.page_size, _pow2_at_least(prompt_tokens))
+    return max(self.page_size, pow2_at_least(prompt_tokens))
 
   def _export_kv(self, req: Request) -> None:
     """A prefill server's output: the request's prompt KV, read from its pages before they are freed, into
     ``req.prompt_kv`` = (latent T[L, P, W], indexer keys I[L, P, Di]: the stored rows) on one device, P the power
     of two (>= the page size) covering the prompt (one compiled read per P; zeros past the prompt), on the first
-    device of the request's DP group (``group_device``)."""
+    device of the request's DP group (``ModelRunner.group_device``)."""
     n = len(req.prefill_ids)
     size = self.export_positions(n)
     kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group reads, the others idle
-    tables = {k: self._put(v) for k, v in self.backend.prefill_tables(kvs, [False] * self.groups).items()}
-    latent, index = self._export_fn(self.backend.state, tables, self._put(np.int32(n)), size=size)
-    device = self.group_device(req.kv.group)
-    req.prompt_kv = tuple(jax.device_put(x[req.kv.group], device) for x in (latent, index))
-
-  def group_device(self, group: int):
-    """The first device of DP group ``group`` (the mesh's row of it; the one device without a mesh): where a
-    prefill server keeps the prompt KV it exports from that group (``_export_kv``)."""
-    return jax.local_devices()[0] if self.mesh is None else self.mesh.devices[group].flat[0]
+    tables = self.runner.put_tables(self.backend.prefill_tables(kvs, [False] * self.groups))
+    req.prompt_kv = self.runner.export_kv(tables, n, size, req.kv.group)
 
   def _import_kv(self, req: Request, finished: list[Request]) -> None:
     """Writes a request's prompt KV computed elsewhere into its pages (the same views, hence the same
     layout, as a prefill) and emits its given first token."""
     kvs = self.backend.group_rows(req.kv)  # one row per DP group: the request's group writes, the others idle
-    tables = {k: self._put(v) for k, v in self.backend.decode_tables(kvs).items()}
-    latent, index = req.prompt_kv
-    self.backend.state, status = self._import_fn(
-      self.backend.state,
-      tables,
-      self._put(latent, self.kv_dtype),
-      self._put(index, self.layout.index_dtype),
-      self._put(np.int32(len(req.prompt_ids))),
-    )
+    tables = self.runner.put_tables(self.backend.decode_tables(kvs))
+    status = self.runner.import_kv(tables, *req.prompt_kv, len(req.prompt_ids))  # (read once per imported prompt)
     req.prompt_kv = None  # the arrays are in the pools now
-    status = np.asarray(status)  # once per imported prompt (not per step)
     if status.any():
       self._fail(req, "import (backup)", int(np.flatnonzero(status)[0]), status.max(), finished)
       return
     req.prefilled = len(req.prompt_ids)
     req.phase = Phase.DECODING
     self._emit(req, int(req.first_token), finished)
-
-  def _index_blocks(self, B: int, Q: int, newest: int) -> dict:
-    cfg = self.config
-    return index_blocks(B, Q, newest, heads=cfg.index_n_heads, top_k=cfg.index_topk, page_size=self.page_size)
-
-  def _query_block(self, B: int, C: int) -> int | None:
-    """Queries a prefill attention block takes (bounds its [B, block, K, W] gathered rows; divides C)."""
-    cfg = self.config
-    row_bytes = cfg.index_topk * cfg.latent_dim * self.dtype.itemsize
-    query_block = _pow2_at_most(max(1, PREFILL_GATHER_BYTES // (B * row_bytes)))
-    if query_block >= C:
-      return None
-    while C % query_block:
-      query_block //= 2
-    return query_block
 
   # ---------------------------------------------------------------- decode
   def _decode(self, finished: list[Request]) -> bool:
@@ -1283,7 +1063,7 @@ class Engine:
         if req is not None:
           tokens[b], positions[b] = req.output_ids[-1], req.seq_len - 1
       # Committed, as the tokens of a step launched ahead (``_launch_next``) are: one compiled program for both.
-      launched = self._launch(order, self._put(tokens, commit=True), positions, self._logits_buffer(B))
+      launched = self._launch(order, self.runner.put(tokens, commit=True), positions, self.runner.logits_buffer(B))
     if self.overlap_schedule:
       self._next = self._launch_next(launched)
     self._read(launched, finished)
@@ -1304,24 +1084,14 @@ class Engine:
     B = len(order)
     kvs = [None if r is None else r.kv for r in order]
     slots = [0 if r is None else r.kv.slot for r in order]
-    blocks = self._index_blocks(B, 1, int(positions.max()))
+    blocks = self.runner.index_blocks(B, 1, int(positions.max()))
     # Every position the step reads or writes is inside its indexer window: the tables cover that window's
     # pages, not max_seq_len's (host work and transfer follow the batch's lengths; one shape per window).
-    tables = {
-      k: self._put(v) for k, v in self.backend.decode_tables(kvs, pages=-(-blocks["window"] // self.page_size)).items()
-    }
+    tables = self.runner.put_tables(self.backend.decode_tables(kvs, pages=-(-blocks["window"] // self.page_size)))
     residency = self.backend.residency(kvs)
     self.residency_steps[residency] += 1
-    out, self.backend.state, logits, *topk = self._decode_fn(
-      self._params,
-      tokens,
-      self._put(positions),
-      self.backend.state,
-      tables,
-      self._sampling(slots),
-      logits_buffer,
-      residency=residency,
-      **blocks,
+    out, logits, topk = self.runner.decode(
+      tokens, positions, tables, self._sampling(slots), logits_buffer, residency=residency, blocks=blocks
     )
     self.decode_steps += 1
     self.last_decode_batch = B
@@ -1332,7 +1102,7 @@ class Engine:
     reading and delivering them (and this scheduling) overlap the device's compute. Its rows are what the next
     step would decode: every decoding request but those that launched's token ends by their length limit, in
     the rows ``_batch_rows`` gives them; a request in launched is fed launched's token for it on the device
-    (``_merge_fn``), one that started decoding since its last token from the host. A request that launched's
+    (``ModelRunner.merge_tokens``), one that started decoding since its last token from the host. A request that launched's
     token ends otherwise (stop token, stop string, kernel error) or that is aborted before the read computes a
     token that is dropped.
 
@@ -1365,8 +1135,8 @@ class Engine:
     if same_bucket and all(from_launched[b] == b for b in range(B) if order[b] is not None):
       tokens = launched.out[0]  # every row where it was (an idle row's token is not read): nothing to merge
     else:
-      tokens = self._merge_fn(launched.out[0], self._put(from_launched), self._put(host_tokens))
-    logits_buffer = launched.logits if same_bucket and launched.logits is not None else self._logits_buffer(B)
+      tokens = self.runner.merge_tokens(launched.out[0], from_launched, host_tokens)
+    logits_buffer = launched.logits if same_bucket and launched.logits is not None else self.runner.logits_buffer(B)
     return self._launch(order, tokens, positions, logits_buffer)
 
   @staticmethod
@@ -1382,10 +1152,7 @@ class Engine:
   def _read(self, launched: _Launched, finished: list[Request]) -> None:
     """Waits for a launched decode step and delivers its tokens (rows whose request ended since are dropped)."""
     out, status = jax.device_get(launched.out)
-    # Kept only once the step is known to have run: a failed step's outputs are errors, not buffers (and a
-    # buffer the next step took is its, not ours).
-    if launched.logits is not None and not launched.logits.is_deleted():
-      self._logits_buffers = {len(launched.order): launched.logits}
+    self.runner.keep_logits_buffer(len(launched.order), launched.logits)  # (the step is known to have run)
     if launched.topk:
       trace = np.asarray(launched.topk[0])  # [L, B, K]
       for b, req in enumerate(launched.order):
@@ -1417,7 +1184,7 @@ class Engine:
     if by_slot:
       return [r.kv.slot for r in reqs], self.backend.request_slots
     if per_group is None:
-      per_group = _pow2_at_least(max(collections.Counter(r.kv.group for r in reqs).values()))
+      per_group = pow2_at_least(max(collections.Counter(r.kv.group for r in reqs).values()))
       if cap:
         per_group = min(per_group, self.backend.slots_per_group)
     seen = collections.Counter()

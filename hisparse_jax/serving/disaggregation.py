@@ -317,7 +317,7 @@ def _sampling(message) -> dict:
 class PrefillServicer(hisparse_pb2_grpc.PrefillServiceServicer):
   """``PrefillService`` of a prefill server: prompts through its engine loop, KV offered for pulling.
 
-  An offer's arrays are copies on the first device of the DP group that prefilled it (``Engine.group_device``),
+  An offer's arrays are copies on the first device of the DP group that prefilled it (``ModelRunner.group_device``),
   outside the engine's KV pools (whose pages the prompt frees once read), held until the decode server
   acknowledges its pull or, unacknowledged, until it is taken back. So their bytes are bounded per DP group
   (``group_offer_bytes``, the share each device set aside): a Prefill is pinned (``Request.dp_group``) to the

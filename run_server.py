@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
@@ -501,4 +501,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from hisparse_jax import cli
+
+  cli.run(main)

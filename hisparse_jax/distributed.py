@@ -83,26 +83,29 @@ class DistributedError(RuntimeError):
 
 @dataclasses.dataclass
 class DistributedArgs:
-  """Flags of a multi-process deployment (field = flag with '_' -> '-'): ``--coordinator-address
-  HOST:PORT`` (process 0's address, where it hosts JAX's coordination service), ``--num-processes N``,
-  ``--process-id I`` (0 = the leader), and the seconds a start-up waits for the others
-  (``--distributed-init-timeout-s``) and a silent process is given before the others stop
-  (``--distributed-heartbeat-timeout-s``, JAX's heartbeat timeout)."""
+  """Flags of a multi-process deployment: one field per flag ('_' -> '-': ``process_id`` is ``--process-id``),
+  each field's ``metadata["help"]`` its only description (the flag's --help)."""
 
-  coordinator_address: str | None = None
-  num_processes: int = 1
-  process_id: int = 0
-  distributed_init_timeout_s: int = 120
-  distributed_heartbeat_timeout_s: int = 30
-
-  _HELP = {
-    "coordinator_address": "HOST:PORT of process 0 (it hosts the JAX coordination service there); needed "
-    "with --num-processes > 1.",
-    "num_processes": "Processes forming one device mesh (each runs this command with its own --process-id).",
-    "process_id": "This process's index in [0, --num-processes); 0 takes the requests, the others follow it.",
-    "distributed_init_timeout_s": "Seconds start-up waits for the coordinator / for every process to join.",
-    "distributed_heartbeat_timeout_s": "Seconds a silent (dead) process is given before the others stop.",
-  }
+  coordinator_address: str | None = dataclasses.field(
+    default=None,
+    metadata={
+      "help": "HOST:PORT of process 0 (it hosts the JAX coordination service there); needed with --num-processes > 1."
+    },
+  )
+  num_processes: int = dataclasses.field(
+    default=1,
+    metadata={"help": "Processes forming one device mesh (each runs this command with its own --process-id)."},
+  )
+  process_id: int = dataclasses.field(
+    default=0,
+    metadata={"help": "This process's index in [0, --num-processes); 0 takes the requests, the others follow it."},
+  )
+  distributed_init_timeout_s: int = dataclasses.field(
+    default=120, metadata={"help": "Seconds start-up waits for the coordinator / for every process to join."}
+  )
+  distributed_heartbeat_timeout_s: int = dataclasses.field(
+    default=30, metadata={"help": "Seconds a silent (dead) process is given before the others stop."}
+  )
 
   @classmethod
   def define_flags(cls, flags_module=None) -> None:
@@ -110,7 +113,7 @@ class DistributedArgs:
 
     fl = flags_module or absl_flags
     for f in dataclasses.fields(cls):
-      name, help_ = f.name.replace("_", "-"), cls._HELP[f.name]
+      name, help_ = f.name.replace("_", "-"), f.metadata["help"]
       if f.type in (int, "int"):
         fl.DEFINE_integer(name, f.default, help_)
       else:

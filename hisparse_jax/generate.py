@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompts", None, "JSONL file of prompts ('-': standard input).", required=True)
@@ -581,8 +581,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from hisparse_jax import cli
+
   try:
-    app.run(main)
+    cli.run(main)
   except KeyboardInterrupt:  # before the decode loop: nothing was written yet
     print("\n[generate] interrupted before any result was written", file=sys.stderr)
     sys.exit(130)

@@ -476,7 +476,7 @@ def define_flags() -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
+  from hisparse_jax import cli
 
   define_flags()
-  app.run(main)
+  cli.run(main)

@@ -64,6 +64,7 @@ def test_engine_flags_are_described_once_and_listed_by_help():
   assert all(f.metadata["help"] and "|" not in f.metadata["help"] for f in fields)
   for program in (["run_server.py"], ["-m", "hisparse_jax.generate"]):
     r = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (program, r.stderr[-2000:])  # (absl itself exits 1 after the help)
     text = " ".join((r.stdout + r.stderr).split())
     for f in fields:
       flag = ("[no]" if "bool" in f.type else "") + f.name.replace("_", "-")  # (absl: --[no]deterministic)

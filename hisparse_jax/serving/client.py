@@ -20,7 +20,7 @@ import sys
 import time
 
 import grpc
-from absl import app, flags
+from absl import flags
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hisparse_jax.proto import hisparse_pb2, hisparse_pb2_grpc
@@ -328,8 +328,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from hisparse_jax import cli
+
   try:
-    app.run(main)
+    cli.run(main)
   except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled as the channel closes (the server frees it)
     print("\n[client] interrupted", file=sys.stderr)
     sys.exit(130)

@@ -11,11 +11,14 @@ import pytest
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.engine import Engine, InvalidRequest, Request, ResourceExhausted, StartupError
 from tests import engine_fuzz
+from tests.fake_runner import FakeRunner
 from tests.tiny_model import TINY_HISPARSE, all_kv_free, tiny_model_dir
 from tests.xla_env import with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = dict(page_size=16, chunked_prefill_size=32)
+# Scheduling alone: the fake runner's tokens read the KV back through the engine's page tables (tests/fake_runner.py).
+FAKE = dict(runner_class=FakeRunner)
 
 
 def prompt(n, seed=0):
@@ -51,7 +54,7 @@ def test_long_prompt_prefills_in_chunks_while_running_requests_keep_decoding(his
 
 def test_decode_batch_is_a_bucket_of_the_running_requests():
   # (Overlapped, requests whose prefill ends join the decode a step later: the plain schedule here.)
-  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, overlap_schedule=False, **SMALL)
+  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, overlap_schedule=False, **SMALL, **FAKE)
   reqs = [Request(str(i), prompt(10, i), 3) for i in range(3)]
   eng.submit(reqs[0])
   eng.step()
@@ -61,23 +64,29 @@ def test_decode_batch_is_a_bucket_of_the_running_requests():
   eng.step()
   assert eng.last_decode_batch == 4  # 3 running -> bucket 4, not the 8 slots
   eng.run()
-  det = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, deterministic=True, **SMALL)
+  det = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, deterministic=True, **SMALL, **FAKE)
   det.submit(Request("x", prompt(10), 3))
   det.step()
   assert det.last_decode_batch == 8  # deterministic: always the full batch
 
 
+def _prefill_shapes(eng) -> list:
+  """The [B, C] token shape of each prefill call the engine makes from now on (a list it appends to)."""
+  shapes, call = [], eng.runner.prefill
+
+  def record(tokens, *args, **kwargs):
+    shapes.append(tuple(np.shape(tokens)))
+    return call(tokens, *args, **kwargs)
+
+  eng.runner.prefill = record
+  return shapes
+
+
 def test_a_prefill_call_computes_at_most_the_chunk_budget_of_padded_slots():
   """A prefill call computes a [B, C] bucket (B rows a power of two, C the power of two covering the longest
   row): a prompt whose row would grow it past --chunked-prefill-size waits for the next step, in order."""
-  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, **SMALL)  # 32 tokens per step
-  shapes, call = [], eng.runner.prefill_fn
-
-  def record(params, tokens, *args, **kwargs):
-    shapes.append(tuple(tokens.shape))
-    return call(params, tokens, *args, **kwargs)
-
-  eng.runner.prefill_fn = record
+  eng = Engine(tiny_model_dir(), max_running_requests=8, max_seq_len=128, **SMALL, **FAKE)  # 32 tokens per step
+  shapes = _prefill_shapes(eng)
   # 3 prompts of 10 tokens fit the 32-token budget, but as 4 rows x 16 columns = 64 slots: two go first.
   reqs = [Request(str(i), prompt(10, i), 2) for i in range(3)]
   for r in reqs:
@@ -103,14 +112,8 @@ def test_a_prefill_call_computes_at_most_the_chunk_budget_of_padded_slots():
 def test_a_short_prompt_is_not_held_behind_a_long_prefill():
   """A short prompt that arrives while a long one prefills gets its first token at the next step: it goes first
   and the long prompt computes a shorter chunk beside it in the same bucket, still within the chunk budget."""
-  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=320, overlap_schedule=False, **SMALL)
-  shapes, call = [], eng.runner.prefill_fn
-
-  def record(params, tokens, *args, **kwargs):
-    shapes.append(tuple(tokens.shape))
-    return call(params, tokens, *args, **kwargs)
-
-  eng.runner.prefill_fn = record
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=320, overlap_schedule=False, **SMALL, **FAKE)
+  shapes = _prefill_shapes(eng)
   long, short = Request("long", prompt(200, 1), 3), Request("short", prompt(4, 2), 3)
   eng.submit(long)
   eng.step()
@@ -165,7 +168,7 @@ def test_a_prefill_row_in_another_dp_groups_padding_goes_in_the_same_call():
 
 def test_memory_follows_tokens_and_max_seq_len_defaults_to_the_model():
   # (Overlapped steps take the next token's page a step earlier: the counts below are the plain schedule's.)
-  eng = Engine(tiny_model_dir(), max_running_requests=4, overlap_schedule=False, **SMALL)
+  eng = Engine(tiny_model_dir(), max_running_requests=4, overlap_schedule=False, **SMALL, **FAKE)
   assert eng.max_seq_len == eng.config.max_position_embeddings == 512
   kv = lambda: next(p for p in eng.loads()["pools"] if p["name"] == "kv")
   free0 = kv()["pages_free"]
@@ -186,7 +189,7 @@ def test_a_request_runs_once_and_bad_fields_or_callbacks_fail_it_alone():
   tokens and then the engine spun forever), a finished one resubmitted (it extended its old output), fields of
   the wrong type (2.5 tokens, float or bool ids, a str prompt), and an on_token callback that raises (it took
   every later step down): each is that request's error, and the engine goes on."""
-  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, **SMALL)
+  eng = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, **SMALL, **FAKE)
   ref = Request("ref", prompt(20), 6)
   eng.submit(ref)
   eng.run()
@@ -348,7 +351,9 @@ def test_a_step_that_did_not_complete_needs_a_reset():
 
 
 def test_requests_that_never_fit_or_exceed_the_context_fail_alone():
-  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=300, max_device_kv_bytes=6 * 16 * 768, **SMALL)
+  eng = Engine(
+    tiny_model_dir(), max_running_requests=2, max_seq_len=300, max_device_kv_bytes=6 * 16 * 768, **SMALL, **FAKE
+  )
   assert eng.memory_plan.pools["kv"][1] == 6  # 96 tokens of KV
   with pytest.raises(InvalidRequest, match="exceeds the model context of 300 tokens"):
     eng.submit(Request("long", prompt(290), 20))
@@ -573,6 +578,7 @@ def test_requests_that_fit_pass_one_that_does_not_a_bounded_number_of_times(skip
     max_device_kv_bytes=8 * 16 * 768,
     max_admission_skips=skips,
     **SMALL,
+    **FAKE,
   )
   first = Request("A", prompt(60), 20)
   eng.submit(first)
@@ -881,7 +887,7 @@ def test_clients_take_turns_and_a_starved_client_gets_a_slot(hisparse):
 def test_one_client_keeps_arrival_order():
   """Requests of one client (or none) queue in arrival order whatever they interleave with: the fair tags of a
   single client are increasing, so nothing is preempted for fairness."""
-  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL, **FAKE)
   reqs = [Request(str(i), prompt(8, i), 3, client=None if i % 2 else "x") for i in range(6)]
   for r in reqs[:3]:
     eng.submit(r)
@@ -891,7 +897,7 @@ def test_one_client_keeps_arrival_order():
   order = [r.request_id for r in eng.waiting]
   eng.run()
   assert eng.num_preemptions <= 1 and order[0] in ("1", "2")
-  solo = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  solo = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL, **FAKE)
   same = [Request(str(i), prompt(8, i), 3) for i in range(6)]
   for r in same[:3]:
     solo.submit(r)

@@ -131,6 +131,8 @@ class Engine:
       stay within the budget. 0: half of the budget (a prompt's offer takes about the bytes its pages took). None (the
       default): nothing set aside (not a prefill server). Sets ``offer_kv_budget``; ``device_kv_budget`` is the
       pools' share.
+    runner_class: the model runner's class (``ModelRunner``; scheduler tests pass a stand-in that runs no
+      model: tests/fake_runner.py).
     overrides: EngineArgs fields.
 
   Raises:
@@ -145,6 +147,7 @@ class Engine:
     tokenizer=None,
     record_topk: bool = False,
     offer_kv_bytes: int | None = None,
+    runner_class=ModelRunner,
     **overrides,
   ):
     if offer_kv_bytes is not None and (not _is_int(offer_kv_bytes) or offer_kv_bytes < 0):
@@ -277,7 +280,7 @@ class Engine:
     weight_bytes = bytes_per_device(self.mesh_config, nnx.state(model))  # what one device holds
     self.layout = kvmem.KVLayout.of(cfg, self.dtype)
     self.kv_dtype = cfg.kv_row(self.dtype)[1]  # a stored latent row's dtype (uint8 with --kv-cache-dtype fp8_e4m3)
-    self.runner = ModelRunner(
+    self.runner = runner_class(
       model,
       mesh=self.mesh,
       page_size=args.page_size,

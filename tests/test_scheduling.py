@@ -287,7 +287,7 @@ def test_an_abort_from_on_token_takes_effect_after_its_step(hisparse):
   the abort is applied once the step is complete, neither comes back from step() (abort() returned it), no
   on_token runs for them after the abort, and the other requests get the tokens they get alone."""
   eng = Engine(
-    tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, hisparse=hisparse, **SMALL
+    tiny_model_dir(), max_running_requests=4, max_seq_len=128, deterministic=True, hisparse=hisparse, **SMALL, **FAKE
   )
   ref = Request("ref", prompt(20), 4)
   eng.submit(ref)
@@ -319,7 +319,7 @@ def test_a_step_that_did_not_complete_needs_a_reset():
   refused with a RuntimeError naming reset() (they went on to give a request 60 tokens of its 20, silently), and
   after reset() the engine serves as before. The engine keeps its own copy of a prompt: a caller's list changed
   after submit changes nothing."""
-  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  eng = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL, **FAKE)
   ref = Request("ref", prompt(20), 4)
   eng.submit(ref)
   eng.run()

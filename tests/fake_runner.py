@@ -6,12 +6,15 @@ has), and a row's next token is a hash of the token ids it reads back at positio
 tokens equal the ones it gets alone exactly when the scheduler gave it pages of its own, wrote every position once
 before reading it, and kept its rows in order; a page shared by two requests, a position read before it was
 written, or a row fed to the wrong request changes the tokens. Greedy only (sampling parameters are ignored), one
-device, no prompt KV import or export.
+device, no prompt KV import or export. ``step_seconds``: each prefill and decode call takes at least that long (as a
+device step would: tests whose requests must still be running while they act), sleeping without the GIL.
 
-``Engine(..., runner_class=FakeRunner)``.
+``Engine(..., runner_class=FakeRunner)``, or ``functools.partial(FakeRunner, step_seconds=0.01)``.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -21,9 +24,12 @@ _HASH = 1_000_003
 
 
 class FakeRunner:
-  def __init__(self, model, *, mesh, page_size: int, record_topk: bool, multiprocess: bool, kv_dtype, index_dtype):
+  def __init__(
+    self, model, *, mesh, page_size: int, record_topk: bool, multiprocess: bool, kv_dtype, index_dtype, step_seconds=0.0
+  ):
     if mesh is not None or multiprocess or record_topk:
       raise ValueError("FakeRunner: one device, one process, no top-k trace")
+    self.step_seconds = step_seconds
     self.config = model.config
     self.page_size = page_size
     self.backend = None
@@ -57,6 +63,7 @@ class FakeRunner:
 
   def prefill(self, tokens, positions, tables, sampling, *, first_token: bool, query_block, blocks):
     del sampling, query_block, blocks
+    time.sleep(self.step_seconds)
     tokens, positions, table = np.asarray(tokens), np.asarray(positions), self._table(tables)
     out = np.zeros(len(tokens), np.int32)
     for b in range(len(tokens)):
@@ -69,6 +76,7 @@ class FakeRunner:
 
   def decode(self, tokens, positions, tables, sampling, logits_buffer, *, residency, blocks):
     del sampling, logits_buffer, residency, blocks
+    time.sleep(self.step_seconds)
     tokens, positions, table = np.asarray(tokens), np.asarray(positions), self._table(tables)
     out = np.zeros(len(tokens), np.int32)
     for b, p in enumerate(positions):

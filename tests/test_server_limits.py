@@ -2,6 +2,7 @@
 work it bounds, a flood of open streams leaves the control plane answering, streams beyond the queue bound
 fail at once, and TLS / API-key access control (all on loopback, bounded)."""
 
+import functools
 import os
 import re
 import shutil
@@ -21,11 +22,16 @@ from hisparse_jax.serving import credentials
 from hisparse_jax.serving.client import auth_metadata, generate, open_channel
 from hisparse_jax.serving.metrics import ServerMetrics
 from hisparse_jax.serving.server import ApiKeys, ServerLimits, TLSConfig, client_of, serve
+from tests.fake_runner import FakeRunner
 from tests.multiprocess import flood_connections
 from tests.multiprocess import self_signed as _self_signed
 from tests.tiny_model import TINY_HISPARSE, tiny_model_dir, tiny_model_with_tokenizer, wait_until_idle
 
 SMALL = dict(page_size=16, chunked_prefill_size=64)
+# Limits, TLS, keys and fairness need no model's tokens: the engines of single tests run the fake runner
+# (tests/fake_runner.py), whose steps take 10 ms, so that long streams are still running while a test acts on them.
+# The shared server keeps the model: its flood test needs the engine's queue to stay full while it sends more.
+FAKE = dict(runner_class=functools.partial(FakeRunner, step_seconds=0.01))
 PROMPT_BYTES = 20000
 
 
@@ -292,7 +298,7 @@ def test_one_client_cannot_hold_more_than_its_share_of_streams():
   """--max-streams-per-client 2: a third stream of one client (address) fails at once with RESOURCE_EXHAUSTED,
   another client (another loopback address) is served meanwhile, and the first gets its share back when its
   streams end; hisparse_requests_total counts each stream by its outcome."""
-  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL)
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL, **FAKE)
   # Two clients on one machine: IPv4 and IPv6 loopback (a connection to 127.0.0.2 would come from 127.0.0.1).
   metrics = ServerMetrics(row_bytes=engine.layout.row_bytes)
   srv, loop, port = serve(engine, None, "[::]", 0, metrics, limits=ServerLimits(max_streams_per_client=2))
@@ -342,7 +348,7 @@ def test_one_client_cannot_hold_more_than_its_share_of_streams():
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_and_api_key(tmp_path):
   key, cert = _self_signed(tmp_path)
-  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL, **FAKE)
   metrics = ServerMetrics(row_bytes=engine.layout.row_bytes)
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, metrics, tls=TLSConfig(cert, key), api_key="s3cret-key")
   target = f"localhost:{port}"
@@ -511,7 +517,7 @@ def test_one_clients_backlog_does_not_delay_another_clients_first_token(fair):
   short request. With fair sharing (the default) b's request gets a slot at the next step (a's newest is
   preempted) and finishes while every one of a's streams is still running; in arrival order (--nofair-sharing)
   it waits for a's backlog. The per-client default bound (half the streams) leaves a its 12."""
-  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, max_queued_requests=64, **SMALL)
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, max_queued_requests=64, **SMALL, **FAKE)
   srv, loop, port = serve(engine, None, "[::]", 0, limits=ServerLimits(fair_sharing=fair))
   assert srv.servicer.max_streams_per_client == (34 if fair else None)
   a = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -523,7 +529,9 @@ def test_one_clients_backlog_does_not_delay_another_clients_first_token(fair):
   held = [a.Generate(long, timeout=120) for _ in range(12)]
   try:
     next(held[0])  # decoding
+    deadline = time.monotonic() + 60
     while engine.loads_snapshot.get("queued", 0) < 8:
+      assert time.monotonic() < deadline, engine.loads_snapshot
       time.sleep(0.01)
     msgs = gen(b, max_new_tokens=3)()
     assert msgs[-1].finished and len([t for m in msgs for t in m.token_ids]) == 3
@@ -543,7 +551,7 @@ def test_one_clients_backlog_does_not_delay_another_clients_first_token(fair):
 def test_an_abort_reaches_only_its_own_clients_requests():
   """Request ids are scoped to their client: client b's Abort of a's request id aborts nothing (a's stream
   runs on), a's own Abort of it ends it as ABORT."""
-  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL)
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL, **FAKE)
   srv, loop, port = serve(engine, None, "[::]", 0)
   a = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   b = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"[::1]:{port}"))
@@ -574,7 +582,7 @@ def test_a_connection_flood_costs_the_flooder_and_the_control_plane_keeps_answer
   and once the flood ends every descriptor comes back. (Timing targets, e.g. <= 100 ms through 20,000
   connections, are benchmarks/connection_flood.py's.)"""
   key, cert = _self_signed(tmp_path)
-  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL)
+  engine = Engine(tiny_model_dir(), max_running_requests=2, max_seq_len=128, **SMALL, **FAKE)
   srv, loop, port = serve(
     engine,
     None,
@@ -620,7 +628,7 @@ def test_client_keys_name_their_callers_and_the_operator_aborts_any(tmp_path):
   --max-streams-per-client share and Abort scope); a key not in the file is refused; the operator's key may
   abort any client's request of an id. The file's bad lines are refused naming the line."""
   keys = ApiKeys(shared="shared-key", clients={"alice": "alice-key", "bob": "bob-key"}, operator="op-key")
-  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL)
+  engine = Engine(tiny_model_dir(), max_running_requests=4, max_seq_len=256, **SMALL, **FAKE)
   srv, loop, port = serve(engine, None, "127.0.0.1", 0, api_key=keys, limits=ServerLimits(max_streams_per_client=1))
   stub = hisparse_pb2_grpc.HiSparseInferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
   as_ = lambda key: (("authorization", f"Bearer {key}"),)  # noqa: E731

@@ -4,8 +4,8 @@
 the page tables the engine built (dense: the KV pool's pages; HiSparse: the indexer-key pages, which every token
 has), and a row's next token is a hash of the token ids it reads back at positions 0 .. its newest. So a request's
 tokens equal the ones it gets alone exactly when the scheduler gave it pages of its own, wrote every position once
-before reading it, and kept its rows in order; a page shared by two requests, a position read before it was
-written, or a row fed to the wrong request changes the tokens. Greedy only (sampling parameters are ignored), one
+before reading it, and kept its rows in order: a page shared by two requests or a row fed to the wrong request
+changes the tokens, and a position read through an unset page-table entry or never written raises. Greedy only (sampling parameters are ignored), one
 device, no prompt KV import or export. ``step_seconds``: each prefill and decode call takes at least that long (as a
 device step would: tests whose requests must still be running while they act), sleeping without the GIL.
 
